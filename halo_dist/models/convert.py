@@ -1,0 +1,306 @@
+"""Teacher -> HypeNet conversion (HALO stage 0, SPEC §2/§3).
+
+``convert(teacher, attn_layers, output)`` builds a HypeNet student from a Qwen3 teacher or a
+Llama/Qwen2/Mistral-style GQA teacher:
+  * attention layers keep the teacher's W_q/W_k/W_v/W_o (+ biases, + q/k norms);
+  * RNN layers get the same weights with KV heads cloned per query head (GQA -> MHA: head i <- KV
+    head i // g), the teacher's q/k norms (or fresh ones at 1), a fresh per-head output norm at 1;
+  * embeddings, MLPs, norms and lm_head are copied exactly, tied only where the teacher ties;
+  * output gates W_z = 0 with gate = 2·sigmoid(x W_z), i.e. exactly 1 at the start (SPEC §6.8).
+Trained stage-1 RNN weights (a safetensors file, keys named as in the student) replace the
+transferred RNN weights when given.
+
+Everything that can be checked from the teacher's config is checked before a weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .hypenet import HypeNetConfig, HypeNetForCausalLM
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+}
+
+
+class ConversionError(ValueError):
+    """A teacher, layer list or weights file that cannot be converted (message names the problem)."""
+
+
+@dataclass
+class TeacherSource:
+    """Where a teacher lives: an HF folder / hub id, optionally a GGUF file inside it."""
+
+    path: str
+    gguf_file: str | None = None
+
+    def load_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve_teacher(teacher: str) -> TeacherSource:
+    """Accept a folder, a ``.gguf`` file, or a hub id. Folders must hold weights (checked here)."""
+    p = Path(teacher)
+    if p.is_file() and p.suffix == ".gguf":
+        return TeacherSource(str(p.parent), p.name)
+    if p.is_dir():
+        weights = [f for f in os.listdir(p) if f.endswith((".safetensors", ".bin", ".gguf", ".pt"))]
+        if not weights:
+            raise ConversionError(f"teacher folder {p} holds no weights (*.safetensors, *.bin or *.gguf)")
+        if not (p / "config.json").exists():
+            ggufs = [w for w in weights if w.endswith(".gguf")]
+            if not ggufs:
+                raise ConversionError(f"teacher folder {p} has no config.json")
+            return TeacherSource(str(p), ggufs[0])
+        return TeacherSource(str(p))
+    if teacher.startswith((".", "/")) or os.sep in teacher.rstrip("/").split("/", 1)[-1]:
+        raise ConversionError(f"teacher path {teacher} does not exist")
+    return TeacherSource(teacher)  # a hub id: transformers resolves it (needs network or HF cache)
+
+
+def load_teacher_config(source: TeacherSource):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.path, **source.load_kwargs())
+
+
+def rope_theta_of(cfg) -> float:
+    """RoPE base from transformers 4 (``rope_theta``) or 5 (``rope_parameters``) configs; only plain RoPE."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type not in ("default", None):
+        raise ConversionError(f"teacher rope type {rope_type!r} is not supported (only plain RoPE)")
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
+    if theta is None:
+        raise ConversionError("teacher config has no rope_theta")
+    return float(theta)
+
+
+def teacher_family(cfg) -> str:
+    archs = getattr(cfg, "architectures", None) or []
+    for a in archs:
+        if a in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[a]
+    model_type = getattr(cfg, "model_type", None)
+    if not archs and model_type in SUPPORTED_ARCHITECTURES.values():
+        return model_type  # a config built in memory carries no `architectures`
+    name = archs[0] if archs else model_type
+    raise ConversionError(
+        f"unknown teacher architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def check_attn_layers(attn_layers: list[int], num_layers: int) -> list[int]:
+    layers = list(attn_layers)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ConversionError(f"attention layer indices {bad} out of range for a {num_layers}-layer teacher")
+    dup = sorted({i for i in layers if layers.count(i) > 1})
+    if dup:
+        raise ConversionError(f"attention layer indices repeated: {dup}")
+    return sorted(layers)
+
+
+def student_config(teacher_cfg, attn_layers: list[int], **overrides) -> HypeNetConfig:
+    """HypeNetConfig mirroring the teacher's shapes; ``overrides`` set HyPE switches (e.g. ``attn_logits_scale_base``)."""
+    family = teacher_family(teacher_cfg)
+    L = teacher_cfg.num_hidden_layers
+    attn = check_attn_layers(attn_layers, L)
+    H = teacher_cfg.num_attention_heads
+    Hkv = getattr(teacher_cfg, "num_key_value_heads", None) or H
+    if H % Hkv:
+        raise ConversionError(f"teacher has {H} query heads, not divisible by {Hkv} KV heads")
+    head_dim = getattr(teacher_cfg, "head_dim", None) or teacher_cfg.hidden_size // H
+    attention_bias = bool(getattr(teacher_cfg, "attention_bias", False))
+    qkv_bias, o_bias = {"qwen2": (True, False)}.get(family, (attention_bias, attention_bias))
+    if getattr(teacher_cfg, "use_sliding_window", False):
+        raise ConversionError("teacher uses sliding-window attention; convert a full-attention teacher")
+    if getattr(teacher_cfg, "hidden_act", "silu") != "silu":
+        raise ConversionError(f"teacher hidden_act {teacher_cfg.hidden_act!r}: only SwiGLU teachers are supported")
+    kwargs = dict(
+        vocab_size=teacher_cfg.vocab_size,
+        hidden_size=teacher_cfg.hidden_size,
+        intermediate_size=teacher_cfg.intermediate_size,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=Hkv,
+        head_dim=head_dim,
+        max_position_embeddings=max(getattr(teacher_cfg, "max_position_embeddings", 0) or 0, 1 << 20),
+        rms_norm_eps=teacher_cfg.rms_norm_eps,
+        rope_theta=rope_theta_of(teacher_cfg),
+        tie_word_embeddings=bool(getattr(teacher_cfg, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(teacher_cfg, "mlp_bias", False)),
+        mixer_types=["attention" if i in attn else "lightning" for i in range(L)],
+        attn_qk_norm=family == "qwen3",
+        bos_token_id=getattr(teacher_cfg, "bos_token_id", None),
+        eos_token_id=getattr(teacher_cfg, "eos_token_id", None),
+        pad_token_id=getattr(teacher_cfg, "pad_token_id", None),
+        teacher_name_or_path=getattr(teacher_cfg, "_name_or_path", None),
+    )
+    kwargs.update(overrides)
+    try:
+        return HypeNetConfig(**kwargs)
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight transfer
+# ------------------------------------------------------------------------------------------------
+
+
+def _clone_kv_heads(w: torch.Tensor, num_kv: int, group: int, head_dim: int) -> torch.Tensor:
+    """GQA -> MHA: ``[Hkv*D, ...]`` -> ``[Hkv*g*D, ...]`` with head i a copy of KV head i // g."""
+    rest = w.shape[1:]
+    per_head = w.reshape(num_kv, head_dim, *rest)  # [Hkv*D, ...] -> [Hkv, D, ...]
+    return per_head.repeat_interleave(group, dim=0).reshape(num_kv * group * head_dim, *rest)
+
+
+def transfer_state_dict(teacher_sd: dict[str, torch.Tensor], cfg: HypeNetConfig) -> dict[str, torch.Tensor]:
+    """Map a teacher state dict (HF Llama/Qwen naming) onto HypeNet parameter names."""
+    sd: dict[str, torch.Tensor] = {}
+    t = lambda k: teacher_sd[k].clone()  # noqa: E731 - never alias the teacher's storage
+    sd["model.embed_tokens.weight"] = t("model.embed_tokens.weight")
+    sd["model.norm.weight"] = t("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = t("lm_head.weight")
+    H, Hkv, D, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    for i, mixer in enumerate(cfg.mixer_types):
+        src, dst = f"model.layers.{i}.", f"model.layers.{i}."
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            sd[dst + name + ".weight"] = t(src + name + ".weight")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            for p in ("weight", "bias"):
+                if src + f"mlp.{name}.{p}" in teacher_sd:
+                    sd[dst + f"mlp.{name}.{p}"] = t(src + f"mlp.{name}.{p}")
+        attn, mix = src + "self_attn.", dst + "mixer."
+        clone_kv = mixer != "attention" and cfg.rnn_gqa_to_mha and Hkv != H
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            for p in ("weight", "bias"):
+                key = attn + f"{proj}.{p}"
+                if key not in teacher_sd:
+                    continue
+                w = t(key)
+                if clone_kv and proj in ("k_proj", "v_proj"):
+                    w = _clone_kv_heads(w, Hkv, H // Hkv, D)
+                sd[mix + f"{proj}.{p}"] = w
+        has_qk_norm = attn + "q_norm.weight" in teacher_sd
+        wants_qk_norm = cfg.attn_qk_norm if mixer == "attention" else cfg.rnn_qk_norm
+        if wants_qk_norm:
+            for n in ("q_norm", "k_norm"):
+                sd[mix + f"{n}.weight"] = t(attn + f"{n}.weight") if has_qk_norm else torch.ones(D)
+        gated = cfg.attn_output_gate if mixer == "attention" else cfg.rnn_output_gate
+        if gated:
+            sd[mix + "g_proj.weight"] = torch.zeros(H * D, d, dtype=sd[mix + "q_proj.weight"].dtype)
+        if mixer != "attention" or cfg.attn_output_norm:
+            sd[mix + "o_norm.weight"] = torch.ones(H * D)
+    return sd
+
+
+def load_stage1_weights(path: str | os.PathLike, cfg: HypeNetConfig, student_keys: dict[str, torch.Size]):
+    """Read trained RNN-layer weights (safetensors) and check they fit this student before use."""
+    from safetensors.torch import load_file, safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise ConversionError(f"stage-1 weights file {path} does not exist")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if "num_hidden_layers" in meta and int(meta["num_hidden_layers"]) != cfg.num_hidden_layers:
+        raise ConversionError(
+            f"stage-1 weights {path} were trained for {meta['num_hidden_layers']} layers, "
+            f"teacher has {cfg.num_hidden_layers}"
+        )
+    weights = load_file(str(path))
+    for key, w in weights.items():
+        if key not in student_keys:
+            raise ConversionError(f"stage-1 weights {path}: key {key!r} is not a student parameter")
+        if tuple(w.shape) != tuple(student_keys[key]):
+            raise ConversionError(
+                f"stage-1 weights {path}: {key!r} has shape {tuple(w.shape)}, student expects {tuple(student_keys[key])}"
+            )
+    return weights
+
+
+def build_student(cfg: HypeNetConfig, state_dict: dict[str, torch.Tensor], dtype=None) -> HypeNetForCausalLM:
+    """Instantiate without random init (meta device) and load ``state_dict`` strictly."""
+    with torch.device("meta"):
+        model = HypeNetForCausalLM(cfg)
+    missing = set(model.state_dict()) - set(state_dict) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    if missing:
+        raise ConversionError(f"teacher weights lack {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def convert_model(teacher_model, attn_layers: list[int], stage1_weights=None, **overrides) -> HypeNetForCausalLM:
+    """In-memory conversion of a loaded HF teacher."""
+    cfg = student_config(teacher_model.config, attn_layers, **overrides)
+    teacher_sd = {k: v.detach() for k, v in teacher_model.state_dict().items()}
+    sd = transfer_state_dict(teacher_sd, cfg)
+    if stage1_weights is not None:
+        shapes = {k: v.shape for k, v in sd.items()}
+        trained = load_stage1_weights(stage1_weights, cfg, shapes)
+        sd.update({k: v.to(sd[k].dtype) for k, v in trained.items()})
+    return build_student(cfg, sd)
+
+
+def load_teacher(source: TeacherSource, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.load_kwargs()).eval()
+
+
+def convert(
+    teacher: str,
+    attn_layers: list[int],
+    output: str | os.PathLike | None = None,
+    stage1_weights: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: bool = True,
+    **overrides,
+) -> HypeNetForCausalLM:
+    """Full conversion: validate config -> load teacher -> transfer -> (optionally) export to ``output``."""
+    source = resolve_teacher(teacher)
+    cfg = student_config(load_teacher_config(source), attn_layers, **overrides)  # fails before any weight loads
+    if stage1_weights is not None and not Path(stage1_weights).exists():
+        raise ConversionError(f"stage-1 weights file {stage1_weights} does not exist")
+    teacher_model = load_teacher(source, dtype)
+    student = convert_model(teacher_model, attn_layers, stage1_weights, **overrides)
+    del teacher_model
+    if output is not None:
+        from .export import export_hypenet
+
+        tok = None
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(source.path, **source.load_kwargs())
+            except Exception:  # a teacher without a tokenizer still converts
+                tok = None
+        export_hypenet(student, output, tokenizer=tok, extra={"conversion": {"teacher": teacher, "attn_layers": cfg.attn_layers}})
+    assert cfg.to_dict()["mixer_types"] == student.config.mixer_types
+    return student
+
+
+def describe(student: HypeNetForCausalLM) -> str:
+    cfg = student.config
+    n = sum(p.numel() for p in student.parameters())
+    return json.dumps({"params": n, "layers": cfg.num_hidden_layers, "attn_layers": cfg.attn_layers})

@@ -1,0 +1,635 @@
+"""HypeNet: a hybrid of softmax-attention and Lightning-Attention RNN layers (SPEC §2).
+
+Self-contained (torch + transformers; fla / flash-attn optional) so an exported folder loads with
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` without halo_dist.
+
+Block: ``H = X + Mixer(RMSNorm(X))``, ``X' = H + MLP(RMSNorm(H))``. The mixer of layer l is
+``config.mixer_types[l]`` (a key of ``MIXER_CLASSES``).
+
+Sequence parallelism: each mixer owns its Ulysses logic. A training engine injects an object
+``mixer.sp`` with ``world_size``, ``rank``, ``seq_to_head(x)`` ``[B, T/sp, H, D] -> [B, T, H/sp, D]``
+and ``head_to_seq(x)`` (the inverse); this file never imports the training code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_hypenet import HypeNetConfig
+from .ops_hypenet import lightning_attention, lightning_log_decay, packed_causal_attention, sdpa
+
+try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
+    from transformers import initialization as hf_init
+except ImportError:  # pragma: no cover
+    hf_init = nn.init
+
+
+# --------------------------------------------------------------------------------------------
+# Small building blocks
+# --------------------------------------------------------------------------------------------
+
+
+class HypeNetRMSNorm(nn.Module):
+    """RMSNorm in fp32, cast back before the weight (identical to Qwen3/Llama's)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class HypeNetMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: HypeNetConfig):
+        super().__init__()
+        d, f, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=b)
+        self.up_proj = nn.Linear(d, f, bias=b)
+        self.down_proj = nn.Linear(f, d, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-convention rotary tables for per-document positions ``[B, T]`` -> cos/sin ``[B, T, 1, D]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, T, H, D]`` rotated with the rotate-half convention of HF Llama/Qwen."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def logits_scale(position_ids: torch.Tensor, base: float) -> torch.Tensor:
+    """s_t = ln(t + a) / ln(a) for per-document positions t ``[B, T]`` -> ``[B, T, 1, 1]`` fp32 (s_0 = 1)."""
+    return (torch.log(position_ids.float() + base) / math.log(base))[..., None, None]
+
+
+def output_gate(x: torch.Tensor, proj: nn.Linear, scale: float) -> torch.Tensor:
+    """gate = scale * sigmoid(x W_z). With W_z = 0 and scale 2 it is exactly 1 (SPEC §6.8)."""
+    return scale * torch.sigmoid(proj(x))
+
+
+def per_head_rms_norm(o: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over d_h of each head separately. o ``[B, T, H, D]``, weight ``[H*D]`` -> ``[B, T, H*D]``."""
+    B, T, H, D = o.shape
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * of.to(o.dtype).reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
+
+
+def kv_expand_factor(num_q_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """Smallest f dividing the GQA group size g with (num_kv_heads * f) % sp_size == 0.
+
+    KV heads are replicated f times (``repeat_interleave``) so each SP rank holds the KV heads its
+    local query heads use: expanded head e serves query heads with ``i // (g / f) == e``.
+    """
+    g = num_q_heads // num_kv_heads
+    for f in range(1, g + 1):
+        if g % f == 0 and (num_kv_heads * f) % sp_size == 0:
+            return f
+    raise ValueError(
+        f"sequence parallel size {sp_size} cannot split {num_q_heads} query heads / {num_kv_heads} KV heads"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Per-forward sequence metadata and the cache
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SequenceInfo:
+    """What every mixer needs to know about the token layout of one forward.
+
+    position_ids  [B, T] position of each token inside its document (RoPE, logits scaling).
+    cu_seqlens    int32 [S+1] document boundaries over the flattened B*T tokens (packed training);
+                  None when each row is one sequence. With sequence parallelism these describe the
+                  FULL sequence, while the local tensors hold T/sp tokens.
+    token_mask    [B, T] bool, False at padding (generation with left padding).
+    key_mask      [B, T_past + T] bool over the cached + new keys, for attention with a cache.
+    """
+
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+    token_mask: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+
+
+@dataclass
+class HypeNetCausalLMOutput(ModelOutput):
+    """Our own output class: transformers renamed ``past_key_values`` to ``cache`` between 5.17 and 5.24."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: "HypeNetCache | None" = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def past_key_values(self):
+        return self.cache
+
+
+class HypeNetCache:
+    """Per-layer decoding state: ``(k, v)`` ``[B, T, Hkv, D]`` for attention layers, the recurrent
+    state ``[B, H, K, V]`` (fp32) for RNN layers. Independent of transformers' Cache classes,
+    whose API changes between releases; HypeNet's ``generate`` drives it."""
+
+    def __init__(self, num_layers: int):
+        self.layers: list[object | None] = [None] * num_layers
+        self.seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Select rows (e.g. to drop finished sequences)."""
+        for i, entry in enumerate(self.layers):
+            if isinstance(entry, tuple):
+                self.layers[i] = tuple(t.index_select(0, beam_idx) for t in entry)
+            elif entry is not None:
+                self.layers[i] = entry.index_select(0, beam_idx)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixers
+# --------------------------------------------------------------------------------------------
+
+
+class HypeNetAttention(nn.Module):
+    """The teacher's GQA softmax attention, HyPE side: NoPE by default, QK-norm kept, logits scaling
+    s_t applied to q before the kernel (so flash/SDPA still apply), optional sigmoid output gate."""
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        d, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
+        self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, Hkv * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, Hkv * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * D, d, bias=config.o_bias)
+        if config.attn_qk_norm:
+            self.q_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
+            self.k_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
+        if config.attn_output_gate:
+            self.g_proj = nn.Linear(d, H * D, bias=False)
+        if config.attn_output_norm:
+            self.o_norm = HypeNetRMSNorm(H * D, config.rms_norm_eps)
+        self.sp = None  # injected by the training engine for Ulysses sequence parallelism
+
+    def project(self, x: torch.Tensor, info: SequenceInfo):
+        """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with norms, RoPE and scaling."""
+        B, T, _ = x.shape
+        D, cfg = self.head_dim, self.config
+        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D)
+        if cfg.attn_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.attn_rope:
+            cos, sin = rope_cos_sin(info.position_ids, D, cfg.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.attn_logits_scale_base is not None:
+            q = (q.float() * logits_scale(info.position_ids, cfg.attn_logits_scale_base)).to(v.dtype)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None):
+        q, k, v = self.project(x, info)
+        scale = self.head_dim**-0.5
+        if cache is not None:
+            o = self._attend_with_cache(q, k, v, info, cache, scale)
+        elif self.sp is not None:
+            o = self._attend_sequence_parallel(q, k, v, info, scale)
+        else:
+            o = self._attend(q, k, v, info, scale)
+        return self.finish(o, x)
+
+    def _attend(self, q, k, v, info: SequenceInfo, scale: float):
+        if info.cu_seqlens is not None:
+            return packed_causal_attention(q, k, v, info.cu_seqlens, info.max_seqlen, scale)
+        if info.token_mask is not None:  # padded batch without cache: causal + key padding
+            T = q.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            mask = causal[None, None] & info.token_mask[:, None, None, :]  # [B, 1, T, T]
+            mask = mask | ~info.token_mask[:, None, :, None]  # padded queries see everything (no NaN)
+            return sdpa(q, k, v, mask=mask, scale=scale)
+        return sdpa(q, k, v, is_causal=True, scale=scale)
+
+    def _attend_with_cache(self, q, k, v, info: SequenceInfo, cache: HypeNetCache, scale: float):
+        past = cache.layers[self.layer_idx]
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)  # [B, Tpast+T, Hkv, D]
+        cache.layers[self.layer_idx] = (k, v)
+        Tq, Tk = q.shape[1], k.shape[1]
+        causal = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+        mask = causal[None, None]  # [1, 1, Tq, Tk]
+        if info.key_mask is not None:
+            mask = mask & info.key_mask[:, None, None, :]
+            mask = mask | ~info.key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows
+        return sdpa(q, k, v, mask=mask, scale=scale)
+
+    def _attend_sequence_parallel(self, q, k, v, info: SequenceInfo, scale: float):
+        """Ulysses: [B, T/sp, H, D] -> all-to-all -> [B, T, H/sp, D], full-sequence kernel, back."""
+        sp = self.sp
+        if self.num_heads % sp.world_size:
+            raise ValueError(f"sp_size={sp.world_size} does not divide num_attention_heads={self.num_heads}")
+        f = kv_expand_factor(self.num_heads, self.num_kv_heads, sp.world_size)
+        if f > 1:  # replicate KV heads so every rank holds the ones its query heads use
+            k, v = k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)  # [B, T/sp, Hkv*f, D]
+        q, k, v = sp.seq_to_head(q), sp.seq_to_head(k), sp.seq_to_head(v)  # [B, T, heads/sp, D]
+        full = SequenceInfo(position_ids=info.position_ids, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen)
+        if full.cu_seqlens is None:
+            o = sdpa(q, k, v, is_causal=True, scale=scale)
+        else:
+            o = packed_causal_attention(q, k, v, full.cu_seqlens, full.max_seqlen, scale)
+        return sp.head_to_seq(o)  # [B, T, H/sp, D] -> [B, T/sp, H, D]
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Optional per-head norm and output gate, then W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
+        B, T, H, D = o.shape
+        if self.config.attn_output_norm:
+            o = per_head_rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps)
+        else:
+            o = o.reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
+        if self.config.attn_output_gate:
+            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
+        return self.o_proj(o)
+
+
+class LightningMixer(nn.Module):
+    """Lightning-Attention RNN layer, HyPE side "RoPE in RNN" (SPEC §2):
+    q = RMSNorm(x W_q), k = RMSNorm(x W_k), v = x W_v; RoPE on q/k; S_t = γ_h S_{t-1} + k̃ᵀv;
+    o = q̃ S / sqrt(d_h); y = (RMSNorm_per_head(o) ⊙ gate(x)) W_o."""
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        d, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.num_heads, self.head_dim = H, D
+        self.num_kv_heads = H if config.rnn_gqa_to_mha else config.num_key_value_heads
+        self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * D, d, bias=config.o_bias)
+        if config.rnn_qk_norm:
+            self.q_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
+            self.k_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
+        self.o_norm = HypeNetRMSNorm(H * D, config.rms_norm_eps)
+        if config.rnn_output_gate:
+            self.g_proj = nn.Linear(d, H * D, bias=False)
+        self.sp = None
+
+    def project(self, x: torch.Tensor, info: SequenceInfo):
+        """x ``[B, T, d]`` -> q, k, v ``[B, T, H, D]`` (k/v repeated to H heads if GQA is kept)."""
+        B, T, _ = x.shape
+        D, cfg = self.head_dim, self.config
+        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D)
+        if cfg.rnn_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.rnn_rope:
+            cos, sin = rope_cos_sin(info.position_ids, D, cfg.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.num_kv_heads != self.num_heads:
+            g = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None):
+        q, k, v = self.project(x, info)
+        scale = self.head_dim**-0.5  # == dividing k by sqrt(d_h)
+        # log γ_h is a fixed function of H (not a parameter or buffer, so meta-device loading cannot
+        # leave it uninitialised)
+        log_decay = lightning_log_decay(self.num_heads, device=x.device)
+        if self.sp is not None:
+            o = self._recur_sequence_parallel(q, k, v, info, log_decay, scale)
+        else:
+            state = None if cache is None else cache.layers[self.layer_idx]
+            decode = cache is not None and state is not None and q.shape[1] <= 16
+            o, final = lightning_attention(
+                q, k, v, log_decay, scale, token_mask=info.token_mask, initial_state=state,
+                cu_seqlens=info.cu_seqlens, chunk_size=self.config.lightning_chunk_size, decode=decode,
+            )
+            if cache is not None:
+                cache.layers[self.layer_idx] = final
+        return self.finish(o, x)
+
+    def _recur_sequence_parallel(self, q, k, v, info: SequenceInfo, log_decay, scale):
+        """Heads are independent, so head-parallel over the full sequence is exact."""
+        sp = self.sp
+        if self.num_heads % sp.world_size:
+            raise ValueError(f"sp_size={sp.world_size} does not divide the {self.num_heads} Lightning heads")
+        q, k, v = sp.seq_to_head(q), sp.seq_to_head(k), sp.seq_to_head(v)  # [B, T/sp, H, D] -> [B, T, H/sp, D]
+        h = self.num_heads // sp.world_size
+        local_decay = log_decay[sp.rank * h : (sp.rank + 1) * h]  # the decays of this rank's heads
+        cu = info.cu_seqlens
+        if cu is not None:  # varlen kernels want the batch flattened: [B, T, h, D] -> [1, B*T, h, D]
+            B, T = q.shape[:2]
+            q, k, v = (t.reshape(1, B * T, h, -1) for t in (q, k, v))
+        o, _ = lightning_attention(q, k, v, local_decay, scale, cu_seqlens=cu, chunk_size=self.config.lightning_chunk_size)
+        if cu is not None:
+            o = o.reshape(B, T, h, -1)  # [1, B*T, h, D] -> [B, T, h, D]
+        return sp.head_to_seq(o)  # [B, T, H/sp, D] -> [B, T/sp, H, D]
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm, gate, W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
+        o = per_head_rms_norm(o.to(x.dtype), self.o_norm.weight, self.config.rms_norm_eps)
+        if self.config.rnn_output_gate:
+            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
+        return self.o_proj(o)
+
+
+# The sweep issue registers "gdn", "gla", "rwkv7", "mamba2" here (same constructor and forward).
+MIXER_CLASSES: dict[str, type[nn.Module]] = {"attention": HypeNetAttention, "lightning": LightningMixer}
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks and models
+# --------------------------------------------------------------------------------------------
+
+
+class HypeNetDecoderLayer(nn.Module):
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__()
+        self.mixer_type = config.mixer_types[layer_idx]
+        self.input_layernorm = HypeNetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer = MIXER_CLASSES[self.mixer_type](config, layer_idx)
+        self.post_attention_layernorm = HypeNetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = HypeNetMLP(config)
+
+    def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None) -> torch.Tensor:
+        h = x + self.mixer(self.input_layernorm(x), info, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HypeNetPreTrainedModel(PreTrainedModel):
+    config_class = HypeNetConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HypeNetDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            hf_init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                hf_init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            hf_init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, HypeNetRMSNorm):
+            hf_init.ones_(module.weight)
+        if isinstance(module, (HypeNetAttention, LightningMixer)) and hasattr(module, "g_proj"):
+            hf_init.zeros_(module.g_proj.weight)  # gate starts at exactly 1 (see output_gate)
+
+
+def sequence_info(
+    input_shape: tuple[int, int],
+    device: torch.device,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int | None,
+    past_length: int,
+) -> SequenceInfo:
+    """Build the layout metadata once per forward.
+
+    Packed training: ``cu_seqlens`` given, or ``position_ids`` that restart at 0 inside a row (the
+    HF convention for packed batches), from which boundaries are derived.
+    Padded batches: a 2D ``attention_mask`` over past + new tokens; positions count real tokens.
+    """
+    B, T = input_shape
+    if cu_seqlens is not None:
+        if position_ids is None:
+            raise ValueError("cu_seqlens needs per-document position_ids")
+        return SequenceInfo(position_ids, cu_seqlens.to(torch.int32), max_seqlen or T)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        mask = attention_mask.bool()
+        if position_ids is None:
+            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        key_mask = mask if mask.shape[1] == past_length + T else None
+        return SequenceInfo(position_ids, token_mask=mask[:, -T:], key_mask=key_mask)
+    if position_ids is None:
+        position_ids = torch.arange(past_length, past_length + T, device=device)[None].expand(B, T)
+    elif past_length == 0 and T > 1 and bool((position_ids[:, 1:] == 0).any()):
+        cu, max_len = cu_seqlens_from_position_ids(position_ids)
+        return SequenceInfo(position_ids, cu, max_len)
+    return SequenceInfo(position_ids)
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Boundaries over the flattened ``[B, T]`` tokens where positions restart (and at row starts)."""
+    B, T = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True
+    idx = starts.flatten().nonzero().flatten()
+    cu = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+class HypeNetModel(HypeNetPreTrainedModel):
+    def __init__(self, config: HypeNetConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(HypeNetDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = HypeNetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cache: HypeNetCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ):
+        """Returns ``(final hidden [B, T, d] after the norm, per-layer hidden states or None)``."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        past = cache.seen_tokens if cache is not None else 0
+        info = sequence_info(x.shape[:2], x.device, position_ids, attention_mask, cu_seqlens, max_seqlen, past)
+        hidden = [x] if output_hidden_states else None
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and cache is None:
+                x = torch.utils.checkpoint.checkpoint(layer, x, info, None, use_reentrant=False)
+            else:
+                x = layer(x, info, cache)
+            if hidden is not None:
+                hidden.append(x)
+        if cache is not None:
+            cache.seen_tokens += x.shape[1]
+        return self.norm(x), hidden
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None):
+        self.gradient_checkpointing = enable
+
+
+class HypeNetForCausalLM(HypeNetPreTrainedModel):
+    """HypeNet with an LM head. ``generate`` is HypeNet's own (batched, padding-correct, cached)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HypeNetConfig):
+        super().__init__(config)
+        self.model = HypeNetModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cache: HypeNetCache | None = None,
+        past_key_values: HypeNetCache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        return_hidden_only: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **kwargs,
+    ):
+        """Causal LM forward.
+
+        ``return_hidden_only=True`` returns the final normed hidden states ``[B, T, d]`` and skips the
+        LM head, so distillation losses can fuse the vocabulary projection (never ``[T, V]`` logits).
+        ``labels`` gives the usual shifted CE (for lm-eval / quick checks; training uses fused losses).
+        """
+        cache = cache if cache is not None else past_key_values
+        if use_cache and cache is None:
+            cache = HypeNetCache(self.config.num_hidden_layers)
+        hidden, all_hidden = self.model(
+            input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen, cache, inputs_embeds, output_hidden_states
+        )
+        if return_hidden_only:
+            return hidden
+        h = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        if not return_dict:
+            return (loss, logits) if loss is not None else (logits,)
+        return HypeNetCausalLMOutput(
+            loss=loss, logits=logits, cache=cache if use_cache else None,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+        )
+
+    def can_generate(self) -> bool:  # noqa: D102 - HF API
+        return True
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        stopping_criteria=None,
+        generator: torch.Generator | None = None,
+        generation_config=None,
+        **unused,
+    ) -> torch.LongTensor:
+        """Batched generation with a KV cache (attention) and recurrent state (RNN layers).
+
+        Left padding is exact: pad keys are masked in attention, pad tokens are identity steps in
+        the RNN, and positions count real tokens only, so each row generates what it would alone.
+        Returns ``[B, T_prompt + new]`` (finished rows padded with ``pad_token_id``).
+        """
+        if generation_config is not None:
+            max_new_tokens = max_new_tokens or getattr(generation_config, "max_new_tokens", None)
+            do_sample = getattr(generation_config, "do_sample", do_sample)
+        B, T = input_ids.shape
+        if max_new_tokens is None:
+            max_new_tokens = (max_length - T) if max_length is not None else 20
+        eos = eos_token_id if eos_token_id is not None else self.config.eos_token_id
+        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
+        pad = pad_token_id if pad_token_id is not None else (self.config.pad_token_id or 0)
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+            raise ValueError("generate() needs left padding (a 0 in attention_mask after a 1 found)")
+        cache = HypeNetCache(self.config.num_hidden_layers)
+        out = self(input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+        seqs, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            nxt = self._pick(out.logits[:, -1].float(), do_sample, temperature, top_p, top_k, generator)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+            done = done | torch.isin(nxt, eos)
+            if stopping_criteria is not None:
+                done = done | _as_bool_rows(stopping_criteria(seqs, None), B, seqs.device)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=mask.device)], dim=1)
+            out = self(nxt[:, None], attention_mask=mask, cache=cache, use_cache=True)
+        return seqs
+
+    @staticmethod
+    def _pick(logits, do_sample, temperature, top_p, top_k, generator):
+        """Greedy, or sampling with temperature / top-k / nucleus top-p. logits ``[B, V]`` fp32."""
+        if not do_sample:
+            return logits.argmax(-1)
+        logits = logits / max(temperature, 1e-6)
+        if top_k:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def _as_bool_rows(result, batch: int, device) -> torch.Tensor:
+    """HF stopping criteria return a bool or a ``[B]`` bool tensor."""
+    if isinstance(result, torch.Tensor):
+        return result.to(device=device, dtype=torch.bool).reshape(-1).expand(batch)
+    return torch.full((batch,), bool(result), dtype=torch.bool, device=device)

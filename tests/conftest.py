@@ -1,0 +1,45 @@
+"""Shared test set-up: single-threaded torch, a repo-local asset cache, tiny model factories."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HALO_CACHE", str(REPO / ".cache" / "halo_dist"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+
+def tiny_qwen3(tie: bool = False, seed: int = 0, layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 256):
+    """A random Qwen3 with weights large enough that layer differences show in the logits."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+        tie_word_embeddings=tie, rope_theta=10000.0, eos_token_id=1, bos_token_id=0, pad_token_id=2,
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.normal_(1.0, 0.1)
+    return model
+
+
+@pytest.fixture
+def qwen3_teacher():
+    return tiny_qwen3()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from halo_dist.assets.teacher import smollm2_teacher_dir
+
+    return smollm2_teacher_dir()

@@ -1,0 +1,339 @@
+"""Fused chunked distillation losses (halo_dist.losses) vs a full-logits reference and vs Liger.
+
+CPU, float64/float32 (bf16 for the precision test), V = 1000, N ~ 64: the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halo_dist.losses import auto_chunk_size, fused_distill_loss, liger_available, naive_distill_loss
+from halo_dist.losses import kl as kl_mod
+from halo_dist.losses.memtrack import LiveBytes
+
+torch.set_num_threads(1)
+N, V, DS, DT = 64, 1000, 32, 48
+needs_liger = pytest.mark.skipif(not liger_available(), reason="liger-kernel not installed")
+
+
+def make(dtype=torch.float64, n=N, seed=0, scale=0.4):
+    """Student/teacher hidden states and lm_heads ([N, Ds], [V, Ds], [N, Dt], [V, Dt]), a mask
+    dropping ~20% of tokens, and labels with every 5th entry ignored."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    s_h = rnd(n, DS).to(dtype).requires_grad_()
+    s_w = (rnd(V, DS) * scale).to(dtype).requires_grad_()
+    t_h, t_w = rnd(n, DT).to(dtype), (rnd(V, DT) * scale).to(dtype)
+    mask = torch.rand(n, generator=g) > 0.2
+    labels = torch.randint(0, V, (n,), generator=g)
+    labels[::5] = -100
+    return s_h, s_w, t_h, t_w, mask, labels
+
+
+def value_and_grads(fn, s_h, s_w, *rest, **kw):
+    out = fn(s_h, s_w, *rest, **kw)
+    return out, torch.autograd.grad(out.loss, [s_h, s_w])
+
+
+def assert_rel(a, b, tol):
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    err = (a - b).abs().max() / b.abs().max().clamp_min(1e-30)
+    assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+# ---------------------------------------------------------------- correctness vs full logits
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("masked,ce", [(False, False), (True, False), (True, True), (False, True)])
+def test_matches_naive_float64(direction, temperature, masked, ce):
+    s_h, s_w, t_h, t_w, mask, labels = make()
+    kw = dict(direction=direction, temperature=temperature, token_mask=mask if masked else None,
+              labels=labels if ce else None, ce_weight=0.3 if ce else 0.0, normalizer=11.0)
+    out, grads = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, chunk_size=7, **kw)
+    ref, ref_grads = value_and_grads(naive_distill_loss, s_h, s_w, t_h, t_w, **kw)
+    assert_rel(out.loss, ref.loss, 1e-10)
+    assert_rel(out.kl_sum, ref.kl_sum, 1e-6)  # sums are reported in fp32
+    for g, r in zip(grads, ref_grads):
+        assert_rel(g, r, 1e-10)
+    assert out.num_tokens.item() == (mask.sum().item() if masked else N)
+    assert out.num_ce_tokens.item() == ref.num_ce_tokens.item()
+
+
+def test_naive_reference_is_torch_kl_div():
+    """Pin the reference itself to textbook formulas (forward and reverse KL, per token)."""
+    s_h, s_w, t_h, t_w, _, _ = make()
+    logq, logp = (s_h @ s_w.T).log_softmax(-1), (t_h @ t_w.T).log_softmax(-1)
+    fwd = (logp.exp() * (logp - logq)).sum()
+    rev = (logq.exp() * (logq - logp)).sum()
+    assert_rel(naive_distill_loss(s_h, s_w, t_h, t_w).loss, fwd, 1e-12)
+    assert_rel(naive_distill_loss(s_h, s_w, t_h, t_w, direction="reverse").loss, rev, 1e-12)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_float32_inputs_within_1e5_of_float64_reference(direction):
+    s_h, s_w, t_h, t_w, mask, labels = make(torch.float32)
+    kw = dict(direction=direction, temperature=1.5, token_mask=mask, labels=labels, ce_weight=0.5)
+    out, grads = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, chunk_size=16, **kw)
+    ref_in = [x.detach().double().requires_grad_(x.requires_grad) for x in (s_h, s_w, t_h, t_w)]
+    ref, ref_grads = value_and_grads(naive_distill_loss, *ref_in, **kw)
+    assert out.loss.dtype == torch.float32
+    assert_rel(out.loss, ref.loss, 1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert_rel(g, r, 1e-5)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_chunk_size_invariance(direction):
+    s_h, s_w, t_h, t_w, mask, labels = make()
+    kw = dict(direction=direction, token_mask=mask, labels=labels, ce_weight=1.0, temperature=0.7)
+    base, base_g = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, chunk_size=N, **kw)
+    for cs in (1, 7, 10_000, None):
+        out, grads = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, chunk_size=cs, **kw)
+        assert_rel(out.loss, base.loss, 1e-12)
+        for g, r in zip(grads, base_g):
+            assert_rel(g, r, 1e-12)
+
+
+def test_auto_chunk_size_fits_budget():
+    rows = auto_chunk_size(151_936, 2 << 30)
+    assert rows % 128 == 0 and 128 <= rows <= 1024
+    assert auto_chunk_size(151_936, 1) == 1
+
+
+# ---------------------------------------------------------------- reduction, masking, CE
+def test_token_weighted_reduction_over_ranks():
+    """Two 'ranks' with unequal valid-token counts: normalizer = global count and summing grads
+    gives exactly the single-process token mean (what SP x DP training needs)."""
+    s_h, s_w, t_h, t_w, mask, _ = make()
+    mask[:40] = True  # rank 0 holds more valid tokens than rank 1
+    full = fused_distill_loss(s_h, s_w, t_h, t_w, token_mask=mask)
+    mean_g = torch.autograd.grad(full.mean(), [s_h, s_w])
+    total = mask.sum()  # = all_reduce(num_tokens)
+    parts = [slice(0, 40), slice(40, N)]
+    outs = [fused_distill_loss(s_h[p], s_w, t_h[p], t_w, token_mask=mask[p], normalizer=total) for p in parts]
+    grads = torch.autograd.grad(sum(o.loss for o in outs), [s_h, s_w])
+    assert_rel(sum(o.kl_sum for o in outs) / sum(o.num_tokens for o in outs), full.mean(), 1e-6)
+    for g, r in zip(grads, mean_g):
+        assert_rel(g, r, 1e-12)
+
+
+def test_masked_tokens_contribute_nothing_even_if_nan():
+    s_h, s_w, t_h, t_w, mask, _ = make()
+    with torch.no_grad():
+        s_h[~mask] = float("nan")
+        t_h[~mask] = float("inf")
+    out, (g_h, g_w) = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask)
+    assert torch.isfinite(out.loss) and torch.isfinite(g_w).all()
+    assert (g_h[~mask] == 0).all() and torch.isfinite(g_h[mask]).all()
+
+
+def test_all_tokens_masked_gives_zero():
+    s_h, s_w, t_h, t_w, _, labels = make()
+    none = torch.zeros(N, dtype=torch.bool)
+    out, grads = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=none,
+                                 labels=labels, ce_weight=1.0)
+    assert out.loss.item() == 0 and out.num_tokens.item() == 0 and out.mean().item() == 0
+    assert all((g == 0).all() for g in grads)
+
+
+def test_ce_only_needs_no_teacher_and_matches_cross_entropy():
+    s_h, s_w, _, _, _, labels = make()
+    out, (g_h, _) = value_and_grads(fused_distill_loss, s_h, s_w, None, None, labels=labels,
+                                    kl_weight=0.0, ce_weight=1.0, chunk_size=5)
+    ref = torch.nn.functional.cross_entropy(s_h @ s_w.T, labels, reduction="sum")
+    assert_rel(out.loss, ref, 1e-12)
+    assert_rel(g_h, torch.autograd.grad(ref, s_h)[0], 1e-12)
+    assert out.num_ce_tokens.item() == (labels != -100).sum().item()
+
+
+def test_mean_and_batched_shapes():
+    s_h, s_w, t_h, t_w, mask, _ = make()
+    out = fused_distill_loss(s_h.view(4, 16, DS), s_w, t_h.view(4, 16, DT), t_w, token_mask=mask.view(4, 16))
+    ref = naive_distill_loss(s_h, s_w, t_h, t_w, token_mask=mask)
+    assert_rel(out.mean(), ref.loss / mask.sum(), 1e-10)
+
+
+# ---------------------------------------------------------------- autograd plumbing (ZeRO-3 use)
+def test_leaf_nonleaf_frozen_weights_and_no_teacher_grad():
+    s_h, s_w, t_h, t_w, _, _ = make()
+    param = torch.nn.Parameter(s_w.detach().clone())
+    t_h.requires_grad_()
+    # non-leaf weight (e.g. a cast or view of the gathered parameter): grads reach the leaf
+    out = fused_distill_loss(s_h, param * 1.0, t_h, t_w)
+    out.loss.backward()
+    ref = naive_distill_loss(s_h.detach(), s_w, t_h.detach(), t_w)
+    assert_rel(param.grad, torch.autograd.grad(ref.loss, s_w)[0], 1e-10)
+    assert t_h.grad is None
+    # frozen lm_head: only the hidden state gets a gradient
+    s_h.grad = None
+    fused_distill_loss(s_h, s_w.detach(), t_h, t_w).loss.backward()
+    assert s_h.grad is not None
+    with torch.no_grad():  # evaluation: no gradient bookkeeping at all
+        assert fused_distill_loss(s_h, s_w, t_h, t_w).loss.requires_grad is False
+
+
+def test_backward_does_not_need_the_weight_after_release():
+    """Under ZeRO-3 the gathered lm_head is released/overwritten before backward: the gradient must
+    not depend on it (autograd would also raise here if the weight had been saved for backward)."""
+    s_h, s_w, t_h, t_w, _, _ = make()
+    gathered = s_w.detach().clone().requires_grad_()
+    out = fused_distill_loss(s_h, gathered, t_h, t_w)
+    expected = torch.autograd.grad(naive_distill_loss(s_h, s_w, t_h, t_w).loss, s_w)[0]
+    with torch.no_grad():
+        gathered.fill_(float("nan"))  # in-place: bumps the version counter, poisons the values
+    out.loss.backward()
+    assert_rel(gathered.grad, expected, 1e-10)
+
+
+# ---------------------------------------------------------------- bf16 precision
+def test_bf16_inputs_accumulate_in_fp32():
+    n = 128
+    s_h, s_w, t_h, t_w, _, _ = make(torch.bfloat16, n=n, scale=0.5)
+    ref_in = [x.detach().double().requires_grad_(x.requires_grad) for x in (s_h, s_w, t_h, t_w)]
+    ref, (_, ref_gw) = value_and_grads(naive_distill_loss, *ref_in)
+    out, (g_h, g_w) = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, chunk_size=1)
+    assert out.loss.dtype == torch.float32 and g_h.dtype == g_w.dtype == torch.bfloat16
+    assert_rel(out.loss, ref.loss, 1e-6)  # fp32 softmax/KL on exact logits
+    bf16_kl = naive_distill_loss(s_h, s_w, t_h, t_w, upcast=False).loss  # the reference code's way
+    assert (bf16_kl.double() - ref.loss).abs() > 20 * (out.loss.double() - ref.loss).abs()
+    # lm_head grad summed over 128 one-token chunks in fp32, rounded to bf16 once ...
+    ours = ((g_w.double() - ref_gw).norm() / ref_gw.norm()).item()
+    # ... versus summing the same per-chunk contributions in bf16
+    acc = torch.zeros_like(s_w)
+    for i in range(n):
+        w = s_w.detach().requires_grad_()
+        acc += torch.autograd.grad(fused_distill_loss(s_h[i:i + 1].detach(), w, t_h[i:i + 1], t_w).loss, w)[0]
+    bf16_acc = ((acc.double() - ref_gw).norm() / ref_gw.norm()).item()
+    assert ours < 4e-3 and bf16_acc > 2 * ours, (ours, bf16_acc)
+
+
+def test_autocast_does_not_lower_precision():
+    s_h, s_w, t_h, t_w, _, _ = make(torch.float32)
+    plain = fused_distill_loss(s_h, s_w, t_h, t_w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = fused_distill_loss(s_h, s_w, t_h, t_w)
+    assert_rel(auto.loss, plain.loss, 1e-7)
+
+
+# ---------------------------------------------------------------- memory: no N x V tensors
+def _peak(fn, n):
+    s_h, s_w, t_h, t_w, _, _ = make(torch.float32, n=n)
+    with LiveBytes([s_h, s_w, t_h, t_w]) as m:
+        fn(s_h, s_w, t_h, t_w).loss.backward()
+    return m.peak, m.biggest
+
+
+def test_peak_memory_does_not_scale_with_tokens_times_vocab():
+    chunk, row = 16, V * 4  # one fp32 vocabulary row, bytes
+    fused = lambda *a: fused_distill_loss(*a, chunk_size=chunk, backend="torch")  # noqa: E731
+    (f64, big64), (f512, big512) = _peak(fused, 64), _peak(fused, 512)
+    (n64, _), (n512, _) = _peak(naive_distill_loss, 64), _peak(naive_distill_loss, 512)
+    per_token_fused, per_token_naive = (f512 - f64) / 448, (n512 - n64) / 448
+    assert per_token_naive >= row  # the tracker does see full-logit tensors
+    assert per_token_fused <= 0.05 * row  # only [N, Ds]-sized growth (grad of hidden states)
+    assert max(big64, big512) <= 4 * max(chunk * V, V * DS)  # no tensor beyond a chunk / lm_head
+    assert f512 < n512 / 10
+
+
+# ---------------------------------------------------------------- Liger agreement (CPU classes)
+@needs_liger
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_liger_backend_matches_torch_backend(direction, temperature):
+    s_h, s_w, t_h, t_w, mask, labels = make()
+    kw = dict(direction=direction, temperature=temperature, token_mask=mask, labels=labels,
+              ce_weight=0.5, chunk_size=8, normalizer=9.0)
+    ours, g_ours = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="torch", **kw)
+    lig, g_lig = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="liger", **kw)
+    assert_rel(lig.loss, ours.loss, 1e-6)  # Liger reports its loss in fp32
+    assert_rel(lig.kl_sum, ours.kl_sum, 1e-6)
+    assert_rel(lig.ce_sum, ours.ce_sum, 1e-6)
+    for a, b in zip(g_lig, g_ours):
+        assert_rel(a, b, 1e-6)
+
+
+@needs_liger
+def test_liger_backend_bf16_is_fed_fp32():
+    """Liger's chunked class would run log-softmax in bf16 (percent-level KL error); the adapter
+    upcasts, so in bf16 both backends still agree to fp32 accuracy."""
+    s_h, s_w, t_h, t_w, mask, _ = make(torch.bfloat16)
+    ours, g_ours = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask, backend="torch")
+    lig, g_lig = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask, backend="liger")
+    assert_rel(lig.loss, ours.loss, 1e-5)
+    for a, b in zip(g_lig, g_ours):
+        assert a.dtype == torch.bfloat16
+        assert_rel(a, b, 1e-2)  # both rounded to bf16 once
+
+
+@needs_liger
+def test_raw_liger_conventions():
+    """What Liger's own class returns: mean over rows whose label != ignore_index (that one label
+    tensor masks KL and CE alike), beta=0 forward / beta=1 reverse KL, logits / T without T^2."""
+    from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+    s_h, s_w, t_h, t_w, mask, _ = make()
+    mask_as_labels = torch.where(mask, 0, -100)
+    for beta, direction in ((0.0, "forward"), (1.0, "reverse")):
+        liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta,
+                                        temperature=2.0, compiled=False, chunk_size=16)
+        got = liger(s_h, s_w, t_h, t_w, mask_as_labels)
+        ours = fused_distill_loss(s_h, s_w, t_h, t_w, token_mask=mask, direction=direction, temperature=2.0)
+        assert_rel(got, ours.mean(), 1e-6)
+    # its defaults are NOT plain KL: weight_hard_loss=0.5 mixes in CE and beta=0.5 is the JSD
+    d = LigerFusedLinearJSDLoss(compiled=False)
+    assert (d.weight_hard_loss, d.weight_soft_loss, d.beta) == (0.5, 0.5, 0.5)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(t_w=a["t_w"][:999]), r"V=1000.*V=999"),
+    (lambda a: a.update(t_h=a["t_h"][:10]), "token count mismatch"),
+    (lambda a: a.update(s_w=a["s_w"][:, :5]), "hidden size 32"),
+    (lambda a: a.update(token_mask=a["token_mask"].long()), "token_mask must be"),
+    (lambda a: a.update(token_mask=a["token_mask"][:3]), "token_mask has 3 entries"),
+    (lambda a: a.update(labels=torch.full((N,), V)), r"labels must be in \[0, 1000\)"),
+    (lambda a: a.update(labels=None), "needs labels"),
+    (lambda a: a.update(temperature=0.0), "temperature must be > 0"),
+    (lambda a: a.update(direction="jsd"), "direction must be one of"),
+    (lambda a: a.update(backend="triton"), "backend must be one of"),
+    (lambda a: a.update(chunk_size=0), "chunk_size must be >= 1"),
+    (lambda a: a.update(normalizer=0), "normalizer must be > 0"),
+    (lambda a: a.update(t_h=None), "needs teacher_hidden"),
+    (lambda a: a.update(s_h=a["s_h"].float()), "cast one"),
+    (lambda a: a.update(kl_weight=0.0, ce_weight=0.0), "not both 0"),
+    (lambda a: a.update(s_h=a["s_h"][0]), r"shape \[N, D\]"),
+])
+def test_bad_input(change, match):
+    s_h, s_w, t_h, t_w, mask, labels = make()
+    args = dict(s_h=s_h, s_w=s_w, t_h=t_h, t_w=t_w, token_mask=mask, labels=labels, ce_weight=1.0)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        fused_distill_loss(args.pop("s_h"), args.pop("s_w"), args.pop("t_h"), args.pop("t_w"), **args)
+
+
+def test_backend_selection(monkeypatch):
+    assert kl_mod._pick_backend("auto", torch.device("cpu"), 10) == "torch"
+    monkeypatch.setattr(kl_mod, "liger_available", lambda: False)
+    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10) == "torch"
+    s_h, s_w, t_h, t_w, _, _ = make()
+    with pytest.raises(RuntimeError, match="liger-kernel is not importable"):
+        fused_distill_loss(s_h, s_w, t_h, t_w, backend="liger")
+
+
+def test_bench_cpu_smoke(tmp_path):
+    """bench/bench_kl.py keeps running (tiny shapes, CPU) and writes its JSON contract."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_kl.py"
+    spec = importlib.util.spec_from_file_location("bench_kl", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "kl.json"
+    bench.main(["--cpu-smoke", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert 0 < result["kl_peak_mem_ratio"] < 1
+    assert {"device", "date", "versions"} <= result.keys()
+    assert all(c["loss_rel_err"] < 1e-4 for c in result["option_checks"] if c["backend"] != "naive_lowp")
