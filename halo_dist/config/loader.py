@@ -1,0 +1,144 @@
+"""YAML files with ``base:`` inheritance, plus ``key.sub=value`` dotlist overrides.
+
+Resolution order (later wins): the ``base`` files (in list order, each resolved recursively),
+the file itself, then the command-line overrides. Mappings merge key by key; any other value,
+lists included, is replaced whole. ``base`` paths are relative to the file that names them; every
+other path in a config is used as written (relative to the working directory).
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from .coerce import ConfigError, check_partial, from_dict, to_dict, with_suggestions
+from .schema import RunConfig
+
+T = TypeVar("T")
+BASE_KEY = "base"
+# A file written by save_resolved: {"meta": {...}, "config": {...}}; loading it re-runs the config.
+RESOLVED_KEYS = {"meta", "config"}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """One YAML file as a mapping (``safe_load``: tags that would build objects are refused)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The merged raw mapping of ``path`` and its ``base`` files (not yet typed)."""
+    path = Path(path).resolve()
+    if path in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path))
+        raise ConfigError(f"base files include each other: {cycle}")
+    data = read_yaml(path)
+    if set(data) == RESOLVED_KEYS:
+        return data["config"]
+    merged: dict[str, Any] = {}
+    for base in _base_list(data.pop(BASE_KEY, None), path):
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ConfigError(f"{path}: base file not found: {base} (looked at {base_path})")
+        merged = deep_merge(merged, load_tree(base_path, (*_chain, path)))
+    return deep_merge(merged, data)
+
+
+def _base_list(value: Any, path: Path) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ConfigError(f"{path}: '{BASE_KEY}' must be a path or a list of paths, got {value!r}")
+
+
+def deep_merge(base: Mapping, top: Mapping) -> dict:
+    """``top`` over ``base``: mappings merge recursively, everything else is replaced."""
+    out = copy.deepcopy(dict(base))
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """``"optim.lr=3e-4"`` -> ``("optim.lr", "3e-4")``; the value stays a string until typed."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    return key, value.strip()
+
+
+def apply_overrides(tree: Mapping, overrides: Iterable[str] | Mapping[str, Any]) -> dict:
+    """A copy of ``tree`` with dotted-key overrides set (strings or already-typed values)."""
+    items = overrides.items() if isinstance(overrides, Mapping) else map(parse_override, overrides)
+    out = copy.deepcopy(dict(tree))
+    for key, value in items:
+        _set_dotted(out, key, value)
+    return out
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for i, part in enumerate(parents):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError([(".".join(parents[: i + 1]),
+                                f"is a value, not a section (override {key}={value!r})")])
+        node = child
+    node[leaf] = value
+
+
+def config_from_dict(data: Mapping, overrides: Iterable[str] | Mapping[str, Any] = (),
+                     cls: type[T] = RunConfig) -> T:
+    """Typed, validated config from a raw mapping plus overrides."""
+    return from_dict(cls, apply_overrides(data, overrides))
+
+
+def load_config(path: str | Path, overrides: Iterable[str] | Mapping[str, Any] = (),
+                cls: type[T] = RunConfig) -> T:
+    """Load ``path`` (with its bases), apply ``key=value`` overrides, type and validate.
+
+    Raises :class:`ConfigError` listing every problem: unknown keys (with the dotted path and a
+    "did you mean"), bad types, and impossible combinations.
+    """
+    return config_from_dict(load_tree(path), overrides, cls)
+
+
+def with_overrides(cfg: T, overrides: Iterable[str] | Mapping[str, Any]) -> T:
+    """A re-validated copy of ``cfg`` with overrides (configs are frozen: change them this way)."""
+    return config_from_dict(to_dict(cfg), overrides, type(cfg))
+
+
+def validate_file(path: str | Path, cls: type[T] = RunConfig) -> T | None:
+    """Check any shipped YAML: a full run config (it names a ``stage``) is loaded and returned;
+    a partial one (a ``base`` file) is checked for unknown keys and bad values, returning None.
+    """
+    tree = load_tree(path)
+    if "stage" in tree:
+        return config_from_dict(tree, (), cls)
+    problems = check_partial(cls, tree)
+    if problems:
+        raise with_suggestions(ConfigError(problems), cls)
+    return None

@@ -1,0 +1,386 @@
+"""The run configuration: nested typed dataclasses, validated on construction.
+
+Each section checks its own fields in ``validate``; :class:`RunConfig` checks combinations across
+sections. Everything that can be checked before a process group or a tensor exists is checked
+here, so a bad config fails in the launcher's first second instead of after the teacher loaded.
+The only checks left for runtime need the world size: :meth:`RunConfig.validate_against_world`.
+Defaults follow the paper (SPEC §3): AdamW β (0.9, 0.95), no weight decay, clip 1.0, 50 warm-up
+steps, bf16.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from .coerce import ConfigError, coerce_fields, fail
+
+StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
+Objective = Literal["mse", "kl", "ce", "reverse_kl"]
+
+# Which objectives each stage may train with (SPEC §3): stage 1 aligns layer outputs by MSE,
+# stage 2 is forward KL (CE-only would skip the teacher), stage 3 KL or the reference code's
+# plain CE, OPAL is reverse KL on student samples, from-scratch pretraining is CE.
+STAGE_OBJECTIVES: dict[str, tuple[str, ...]] = {
+    "stage1": ("mse",),
+    "stage2": ("kl",),
+    "stage3": ("kl", "ce"),
+    "opd": ("reverse_kl",),
+    "pretrain": ("ce",),
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class Section:
+    """Base of every config section: coerce field types, then run ``validate``."""
+
+    def __post_init__(self) -> None:
+        coerce_fields(self)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` (via ``fail``) on an impossible value; keys are relative."""
+
+
+def _positive(key: str, value: float | int) -> None:
+    if value <= 0:
+        fail(key, f"must be > 0, got {value}")
+
+
+def _non_negative(key: str, value: float | int) -> None:
+    if value < 0:
+        fail(key, f"must be >= 0, got {value}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RandomTeacherConfig(Section):
+    """A randomly initialised Qwen3 teacher (CPU tests, GPU benchmarks of the real shapes).
+
+    Field names are Hugging Face ``Qwen3Config`` names so a builder can pass them through.
+    """
+
+    num_hidden_layers: int  # transformer blocks
+    hidden_size: int  # model width d
+    intermediate_size: int  # SwiGLU FFN width
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # KV heads (GQA); must divide num_attention_heads
+    head_dim: int  # per-head width d_h
+    vocab_size: int
+    tie_word_embeddings: bool = True  # Qwen3-1.7B/4B tie, Qwen3-8B does not
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    seed: int = 0  # weight-init seed, so every rank and every test builds the same teacher
+
+    def validate(self) -> None:
+        for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "head_dim",
+                     "num_attention_heads", "num_key_value_heads", "vocab_size"):
+            _positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail("num_key_value_heads", f"{self.num_key_value_heads} does not divide "
+                 f"num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig(Section):
+    """Teacher, student initialisation and HypeNet hyperparameters (SPEC §2)."""
+
+    teacher: str  # HF hub id ("Qwen/Qwen3-1.7B") or local folder; "random" uses random_teacher
+    random_teacher: Optional[RandomTeacherConfig] = None  # shape of a random teacher
+    num_layers: Optional[int] = None  # teacher depth, when known, to range-check attn_layers
+    attn_layers: list[int] = field(default_factory=list)  # 0-based layers kept as softmax attention
+    student_init: Optional[str] = None  # HypeNet checkpoint/HF folder to start from (stage 3, OPD)
+    stage1_weights: Optional[str] = None  # stage-1 output (aligned RNN layers) that stage 2 reads
+    rnn_mixer: Literal["lightning", "gdn", "gla", "rwkv7", "mamba2"] = "lightning"
+    logits_scaling_a: Optional[float] = None  # a of s_t = log_a(t + a); null disables (SPEC §2)
+    logits_scaling_in_training: bool = True  # the reference code only scaled at inference (§6.6)
+    attn_output_gate: bool = True  # sigmoid gate on attention output, initialised as identity
+    attn_output_norm: bool = False  # appendix RMSNorm on attention output; changes the teacher fn
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # float32 for CPU tests
+    activation_checkpointing: bool = True  # applied in model code (DeepSpeed's json block is inert)
+
+    def validate(self) -> None:
+        if not self.teacher:
+            fail("teacher", "must name a hub id, a folder or 'random'")
+        if (self.teacher == "random") != (self.random_teacher is not None):
+            fail("random_teacher", "set exactly when teacher is 'random'")
+        self._validate_attn_layers()
+        if self.logits_scaling_a is not None and self.logits_scaling_a <= 1:
+            fail("logits_scaling_a", f"must be > 1 (log base), got {self.logits_scaling_a}")
+
+    def _validate_attn_layers(self) -> None:
+        if len(set(self.attn_layers)) != len(self.attn_layers):
+            fail("attn_layers", f"duplicate layer index in {self.attn_layers}")
+        depth = self.depth
+        for layer in self.attn_layers:
+            if layer < 0 or (depth is not None and layer >= depth):
+                fail("attn_layers", f"layer {layer} outside 0..{(depth or 0) - 1}")
+
+    @property
+    def depth(self) -> Optional[int]:
+        """Teacher layer count if the config knows it."""
+        if self.random_teacher is not None:
+            return self.random_teacher.num_hidden_layers
+        return self.num_layers
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig(Section):
+    """Pre-tokenized webdataset shards and the batch shape (sequences of seq_len tokens)."""
+
+    train: str  # manifest.json, shard folder or brace pattern; paths relative to the working dir
+    eval: Optional[str] = None  # held-out shards for eval/ metrics
+    seq_len: int  # tokens per packed sequence (context length)
+    global_batch_size: int  # sequences per optimizer step = micro x grad_accum x dp
+    micro_batch_size: int  # sequences per rank per forward; grad_accum derived from dp at runtime
+    num_workers: int = 2  # loader worker processes per rank
+    shuffle: bool = True  # deterministic shard + sample shuffling (SPEC §6.3)
+    seed: int = 1234  # shuffle seed (also the base of per-rank RNG seeds)
+
+    def validate(self) -> None:
+        if not self.train:
+            fail("train", "must name the training shards")
+        for name in ("seq_len", "global_batch_size", "micro_batch_size"):
+            _positive(name, getattr(self, name))
+        _non_negative("num_workers", self.num_workers)
+        if self.global_batch_size % self.micro_batch_size:
+            fail("global_batch_size", f"{self.global_batch_size} is not a multiple of "
+                 f"micro_batch_size={self.micro_batch_size}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig(Section):
+    """AdamW (fused on GPU); the peak lr here is the schedule's eta."""
+
+    lr: float  # peak learning rate
+    min_lr: float = 1e-5  # floor of cosine/linear/WSD decay (SPEC §3: 1e-5)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # the paper uses none for distillation; 0.1 for from-scratch
+    grad_clip: Optional[float] = 1.0  # max global grad norm; null disables
+
+    def validate(self) -> None:
+        _positive("lr", self.lr)
+        _non_negative("min_lr", self.min_lr)
+        if self.min_lr > self.lr:
+            fail("min_lr", f"{self.min_lr} exceeds lr={self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            fail("betas", f"each beta must be in [0, 1), got {list(self.betas)}")
+        _positive("eps", self.eps)
+        _non_negative("weight_decay", self.weight_decay)
+        if self.grad_clip is not None:
+            _positive("grad_clip", self.grad_clip)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScheduleConfig(Section):
+    """LR schedule shape; the run length is total_steps or total_tokens (exactly one)."""
+
+    kind: Literal["cosine", "constant", "wsd", "linear"] = "cosine"
+    warmup_steps: int = 50  # linear warm-up from 0 to lr
+    decay_steps: Optional[int] = None  # WSD only: length of the final decay to min_lr
+    decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"  # WSD decay curve
+    total_steps: Optional[int] = None  # optimizer steps ...
+    total_tokens: Optional[int] = None  # ... or tokens (steps = ceil(tokens / tokens per step))
+
+    def validate(self) -> None:
+        _non_negative("warmup_steps", self.warmup_steps)
+        if (self.total_steps is None) == (self.total_tokens is None):
+            fail("total_steps", "set exactly one of total_steps and total_tokens")
+        for name in ("total_steps", "total_tokens"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.kind == "wsd":
+            if self.decay_steps is None:
+                fail("decay_steps", "required for kind=wsd")
+            _positive("decay_steps", self.decay_steps)
+        elif self.decay_steps is not None:
+            fail("decay_steps", f"only used by kind=wsd, not kind={self.kind}")
+
+    def resolve_total_steps(self, tokens_per_step: int) -> int:
+        """Optimizer steps of the run; tokens round up so the budget is always covered."""
+        if self.total_steps is not None:
+            return self.total_steps
+        return math.ceil(self.total_tokens / tokens_per_step)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig(Section):
+    """Data parallel x sequence parallel (Ulysses) on DeepSpeed ZeRO; dp = world / sp at runtime."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 3  # 1/2 only for small students (SPEC §6)
+    sp_size: int = 1  # Ulysses degree; must divide seq_len and the head counts
+    teacher_placement: Literal["replicated", "zero3"] = "replicated"  # bf16 copy per GPU or sharded
+    deepspeed_config: Optional[str] = None  # JSON merged over the dict built from this config
+
+    def validate(self) -> None:
+        _positive("sp_size", self.sp_size)
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel degree for ``world_size`` ranks (every sp group holds one replica)."""
+        if world_size < 1:
+            fail("parallel", f"world size must be >= 1, got {world_size}")
+        if world_size % self.sp_size:
+            fail("parallel.sp_size", f"{self.sp_size} does not divide the world size {world_size}")
+        return world_size // self.sp_size
+
+
+@dataclass(kw_only=True, frozen=True)
+class LossConfig(Section):
+    """Distillation objective; KL is fused and chunked, never on full logits (SPEC §6.1)."""
+
+    objective: Objective = "kl"  # see STAGE_OBJECTIVES for what each stage allows
+    temperature: float = 1.0  # softmax temperature of both models in KL
+    ce_weight: float = 0.0  # extra next-token CE term added to a KL objective (0 = off, §6.2)
+    chunk_size: int = 4096  # tokens per chunk of the fused loss (memory vs kernel launches)
+
+    def validate(self) -> None:
+        _positive("temperature", self.temperature)
+        _non_negative("ce_weight", self.ce_weight)
+        _positive("chunk_size", self.chunk_size)
+        if self.ce_weight > 0 and self.objective not in ("kl", "reverse_kl"):
+            fail("ce_weight", f"an extra CE term only applies to KL objectives, "
+                 f"not {self.objective}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig(Section):
+    """Where and how often to save; resume = latest complete checkpoint (STYLE §6)."""
+
+    dir: Optional[str] = None  # default: <logging.run_dir>/checkpoints
+    every_steps: int = 1000  # 0 saves only at the end (and on SIGTERM/SIGUSR1)
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    resume: Literal["auto", "never"] = "auto"  # auto: continue from the latest complete one
+
+    def validate(self) -> None:
+        _non_negative("every_steps", self.every_steps)
+        _positive("keep_last", self.keep_last)
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingConfig(Section):
+    """Run folder, TensorBoard, progress line cadence and the MFU ceiling."""
+
+    run_dir: str = "runs/default"  # TensorBoard events, metrics.jsonl, config.yaml, checkpoints
+    tensorboard: bool = True
+    log_every: int = 10  # optimizer steps per metrics reduction (one host sync per interval)
+    peak_flops: Optional[float] = None  # per-device FLOP/s for MFU; null: from the device name
+
+    def validate(self) -> None:
+        if not self.run_dir:
+            fail("run_dir", "must not be empty")
+        _positive("log_every", self.log_every)
+        if self.peak_flops is not None:
+            _positive("peak_flops", self.peak_flops)
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageConfig(Section):
+    """Which pipeline stage this run is."""
+
+    name: StageName
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Batch arithmetic for one world size: global = micro x grad_accum x dp."""
+
+    world_size: int
+    dp_size: int
+    sp_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig(Section):
+    """A whole run; build it with :func:`halo_dist.config.load_config`."""
+
+    stage: StageConfig
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        allowed = STAGE_OBJECTIVES[self.stage.name]
+        if self.loss.objective not in allowed:
+            fail("loss.objective", f"{self.stage.name} trains with {'|'.join(allowed)}, "
+                 f"not {self.loss.objective}")
+        if self.data.seq_len % self.parallel.sp_size:
+            fail("data.seq_len", f"{self.data.seq_len} is not divisible by "
+                 f"parallel.sp_size={self.parallel.sp_size}")
+        self._validate_sp_heads()
+        self._validate_schedule_fits()
+
+    def _validate_sp_heads(self) -> None:
+        # Only a random teacher's head count is known before loading; real teachers are
+        # checked by the parallel layer once their HF config is read.
+        teacher = self.model.random_teacher
+        if teacher is not None and teacher.num_attention_heads % self.parallel.sp_size:
+            fail("parallel.sp_size", f"{self.parallel.sp_size} does not divide "
+                 f"num_attention_heads={teacher.num_attention_heads}")
+
+    def _validate_schedule_fits(self) -> None:
+        total, sched = self.total_steps, self.schedule
+        if sched.warmup_steps >= total:
+            fail("schedule.warmup_steps",
+                 f"{sched.warmup_steps} is not below the run's {total} steps")
+        if sched.kind == "wsd" and sched.warmup_steps + sched.decay_steps > total:
+            fail("schedule.decay_steps", f"warmup {sched.warmup_steps} + decay {sched.decay_steps} "
+                 f"exceeds the run's {total} steps")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step (global batch x context), independent of the world size."""
+        return self.data.global_batch_size * self.data.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule.resolve_total_steps(self.tokens_per_step)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or f"{self.logging.run_dir.rstrip('/')}/checkpoints"
+
+    def validate_against_world(self, world_size: int) -> BatchLayout:
+        """Check the batch and SP layout for ``world_size`` ranks; return the derived layout."""
+        dp = self.parallel.dp_size(world_size)
+        data = self.data
+        per_accum = data.micro_batch_size * dp
+        if data.global_batch_size % per_accum:
+            fail("data.global_batch_size", _batch_hint(data.global_batch_size,
+                                                       data.micro_batch_size, dp))
+        return BatchLayout(world_size=world_size, dp_size=dp, sp_size=self.parallel.sp_size,
+                           micro_batch_size=data.micro_batch_size,
+                           grad_accum_steps=data.global_batch_size // per_accum,
+                           global_batch_size=data.global_batch_size, seq_len=data.seq_len)
+
+
+def _batch_hint(global_batch: int, micro: int, dp: int) -> str:
+    """Explain a global batch that micro x dp does not divide, with the nearest fixes."""
+    per_accum = micro * dp
+    below = global_batch // per_accum * per_accum
+    sizes = [n for n in (below, below + per_accum) if n > 0]
+    micros = [m for m in range(1, global_batch // dp + 1) if global_batch % (m * dp) == 0]
+    fixes = "global_batch_size " + " or ".join(str(n) for n in sizes)
+    if micros:
+        fixes += f", or micro_batch_size in {micros[-4:]}"
+    return (f"{global_batch} must equal micro_batch_size ({micro}) x grad_accum x dp ({dp}); "
+            f"it is not divisible by {micro}x{dp}={per_accum}. Use {fixes}")
+
+
+__all__ = [
+    "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "LossConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "RandomTeacherConfig", "RunConfig",
+    "ScheduleConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
+]

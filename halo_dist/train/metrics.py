@@ -1,0 +1,349 @@
+"""One metrics path (STYLE §8): accumulate on device, reduce once per interval, rank 0 writes.
+
+The training loop calls :meth:`MetricsLogger.add` every micro-step with device tensors (no host
+sync), and :meth:`MetricsLogger.maybe_log` every optimizer step on every rank. Every
+``log_every`` steps all accumulated sums go through one ``all_reduce`` and one ``.tolist()``;
+rank 0 then writes TensorBoard scalars, a JSONL mirror (``<run_dir>/metrics.jsonl``, for tests
+and plots) and one human progress line::
+
+    step 120/20000 (0.6%) | loss 2.3141 | lr 9.8e-05 | 16.2K tok/s | MFU 31.4% \
+        | mem 41.2/80.0 GiB | ETA 5h12m        (one line)
+
+Tags live in fixed namespaces (:data:`NAMESPACES`); any other tag is a bug and raises.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+NAMESPACES = ("train", "optim", "perf", "mem", "progress", "eval")
+GIB = 1024**3
+# Dense bf16 FLOP/s per device for MFU. H200: measured bf16 matmul ceiling (SPEC §7); others:
+# datasheet dense peaks (SXM parts). Matched by substring, in order (GH200 before H200).
+PEAK_FLOPS = (
+    ("GH200", 989e12), ("H200", 779e12), ("H100", 989e12), ("H800", 989e12), ("B200", 2250e12),
+    ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+)
+Number = Union[float, int, torch.Tensor]
+
+
+def check_tag(tag: str) -> str:
+    """Return ``tag`` if it is ``<namespace>/<name>`` with a known namespace, else raise."""
+    namespace, sep, name = tag.partition("/")
+    if not sep or not name or namespace not in NAMESPACES:
+        raise ValueError(f"metric tag {tag!r} is outside the namespaces "
+                         f"{', '.join(n + '/' for n in NAMESPACES)}")
+    return tag
+
+
+def flops_per_token(n_trainable: float, n_frozen_forward: float = 0, *, attn_layers: int = 0,
+                    frozen_attn_layers: int = 0, attn_dim: int = 0, context: int = 0) -> float:
+    """Model FLOPs per trained token: 6 N_student + 2 N_teacher + attention score FLOPs.
+
+    ``n_trainable``: parameters updated (forward + backward, 6 per token); count the lm_head, not
+    the input embedding. ``n_frozen_forward``: parameters only run forward (the teacher: 2 per
+    token). Attention follows PaLM (App. B): 12 L d T per token for trained softmax-attention
+    layers, 4 L d T for forward-only ones, d = heads x head_dim, T = attended context (no causal
+    halving, as in PaLM; RNN layers' state updates are not counted).
+    """
+    attn = (12 * attn_layers + 4 * frozen_attn_layers) * attn_dim * context
+    return 6.0 * n_trainable + 2.0 * n_frozen_forward + attn
+
+
+def peak_flops_for(device_name: Optional[str]) -> Optional[float]:
+    """Per-device dense bf16 FLOP/s for a CUDA device name; None when unknown (MFU is n/a)."""
+    if not device_name:
+        return None
+    upper = device_name.upper()
+    return next((flops for key, flops in PEAK_FLOPS if key in upper), None)
+
+
+def device_peak_flops(device: Optional[torch.device] = None,
+                      override: Optional[float] = None) -> Optional[float]:
+    """``override`` (config ``logging.peak_flops``) if set, else by device name; None on CPU."""
+    if override is not None:
+        return override
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type != "cuda":
+        return None
+    return peak_flops_for(torch.cuda.get_device_name(device))
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def format_si(value: float) -> str:
+    """``16200 -> "16.2K"``, ``1.25e6 -> "1.25M"``, ``950 -> "950"``."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.0f}"
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``18720 -> "5h12m"``, ``725 -> "12m05s"``, ``42 -> "42s"``, ``None -> "n/a"``."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    s = int(round(max(seconds, 0.0)))
+    days, hours, minutes = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def format_progress(step: int, total_steps: int, *, loss: Optional[float], lr: Optional[float],
+                    tokens_per_s: Optional[float], mfu: Optional[float],
+                    mem_gib: Optional[tuple[float, float]], eta_s: Optional[float]) -> str:
+    """The one human progress line (units: lr absolute, mfu fraction, memory GiB used/total)."""
+    parts = [
+        f"step {step}/{total_steps} ({100.0 * step / max(total_steps, 1):.1f}%)",
+        f"loss {loss:.4f}" if loss is not None else "loss n/a",
+        f"lr {lr:.1e}" if lr is not None else "lr n/a",
+        f"{format_si(tokens_per_s)} tok/s" if tokens_per_s is not None else "tok/s n/a",
+        f"MFU {100.0 * mfu:.1f}%" if mfu is not None else "MFU n/a",
+        f"mem {mem_gib[0]:.1f}/{mem_gib[1]:.1f} GiB" if mem_gib is not None else "mem n/a",
+        f"ETA {format_duration(eta_s)}",
+    ]
+    return " | ".join(parts)
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """``mem/*`` scalars in GiB for a CUDA device (host-side counters, no sync); {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    total = torch.cuda.get_device_properties(device).total_memory
+    return {"mem/allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+            "mem/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "mem/reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+            "mem/total_gib": total / GIB}
+
+
+class MetricsLogger:
+    """Interval metrics for a training run; every rank calls ``add`` and ``maybe_log`` alike.
+
+    All ranks must ``add`` the same tags (the reduction stacks them in sorted-tag order).
+    ``tokens_seen`` passed to ``log`` is the global count (all data-parallel ranks).
+    """
+
+    def __init__(self, run_dir: Union[str, Path], *, total_steps: int, log_every: int = 10,
+                 rank: int = 0, world_size: int = 1, tensorboard: bool = True, jsonl: bool = True,
+                 flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
+                 device: Optional[torch.device] = None, group: Any = None, start_step: int = 0,
+                 start_tokens: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 emit: Callable[[str], None] = print):
+        self.run_dir, self.total_steps, self.log_every = Path(run_dir), total_steps, log_every
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.flops_per_token, self.clock, self.emit = flops_per_token, clock, emit
+        self.peak_flops = device_peak_flops(self.device, peak_flops)
+        self._sums: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor] = {}
+        self._last = (clock(), start_step, start_tokens)
+        self._timed = (0.0, 0)  # seconds and steps measured after the first (warm-up) interval
+        self._intervals = 0
+        self._tb = self._jsonl = None
+        if rank == 0:
+            self._open_writers(tensorboard, jsonl)
+
+    @classmethod
+    def from_config(cls, cfg: Any, **kwargs: Any) -> "MetricsLogger":
+        """From a RunConfig's logging section; ``kwargs``: rank, world_size, flops_per_token..."""
+        log = cfg.logging
+        return cls(log.run_dir, total_steps=cfg.total_steps, log_every=log.log_every,
+                   tensorboard=log.tensorboard, peak_flops=log.peak_flops, **kwargs)
+
+    def _open_writers(self, tensorboard: bool, jsonl: bool) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        if jsonl:
+            # Append: a resumed run continues the same file (readers keep the last record per step).
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def add(self, tag: str, value: Number, weight: Number = 1.0) -> None:
+        """Accumulate ``value`` (weighted mean over the interval; e.g. weight = token count).
+
+        Tensors stay on their device: ``+=`` enqueues a kernel and never waits for the GPU.
+        """
+        if tag not in self._sums:
+            check_tag(tag)
+            dev = value.device if isinstance(value, torch.Tensor) else self.device
+            self._sums[tag] = torch.zeros((), dtype=torch.float64, device=dev)
+            self._weights[tag] = torch.zeros((), dtype=torch.float64, device=dev)
+        if isinstance(value, torch.Tensor):
+            value = value.detach().reshape(()).to(torch.float64)
+        if isinstance(weight, torch.Tensor):
+            weight = weight.detach().reshape(()).to(torch.float64)
+        self._sums[tag] += value * weight
+        self._weights[tag] += weight
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.total_steps
+
+    def maybe_log(self, step: int, tokens_seen: int, lr: Optional[float] = None,
+                  ) -> Optional[dict[str, float]]:
+        """:meth:`log` on interval boundaries (collective: call on every rank every step)."""
+        return self.log(step, tokens_seen, lr) if self.should_log(step) else None
+
+    def log(self, step: int, tokens_seen: int, lr: Optional[float] = None) -> dict[str, float]:
+        """Reduce the interval (one collective, one host sync) and, on rank 0, write it.
+
+        ``step``: optimizer steps completed; ``lr``: the LR of the last update. Returns the
+        scalars (on every rank) so callers can act on e.g. a non-finite loss consistently.
+        """
+        scalars = self._reduce()
+        scalars.update(self._rates(step, tokens_seen))
+        scalars.update(memory_stats(self.device))
+        if lr is not None:
+            scalars["optim/lr"] = float(lr)
+        if self.rank == 0:
+            self._write(step, scalars)
+        return scalars
+
+    def _reduce(self) -> dict[str, float]:
+        tags = sorted(self._sums)
+        if not tags:
+            return {}
+        stacked = torch.stack([self._sums[t] for t in tags] + [self._weights[t] for t in tags])
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(stacked, group=self.group)
+        values = stacked.tolist()  # the interval's single host sync
+        self._sums.clear()
+        self._weights.clear()
+        n = len(tags)
+        return {t: values[i] / values[n + i] if values[n + i] else math.nan
+                for i, t in enumerate(tags)}
+
+    def _rates(self, step: int, tokens_seen: int) -> dict[str, float]:
+        now = self.clock()
+        last_time, last_step, last_tokens = self._last
+        self._last = (now, step, tokens_seen)
+        elapsed, steps = now - last_time, step - last_step
+        self._intervals += 1
+        if self._intervals > 1:  # the first interval includes compilation and warm-up
+            self._timed = (self._timed[0] + elapsed, self._timed[1] + steps)
+        out = {"progress/tokens": float(tokens_seen), "progress/step": float(step)}
+        if elapsed <= 0 or steps <= 0:
+            return out
+        tok_s = (tokens_seen - last_tokens) / elapsed
+        out.update({"perf/tokens_per_s": tok_s,
+                    "perf/tokens_per_s_per_gpu": tok_s / self.world_size,
+                    "perf/step_time_s": elapsed / steps})
+        if self.flops_per_token and self.peak_flops:
+            out["perf/mfu"] = tok_s / self.world_size * self.flops_per_token / self.peak_flops
+        return out
+
+    def eta_seconds(self, step: int, step_time: Optional[float]) -> Optional[float]:
+        """Remaining time from the mean step time after the first interval (else the last one)."""
+        seconds, steps = self._timed
+        per_step = seconds / steps if steps > 0 else step_time
+        return None if per_step is None else per_step * max(self.total_steps - step, 0)
+
+    def _write(self, step: int, scalars: dict[str, float]) -> None:
+        self._record(step, scalars)
+        self.emit(self.progress_line(step, scalars))
+
+    def _record(self, step: int, scalars: dict[str, float]) -> None:
+        """TensorBoard scalars and the same values as one JSONL line (rank 0)."""
+        if self._tb is not None:
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, step)
+            self._tb.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
+            self._jsonl.flush()
+
+    def progress_line(self, step: int, scalars: dict[str, float]) -> str:
+        mem = None
+        if "mem/peak_allocated_gib" in scalars:
+            mem = (scalars["mem/peak_allocated_gib"], scalars["mem/total_gib"])
+        return format_progress(
+            step, self.total_steps, loss=scalars.get("train/loss"), lr=scalars.get("optim/lr"),
+            tokens_per_s=scalars.get("perf/tokens_per_s"), mfu=scalars.get("perf/mfu"),
+            mem_gib=mem, eta_s=self.eta_seconds(step, scalars.get("perf/step_time_s")))
+
+    def log_eval(self, step: int, scalars: dict[str, float]) -> None:
+        """Write already-reduced evaluation scalars (tags ``eval/...``) on rank 0."""
+        for tag in scalars:
+            if not tag.startswith("eval/"):
+                raise ValueError(f"log_eval takes eval/ tags, got {tag!r}")
+        if self.rank != 0:
+            return
+        scalars = {tag: float(value) for tag, value in scalars.items()}
+        self._record(step, scalars)
+        shown = " | ".join(f"{tag[len('eval/'):]} {value:.4f}" for tag, value in scalars.items())
+        self.emit(f"eval @ step {step} | {shown}")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self._tb = self._jsonl = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(path: Union[str, Path]) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` from a metrics.jsonl (a run folder or the file itself).
+
+    A resumed run re-logs steps after its checkpoint; the later record of a step wins.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    series: dict[str, dict[int, float]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        step = int(record.pop("step"))
+        record.pop("time", None)
+        for tag, value in record.items():
+            series.setdefault(tag, {})[step] = float(value)
+    return {tag: sorted(points.items()) for tag, points in series.items()}
+
+
+def plot_loss_curves(metrics_path: Union[str, Path], out_png: Union[str, Path],
+                     tags: Optional[Iterable[str]] = None) -> Path:
+    """PNG of the ``train/*`` and ``eval/*`` curves (or ``tags``) by step, one panel per tag."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global backend
+    from matplotlib.figure import Figure
+
+    series = read_metrics(metrics_path)
+    chosen = list(tags) if tags is not None else sorted(
+        t for t in series if t.startswith(("train/", "eval/")))
+    missing = [t for t in chosen if t not in series]
+    if missing or not chosen:
+        raise ValueError(f"no data for tags {missing or 'train/*, eval/*'} in {metrics_path}")
+    fig = Figure(figsize=(6.0, 2.6 * len(chosen)), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, tag in enumerate(chosen, start=1):
+        ax = fig.add_subplot(len(chosen), 1, i)
+        steps, values = zip(*series[tag])
+        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+        ax.set(title=tag, xlabel="step")
+        ax.grid(alpha=0.3)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png

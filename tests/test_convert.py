@@ -1,0 +1,127 @@
+"""Conversion: real offline teacher (issue 2, 4f), stage-1 weights, bad input, CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_qwen3
+
+from halo_dist import cli
+from halo_dist.models import convert as conv
+
+
+@pytest.fixture
+def qwen3_folder(tmp_path):
+    teacher = tiny_qwen3()
+    teacher.save_pretrained(tmp_path / "teacher")
+    return tmp_path / "teacher", teacher
+
+
+def test_real_smollm2_teacher_converts_and_all_attention_reproduces_it(smollm2_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    teacher = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    L = teacher.config.num_hidden_layers
+    student = conv.convert_model(teacher, list(range(L)), attn_rope=True, attn_logits_scale_base=None)
+    assert student.config.num_key_value_heads == 3 and student.config.tie_word_embeddings
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    x = tok(["The capital of Germany is", "Water boils at"], return_tensors="pt", padding=True)["input_ids"]
+    with torch.no_grad():
+        diff = (teacher(x).logits - student(x).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    # the hybrid conversion (default HyPE) runs and greedy-decodes through the CLI path as well
+    hybrid = conv.convert(str(smollm2_dir), [3, 10, 17, 24], tmp_path / "smol-hypenet")
+    assert hybrid.config.attn_layers == [3, 10, 17, 24]
+    assert (tmp_path / "smol-hypenet" / "tokenizer.json").exists() or (tmp_path / "smol-hypenet" / "tokenizer_config.json").exists()
+
+
+def test_stage1_weights_replace_rnn_layers(qwen3_folder, tmp_path):
+    from safetensors.torch import save_file
+
+    folder, teacher = qwen3_folder
+    base = conv.convert_model(teacher, [0, 2])
+    trained = {k: torch.randn_like(v) for k, v in base.state_dict().items() if k.startswith("model.layers.1.mixer.")}
+    path = tmp_path / "rnn.safetensors"
+    save_file(trained, str(path), metadata={"num_hidden_layers": "4"})
+    student = conv.convert_model(teacher, [0, 2], stage1_weights=path)
+    sd = student.state_dict()
+    for k, v in trained.items():
+        assert torch.equal(sd[k], v)
+    assert torch.equal(sd["model.layers.3.mixer.q_proj.weight"], base.state_dict()["model.layers.3.mixer.q_proj.weight"])
+
+
+def test_stage1_weights_that_do_not_fit_are_refused(qwen3_folder, tmp_path):
+    from safetensors.torch import save_file
+
+    _, teacher = qwen3_folder
+    bad_shape = tmp_path / "bad.safetensors"
+    save_file({"model.layers.1.mixer.q_proj.weight": torch.zeros(3, 3)}, str(bad_shape))
+    with pytest.raises(conv.ConversionError, match="shape"):
+        conv.convert_model(teacher, [0], stage1_weights=bad_shape)
+    bad_key = tmp_path / "key.safetensors"
+    save_file({"model.layers.9.mixer.q_proj.weight": torch.zeros(3, 3)}, str(bad_key))
+    with pytest.raises(conv.ConversionError, match="not a student parameter"):
+        conv.convert_model(teacher, [0], stage1_weights=bad_key)
+    bad_layers = tmp_path / "layers.safetensors"
+    save_file({}, str(bad_layers), metadata={"num_hidden_layers": "28"})
+    with pytest.raises(conv.ConversionError, match="28 layers"):
+        conv.convert_model(teacher, [0], stage1_weights=bad_layers)
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [([0, 7], "out of range"), ([1, 1], "repeated"), ([-1], "out of range")],
+)
+def test_bad_layer_lists_fail_before_loading_weights(qwen3_folder, monkeypatch, tmp_path, layers, message):
+    folder, _ = qwen3_folder
+    monkeypatch.setattr(conv, "load_teacher", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(conv.ConversionError, match=message):
+        conv.convert(str(folder), layers, tmp_path / "out")
+
+
+def test_unknown_architecture_and_missing_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(conv, "load_teacher", lambda *a, **k: pytest.fail("weights were loaded"))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (gpt2 / "model.safetensors").write_bytes(b"")
+    with pytest.raises(conv.ConversionError, match="unknown teacher architecture 'GPT2LMHeadModel'"):
+        conv.convert(str(gpt2), [0], tmp_path / "o")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(conv.ConversionError, match="holds no weights"):
+        conv.convert(str(empty), [0], tmp_path / "o")
+    with pytest.raises(conv.ConversionError, match="does not exist"):
+        conv.convert(str(tmp_path / "nope"), [0], tmp_path / "o")
+
+
+def test_heads_that_cannot_divide_are_refused():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_attention_heads=6, num_key_value_heads=4, hidden_size=48, num_hidden_layers=2)
+    cfg.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(conv.ConversionError, match="not divisible"):
+        conv.student_config(cfg, [0])
+
+
+def test_kv_expand_factor_for_sequence_parallel():
+    from halo_dist.models.hypenet.modeling_hypenet import kv_expand_factor
+
+    assert kv_expand_factor(16, 8, 4) == 1
+    assert kv_expand_factor(16, 8, 16) == 2
+    assert kv_expand_factor(32, 8, 32) == 4
+    with pytest.raises(ValueError, match="cannot split"):
+        kv_expand_factor(12, 4, 8)
+
+
+def test_cli_convert_and_generate(qwen3_folder, tmp_path, capsys):
+    folder, _ = qwen3_folder
+    out = tmp_path / "student"
+    assert cli.main(["convert", "--teacher", str(folder), "--attn-layers", "0,2", "--output", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["mixer_types"] == ["attention", "lightning", "attention", "lightning"]
+    assert cli.main(["convert", "--teacher", str(folder), "--attn-layers", "0,9", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: attention layer indices [9] out of range" in err and "hint:" in err
+    assert cli.main(["convert", "--teacher", str(folder), "--attn-layers", "a,b", "--output", str(out)]) == 2

@@ -1,0 +1,163 @@
+"""Metrics: tag namespaces, progress line, MFU arithmetic, interval reduction, JSONL/TB/PNG."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from halo_dist.train.metrics import (MetricsLogger, check_tag, device_peak_flops, flops_per_token,
+                                     format_duration, format_progress, format_si, peak_flops_for,
+                                     plot_loss_curves, read_metrics)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_line_format():
+    line = format_progress(120, 20000, loss=2.31412, lr=9.8e-5, tokens_per_s=16_200, mfu=0.314,
+                           mem_gib=(41.2, 80.0), eta_s=5 * 3600 + 12 * 60)
+    assert line == ("step 120/20000 (0.6%) | loss 2.3141 | lr 9.8e-05 | 16.2K tok/s | MFU 31.4% "
+                    "| mem 41.2/80.0 GiB | ETA 5h12m")
+    cpu = format_progress(1, 10, loss=None, lr=None, tokens_per_s=None, mfu=None, mem_gib=None,
+                          eta_s=None)
+    assert cpu == "step 1/10 (10.0%) | loss n/a | lr n/a | tok/s n/a | MFU n/a | mem n/a | ETA n/a"
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0s"), (42, "42s"), (725, "12m05s"),
+                                           (18720, "5h12m"), (97200, "1d03h")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_format_si():
+    assert (format_si(950), format_si(16_200), format_si(1.25e6), format_si(3e9)) == (
+        "950", "16.2K", "1.25M", "3G")
+
+
+@pytest.mark.parametrize("tag", ["train/loss", "optim/lr", "optim/grad_norm", "perf/tokens_per_s",
+                                 "perf/mfu", "mem/peak_allocated_gib", "progress/tokens",
+                                 "eval/kl"])
+def test_known_tags_pass(tag):
+    assert check_tag(tag) == tag
+
+
+@pytest.mark.parametrize("tag", ["loss", "training/loss", "train/", "/loss", "lr"])
+def test_tags_outside_namespaces_are_rejected(tag, tmp_path):
+    with pytest.raises(ValueError, match="outside the namespaces"):
+        check_tag(tag)
+    logger = MetricsLogger(tmp_path, total_steps=10, tensorboard=False, jsonl=False,
+                           emit=lambda _: None)
+    with pytest.raises(ValueError):
+        logger.add(tag, 1.0)
+
+
+def test_flops_per_token_and_peaks():
+    # Stage 2, 2B: 6 N_student + 2 N_teacher + 12 L_attn d T for the trained attention layers.
+    got = flops_per_token(2.0e9, 1.7e9, attn_layers=7, attn_dim=2048, context=512)
+    assert got == 6 * 2.0e9 + 2 * 1.7e9 + 12 * 7 * 2048 * 512
+    assert flops_per_token(10, frozen_attn_layers=2, attn_dim=4, context=8) == 60 + 4 * 2 * 4 * 8
+    assert peak_flops_for("NVIDIA H200") == 779e12
+    assert peak_flops_for("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops_for("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for("Some CPU") is None and peak_flops_for(None) is None
+    assert device_peak_flops(torch.device("cpu")) is None
+    assert device_peak_flops(torch.device("cpu"), override=1e12) == 1e12
+
+
+def make_logger(tmp_path, clock, lines, **kw):
+    return MetricsLogger(tmp_path / "run", total_steps=100, log_every=10, clock=clock,
+                         emit=lines.append, device=torch.device("cpu"), **kw)
+
+
+def test_interval_reduction_jsonl_tensorboard_and_line(tmp_path):
+    clock, lines = FakeClock(), []
+    with make_logger(tmp_path, clock, lines) as logger:
+        for step in range(1, 21):
+            # Token-weighted loss: sum(loss * tokens) / sum(tokens) over the interval.
+            logger.add("train/loss", torch.tensor(float(step)), weight=torch.tensor(2.0 if step % 2 else 1.0))
+            logger.add("optim/grad_norm", torch.tensor(0.5))
+            clock.now += 2.0
+            out = logger.maybe_log(step, tokens_seen=step * 1000, lr=1e-4)
+            assert (out is None) == (step % 10 != 0)
+    assert len(lines) == 2 and lines[0].startswith("step 10/100 (10.0%) | loss 5.3333 | lr 1.0e-04")
+    assert "| 500 tok/s | MFU n/a | mem n/a | ETA 3m00s" in lines[0]  # CPU: MFU and memory n/a
+    assert "ETA 2m40s" in lines[1]  # from the second interval's 2 s/step
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert records[1]["step"] == 20 and records[1]["optim/grad_norm"] == 0.5
+    expected = sum(s * (2.0 if s % 2 else 1.0) for s in range(11, 21)) / 15.0
+    assert records[1]["train/loss"] == pytest.approx(expected)
+    assert records[1]["perf/tokens_per_s"] == 500.0 and records[1]["progress/tokens"] == 20000
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "run/tb"))
+
+
+def test_mfu_from_flops_and_peak_override(tmp_path):
+    clock, lines = FakeClock(), []
+    logger = make_logger(tmp_path, clock, lines, tensorboard=False, world_size=1,
+                         flops_per_token=1e9, peak_flops=1e13)
+    logger.add("train/loss", 1.0)
+    clock.now = 10.0
+    out = logger.log(10, tokens_seen=20_000, lr=1e-4)  # 2000 tok/s x 1e9 / 1e13 = 20 %
+    assert out["perf/mfu"] == pytest.approx(0.2) and "MFU 20.0%" in lines[0]
+    logger.close()
+
+
+def test_non_zero_rank_writes_nothing(tmp_path):
+    lines = []
+    logger = make_logger(tmp_path, FakeClock(), lines, rank=1)
+    logger.add("train/loss", 1.0)
+    assert logger.log(10, 100)["train/loss"] == 1.0
+    assert lines == [] and not (tmp_path / "run").exists()
+
+
+def test_eval_scalars_and_resumed_records(tmp_path):
+    clock, lines = FakeClock(), []
+    logger = make_logger(tmp_path, clock, lines, tensorboard=False)
+    for step in (10, 20, 10):  # the third record is a resumed run re-logging step 10
+        logger.add("train/loss", float(step) + (0.5 if len(lines) == 2 else 0.0))
+        clock.now += 1.0
+        logger.log(step, step * 10)
+    logger.log_eval(20, {"eval/loss": 3.0})
+    with pytest.raises(ValueError):
+        logger.log_eval(20, {"train/loss": 3.0})
+    logger.close()
+    series = read_metrics(tmp_path / "run")
+    assert series["train/loss"] == [(10, 10.5), (20, 20.0)] and series["eval/loss"] == [(20, 3.0)]
+    png = plot_loss_curves(tmp_path / "run", tmp_path / "plots/loss.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no data"):
+        plot_loss_curves(tmp_path / "run", tmp_path / "x.png", tags=["train/nope"])
+
+
+def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        logger = MetricsLogger(out_dir, total_steps=4, log_every=2, rank=rank, world_size=2,
+                               tensorboard=False, device=torch.device("cpu"), emit=lambda _: None)
+        # Rank 0 saw 3 tokens with loss 1, rank 1 saw 1 token with loss 5: token mean = 2.
+        logger.add("train/loss", torch.tensor(1.0 if rank == 0 else 5.0),
+                   weight=torch.tensor(3.0 if rank == 0 else 1.0))
+        out = logger.log(2, tokens_seen=8)
+        assert out["train/loss"] == pytest.approx(2.0), out
+        logger.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_reduction_is_token_weighted(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # fork: the children reuse the imported torch instead of re-importing it (seconds on CI).
+    mp.start_processes(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == pytest.approx(2.0)
