@@ -53,14 +53,15 @@ def lightning_recurrent_torch(q, k, v, g, scale, initial_state=None):
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
-    qf, kf, vf, gf = q.float(), k.float(), v.float(), g.float()
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    state = q.new_zeros(B, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
+    qf, kf, vf, gf = q.to(acc), k.to(acc), v.to(acc), g.to(acc)
     outs = []
     for t in range(T):
         decay = gf[:, t].exp()[..., None, None]  # [B, H, 1, 1]
         state = decay * state + kf[:, t, :, :, None] * vf[:, t, :, None, :]  # [B, H, K, V]
         outs.append(torch.einsum("bhk,bhkv->bhv", qf[:, t], state) * scale)
-    o = torch.stack(outs, dim=1) if outs else q.new_zeros(B, 0, H, V, dtype=torch.float32)
+    o = torch.stack(outs, dim=1) if outs else q.new_zeros(B, 0, H, V, dtype=acc)
     return o.to(q.dtype), state
 
 
@@ -101,11 +102,12 @@ def lightning_chunk_torch(q, k, v, g, scale, initial_state=None, cu_seqlens=None
     Returns ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32)``.
     """
     dtype = q.dtype
-    q, k, v, g = q.float(), k.float(), v.float(), g.float()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32  # fp32 at least; fp64 stays fp64 (tests)
+    q, k, v, g = q.to(acc), k.to(acc), v.to(acc), g.to(acc)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is None:
-        state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+        state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
         o, state = _chunk_one(q, k, v, g, scale, state, chunk_size)
         return o.to(dtype), state
     if B != 1:
@@ -113,7 +115,7 @@ def lightning_chunk_torch(q, k, v, g, scale, initial_state=None, cu_seqlens=None
     bounds = cu_seqlens.tolist()
     outs, states = [], []
     for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        state = q.new_zeros(1, H, K, V) if initial_state is None else initial_state[n : n + 1].float()
+        state = q.new_zeros(1, H, K, V) if initial_state is None else initial_state[n : n + 1].to(acc)
         o, state = _chunk_one(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, state, chunk_size)
         outs.append(o)
         states.append(state)
@@ -134,14 +136,19 @@ def lightning_attention(
 ):
     """Dispatching entry point. ``log_decay [H]`` per head; ``token_mask [B, T]`` (False = padding).
 
-    Padding tokens become identity steps (k = v = 0 and no decay), so a left-padded row ends in
-    exactly the state of the unpadded row. Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32)``.
+    Padding tokens become identity steps (k = v = 0, and no decay where a state already exists), so
+    a left-padded row ends in exactly the state of the unpadded row. Left padding from an empty state
+    keeps the head-constant decay (fla's ``g_gamma`` kernels): fla 0.6 refuses the per-token-gate
+    backward on Hopper with Triton < 3.7.1, so the common path must not need it. Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32)``.
     """
     g = None
     if token_mask is not None:
         m = token_mask[..., None].to(k.dtype)  # [B, T, 1]
         k, v = k * m[..., None], v * m[..., None]
-        g = log_decay.to(q.device)[None, None, :] * m.float()  # [B, T, H]
+        if initial_state is not None or not _is_left_padded(token_mask):
+            # pads after real tokens must not decay the state: per-token g = 0 there. (A zero state
+            # stays zero through k = v = 0 steps, so left padding from an empty state needs no g.)
+            g = log_decay.to(q.device)[None, None, :] * m.float()  # [B, T, H]
     if use_fla(q):
         state = None if initial_state is None else initial_state.float()
         gamma = None if g is not None else log_decay.to(q.device).float()
@@ -160,6 +167,11 @@ def lightning_attention(
     if decode and cu_seqlens is None:
         return lightning_recurrent_torch(q, k, v, g, scale, initial_state)
     return lightning_chunk_torch(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size)
+
+
+def _is_left_padded(token_mask: torch.Tensor) -> bool:
+    """True if no real token is followed by a pad in any row."""
+    return not bool((token_mask[:, :-1] & ~token_mask[:, 1:]).any())
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,88 @@
+"""Shared helpers for bench/ scripts: environment facts, CUDA timing, result files, tables."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    """Device, date and library versions recorded with every result."""
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    for name in ("transformers", "fla", "triton", "liger_kernel", "deepspeed", "flash_attn"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:
+            env[name] = None
+    return env
+
+
+def time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def write_result(name: str, payload: dict, out: str | None = None) -> Path:
+    """Write ``bench/results/<name>.json`` (or ``out``) and, on the device, a copy under $OUT."""
+    payload = {**payload, "env": environment()}
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    if os.environ.get("OUT") and not str(path).startswith(os.environ["OUT"]):
+        Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+def print_table(rows: list[dict], title: str = "") -> None:
+    if not rows:
+        return
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    if title:
+        print(f"\n## {title}")
+    print("| " + " | ".join(c.ljust(widths[c]) for c in cols) + " |")
+    print("|" + "|".join("-" * (widths[c] + 2) for c in cols) + "|")
+    for r in rows:
+        print("| " + " | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in cols) + " |")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.3f}"
+    return str(v)

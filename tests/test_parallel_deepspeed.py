@@ -1,0 +1,186 @@
+"""DeepSpeed on CPU (gloo, 2 ranks) with ProcessGroups as its mpu: ``deepspeed.initialize`` accepts it,
+and two AdamW steps (with active gradient clipping) of a toy Ulysses attention block under ZeRO-3
+with sp=1 (dp=2) and sp=2 (dp=1), and ZeRO-2 with sp=2, equal a single-process run on the full batch
+and sequence -- losses, gradient norms and weights (one launch for all layouts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from halo_dist.parallel import ParallelLayout, ProcessGroups, SequenceParallel
+from distributed import run_distributed
+from test_parallel_ulysses import attention
+
+BATCH, SEQ, DIM, HEADS, STEPS, LR = 2, 8, 8, 2, 2, 1e-2
+CLIP = 0.05  # active, so DeepSpeed's gradient norm over the layout matters
+LAYOUTS = [(1, 3), (2, 3), (2, 2)]  # (sp, ZeRO stage) on 2 ranks
+
+
+class ToyAttentionBlock(nn.Module):
+    """x [B, T/sp, C] -> [B, T/sp, C]: qkv projection, Ulysses causal attention, output projection."""
+
+    def __init__(self, sp: SequenceParallel):
+        super().__init__()
+        self.sp = sp
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t_local, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t_local, 3, HEADS, DIM // HEADS).unbind(2)  # 3 x [B, T/sp, H, D]
+        o = attention(self.sp.seq_to_head(q), self.sp.seq_to_head(k), self.sp.seq_to_head(v))  # [B, T, H/sp, D]
+        return self.out(self.sp.head_to_seq(o).reshape(b, t_local, DIM))  # [B, T/sp, H, D] -> [B, T/sp, C]
+
+
+def _loss(y: torch.Tensor, replica_tokens: int) -> torch.Tensor:
+    """This rank's share of its replica's mean-over-tokens loss (DeepSpeed sums it over SP ranks
+    and averages over DP ranks)."""
+    return (y.float() ** 2).sum() / replica_tokens
+
+
+def _data():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(BATCH, SEQ, DIM, generator=gen) for _ in range(STEPS)]
+
+
+def _reference(model: nn.Module) -> tuple[list[float], list[float], dict]:
+    """Single-process AdamW steps on the full batch and sequence: losses, grad norms, weights."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms = [], []
+    for x in _data():
+        loss = _loss(model(x), BATCH * SEQ)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _ds_config(dp: int, stage: int = 3) -> dict:
+    return {"train_micro_batch_size_per_gpu": BATCH // dp, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "gradient_clipping": CLIP, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def _build(sp_size: int):
+    """ProcessGroups, the SP model and its single-process reference run (same initial weights)."""
+    groups = ProcessGroups.build(sp_size=sp_size)
+    torch.manual_seed(0)
+    reference = ToyAttentionBlock(SequenceParallel(None))  # full sequence, no SP
+    model = ToyAttentionBlock(SequenceParallel(groups.sp_group))
+    model.load_state_dict(reference.state_dict())
+    return groups, model, _reference(reference)
+
+
+def _train(engine, groups: ProcessGroups, loss_factor: int) -> tuple[list[float], list[float]]:
+    """STEPS DeepSpeed steps, each rank on its [B/dp, T/sp] block; returns global losses, grad norms."""
+    dp, sp = groups.layout.dp_size, SequenceParallel(groups.sp_group)
+    losses, norms = [], []
+    for x in _data():
+        x = sp.shard_seq(x.chunk(dp)[groups.dp_rank])  # [B/dp, T/sp, C]: this rank's block
+        loss = _loss(engine(x), BATCH // dp * SEQ)  # this rank's share of its replica's loss
+        engine.backward(loss * loss_factor)
+        engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # sum over ranks = sum over replicas of their mean loss
+        losses.append(total.item() / dp)
+    return losses, norms
+
+
+def _run_layout(sp_size: int, stage: int) -> dict:
+    """Train with ProcessGroups(sp_size) as mpu under ZeRO `stage`; compare with the reference."""
+    import deepspeed
+
+    from halo_dist.parallel.deepspeed_setup import initialize_engine, sp_loss_factor
+
+    groups, model, (ref_losses, ref_norms, ref_state) = _build(sp_size)
+    config = _ds_config(groups.layout.dp_size, stage)
+    engine, *_ = initialize_engine(model, config, groups)
+    losses, norms = _train(engine, groups, sp_loss_factor(config, groups))
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=stage == 3):
+        err = max((p.detach() - ref_state[n]).abs().max().item() for n, p in params.items())
+    facts = {"dp_world_size": engine.dp_world_size, "seq_dp_world_size": engine.seq_dp_world_size,
+             "sequence_parallel_size": engine.sequence_parallel_size}
+    if stage == 3:
+        facts["partition_sizes"] = sorted({dist.get_world_size(p.ds_process_group) for p in params.values()})
+        facts["partitioned"] = all(p.ds_tensor.numel() < p.ds_numel for p in params.values())
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+            "param_err": err, **facts}
+
+
+def _wrong_partition_error() -> str:
+    """A model pre-partitioned over the pure DP group (size 1 at sp=2) must be refused."""
+    import deepspeed
+
+    from halo_dist.parallel.deepspeed_setup import initialize_engine
+
+    groups = ProcessGroups.build(sp_size=2)
+    model = ToyAttentionBlock(SequenceParallel(groups.sp_group))
+    deepspeed.zero.Init(module=model, data_parallel_group=groups.get_data_parallel_group())
+    try:
+        initialize_engine(model, _ds_config(dp=1), groups)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _both_layouts() -> dict:
+    from halo_dist.parallel.deepspeed_setup import init_distributed
+
+    init_distributed(cpu=True)
+    out = {layout: _run_layout(*layout) for layout in LAYOUTS}
+    out["wrong_partition"] = _wrong_partition_error()
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_runs():
+    return run_distributed(_both_layouts, world_size=2, timeout=150, collective_timeout=60,
+                           env={"DS_ACCELERATOR": "cpu"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp,stage", LAYOUTS)
+def test_zero_with_mpu_matches_single_process(zero_runs, sp, stage):
+    for res in zero_runs:
+        run = res[(sp, stage)]
+        assert run["dp_world_size"] == 2 // sp and run["sequence_parallel_size"] == sp
+        assert run["seq_dp_world_size"] == 2
+        if stage == 3:
+            assert run["partition_sizes"] == [2] and run["partitioned"]
+        assert run["losses"] == pytest.approx(run["ref_losses"], rel=1e-5, abs=1e-7)
+        assert run["ref_losses"][1] != run["ref_losses"][0]  # the first step changed the weights
+        assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-5)  # not double-counted over SP
+        assert run["ref_norms"][0] > CLIP
+        assert run["param_err"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_zero3_refuses_parameters_partitioned_over_dp_only(zero_runs):
+    for res in zero_runs:
+        assert "partitioned over 1 ranks" in res["wrong_partition"]
+        assert "get_sequence_data_parallel_group" in res["wrong_partition"]
+
+
+@pytest.mark.parametrize("stage,sp,factor", [(0, 2, 1), (1, 2, 1), (2, 2, 1), (3, 2, 2), (3, 4, 4), (3, 1, 1)])
+def test_sp_loss_factor(stage, sp, factor):
+    from halo_dist.parallel.deepspeed_setup import sp_loss_factor
+
+    groups = ProcessGroups(ParallelLayout(4, sp), 0, None, None, None, None)
+    assert sp_loss_factor(_ds_config(dp=1, stage=stage), groups) == factor
+
+
+def test_zero3_sp_refuses_reduce_scatter_false():
+    from halo_dist.parallel.deepspeed_setup import sp_loss_factor
+
+    config = _ds_config(dp=1)
+    config["zero_optimization"]["reduce_scatter"] = False
+    with pytest.raises(ValueError, match="reduce_scatter=true"):
+        sp_loss_factor(config, ProcessGroups(ParallelLayout(2, 2), 0, None, None, None, None))
