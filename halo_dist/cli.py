@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.set_defaults(func=cmd_generate)
+
+    from .eval.commands import register_eval_commands  # select-layers, eval-niah, calibrate-scaling, eval-lm
+    from .train.commands import register_train_commands  # export
+
+    register_eval_commands(sub)
+    register_train_commands(sub)
     return p
 
 

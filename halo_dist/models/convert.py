@@ -209,8 +209,12 @@ def transfer_state_dict(teacher_sd: dict[str, torch.Tensor], cfg: HypeNetConfig)
     return sd
 
 
-def load_stage1_weights(path: str | os.PathLike, cfg: HypeNetConfig, student_keys: dict[str, torch.Size]):
-    """Read trained RNN-layer weights (safetensors) and check they fit this student before use."""
+def load_stage1_weights(
+    path: str | os.PathLike, cfg: HypeNetConfig, student_keys: dict[str, torch.Size], only_layers: set[int] | None = None
+):
+    """Read trained RNN-layer weights (safetensors) and check they fit this student before use.
+
+    Keys of layers outside ``only_layers`` are ignored (a stage-1 file holds every layer's RNN)."""
     from safetensors.torch import load_file, safe_open
 
     path = Path(path)
@@ -224,6 +228,11 @@ def load_stage1_weights(path: str | os.PathLike, cfg: HypeNetConfig, student_key
             f"teacher has {cfg.num_hidden_layers}"
         )
     weights = load_file(str(path))
+    foreign = [k for k in weights if _layer_of(k) is None or not 0 <= _layer_of(k) < cfg.num_hidden_layers]
+    if foreign:
+        raise ConversionError(f"stage-1 weights {path}: key {foreign[0]!r} is not a student parameter")
+    if only_layers is not None:
+        weights = {k: w for k, w in weights.items() if _layer_of(k) in only_layers}
     for key, w in weights.items():
         if key not in student_keys:
             raise ConversionError(f"stage-1 weights {path}: key {key!r} is not a student parameter")
@@ -249,16 +258,33 @@ def build_student(cfg: HypeNetConfig, state_dict: dict[str, torch.Tensor], dtype
     return model.eval()
 
 
-def convert_model(teacher_model, attn_layers: list[int], stage1_weights=None, **overrides) -> HypeNetForCausalLM:
-    """In-memory conversion of a loaded HF teacher."""
+def convert_model(
+    teacher_model, attn_layers: list[int], stage1_weights=None, stage1_layers: list[int] | None = None, **overrides
+) -> HypeNetForCausalLM:
+    """In-memory conversion of a loaded HF teacher.
+
+    ``stage1_weights`` (safetensors, student key names ``model.layers.{i}.mixer.*``) may hold trained
+    RNN mixers for every layer (stage 1 trains all of them); only the student's RNN layers — or
+    ``stage1_layers`` if given — are taken from it.
+    """
     cfg = student_config(teacher_model.config, attn_layers, **overrides)
     teacher_sd = {k: v.detach() for k, v in teacher_model.state_dict().items()}
     sd = transfer_state_dict(teacher_sd, cfg)
     if stage1_weights is not None:
-        shapes = {k: v.shape for k, v in sd.items()}
-        trained = load_stage1_weights(stage1_weights, cfg, shapes)
+        wanted = set(cfg.rnn_layers if stage1_layers is None else stage1_layers)
+        bad = sorted(wanted - set(cfg.rnn_layers))
+        if bad:
+            raise ConversionError(f"stage1_layers {bad} are attention layers in this student")
+        shapes = {k: v.shape for k, v in sd.items() if _layer_of(k) in wanted}
+        trained = load_stage1_weights(stage1_weights, cfg, shapes, only_layers=wanted)
         sd.update({k: v.to(sd[k].dtype) for k, v in trained.items()})
     return build_student(cfg, sd)
+
+
+def _layer_of(key: str) -> int | None:
+    """``model.layers.7.mixer.q_proj.weight`` -> 7."""
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
 
 
 def load_teacher(source: TeacherSource, dtype=torch.float32):
