@@ -218,3 +218,15 @@ def test_export_replaces_atomically(tmp_path):
     export_hypenet(student, target)  # re-export over an existing folder
     assert (target / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_packed_batch_of_several_rows():
+    """cu_seqlens over the flattened [B, T] tokens (the loader's layout) with B > 1."""
+    student = convert_model(tiny_qwen3(), [0, 2])
+    rows = torch.randint(0, 256, (2, 20))
+    pos = torch.tensor([list(range(8)) + list(range(12)), list(range(20))])
+    cu = torch.tensor([0, 8, 20, 40], dtype=torch.int32)
+    out = logits(student, rows, position_ids=pos, cu_seqlens=cu, max_seqlen=20)
+    ref = torch.cat([logits(student, rows[:1, :8]), logits(student, rows[:1, 8:])], dim=1)
+    torch.testing.assert_close(out[:1], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1:], logits(student, rows[1:]), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,134 @@
+"""HALO stages: what each stage trains and what it writes. The loop lives in halo_dist.train.
+
+  stage1  Stage1Aligner   all RNN layers, MSE to the teacher's attention outputs -> rnn_layers.safetensors
+  stage2  DistillModule   the hybrid (conversion + stage-1 RNNs + selected attention layers), forward KL
+  stage3  DistillModule   the stage-2 student at long context, forward KL (or CE)      -> HF folder
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig, to_dict
+from .distill import DistillModule
+from .stage1 import STAGE1_FILE, Stage1Aligner, resolve_stage1_file, save_stage1_weights, stage1_state_dict
+from .teacher import as_exact_hypenet, load_hf_teacher
+
+
+def student_overrides(cfg: RunConfig) -> dict:
+    """HypeNet switches taken from the run config's model section."""
+    m = cfg.model
+    return dict(
+        attn_logits_scale_base=m.logits_scaling_a if m.logits_scaling_in_training else None,
+        attn_output_gate=m.attn_output_gate,
+        attn_output_norm=m.attn_output_norm,
+    )
+
+
+def _loss_tokens(batch: dict) -> int:
+    return int(batch["input_ids"].numel())
+
+
+def _ce_tokens(batch: dict) -> int:
+    return int((batch["labels"] != -100).sum())
+
+
+def build_stage_module(cfg: RunConfig):
+    """Returns ``(trainable module, frozen teacher or None)`` for ``cfg.stage.name``."""
+    from ..models.convert import convert_model
+    from ..models.hypenet import HypeNetForCausalLM
+
+    name = cfg.stage.name
+    hf_teacher = load_hf_teacher(cfg.model)
+    teacher = as_exact_hypenet(hf_teacher)
+    if name == "stage1":
+        module = Stage1Aligner(hf_teacher, teacher, **student_overrides(cfg))
+        module.loss_tokens = _loss_tokens
+        module.student_model = lambda: _MixerHolder(module)
+        return module, teacher
+    if name not in ("stage2", "stage3"):
+        raise ValueError(f"stage {name!r} is not a distillation stage (see launchers/)")
+    if cfg.model.student_init:
+        student = HypeNetForCausalLM.from_pretrained(cfg.model.student_init, dtype=torch.float32)
+    else:
+        s1 = resolve_stage1_file(cfg.model.stage1_weights) if cfg.model.stage1_weights else None
+        if s1 is not None and not s1.exists():
+            raise FileNotFoundError(f"model.stage1_weights: {s1} does not exist (run stage 1 first)")
+        student = convert_model(hf_teacher, cfg.model.attn_layers, stage1_weights=s1, **student_overrides(cfg))
+    del hf_teacher
+    _check_vocab(student, teacher)
+    if cfg.model.activation_checkpointing:
+        student.model.gradient_checkpointing = True
+    objective = cfg.loss.objective
+    module = DistillModule(student, teacher if objective != "ce" else None, objective=objective,
+                           temperature=cfg.loss.temperature, ce_weight=cfg.loss.ce_weight, chunk_size=cfg.loss.chunk_size)
+    module.loss_tokens = _ce_tokens if objective == "ce" else _loss_tokens
+    module.student_model = lambda: module.student
+    return module, (teacher if objective != "ce" else None)
+
+
+def _check_vocab(student, teacher) -> None:
+    vs, vt = student.config.vocab_size, teacher.config.vocab_size
+    if vs != vt:
+        raise ValueError(f"student vocabulary {vs} != teacher vocabulary {vt}: distillation needs one tokenizer")
+
+
+class _MixerHolder(torch.nn.Module):
+    """Lets SP injection walk the stage-1 mixers like a model's layers."""
+
+    def __init__(self, aligner):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(_Layer(m) for m in aligner.mixers)
+        self.config = aligner.student_config
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, mixer):
+        super().__init__()
+        self.mixer = mixer
+
+
+def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
+    """Full trainable-module state dict on rank 0 (ZeRO-3 shards gathered), None elsewhere."""
+    engine = trainer.engine
+    if trainer.cfg.parallel.zero_stage == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state = engine.module.state_dict()
+    return state if trainer.rank == 0 else None
+
+
+def write_stage_output(trainer, folder: Path) -> Path | None:
+    """stage 1: the RNN-layer file; stages 2/3: an HF HypeNet folder. Rank 0 writes; all ranks call."""
+    from ..models.export import export_hypenet
+
+    state = gathered_state_dict(trainer)
+    if trainer.rank != 0:
+        return None
+    cfg = trainer.cfg
+    module = trainer.module
+    if cfg.stage.name == "stage1":
+        weights = stage1_state_dict(module, state)
+        path = save_stage1_weights(weights, folder, len(module.mixers), cfg.model.teacher)
+    else:
+        student = module.student
+        prefix = "student."
+        cpu_state = {k[len(prefix):]: v.detach().float().cpu() for k, v in state.items() if k.startswith(prefix)}
+        from ..models.hypenet import HypeNetForCausalLM
+
+        with torch.device("meta"):
+            clean = HypeNetForCausalLM(student.config)
+        clean.load_state_dict(cpu_state, strict=False, assign=True)
+        if student.config.tie_word_embeddings:
+            clean.lm_head.weight = clean.model.embed_tokens.weight
+        path = export_hypenet(clean, folder, extra={"stage": cfg.stage.name, "step": trainer.step})
+    (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    (folder / "DONE").write_text(json.dumps({"stage": cfg.stage.name, "step": trainer.step}))
+    return path
+
+
+__all__ = ["STAGE1_FILE", "DistillModule", "Stage1Aligner", "build_stage_module", "write_stage_output"]

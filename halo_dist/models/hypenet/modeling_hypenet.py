@@ -328,10 +328,14 @@ class LightningMixer(nn.Module):
         else:
             state = None if cache is None else cache.layers[self.layer_idx]
             decode = cache is not None and state is not None and q.shape[1] <= 16
+            B, T = q.shape[:2]
+            if info.cu_seqlens is not None:  # varlen kernels want the batch flattened: [B, T, H, D] -> [1, B*T, H, D]
+                q, k, v = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v))
             o, final = lightning_attention(
                 q, k, v, log_decay, scale, token_mask=info.token_mask, initial_state=state,
                 cu_seqlens=info.cu_seqlens, chunk_size=self.config.lightning_chunk_size, decode=decode,
             )
+            o = o.reshape(B, T, *o.shape[2:])  # [1, B*T, H, D] -> [B, T, H, D] (no-op without cu_seqlens)
             if cache is not None:
                 cache.layers[self.layer_idx] = final
         return self.finish(o, x)

@@ -1,0 +1,73 @@
+"""HALO stages 2 and 3: forward KL(teacher ‖ student) over the full vocabulary (SPEC §3).
+
+The loss is fused and chunked (``halo_dist.losses``): neither model's ``[tokens × vocab]`` logits
+exist at once. The student returns final hidden states only; the vocabulary projection happens
+inside the loss with the (ZeRO-3-gathered) lm_head. Stage 3's ``ce`` objective skips the teacher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..losses import fused_distill_loss
+from ..models.hypenet import HypeNetForCausalLM
+
+
+class DistillModule(nn.Module):
+    """Student + loss in one module, so DeepSpeed sees one forward (and ZeRO-3 gathers the lm_head)."""
+
+    def __init__(self, student: HypeNetForCausalLM, teacher: HypeNetForCausalLM | None, objective: str = "kl",
+                 temperature: float = 1.0, ce_weight: float = 0.0, chunk_size: int | None = None,
+                 direction: str = "forward"):
+        super().__init__()
+        self.student = student
+        self._teacher = [teacher]  # frozen and never saved: not a submodule
+        self.objective, self.temperature, self.ce_weight = objective, temperature, ce_weight
+        self.chunk_size, self.direction = chunk_size, direction
+        self._zero3 = False
+
+    @property
+    def teacher(self):
+        return self._teacher[0]
+
+    def enable_zero3(self) -> None:
+        """The loss reads ``lm_head.weight`` outside lm_head's own forward: tell ZeRO-3 to gather it."""
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(self, self.student.lm_head.weight)
+        self._zero3 = True
+
+    def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, labels=None,
+                normalizer: float = 1.0, **unused):
+        """Returns ``(loss for backward, detached token-sum of the objective, token count)``."""
+        kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_hidden_only=True)
+        hidden = self.student(input_ids, **kw).flatten(0, 1)  # [B, T, d] -> [B*T, d]
+        teacher_hidden = teacher_weight = None
+        if self.objective != "ce":
+            with torch.no_grad():
+                teacher_hidden = self.teacher(input_ids, **kw).flatten(0, 1)
+            teacher_weight = self.teacher.lm_head.weight
+        use_ce = self.objective == "ce" or self.ce_weight > 0
+        with self._gathered_teacher_head():
+            out = fused_distill_loss(
+                hidden, self.student.lm_head.weight, teacher_hidden, teacher_weight,
+                labels=labels.flatten() if use_ce else None, direction=self.direction,
+                temperature=self.temperature, kl_weight=0.0 if self.objective == "ce" else 1.0,
+                ce_weight=1.0 if self.objective == "ce" else self.ce_weight,
+                chunk_size=self.chunk_size, normalizer=normalizer,
+            )
+        tracked = out.ce_sum if self.objective == "ce" else out.kl_sum
+        count = out.num_ce_tokens if self.objective == "ce" else out.num_tokens
+        return out.loss, tracked, count
+
+    def _gathered_teacher_head(self):
+        """A ZeRO-3-sharded teacher needs its lm_head gathered for the loss; a replicated one does not."""
+        t = self.teacher
+        if t is None or not hasattr(t.lm_head.weight, "ds_id"):
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([t.lm_head.weight], modifier_rank=None)

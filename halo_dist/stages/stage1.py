@@ -1,0 +1,112 @@
+"""HALO stage 1: align every RNN layer to the attention layer it replaces (SPEC §3).
+
+All layers are trained at once. Layer l's RNN is fed the teacher's own input to layer l (the
+normalised hidden state entering its attention) and regresses the teacher's attention output:
+loss = Σ_l MSE(attn_l(x_l), RNN_l(x_l)). Nothing else is trained. The result is one safetensors
+file of RNN mixers for every layer (keys ``model.layers.{l}.mixer.*``), which conversion
+(``convert --stage1-weights``) and layer selection read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models.convert import convert_model
+from ..models.hypenet import HypeNetForCausalLM
+
+STAGE1_FILE = "rnn_layers.safetensors"
+
+
+class TeacherTaps:
+    """Forward hooks that record each teacher mixer's input ``x_l`` and output during one forward."""
+
+    def __init__(self, teacher: HypeNetForCausalLM):
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.info = None
+        self._handles = []
+        for i, layer in enumerate(teacher.model.layers):
+            self._handles.append(layer.mixer.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(layer.mixer.register_forward_hook(self._post(i)))
+
+    def _pre(self, i):
+        def hook(module, args):
+            self.inputs[i], self.info = args[0], args[1]
+
+        return hook
+
+    def _post(self, i):
+        def hook(module, args, output):
+            self.outputs[i] = output
+
+        return hook
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+class Stage1Aligner(nn.Module):
+    """The trainable part of stage 1: one RNN mixer per teacher layer, initialised by weight transfer."""
+
+    def __init__(self, hf_teacher, teacher: HypeNetForCausalLM, **student_overrides):
+        super().__init__()
+        all_rnn = convert_model(hf_teacher, [], **student_overrides)  # stage 0: every layer an RNN
+        self.student_config = all_rnn.config
+        self.mixers = nn.ModuleList(layer.mixer for layer in all_rnn.model.layers)
+        del all_rnn
+        self._teacher = [teacher]  # a list: the frozen teacher is not a submodule (never saved, not in ZeRO)
+        self.taps = TeacherTaps(teacher)
+
+    @property
+    def teacher(self) -> HypeNetForCausalLM:
+        return self._teacher[0]
+
+    def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, normalizer: float = 1.0, **unused):
+        """Returns ``(loss for backward, detached sum of per-token layer-summed MSE, token count)``."""
+        with torch.no_grad():
+            self.teacher(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                         return_hidden_only=True)
+        total = input_ids.new_zeros((), dtype=torch.float32)
+        for i, mixer in enumerate(self.mixers):
+            x, target = self.taps.inputs.pop(i), self.taps.outputs.pop(i)
+            pred = mixer(x, self.taps.info)
+            # per-token mean over the hidden dim, summed over tokens: a token-weighted MSE
+            total = total + (pred.float() - target.float()).pow(2).mean(-1).sum()
+        count = input_ids.numel()
+        return total / normalizer, total.detach(), count
+
+
+def stage1_state_dict(aligner: Stage1Aligner, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Aligner parameters renamed to student keys: ``mixers.3.q_proj.weight`` -> ``model.layers.3.mixer.q_proj.weight``."""
+    state = aligner.state_dict() if state is None else state
+    out = {}
+    for key, value in state.items():
+        if key.startswith("mixers."):
+            _, idx, rest = key.split(".", 2)
+            out[f"model.layers.{idx}.mixer.{rest}"] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, num_layers: int, teacher: str) -> Path:
+    """Atomic write of the stage-1 file (+ metadata conversion checks against)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / STAGE1_FILE
+    tmp = folder / f".{STAGE1_FILE}.tmp"
+    save_file(weights, str(tmp), metadata={"num_hidden_layers": str(num_layers), "teacher": str(teacher)})
+    os.replace(tmp, path)
+    return path
+
+
+def resolve_stage1_file(path: str | Path) -> Path:
+    """Accept the file itself or a stage-1 output folder."""
+    path = Path(path)
+    return path / STAGE1_FILE if path.is_dir() else path

@@ -1,0 +1,53 @@
+"""The frozen teacher.
+
+The HF teacher is re-expressed as an all-attention HypeNet with RoPE on, no logits scaling and no
+gates: tests/test_hypenet.py proves that reproduces the HF logits exactly, and it gives the teacher
+the same packed-document kernels (cu_seqlens), Ulysses sequence parallelism and per-layer hooks as
+the student. HF's SDPA path would silently attend across packed documents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..models.convert import convert_model, load_teacher, load_teacher_config, resolve_teacher
+from ..models.hypenet import HypeNetForCausalLM
+
+EXACT_TEACHER = dict(attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False, rnn_output_gate=False)
+
+
+def random_qwen3(model_cfg: ModelConfig):
+    """A random Qwen3 of the configured shape (tests and benchmarks), seeded so every rank agrees."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    rt = model_cfg.random_teacher
+    cfg = Qwen3Config(
+        vocab_size=rt.vocab_size, hidden_size=rt.hidden_size, intermediate_size=rt.intermediate_size,
+        num_hidden_layers=rt.num_hidden_layers, num_attention_heads=rt.num_attention_heads,
+        num_key_value_heads=rt.num_key_value_heads, head_dim=rt.head_dim, tie_word_embeddings=rt.tie_word_embeddings,
+        rope_theta=rt.rope_theta, max_position_embeddings=rt.max_position_embeddings,
+    )
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(rt.seed)
+    model = Qwen3ForCausalLM(cfg).eval()
+    torch.random.set_rng_state(generator_state)
+    return model
+
+
+def load_hf_teacher(model_cfg: ModelConfig):
+    """The teacher as a loaded HF model (fp32 on CPU; cast and moved later)."""
+    if model_cfg.teacher == "random":
+        return random_qwen3(model_cfg)
+    source = resolve_teacher(model_cfg.teacher)
+    load_teacher_config(source)  # fails fast on a bad path / architecture
+    return load_teacher(source, torch.float32)
+
+
+def as_exact_hypenet(hf_teacher) -> HypeNetForCausalLM:
+    """All-attention HypeNet computing exactly the teacher's function, frozen."""
+    layers = list(range(hf_teacher.config.num_hidden_layers))
+    teacher = convert_model(hf_teacher, layers, **EXACT_TEACHER)
+    teacher.requires_grad_(False)
+    return teacher.eval()

@@ -1,0 +1,126 @@
+"""Checkpoints: ``<dir>/step-00000120/`` folders, valid only once ``COMPLETE`` exists.
+
+A save is collective: DeepSpeed writes model + optimizer shards (every rank), each rank writes its
+RNG state, rank 0 writes the trainer state (step, tokens, loader position, schedule) and the
+resolved config, and after a barrier rank 0 writes the ``COMPLETE`` marker atomically. A crash in
+between leaves a folder without the marker, which resume ignores and the next save deletes. The
+last ``keep_last`` complete checkpoints are kept. The teacher is never part of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint folders, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / MARKER).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def rng_state() -> dict:
+    """All RNG states as tensors / plain Python values, loadable with ``weights_only=True``."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointManager:
+    """Save / find / load / prune checkpoints of one run."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 2):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def save(self, engine, step: int, trainer_state: dict, config_text: str) -> Path:
+        """Collective save of everything needed to continue exactly at ``step``."""
+        tag = step_dir_name(step)
+        path = self.root / tag
+        if self.rank == 0 and path.exists():
+            shutil.rmtree(path)  # an incomplete leftover of a crashed save of the same step
+        _barrier()
+        engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
+        torch.save(rng_state(), path / f"rng_rank{self.rank:05d}.pt")
+        if self.rank == 0:
+            _atomic_text(path / TRAINER_STATE, json.dumps(trainer_state, indent=2))
+            _atomic_text(path / "config.yaml", config_text)
+        _barrier()
+        if self.rank == 0:
+            _atomic_text(path / MARKER, json.dumps({"step": step}))
+            self._prune()
+        _barrier()
+        return path
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints; drop older and incomplete folders."""
+        done = complete_checkpoints(self.root)
+        keep = {p.name for p in done[-self.keep_last :]}
+        newest = int(done[-1].name.split("-")[1]) if done else -1
+        for p in self.root.glob("step-*"):
+            n = int(p.name.split("-")[1])
+            if p.name not in keep and (p in done or n < newest):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def load(self, engine, path: Path) -> dict:
+        """Restore engine (model, optimizer, LR scheduler) and this rank's RNG; return the trainer state."""
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {path}")
+        rng_file = path / f"rng_rank{self.rank:05d}.pt"
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        return json.loads((path / TRAINER_STATE).read_text())
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

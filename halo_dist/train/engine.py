@@ -1,0 +1,267 @@
+"""The teacher-student engine: one Trainer runs HALO stages 1, 2 and 3 on DeepSpeed.
+
+Order of construction (fixed, see ``Trainer.setup``): distributed + process groups -> validate the
+batch layout -> teacher (frozen, replicated) -> stage module (student + loss) -> sequence
+parallelism injected into every mixer -> activation checkpointing -> DeepSpeed engine (ZeRO stage
+from the config, partitioned over all dp*sp ranks) -> loader -> resume -> metrics.
+
+Loss normalisation (token-weighted over micro-batches, SP and DP ranks): each optimizer step first
+counts the global number of loss tokens N (one all-reduce), then every micro-batch's loss is its
+token sum divided by ``N / (grad_accum * D)``, D being the number of ranks DeepSpeed averages
+gradients over (dp, times sp under ZeRO-3; see parallel/deepspeed_setup.py). The resulting gradient
+is exactly that of the global token mean.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import time
+from contextlib import closing
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig, deepspeed_config, format_config, save_resolved
+from ..data import build_loader
+from ..parallel import ProcessGroups, SequenceParallel
+from .checkpoint import CheckpointManager, latest_checkpoint
+from .metrics import MetricsLogger, flops_per_token
+from .schedules import LRSchedule, make_lr_scheduler
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/inf; the last good state was checkpointed before raising."""
+
+
+class StopRequested(Exception):
+    """A signal asked the run to stop; raised after the checkpoint was written."""
+
+
+def _free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed_env() -> None:
+    """Let a plain ``python launchers/stageN.py`` run as a 1-rank job (torchrun/deepspeed/srun set these)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+
+
+class Trainer:
+    """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
+
+    def __init__(self, cfg: RunConfig, argv: list[str] | None = None):
+        self.cfg, self.argv = cfg, argv
+        self.stop_signal: int | None = None
+        self.step = 0
+        self.tokens_seen = 0
+
+    # ------------------------------------------------------------------------------ setup
+    def setup(self) -> "Trainer":
+        from ..parallel.deepspeed_setup import init_distributed, initialize_engine, sp_loss_factor
+
+        cfg = self.cfg
+        ensure_distributed_env()
+        if not dist.is_initialized():
+            init_distributed()
+        self.groups = ProcessGroups.build(sp_size=cfg.parallel.sp_size)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout = cfg.validate_against_world(self.world)
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.module, self.teacher = self._build_stage()
+        self._apply_sequence_parallel()
+        self.ds_config = deepspeed_config(cfg, self.layout)
+        self.ds_config.setdefault("zero_allow_untested_optimizer", True)
+        self.loss_ranks = self.layout.dp_size * sp_loss_factor(self.ds_config, self.groups)
+        optimizer, scheduler = self._optimizer()
+        self.engine, self.optimizer, _, self.scheduler = initialize_engine(
+            self.module, self.ds_config, self.groups, optimizer=optimizer, lr_scheduler=scheduler
+        )
+        if cfg.parallel.zero_stage == 3 and hasattr(self.module, "enable_zero3"):
+            self.module.enable_zero3()
+        self.loader = build_loader(
+            cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size, self.groups.dp_rank, self.layout.dp_size,
+            self.groups.sp_rank, cfg.parallel.sp_size, seed=cfg.data.seed, num_workers=cfg.data.num_workers,
+            shuffle=cfg.data.shuffle, tokenizer=self._tokenizer_for_check(),
+        )
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
+        self._maybe_resume()
+        self._start_metrics()
+        self._install_signal_handlers()
+        return self
+
+    def _build_stage(self):
+        from ..stages import build_stage_module
+
+        module, teacher = build_stage_module(self.cfg)
+        module.to(self.device, self.dtype)
+        if teacher is not None:
+            teacher.to(self.device, self.dtype)
+        return module, teacher
+
+    def _apply_sequence_parallel(self) -> None:
+        if self.cfg.parallel.sp_size == 1:
+            return
+        from ..parallel.apply import apply_sequence_parallel
+
+        sp = SequenceParallel(self.groups.sp_group)
+        for model in (self.module.student_model(), self.teacher):
+            if model is not None:
+                apply_sequence_parallel(model, sp)
+
+    def _optimizer(self):
+        o = self.cfg.optim
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        fused = self.device.type == "cuda"
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=fused)
+        self.schedule = LRSchedule.from_config(self.cfg)
+        return opt, make_lr_scheduler(opt, self.schedule)
+
+    def _tokenizer_for_check(self):
+        """The teacher's tokenizer, so shards made with another one are refused (random teachers have none)."""
+        if self.cfg.model.teacher == "random":
+            return None
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.cfg.model.teacher)
+        except (OSError, ValueError):
+            return None
+
+    def _start_metrics(self) -> None:
+        n_train = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        n_teacher = sum(p.numel() for p in self.teacher.parameters()) if self.teacher is not None else 0
+        if getattr(self.module, "ds_numel_total", None):
+            n_train = self.module.ds_numel_total
+        self.metrics = MetricsLogger.from_config(
+            self.cfg, rank=self.rank, world_size=self.world, device=self.device,
+            flops_per_token=flops_per_token(n_train, n_teacher) / max(1, self.world),
+            start_step=self.step, start_tokens=self.tokens_seen,
+        )
+        if self.rank == 0:
+            Path(self.cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)
+            save_resolved(self.cfg, Path(self.cfg.logging.run_dir) / "config.yaml", argv=self.argv)
+            print(format_config(self.cfg), flush=True)
+
+    # ------------------------------------------------------------------------------ resume / save
+    def _maybe_resume(self) -> None:
+        if self.cfg.checkpoint.resume != "auto":
+            return
+        path = latest_checkpoint(self.ckpt.root)
+        if path is None:
+            return
+        state = self.ckpt.load(self.engine, path)
+        self.schedule.check_resume(state["schedule"], state["step"])
+        self.loader.load_state_dict(state["loader"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)", flush=True)
+
+    def save(self) -> Path:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                 "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout)}
+        cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
+        return self.ckpt.save(self.engine, self.step, state, cfg_text)
+
+    # ------------------------------------------------------------------------------ signals
+    def _install_signal_handlers(self) -> None:
+        """The handler only records the signal; ranks agree at the next step boundary (STYLE §7)."""
+
+        def handler(signum, frame):
+            self.stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, handler)
+
+    def _stop_agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_signal is not None else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    # ------------------------------------------------------------------------------ the loop
+    def train(self) -> dict:
+        """Run to ``total_steps`` (or a stop signal); returns the last logged scalars."""
+        cfg, total = self.cfg, self.cfg.total_steps
+        data = iter(self.loader)
+        last = {}
+        self.engine.train()
+        while self.step < total:
+            micro_batches = [next(data) for _ in range(self.layout.grad_accum_steps)]
+            normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
+            for batch in micro_batches:
+                loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
+                self._check_finite(loss)
+                self.engine.backward(loss)
+                self.engine.step()
+                self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
+            self.step += 1
+            self.tokens_seen += self.layout.tokens_per_step
+            self.metrics.add("optim/grad_norm", self._grad_norm())
+            out = self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
+            last = out or last
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < total:
+                self.save()
+            if self._stop_agreed():
+                self.save()
+                raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; checkpoint saved")
+        self.save()
+        return last
+
+    def _global_tokens(self, micro_batches) -> float:
+        local = sum(self.module.loss_tokens(b) for b in micro_batches)
+        t = torch.tensor([float(local)], device=self.device, dtype=torch.float64)
+        dist.all_reduce(t)
+        return max(1.0, float(t.item()))
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _grad_norm(self) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Agree across ranks on a non-finite loss; checkpoint the last good state and stop."""
+        bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() > 0:
+            path = self.save()  # parameters are those before this step's update: the last good state
+            raise NonFiniteLossError(
+                f"non-finite loss at step {self.step + 1}; the last good state is saved in {path}. "
+                "Lower optim.lr or inspect the data at this position before resuming."
+            )
+
+    # ------------------------------------------------------------------------------ outputs
+    def finish(self) -> Path | None:
+        """Write the stage's output under ``<run_dir>/final`` (rank 0) and close the metrics."""
+        from ..stages import write_stage_output
+
+        out = write_stage_output(self, Path(self.cfg.logging.run_dir) / "final")
+        self.metrics.close()
+        return out
+
+
+def run_stage(cfg: RunConfig, argv: list[str] | None = None) -> Path | None:
+    """Entry point of every stage launcher: build, train, write the output, always clean up."""
+    trainer = Trainer(cfg, argv)
+    try:
+        trainer.setup()
+        t0 = time.time()
+        trainer.train()
+        out = trainer.finish()
+        if trainer.rank == 0:
+            print(f"{cfg.stage.name} finished in {time.time() - t0:.1f}s -> {out}", flush=True)
+        return out
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
