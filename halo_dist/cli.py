@@ -123,10 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .models.convert import ConversionError
+    from .train.commands import ExportError
 
+    from .eval.errors import EvalError
+
+    except_types = (UserError, ConversionError, FileNotFoundError, ExportError, EvalError)
     try:
         return args.func(args)
-    except (UserError, ConversionError, FileNotFoundError) as e:
+    except except_types as e:
         print(f"error: {e}", file=sys.stderr)
         print(f"hint: run `halo-dist {args.command} --help` for usage and examples", file=sys.stderr)
         return 2

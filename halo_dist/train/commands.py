@@ -1,5 +1,95 @@
-"""`halo-dist` subcommands of the training side (export of checkpoints)."""
+"""`halo-dist export`: consolidate a (ZeRO-3 sharded) training checkpoint into a usable artefact.
+
+Stage 2/3 checkpoints become an HF HypeNet folder (loads with trust_remote_code, no halo_dist needed);
+stage 1 checkpoints become the ``rnn_layers.safetensors`` file that conversion reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+EXAMPLE = """examples:
+  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints/step-00020000 --output out/hypenet-2b-s2
+  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints --output out/latest   # newest complete one
+"""
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported (message names the file)."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    from .checkpoint import MARKER, latest_checkpoint
+
+    path = Path(path)
+    if (path / MARKER).exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ExportError(f"{path} is neither a complete checkpoint (no {MARKER} marker) nor a folder holding one")
+    return latest
+
+
+def consolidated_state(ckpt: Path) -> dict:
+    """fp32 state dict of the trained module from DeepSpeed's shards (any ZeRO stage)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+
+
+def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
+    import torch
+
+    from ..models.export import export_hypenet
+    from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
+    from ..stages.stage1 import save_stage1_weights
+    from .checkpoint import TRAINER_STATE
+
+    ckpt = resolve_checkpoint(checkpoint)
+    state_file = ckpt / TRAINER_STATE
+    if not state_file.exists():
+        raise ExportError(f"{state_file} is missing: not a halo_dist checkpoint")
+    meta = json.loads(state_file.read_text())
+    weights = consolidated_state(ckpt)
+    cfg_dict = dict(meta["student_config"])
+    if meta["stage"] == "stage1":
+        rnn = _stage1_weights(weights)
+        return save_stage1_weights(rnn, output, cfg_dict["num_hidden_layers"], meta.get("teacher", "?"))
+    config = HypeNetConfig(**{k: v for k, v in cfg_dict.items() if k not in ("auto_map", "architectures")})
+    student = {k[len("student."):]: v for k, v in weights.items() if k.startswith("student.")}
+    with torch.device("meta"):
+        model = HypeNetForCausalLM(config)
+    model.load_state_dict(student, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = [k for k, p in model.state_dict().items() if p.is_meta]
+    if missing:
+        raise ExportError(f"checkpoint {ckpt} lacks {missing[:3]} ...")
+    return export_hypenet(model, output, extra={"checkpoint": str(ckpt), "step": meta["step"]})
+
+
+def _stage1_weights(weights: dict) -> dict:
+    out = {}
+    for key, value in weights.items():
+        if key.startswith("mixers."):
+            _, idx, rest = key.split(".", 2)
+            out[f"model.layers.{idx}.mixer.{rest}"] = value.contiguous()
+    return out
+
+
+def cmd_export(args) -> int:
+    out = export_checkpoint(args.checkpoint, args.output)
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
 
 
 def register_train_commands(sub) -> None:
     """Add `export` to the `halo-dist` parser."""
+    import argparse
+
+    e = sub.add_parser("export", help="consolidate a training checkpoint (ZeRO shards) into an HF folder",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoints folder (newest complete)")
+    e.add_argument("--output", required=True, help="output folder (HF HypeNet) or folder for rnn_layers.safetensors")
+    e.set_defaults(func=cmd_export)

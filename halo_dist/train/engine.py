@@ -169,7 +169,9 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                 "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout)}
+                 "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout),
+                 "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher,
+                 "student_config": self.module.student_model().config.to_dict()}
         cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
         return self.ckpt.save(self.engine, self.step, state, cfg_text)
 
@@ -206,6 +208,7 @@ class Trainer:
                 self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
             self.step += 1
             self.tokens_seen += self.layout.tokens_per_step
+            _test_fault_hook(self.step)
             self.metrics.add("optim/grad_norm", self._grad_norm())
             out = self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
             last = out or last
@@ -232,6 +235,8 @@ class Trainer:
 
     def _check_finite(self, loss: torch.Tensor) -> None:
         """Agree across ranks on a non-finite loss; checkpoint the last good state and stop."""
+        if os.environ.get("HALO_TEST_NAN_AT_STEP") == str(self.step + 1):
+            loss = loss * float("nan")  # test hook: exercise the non-finite path deterministically
         bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=self.device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item() > 0:
@@ -249,6 +254,14 @@ class Trainer:
         out = write_stage_output(self, Path(self.cfg.logging.run_dir) / "final")
         self.metrics.close()
         return out
+
+
+def _test_fault_hook(step: int) -> None:
+    """Test hooks (never set in production): a hard crash or a SIGTERM to ourselves after ``step``."""
+    if os.environ.get("HALO_TEST_CRASH_AT_STEP") == str(step):
+        os._exit(17)  # like a node failure: no cleanup, no checkpoint
+    if os.environ.get("HALO_TEST_SIGTERM_AT_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_stage(cfg: RunConfig, argv: list[str] | None = None) -> Path | None:

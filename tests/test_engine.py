@@ -1,0 +1,148 @@
+"""The HALO engine end to end on CPU (issue 4, item 9): launchers in subprocesses, gloo ranks.
+
+Each scenario runs the real launchers (``python launchers/stageN.py`` / ``torchrun``) on a tiny random
+Qwen3 teacher with the real Qwen vocabulary and real tokenized Wikipedia shards.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from data_fixtures import run_prep
+
+from halo_dist.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wiki") / "data"
+    run_prep(out, max_docs=300, shard_tokens=8000, heldout_fraction=0.05)
+    return out
+
+
+def run_launcher(stage, run_dir, *overrides, nproc=1, env=None, expect=0, timeout=600, config=None):
+    """Run a stage launcher (torchrun for nproc > 1); returns the completed process."""
+    cmd = [sys.executable, str(REPO / "launchers" / f"{stage}.py")]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--log-dir", str(Path(run_dir).parent / "torchrun_logs"), str(REPO / "launchers" / f"{stage}.py")]
+    cmd += ["--config", str(config or TINY / f"{stage}.yaml"), f"logging.run_dir={run_dir}", "logging.log_every=1", *overrides]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HALO_CACHE": os.environ["HALO_CACHE"], **(env or {})}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    if expect is not None and res.returncode != expect:
+        raise AssertionError(f"exit {res.returncode} (wanted {expect}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
+    return res
+
+
+def losses(run_dir):
+    return [v for _, v in read_metrics(run_dir)["train/loss"]]
+
+
+def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path):
+    s1, s2, s3 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"
+    run_launcher("stage1", s1, f"data.train={shards}", "schedule.total_steps=10")
+    l1 = losses(s1)
+    assert l1[-1] < 0.7 * l1[0], l1
+    assert (s1 / "final" / "rnn_layers.safetensors").exists() and (s1 / "config.yaml").exists()
+    run_launcher("stage2", s2, f"data.train={shards}", f"model.stage1_weights={s1 / 'final'}", "schedule.total_steps=8")
+    l2 = losses(s2)
+    assert l2[-1] < l2[0], l2
+    run_launcher("stage3", s3, f"data.train={shards}", f"model.student_init={s2 / 'final'}", "schedule.total_steps=3")
+    assert (s3 / "final" / "modeling_hypenet.py").exists()
+    # the stage-3 output is a self-contained HF folder; the checkpoint holds no teacher
+    ckpt = next((s3 / "checkpoints").glob("step-*"))
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 3
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(s3 / "final", trust_remote_code=True)
+    assert model.config.attn_layers == [1]
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3)
+    assert out.shape == (1, 6)
+    # stage-2 checkpoints export to the same model the stage wrote (ZeRO-3 shards consolidated)
+    from halo_dist.train.commands import export_checkpoint
+
+    exported = export_checkpoint(s2 / "checkpoints", tmp_path / "exported")
+    a = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    b = AutoModelForCausalLM.from_pretrained(s2 / "final", trust_remote_code=True)
+    for (ka, va), (kb, vb) in zip(sorted(a.state_dict().items()), sorted(b.state_dict().items())):
+        assert ka == kb and torch.allclose(va, vb), ka
+
+
+def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
+    """Same global batch (4 rows): 1 rank x 2 accumulation steps vs 2 ranks x 1, ZeRO-3 on gloo."""
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4", "parallel.zero_stage=3"]
+    run_launcher("stage2", tmp_path / "one", *common)
+    run_launcher("stage2", tmp_path / "two", *common, nproc=2)
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (one, two)
+
+
+def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=6", "checkpoint.every_steps=2"]
+    run_launcher("stage2", tmp_path / "straight", *common)
+    crashed = tmp_path / "crashed"
+    run_launcher("stage2", crashed, *common, env={"HALO_TEST_CRASH_AT_STEP": "3"}, expect=17)
+    assert [p.name for p in (crashed / "checkpoints").glob("step-*")] == ["step-00000002"]
+    res = run_launcher("stage2", crashed, *common)  # a restarted launcher resumes automatically
+    assert "resumed from" in res.stdout and "step 2" in res.stdout
+    straight, resumed = losses(tmp_path / "straight"), losses(crashed)
+    assert len(resumed) == 6
+    for a, b in zip(straight, resumed):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (straight, resumed)
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(shards, tmp_path):
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=5", "checkpoint.every_steps=0"]
+    run_dir = tmp_path / "sig"
+    res = run_launcher("stage2", run_dir, *common, env={"HALO_TEST_SIGTERM_AT_STEP": "2"}, expect=0)
+    assert "stopped by signal" in res.stderr
+    assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == ["step-00000002"]
+    assert (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").exists()
+    run_launcher("stage2", run_dir, *common)
+    assert len(losses(run_dir)) == 5
+
+
+def test_nonfinite_loss_stops_with_last_good_checkpoint(shards, tmp_path):
+    run_dir = tmp_path / "nan"
+    res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
+                       "schedule.total_steps=5", env={"HALO_TEST_NAN_AT_STEP": "3"}, expect=2)
+    assert "non-finite loss at step 3" in res.stderr
+    assert (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").exists()
+
+
+def test_bad_input_is_refused_with_a_clear_message(shards, tmp_path):
+    res = run_launcher("stage2", tmp_path / "a", "data.train=/nonexistent/shards", "model.stage1_weights=null", expect=2)
+    assert "error:" in res.stderr and "/nonexistent/shards" in res.stderr
+    res = run_launcher("stage2", tmp_path / "b", f"data.train={shards}", "data.micro_batch_size=3", expect=2)
+    assert "global_batch_size" in res.stderr
+    res = run_launcher("stage2", tmp_path / "c", f"data.train={shards}", "optim.lrr=1", expect=2)
+    assert "did you mean 'optim.lr'" in res.stderr
+    res = run_launcher("stage2", tmp_path / "d", f"data.train={shards}", "model.stage1_weights=/no/such/stage1", expect=2)
+    assert "run stage 1 first" in res.stderr
+    res = run_launcher("stage1", tmp_path / "e", f"data.train={shards}", config=TINY / "stage2.yaml", expect=2)
+    assert "stage1 launcher" in res.stderr
+
+
+@pytest.mark.slow
+def test_real_smollm2_teacher_stage1_and_stage2(smollm2_dir, shards, tmp_path):
+    """A few steps of stage 1 and 2 on the real SmolLM2-135M teacher, on shards made with its tokenizer."""
+    data = tmp_path / "smol-data"
+    run_prep(data, max_docs=120, shard_tokens=6000, heldout_fraction=0.05, tokenizer=str(smollm2_dir))
+    real = [f"model.teacher={smollm2_dir}", "model.random_teacher=null", "model.num_layers=30", "model.attn_layers=3,10,17,24",
+            f"data.train={data}"]
+    run_launcher("stage1", tmp_path / "s1", *real, "schedule.total_steps=3")
+    run_launcher("stage2", tmp_path / "s2", *real, f"model.stage1_weights={tmp_path / 's1' / 'final'}", "schedule.total_steps=3")
+    assert all(v == v for v in losses(tmp_path / "s2"))  # finite
+    # shards tokenized with another tokenizer are refused
+    res = run_launcher("stage2", tmp_path / "bad", *real[:-1], f"data.train={shards}",
+                       "model.stage1_weights=null", expect=None)
+    assert res.returncode == 2 and "tokenizer" in res.stderr, res.stderr[-2000:]
