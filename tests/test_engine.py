@@ -80,10 +80,12 @@ def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4", "parallel.zero_stage=3"]
     run_launcher("stage2", tmp_path / "one", *common)
     run_launcher("stage2", tmp_path / "two", *common, nproc=2)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert len(one) == len(two) == 4
-    for a, b in zip(one, two):
+    run_launcher("stage2", tmp_path / "sharded", *common, "parallel.teacher_placement=zero3", nproc=2)
+    one, two, sharded = losses(tmp_path / "one"), losses(tmp_path / "two"), losses(tmp_path / "sharded")
+    assert len(one) == len(two) == len(sharded) == 4
+    for a, b, c in zip(one, two, sharded):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (one, two)
+        assert abs(a - c) <= 1e-4 * max(1.0, abs(a)), (one, sharded)  # a ZeRO-3-sharded teacher is the same teacher
 
 
 def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):

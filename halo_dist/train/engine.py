@@ -89,6 +89,7 @@ class Trainer:
         )
         if cfg.parallel.zero_stage == 3 and hasattr(self.module, "enable_zero3"):
             self.module.enable_zero3()
+        self._place_teacher(initialize_engine)
         self.loader = build_loader(
             cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size, self.groups.dp_rank, self.layout.dp_size,
             self.groups.sp_rank, cfg.parallel.sp_size, seed=cfg.data.seed, num_workers=cfg.data.num_workers,
@@ -108,6 +109,21 @@ class Trainer:
         if teacher is not None:
             teacher.to(self.device, self.dtype)
         return module, teacher
+
+    def _place_teacher(self, initialize_engine) -> None:
+        """``replicated``: a full bf16 copy per GPU (fits up to 8B on 80 GB+). ``zero3``: sharded over all
+        ranks by a ZeRO-3 engine without optimizer; its forward gathers each layer just in time."""
+        if self.teacher is None or self.cfg.parallel.teacher_placement == "replicated":
+            return
+        teacher_ds = {
+            "train_micro_batch_size_per_gpu": self.layout.micro_batch_size,
+            "gradient_accumulation_steps": self.layout.grad_accum_steps,
+            "train_batch_size": self.layout.global_batch_size,
+            "bf16": {"enabled": self.dtype == torch.bfloat16},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        self.teacher_engine = initialize_engine(self.teacher, teacher_ds, self.groups)[0]
+        self.teacher_engine.eval()
 
     def _apply_sequence_parallel(self) -> None:
         if self.cfg.parallel.sp_size == 1:
