@@ -115,8 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.commands import register_eval_commands  # select-layers, eval-niah, calibrate-scaling, eval-lm
     from .train.commands import register_train_commands  # export
 
+    from .demo import add_demo_command
+
     register_eval_commands(sub)
     register_train_commands(sub)
+    add_demo_command(sub)
     return p
 
 

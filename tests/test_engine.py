@@ -88,6 +88,17 @@ def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
         assert abs(a - c) <= 1e-4 * max(1.0, abs(a)), (one, sharded)  # a ZeRO-3-sharded teacher is the same teacher
 
 
+def test_sequence_parallel_stage2_matches_sp1(shards, tmp_path):
+    """Ulysses SP = 2 (attention and Lightning layers, student and teacher) vs SP = 1 on the same data."""
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=3", "data.seq_len=128"]
+    run_launcher("stage2", tmp_path / "sp1", *common)
+    run_launcher("stage2", tmp_path / "sp2", *common, "parallel.sp_size=2", nproc=2)
+    sp1, sp2 = losses(tmp_path / "sp1"), losses(tmp_path / "sp2")
+    assert len(sp1) == len(sp2) == 3
+    for a, b in zip(sp1, sp2):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (sp1, sp2)
+
+
 def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=6", "checkpoint.every_steps=2"]
     run_launcher("stage2", tmp_path / "straight", *common)

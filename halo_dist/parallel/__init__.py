@@ -6,6 +6,7 @@ DeepSpeed start-up. Model code never imports this package; mixers receive a
 (``DS_ACCELERATOR`` must be set before that happens).
 """
 
+from .apply import apply_sequence_parallel, remove_sequence_parallel
 from .groups import LayoutError, ParallelLayout, ProcessGroups
 from .ulysses import (
     SequenceParallel,
@@ -22,8 +23,10 @@ __all__ = [
     "ProcessGroups",
     "SequenceParallel",
     "SequenceParallelError",
+    "apply_sequence_parallel",
     "head_to_seq",
     "kv_replication_factor",
+    "remove_sequence_parallel",
     "replicate_kv_heads",
     "seq_to_head",
 ]

