@@ -111,7 +111,7 @@ class Demo:
                                          f"schedule.warmup_steps={min(4, s.stage1_steps - 1)}"),
                  out / "stage1" / "final" / "DONE")
         self.run("select-layers", self.halo(
-            "select-layers", "--teacher", teacher, "--stage1-weights", str(out / "stage1" / "final"), "--evaluator", "proxy",
+            "select-layers", "--teacher", teacher, "--stage1-weights", str(out / "stage1" / "final" / "rnn_layers.safetensors"), "--evaluator", "proxy",
             "--num-attn", str(s.num_attn), "--output", str(out / "select" / "selection.json"),
             "--results-out", str(out / "select" / "results.json"), "--resume", "--recall-items", str(s.select_items),
             "--recall-length", str(s.select_length), "--heldout", str(out / "data"), "--kl-rows", str(s.kl_rows),

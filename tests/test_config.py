@@ -15,7 +15,9 @@ from halo_dist.config import (ConfigError, RunConfig, config_from_dict, deepspee
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-SHIPPED_YAML = sorted(CONFIGS.rglob("*.yaml"))
+# configs/sweeps/ holds the from-scratch grid for launchers/pretrain.py, whose config section is not
+# part of the schema yet (issue 6): slurm/sweep_variants.py and tests/test_slurm.py cover those files.
+SHIPPED_YAML = sorted(p for p in CONFIGS.rglob("*.yaml") if "sweeps" not in p.parts)
 STAGE_FILES = sorted(CONFIGS.glob("stages/*/stage*.yaml"))
 TINY_STAGE2 = CONFIGS / "tiny" / "stage2.yaml"
 
@@ -43,7 +45,8 @@ def problems_of(excinfo) -> dict[str, str]:
 @pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_shipped_yaml_validates(path):
     cfg = validate_file(path)
-    full = "stages/" in str(path) and path.name.startswith("stage") or "tiny/stage" in str(path)
+    full = ("stages/" in str(path) and path.name.startswith("stage") or "tiny/stage" in str(path)
+            or "demo/stage" in str(path) or "/opd/" in str(path))
     assert (cfg is not None) == full
 
 

@@ -92,6 +92,21 @@ class _Layer(torch.nn.Module):
         self.mixer = mixer
 
 
+def _teacher_tokenizer(cfg: RunConfig):
+    """The tokenizer exported with the student: the teacher's (or the initial student's) one."""
+    from transformers import AutoTokenizer
+
+    from .teacher import teacher_path
+
+    for source in (cfg.model.student_init, None if cfg.model.teacher == "random" else teacher_path(cfg.model.teacher)):
+        if source:
+            try:
+                return AutoTokenizer.from_pretrained(source)
+            except (OSError, ValueError, TypeError):
+                continue
+    return None
+
+
 def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
     """Full trainable-module state dict on rank 0 (ZeRO-3 shards gathered), None elsewhere."""
     engine = trainer.engine
@@ -125,7 +140,8 @@ def write_stage_output(trainer, folder: Path) -> Path | None:
         clean.load_state_dict(cpu_state, strict=False, assign=True)
         if student.config.tie_word_embeddings:
             clean.lm_head.weight = clean.model.embed_tokens.weight
-        path = export_hypenet(clean, folder, extra={"stage": cfg.stage.name, "step": trainer.step})
+        path = export_hypenet(clean, folder, tokenizer=_teacher_tokenizer(cfg),
+                              extra={"stage": cfg.stage.name, "step": trainer.step})
     (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     (folder / "DONE").write_text(json.dumps({"stage": cfg.stage.name, "step": trainer.step}))
     return path

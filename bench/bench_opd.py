@@ -1,0 +1,177 @@
+"""Benchmark: on-policy distillation throughput for the HypeNet-2B shape (issue 7).
+
+Builds a random Qwen3-1.7B-shaped teacher (28 layers, d 2048, FFN 6144, 16 heads / 8 KV heads, head
+dim 128, vocab 151,936, tied) and its HypeNet-2B student (attention layers 2,3,6,8,9,21,25, Lightning
+elsewhere), in bf16, and measures on one device:
+
+* rollout tokens/s: ``sample_rollouts`` (HypeNet's cached batched generate, T = 1.0, top-p 1.0, no
+  early EOS so every row runs the full horizon) for ``--rollouts`` prompts of ``--prompt-len`` tokens
+  and ``--horizon`` new tokens; sampled tokens / wall time;
+* training tokens/s: one OPD micro-step on the packed rollouts -- teacher forward (no grad), student
+  forward + fused reverse KL + backward, AdamW step -- packed tokens (prompt + continuation) / time,
+  and sampled (trained) tokens / time;
+* peak memory of each phase.
+
+Random weights make the same FLOPs as trained ones (the sampling distribution changes nothing with EOS
+off). Writes JSON (default ``bench/results/opd.json``) and prints a table.
+
+  python bench/bench_opd.py                                 # GPU, 2B shape, horizons 512 2048 8192
+  python bench/bench_opd.py --horizons 512 --rollouts 16
+  python bench/bench_opd.py --cpu-smoke                     # tiny shape on CPU (checks the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import RESULTS, environment  # noqa: E402
+
+SHAPE_2B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True)
+ATTN_2B = [2, 3, 6, 8, 9, 21, 25]
+SHAPE_TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--horizons", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--rollouts", type=int, default=32, help="rollouts generated together (one rank)")
+    p.add_argument("--micro", type=int, default=0, help="rollouts per training micro-step (0: all)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=None, help="fused-loss token chunk (None: auto)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the student")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, fp32")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def build(shape: dict, attn_layers: list[int], device, dtype):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from halo_dist.models.convert import convert_model
+    from halo_dist.stages.teacher import as_exact_hypenet
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**shape, rope_theta=1_000_000.0, max_position_embeddings=65_536)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    with torch.device("cpu"):
+        hf = Qwen3ForCausalLM(cfg).eval()
+    teacher = as_exact_hypenet(hf).to(device, dtype)
+    student = convert_model(hf, attn_layers, attn_logits_scale_base=500.0).to(device, dtype)
+    del hf
+    return student, teacher
+
+
+def peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
+    from halo_dist.stages.opd import OPDModule, Rollout, pack_rollouts, position_buckets, sample_rollouts
+
+    vocab = student.config.vocab_size
+    g = torch.Generator(device=device).manual_seed(horizon)
+    prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    prompts = prompts.tolist()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    gens = sample_rollouts(student, prompts, horizon, eos_token_id=None, generator=g)
+    sync(device)
+    gen_s = time.perf_counter() - t0
+    gen_mem = peak_gib(device)
+    sampled = sum(len(x) for x in gens)
+
+    mod = OPDModule(student, teacher, chunk_size=args.chunk_size, buckets=position_buckets(64, max(horizon, 64)))
+    student.train()
+    student.model.gradient_checkpointing = args.checkpointing
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    micro = args.micro or args.rollouts
+    rollouts = [Rollout(p, c) for p, c in zip(prompts, gens)]
+    batches = [pack_rollouts(rollouts[i:i + micro]).to(device) for i in range(0, len(rollouts), micro)]
+    n_gen = sum(b.num_generated for b in batches)
+
+    def step():
+        for b in batches:
+            loss, *_ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask, b.gen_index,
+                           normalizer=float(n_gen), horizon=horizon)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up (allocations, kernels, AdamW state)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    train_s = time.perf_counter() - t0
+    packed = sum(b.input_ids.shape[1] for b in batches)
+    del opt
+    student.eval()
+    return {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len, "micro": micro,
+            "rollout_s": gen_s, "rollout_tokens_per_s": sampled / gen_s, "rollout_peak_gib": gen_mem,
+            "train_s": train_s, "train_packed_tokens_per_s": packed / train_s,
+            "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
+            "opd_tokens_per_s": n_gen / (gen_s + train_s)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1 if args.cpu_smoke else torch.get_num_threads())
+    if args.cpu_smoke:
+        device, dtype, shape, attn = torch.device("cpu"), torch.float32, SHAPE_TINY, [1]
+        args.horizons = [h for h in args.horizons if h <= 64] or [16, 32]
+        args.rollouts, args.prompt_len = min(args.rollouts, 4), min(args.prompt_len, 16)
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: use --cpu-smoke", file=sys.stderr)
+            return 2
+        device, dtype, shape, attn = torch.device("cuda"), torch.bfloat16, SHAPE_2B, ATTN_2B
+    student, teacher = build(shape, attn, device, dtype)
+    rows = []
+    for h in args.horizons:
+        try:
+            rows.append(bench_horizon(student, teacher, h, args, device))
+        except torch.OutOfMemoryError as e:  # record and go on: the table says where memory ends
+            rows.append({"horizon": h, "error": f"OOM: {str(e)[:200]}"})
+            torch.cuda.empty_cache()
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'horizon':>8} {'rollout tok/s':>14} {'train tok/s (packed)':>21} {'train tok/s (sampled)':>22} "
+          f"{'OPD tok/s':>10} {'peak GiB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['horizon']:>8} {r['error']}")
+            continue
+        mem = max(x for x in (r["rollout_peak_gib"], r["train_peak_gib"], 0.0) if x is not None)
+        print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} {r['train_packed_tokens_per_s']:>21.0f} "
+              f"{r['train_sampled_tokens_per_s']:>22.0f} {r['opd_tokens_per_s']:>10.0f} {mem:>9.1f}")
+    out = args.out or (RESULTS / ("opd_cpu_smoke.json" if args.cpu_smoke else "opd.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shape_name = "tiny" if args.cpu_smoke else "hypenet-2b"
+    out.write_text(json.dumps({"env": environment(), "shape": shape_name, "model_shape": shape, "attn_layers": attn,
+                               "dtype": str(dtype), "args": {k: str(v) for k, v in vars(args).items()},
+                               "results": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""On-policy distillation (OPAL, SPEC §3): student rollouts scored by the frozen teacher.
+
+One optimizer step:
+
+1. **Rollouts.** The student samples continuations of curriculum prompts (temperature 1.0,
+   top-p 1.0 by default) with HypeNet's cached batched ``generate`` (left padding is exact:
+   padded keys masked, positions from the mask). A rollout ends at EOS (trained) or after
+   ``horizon`` new tokens. Under DeepSpeed ZeRO-3 on several ranks every forward is a
+   collective, so ranks generate to the horizon in lock-step and EOS is applied afterwards.
+2. **Packing.** Each rollout becomes one document ``prompt + continuation`` (no padding) in a
+   packed ``[1, L]`` row with ``cu_seqlens`` and per-document positions: the student and the
+   teacher run their varlen kernels, as in stages 2/3.
+3. **Loss.** Token-level reverse KL(student ‖ teacher) over the full vocabulary, fused and
+   chunked (``halo_dist.losses.fused_distill_loss(direction="reverse")``, never ``[L, V]``
+   logits), on the positions that predict a *generated* token only (``loss_mask``: position j
+   of a document is trained iff token j+1 was sampled). The teacher runs once over the packed
+   sequences under ``no_grad``. The loss is split by position bucket of the predicted token
+   (``[0, kl_bucket_min)``, then powers of two) so per-bucket KL sums come for free; the
+   gradient is that of the sum.
+4. **Reduction.** Token-weighted over micro-batches and data-parallel ranks: the generated-token
+   count N is all-reduced before the forward, and every micro-batch's loss is its KL sum divided
+   by ``N / G`` (G = ranks gradients are averaged over), so the update is the gradient of the
+   global token mean whatever rank or micro-batch holds a token.
+
+The horizon starts at ``horizon_start`` and doubles (up to ``horizon_max``) when the
+:class:`PlateauDetector` says the reverse KL stopped improving. The training loop is
+``halo_dist.train.opd_loop``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ..losses import fused_distill_loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Horizon schedule
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PlateauDetector:
+    """Says when a noisy, falling series (per-step reverse KL) has stopped improving.
+
+    Values are averaged over windows of ``window`` steps. After each complete window its mean m is
+    compared with the best window mean b seen so far (since the last reset): if
+    ``m < b * (1 - min_rel_improvement)`` the window counts as an improvement (b <- m, the stale
+    count resets), otherwise the stale count grows (b <- min(b, m)). The detector fires when
+    ``patience`` consecutive windows did not improve, i.e. after at least ``window * (patience + 1)``
+    steps. Non-finite values are ignored. ``reset()`` forgets everything (a new horizon changes
+    the KL's scale: later positions drift more).
+    """
+
+    window: int = 20
+    patience: int = 2
+    min_rel_improvement: float = 0.01
+    best: float = math.inf
+    stale: int = 0
+    _sum: float = 0.0
+    _count: int = 0
+    windows: int = 0
+
+    def update(self, value: float) -> bool:
+        """Add one step's value; True when the series has plateaued (then the caller resets)."""
+        if not math.isfinite(value):
+            return False
+        self._sum += value
+        self._count += 1
+        if self._count < self.window:
+            return False
+        mean = self._sum / self._count
+        self._sum, self._count = 0.0, 0
+        self.windows += 1
+        if mean < self.best * (1.0 - self.min_rel_improvement):
+            self.best, self.stale = mean, 0
+        else:
+            self.best = min(self.best, mean)
+            self.stale += 1
+        return self.windows > 1 and self.stale >= self.patience
+
+    def reset(self) -> None:
+        self.best, self.stale, self._sum, self._count, self.windows = math.inf, 0, 0.0, 0, 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+@dataclass
+class HorizonSchedule:
+    """Rollout horizon: ``start``, doubled on a plateau (no sooner than ``min_steps`` after a change), capped at ``max``."""
+
+    start: int
+    max: int
+    detector: PlateauDetector
+    min_steps: int = 0
+    horizon: int = 0
+    changed_at: int = 0
+    history: list = field(default_factory=list)  # [(step, new horizon)]
+
+    def __post_init__(self):
+        self.horizon = self.horizon or self.start
+
+    @classmethod
+    def from_config(cls, opd) -> "HorizonSchedule":
+        det = PlateauDetector(opd.plateau_window, opd.plateau_patience, opd.plateau_min_rel_improvement)
+        return cls(opd.horizon_start, opd.horizon_max, det, opd.min_steps_per_horizon)
+
+    def update(self, step: int, kl: float) -> bool:
+        """Feed the reverse KL of optimizer step ``step`` (1-based, after the update); True if the horizon doubled."""
+        if self.horizon >= self.max:
+            return False
+        if not self.detector.update(kl) or step - self.changed_at < self.min_steps:
+            return False
+        self.horizon = min(self.max, self.horizon * 2)
+        self.changed_at = step
+        self.history.append((step, self.horizon))
+        self.detector.reset()
+        return True
+
+    def state_dict(self) -> dict:
+        return {"horizon": self.horizon, "changed_at": self.changed_at, "history": [list(h) for h in self.history],
+                "detector": self.detector.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.horizon, self.changed_at = state["horizon"], state["changed_at"]
+        self.history = [tuple(h) for h in state["history"]]
+        self.detector.load_state_dict(state["detector"])
+
+
+def position_buckets(first: int, horizon_max: int) -> list[tuple[int, int]]:
+    """``[(0, first), (first, 2 first), (2 first, 4 first), ...]`` covering ``horizon_max`` positions."""
+    edges, hi = [(0, first)], first
+    while hi < horizon_max:
+        edges.append((hi, hi * 2))
+        hi *= 2
+    return edges
+
+
+def bucket_tag(lo: int, hi: int) -> str:
+    return f"train/kl_pos_{lo:05d}_{hi:05d}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollouts and packing
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    prompt: list[int]
+    completion: list[int]  # sampled tokens, up to and including EOS
+    source: str = ""  # prompt set name
+
+
+@torch.no_grad()
+def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0, top_p: float = 1.0,
+                    eos_token_id: int | None = None, pad_token_id: int = 0, stop_at_eos: bool = True,
+                    lockstep: bool = False, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``).
+
+    ``lockstep``: never stop early (every rank runs ``horizon`` decode steps; ZeRO-3 needs that).
+    """
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("an empty prompt cannot be continued")
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, width - len(p):] = 1
+    early = stop_at_eos and not lockstep and eos_token_id is not None
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=horizon, do_sample=True,
+                             temperature=temperature, top_p=top_p,
+                             eos_token_id=eos_token_id if early else [-1], pad_token_id=pad_token_id,
+                             generator=generator)
+    finally:
+        model.train(was_training)
+    gen = out[:, width:].cpu().tolist()
+    if stop_at_eos and eos_token_id is not None:
+        gen = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in gen]
+    return gen
+
+
+@dataclass
+class PackedRollouts:
+    """Rollouts packed into one ``[1, L]`` row (varlen), plus which positions are trained."""
+
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L]
+    cu_seqlens: torch.Tensor  # int32 [n + 1]
+    max_seqlen: int
+    loss_mask: torch.Tensor  # [L] bool: position j predicts a sampled token j + 1 of its document
+    gen_index: torch.Tensor  # [L] long: index of that sampled token in its continuation (-1 elsewhere)
+    num_generated: int
+
+    def to(self, device) -> "PackedRollouts":
+        return PackedRollouts(self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device),
+                              self.max_seqlen, self.loss_mask.to(device), self.gen_index.to(device), self.num_generated)
+
+
+def pack_rollouts(rollouts: list[Rollout]) -> PackedRollouts:
+    """Concatenate ``prompt + completion`` documents; rollouts with no sampled token are dropped."""
+    ids, pos, mask, gidx, cu = [], [], [], [], [0]
+    for r in rollouts:
+        if not r.completion:
+            continue
+        doc = list(r.prompt) + list(r.completion)
+        P, n = len(r.prompt), len(doc)
+        ids += doc
+        pos += range(n)
+        # position j predicts token j + 1; sampled tokens are P .. n - 1
+        mask += [P - 1 <= j <= n - 2 for j in range(n)]
+        gidx += [j - (P - 1) if P - 1 <= j <= n - 2 else -1 for j in range(n)]
+        cu.append(cu[-1] + n)
+    if len(cu) == 1:
+        raise ValueError("no rollout has a sampled token to train on")
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    return PackedRollouts(
+        torch.tensor([ids], dtype=torch.long), torch.tensor([pos], dtype=torch.long),
+        torch.tensor(cu, dtype=torch.int32), max(lens), torch.tensor(mask, dtype=torch.bool),
+        torch.tensor(gidx, dtype=torch.long), int(sum(mask)),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainable module
+# ------------------------------------------------------------------------------------------------
+
+
+class OPDModule(nn.Module):
+    """Student + loss in one module (DeepSpeed sees one forward; ZeRO-3 gathers the lm_head)."""
+
+    def __init__(self, student, teacher, temperature: float = 1.0, chunk_size: int | None = None,
+                 buckets: list[tuple[int, int]] | None = None):
+        super().__init__()
+        self.student = student
+        self._teacher = [teacher]  # frozen, never saved: not a submodule
+        self.temperature, self.chunk_size = temperature, chunk_size
+        self.buckets = buckets or [(0, 1 << 62)]
+
+    @property
+    def teacher(self):
+        return self._teacher[0]
+
+    def student_model(self):
+        return self.student
+
+    def enable_zero3(self) -> None:
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(self, self.student.lm_head.weight)
+
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, loss_mask, gen_index,
+                normalizer: float = 1.0, horizon: int | None = None):
+        """Returns ``(loss for backward, detached KL sum, token count, [per-bucket (kl_sum, count)])``."""
+        kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_hidden_only=True)
+        hidden = self.student(input_ids, **kw).flatten(0, 1)  # [1, L, d] -> [L, d]
+        with torch.no_grad():
+            t_hidden = self.teacher(input_ids, **kw).flatten(0, 1)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        kl_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        count = torch.zeros((), dtype=torch.int64, device=hidden.device)
+        per_bucket = []
+        for lo, hi in self.buckets:
+            if horizon is not None and lo >= horizon:
+                break
+            m = loss_mask & (gen_index >= lo) & (gen_index < hi)
+            out = fused_distill_loss(
+                hidden, self.student.lm_head.weight, t_hidden, self.teacher.lm_head.weight, token_mask=m, direction="reverse", temperature=self.temperature,
+                normalizer=normalizer, chunk_size=self.chunk_size,
+            )
+            loss = loss + out.loss
+            kl_sum = kl_sum + out.kl_sum
+            count = count + out.num_tokens
+            per_bucket.append((out.kl_sum, out.num_tokens))
+        return loss, kl_sum, count, per_bucket
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter groups, tokenizer and vocabulary checks
+# ------------------------------------------------------------------------------------------------
+
+
+def parameter_groups(student, *, lr: float, rnn_lr=None, attn_lr=None, other_lr=None,
+                     train_attention: bool = True) -> list[dict]:
+    """AdamW groups ``rnn`` / ``attn`` / ``other`` with their peak LRs; frozen parameters excluded.
+
+    Attention mixers are frozen when ``train_attention`` is false; a group whose LR is 0 is frozen.
+    Each group's LR follows the run's schedule shape, scaled by ``group lr / optim.lr``.
+    """
+    kinds = student.config.mixer_types
+    lrs = {"rnn": lr if rnn_lr is None else rnn_lr, "attn": lr if attn_lr is None else attn_lr,
+           "other": lr if other_lr is None else other_lr}
+    if not train_attention:
+        lrs["attn"] = 0.0
+    groups = {k: [] for k in lrs}
+    for name, p in student.named_parameters():
+        parts = name.split(".")
+        kind = "other"
+        if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[3] == "mixer":
+            kind = "attn" if kinds[int(parts[2])] == "attention" else "rnn"
+        if lrs[kind] == 0:
+            p.requires_grad_(False)
+        else:
+            p.requires_grad_(True)
+            groups[kind].append(p)
+    out = [{"params": ps, "lr": lrs[k], "name": k} for k, ps in groups.items() if ps]
+    if not out:
+        raise ValueError("every parameter group is frozen (train_attention false and rnn_lr/other_lr 0)")
+    return out
+
+
+def tokenizer_fingerprint(tok) -> dict:
+    """What must agree between teacher and student tokenizers: the vocabulary and special ids."""
+    return {"vocab": tok.get_vocab(), "eos": getattr(tok, "eos_token_id", None)}
+
+
+def check_tokenizers(teacher_tok, student_tok) -> None:
+    """Refuse a student whose tokenizer differs from the teacher's (one token space is required)."""
+    if student_tok is None or teacher_tok is None:
+        return
+    a, b = tokenizer_fingerprint(teacher_tok), tokenizer_fingerprint(student_tok)
+    if a["vocab"] != b["vocab"]:
+        only_t = len(set(a["vocab"].items()) - set(b["vocab"].items()))
+        raise ValueError(f"teacher and student tokenizers differ ({len(a['vocab'])} vs {len(b['vocab'])} tokens, "
+                         f"{only_t} teacher entries missing or re-numbered in the student's): on-policy "
+                         "distillation scores the student's tokens with the teacher, so both need one tokenizer")
+    if a["eos"] != b["eos"]:
+        raise ValueError(f"teacher EOS id {a['eos']} != student EOS id {b['eos']}")
+
+
+def check_vocab(student, teacher, tokenizer=None) -> None:
+    vs, vt = student.config.vocab_size, teacher.config.vocab_size
+    if vs != vt:
+        raise ValueError(f"student vocabulary {vs} != teacher vocabulary {vt}: distillation needs one tokenizer")
+    if tokenizer is not None:
+        n = len(tokenizer)
+        if n > vs:
+            raise ValueError(f"the tokenizer has {n} tokens but the models' vocabulary is {vs}: wrong tokenizer")

@@ -1,0 +1,232 @@
+"""Prompt sets and the prompt curriculum of on-policy distillation (OPAL, SPEC §3).
+
+A :class:`PromptSet` is a list of token-id prompts built once from its config (``opd.prompt_sets``
+entry, :class:`halo_dist.config.schema.PromptSetConfig`); its last ``heldout`` prompts never train
+and make the held-out reverse-KL eval. The :class:`Curriculum` decides which sets are active at a
+(step, horizon) -- a set switches in once ``step >= start_step`` and ``horizon >= min_horizon`` and
+out at ``stop_step`` -- and samples prompts from the active sets with probability proportional to
+their weights. Sets are built lazily, when they first become active (retrieval prompts of 32K
+tokens take a while to tokenize), identically on every rank; sampling uses a per-rank RNG whose
+state goes into checkpoints.
+
+Bad input fails with :class:`PromptError`: an empty set, an empty prompt, a prompt longer than the
+set's ``max_prompt_tokens``, or a prompt that leaves no room for the current horizon inside
+``opd.max_seq_len`` (checked for the whole set whenever it becomes active or the horizon grows).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config.schema import OPDConfig, PromptSetConfig
+
+
+class PromptError(ValueError):
+    """A prompt set that cannot be used (message names the set and the problem)."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (tiny CPU tests): pad 0, eos 1, bos 2, byte b -> b + 3 (vocab 259).
+
+    Implements the slice of the HF tokenizer API that the OPD stage and the NIAH builder use.
+    """
+
+    pad_token_id, eos_token_id, bos_token_id, offset = 0, 1, 2, 3
+    vocab_size = 259
+    name_or_path = "bytes"
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False):
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            for b in ch.encode("utf-8"):
+                ids.append(b + self.offset)
+                offsets.append((i, i + 1))
+        out = {"input_ids": ids}
+        if return_offsets_mapping:
+            out["offset_mapping"] = offsets
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return bytes(i - self.offset for i in ids if i >= self.offset).decode("utf-8", errors="replace")
+
+    def get_vocab(self) -> dict[str, int]:
+        return {**{f"<byte{b}>": b + self.offset for b in range(256)}, "<pad>": 0, "<eos>": 1, "<bos>": 2}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+@dataclass
+class PromptSet:
+    """Token-id prompts of one configured set; ``heldout`` never trains."""
+
+    cfg: PromptSetConfig
+    train: list[list[int]]
+    heldout: list[list[int]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def longest(self) -> int:
+        return max(len(p) for p in self.train + self.heldout)
+
+
+def _docs_from_file(path: Path) -> list[str]:
+    if not path.is_file():
+        raise PromptError(f"prompt file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    parts = [p.strip() for p in text.split("\n\n")] if "\n\n" in text else text.splitlines()
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _jsonl_prompts(cfg: PromptSetConfig) -> list[str]:
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise PromptError(f"prompt set {cfg.name!r}: {path} does not exist")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PromptError(f"prompt set {cfg.name!r}: {path}:{n} is not JSON ({err})") from None
+        if not isinstance(row, dict) or cfg.text_field not in row:
+            raise PromptError(f"prompt set {cfg.name!r}: {path}:{n} has no {cfg.text_field!r} key")
+        out.append(str(row[cfg.text_field]))
+        if len(out) >= cfg.num_prompts:
+            break
+    return out
+
+
+def _prefixes(cfg: PromptSetConfig, docs, tokenizer, rng: random.Random) -> list[list[int]]:
+    """Prefixes of random length in ``prompt_tokens`` from documents long enough to hold them."""
+    lo, hi = cfg.prompt_tokens
+    out = []
+    for text in docs:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < lo:
+            continue
+        out.append(ids[: rng.randint(lo, min(hi, len(ids)))])
+        if len(out) >= cfg.num_prompts:
+            break
+    return out
+
+
+def build_prompt_set(cfg: PromptSetConfig, tokenizer, vocab_size: int, seed: int = 0) -> PromptSet:
+    """Tokenize / generate the prompts of one set (deterministic in ``seed``)."""
+    rng = random.Random(f"{seed}:{cfg.name}")
+    if cfg.kind == "synthetic":
+        lo, hi = cfg.prompt_tokens
+        prompts = [[rng.randrange(4, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(cfg.num_prompts)]
+    elif cfg.kind == "wiki":
+        from ..assets.text import iter_wiki_texts
+
+        prompts = _prefixes(cfg, iter_wiki_texts(), tokenizer, rng)
+    elif cfg.kind == "text_file":
+        prompts = _prefixes(cfg, _docs_from_file(Path(cfg.path)), tokenizer, rng)
+    elif cfg.kind == "jsonl":
+        prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in _jsonl_prompts(cfg)]
+    elif cfg.kind == "niah":
+        prompts = _niah_prompts(cfg, tokenizer, seed)
+    else:  # guarded by the config Literal
+        raise PromptError(f"prompt set {cfg.name!r}: unknown kind {cfg.kind!r}")
+    return _finish(cfg, prompts, vocab_size)
+
+
+def _niah_prompts(cfg: PromptSetConfig, tokenizer, seed: int) -> list[list[int]]:
+    """Retrieval prompts (RULER NIAH-Single-2: Wikipedia haystack, 7-digit needle) at ``lengths``."""
+    from ..eval.niah import NiahBuilder
+
+    builder = NiahBuilder(tokenizer, seed=seed)
+    rng = random.Random(f"{seed}:{cfg.name}:depths")
+    out = []
+    for i in range(cfg.num_prompts):
+        length = cfg.lengths[i % len(cfg.lengths)]
+        out.append(builder.sample("niah_single_2", length, round(rng.random(), 3), i).input_ids)
+    return out
+
+
+def _finish(cfg: PromptSetConfig, prompts: list[list[int]], vocab_size: int) -> PromptSet:
+    if not prompts:
+        raise PromptError(f"prompt set {cfg.name!r} ({cfg.kind}) is empty: no prompt could be built "
+                          f"(prompt_tokens={list(cfg.prompt_tokens)}, path={cfg.path})")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} is empty")
+        if cfg.max_prompt_tokens is not None and len(p) > cfg.max_prompt_tokens:
+            raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} has {len(p)} tokens, more than "
+                              f"max_prompt_tokens={cfg.max_prompt_tokens}")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} has token id {bad[0]} outside the "
+                              f"model vocabulary [0, {vocab_size}) (tokenizer/model mismatch)")
+    if cfg.heldout >= len(prompts):
+        raise PromptError(f"prompt set {cfg.name!r}: heldout={cfg.heldout} leaves none of its "
+                          f"{len(prompts)} prompts for training")
+    cut = len(prompts) - cfg.heldout
+    return PromptSet(cfg, prompts[:cut], prompts[cut:])
+
+
+class Curriculum:
+    """Active prompt sets by (step, horizon) and weighted sampling from them (see module doc)."""
+
+    def __init__(self, opd: OPDConfig, tokenizer, vocab_size: int, rank: int = 0, prebuilt: dict | None = None):
+        self.opd, self.tokenizer, self.vocab_size = opd, tokenizer, vocab_size
+        self.sets: dict[str, PromptSet] = dict(prebuilt or {})
+        self.rng = random.Random(f"{opd.seed}:curriculum:{rank}")
+        self._checked: dict[str, int] = {}  # set name -> horizon it was last checked for
+
+    def get(self, cfg: PromptSetConfig) -> PromptSet:
+        if cfg.name not in self.sets:
+            self.sets[cfg.name] = build_prompt_set(cfg, self.tokenizer, self.vocab_size, self.opd.seed)
+        return self.sets[cfg.name]
+
+    def active(self, step: int, horizon: int) -> list[PromptSet]:
+        """Sets switched in at ``(step, horizon)``; each is checked to fit ``horizon``."""
+        cfgs = [c for c in self.opd.prompt_sets if step >= c.start_step and horizon >= c.min_horizon
+                and (c.stop_step is None or step < c.stop_step)]
+        if not cfgs:
+            raise PromptError(f"no prompt set is active at step {step}, horizon {horizon}: check the "
+                              f"start_step / stop_step / min_horizon of opd.prompt_sets")
+        sets = [self.get(c) for c in cfgs]
+        for s in sets:
+            self.check_fits(s, horizon)
+        return sets
+
+    def check_fits(self, s: PromptSet, horizon: int) -> None:
+        """Every prompt of ``s`` plus ``horizon`` new tokens must fit ``opd.max_seq_len``."""
+        if self._checked.get(s.name) == horizon:
+            return
+        room = self.opd.max_seq_len - horizon
+        if s.longest > room:
+            raise PromptError(
+                f"prompt set {s.name!r} has a prompt of {s.longest} tokens, longer than the {room} tokens "
+                f"left for the prompt at horizon {horizon} (opd.max_seq_len={self.opd.max_seq_len}); raise "
+                f"max_seq_len, shorten the prompts, or switch the set in later (min_horizon/start_step)")
+        self._checked[s.name] = horizon
+
+    def sample(self, n: int, step: int, horizon: int) -> list[tuple[str, list[int]]]:
+        """``n`` (set name, prompt ids) pairs from the active sets, weighted."""
+        sets = self.active(step, horizon)
+        weights = [s.cfg.weight for s in sets]
+        picks = self.rng.choices(sets, weights=weights, k=n)
+        return [(s.name, s.train[self.rng.randrange(len(s.train))]) for s in picks]
+
+    def heldout(self) -> list[list[int]]:
+        """Held-out prompts of every set that has some (sets built on demand)."""
+        return [p for c in self.opd.prompt_sets if c.heldout for p in self.get(c).heldout]
+
+    def state_dict(self) -> dict:
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))

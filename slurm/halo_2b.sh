@@ -1,0 +1,33 @@
+#!/bin/bash
+# HALO pipeline, Qwen3-1.7B -> HypeNet-2B, on Slurm:
+#   data prep -> stage 1 -> layer selection -> stage 2 -> stage 3 -> calibrate a -> export -> NIAH + CSR eval
+#
+#   export HALO_DATA=/scratch/$USER/data/qwen3-fwe-1b HALO_RUNS=/scratch/$USER/runs/halo-2b HALO_TEACHER=Qwen/Qwen3-1.7B
+#   HALO_DRY_RUN=1 bash slurm/halo_2b.sh         # print every command, submit nothing
+#   bash slurm/halo_2b.sh -p gpu -A myproj        # submit the chain (one job per step, afterok)
+#   sbatch -p gpu -A myproj slurm/halo_2b.sh     # same, from a short driver job (its -p/-A/-N carry over)
+#
+# Re-running submits only the steps that are not DONE. Every HALO_* knob: README "Slurm"; logic: slurm/lib.sh.
+# The #SBATCH lines below apply to the driver job and to every step job (the driver passes each step's
+# nodes, GPUs, partition and time on the sbatch command line).
+#SBATCH --job-name=halo-2b
+#SBATCH --output=halo-2b-%j.log
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+
+# shellcheck disable=SC2034  # read by lib.sh
+HALO_SIZE=2b                              # names jobs and this script
+HALO_STUDENT=2b                             # configs/stages/2b, export folder hypenet-2b
+HALO_CONFIG_DIR=configs/stages/2b
+HALO_TEACHER_HINT=Qwen/Qwen3-1.7B
+
+# The step jobs run a spool copy of this file: find lib.sh next to it, else through HALO_REPO / the submit dir.
+_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+for _lib in "$_here/lib.sh" "${HALO_REPO:-/nonexistent}/slurm/lib.sh" "${SLURM_SUBMIT_DIR:-/nonexistent}/slurm/lib.sh"; do
+    [[ -f $_lib ]] && break
+done
+[[ -f $_lib ]] || { echo "error: slurm/lib.sh not found: set HALO_REPO=/path/to/halo_dist" >&2; exit 2; }
+# shellcheck source=slurm/lib.sh
+source "$_lib"
+halo_pipeline_main "$(dirname "$_lib")" "$@"

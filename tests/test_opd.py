@@ -1,0 +1,300 @@
+"""On-policy distillation (issue 7): loss vs naive, packing, plateau detector, DP reduction, rungs,
+a tiny end-to-end run whose held-out reverse KL falls, and bad input."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_qwen3
+from distributed import run_distributed
+
+from halo_dist.config import ConfigError, load_config
+from halo_dist.models.convert import convert_model
+from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, Rollout, check_tokenizers, check_vocab,
+                                  pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
+from halo_dist.stages.opd_prompts import ByteTokenizer, Curriculum, PromptError, build_prompt_set
+from halo_dist.stages.teacher import as_exact_hypenet
+from halo_dist.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "opd" / "tiny.yaml"
+VOCAB = 320
+
+
+def tiny_cfg(run_dir, *overrides, set0=None):
+    """configs/opd/tiny.yaml with dotlist overrides; ``set0``: field changes of the first prompt set."""
+    from dataclasses import replace
+
+    cfg = load_config(TINY, [f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.log_every=1",
+                             "checkpoint.resume=never", *overrides])
+    if set0:
+        sets = list(cfg.opd.prompt_sets)
+        cfg = replace(cfg, opd=replace(cfg.opd, prompt_sets=[replace(sets[0], **set0), *sets[1:]]))
+    return cfg
+
+
+def models(attn_layers=(1,), seed=0):
+    hf = tiny_qwen3(vocab=VOCAB, seed=seed)
+    return hf, convert_model(hf, list(attn_layers)), as_exact_hypenet(hf)
+
+
+# ------------------------------------------------------------------------------------------------ loss
+def naive_reverse_kl(student, teacher, rollouts):
+    """Per-document full-logit reverse KL(student || teacher) summed over sampled tokens."""
+    total = 0.0
+    for r in rollouts:
+        ids = torch.tensor([r.prompt + r.completion])
+        logq = torch.log_softmax(student(ids).logits[0].double(), -1)
+        with torch.no_grad():
+            logp = torch.log_softmax(teacher(ids).logits[0].double(), -1)
+        P = len(r.prompt)
+        rows = slice(P - 1, P - 1 + len(r.completion))  # positions predicting the sampled tokens
+        total = total + (logq[rows].exp() * (logq[rows] - logp[rows])).sum()
+    return total
+
+
+def test_packing_marks_exactly_the_positions_that_predict_sampled_tokens():
+    b = pack_rollouts([Rollout([5, 6, 7], [8, 9]), Rollout([4], []), Rollout([3], [1])])
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 3, 1]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert b.cu_seqlens.tolist() == [0, 5, 7] and b.max_seqlen == 5
+    assert b.loss_mask.tolist() == [False, False, True, True, False, True, False]
+    assert b.gen_index.tolist() == [-1, -1, 0, 1, -1, 0, -1] and b.num_generated == 3
+
+
+def test_reverse_kl_loss_and_grads_match_naive_through_the_module():
+    _, student, teacher = models()
+    torch.manual_seed(0)
+    rollouts = [Rollout([7, 8, 9, 10], [11, 12, 13, 1]), Rollout([20, 21], [22, 23, 24, 25, 26]), Rollout([30], [31])]
+    b = pack_rollouts(rollouts)
+    mod = OPDModule(student, teacher, chunk_size=3, buckets=position_buckets(2, 8))
+    loss, kl, count, per_bucket = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask,
+                                      b.gen_index, normalizer=float(b.num_generated))
+    assert int(count) == 10 and sum(int(c) for _, c in per_bucket) == 10
+    assert [int(c) for _, c in per_bucket] == [5, 4, 1]  # gen positions 0-1 (x3 docs less one), 2-3, 4
+    loss.backward()
+    fused_grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+    ref = naive_reverse_kl(student, teacher, rollouts)
+    (ref / 10).backward()
+    assert torch.allclose(kl.double(), ref.detach(), rtol=1e-5, atol=1e-7), (kl, ref)
+    assert torch.allclose(loss.double(), ref.detach() / 10, rtol=1e-5)
+    for n, p in student.named_parameters():
+        if p.grad is not None and p.grad.abs().max() > 0:
+            assert torch.allclose(fused_grads[n], p.grad, rtol=1e-4, atol=1e-6), n
+
+
+def test_sampled_rollouts_are_padding_independent_and_stop_at_eos():
+    _, student, _ = models()
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    alone = sample_rollouts(student, [[5, 6, 7]], 12, eos_token_id=None, generator=gen())
+    batched = sample_rollouts(student, [[5, 6, 7], [9, 10, 11, 12, 13, 14]], 12, eos_token_id=None, generator=gen())
+    assert len(alone[0]) == 12 and len(batched[1]) == 12
+    eos = alone[0][4]
+    cut = sample_rollouts(student, [[5, 6, 7]], 12, eos_token_id=eos, generator=gen())[0]
+    assert cut[-1] == eos and eos not in cut[:-1] and cut == alone[0][: len(cut)]
+    lockstep = sample_rollouts(student, [[5, 6, 7]], 12, eos_token_id=eos, lockstep=True, generator=gen())[0]
+    assert lockstep == cut
+
+
+# ------------------------------------------------------------------------------------------------ horizon
+def test_plateau_detector_fires_on_a_flat_series_not_on_a_falling_one():
+    d = PlateauDetector(window=5, patience=2, min_rel_improvement=0.05)
+    fired = [d.update(1.0 + 0.001 * (i % 3)) for i in range(30)]
+    assert fired.index(True) == 5 * 3 - 1  # best window, then 2 stale windows
+    d.reset()
+    assert not any(d.update(2.0 * 0.97 ** i) for i in range(200))  # ~14% better every window of 5
+    d2 = PlateauDetector(window=2, patience=1, min_rel_improvement=0.1)
+    assert not any(d2.update(v) for v in [1.0, 1.0, 0.8, 0.8])  # 20% better
+    assert d2.update(0.79) is False and d2.update(0.79) is True  # 1.25% better < 10%
+    assert not d2.update(float("nan"))
+    d3 = PlateauDetector(**{k: v for k, v in d2.state_dict().items() if not k.startswith("_")})
+    d3.load_state_dict(d2.state_dict())
+    assert d3.state_dict() == d2.state_dict()
+
+
+def test_horizon_doubles_on_plateau_respects_min_steps_and_caps():
+    h = HorizonSchedule(512, 2048, PlateauDetector(window=2, patience=1, min_rel_improvement=0.01), min_steps=6)
+    steps = [s for s in range(1, 40) if h.update(s, 1.0)]
+    assert [hz for _, hz in h.history] == [1024, 2048] and h.horizon == 2048
+    assert steps[0] == 6 and steps[1] - steps[0] >= 6  # flat series, but no doubling sooner than min_steps
+    assert not h.update(100, 1.0)  # capped
+
+
+# ------------------------------------------------------------------------------------------------ groups, prompts
+def test_parameter_groups_freeze_attention_and_carry_their_lrs():
+    _, student, _ = models(attn_layers=(1, 3))
+    groups = parameter_groups(student, lr=1e-3, rnn_lr=2e-3, attn_lr=5e-4, train_attention=True)
+    by = {g["name"]: g for g in groups}
+    assert by["rnn"]["lr"] == 2e-3 and by["attn"]["lr"] == 5e-4 and by["other"]["lr"] == 1e-3
+    n_attn = len(by["attn"]["params"])
+    groups = parameter_groups(student, lr=1e-3, train_attention=False)
+    assert {g["name"] for g in groups} == {"rnn", "other"}
+    frozen = [n for n, p in student.named_parameters() if not p.requires_grad]
+    assert len(frozen) == n_attn and all(".mixer." in n and n.split(".")[2] in ("1", "3") for n in frozen)
+
+
+def test_curriculum_switches_sets_in_by_horizon_and_step(tmp_path):
+    cfg = tiny_cfg(tmp_path, set0=dict(heldout=0))
+    # wiki switches in at horizon 32 (tiny.yaml); add a step-gated jsonl set by hand
+    jl = tmp_path / "p.jsonl"
+    jl.write_text("\n".join(json.dumps({"q": f"What is {i} + {i}?"}) for i in range(10)))
+    from dataclasses import replace
+
+    from halo_dist.config.schema import PromptSetConfig
+
+    sets = list(cfg.opd.prompt_sets) + [PromptSetConfig(name="math", kind="jsonl", path=str(jl), text_field="q",
+                                                        start_step=5, weight=100.0)]
+    cur = Curriculum(replace(cfg.opd, prompt_sets=sets), ByteTokenizer(), VOCAB)
+    assert [s.name for s in cur.active(0, 16)] == ["synthetic"]
+    assert [s.name for s in cur.active(0, 32)] == ["synthetic", "wiki"]
+    assert [s.name for s in cur.active(5, 16)] == ["synthetic", "math"]
+    picks = [name for name, _ in cur.sample(50, 5, 16)]
+    assert picks.count("math") > 40
+    state = cur.state_dict()
+    a = cur.sample(5, 5, 16)
+    cur.load_state_dict(state)
+    assert cur.sample(5, 5, 16) == a
+
+
+# ------------------------------------------------------------------------------------------------ DP reduction
+def _dp_grads(batches, world):
+    import torch.distributed as dist
+
+    from halo_dist.train.opd_loop import allreduce_mean_grads
+
+    torch.set_num_threads(1)
+    _, student, teacher = models()
+    mod = OPDModule(student, teacher, chunk_size=4)
+    rank = dist.get_rank() if world > 1 else 0
+    mine = batches[rank::world]
+    n = torch.tensor([float(sum(b.num_generated for b in mine))])
+    if world > 1:
+        dist.all_reduce(n)
+    for b in mine:
+        loss, *_ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask, b.gen_index,
+                       normalizer=float(n) / world)
+        loss.backward()
+    params = [p for p in student.parameters() if p.grad is not None]
+    allreduce_mean_grads(params, world)
+    return torch.cat([p.grad.flatten() for p in params])
+
+
+def test_token_weighted_reduction_two_ranks_equals_one():
+    # rank 0 gets 7 sampled tokens, rank 1 gets 2: a per-rank mean would weigh them differently
+    batches = [pack_rollouts([Rollout([5, 6], [7, 8, 9, 10]), Rollout([11], [12, 13, 14])]),
+               pack_rollouts([Rollout([15, 16, 17], [18, 19])])]
+    one = _dp_grads(batches, 1)
+    two = run_distributed(_dp_grads, world_size=2, args=(batches, 2))
+    assert torch.allclose(two[0], two[1]) and torch.allclose(two[0], one, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def run_trainer(cfg, hf=None, student=None):
+    from halo_dist.train.opd_loop import OPDTrainer
+
+    hf = hf if hf is not None else tiny_qwen3(vocab=VOCAB)
+    t = OPDTrainer(cfg, hf_teacher=hf, student=student, tokenizer=ByteTokenizer()).setup()
+    t.train()
+    t.finish()
+    return t
+
+
+def test_tiny_run_heldout_reverse_kl_falls(tmp_path):
+    """Random tiny Qwen3 teacher, student = its conversion with 3 of 4 layers Lightning (no stage 1)."""
+    cfg = tiny_cfg(tmp_path, "schedule.total_steps=24", "schedule.decay_steps=6", "opd.eval_every=0",
+                   "data.global_batch_size=8", "data.micro_batch_size=4", "opd.plateau_window=3",
+                   "optim.lr=2e-3", "checkpoint.every_steps=0", "opd.snapshot_every=0",
+                   set0=dict(heldout=12, num_prompts=200))
+    t = run_trainer(cfg)
+    (s0, first), (s1, last) = t.eval_history[0], t.eval_history[-1]
+    assert s0 == 0 and s1 == 24 and last < 0.75 * first, t.eval_history
+    m = read_metrics(tmp_path)
+    assert m["progress/horizon"][0][1] == 16
+    assert "train/kl_pos_00000_00008" in m and "perf/rollout_tokens_per_s_per_gpu" in m
+    assert (tmp_path / "final" / "config.json").exists()
+
+
+def test_rung_continuation_reproduces_the_longer_run(tmp_path):
+    """A (12 steps, WSD decay 4) -> pre-decay snapshot at step 8 -> B continues to 16 steps == C run 16 from scratch."""
+    common = ["opd.eval_every=0", "opd.snapshot_every=0", "checkpoint.every_steps=0", "schedule.decay_steps=4",
+              "opd.horizon_start=8", "opd.horizon_max=16", "opd.plateau_window=1",
+              "opd.plateau_patience=1", "opd.plateau_min_rel_improvement=0.5"]  # the horizon doubles on the way
+    a = run_trainer(tiny_cfg(tmp_path / "a", "schedule.total_steps=12", *common, set0=dict(heldout=0)))
+    snap = tmp_path / "a" / "snapshots" / "step-00000008"
+    assert (snap / "COMPLETE").exists() and a.schedule.decay_start == 8
+    b = run_trainer(tiny_cfg(tmp_path / "b", "schedule.total_steps=16", f"opd.resume_from={snap}", *common, set0=dict(heldout=0)))
+    c = run_trainer(tiny_cfg(tmp_path / "c", "schedule.total_steps=16", *common, set0=dict(heldout=0)))
+    assert c.horizon.history and b.horizon.history == c.horizon.history
+    lr_a, lr_b, lr_c = (dict(read_metrics(tmp_path / x)["optim/lr"]) for x in "abc")
+    assert all(lr_a[s] == lr_c[s] for s in range(1, 9)) and lr_a[12] < lr_c[12]
+    assert all(lr_b[s] == lr_c[s] for s in range(9, 17))
+    for (n, pb), (_, pc) in zip(b.module.student.named_parameters(), c.module.student.named_parameters()):
+        assert torch.equal(pb, pc), n
+    # a snapshot after the decay started cannot start a rung
+    late = a.save(tmp_path / "late")
+    with pytest.raises(ValueError, match="after its schedule's decay started"):
+        run_trainer(tiny_cfg(tmp_path / "d", "schedule.total_steps=20", f"opd.resume_from={late}", *common, set0=dict(heldout=0)))
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def test_bad_prompt_sets_have_clear_errors(tmp_path):
+    opd = tiny_cfg(tmp_path).opd
+    from halo_dist.config.schema import PromptSetConfig
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(PromptError, match="'e' .*is empty"):
+        build_prompt_set(PromptSetConfig(name="e", kind="text_file", path=str(empty)), ByteTokenizer(), VOCAB)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "x" * 200}) + "\n")
+    s = build_prompt_set(PromptSetConfig(name="long", kind="jsonl", path=str(long)), ByteTokenizer(), VOCAB)
+    with pytest.raises(PromptError, match="200 tokens, longer than the 112 tokens left .* horizon 16"):
+        Curriculum(opd, ByteTokenizer(), VOCAB, prebuilt={"synthetic": s}).active(0, 16)
+    with pytest.raises(PromptError, match="max_prompt_tokens=50"):
+        build_prompt_set(PromptSetConfig(name="l", kind="jsonl", path=str(long), max_prompt_tokens=50),
+                         ByteTokenizer(), VOCAB)
+    with pytest.raises(PromptError, match="outside the model vocabulary"):
+        build_prompt_set(PromptSetConfig(name="v", kind="jsonl", path=str(long)), ByteTokenizer(), 100)
+    with pytest.raises(ConfigError, match="prompt_sets: empty"):
+        tiny_cfg(tmp_path, "opd.prompt_sets=[]")
+    with pytest.raises(ConfigError, match="opd: set exactly when"):
+        tiny_cfg(tmp_path, "stage.name=stage3", "loss.objective=kl")
+    with pytest.raises(ConfigError, match="horizon_max"):
+        tiny_cfg(tmp_path, "opd.horizon_max=8")
+
+
+def test_tokenizer_and_vocab_mismatch_are_refused():
+    _, student, teacher = models()
+    other = convert_model(tiny_qwen3(vocab=256), [1])
+    with pytest.raises(ValueError, match="student vocabulary 256 != teacher vocabulary 320"):
+        check_vocab(other, teacher)
+
+    class Tok(ByteTokenizer):
+        vocab_size = 400
+
+        def get_vocab(self):
+            return {**super().get_vocab(), "<extra>": 399}
+
+    with pytest.raises(ValueError, match="tokenizer has 400 tokens but the models' vocabulary is 320"):
+        check_vocab(student, teacher, Tok())
+    with pytest.raises(ValueError, match="teacher and student tokenizers differ"):
+        check_tokenizers(ByteTokenizer(), Tok())
+    check_tokenizers(ByteTokenizer(), ByteTokenizer())
+
+
+def test_launcher_reports_bad_input_in_one_line(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}  # in-process runs set these
+    res = subprocess.run([sys.executable, str(REPO / "launchers" / "opd.py"), "--config", str(TINY),
+                          f"logging.run_dir={tmp_path}", "opd.max_seq_len=40", "opd.horizon_max=32",
+                          "opd.prompt_sets=[{name: s, kind: synthetic, prompt_tokens: [30, 30]}]"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "error: prompt set 's' has a prompt of 30 tokens" in res.stderr
