@@ -74,7 +74,7 @@ def cmd_generate(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_arg(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # our exported folders carry model code
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:

@@ -92,7 +92,13 @@ class Demo:
         s = self.s
         return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / "configs/demo" / f"{stage}.yaml"),
                 f"data.train={self.out / 'data'}", f"logging.run_dir={self.out / stage}",
-                f"data.global_batch_size={s.global_batch}", f"data.micro_batch_size={s.micro_batch}", *overrides]
+                f"data.global_batch_size={s.global_batch}", f"data.micro_batch_size={s.micro_batch}",
+                f"logging.log_every={self.log_every(stage)}", *overrides]
+
+    def log_every(self, stage: str) -> int:
+        """About ten points per loss curve."""
+        steps = {"stage1": self.s.stage1_steps, "stage2": self.s.stage2_steps, "stage3": self.s.stage3_steps}[stage]
+        return max(1, steps // 10)
 
     # ------------------------------------------------------------------ the pipeline
     def main(self) -> Path:
@@ -172,7 +178,10 @@ def write_report(out: Path, layers: list[int], seconds: float) -> Path:
         lines += [f"### {stage}: loss {first:.4g} -> {last:.4g}", "", f"![{stage} loss]({png.relative_to(out)})", ""]
     calib = json.loads((out / "calibrate.json").read_text()) if (out / "calibrate.json").exists() else None
     if calib:
-        lines += ["## Logits-scaling calibration", "", "```", json.dumps(calib, indent=1)[:1500], "```", ""]
+        lines += ["## Logits-scaling calibration", "", f"held-out loss at {calib.get('seq_len')} tokens by base a "
+                  "(the best is written into `hypenet/config.json`):", "", "| a | loss |", "|---|---|"]
+        lines += [f"| {p.get('a')} | {p.get('loss', float('nan')):.4f} |" for p in calib.get("curve", [])]
+        lines += [""]
     lines += ["## Needle in a haystack", ""]
     for who in ("teacher", "student"):
         for png in sorted((out / "niah" / who).glob("*.png")):

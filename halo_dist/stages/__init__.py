@@ -101,7 +101,7 @@ def _teacher_tokenizer(cfg: RunConfig):
     for source in (cfg.model.student_init, None if cfg.model.teacher == "random" else teacher_path(cfg.model.teacher)):
         if source:
             try:
-                return AutoTokenizer.from_pretrained(source)
+                return AutoTokenizer.from_pretrained(source, trust_remote_code=True)  # HypeNet folders have an auto_map
             except (OSError, ValueError, TypeError):
                 continue
     return None

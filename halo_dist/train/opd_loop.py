@@ -73,7 +73,7 @@ def student_tokenizer(cfg: RunConfig):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(init)
+    return AutoTokenizer.from_pretrained(init, trust_remote_code=True)
 
 
 def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):

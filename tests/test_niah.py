@@ -1,0 +1,121 @@
+"""NIAH (issue 5): exact token lengths, needle depths, exact-match scoring, reports, batched decoding."""
+
+import json
+
+import pytest
+from conftest import tiny_qwen3
+
+from halo_dist import cli
+from halo_dist.eval import niah
+from halo_dist.eval.errors import EvalError
+from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    from halo_dist.assets.teacher import smollm2_teacher_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_teacher_dir())
+
+
+def check_sample(tok, s, length, depth):
+    """Exact length (also after re-tokenizing the text), needle where claimed, depth within the snap window."""
+    assert len(s.input_ids) == length
+    assert len(tok(tok.decode(s.input_ids), add_special_tokens=False)["input_ids"]) == length
+    needle_text = tok.decode(s.input_ids[s.needle_token : s.needle_end])
+    assert needle_text.strip().startswith("One of the special magic") and s.answer in needle_text
+    assert s.answer in tok.decode(s.input_ids) and tok.decode(s.input_ids).rstrip().endswith("provided text is")
+    haystack = (s.context_end - s.context_start) - (s.needle_end - s.needle_token)
+    assert abs(s.actual_depth - depth) <= 25 / haystack + 1e-3, (s.actual_depth, depth)
+
+
+@pytest.mark.parametrize("task", niah.TASKS)
+def test_prompts_have_exact_length_and_depth_with_a_real_bpe_tokenizer(smol_tokenizer, task):
+    builder = niah.NiahBuilder(smol_tokenizer)
+    for length in (256, 700):
+        for depth in (0.0, 0.3, 0.5, 1.0):
+            check_sample(smol_tokenizer, builder.sample(task, length, depth), length, depth)
+
+
+def test_prompts_with_byte_tokenizer_and_distinct_needles():
+    tok = byte_tokenizer()
+    builder = niah.NiahBuilder(tok)
+    samples = [builder.sample("niah_single_3", 1500, d, k) for d in (0.1, 0.9) for k in range(2)]
+    for s in samples:
+        check_sample(tok, s, 1500, s.depth)
+    assert len({s.answer for s in samples}) == 4
+    assert all(len(s.answer) == 36 and s.answer.count("-") == 4 for s in samples)  # UUIDs
+    assert builder.sample("niah_single_3", 1500, 0.1, 0).answer == samples[0].answer  # deterministic
+
+
+def test_answer_matching_is_exact():
+    assert niah.answer_found("1234567", " The special magic number is 1234567.")
+    assert niah.answer_found("1234567", "1234567")
+    assert not niah.answer_found("1234567", "12345678")
+    assert not niah.answer_found("1234567", "123456")
+    assert not niah.answer_found("1234567", "91234567 and more")
+    uid = "8e14b509-e84c-4e23-9e76-a80a0eee1581"
+    assert niah.answer_found(uid, f": {uid.upper()}.")
+    assert not niah.answer_found(uid, f"{uid}-extra")
+    assert not niah.answer_found(uid, uid[:-1])
+
+
+def test_length_and_depth_parsing():
+    assert niah.parse_lengths("4K,8k,1M,3000") == [4096, 8192, 1 << 20, 3000]
+    assert niah.parse_depths("5") == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert niah.parse_depths("0,0.5") == [0.0, 0.5]
+    for bad, fn in (("4X", niah.parse_lengths), ("10", niah.parse_lengths), ("1.5", niah.parse_depths)):
+        with pytest.raises(EvalError):
+            fn(bad)
+    with pytest.raises(EvalError, match="too short"):
+        niah.NiahBuilder(byte_tokenizer()).sample("niah_single_1", 100, 0.5)
+
+
+def test_scoring_summary_reports_and_heatmap(tmp_path, monkeypatch):
+    """An oracle 'model' answers every prompt correctly except those at depth 0: table and heatmap follow."""
+    def oracle(model, tokenizer, rows, max_new_tokens):
+        texts = []
+        for r in rows:
+            text = tokenizer.decode(r)
+            value = text.split(" is: ")[1].split(".")[0]
+            texts.append(f" {value}." if text.index(" is: ") > 600 else " 0000000.")
+        return texts
+
+    monkeypatch.setattr(niah, "greedy_generate", oracle)
+    cfg = niah.NiahConfig(["niah_single_1", "niah_single_2"], [1024, 2048], [0.0, 1.0], samples_per_cell=1)
+    report = {"model": "oracle", **niah.run_niah(None, byte_tokenizer(), cfg, log=lambda m: None)}
+    s = report["summary"]["niah_single_1"]
+    assert s["by_cell"][1024] == {0.0: 0.0, 1.0: 1.0} and s["mean"] == 0.5
+    paths = niah.write_reports(report, tmp_path, "oracle")
+    assert paths["heatmap"].stat().st_size > 1000 and paths["heatmap"].read_bytes()[:4] == b"\x89PNG"
+    table = paths["markdown"].read_text()
+    assert "| niah_single_1 | 50.0 | 50.0 | 50.0 |" in table and "1K" in table and "2K" in table
+    saved = json.loads(paths["json"].read_text())
+    assert len(saved["records"]) == 8 and all(r["prompt_tokens"] == r["length"] for r in saved["records"])
+
+
+def test_batched_greedy_decoding_on_a_tiny_hypenet():
+    """HypeNet's generate runs the batch; each row equals decoding that prompt alone."""
+    from halo_dist.models.convert import convert_model
+
+    model = convert_model(tiny_qwen3(vocab=BYTE_VOCAB), [1, 3])
+    tok = byte_tokenizer()
+    builder = niah.NiahBuilder(tok)
+    rows = [builder.sample("niah_single_1", 1024, d).input_ids for d in (0.2, 0.8)]
+    together = niah.greedy_generate(model, tok, rows, 4)
+    alone = [niah.greedy_generate(model, tok, [r], 4)[0] for r in rows]
+    assert together == alone and all(isinstance(t, str) for t in together)
+
+
+def test_eval_niah_cli_on_the_real_teacher(tmp_path, capsys):
+    """SmolLM2 (HF generate path), one 512-token prompt: files written, one record, exact length."""
+    out = tmp_path / "niah"
+    assert cli.main(["eval-niah", "--model", "smollm2", "--tasks", "niah_single_1", "--lengths", "512",
+                     "--depths", "0.5", "--output-dir", str(out), "--name", "smol"]) == 0
+    report = json.loads((out / "smol.json").read_text())
+    assert len(report["records"]) == 1 and report["records"][0]["prompt_tokens"] == 512
+    assert (out / "smol_heatmap.png").exists() and "niah_single_1" in (out / "smol.md").read_text()
+    assert cli.main(["eval-niah", "--model", "smollm2", "--tasks", "niah_single_9", "--output-dir", str(out)]) == 2
+    assert "unknown NIAH tasks" in capsys.readouterr().err
