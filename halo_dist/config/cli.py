@@ -34,7 +34,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def parse_run_args(argv: Optional[Sequence[str]] = None, description: Optional[str] = None,
                    prog: Optional[str] = None) -> tuple[RunConfig, argparse.Namespace]:
     """Parse the command line into a validated :class:`RunConfig`; handles ``--dry-run``."""
-    parser = add_config_args(argparse.ArgumentParser(prog=prog, description=description))
+    parser = add_config_args(argparse.ArgumentParser(prog=prog, description=description,
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
