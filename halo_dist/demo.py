@@ -28,21 +28,21 @@ class DemoSettings:
     """Sizes and budgets of the demo (every field is a `halo-dist demo` flag)."""
 
     out: str = "runs/demo"
-    docs: int = 1500  # Wikipedia extracts tokenized
+    docs: int = 1000  # Wikipedia extracts tokenized
     seq_len: int = 256  # stage 1/2 context
     long_seq_len: int = 1024  # stage 3 context (and calibration length)
-    stage1_steps: int = 30
-    stage2_steps: int = 30
-    stage3_steps: int = 6
+    stage1_steps: int = 12
+    stage2_steps: int = 14
+    stage3_steps: int = 4
     global_batch: int = 8
     micro_batch: int = 4
     num_attn: int = 7  # k = floor(30 / 4)
-    select_items: int = 8  # retrieval prompts per layer for the recall proxy
+    select_items: int = 6  # retrieval prompts per layer for the recall proxy
     select_length: int = 256
     kl_rows: int = 4
-    niah_lengths: str = "256,512,1024"
+    niah_lengths: str = "256,512"
     niah_depths: str = "3"
-    csr_limit: int = 40
+    csr_limit: int = 25
     calib_grid: str = "none,50,200,500,2000"
 
     @classmethod
