@@ -88,11 +88,11 @@ sweep_step() {  # inside a job: HALO_STEP = sweep_prep | sweep_task | sweep_eval
             halo_exec - "${HALO_CMD[@]}"
             ;;
         sweep_task)
-            local -a todo
-            IFS=, read -r -a todo <<< "$HALO_SWEEP_TODO"
+            local -a pending
+            IFS=, read -r -a pending <<< "$HALO_SWEEP_PENDING"
             local i=${SLURM_ARRAY_TASK_ID:?sweep_task runs as a job array task (SLURM_ARRAY_TASK_ID unset)}
-            ((i < ${#todo[@]})) || halo_die "array task $i has no variant: this array holds ${#todo[@]} (${HALO_SWEEP_TODO})"
-            local name=${todo[$i]}
+            ((i < ${#pending[@]})) || halo_die "array task $i has no variant: this array holds ${#pending[@]} (${HALO_SWEEP_PENDING})"
+            local name=${pending[$i]}
             halo_log "array task $i -> variant $name"
             if [[ -e $(sweep_done_file "$name") ]]; then halo_log "skip $name: $(sweep_done_file "$name") exists"; exit 0; fi
             local base overrides
@@ -120,7 +120,7 @@ sweep_driver() {
     halo_posint HALO_MAX_CONCURRENT "$HALO_MAX_CONCURRENT"
     [[ -f $HALO_REPO/$HALO_SWEEP_GRID || -f $HALO_SWEEP_GRID ]] || halo_die "sweep grid $HALO_SWEEP_GRID not found"
 
-    local -a all todo=()
+    local -a all pending=()
     local out
     out=$(cd "$HALO_REPO" && sweep_variants select "${HALO_VARIANTS:-}" 2>&1) \
         || halo_die "${out#error: } (HALO_VARIANTS=${HALO_VARIANTS:-}); nothing was submitted"
@@ -129,9 +129,9 @@ sweep_driver() {
     local name
     for name in "${all[@]}"; do
         if [[ -e $(sweep_done_file "$name") ]]; then halo_log "skip $name: already trained ($(sweep_done_file "$name"))"
-        else todo+=("$name"); fi
+        else pending+=("$name"); fi
     done
-    if ! halo_is_dry && ((${#todo[@]})) && [[ ! -f $HALO_REPO/$HALO_PRETRAIN_LAUNCHER && ! -f $HALO_PRETRAIN_LAUNCHER ]]; then
+    if ! halo_is_dry && ((${#pending[@]})) && [[ ! -f $HALO_REPO/$HALO_PRETRAIN_LAUNCHER && ! -f $HALO_PRETRAIN_LAUNCHER ]]; then
         halo_die "$HALO_PRETRAIN_LAUNCHER not found in $HALO_REPO: the from-scratch launcher is needed to train the sweep"
     fi
     halo_check_slurm_tools
@@ -142,7 +142,7 @@ sweep_driver() {
     out=$(cd "$HALO_REPO" && sweep_variants dump --among "${HALO_SWEEP_SELECTED}") || exit 2
     while IFS=$'\t' read -r name line; do ovs[$name]=$line; done <<< "$out"
     local -a checks=()
-    for name in "${todo[@]}"; do
+    for name in "${pending[@]}"; do
         checks+=("variant $name ($HALO_NODES node(s) x $HALO_GPUS_PER_NODE GPUs)|$world|$base|${ovs[$name]} ${HALO_SWEEP_ARGS:-}")
     done
     # shellcheck disable=SC2034  # read by halo_check_layouts
@@ -151,13 +151,13 @@ sweep_driver() {
     halo_refuse_duplicates
 
     HALO_SWEEP_ALL=$(IFS=,; echo "${all[*]}")
-    HALO_SWEEP_TODO=$(IFS=,; echo "${todo[*]}")
-    export HALO_DATA HALO_RUNS HALO_NODES HALO_GPUS_PER_NODE HALO_REPO HALO_SWEEP_ALL HALO_SWEEP_TODO HALO_SWEEP_GRID
-    halo_log "sweep: ${#all[@]} variant(s), ${#todo[@]} to train; data $HALO_DATA; runs $HALO_RUNS (tensorboard --logdir $HALO_RUNS)"
+    HALO_SWEEP_PENDING=$(IFS=,; echo "${pending[*]}")
+    export HALO_DATA HALO_RUNS HALO_NODES HALO_GPUS_PER_NODE HALO_REPO HALO_SWEEP_ALL HALO_SWEEP_PENDING HALO_SWEEP_GRID
+    halo_log "sweep: ${#all[@]} variant(s), ${#pending[@]} to train; data $HALO_DATA; runs $HALO_RUNS (tensorboard --logdir $HALO_RUNS)"
     run_cmd mkdir -p "$HALO_RUNS/logs"
 
     local script=$HALO_REPO/slurm/sweep_scratch.sh dep="" i
-    if ((${#todo[@]})); then
+    if ((${#pending[@]})); then
         if ! halo_manifest_complete "$HALO_DATA"; then
             halo_sbatch halo-sweep-prep sweep_prep cpu 1 "" "$HALO_RUNS/logs/sweep-prep-%j.log" "$script"
             dep="afterok:$HALO_JOB_ID"
@@ -170,13 +170,13 @@ sweep_driver() {
             halo_log "data: $HALO_DATA is complete"
         fi
         halo_sbatch halo-sweep sweep_task dist "$HALO_NODES" "$dep" "$HALO_RUNS/logs/sweep-%A_%a.log" "$script" \
-            "--array=0-$((${#todo[@]} - 1))%$HALO_MAX_CONCURRENT"
+            "--array=0-$((${#pending[@]} - 1))%$HALO_MAX_CONCURRENT"
         local array_id=$HALO_JOB_ID
         if halo_is_dry; then
-            for i in "${!todo[@]}"; do
-                printf '  [array task %d] %s\n' "$i" "${todo[$i]}"
+            for i in "${!pending[@]}"; do
+                printf '  [array task %d] %s\n' "$i" "${pending[$i]}"
                 HALO_PREVIEW=1 HALO_STEP=sweep_task SLURM_NNODES=$HALO_NODES SLURM_JOB_ID="${array_id}_$i" \
-                    SLURM_CPUS_PER_TASK="" sweep_task_cmd "${todo[$i]}" "$base" "${ovs[${todo[$i]}]}"
+                    SLURM_CPUS_PER_TASK="" sweep_task_cmd "${pending[$i]}" "$base" "${ovs[${pending[$i]}]}"
                 HALO_PREVIEW=1 halo_exec - "${HALO_CMD[@]}"
             done
         fi

@@ -35,8 +35,8 @@ SHIM_HEAD = """#!/bin/bash
 """
 SHIMS = {
     "sbatch": SHIM_HEAD + """
-printf 'env\\tHALO_STEP=%s\\tHALO_DATA=%s\\tHALO_RUNS=%s\\tHALO_TEACHER=%s\\tHALO_REPO=%s\\tHALO_SWEEP_TODO=%s\\tSLURM_CPUS_PER_TASK=%s\\n' \\
-    "${HALO_STEP:-}" "${HALO_DATA:-}" "${HALO_RUNS:-}" "${HALO_TEACHER:-}" "${HALO_REPO:-}" "${HALO_SWEEP_TODO:-}" \\
+printf 'env\\tHALO_STEP=%s\\tHALO_DATA=%s\\tHALO_RUNS=%s\\tHALO_TEACHER=%s\\tHALO_REPO=%s\\tHALO_SWEEP_PENDING=%s\\tSLURM_CPUS_PER_TASK=%s\\n' \\
+    "${HALO_STEP:-}" "${HALO_DATA:-}" "${HALO_RUNS:-}" "${HALO_TEACHER:-}" "${HALO_REPO:-}" "${HALO_SWEEP_PENDING:-}" \\
     "${SLURM_CPUS_PER_TASK:-}" >> "$SHIM_LOG"
 n=$(cat "$SHIM_LOG.count" 2>/dev/null || echo 1000); echo $((n + 1)) > "$SHIM_LOG.count"
 echo "$n"
@@ -361,7 +361,7 @@ def test_sweep_submission_subset(slurm_env, tmp_path):
     assert flag(array, "output").endswith("/logs/sweep-%A_%a.log") and "--requeue" in array
     assert flag(evaljob, "dependency") == "afterany:1001" and flag(evaljob, "export") == "ALL,HALO_STEP=sweep_eval"
     envs = [dict(x.split("=", 1) for x in row) for row in calls(log, "env")]
-    assert envs[1]["HALO_SWEEP_TODO"] == ",".join(names)
+    assert envs[1]["HALO_SWEEP_PENDING"] == ",".join(names)
 
 
 @pytest.mark.parametrize("index", [0, 2])
@@ -370,7 +370,7 @@ def test_sweep_array_task_trains_its_variant(slurm_env, tmp_path, index):
     names = ["transformer", "swan-gpt", "hypenet-gdn-all-rope"]
     res = run("sweep_scratch.sh", sweep_env(env, tmp_path, HALO_STEP="sweep_task", SLURM_ARRAY_TASK_ID=str(index),
                                             SLURM_JOB_ID="555", SLURM_JOB_NODELIST="gpu-node07", SLURM_NNODES="1",
-                                            HALO_SWEEP_TODO=",".join(names), FAKE_SRUN="finish"))
+                                            HALO_SWEEP_PENDING=",".join(names), FAKE_SRUN="finish"))
     assert res.returncode == 0, res.stderr
     (argv,) = calls(log, "srun")
     name = names[index]

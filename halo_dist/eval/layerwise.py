@@ -223,14 +223,14 @@ def evaluate_layers(
     layers = sorted(range(L) if layers is None else layers)
     stage1.require_layers(layers)
     results = _existing_results(results_path, resume, L)
-    todo = [i for i in layers if i not in results]
+    pending = [i for i in layers if i not in results]
     if results:
-        log(f"resuming: {len(results)} layers already in {results_path}, {len(todo)} to evaluate")
-    if not todo:
+        log(f"resuming: {len(results)} layers already in {results_path}, {len(pending)} to evaluate")
+    if not pending:
         return results
     evaluator.start(base)
-    for i in range(max(todo) + 1):
-        if i in todo:
+    for i in range(max(pending) + 1):
+        if i in pending:
             t0 = time.time()
             with swapped_mixer(base, i, stage1.mixer(i)):
                 results[i] = evaluator.evaluate(base, i)
