@@ -175,8 +175,8 @@ def test_activation_checkpointing_gives_same_gradients():
 def test_config_rejects_bad_settings():
     with pytest.raises(ValueError, match="mixer_types"):
         HypeNetConfig(num_hidden_layers=2, mixer_types=["attention"])
-    with pytest.raises(ValueError, match="planned"):
-        HypeNetConfig(num_hidden_layers=1, mixer_types=["gdn"])
+    with pytest.raises(ValueError, match="unknown"):
+        HypeNetConfig(num_hidden_layers=1, mixer_types=["mamba3"])
     with pytest.raises(ValueError, match="divisible"):
         HypeNetConfig(num_attention_heads=6, num_key_value_heads=4, num_hidden_layers=1, mixer_types=["attention"])
     with pytest.raises(ValueError, match="attn_logits_scale_base"):

@@ -10,6 +10,11 @@ Llama/Qwen2/Mistral-style GQA teacher:
 Trained stage-1 RNN weights (a safetensors file, keys named as in the student) replace the
 transferred RNN weights when given.
 
+``rnn_mixer`` picks the replacement mixer (SPEC §2 "Other RNN mixers"): "lightning" (default),
+"gdn", "gla", "rwkv7", "mamba2" -- all attention-shaped, so W_q/W_k/W_v/W_o (+ q/k norms) transfer
+as for Lightning and only their gate / decay parameters start fresh (seeded per layer) -- or "swa"
+(sliding-window attention: the teacher's attention weights unchanged, GQA kept).
+
 Everything that can be checked from the teacher's config is checked before a weight is loaded.
 """
 
@@ -23,6 +28,11 @@ from pathlib import Path
 import torch
 
 from .hypenet import HypeNetConfig, HypeNetForCausalLM
+from .hypenet.configuration_hypenet import RNN_MIXERS
+from .hypenet.modeling_hypenet import MIXER_CLASSES
+
+REPLACEMENT_MIXERS = (*RNN_MIXERS, "swa")
+ATTENTION_SHAPED = ("attention", "swa")  # k/v keep the teacher's KV heads, attention switches apply
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -111,8 +121,11 @@ def check_attn_layers(attn_layers: list[int], num_layers: int) -> list[int]:
     return sorted(layers)
 
 
-def student_config(teacher_cfg, attn_layers: list[int], **overrides) -> HypeNetConfig:
-    """HypeNetConfig mirroring the teacher's shapes; ``overrides`` set HyPE switches (e.g. ``attn_logits_scale_base``)."""
+def student_config(teacher_cfg, attn_layers: list[int], rnn_mixer: str = "lightning", **overrides) -> HypeNetConfig:
+    """HypeNetConfig mirroring the teacher's shapes; layers outside ``attn_layers`` become ``rnn_mixer``;
+    ``overrides`` set HyPE switches (e.g. ``attn_logits_scale_base``)."""
+    if rnn_mixer not in REPLACEMENT_MIXERS:
+        raise ConversionError(f"rnn_mixer={rnn_mixer!r} is unknown; choose from {REPLACEMENT_MIXERS}")
     family = teacher_family(teacher_cfg)
     L = teacher_cfg.num_hidden_layers
     attn = check_attn_layers(attn_layers, L)
@@ -142,7 +155,7 @@ def student_config(teacher_cfg, attn_layers: list[int], **overrides) -> HypeNetC
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(getattr(teacher_cfg, "mlp_bias", False)),
-        mixer_types=["attention" if i in attn else "lightning" for i in range(L)],
+        mixer_types=["attention" if i in attn else rnn_mixer for i in range(L)],
         attn_qk_norm=family == "qwen3",
         bos_token_id=getattr(teacher_cfg, "bos_token_id", None),
         eos_token_id=getattr(teacher_cfg, "eos_token_id", None),
@@ -186,7 +199,8 @@ def transfer_state_dict(teacher_sd: dict[str, torch.Tensor], cfg: HypeNetConfig)
                 if src + f"mlp.{name}.{p}" in teacher_sd:
                     sd[dst + f"mlp.{name}.{p}"] = t(src + f"mlp.{name}.{p}")
         attn, mix = src + "self_attn.", dst + "mixer."
-        clone_kv = mixer != "attention" and cfg.rnn_gqa_to_mha and Hkv != H
+        attn_shaped = mixer in ATTENTION_SHAPED
+        clone_kv = not attn_shaped and cfg.rnn_gqa_to_mha and Hkv != H
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             for p in ("weight", "bias"):
                 key = attn + f"{proj}.{p}"
@@ -197,16 +211,35 @@ def transfer_state_dict(teacher_sd: dict[str, torch.Tensor], cfg: HypeNetConfig)
                     w = _clone_kv_heads(w, Hkv, H // Hkv, D)
                 sd[mix + f"{proj}.{p}"] = w
         has_qk_norm = attn + "q_norm.weight" in teacher_sd
-        wants_qk_norm = cfg.attn_qk_norm if mixer == "attention" else cfg.rnn_qk_norm
+        wants_qk_norm = cfg.attn_qk_norm if attn_shaped else cfg.rnn_qk_norm
         if wants_qk_norm:
             for n in ("q_norm", "k_norm"):
                 sd[mix + f"{n}.weight"] = t(attn + f"{n}.weight") if has_qk_norm else torch.ones(D)
-        gated = cfg.attn_output_gate if mixer == "attention" else cfg.rnn_output_gate
+        gated = cfg.attn_output_gate if attn_shaped else cfg.rnn_output_gate
         if gated:
             sd[mix + "g_proj.weight"] = torch.zeros(H * D, d, dtype=sd[mix + "q_proj.weight"].dtype)
-        if mixer != "attention" or cfg.attn_output_norm:
+        if not attn_shaped or cfg.attn_output_norm:
             sd[mix + "o_norm.weight"] = torch.ones(H * D)
+        if mixer not in ("attention", "lightning", "swa"):
+            fresh = fresh_mixer_parameters(cfg, i)
+            sd.update({mix + k: w.to(sd[mix + "q_proj.weight"].dtype) for k, w in fresh.items() if mix + k not in sd})
     return sd
+
+
+def fresh_mixer_parameters(cfg: HypeNetConfig, layer: int) -> dict[str, torch.Tensor]:
+    """A freshly initialised mixer of layer ``layer`` (seeded by the layer index, so conversion is
+    deterministic): Linear weights N(0, initializer_range), biases 0, the mixer's own decay / skip
+    parameters from its ``init_mixer_parameters``. Keys relative to the mixer."""
+    mixer = MIXER_CLASSES[cfg.mixer_types[layer]](cfg, layer)
+    gen = torch.Generator().manual_seed(layer)
+    with torch.no_grad():
+        for module in mixer.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, cfg.initializer_range, generator=gen)
+                if module.bias is not None:
+                    module.bias.zero_()
+        mixer.init_mixer_parameters()
+    return {k: v.detach().clone() for k, v in mixer.state_dict().items()}
 
 
 def load_stage1_weights(

@@ -11,11 +11,11 @@ import math
 
 from transformers import PretrainedConfig
 
-# Mixers with an implementation today; the sweep issue adds "gdn", "gla", "rwkv7", "mamba2"
-# by registering a class in modeling_hypenet.MIXER_CLASSES and listing the name here.
-IMPLEMENTED_MIXERS = ("attention", "lightning")
-PLANNED_MIXERS = ("gdn", "gla", "rwkv7", "mamba2")
-RNN_MIXERS = tuple(m for m in IMPLEMENTED_MIXERS + PLANNED_MIXERS if m != "attention")
+# Every name here is a class in modeling_hypenet.MIXER_CLASSES. "swa" is softmax attention over a
+# sliding window (SWAN-GPT's local layers); the others besides "attention" are RNNs (SPEC §2).
+IMPLEMENTED_MIXERS = ("attention", "lightning", "gdn", "gla", "rwkv7", "mamba2", "swa")
+PLANNED_MIXERS: tuple[str, ...] = ()
+RNN_MIXERS = ("lightning", "gdn", "gla", "rwkv7", "mamba2")
 
 
 class HypeNetConfig(PretrainedConfig):
@@ -38,6 +38,12 @@ class HypeNetConfig(PretrainedConfig):
                                  default because a fresh norm changes the teacher's function).
       rnn_gqa_to_mha (True)      every RNN head gets its own W_k/W_v (cloned from its KV head);
                                  False keeps shared GQA k/v in RNN layers.
+
+    Sweep mixers (``mixer_types`` entries): "gdn", "gla", "rwkv7", "mamba2" take the RNN switches
+    above; "swa" layers attend to the last ``sliding_window`` tokens of their document, with RoPE if
+    ``swa_rope`` (SWAN-GPT: SWA-512 RoPE layers + full-attention NoPE layers), the attention QK-norm
+    / output gate / output norm switches, and no logits scaling (a window needs no length scaling).
+    ``rnn_layers`` lists every layer that is not full attention (SWA layers included).
     """
 
     model_type = "hypenet"
@@ -72,6 +78,8 @@ class HypeNetConfig(PretrainedConfig):
         attn_output_norm: bool = False,
         rnn_gqa_to_mha: bool = True,
         lightning_chunk_size: int = 64,
+        sliding_window: int | None = 512,
+        swa_rope: bool = True,
         initializer_range: float = 0.02,
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
@@ -104,6 +112,8 @@ class HypeNetConfig(PretrainedConfig):
         self.attn_output_norm = attn_output_norm
         self.rnn_gqa_to_mha = rnn_gqa_to_mha
         self.lightning_chunk_size = lightning_chunk_size
+        self.sliding_window = sliding_window
+        self.swa_rope = swa_rope
         self.initializer_range = initializer_range
         super().__init__(
             pad_token_id=pad_token_id,
@@ -130,10 +140,13 @@ class HypeNetConfig(PretrainedConfig):
                 f"mixer_types has {len(self.mixer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
             )
         for i, m in enumerate(self.mixer_types):
-            if m in PLANNED_MIXERS:
-                raise ValueError(f"mixer_types[{i}]={m!r} is planned for the sweeps but has no implementation yet")
             if m not in IMPLEMENTED_MIXERS:
                 raise ValueError(f"mixer_types[{i}]={m!r} is unknown; choose from {IMPLEMENTED_MIXERS}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window={w!r} must be a positive integer (tokens each query sees) or None")
+        if "swa" in self.mixer_types and w is None:
+            raise ValueError("mixer_types has 'swa' layers but sliding_window is None; set e.g. sliding_window=512")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "

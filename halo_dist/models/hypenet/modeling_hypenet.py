@@ -23,7 +23,20 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_hypenet import HypeNetConfig
-from .ops_hypenet import lightning_attention, lightning_log_decay, packed_causal_attention, sdpa
+from .ops_hypenet import (
+    RWKV7_LOG_DECAY_MIN,
+    chunk_prefill_attention,
+    gated_delta_attention,
+    gla_attention,
+    lightning_attention,
+    lightning_log_decay,
+    local_causal_mask,
+    mamba2_attention,
+    packed_causal_attention,
+    rows_cu_seqlens,
+    rwkv7_attention,
+    sdpa,
+)
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as hf_init
@@ -155,9 +168,34 @@ class HypeNetCache:
     state ``[B, H, K, V]`` (fp32) for RNN layers. Independent of transformers' Cache classes,
     whose API changes between releases; HypeNet's ``generate`` drives it."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, reserve_tokens: int = 0):
         self.layers: list[object | None] = [None] * num_layers
         self.seen_tokens = 0
+        self.reserve_tokens = reserve_tokens  # room left after the prefill for decoded tokens
+        self._kv_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k/v ``[B, T, Hkv, D]`` to layer ``layer_idx``; returns views of all cached keys/values.
+
+        The keys live in a buffer with spare room (grown by doubling), so a decode step writes one
+        token instead of copying the whole cache (torch.cat would move O(T) bytes per token: 60 GB per
+        step for a 1.7B-shape teacher at 512K)."""
+        past = self.layers[layer_idx]
+        used = 0 if past is None else past[0].shape[1]
+        new = used + k.shape[1]
+        buf = self._kv_buffers.get(layer_idx)
+        if buf is None or buf[0].shape[1] < new or buf[0].shape[0] != k.shape[0]:
+            # prefill: the prompt plus the reserved decode room; beyond it, grow by doubling
+            room = new + self.reserve_tokens if past is None else max(new, 2 * used)
+            grown = tuple(t.new_empty(t.shape[0], room, *t.shape[2:]) for t in (k, v))  # [B, room, Hkv, D]
+            if past is not None:
+                grown[0][:, :used].copy_(past[0])
+                grown[1][:, :used].copy_(past[1])
+            buf = self._kv_buffers[layer_idx] = grown
+        buf[0][:, used:new].copy_(k)
+        buf[1][:, used:new].copy_(v)
+        self.layers[layer_idx] = (buf[0][:, :new], buf[1][:, :new])  # [B, T_past + T, Hkv, D] views
+        return self.layers[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -167,6 +205,7 @@ class HypeNetCache:
         for i, entry in enumerate(self.layers):
             if isinstance(entry, tuple):
                 self.layers[i] = tuple(t.index_select(0, beam_idx) for t in entry)
+                self._kv_buffers.pop(i, None)  # the selected rows are fresh tensors; regrow on append
             elif entry is not None:
                 self.layers[i] = entry.index_select(0, beam_idx)
 
@@ -238,10 +277,14 @@ class HypeNetAttention(nn.Module):
 
     def _attend_with_cache(self, q, k, v, info: SequenceInfo, cache: HypeNetCache, scale: float):
         past = cache.layers[self.layer_idx]
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)  # [B, Tpast+T, Hkv, D]
-        cache.layers[self.layer_idx] = (k, v)
+        k, v = cache.append_kv(self.layer_idx, k, v)  # [B, Tpast+T, Hkv, D]
         Tq, Tk = q.shape[1], k.shape[1]
+        if info.key_mask is None:
+            # no padding: prefill is plain causal attention (flash kernels, no [Tq, Tk] mask), a single
+            # new query attends to every cached key, a prefill chunk is lower-right causal
+            if past is None or Tq == 1:
+                return sdpa(q, k, v, is_causal=past is None, scale=scale)
+            return chunk_prefill_attention(q, k, v, scale)
         causal = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
         mask = causal[None, None]  # [1, 1, Tq, Tk]
         if info.key_mask is not None:
@@ -365,8 +408,360 @@ class LightningMixer(nn.Module):
         return self.o_proj(o)
 
 
-# The sweep issue registers "gdn", "gla", "rwkv7", "mamba2" here (same constructor and forward).
-MIXER_CLASSES: dict[str, type[nn.Module]] = {"attention": HypeNetAttention, "lightning": LightningMixer}
+# --------------------------------------------------------------------------------------------
+# Sweep mixers (SPEC §2 "Other RNN mixers", §3 "From-scratch sweeps")
+# --------------------------------------------------------------------------------------------
+
+
+class SlidingWindowAttention(HypeNetAttention):
+    """Softmax attention over the last ``config.sliding_window`` tokens of the query's document
+    (SWAN-GPT's local layers): RoPE if ``config.swa_rope``, no logits scaling, the attention layer's
+    QK-norm / output gate / output norm switches. The decode cache keeps only the last W - 1 keys."""
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.window = int(config.sliding_window)
+
+    def project(self, x: torch.Tensor, info: SequenceInfo):
+        """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with QK-norm and (swa_rope) RoPE."""
+        B, T, _ = x.shape
+        D, cfg = self.head_dim, self.config
+        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D)
+        if cfg.attn_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.swa_rope:
+            cos, sin = rope_cos_sin(info.position_ids, D, cfg.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def _attend(self, q, k, v, info: SequenceInfo, scale: float):
+        B, T = q.shape[:2]
+        if info.cu_seqlens is not None:
+            return packed_causal_attention(q, k, v, info.cu_seqlens, info.max_seqlen, scale, self.window)
+        if info.token_mask is not None:  # padded batch without cache: causal window + key padding
+            mask = local_causal_mask(T, T, self.window, q.device)[None, None] & info.token_mask[:, None, None, :]
+            mask = mask | ~info.token_mask[:, None, :, None]  # padded queries see everything (no NaN)
+            return sdpa(q, k, v, mask=mask, scale=scale)  # mask [B, 1, T, T]
+        if self.window >= T:
+            return sdpa(q, k, v, is_causal=True, scale=scale)
+        # each row is one document: the varlen kernels apply the window without a [T, T] mask
+        return packed_causal_attention(q, k, v, rows_cu_seqlens(B, T, q.device), T, scale, self.window)
+
+    def _attend_with_cache(self, q, k, v, info: SequenceInfo, cache: HypeNetCache, scale: float):
+        past = cache.layers[self.layer_idx]
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)  # [B, Tpast+T, Hkv, D]
+        keep = min(self.window - 1, k.shape[1])  # later queries never look further back
+        cache.layers[self.layer_idx] = (k[:, k.shape[1] - keep :], v[:, v.shape[1] - keep :])
+        Tq, Tk = q.shape[1], k.shape[1]
+        mask = local_causal_mask(Tq, Tk, self.window, q.device)[None, None]  # [1, 1, Tq, Tk]
+        if info.key_mask is not None:  # left padding: the mask covers all past keys, the cache the last Tk
+            key_mask = info.key_mask[:, -Tk:]
+            mask = mask & key_mask[:, None, None, :]
+            mask = mask | ~key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows
+        return sdpa(q, k, v, mask=mask, scale=scale)
+
+    def _attend_sequence_parallel(self, q, k, v, info: SequenceInfo, scale: float):
+        """Ulysses as in full attention: [B, T/sp, H, D] -> [B, T, H/sp, D], windowed kernel, back."""
+        sp = self.sp
+        if self.num_heads % sp.world_size:
+            raise ValueError(f"sp_size={sp.world_size} does not divide num_attention_heads={self.num_heads}")
+        f = kv_expand_factor(self.num_heads, self.num_kv_heads, sp.world_size)
+        if f > 1:  # replicate KV heads so every rank holds the ones its query heads use
+            k, v = k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)  # [B, T/sp, Hkv*f, D]
+        q, k, v = sp.seq_to_head(q), sp.seq_to_head(k), sp.seq_to_head(v)  # [B, T, heads/sp, D]
+        full = SequenceInfo(position_ids=info.position_ids, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen)
+        return sp.head_to_seq(self._attend(q, k, v, full, scale))  # [B, T, H/sp, D] -> [B, T/sp, H, D]
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for gates (decays are cumulated), fp64 kept for the exactness tests."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _init_copy(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Deterministic init that (with transformers >= 5) skips weights loaded from a checkpoint."""
+    if hasattr(hf_init, "copy_"):
+        hf_init.copy_(param, value.to(param.dtype))
+    else:  # pragma: no cover
+        with torch.no_grad():
+            param.copy_(value)
+
+
+def _log_uniform_dt_bias(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
+    """Mamba2's dt bias: softplus⁻¹ of dt spread log-uniformly over [dt_min, dt_max] across heads."""
+    t = torch.linspace(0, 1, num_heads, dtype=torch.float64)
+    dt = torch.exp(math.log(dt_min) + t * (math.log(dt_max) - math.log(dt_min)))
+    return (dt + torch.log(-torch.expm1(-dt))).float()  # inverse softplus
+
+
+class GatedRNNMixer(nn.Module):
+    """Skeleton of the sweep RNN mixers (GDN, GLA, RWKV-7, Mamba2), shaped like LightningMixer so the
+    teacher's attention weights transfer: q/k/v/o of H heads × d_h, QK-norm (``rnn_qk_norm``), RoPE
+    (``rnn_rope``), per-head RMSNorm on the output, sigmoid output gate (``rnn_output_gate``), GQA k/v
+    cloned or repeated to H heads. No short convolution (SPEC §2), so the cache holds only the state.
+
+    A subclass sets ``kernel`` (an ops_hypenet dispatcher) and defines ``gates(x, q, k, v) -> (q, k, v,
+    gates, extras)``: every gate a per-token, per-head tensor ``[B, T, H, ...]`` (token-local, so gates
+    shard over sequence parallelism like q/k/v and no per-head parameter needs slicing); ``extras`` =
+    (pre, post) token-local terms ``[B, T, H, V]`` or None added to the recurrent output before /
+    after the per-head norm (Mamba2's D skip, RWKV-7's bonus).
+    Padding steps (``token_mask`` False) are identity steps: k, v and every gate are zeroed, and each
+    subclass parametrises its gates so that 0 means "leave the state unchanged".
+    """
+
+    kernel = None  # an ops_hypenet dispatcher: kernel(q, k, v, *gates, scale, initial_state, cu_seqlens, ...)
+    gate_names: tuple[str, ...] = ()
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        d, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.num_heads, self.head_dim = H, D
+        self.num_kv_heads = H if config.rnn_gqa_to_mha else config.num_key_value_heads
+        self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * D, d, bias=config.o_bias)
+        if config.rnn_qk_norm:
+            self.q_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
+            self.k_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
+        self.o_norm = HypeNetRMSNorm(H * D, config.rms_norm_eps)
+        if config.rnn_output_gate:
+            self.g_proj = nn.Linear(d, H * D, bias=False)
+        self.sp = None
+
+    # --- to override ---------------------------------------------------------------------------
+
+    def gates(self, x, q, k, v):
+        """-> (q, k, v, {name: [B, T, H, ...]} in ``gate_names`` order, (pre, post))."""
+        raise NotImplementedError
+
+    def init_mixer_parameters(self) -> None:
+        """Deterministic init of the non-Linear parameters (called from ``_init_weights``)."""
+
+    # --- shared --------------------------------------------------------------------------------
+
+    def project(self, x: torch.Tensor, info: SequenceInfo):
+        """x ``[B, T, d]`` -> q, k, v ``[B, T, H, D]`` (k/v repeated to H heads if GQA is kept)."""
+        B, T, _ = x.shape
+        D, cfg = self.head_dim, self.config
+        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D)
+        if cfg.rnn_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.rnn_rope:
+            cos, sin = rope_cos_sin(info.position_ids, D, cfg.rope_theta, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.num_kv_heads != self.num_heads:
+            g = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
+        return q, k, v
+
+    def _kernel(self, q, k, v, gates, scale, cu_seqlens, initial_state=None, decode=False, need_state=False):
+        """The recurrence on whole sequences. With ``cu_seqlens`` the batch is flattened for the varlen
+        kernels: ``[B, T, H, *] -> [1, B*T, H, *]`` and back."""
+        B, T = q.shape[:2]
+        tensors = [q, k, v] + [gates[n] for n in self.gate_names]
+        if cu_seqlens is not None:
+            tensors = [t.reshape(1, B * T, *t.shape[2:]) for t in tensors]  # [B, T, H, *] -> [1, B*T, H, *]
+        o, final = type(self).kernel(
+            *tensors, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            chunk_size=self.config.lightning_chunk_size, decode=decode, output_final_state=need_state,
+        )
+        return o.reshape(B, T, *o.shape[2:]), final  # [1, B*T, H, V] -> [B, T, H, V]
+
+    def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None):
+        q, k, v = self.project(x, info)
+        q, k, v, gates, (pre, post) = self.gates(x, q, k, v)
+        scale = self.head_dim**-0.5
+        if self.sp is not None:
+            o = self._recur_sequence_parallel(q, k, v, gates, info, scale)
+        else:
+            if info.token_mask is not None:  # pads: identity steps (see the class docstring)
+                m = info.token_mask[:, :, None]  # [B, T, 1]
+                k, v = k * m[..., None].to(k.dtype), v * m[..., None].to(v.dtype)
+                gates = {n: g * (m if g.dim() == 3 else m[..., None]).to(g.dtype) for n, g in gates.items()}
+            state = None if cache is None else cache.layers[self.layer_idx]
+            decode = state is not None and q.shape[1] <= 16
+            o, final = self._kernel(q, k, v, gates, scale, info.cu_seqlens, state, decode, need_state=cache is not None)
+            if cache is not None:
+                cache.layers[self.layer_idx] = final
+        return self.finish(o, x, pre, post)
+
+    def _recur_sequence_parallel(self, q, k, v, gates, info: SequenceInfo, scale):
+        """Ulysses: heads are independent, so head-parallel over the full sequence is exact. All gates
+        are per-token and per-head, so they travel with q/k/v (one all-to-all per dtype)."""
+        sp = self.sp
+        if self.num_heads % sp.world_size:
+            raise ValueError(f"sp_size={sp.world_size} does not divide the {self.num_heads} "
+                             f"{type(self).__name__} heads")
+        names = list(self.gate_names)
+        q, k, v, *gs = _seq_to_head_packed(sp, [q, k, v] + [gates[n] for n in names])  # [B, T, H/sp, *]
+        o, _ = self._kernel(q, k, v, dict(zip(names, gs)), scale, info.cu_seqlens)
+        return sp.head_to_seq(o)  # [B, T, H/sp, V] -> [B, T/sp, H, V]
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None) -> torch.Tensor:
+        """(+pre) per-head RMSNorm (+post), gate, W_o. o ``[B, T, H, V]`` -> ``[B, T, d]``."""
+        o = o.to(x.dtype)
+        if pre is not None:
+            o = o + pre.to(x.dtype)
+        o = per_head_rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps)  # [B, T, H*V]
+        if post is not None:
+            o = o + post.to(x.dtype).flatten(2)  # [B, T, H, V] -> [B, T, H*V]
+        if self.config.rnn_output_gate:
+            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
+        return self.o_proj(o)
+
+
+def _seq_to_head_packed(sp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """All-to-all several ``[B, T/sp, H, *rest]`` tensors with one collective per dtype.
+
+    Same-dtype tensors are concatenated on a flattened last dim ``[B, T/sp, H, sum(rest)]``, exchanged
+    to ``[B, T, H/sp, sum(rest)]`` and split back into ``[B, T, H/sp, *rest]``."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = [tensors[i].flatten(3) if tensors[i].dim() > 3 else tensors[i][..., None] for i in idx]  # [B, T/sp, H, n_i]
+        moved = sp.seq_to_head(torch.cat(flat, dim=-1))  # [B, T/sp, H, n] -> [B, T, H/sp, n]
+        for i, part in zip(idx, moved.split([f.shape[-1] for f in flat], dim=-1)):
+            rest = tensors[i].shape[3:]
+            out[i] = part.reshape(*part.shape[:3], *rest)  # [B, T, H/sp, n_i] -> [B, T, H/sp, *rest]
+    return out
+
+
+class GatedDeltaNetMixer(GatedRNNMixer):
+    """Gated DeltaNet (Yang et al. 2024): S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ, o = q S / √d_h,
+    with q/k unit-normalised per head (after QK-norm and RoPE; the delta rule needs |k| = 1),
+    log α_t = -exp(A_log_h) softplus(x W_a + dt_bias_h), β_t = sigmoid(x W_b). fla's GatedDeltaNet
+    without its short convolution."""
+
+    kernel = staticmethod(gated_delta_attention)
+    gate_names = ("g", "beta")
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d, H = config.hidden_size, config.num_attention_heads
+        self.a_proj = nn.Linear(d, H, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+
+    def init_mixer_parameters(self) -> None:
+        H = self.num_heads
+        _init_copy(self.A_log, torch.log(torch.linspace(1.0, 16.0, H)))  # fla: A ~ U(0, 16)
+        _init_copy(self.dt_bias, _log_uniform_dt_bias(H))
+
+    def gates(self, x, q, k, v):
+        acc = _acc_dtype(x)
+        q, k = F.normalize(q.to(acc), dim=-1).to(q.dtype), F.normalize(k.to(acc), dim=-1).to(k.dtype)
+        g = -self.A_log.to(acc).exp() * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))  # [B, T, H]
+        beta = torch.sigmoid(self.b_proj(x)).to(q.dtype)  # [B, T, H]
+        return q, k, v, {"g": g, "beta": beta}, (None, None)
+
+
+class GLAMixer(GatedRNNMixer):
+    """Gated Linear Attention (Yang et al. 2023): S_t = diag(α_t) S_{t-1} + k_tᵀ v_t with per-channel
+    log α_t = logsigmoid(x W_1 W_2 + b) / 16 (fla's low-rank gate, rank 16, normaliser 16)."""
+
+    kernel = staticmethod(gla_attention)
+    gate_names = ("gk",)
+    gate_rank, gate_normalizer = 16, 16.0
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.gk_down = nn.Linear(d, self.gate_rank, bias=False)
+        self.gk_up = nn.Linear(self.gate_rank, H * D, bias=True)
+
+    def gates(self, x, q, k, v):
+        acc = _acc_dtype(x)
+        gk = F.logsigmoid(self.gk_up(self.gk_down(x)).to(acc)) / self.gate_normalizer
+        return q, k, v, {"gk": gk.view(*q.shape)}, (None, None)  # gk [B, T, H*K] -> [B, T, H, K]
+
+
+class Mamba2Mixer(GatedRNNMixer):
+    """Mamba2 in multi-head SSD form (Dao & Gu 2024) with attention-shaped heads: C = q, B = k, x = v;
+    S_t = exp(-exp(A_log_h) dt_t) S_{t-1} + k_t (dt_t v_t)ᵀ, dt_t = softplus(x W_dt + dt_bias_h),
+    y = q S / √d_h + D_h v (the skip, before the output norm as in Mamba2)."""
+
+    kernel = staticmethod(mamba2_attention)
+    gate_names = ("g",)
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        H = config.num_attention_heads
+        self.dt_proj = nn.Linear(config.hidden_size, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
+
+    def init_mixer_parameters(self) -> None:
+        H = self.num_heads
+        _init_copy(self.A_log, torch.log(torch.linspace(1.0, 16.0, H)))  # Mamba2: A ~ U(1, 16)
+        _init_copy(self.dt_bias, _log_uniform_dt_bias(H))
+        _init_copy(self.D, torch.ones(H))
+
+    def gates(self, x, q, k, v):
+        acc = _acc_dtype(x)
+        dt = F.softplus(self.dt_proj(x).to(acc) + self.dt_bias.to(acc))  # [B, T, H]
+        g = -self.A_log.to(acc).exp() * dt
+        skip = v * self.D.to(v.dtype)[:, None]  # D_h x: [B, T, H, V] * [H, 1]
+        return q, k, (v.to(acc) * dt[..., None]).to(v.dtype), {"g": g}, (skip, None)
+
+
+class RWKV7Mixer(GatedRNNMixer):
+    """RWKV-7 "Goose" time mixing (Peng et al. 2025) with attention-shaped heads (r = q):
+    S_t = S_{t-1} (diag(w_t) - κ̂_tᵀ (a_t ⊙ κ̂_t)) + v_tᵀ k̃_t, o = r S / √d_h (+ the bonus (r·(ρ⊙k̃)) v
+    after the norm), with log w_t = -e^{-1/2} sigmoid(LoRA_w(x)), a_t = sigmoid(LoRA_a(x)),
+    κ̂ = normalize(k ⊙ k_k), k̃ = k ⊙ (1 + (a - 1) ⊙ k_a). Token shift and the value residual
+    (v_first) of the full RWKV-7 block are left out: both cross token/layer boundaries that the
+    shared HypeNet layer interface does not carry."""
+
+    kernel = staticmethod(rwkv7_attention)
+    gate_names = ("w", "a", "b")
+    lora_rank = 64
+
+    def __init__(self, config: HypeNetConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        d, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
+        r = min(self.lora_rank, d)
+        self.w_down, self.w_up = nn.Linear(d, r, bias=False), nn.Linear(r, H * D, bias=True)
+        self.a_down, self.a_up = nn.Linear(d, r, bias=False), nn.Linear(r, H * D, bias=True)
+        self.k_k = nn.Parameter(torch.empty(H * D))
+        self.k_a = nn.Parameter(torch.empty(H * D))
+        self.r_k = nn.Parameter(torch.empty(H, D))
+
+    def init_mixer_parameters(self) -> None:
+        HD = self.num_heads * self.head_dim
+        _init_copy(self.k_k, torch.full((HD,), 0.85))
+        _init_copy(self.k_a, torch.ones(HD))
+        _init_copy(self.r_k, torch.zeros(self.num_heads, self.head_dim))  # the bonus starts off
+
+    def gates(self, x, q, k, v):
+        acc = _acc_dtype(x)
+        shape = q.shape  # [B, T, H, K]
+        w = RWKV7_LOG_DECAY_MIN * torch.sigmoid(self.w_up(torch.tanh(self.w_down(x))).to(acc)).view(shape)
+        a = torch.sigmoid(self.a_up(self.a_down(x))).view(shape)
+        kk = F.normalize((k * self.k_k.view(shape[2:])).to(acc), dim=-1).to(k.dtype)  # κ̂ per head
+        k = k * (1 + (a - 1) * self.k_a.view(shape[2:]))
+        bonus = (q * k * self.r_k.to(q.dtype)).sum(-1, keepdim=True) * self.head_dim**-0.5  # [B, T, H, 1]
+        return q, k, v, {"w": w, "a": -kk, "b": kk * a}, (None, bonus * v)
+
+
+# Every name of configuration_hypenet.IMPLEMENTED_MIXERS (same constructor and forward).
+MIXER_CLASSES: dict[str, type[nn.Module]] = {
+    "attention": HypeNetAttention,
+    "lightning": LightningMixer,
+    "gdn": GatedDeltaNetMixer,
+    "gla": GLAMixer,
+    "rwkv7": RWKV7Mixer,
+    "mamba2": Mamba2Mixer,
+    "swa": SlidingWindowAttention,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,8 +800,10 @@ class HypeNetPreTrainedModel(PreTrainedModel):
             hf_init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, HypeNetRMSNorm):
             hf_init.ones_(module.weight)
-        if isinstance(module, (HypeNetAttention, LightningMixer)) and hasattr(module, "g_proj"):
+        if isinstance(module, (HypeNetAttention, LightningMixer, GatedRNNMixer)) and hasattr(module, "g_proj"):
             hf_init.zeros_(module.g_proj.weight)  # gate starts at exactly 1 (see output_gate)
+        if isinstance(module, GatedRNNMixer):
+            module.init_mixer_parameters()
 
 
 def sequence_info(
@@ -599,7 +996,7 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel):
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
             raise ValueError("generate() needs left padding (a 0 in attention_mask after a 1 found)")
-        cache = HypeNetCache(self.config.num_hidden_layers)
+        cache = HypeNetCache(self.config.num_hidden_layers, reserve_tokens=max_new_tokens)
         out = self(input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
         seqs, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):

@@ -8,10 +8,32 @@ On CUDA with fla installed we call ``chunk_simple_gla`` (train / prefill, varlen
 and ``fused_recurrent_simple_gla`` (decode). Elsewhere an exact chunked torch implementation runs;
 it is also the reference the GPU path is tested against (tests/test_lightning.py, bench/).
 
+The sweep mixers (SPEC §2 "Other RNN mixers") share one state convention, S ``[K, V]`` per head
+and ``o_t = scale · q_t S_t``:
+    GLA     S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ                       (gk ``[B, T, H, K]``)
+    Mamba2  S_t = exp(g_t) S_{t-1} + k_t v_tᵀ                              (g ``[B, T, H]``, SSD form)
+    GDN     S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ       (g, β ``[B, T, H]``)
+    RWKV-7  S_t = diag(exp(w_t)) S_{t-1} + b_t (a_tᵀ S_{t-1}) + k_t v_tᵀ   (w, a, b ``[B, T, H, K]``)
+Each has an exact torch reference (naive recurrence; chunked forms where the GPU fallback needs
+speed) that keeps float64 inputs in float64, and a dispatcher that calls fla's kernels on CUDA. fla
+is imported lazily and guarded: exported model folders must load without it.
+
+fla 0.6.0's ``chunk_bwd_dqkwg`` raises when a gate ``g`` is given on Hopper with 3.4.0 <= Triton <
+3.7.1 (fla #640: that Triton miscompiles it). Its callers among our ops are the backward passes of
+``chunk_gated_delta_rule`` (GDN) and ``chunk_simple_gla`` with per-token ``g`` (Mamba2). On such
+GPUs training falls back (one warning): Mamba2 to fla's ``chunk_gla`` with the per-head decay
+broadcast over K (its own backward kernels, same math), GDN to the exact chunked torch form below.
+Forward-only calls (inference, prefill, decode) always use the fla kernels.
+
 Layout everywhere: q, k, v ``[B, T, H, D]``; recurrent state ``[N, H, K, V]`` (fp32).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +197,306 @@ def _is_left_padded(token_mask: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# Sweep mixers (GLA, Mamba2, GDN, RWKV-7): fla access, the Hopper guard, shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _fla_op(module: str, name: str):
+    """Lazily import ``fla.<module>.<name>``; None when fla (or that op) is unavailable."""
+    try:
+        return getattr(importlib.import_module(f"fla.{module}"), name)
+    except Exception:  # pragma: no cover - depends on the environment
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_gated_backward_broken(device_index: int) -> bool:
+    """fla's own refusal condition (fla/ops/common/chunk_o.py::chunk_bwd_dqkwg, fla #640): a gated
+    ``chunk_bwd_dqkwg`` on Hopper with 3.4.0 <= Triton < 3.7.1. ``HYPENET_FLA_GATED_BWD=1`` trusts fla
+    anyway (e.g. with fla's TileLang/FlashQLA backends installed)."""
+    if os.environ.get("HYPENET_FLA_GATED_BWD") == "1":
+        return False
+    major, _ = torch.cuda.get_device_capability(device_index)
+    if not (major == 9 or "NVIDIA H" in torch.cuda.get_device_name(device_index)):
+        return False
+    try:
+        import triton
+        from packaging.version import Version
+
+        return Version("3.4.0") <= Version(triton.__version__) < Version("3.7.1")
+    except Exception:  # pragma: no cover
+        return False
+
+
+def gated_backward_fallback(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """True when this call needs a backward that fla's gated ``chunk_bwd_dqkwg`` would refuse."""
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors))
+    return needs_grad and x.is_cuda and _fla_gated_backward_broken(x.device.index or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 at least, fp64 stays fp64 (exactness tests)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _varlen(fn, cu_seqlens, seq_tensors, initial_state, **kw):
+    """Run ``fn(*tensors, initial_state=..., **kw) -> (o, state)`` on each packed document.
+
+    ``seq_tensors`` are ``[1, T, ...]`` when ``cu_seqlens`` is given (the state resets at every
+    boundary; ``initial_state`` is ``[N, ...]``), else ``[B, T, ...]`` run as they are.
+    """
+    if cu_seqlens is None:
+        return fn(*seq_tensors, initial_state=initial_state, **kw)
+    if seq_tensors[0].shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the batch must be flattened to B=1, got B={seq_tensors[0].shape[0]}")
+    bounds = cu_seqlens.tolist()
+    outs, states = [], []
+    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        init = None if initial_state is None else initial_state[n : n + 1]
+        o, st = fn(*(t[:, s:e] for t in seq_tensors), initial_state=init, **kw)
+        outs.append(o)
+        states.append(st)
+    return torch.cat(outs, dim=1), torch.cat(states, dim=0)
+
+
+def _zero_state(q: torch.Tensor, v: torch.Tensor, initial_state, acc):
+    B, _, H, K = q.shape
+    if initial_state is None:
+        return q.new_zeros(B, H, K, v.shape[-1], dtype=acc)
+    return initial_state.to(acc)
+
+
+def _causal(C: int, device, strict: bool = False) -> torch.Tensor:
+    return torch.ones(C, C, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+# --------------------------------------------------------------------------------------------
+# GLA (and Mamba2 as its per-head special case): torch references
+# --------------------------------------------------------------------------------------------
+
+
+def gla_recurrent_torch(q, k, v, gk, scale, initial_state=None):
+    """Naive GLA recurrence. q/k/gk ``[B, T, H, K]``, v ``[B, T, H, V]`` -> ``(o, state [B, H, K, V])``."""
+    acc = _acc(q)
+    state = _zero_state(q, v, initial_state, acc)
+    qf, kf, vf, gf = (t.to(acc) for t in (q, k, v, gk))
+    outs = []
+    for t in range(q.shape[1]):
+        state = gf[:, t].exp()[..., None] * state + kf[:, t, :, :, None] * vf[:, t, :, None, :]  # [B, H, K, V]
+        outs.append(torch.einsum("bhk,bhkv->bhv", qf[:, t], state) * scale)
+    o = torch.stack(outs, dim=1) if outs else vf[:, :0]
+    return o.to(q.dtype), state
+
+
+def _gla_chunk_one(q, k, v, gk, scale, initial_state, chunk_size):
+    """Chunked GLA for equal-length rows; per-channel decay ratios exp(G_i - G_j) ``[B, H, C, C, K]``
+    are formed directly (never exp(G_i)·exp(-G_j)), so any chunk length is overflow-free."""
+    acc = _acc(q)
+    state = _zero_state(q, v, initial_state, acc)
+    q, k, v, gk = (t.to(acc) for t in (q, k, v, gk))
+    outs = []
+    for start in range(0, q.shape[1], chunk_size):
+        end = min(start + chunk_size, q.shape[1])
+        qc, kc, vc, gc = (x[:, start:end].transpose(1, 2) for x in (q, k, v, gk))  # [B, H, C, D]
+        G = gc.cumsum(2)  # [B, H, C, K] inclusive
+        causal = _causal(end - start, q.device)[..., None]  # [C, C, 1]
+        rel = (G[:, :, :, None] - G[:, :, None]).masked_fill(~causal, float("-inf")).exp()  # [B, H, C, C, K]
+        scores = torch.einsum("bhik,bhjk,bhijk->bhij", qc, kc, rel)
+        o = scores @ vc + (qc * G.exp()) @ state  # [B, H, C, V]
+        outs.append(o.transpose(1, 2) * scale)  # [B, C, H, V]
+        k_decay = (G[:, :, -1:] - G).exp()  # [B, H, C, K]
+        state = G[:, :, -1, :, None].exp() * state + (kc * k_decay).transpose(-1, -2) @ vc
+    return torch.cat(outs, dim=1), state
+
+
+def gla_chunk_torch(q, k, v, gk, scale, initial_state=None, cu_seqlens=None, chunk_size=32):
+    """Exact chunked GLA (fp32, fp64 kept). Returns ``(o [B, T, H, V] in q.dtype, state [N, H, K, V])``."""
+    o, state = _varlen(_gla_chunk_one, cu_seqlens, (q, k, v, gk), initial_state, scale=scale, chunk_size=chunk_size)
+    return o.to(q.dtype), state
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaNet: torch references
+# --------------------------------------------------------------------------------------------
+
+
+def gdn_recurrent_torch(q, k, v, g, beta, scale, initial_state=None):
+    """Naive gated delta rule (fla's ``naive_recurrent_gated_delta_rule``). q/k ``[B, T, H, K]``,
+    v ``[B, T, H, V]``, g (log-decay) and β ``[B, T, H]`` -> ``(o, state [B, H, K, V])``."""
+    acc = _acc(q)
+    state = _zero_state(q, v, initial_state, acc)
+    qf, kf, vf, gf, bf = (t.to(acc) for t in (q, k, v, g, beta))
+    outs = []
+    for t in range(q.shape[1]):
+        state = gf[:, t].exp()[..., None, None] * state  # [B, H, K, V]
+        v_old = torch.einsum("bhk,bhkv->bhv", kf[:, t], state)
+        delta = bf[:, t, :, None] * (vf[:, t] - v_old)  # [B, H, V]
+        state = state + kf[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", qf[:, t], state) * scale)
+    o = torch.stack(outs, dim=1) if outs else vf[:, :0]
+    return o.to(q.dtype), state
+
+
+def _gdn_chunk_one(q, k, v, g, beta, scale, initial_state, chunk_size):
+    """WY form per chunk. With inclusive cumulative log-decay G and u_j = β_j (v_j - k_jᵀ S_{j-1}'):
+        (I + A) U = β V - (β e^G K) S_0,   A_ij = β_i e^{G_i - G_j} k_i·k_j  (j < i)
+        o_i = scale (e^{G_i} q_i S_0 + Σ_{j<=i} e^{G_i - G_j} (q_i·k_j) u_j)
+        S_C = e^{G_C} S_0 + Σ_j e^{G_C - G_j} k_j u_jᵀ
+    solved with one unit-lower-triangular solve per chunk (differentiable)."""
+    acc = _acc(q)
+    state = _zero_state(q, v, initial_state, acc)
+    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
+    V, outs = v.shape[-1], []
+    for start in range(0, q.shape[1], chunk_size):
+        end = min(start + chunk_size, q.shape[1])
+        qc, kc, vc = (x[:, start:end].transpose(1, 2) for x in (q, k, v))  # [B, H, C, D]
+        G = g[:, start:end].transpose(1, 2).cumsum(-1)  # [B, H, C]
+        bc = beta[:, start:end].transpose(1, 2)  # [B, H, C]
+        C = end - start
+        diff = G[..., :, None] - G[..., None, :]  # [B, H, C, C]
+        strict = diff.masked_fill(~_causal(C, q.device, strict=True), float("-inf")).exp()
+        incl = diff.masked_fill(~_causal(C, q.device), float("-inf")).exp()
+        A = bc[..., None] * (kc @ kc.transpose(-1, -2)) * strict
+        eye = torch.eye(C, dtype=acc, device=q.device)
+        rhs = torch.cat([bc[..., None] * vc, (bc * G.exp())[..., None] * kc], dim=-1)  # [B, H, C, V+K]
+        sol = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        w_v, w_k = sol.split([V, sol.shape[-1] - V], dim=-1)
+        u = w_v - w_k @ state  # [B, H, C, V]
+        o = ((qc @ kc.transpose(-1, -2)) * incl) @ u + (qc * G.exp()[..., None]) @ state
+        outs.append(o.transpose(1, 2) * scale)  # [B, C, H, V]
+        k_decay = (G[..., -1:] - G).exp()[..., None]  # [B, H, C, 1]
+        state = G[..., -1].exp()[..., None, None] * state + (kc * k_decay).transpose(-1, -2) @ u
+    return torch.cat(outs, dim=1), state
+
+
+def gdn_chunk_torch(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=64):
+    """Exact chunked gated delta rule (fp32, fp64 kept). Returns ``(o in q.dtype, state [N, H, K, V])``."""
+    o, state = _varlen(_gdn_chunk_one, cu_seqlens, (q, k, v, g, beta), initial_state, scale=scale, chunk_size=chunk_size)
+    return o.to(q.dtype), state
+
+
+# --------------------------------------------------------------------------------------------
+# RWKV-7 (diagonal-plus-low-rank transition): torch reference
+# --------------------------------------------------------------------------------------------
+
+
+def dplr_recurrent_torch(q, k, v, a, b, w, scale, initial_state=None):
+    """Naive DPLR recurrence (fla's ``dplr_recurrence`` in [K, V] layout):
+        S_t = diag(exp(w_t)) S_{t-1} + b_t (a_tᵀ S_{t-1}) + k_t v_tᵀ,   o_t = scale · q_t S_t
+    RWKV-7 uses a = -κ̂, b = κ̂ ⊙ a_rate. q/k/a/b/w ``[B, T, H, K]``, v ``[B, T, H, V]``."""
+    acc = _acc(q)
+    state = _zero_state(q, v, initial_state, acc)
+    qf, kf, vf, af, bf, wf = (t.to(acc) for t in (q, k, v, a, b, w))
+    outs = []
+    for t in range(q.shape[1]):
+        sa = torch.einsum("bhk,bhkv->bhv", af[:, t], state)  # aᵀ S_{t-1}: [B, H, V]
+        state = (wf[:, t].exp()[..., None] * state + bf[:, t, :, :, None] * sa[:, :, None, :]
+                 + kf[:, t, :, :, None] * vf[:, t, :, None, :])
+        outs.append(torch.einsum("bhk,bhkv->bhv", qf[:, t], state) * scale)
+    o = torch.stack(outs, dim=1) if outs else vf[:, :0]
+    return o.to(q.dtype), state
+
+
+def dplr_torch(q, k, v, a, b, w, scale, initial_state=None, cu_seqlens=None, chunk_size=None):
+    """Varlen wrapper of :func:`dplr_recurrent_torch` (``chunk_size`` ignored: no chunked form)."""
+    o, state = _varlen(dplr_recurrent_torch, cu_seqlens, (q, k, v, a, b, w), initial_state, scale=scale)
+    return o.to(q.dtype), state
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatchers: fla on CUDA, the torch forms elsewhere. All return (o [B, T, H, V], state fp32 or None)
+# --------------------------------------------------------------------------------------------
+
+
+def _fla_state(initial_state):
+    return None if initial_state is None else initial_state.float()
+
+
+def gla_attention(q, k, v, gk, scale, initial_state=None, cu_seqlens=None, chunk_size=32, decode=False,
+                  output_final_state=True):
+    """GLA: gk ``[B, T, H, K]`` per-channel log-decay (fp32). fla ``chunk_gla`` / ``fused_recurrent_gla``."""
+    if use_fla(q):
+        op = _fla_op("ops.gla", "fused_recurrent_gla" if decode else "chunk_gla")
+        kw = {"gk": gk} if decode else {"g": gk}
+        return op(q, k, v, **kw, scale=scale, initial_state=_fla_state(initial_state),
+                  output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if decode and cu_seqlens is None:
+        return gla_recurrent_torch(q, k, v, gk, scale, initial_state)
+    return gla_chunk_torch(q, k, v, gk, scale, initial_state, cu_seqlens, chunk_size)
+
+
+def mamba2_attention(q, k, v, g, scale, initial_state=None, cu_seqlens=None, chunk_size=64, decode=False,
+                     output_final_state=True):
+    """Mamba2 / SSD: g ``[B, T, H]`` per-head per-token log-decay (fp32). fla ``chunk_simple_gla`` with
+    ``g``; training on a Hopper GPU that fla refuses falls back to fla ``chunk_gla`` (g broadcast over K)."""
+    if use_fla(q):
+        state = _fla_state(initial_state)
+        if decode:
+            op = _fla_op("ops.simple_gla", "fused_recurrent_simple_gla")
+        elif gated_backward_fallback(q, k, v, g):
+            _warn_once("fla chunk_simple_gla(g=...) cannot run backward on Hopper with Triton < 3.7.1 (fla #640): "
+                       "Mamba2 layers train through fla chunk_gla with the decay broadcast over K (same math)")
+            gk = g[..., None].expand(*g.shape, q.shape[-1]).contiguous()  # [B, T, H] -> [B, T, H, K]
+            return _fla_op("ops.gla", "chunk_gla")(q, k, v, g=gk, scale=scale, initial_state=state,
+                                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        else:
+            op = _fla_op("ops.simple_gla", "chunk_simple_gla")
+        return op(q, k, v, g=g, scale=scale, initial_state=state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens)
+    if decode and cu_seqlens is None:
+        return lightning_recurrent_torch(q, k, v, g, scale, initial_state)
+    return lightning_chunk_torch(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size)
+
+
+def gated_delta_attention(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=64,
+                          decode=False, output_final_state=True):
+    """Gated DeltaNet: q/k unit-norm, g log-decay and β ``[B, T, H]``. fla ``chunk_gated_delta_rule`` /
+    ``fused_recurrent_gated_delta_rule``; training on a Hopper GPU that fla refuses runs the exact
+    chunked torch form (:func:`gdn_chunk_torch`) on the GPU instead."""
+    if use_fla(q):
+        state = _fla_state(initial_state)
+        if decode:
+            op = _fla_op("ops.gated_delta_rule", "fused_recurrent_gated_delta_rule")
+            return op(q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        if not gated_backward_fallback(q, k, v, g, beta):
+            op = _fla_op("ops.gated_delta_rule", "chunk_gated_delta_rule")
+            return op(q, k, v, g=g, beta=beta, scale=scale, initial_state=state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        _warn_once("fla chunk_gated_delta_rule cannot run backward on Hopper with Triton < 3.7.1 (fla #640): "
+                   "GDN layers train through the chunked torch implementation (slower)")
+        return gdn_chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    if decode and cu_seqlens is None:
+        return gdn_recurrent_torch(q, k, v, g, beta, scale, initial_state)
+    return gdn_chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+
+
+RWKV7_LOG_DECAY_MIN = -0.6065306597126334  # -exp(-0.5): RWKV-7's bound on the log-decay w
+
+
+def rwkv7_attention(q, k, v, w, a, b, scale, initial_state=None, cu_seqlens=None, chunk_size=None, decode=False,
+                    output_final_state=True):
+    """RWKV-7: w ``[B, T, H, K]`` log-decay in [RWKV7_LOG_DECAY_MIN, 0], a = -κ̂, b = κ̂ ⊙ a_rate.
+    fla ``chunk_rwkv7`` (DPLR kernels, no gated ``chunk_bwd_dqkwg``) / ``fused_recurrent_rwkv7``."""
+    if use_fla(q):
+        state = _fla_state(initial_state)
+        if decode:
+            op = _fla_op("ops.rwkv7", "fused_recurrent_rwkv7")
+            return op(q, w, k, v, a, b, scale=scale, initial_state=state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        op = _fla_op("ops.rwkv7", "chunk_rwkv7")
+        # the bound licenses fla's 64-token tensor-core chunks (pads carry w = 0: no decay, also safe)
+        return op(q, w, k, v, a, b, scale=scale, initial_state=state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens, lower_bound=RWKV7_LOG_DECAY_MIN)
+    return dplr_torch(q, k, v, a, b, w, scale, initial_state, cu_seqlens)
+
+
+# --------------------------------------------------------------------------------------------
 # Softmax attention with document masking
 # --------------------------------------------------------------------------------------------
 
@@ -186,32 +508,60 @@ def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.T
     return marks[:total].cumsum(0)
 
 
-def packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    """Causal attention that never crosses a document boundary.
+def local_causal_mask(Tq: int, Tk: int, window: int | None, device) -> torch.Tensor:
+    """``[Tq, Tk]`` bool: the Tq queries are the last Tq of the Tk keys; query i sees key j iff
+    j <= i and (window is None or i - j < window) (a window of W keeps W keys, itself included)."""
+    qi = torch.arange(Tk - Tq, Tk, device=device)[:, None]
+    kj = torch.arange(Tk, device=device)[None, :]
+    mask = kj <= qi
+    if window is not None:
+        mask = mask & (qi - kj < window)
+    return mask
 
-    q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` with ``cu_seqlens`` over the flattened B*T tokens.
+
+def packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale, window: int | None = None):
+    """Causal attention that never crosses a document boundary, optionally within a sliding window.
+
+    q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` with ``cu_seqlens`` over the flattened B*T tokens;
+    ``window`` W: each query sees itself and the W - 1 previous tokens of its document.
     flash-attn varlen on CUDA when installed; otherwise SDPA with a block-diagonal causal mask.
     Returns ``[B, T, Hq, D]``.
     """
     B, T, Hq, D = q.shape
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not _HAS_FLASH_ATTN and _flex_usable():
+        o = _flex_document_attention(q, k, v, cu_seqlens, scale, window)
+        if o is not None:
+            return o
     if _HAS_FLASH_ATTN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         cu = cu_seqlens.to(torch.int32)
         # [B, T, H, D] -> [B*T, H, D]: flash-attn's varlen layout
         o = flash_attn_varlen_func(
             q.reshape(B * T, Hq, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
             cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
         )
         return o.view(B, T, Hq, D)
     seg = segment_ids_from_cu_seqlens(cu_seqlens, B * T).view(B, T)
     same_doc = seg[:, :, None] == seg[:, None, :]  # [B, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    mask = (same_doc & causal)[:, None]  # [B, 1, T, T]
+    mask = (same_doc & local_causal_mask(T, T, window, q.device))[:, None]  # [B, 1, T, T]
     return sdpa(q, k, v, mask=mask, scale=scale)
 
 
+def rows_cu_seqlens(batch: int, seq_len: int, device) -> torch.Tensor:
+    """int32 ``[B+1]`` boundaries of B unpacked rows of T tokens (each row one document)."""
+    return torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+
+
 def sdpa(q, k, v, mask=None, is_causal=False, scale=None):
-    """torch SDPA on ``[B, T, H, D]`` tensors with GQA (k/v heads repeated to the query heads)."""
+    """torch SDPA on ``[B, T, H, D]`` tensors with GQA. On CUDA without a mask, ``enable_gqa`` lets the
+    flash kernel read the shared k/v heads in place; otherwise k/v heads are repeated to the query heads."""
     Hq, Hkv = q.shape[2], k.shape[2]
+    if Hq != Hkv and mask is None and q.is_cuda:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
+            is_causal=is_causal, scale=scale, enable_gqa=True,
+        )
+        return o.transpose(1, 2)  # [B, H, T, D] -> [B, T, H, D]
     if Hq != Hkv:
         k = k.repeat_interleave(Hq // Hkv, dim=2)  # [B, Tk, Hkv, D] -> [B, Tk, Hq, D]
         v = v.repeat_interleave(Hq // Hkv, dim=2)
@@ -220,3 +570,81 @@ def sdpa(q, k, v, mask=None, is_causal=False, scale=None):
         attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
     )
     return o.transpose(1, 2)  # [B, H, T, D] -> [B, T, H, D]
+
+
+# ---- FlexAttention: packed (document-masked) causal attention on CUDA without flash-attn ----------
+# SDPA with an explicit [T, T] mask cannot use its flash kernel; FlexAttention compiles a block-sparse
+# kernel that skips blocks across documents, above the diagonal and outside the window. The block mask
+# depends only on cu_seqlens (and the window), which every layer of one forward (and its recomputation)
+# shares, so the last few are kept.
+_FLEX: dict = {"fn": None, "failed": False, "masks": []}
+
+
+def _flex_usable() -> bool:
+    if _FLEX["failed"]:
+        return False
+    if _FLEX["fn"] is None:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        except Exception:  # pragma: no cover - old torch
+            _FLEX["failed"] = True
+            return False
+    return True
+
+
+def _document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    # An entry holds the cu_seqlens tensor itself, so its memory cannot be reused by another batch's
+    # boundaries while cached: identity + version + shape + window identify the content.
+    for entry in _FLEX["masks"]:
+        if entry[0] is cu_seqlens and entry[1:4] == (cu_seqlens._version, B, T) and entry[4] == window:
+            return entry[5]
+    seg = segment_ids_from_cu_seqlens(cu_seqlens, B * T).view(B, T)  # [B, T] document id per token
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        keep = (q_idx >= kv_idx) & (seg[b, q_idx] == seg[b, kv_idx])
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
+
+    mask = create_block_mask(doc_causal, B, None, T, T, device=cu_seqlens.device)
+    _FLEX["masks"] = [(cu_seqlens, cu_seqlens._version, B, T, window, mask)] + _FLEX["masks"][:1]
+    return mask
+
+
+def _flex_document_attention(q, k, v, cu_seqlens, scale, window: int | None = None):
+    """q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` -> ``[B, T, Hq, D]``; GQA without copying k/v."""
+    B, T, Hq, _ = q.shape
+    try:
+        mask = _document_block_mask(cu_seqlens, B, T, window)
+        o = _FLEX["fn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
+                        block_mask=mask, scale=scale, enable_gqa=Hq != k.shape[2])
+    except Exception as err:  # pragma: no cover - compiler trouble: the dense-mask SDPA path still works
+        import warnings
+
+        warnings.warn(f"FlexAttention failed ({type(err).__name__}: {err}); using SDPA with a dense mask")
+        _FLEX["failed"] = True
+        return None
+    return o.transpose(1, 2)  # [B, H, T, D] -> [B, T, H, D]
+
+
+def chunk_prefill_attention(q, k, v, scale):
+    """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the queries'
+    own (chunked prefill): query i sees keys ``<= Tk - Tq + i``. q ``[B, Tq, H, D]`` -> ``[B, Tq, H, D]``.
+    CUDA: SDPA's lower-right causal bias (flash kernel, no [Tq, Tk] mask); elsewhere an explicit mask."""
+    Tq, Tk = q.shape[1], k.shape[1]
+    if q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        Hq, Hkv = q.shape[2], k.shape[2]
+        if Hq != Hkv:
+            k = k.repeat_interleave(Hq // Hkv, dim=2)  # [B, Tk, Hkv, D] -> [B, Tk, Hq, D]
+            v = v.repeat_interleave(Hq // Hkv, dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
+                                           attn_mask=causal_lower_right(Tq, Tk), scale=scale)
+        return o.transpose(1, 2)  # [B, H, Tq, D] -> [B, Tq, H, D]
+    causal = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+    return sdpa(q, k, v, mask=causal[None, None], scale=scale)

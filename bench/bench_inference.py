@@ -1,0 +1,275 @@
+"""Benchmark: long-context inference, HypeNet-2B vs the Qwen3-1.7B shape (issue 8 item d).
+
+Both models are built from random bf16 weights with our own code, so the comparison is of the
+architectures, not of two code bases: the teacher shape is the exact all-attention HypeNet that
+distillation runs (28 softmax layers with RoPE, GQA 16/8, head dim 128), HypeNet-2B keeps attention
+in layers 2,3,6,8,9,21,25 (NoPE + logits scaling) and runs Lightning elsewhere. Batch 1.
+
+For each context T:
+* prefill: the prompt goes through the model with a KV cache in chunks of ``--chunk`` tokens (each
+  chunk is lower-right causal flash attention over the cache so far; Lightning carries its state), only
+  the last position's logits are computed. Time = wall time of the whole prefill (CUDA-synchronised).
+* decode: ``--decode-steps`` single-token forwards on that cache (median ms per token). Where the
+  prefill is not run (``--decode-only`` contexts, e.g. 2M), the cache is filled with random keys/values
+  and states of the right size: decode time depends on the cache's size, not its values.
+* memory: a context is first checked to fit (KV cache + one chunk's activations, allocated for real);
+  one that does not fit is reported as ``oom`` without spending minutes computing it.
+
+Writes ``bench/results/inference.json`` (top-level ``prefill_speedup_512k``, ``decode_speedup_512k``,
+``max_context_tokens``) and ``inference.png``.
+
+  python bench/bench_inference.py                                   # H200: 32K..1M, 2M decode
+  python bench/bench_inference.py --contexts 32768 131072 --teacher-contexts 32768 131072
+  python bench/bench_inference.py --cpu-smoke                       # tiny shapes on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import RESULTS, print_table, write_result  # noqa: E402
+from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
+from halo_dist.models.hypenet.modeling_hypenet import HypeNetCache, HypeNetForCausalLM  # noqa: E402
+
+SHAPE_2B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True)
+ATTN_2B = [2, 3, 6, 8, 9, 21, 25]
+SHAPE_TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)
+GiB = 1 << 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288, 1048576],
+                   help="contexts where HypeNet prefills (and decodes)")
+    p.add_argument("--teacher-contexts", type=int, nargs="+", default=[32768, 131072, 524288],
+                   help="contexts where the teacher shape prefills; at the other --contexts it is only fit-checked")
+    p.add_argument("--decode-only", type=int, nargs="*", default=[2097152],
+                   help="contexts where HypeNet decodes on a random cache of that size (no prefill)")
+    p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    if a.cpu_smoke:
+        a.contexts, a.teacher_contexts, a.decode_only, a.chunk, a.decode_steps = [64, 128], [64], [256], 48, 3
+        a.out = a.out or Path("/tmp/halo_dist_inference_smoke.json")
+    return a
+
+
+def model_configs(smoke: bool) -> dict[str, HypeNetConfig]:
+    shape, attn = (SHAPE_TINY, [1]) if smoke else (SHAPE_2B, ATTN_2B)
+    L = shape["num_hidden_layers"]
+    teacher = HypeNetConfig(**shape, mixer_types=["attention"] * L, attn_rope=True, attn_logits_scale_base=None,
+                            attn_output_gate=False, rope_theta=1e6)
+    student = HypeNetConfig(**shape, mixer_types=["attention" if i in attn else "lightning" for i in range(L)],
+                            attn_rope=False, attn_logits_scale_base=500.0, rope_theta=1e6)
+    return {"qwen3-1.7b-shape": teacher, "hypenet-2b": student}
+
+
+def build(cfg: HypeNetConfig, device, dtype) -> HypeNetForCausalLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = HypeNetForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kv_bytes(cfg: HypeNetConfig, T: int, itemsize: int) -> int:
+    attn = sum(m == "attention" for m in cfg.mixer_types)
+    return 2 * attn * T * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def activation_bytes(cfg: HypeNetConfig, chunk: int, itemsize: int) -> int:
+    """Rough peak of one chunk's transient tensors: the MLP's gate/up/act (3 x F) plus q/k/v/o and the
+    residual stream (~8 x d), plus a repeated copy of the cache's keys/values for GQA (bounded by the
+    attention call) -- an estimate used only to skip contexts that cannot fit."""
+    return chunk * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * itemsize
+
+
+def fits(cfg, T, chunk, device, itemsize) -> tuple[bool, float]:
+    """Allocate (for real) the cache plus one chunk's activations; True if that succeeds."""
+    need = kv_bytes(cfg, T, itemsize) + activation_bytes(cfg, min(chunk, T), itemsize)
+    if device.type != "cuda":
+        return True, need / GiB
+    try:
+        block = torch.empty(need, dtype=torch.uint8, device=device)
+        del block
+        return True, need / GiB
+    except torch.OutOfMemoryError:
+        return False, need / GiB
+    finally:
+        torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def prefill(model, T: int, chunk: int, device, decode_room: int) -> tuple[float, HypeNetCache, torch.Tensor]:
+    cache = HypeNetCache(model.config.num_hidden_layers, reserve_tokens=decode_room)
+    ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    for start in range(0, T, chunk):
+        out = model(ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+    sync(device)
+    return time.perf_counter() - t0, out.cache, out.logits[:, -1].argmax(-1)
+
+
+@torch.inference_mode()
+def random_cache(model, T: int, device, dtype, decode_room: int) -> HypeNetCache:
+    """A cache of T tokens with random contents (decode cost depends on size, not values)."""
+    cfg = model.config
+    cache = HypeNetCache(cfg.num_hidden_layers, reserve_tokens=decode_room)
+    for i, kind in enumerate(cfg.mixer_types):
+        if kind == "attention":
+            k = torch.randn(1, T, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+            cache.append_kv(i, k, k)
+        else:
+            H, D = cfg.num_attention_heads, cfg.head_dim
+            cache.layers[i] = torch.randn(1, H, D, D, device=device, dtype=torch.float32) * 0.01
+    cache.seen_tokens = T
+    return cache
+
+
+@torch.inference_mode()
+def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, device) -> float:
+    """Median ms per generated token (greedy, one token per forward)."""
+    times, nxt = [], token.view(1, 1)
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        out = model(nxt, cache=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    times = sorted(times[1:] if len(times) > 2 else times)  # the first step may grow buffers
+    return times[len(times) // 2]
+
+
+def run_one(name, model, T, args, device, dtype, *, do_prefill: bool) -> dict:
+    cfg, itemsize = model.config, torch.finfo(dtype).bits // 8
+    ok, need = fits(cfg, T, args.chunk, device, itemsize)
+    row = {"model": name, "context": T, "prefill_s": None, "decode_ms": None, "est_GiB": round(need, 1),
+           "peak_GiB": None, "status": "ok"}
+    if not ok:
+        row["status"] = "oom"
+        return row
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        if do_prefill:
+            row["prefill_s"], cache, last = prefill(model, T, args.chunk, device, args.decode_steps + 1)
+        else:
+            cache, last = random_cache(model, T, device, dtype, args.decode_steps + 1), torch.zeros(1, dtype=torch.long, device=device)
+            row["status"] = "decode-only"
+        row["decode_ms"] = decode_ms(model, cache, last, args.decode_steps, device)
+        del cache
+    except torch.OutOfMemoryError:
+        row["status"] = "oom"
+    if device.type == "cuda":
+        row["peak_GiB"] = round(torch.cuda.max_memory_allocated(device) / GiB, 1)
+        torch.cuda.empty_cache()
+    return row
+
+
+def headline(rows: list[dict], T: int) -> dict:
+    by = {(r["model"], r["context"]): r for r in rows}
+    t, s = by.get(("qwen3-1.7b-shape", T)), by.get(("hypenet-2b", T))
+    out = {}
+    if t and s and t["prefill_s"] and s["prefill_s"]:
+        out["prefill"] = t["prefill_s"] / s["prefill_s"]
+    if t and s and t["decode_ms"] and s["decode_ms"]:
+        out["decode"] = t["decode_ms"] / s["decode_ms"]
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("qwen3-1.7b-shape", "hypenet-2b"):
+        mine = [r for r in rows if r["model"] == name]
+        pre = [(r["context"], r["prefill_s"]) for r in mine if r["prefill_s"]]
+        dec = [(r["context"], r["decode_ms"]) for r in mine if r["decode_ms"]]
+        if pre:
+            axes[0].plot(*zip(*pre), marker="o", label=name)
+        if dec:
+            axes[1].plot(*zip(*dec), marker="o", label=name)
+        for r in mine:
+            if r["status"] == "oom":
+                axes[1].axvline(r["context"], ls=":", color="gray")
+                axes[1].text(r["context"], axes[1].get_ylim()[1] * 0.9, f"{name}\nOOM", fontsize=7)
+    for ax, title, unit in ((axes[0], "prefill", "s"), (axes[1], "decode", "ms / token")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{title}, batch 1, bf16")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for name, cfg in model_configs(args.cpu_smoke).items():
+        model = build(cfg, device, dtype)
+        # warm-up (kernel compilation / autotune) on a short prompt
+        _, cache, last = prefill(model, min(args.chunk, 4096), args.chunk, device, 4)
+        decode_ms(model, cache, last, 3, device)
+        del cache
+        contexts = list(args.contexts) + list(args.decode_only)  # the teacher only fit-checks decode-only ones
+        for T in contexts:
+            teacher_skip = name != "hypenet-2b" and (T not in args.teacher_contexts or T in args.decode_only)
+            if teacher_skip:  # only check whether it would fit
+                ok, need = fits(cfg, T, args.chunk, device, torch.finfo(dtype).bits // 8)
+                row = {"model": name, "context": T, "prefill_s": None, "decode_ms": None, "est_GiB": round(need, 1),
+                       "peak_GiB": None, "status": "fits (not run)" if ok else "oom"}
+            else:
+                row = run_one(name, model, T, args, device, dtype, do_prefill=T not in args.decode_only)
+            rows.append(row)
+            print_table([row])
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print_table(rows, "inference, batch 1")
+    hd = headline(rows, 524288)
+    ran = [r["context"] for r in rows if r["model"] == "hypenet-2b" and r["status"] in ("ok", "decode-only")]
+    payload = {
+        "prefill_speedup_512k": hd.get("prefill"),
+        "decode_speedup_512k": hd.get("decode"),
+        "max_context_tokens": max(ran) if ran else None,
+        "speedups": {T: headline(rows, T) for T in sorted({r["context"] for r in rows})},
+        "chunk": args.chunk,
+        "rows": rows,
+    }
+    out = write_result("inference", payload, str(args.out) if args.out else None)
+    png = (args.out or RESULTS / "inference.json").with_suffix(".png")
+    plot(rows, png)
+    if os.environ.get("OUT"):
+        plot(rows, Path(os.environ["OUT"]) / "inference.png")
+    print(f"\nprefill speedup @512K {hd.get('prefill')}, decode speedup @512K {hd.get('decode')}; wrote {out}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
