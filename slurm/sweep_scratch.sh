@@ -146,7 +146,7 @@ sweep_driver() {
         checks+=("variant $name ($HALO_NODES node(s) x $HALO_GPUS_PER_NODE GPUs)|$world|$base|${ovs[$name]} ${HALO_SWEEP_ARGS:-}")
     done
     # shellcheck disable=SC2034  # read by halo_check_layouts
-    HALO_LAYOUT_HINT="Change HALO_NODES / HALO_GPUS_PER_NODE or the batch layout (e.g. HALO_SWEEP_ARGS='data.micro_batch_size=2'). While the pretrain config keys are not final, HALO_CONFIG_CHECK=none skips this check."
+    HALO_LAYOUT_HINT="Change HALO_NODES / HALO_GPUS_PER_NODE or the batch layout (e.g. HALO_SWEEP_ARGS='data.micro_batch_size=2'). Check one variant by hand: python launchers/pretrain.py --check --world-size N --config <base> <its overrides>."
     if ((${#checks[@]})); then halo_check_layouts "${checks[@]}"; fi
     halo_refuse_duplicates
 

@@ -15,9 +15,12 @@ from halo_dist.config import (ConfigError, RunConfig, config_from_dict, deepspee
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-# configs/sweeps/ holds the from-scratch grid for launchers/pretrain.py, whose config section is not
-# part of the schema yet (issue 6): slurm/sweep_variants.py and tests/test_slurm.py cover those files.
-SHIPPED_YAML = sorted(p for p in CONFIGS.rglob("*.yaml") if "sweeps" not in p.parts)
+# A sweep grid (configs/sweeps/grid.yaml: `base` + `variants` of overrides) is not a config itself:
+# every variant it lists is validated over its base instead (test_every_sweep_variant_validates).
+SWEEP_GRIDS = sorted(p for p in CONFIGS.glob("sweeps/*.yaml") if "variants" in (yaml.safe_load(p.read_text()) or {}))
+SHIPPED_YAML = sorted(p for p in CONFIGS.rglob("*.yaml") if p not in SWEEP_GRIDS)
+SWEEP_VARIANTS = [(grid, v["name"], v["overrides"]) for grid in SWEEP_GRIDS
+                  for v in yaml.safe_load(grid.read_text())["variants"]]
 STAGE_FILES = sorted(CONFIGS.glob("stages/*/stage*.yaml"))
 TINY_STAGE2 = CONFIGS / "tiny" / "stage2.yaml"
 
@@ -45,9 +48,26 @@ def problems_of(excinfo) -> dict[str, str]:
 @pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_shipped_yaml_validates(path):
     cfg = validate_file(path)
-    full = ("stages/" in str(path) and path.name.startswith("stage") or "tiny/stage" in str(path)
-            or "demo/stage" in str(path) or "/opd/" in str(path))
+    full = "stage" in load_tree(path)  # a run config names its stage; base files (models/, common) do not
     assert (cfg is not None) == full
+
+
+@pytest.mark.parametrize("grid,name,overrides", SWEEP_VARIANTS, ids=[f"{g.name}:{n}" for g, n, _ in SWEEP_VARIANTS])
+def test_every_sweep_variant_validates(grid, name, overrides, monkeypatch):
+    """Each variant of a sweep grid is a valid pretrain config over the grid's base (SPEC §3: 40K steps x
+    128 x 4K tokens, WSD 5e-4 -> 5e-5, 1K warm-up, 8K decay, wd 0.1), and fits 8 to 32 GPUs."""
+    monkeypatch.chdir(REPO)  # the grid's base path is relative to the repo root
+    base = yaml.safe_load(grid.read_text())["base"]
+    cfg = load_config(base, overrides)
+    assert cfg.stage.name == "pretrain" and cfg.loss.objective == "ce" and cfg.model.arch in name
+    assert (cfg.data.seq_len, cfg.data.global_batch_size, cfg.total_steps) == (4096, 128, 40_000)
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.weight_decay) == (5e-4, 5e-5, 0.1)
+    assert (cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.schedule.decay_steps) == ("wsd", 1000, 8000)
+    s = cfg.model.scratch
+    assert (s.num_hidden_layers, s.hidden_size, s.intermediate_size, s.head_dim, s.num_attention_heads,
+            s.num_key_value_heads, s.vocab_size, s.rope_theta) == (28, 1024, 3072, 128, 16, 8, 50304, 50_000.0)
+    for world in (8, 16, 32):
+        cfg.validate_against_world(world)
 
 
 @pytest.mark.parametrize("path", STAGE_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))

@@ -72,8 +72,9 @@ exit 0
 """,
 }
 
-# Stand-in for `python -m halo_dist.config ... --world-size N` of the (not yet final) pretrain config:
-# global batch 128, micro batch 4.
+# Stand-in for the layout check `python -m halo_dist.config ... --world-size N` (one Python start-up per
+# variant; the real check of every grid variant is test_sweep_dry_run_commands_are_valid_pretrain_runs and
+# tests/test_config.py::test_every_sweep_variant_validates): global batch 128, micro batch 4.
 FAKE_CHECK = """#!/bin/bash
 w=""; while (($#)); do [[ $1 == --world-size ]] && w=$2; shift; done
 (( 128 % (w * 4) == 0 )) || { echo "invalid config: data.global_batch_size: 128 is not divisible by 4x$w" >&2; exit 2; }
@@ -315,10 +316,57 @@ def test_eval_step_uses_the_exported_model_and_marks_done(slurm_env):
 
 
 def sweep_env(env: dict, tmp_path: Path, **extra) -> dict:
-    launcher = tmp_path / "pretrain.py"  # stands in for launchers/pretrain.py (another engineer's file)
-    launcher.touch()
-    return {**env, "HALO_CONFIG_CHECK": str(Path(env["SHIM_LOG"]).parent / "bin" / "fake_check"),
-            "HALO_PRETRAIN_LAUNCHER": str(launcher), **extra}
+    return {**env, "HALO_CONFIG_CHECK": str(Path(env["SHIM_LOG"]).parent / "bin" / "fake_check"), **extra}
+
+
+def dry_run_tasks(stdout: str) -> dict[str, list[str]]:
+    """{variant: argv of its training command} from a sweep dry run's '[array task i] NAME' blocks."""
+    import shlex
+
+    tasks, lines = {}, stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("  [array task "):
+            tasks[line.split("] ", 1)[1]] = shlex.split(lines[i + 1].strip().removeprefix("+ "))
+    return tasks
+
+
+def test_sweep_dry_run_commands_are_valid_pretrain_runs(slurm_env, tmp_path):
+    """Every grid variant's printed command is launchers/pretrain.py with the grid's overrides, and it
+    resolves to a valid pretrain config (the same check --check and the launcher run first)."""
+    from halo_dist.config import load_config
+
+    env, log = slurm_env
+    res = run("sweep_scratch.sh", sweep_env(env, tmp_path), HALO_DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    tasks = dry_run_tasks(res.stdout)
+    assert list(tasks) == [n for n, _ in GRID]
+    for name, overrides in GRID:
+        argv = tasks[name]
+        script = argv.index("launchers/pretrain.py")
+        args = argv[script + 1:]
+        assert args[:2] == ["--config", "configs/sweeps/base_500m.yaml"]
+        assert args[2:2 + len(overrides)] == overrides
+        assert args[2 + len(overrides):] == [f"data.train={env['HALO_DATA']}", f"logging.run_dir={env['HALO_RUNS']}/{name}"]
+        cfg = load_config(REPO / args[1], args[2:])
+        assert cfg.stage.name == "pretrain" and cfg.logging.run_dir.endswith(name)
+        cfg.validate_against_world(8)
+    assert log.read_text() == ""
+
+
+def test_sweep_real_layout_check_and_bad_variant(slurm_env, tmp_path):
+    """The driver's real config check (python -m halo_dist.config) passes for grid variants and stops a
+    bad variant name before anything is submitted or printed as submitted, dry run or not."""
+    env, log = slurm_env
+    real = {k: v for k, v in sweep_env(env, tmp_path).items() if k != "HALO_CONFIG_CHECK"}
+    res = run("sweep_scratch.sh", real, HALO_DRY_RUN="1", HALO_VARIANTS="transformer,swan-gpt,hypenet-gdn-hype")
+    assert res.returncode == 0, res.stderr
+    assert "batch layouts fit" in res.stdout
+    assert list(dry_run_tasks(res.stdout)) == ["transformer", "swan-gpt", "hypenet-gdn-hype"]
+    for dry in ("1", "0"):
+        res = run("sweep_scratch.sh", real, HALO_DRY_RUN=dry, HALO_VARIANTS="transformer,hypenet-lstm-hype")
+        assert res.returncode == 2 and "unknown sweep variant(s) hypenet-lstm-hype" in res.stderr
+        assert "nothing was submitted" in res.stderr and "sbatch" not in res.stdout
+    assert calls(log, "sbatch") == []
 
 
 def test_grid_variants_and_scaling_base():

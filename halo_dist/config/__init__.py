@@ -13,12 +13,12 @@ from .resolved import describe, format_config, git_info, load_resolved, read_res
     save_resolved
 from .schema import (STAGE_OBJECTIVES, BatchLayout, CheckpointConfig, DataConfig, LoggingConfig,
                      LossConfig, ModelConfig, OptimConfig, ParallelConfig, RandomTeacherConfig,
-                     RunConfig, ScheduleConfig, StageConfig)
+                     RunConfig, ScheduleConfig, ScratchModelConfig, StageConfig)
 
 __all__ = [
     "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "LossConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "RandomTeacherConfig", "RunConfig",
-    "STAGE_OBJECTIVES", "ScheduleConfig", "StageConfig", "add_config_args", "apply_overrides",
+    "STAGE_OBJECTIVES", "ScheduleConfig", "ScratchModelConfig", "StageConfig", "add_config_args", "apply_overrides",
     "config_from_dict", "deep_merge", "deepspeed_config", "describe", "format_config", "from_dict",
     "git_info", "load_config", "load_resolved", "load_tree", "parse_run_args", "read_deepspeed_json",
     "read_resolved_meta", "save_resolved", "to_dict", "validate_file", "with_overrides",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .coerce import ConfigError
 from .loader import load_config
@@ -32,10 +32,17 @@ def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def parse_run_args(argv: Optional[Sequence[str]] = None, description: Optional[str] = None,
-                   prog: Optional[str] = None) -> tuple[RunConfig, argparse.Namespace]:
-    """Parse the command line into a validated :class:`RunConfig`; handles ``--dry-run``."""
+                   prog: Optional[str] = None,
+                   extra_args: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+                   ) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse the command line into a validated :class:`RunConfig`; handles ``--dry-run``.
+
+    ``extra_args(parser)`` may add launcher-specific flags (e.g. pretrain's ``--check``).
+    """
     parser = add_config_args(argparse.ArgumentParser(prog=prog, description=description,
                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+    if extra_args is not None:
+        extra_args(parser)
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -3,6 +3,7 @@
   stage1  Stage1Aligner   all RNN layers, MSE to the teacher's attention outputs -> rnn_layers.safetensors
   stage2  DistillModule   the hybrid (conversion + stage-1 RNNs + selected attention layers), forward KL
   stage3  DistillModule   the stage-2 student at long context, forward KL (or CE)      -> HF folder
+  pretrain DistillModule  a random model (pretrain.py: transformer | swan | hypenet), CE -> HF folder
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def build_stage_module(cfg: RunConfig):
     from ..models.hypenet import HypeNetForCausalLM
 
     name = cfg.stage.name
+    if name == "pretrain":
+        from .pretrain import build_pretrain_module
+
+        return build_pretrain_module(cfg)
     hf_teacher = load_hf_teacher(cfg.model)
     teacher = as_exact_hypenet(hf_teacher)
     if name == "stage1":
@@ -118,9 +123,13 @@ def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
 
 
 def write_stage_output(trainer, folder: Path) -> Path | None:
-    """stage 1: the RNN-layer file; stages 2/3: an HF HypeNet folder. Rank 0 writes; all ranks call."""
+    """stage 1: the RNN-layer file; stages 2/3 and pretrain: an HF HypeNet folder. Rank 0 writes; all ranks call."""
     from ..models.export import export_hypenet
 
+    if trainer.cfg.stage.name == "pretrain":
+        from .pretrain import write_pretrain_output
+
+        return write_pretrain_output(trainer, folder)
     state = gathered_state_dict(trainer)
     if trainer.rank != 0:
         return None

@@ -1,0 +1,338 @@
+"""Stage ``pretrain``: a randomly initialised HypeNet-family model trained from scratch with CE.
+
+The from-scratch sweeps (SPEC §3; paper §6.3, App. H) are three architectures, all expressed as the
+HypeNet model so one set of kernels, SP, checkpoints and exports serves them:
+
+  transformer  every layer softmax attention with RoPE (θ = model.scratch.rope_theta)
+  swan         SWAN-GPT: sliding-window attention (model.sliding_window, RoPE) in every layer except
+               model.attn_layers, which are full attention without RoPE (NoPE)
+  hypenet      attention at model.attn_layers (default every 4th from 0: Attn->RNN->RNN->RNN), the
+               RNN mixer model.rnn_mixer elsewhere, position encoding model.pe:
+               hype = RNN RoPE + attention NoPE | all_rope | all_nope | attn_rope_rnn_nope
+
+Logits scaling (model.logits_scaling_a) applies to the full-attention layers as in every stage.
+
+What is reused: the loop, checkpoints, exact resume, metrics and DeepSpeed set-up are the engine's
+(``halo_dist.train.engine.Trainer``); the loss is the fused chunked CE of ``halo_dist.losses`` via
+``DistillModule(objective="ce", teacher=None)``, which never materialises ``[tokens x vocab]``
+logits. :class:`PretrainTrainer` changes only what from-scratch training needs: parameter groups
+(weight decay on matrices only), model FLOPs with attention terms for MFU, the tokenizer check.
+
+Initialisation (GPT-2 / Megatron practice): embeddings and every linear weight ~ N(0, σ²) with
+σ = model.scratch.init_std (0.02), the residual-branch output projections (mixer ``o_proj``, MLP
+``down_proj``) ~ N(0, σ² / 2L) so the residual stream's variance does not grow with depth L, biases
+0, RMSNorm weights 1, and the 2·sigmoid output gates of attention / Lightning layers W_z = 0 (gate
+exactly 1 at step 0, as in conversion). Mixers with their own parameters (decays, low-rank gates)
+keep the init their class gives them.
+
+Weight decay (AdamW, optim.weight_decay = 0.1 in the sweeps) applies to matrices only: parameters
+with at least two dimensions larger than 1, except embedding tables (and so a tied lm_head).
+Embeddings, norm weights, biases and per-channel vectors (decays, scales) are not decayed: decaying
+them pulls gains toward 0 and rare-token embeddings toward the origin without regularising anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ModelConfig, RunConfig, to_dict
+from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
+from ..train.engine import Trainer
+from ..train.metrics import flops_per_token
+from .distill import DistillModule
+
+DEFAULT_SLIDING_WINDOW = 512  # SWAN-GPT's window (paper Table 13)
+DEFAULT_ATTN_EVERY = 4  # Attn -> RNN -> RNN -> RNN (paper App. H.2)
+# model.pe -> (attn_rope, rnn_rope)
+PE_ROPE = {"hype": (False, True), "all_rope": (True, True), "all_nope": (False, False),
+           "attn_rope_rnn_nope": (True, False)}
+OUTPUT_PROJECTIONS = ("mixer.o_proj", "mlp.down_proj")
+
+
+# ---------------------------------------------------------------------------------------- model
+def mixer_types(m: ModelConfig) -> list[str]:
+    """Per-layer mixer names (``HypeNetConfig.mixer_types``) of the configured variant."""
+    depth = m.scratch.num_hidden_layers
+    if m.arch == "transformer":
+        return ["attention"] * depth
+    attn = set(m.attn_layers) if m.attn_layers else set(range(0, depth, DEFAULT_ATTN_EVERY))
+    other = "swa" if m.arch == "swan" else m.rnn_mixer
+    return ["attention" if i in attn else other for i in range(depth)]
+
+
+def check_mixers_available(types: list[str]) -> None:
+    """Refuse a variant whose mixer has no implementation in this checkout, naming the config key."""
+    from ..models.hypenet.modeling_hypenet import MIXER_CLASSES
+
+    missing = sorted(set(types) - set(MIXER_CLASSES))
+    if missing:
+        key = "model.arch=swan (mixer 'swa')" if missing == ["swa"] else f"model.rnn_mixer={'/'.join(missing)}"
+        raise ValueError(f"{key}: no implementation of mixer {', '.join(map(repr, missing))} in this checkout "
+                         f"(HypeNet mixers available: {', '.join(MIXER_CLASSES)})")
+
+
+def hypenet_kwargs(m: ModelConfig) -> dict:
+    """``HypeNetConfig`` keyword arguments of the configured from-scratch variant."""
+    s = m.scratch
+    if m.arch == "transformer":
+        attn_rope, rnn_rope = True, True
+    elif m.arch == "swan":
+        attn_rope, rnn_rope = False, True  # full layers NoPE; the SWA layers' RoPE is swa_rope
+    else:
+        attn_rope, rnn_rope = PE_ROPE[m.pe or "hype"]
+    kw = dict(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim, rope_theta=s.rope_theta,
+        max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=s.tie_word_embeddings,
+        mixer_types=mixer_types(m), attn_rope=attn_rope, rnn_rope=rnn_rope,
+        attn_logits_scale_base=m.logits_scaling_a if m.logits_scaling_in_training else None,
+        attn_qk_norm=s.qk_norm, rnn_qk_norm=s.qk_norm, attn_output_gate=m.attn_output_gate,
+        attn_output_norm=m.attn_output_norm, rnn_output_gate=True, rnn_gqa_to_mha=True,
+        initializer_range=s.init_std,
+    )
+    if m.arch == "swan":
+        kw.update(sliding_window=m.sliding_window or DEFAULT_SLIDING_WINDOW, swa_rope=True)
+    return kw
+
+
+def pretrain_config(m: ModelConfig) -> HypeNetConfig:
+    """The HypeNet config of the variant; a mixer without implementation is a clear error."""
+    kw = hypenet_kwargs(m)
+    check_mixers_available(kw["mixer_types"])
+    return HypeNetConfig(**kw)
+
+
+@torch.no_grad()
+def init_pretrain_weights(model: HypeNetForCausalLM, std: float) -> None:
+    """Scaled init of the residual outputs and unit gates on top of the model's own N(0, std²) init."""
+    from ..models.hypenet.modeling_hypenet import HypeNetAttention, LightningMixer
+
+    out_std = std / math.sqrt(2 * model.config.num_hidden_layers)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.endswith(OUTPUT_PROJECTIONS):
+            nn.init.normal_(module.weight, 0.0, out_std)
+        if isinstance(module, (HypeNetAttention, LightningMixer)) and hasattr(module, "g_proj"):
+            nn.init.zeros_(module.g_proj.weight)  # gate = 2 sigmoid(0) = 1
+
+
+def build_pretrain_model(cfg: RunConfig) -> HypeNetForCausalLM:
+    """A randomly initialised model; the same weights on every rank (seeded, global RNG untouched)."""
+    config = pretrain_config(cfg.model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.model.scratch.init_seed)
+        model = HypeNetForCausalLM(config)
+        init_pretrain_weights(model, cfg.model.scratch.init_std)
+    if cfg.model.activation_checkpointing:
+        model.model.gradient_checkpointing = True
+    return model
+
+
+def build_pretrain_module(cfg: RunConfig):
+    """``(DistillModule with the CE objective and no teacher, None)`` for the engine."""
+    model = build_pretrain_model(cfg)
+    module = DistillModule(model, None, objective="ce", chunk_size=cfg.loss.chunk_size)
+    module.loss_tokens = lambda batch: int((batch["labels"] != -100).sum())
+    module.student_model = lambda: module.student
+    return module, None
+
+
+# ---------------------------------------------------------------------------------------- optimizer
+def is_decayed(param: torch.Tensor, embedding_ids: set[int]) -> bool:
+    """Matrices (>= 2 dims larger than 1) other than embedding tables get weight decay."""
+    return sum(d > 1 for d in param.shape) >= 2 and id(param) not in embedding_ids
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: ``decay`` (matrices) and ``no_decay`` (embeddings, norms, biases, vectors)."""
+    embedding_ids = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in module.parameters():  # parameters() yields a tied weight once
+        if p.requires_grad:
+            (decay if is_decayed(p, embedding_ids) else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+# ---------------------------------------------------------------------------------------- FLOPs
+def train_flops_per_token(config: HypeNetConfig, n_params: int, seq_len: int) -> float:
+    """Model FLOPs per trained token: 6 N + attention scores (``metrics.flops_per_token``, PaLM App. B).
+
+    N counts the lm_head but not the input embedding (tied: the one matrix counts once). Full
+    attention layers attend ``seq_len`` keys, SWA layers ``min(window, seq_len)``; RNN state updates
+    are not counted. ``n_params``: unique parameters of the model (embedding included).
+    """
+    n = n_params - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    types = list(config.mixer_types)
+    attn_dim = config.num_attention_heads * config.head_dim
+    window = min(int(getattr(config, "sliding_window", None) or seq_len), seq_len)
+    swa = flops_per_token(0, attn_layers=types.count("swa"), attn_dim=attn_dim, context=window)
+    return flops_per_token(n, attn_layers=types.count("attention"), attn_dim=attn_dim, context=seq_len) + swa
+
+
+def unique_numel(module: nn.Module) -> int:
+    """Parameters of ``module`` (ZeRO-3 partitioned ones by their full size), shared ones once."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------------------- trainer
+class PretrainTrainer(Trainer):
+    """The engine's Trainer with the three from-scratch differences (module docstring)."""
+
+    def _optimizer(self):
+        from ..train.schedules import LRSchedule, make_lr_scheduler
+
+        o = self.cfg.optim
+        groups = param_groups(self.module, o.weight_decay)
+        fused = self.device.type == "cuda"
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                fused=fused or None, foreach=None if fused else True)
+        self.schedule = LRSchedule.from_config(self.cfg)
+        return opt, make_lr_scheduler(opt, self.schedule)
+
+    def _start_metrics(self) -> None:
+        super()._start_metrics()
+        student = self.module.student_model()
+        # Per trained token, not divided by the world size: MetricsLogger already divides tokens/s.
+        self.metrics.flops_per_token = train_flops_per_token(student.config, unique_numel(student),
+                                                             self.cfg.data.seq_len)
+
+    def _tokenizer_for_check(self):
+        """model.scratch.tokenizer, if it loads: shards made with another tokenizer are refused."""
+        tok = load_tokenizer(self.cfg)
+        if tok is not None and len(tok) > self.cfg.model.scratch.vocab_size:
+            raise ValueError(f"model.scratch.vocab_size={self.cfg.model.scratch.vocab_size} is smaller than the "
+                             f"tokenizer's {len(tok)} tokens ({self.cfg.model.scratch.tokenizer})")
+        return tok
+
+
+def load_tokenizer(cfg: RunConfig):
+    """The configured tokenizer, or None (not set, or not loadable here: a warning, no failure)."""
+    name = cfg.model.scratch.tokenizer
+    if not name:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        print(f"warning: tokenizer {name} not loadable ({type(err).__name__}): shards are not checked "
+              "against it and the exported model has no tokenizer files", file=sys.stderr, flush=True)
+        return None
+
+
+def write_pretrain_output(trainer, folder: Path) -> Path | None:
+    """An HF HypeNet folder (+ tokenizer) under ``folder``. Rank 0 writes; all ranks call.
+
+    The exported config always carries ``model.logits_scaling_a``, also when it was off in training
+    (``logits_scaling_in_training=false``: the reference code's inference-only scaling).
+    """
+    from ..models.export import export_hypenet
+    from . import gathered_state_dict
+
+    state = gathered_state_dict(trainer)
+    if trainer.rank != 0:
+        return None
+    cfg, student = trainer.cfg, trainer.module.student
+    prefix = "student."
+    cpu_state = {k[len(prefix):]: v.detach().float().cpu() for k, v in state.items() if k.startswith(prefix)}
+    config = copy.deepcopy(student.config)
+    config.attn_logits_scale_base = cfg.model.logits_scaling_a
+    tokenizer = load_tokenizer(cfg)
+    if tokenizer is not None and config.eos_token_id is None:
+        config.eos_token_id = tokenizer.eos_token_id
+    with torch.device("meta"):
+        clean = HypeNetForCausalLM(config)
+    clean.load_state_dict(cpu_state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        clean.lm_head.weight = clean.model.embed_tokens.weight
+    path = export_hypenet(clean, folder, tokenizer=tokenizer,
+                          extra={"stage": "pretrain", "step": trainer.step, "arch": cfg.model.arch,
+                                 "pe": cfg.model.pe, "rnn_mixer": cfg.model.rnn_mixer})
+    (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    (folder / "DONE").write_text(json.dumps({"stage": "pretrain", "step": trainer.step}))
+    return path
+
+
+# ---------------------------------------------------------------------------------------- launcher
+def describe_plan(cfg: RunConfig) -> str:
+    """The layer plan and position encodings of the variant (no model needed)."""
+    kw = hypenet_kwargs(cfg.model)
+    plan = " ".join({"attention": "A", "swa": "S"}.get(t, "R") for t in kw["mixer_types"])
+    rnn = f", R {cfg.model.rnn_mixer}" if cfg.model.arch == "hypenet" else ""
+    extra = f" sliding_window={kw['sliding_window']}" if "sliding_window" in kw else ""
+    return (f"# model: arch={cfg.model.arch}; layers (A attention, S sliding-window attention{rnn}): {plan}\n"
+            f"#   attn_rope={kw['attn_rope']} rnn_rope={kw['rnn_rope']} "
+            f"logits_scaling_a={kw['attn_logits_scale_base']} "
+            f"attn_output_gate={kw['attn_output_gate']}{extra}\n")
+
+
+def describe_size(cfg: RunConfig) -> str:
+    """Parameters and training FLOPs of the variant, from a meta-device model (nothing allocated).
+    Raises ValueError for a mixer without implementation."""
+    config = pretrain_config(cfg.model)
+    with torch.device("meta"):
+        model = HypeNetForCausalLM(config)
+    n = unique_numel(model)
+    fpt = train_flops_per_token(config, n, cfg.data.seq_len)
+    return (f"#   parameters: {n / 1e6:.1f}M ({(n - config.vocab_size * config.hidden_size) / 1e6:.1f}M without the "
+            f"input embedding); training FLOPs/token {fpt / 1e9:.2f}G, "
+            f"whole run {fpt * cfg.tokens_per_step * cfg.total_steps:.3g}\n")
+
+
+def run_pretrain(cfg: RunConfig, argv: list[str] | None = None) -> Path | None:
+    """Build, train, write ``<run_dir>/final``; always leave the process group at a barrier."""
+    trainer = PretrainTrainer(cfg, argv)
+    try:
+        trainer.setup()
+        t0 = time.time()
+        trainer.train()
+        out = trainer.finish()
+        if trainer.rank == 0:
+            print(f"pretrain finished in {time.time() - t0:.1f}s -> {out}", flush=True)
+        return out
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _check_flag(parser) -> None:
+    parser.add_argument("--check", action="store_true",
+                        help="validate the config and the variant (mixers implemented, layout with --world-size), "
+                             "print the resolved config, layer plan, parameters and FLOPs; allocate nothing")
+
+
+def launch_pretrain(doc: str | None = None, argv: list[str] | None = None) -> int:
+    """``launchers/pretrain.py``: parse, [--check: print the plan, exit], run. User errors: one line, exit 2."""
+    from ..config import ConfigError, describe, parse_run_args
+    from ..data import DataError
+    from ..train.engine import NonFiniteLossError, StopRequested
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg, args = parse_run_args(argv, description=doc, prog="launchers/pretrain.py", extra_args=_check_flag)
+    if cfg.stage.name != "pretrain":
+        print(f"error: this is the pretrain launcher but the config says stage.name={cfg.stage.name}", file=sys.stderr)
+        return 2
+    try:
+        if args.check:
+            sys.stdout.write(describe(cfg, args.world_size) + describe_plan(cfg))
+            sys.stdout.flush()
+            sys.stdout.write(describe_size(cfg))
+            return 0
+        run_pretrain(cfg, argv=["launchers/pretrain.py", *argv])
+    except StopRequested as e:
+        print(str(e), file=sys.stderr)
+        return 0
+    except (ConfigError, DataError, FileNotFoundError, NonFiniteLossError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
