@@ -33,7 +33,11 @@ def run_launcher(stage, run_dir, *overrides, nproc=1, env=None, expect=0, timeou
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--log-dir", str(Path(run_dir).parent / "torchrun_logs"), str(REPO / "launchers" / f"{stage}.py")]
     cmd += ["--config", str(config or TINY / f"{stage}.yaml"), f"logging.run_dir={run_dir}", "logging.log_every=1", *overrides]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HALO_CACHE": os.environ["HALO_CACHE"], **(env or {})}
+    # in-process distributed runs earlier in the session (e.g. OPD tests) leave this process's
+    # rendezvous variables set; the launcher must pick its own port
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    full_env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    full_env.update({"OMP_NUM_THREADS": "1", "HALO_CACHE": os.environ["HALO_CACHE"], **(env or {})})
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
     if expect is not None and res.returncode != expect:
         raise AssertionError(f"exit {res.returncode} (wanted {expect}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")

@@ -17,6 +17,9 @@ from .coerce import ConfigError, coerce_fields, fail
 
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
 Objective = Literal["mse", "kl", "ce", "reverse_kl"]
+# From-scratch architectures and HypeNet position encodings of the sweeps (SPEC §3, paper §6.3).
+ScratchArch = Literal["transformer", "swan", "hypenet"]
+ScratchPE = Literal["hype", "all_rope", "all_nope", "attn_rope_rnn_nope"]
 
 # Which objectives each stage may train with (SPEC §3): stage 1 aligns layer outputs by MSE,
 # stage 2 is forward KL (CE-only would skip the teacher), stage 3 KL or the reference code's
@@ -81,10 +84,48 @@ class RandomTeacherConfig(Section):
 
 
 @dataclass(kw_only=True, frozen=True)
+class ScratchModelConfig(Section):
+    """Shape and initialisation of the randomly initialised model that stage ``pretrain`` trains.
+
+    Field names are ``HypeNetConfig``'s. RNN layers have ``num_attention_heads`` heads of
+    ``head_dim`` (HypeNet's RNN heads are the attention's query heads; paper Table 13: 16 and 16).
+    Init (halo_dist/stages/pretrain.py): every matrix and the embedding ~ N(0, init_std²), output
+    projections (mixer ``o_proj``, MLP ``down_proj``) ~ N(0, init_std² / (2 · num_hidden_layers)),
+    norms 1, output-gate weights 0 (gate = 1 at the start).
+    """
+
+    vocab_size: int  # GPT-2's 50,257 padded to 50,304 for the sweeps
+    num_hidden_layers: int
+    hidden_size: int  # model width d
+    intermediate_size: int  # SwiGLU FFN width
+    num_attention_heads: int  # query heads (attention) = heads (RNN layers)
+    num_key_value_heads: int  # KV heads of the attention layers (GQA); must divide the query heads
+    head_dim: int  # d_h; even (RoPE)
+    tie_word_embeddings: bool = True
+    rope_theta: float = 50_000.0  # paper Table 13 (every variant)
+    qk_norm: bool = True  # RMSNorm on q/k of attention and Lightning layers (Table 13: yes)
+    max_position_embeddings: int = 1_048_576  # only recorded in the exported config
+    tokenizer: Optional[str] = None  # HF id/folder: exported with the model and checked against the shards
+    init_std: float = 0.02
+    init_seed: int = 0  # every rank (and a resumed run's first build) draws the same weights
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "num_hidden_layers", "hidden_size", "intermediate_size",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "rope_theta", "init_std"):
+            _positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail("num_key_value_heads", f"{self.num_key_value_heads} does not divide "
+                 f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            fail("head_dim", f"{self.head_dim} must be even (rotary embeddings)")
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig(Section):
     """Teacher, student initialisation and HypeNet hyperparameters (SPEC §2)."""
 
-    teacher: str  # HF hub id ("Qwen/Qwen3-1.7B") or local folder; "random" uses random_teacher
+    teacher: Optional[str] = None  # HF hub id or local folder; "random" uses random_teacher; none for pretrain
     random_teacher: Optional[RandomTeacherConfig] = None  # shape of a random teacher
     num_layers: Optional[int] = None  # teacher depth, when known, to range-check attn_layers
     attn_layers: list[int] = field(default_factory=list)  # 0-based layers kept as softmax attention
@@ -97,15 +138,36 @@ class ModelConfig(Section):
     attn_output_norm: bool = False  # appendix RMSNorm on attention output; changes the teacher fn
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # float32 for CPU tests
     activation_checkpointing: bool = True  # applied in model code (DeepSpeed's json block is inert)
+    # stage pretrain only (from-scratch sweeps, SPEC §3): the variant and the model's shape
+    arch: Optional[ScratchArch] = None  # transformer (all attention, RoPE) | swan | hypenet
+    pe: Optional[ScratchPE] = None  # arch=hypenet: position encoding; null = hype (RNN RoPE, attention NoPE)
+    sliding_window: Optional[int] = None  # arch=swan: window of the SWA RoPE layers; null = 512
+    scratch: Optional[ScratchModelConfig] = None  # shape + init of the randomly initialised model
 
     def validate(self) -> None:
-        if not self.teacher:
+        if self.teacher is not None and not self.teacher:
             fail("teacher", "must name a hub id, a folder or 'random'")
         if (self.teacher == "random") != (self.random_teacher is not None):
             fail("random_teacher", "set exactly when teacher is 'random'")
         self._validate_attn_layers()
         if self.logits_scaling_a is not None and self.logits_scaling_a <= 1:
             fail("logits_scaling_a", f"must be > 1 (log base), got {self.logits_scaling_a}")
+        self._validate_scratch()
+
+    def _validate_scratch(self) -> None:
+        if self.pe is not None and self.arch != "hypenet":
+            fail("pe", f"only arch=hypenet chooses a position encoding (arch={self.arch} has a fixed one); "
+                 "remove model.pe")
+        if self.sliding_window is not None:
+            if self.arch != "swan":
+                fail("sliding_window", f"only used by arch=swan, not arch={self.arch}")
+            _positive("sliding_window", self.sliding_window)
+        if self.arch == "transformer" and self.attn_layers and self.depth is not None \
+                and sorted(self.attn_layers) != list(range(self.depth)):
+            fail("attn_layers", "arch=transformer has attention in every layer: leave model.attn_layers empty")
+        if self.arch is not None and self.scratch is None:
+            fail("scratch", f"arch={self.arch} needs the model shape "
+                 "(model.scratch: vocab_size, num_hidden_layers, ...)")
 
     def _validate_attn_layers(self) -> None:
         if len(set(self.attn_layers)) != len(self.attn_layers):
@@ -120,6 +182,8 @@ class ModelConfig(Section):
         """Teacher layer count if the config knows it."""
         if self.random_teacher is not None:
             return self.random_teacher.num_hidden_layers
+        if self.scratch is not None:
+            return self.scratch.num_hidden_layers
         return self.num_layers
 
 
@@ -157,9 +221,14 @@ class OptimConfig(Section):
     eps: float = 1e-8
     weight_decay: float = 0.0  # the paper uses none for distillation; 0.1 for from-scratch
     grad_clip: Optional[float] = 1.0  # max global grad norm; null disables
+    # A NaN/inf loss on any rank: stop (checkpoint the last good state, exit 2) or skip the step
+    # (no update, the LR schedule still advances); more than max_skipped_steps skips in a row stop.
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = 5  # consecutive skipped steps tolerated by nonfinite=skip
 
     def validate(self) -> None:
         _positive("lr", self.lr)
+        _non_negative("max_skipped_steps", self.max_skipped_steps)
         _non_negative("min_lr", self.min_lr)
         if self.min_lr > self.lr:
             fail("min_lr", f"{self.min_lr} exceeds lr={self.lr}")
@@ -250,6 +319,7 @@ class CheckpointConfig(Section):
     every_steps: int = 1000  # 0 saves only at the end (and on SIGTERM/SIGUSR1)
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     resume: Literal["auto", "never"] = "auto"  # auto: continue from the latest complete one
+    save_final: bool = True  # checkpoint after the last step (benchmarks turn it off: 28 GB at 2B)
 
     def validate(self) -> None:
         _non_negative("every_steps", self.every_steps)
@@ -436,6 +506,7 @@ class RunConfig(Section):
 
     def validate(self) -> None:
         self._validate_opd()
+        self._validate_pretrain()
         allowed = STAGE_OBJECTIVES[self.stage.name]
         if self.loss.objective not in allowed:
             fail("loss.objective", f"{self.stage.name} trains with {'|'.join(allowed)}, "
@@ -457,13 +528,30 @@ class RunConfig(Section):
             fail("schedule.total_tokens", "opd counts optimizer steps (tokens per step change with "
                  "the horizon): set schedule.total_steps")
 
+    def _validate_pretrain(self) -> None:
+        """Stage pretrain trains a random model of ``model.arch`` / ``model.scratch``, nothing else."""
+        m = self.model
+        if self.stage.name != "pretrain":
+            if m.teacher is None:
+                fail("model.teacher", f"{self.stage.name} distills from a teacher: set a hub id, a folder or 'random'")
+            for name in ("arch", "pe", "sliding_window", "scratch"):
+                if getattr(m, name) is not None:
+                    fail(f"model.{name}", f"only used by stage pretrain (from scratch), not {self.stage.name}")
+            return
+        if m.arch is None:
+            fail("model.arch", "stage pretrain needs the architecture: transformer | swan | hypenet")
+        for name in ("teacher", "random_teacher", "student_init", "stage1_weights"):
+            if getattr(m, name) is not None:
+                fail(f"model.{name}", "stage pretrain trains from scratch: no teacher or initial weights "
+                     "(a restarted run resumes from its checkpoints)")
+
     def _validate_sp_heads(self) -> None:
-        # Only a random teacher's head count is known before loading; real teachers are
-        # checked by the parallel layer once their HF config is read.
-        teacher = self.model.random_teacher
-        if teacher is not None and teacher.num_attention_heads % self.parallel.sp_size:
+        # Only a random teacher's (or a from-scratch model's) head count is known before loading;
+        # real teachers are checked by the parallel layer once their HF config is read.
+        shape = self.model.random_teacher or self.model.scratch
+        if shape is not None and shape.num_attention_heads % self.parallel.sp_size:
             fail("parallel.sp_size", f"{self.parallel.sp_size} does not divide "
-                 f"num_attention_heads={teacher.num_attention_heads}")
+                 f"num_attention_heads={shape.num_attention_heads}")
 
     def _validate_schedule_fits(self) -> None:
         total, sched = self.total_steps, self.schedule
@@ -517,5 +605,5 @@ def _batch_hint(global_batch: int, micro: int, dp: int) -> str:
 __all__ = [
     "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "LossConfig",
     "ModelConfig", "OPDConfig", "OptimConfig", "ParallelConfig", "PromptSetConfig", "RandomTeacherConfig", "RunConfig",
-    "ScheduleConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
+    "ScheduleConfig", "ScratchModelConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
 ]

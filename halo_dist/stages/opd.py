@@ -5,8 +5,9 @@ One optimizer step:
 1. **Rollouts.** The student samples continuations of curriculum prompts (temperature 1.0,
    top-p 1.0 by default) with HypeNet's cached batched ``generate`` (left padding is exact:
    padded keys masked, positions from the mask). A rollout ends at EOS (trained) or after
-   ``horizon`` new tokens. Under DeepSpeed ZeRO-3 on several ranks every forward is a
-   collective, so ranks generate to the horizon in lock-step and EOS is applied afterwards.
+   ``horizon`` new tokens. Under DeepSpeed ZeRO-3 the loop samples from a gathered replica of
+   the student (no collectives while decoding; ``train.opd_loop`` explains why); ``lockstep=True``
+   is for decoding through ZeRO-3's hooks, where every forward is a collective.
 2. **Packing.** Each rollout becomes one document ``prompt + continuation`` (no padding) in a
    packed ``[1, L]`` row with ``cu_seqlens`` and per-document positions: the student and the
    teacher run their varlen kernels, as in stages 2/3.

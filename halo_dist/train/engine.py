@@ -10,6 +10,19 @@ counts the global number of loss tokens N (one all-reduce), then every micro-bat
 token sum divided by ``N / (grad_accum * D)``, D being the number of ranks DeepSpeed averages
 gradients over (dp, times sp under ZeRO-3; see parallel/deepspeed_setup.py). The resulting gradient
 is exactly that of the global token mean.
+
+Non-finite losses (``optim.nonfinite``, :class:`NonFinitePolicy`): every micro-batch's loss is checked
+before its backward and the ranks agree (one all-reduce of a flag), so every rank takes the same
+branch. ``stop`` checkpoints the last good state and raises :class:`NonFiniteLossError`. ``skip``
+drops the whole optimizer step: the flagged micro-batch (and the rest of the step) is back-propagated
+with a NaN-poisoned loss, so DeepSpeed's own overflow path (the fp16 loss-scaler machinery; in 0.19.8
+ZeRO-1/2/3 and the bf16 optimizer treat a non-finite global gradient norm as an overflow) clears every
+gradient buffer and applies no update; the plain torch optimizer that ZeRO stage 0 in fp32 uses has
+no such path, so its ``step`` is a no-op during that boundary ``engine.step()`` (DeepSpeed's own
+clipping, gradient reset and bookkeeping still run). A skipped step still counts as a step: the batch is
+consumed, ``step`` and the LR schedule advance (the LR stays a function of the step, so WSD snapshots,
+rungs and resume checks keep their meaning), Adam's moments and step count do not.
+More than ``optim.max_skipped_steps`` consecutive skips stop the run like ``stop``.
 """
 
 from __future__ import annotations
@@ -19,7 +32,7 @@ import os
 import signal
 import socket
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +48,107 @@ from .schedules import LRSchedule, make_lr_scheduler
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN/inf; the last good state was checkpointed before raising."""
+
+
+class NonFinitePolicy:
+    """``optim.nonfinite``: stop at a non-finite loss, or skip up to ``max_skipped`` consecutive steps."""
+
+    def __init__(self, mode: str = "stop", max_skipped: int = 0):
+        self.mode, self.max_skipped = mode, max_skipped
+        self.consecutive = 0  # skipped steps in a row, up to the current one
+        self.total = 0  # skipped steps of the whole run (resumed runs continue the count)
+
+    @classmethod
+    def from_config(cls, optim) -> "NonFinitePolicy":
+        return cls(optim.nonfinite, optim.max_skipped_steps)
+
+    def should_skip(self) -> bool:
+        """A step had a non-finite loss: True = skip it (counted), False = stop the run."""
+        if self.mode != "skip" or self.consecutive >= self.max_skipped:
+            return False
+        self.consecutive += 1
+        self.total += 1
+        return True
+
+    def step_ok(self) -> None:
+        self.consecutive = 0
+
+    def stop_reason(self) -> str:
+        if self.mode == "skip":
+            return (f"{self.consecutive + 1} non-finite steps in a row exceed optim.max_skipped_steps="
+                    f"{self.max_skipped} ({self.total} skipped in this run)")
+        return "optim.nonfinite=stop"
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "total": self.total}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}
+        self.consecutive, self.total = int(state.get("consecutive", 0)), int(state.get("total", 0))
+
+
+def nonfinite_agreed(loss: torch.Tensor, step: int, device: torch.device) -> bool:
+    """True on every rank when ``loss`` is NaN/inf on any rank (one all-reduce of a flag).
+
+    ``step``: the 1-based optimizer step this loss belongs to; the test hook ``HALO_TEST_NAN_AT_STEP``
+    (``"3"`` or ``"3,4,5"``) makes that step's loss NaN on every rank.
+    """
+    bad = 0.0 if torch.isfinite(loss).all() else 1.0
+    if step in _test_nan_steps():
+        bad = 1.0  # test hook: exercise the non-finite path deterministically
+    flag = torch.tensor([bad], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def _test_nan_steps() -> set[int]:
+    raw = os.environ.get("HALO_TEST_NAN_AT_STEP", "")
+    return {int(s) for s in raw.split(",") if s.strip()}
+
+
+def backward_and_step(engine, loss: torch.Tensor, drop: bool = False) -> None:
+    """``engine.backward(loss); engine.step()``; ``drop``: the micro-batch belongs to a skipped step.
+
+    Where DeepSpeed's optimizer has an overflow path the loss is poisoned with NaN (the boundary step
+    then drops every gradient buffer and applies nothing); a plain torch optimizer (ZeRO 0, fp32) has
+    its ``step`` replaced by a no-op for the boundary ``engine.step()`` instead, which DeepSpeed then
+    follows with its usual gradient reset and scheduler step (module doc). Every rank must pass the
+    same ``drop``: the backward is collective under ZeRO.
+    """
+    overflow_path = hasattr(engine.optimizer, "overflow")
+    if drop and overflow_path:
+        loss = loss * float("nan")
+    engine.backward(loss)
+    if drop and not overflow_path and engine.is_gradient_accumulation_boundary():
+        with _no_update(engine.optimizer):
+            engine.step()
+    else:
+        engine.step()
+
+
+@contextmanager
+def _no_update(optimizer):
+    """``optimizer.step()`` does nothing inside (parameters, moments and step counts untouched)."""
+    saved = optimizer.__dict__.get("step")
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if saved is None:
+            del optimizer.step
+        else:
+            optimizer.step = saved
+
+
+def finish_skipped_step(engine, scheduler) -> None:
+    """After the boundary ``engine.step()`` of a skipped step: check no update was applied and keep
+    the LR schedule a function of the step (DeepSpeed's overflow path does not step the scheduler;
+    the plain-optimizer path of :func:`backward_and_step` went through DeepSpeed's, which does)."""
+    if hasattr(engine.optimizer, "overflow"):
+        if engine.was_step_applied():
+            raise RuntimeError("DeepSpeed applied an update with non-finite gradients; refusing to continue")
+        if scheduler is not None:
+            scheduler.step()
 
 
 class StopRequested(Exception):
@@ -62,6 +176,7 @@ class Trainer:
         self.stop_signal: int | None = None
         self.step = 0
         self.tokens_seen = 0
+        self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> "Trainer":
@@ -161,14 +276,29 @@ class Trainer:
         except (OSError, ValueError):
             return None
 
+    def _attention_flop_terms(self) -> dict:
+        """Softmax-attention layers of the trained student and the forward-only teacher, for MFU
+        (metrics.flops_per_token: PaLM's 12·L·d·T / 4·L·d·T with T = seq_len, the packed row length;
+        stage 1 trains only RNN layers, so its student attention count is 0)."""
+        student = getattr(self.module, "student", None)
+        trained = sum(m == "attention" for m in student.config.mixer_types) if student is not None else 0
+        cfg = getattr(self.teacher, "config", None)
+        frozen = getattr(cfg, "num_hidden_layers", 0) if cfg is not None else 0
+        if cfg is None and student is None:
+            return {}
+        ref = cfg if cfg is not None else student.config
+        return {"attn_layers": trained, "frozen_attn_layers": frozen, "context": self.cfg.data.seq_len,
+                "attn_dim": ref.num_attention_heads * getattr(ref, "head_dim", ref.hidden_size // ref.num_attention_heads)}
+
     def _start_metrics(self) -> None:
-        n_train = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-        n_teacher = sum(p.numel() for p in self.teacher.parameters()) if self.teacher is not None else 0
-        if getattr(self.module, "ds_numel_total", None):
-            n_train = self.module.ds_numel_total
+        def numel(p) -> int:  # ZeRO-3 leaves partitioned parameters empty; ds_numel is the full size
+            return int(getattr(p, "ds_numel", p.numel()))
+
+        n_train = sum(numel(p) for p in self.module.parameters() if p.requires_grad)
+        n_teacher = sum(numel(p) for p in self.teacher.parameters()) if self.teacher is not None else 0
         self.metrics = MetricsLogger.from_config(
             self.cfg, rank=self.rank, world_size=self.world, device=self.device,
-            flops_per_token=flops_per_token(n_train, n_teacher) / max(1, self.world),
+            flops_per_token=flops_per_token(n_train, n_teacher, **self._attention_flop_terms()),
             start_step=self.step, start_tokens=self.tokens_seen,
         )
         if self.rank == 0:
@@ -187,6 +317,7 @@ class Trainer:
         self.schedule.check_resume(state["schedule"], state["step"])
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.nonfinite.load_state_dict(state.get("nonfinite"))
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)", flush=True)
 
@@ -194,7 +325,8 @@ class Trainer:
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                  "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout),
                  "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher,
-                 "student_config": self.module.student_model().config.to_dict()}
+                 "student_config": self.module.student_model().config.to_dict(),
+                 "nonfinite": self.nonfinite.state_dict()}
         cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
         return self.ckpt.save(self.engine, self.step, state, cfg_text)
 
@@ -223,16 +355,24 @@ class Trainer:
         while self.step < total:
             micro_batches = [next(data) for _ in range(self.layout.grad_accum_steps)]
             normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
+            skipping = False  # this step had a non-finite loss and is dropped (module doc)
             for batch in micro_batches:
                 loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
-                self._check_finite(loss)
-                self.engine.backward(loss)
-                self.engine.step()
-                self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
+                if not skipping:
+                    skipping = self._nonfinite(loss)
+                if not skipping:
+                    self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
+                backward_and_step(self.engine, loss, drop=skipping)
             self.step += 1
             self.tokens_seen += self.layout.tokens_per_step
             _test_fault_hook(self.step)
-            self.metrics.add("optim/grad_norm", self._grad_norm())
+            if skipping:
+                finish_skipped_step(self.engine, self.scheduler)
+            else:
+                self.nonfinite.step_ok()
+                self.metrics.add("optim/grad_norm", self._grad_norm())
+            if self.nonfinite.mode == "skip" and self.metrics.should_log(self.step):
+                self.metrics.add("train/skipped_steps", float(self.nonfinite.total))
             out = self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
             last = out or last
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < total:
@@ -240,7 +380,8 @@ class Trainer:
             if self._stop_agreed():
                 self.save()
                 raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; checkpoint saved")
-        self.save()
+        if cfg.checkpoint.save_final:
+            self.save()
         return last
 
     def _global_tokens(self, micro_batches) -> float:
@@ -256,18 +397,22 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def _check_finite(self, loss: torch.Tensor) -> None:
-        """Agree across ranks on a non-finite loss; checkpoint the last good state and stop."""
-        if os.environ.get("HALO_TEST_NAN_AT_STEP") == str(self.step + 1):
-            loss = loss * float("nan")  # test hook: exercise the non-finite path deterministically
-        bad = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=self.device)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() > 0:
-            path = self.save()  # parameters are those before this step's update: the last good state
-            raise NonFiniteLossError(
-                f"non-finite loss at step {self.step + 1}; the last good state is saved in {path}. "
-                "Lower optim.lr or inspect the data at this position before resuming."
-            )
+    def _nonfinite(self, loss: torch.Tensor) -> bool:
+        """Agree across ranks on a non-finite loss: False (finite), True (skip this step, ``optim.nonfinite
+        =skip``), or checkpoint the last good state and raise :class:`NonFiniteLossError`."""
+        if not nonfinite_agreed(loss, self.step + 1, self.device):
+            return False
+        if self.nonfinite.should_skip():
+            if self.rank == 0:
+                p = self.nonfinite
+                print(f"step {self.step + 1}: non-finite loss, step skipped (no update; {p.consecutive} in a row, "
+                      f"{p.total} in this run, at most {p.max_skipped} in a row)", flush=True)
+            return True
+        path = self.save()  # parameters are those before this step's update: the last good state
+        raise NonFiniteLossError(
+            f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}); the last good state is "
+            f"saved in {path}. Lower optim.lr or inspect the data at this position before resuming."
+        )
 
     # ------------------------------------------------------------------------------ outputs
     def finish(self) -> Path | None:
