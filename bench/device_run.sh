@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device call = one phase (the device tool runs `bash bench/device_run.sh PHASE`). Installs the
+# carried wheels once per machine (.site/ survives while the machine stays warm), then runs the phase's
+# benchmarks, two GPUs in parallel where the phase has independent single-GPU work. Logs land in $OUT.
+#   A: GPU0 stages 1-3 + naive stage 2 (bench_stages) | GPU1 attention check, inference, OPD
+#   B: 2 GPUs: stage 2 DP=2, stage 3 SP=2 at 16K and 64K, all-to-all timing (issue 9)
+#   C: NIAH (SmolLM2 from the GGUF parts carried over A/B/C) | pretrain 500M / mixers when present
+set -uo pipefail
+phase=${1:?phase}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TRITON_CACHE_DIR=$PWD/.triton_cache TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 HALO_CACHE=$PWD/.cache/halo_dist
+if [ ! -f .site/.installed ]; then
+  t0=$SECONDS
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl \
+    && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target .site .whl/deepspeed-*.tar.gz \
+    && touch .site/.installed
+  echo "install: $((SECONDS - t0)) s"
+fi
+export PYTHONPATH=$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -d .triton_seed ] && mkdir -p .triton_cache && tar -xzf .triton_seed/autotune.tgz -C .triton_cache 2>/dev/null
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+gather_parts() {  # the SmolLM2 GGUF travels in 3 parts over chained calls on one warm machine
+  mkdir -p .gguf; for p in .xfer/p*/smol.part*; do [ -f "$p" ] && cp "$p" .gguf/; done; ls .gguf
+}
+save_autotune() {
+  (cd .triton_cache 2>/dev/null && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
+}
+case $phase in
+A)
+  gather_parts
+  (CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/bench_stages.py --data .bench_data/long > "$OUT/stages.log" 2>&1; echo "stages rc=$?") &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout 120 python3 bench/check_attention_gpu.py > "$OUT/attention_gpu.log" 2>&1; echo "attention rc=$?"
+   timeout 420 python3 bench/bench_inference.py > "$OUT/inference.log" 2>&1; echo "inference rc=$?") &
+  wait
+  ;;
+B)
+  S="python3 bench/bench_stages.py --data .bench_data/long --no-naive"
+  # 1-GPU references (both start from the conversion: no stage-1/2 outputs on this machine)
+  (CUDA_VISIBLE_DEVICES=0 timeout 130 $S --stages 2 --steps 1 4 1 --tag ref1 > "$OUT/ref1_stage2.log" 2>&1; echo "ref1 stage2 rc=$?") &
+  (CUDA_VISIBLE_DEVICES=1 timeout 130 $S --stages 3 --steps 1 1 2 --tag sp1 > "$OUT/sp1_stage3.log" 2>&1; echo "sp1 stage3 rc=$?") &
+  wait
+  timeout 110 $S --nproc 2 --stages 2 --steps 1 4 1 --tag dp2 > "$OUT/dp2.log" 2>&1; echo "dp2 rc=$?"
+  timeout 110 $S --nproc 2 --sp 2 --stages 3 --steps 1 1 2 --tag sp2 > "$OUT/sp2.log" 2>&1; echo "sp2 rc=$?"
+  timeout 40 torchrun --standalone --nproc_per_node 2 bench/bench_a2a.py > "$OUT/a2a.log" 2>&1; echo "a2a rc=$?"
+  df -h . | tail -1
+  ;;
+C)
+  gather_parts
+  (CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 170 python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 --steps 1 8 1 --tag expseg > "$OUT/expseg.log" 2>&1; echo "expseg rc=$?") &
+  (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 bench/bench_opd.py --horizons 512 2048 > "$OUT/opd.log" 2>&1; echo "opd rc=$?") &
+  wait
+  ;;
+D)
+  gather_parts
+  (CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/bench_pretrain.py --steps 40 > "$OUT/pretrain.log" 2>&1; echo "pretrain rc=$?") &
+  (export CUDA_VISIBLE_DEVICES=1
+   if [ "$(ls .gguf 2>/dev/null | wc -l)" = 3 ]; then
+     cat .gguf/smol.part0 .gguf/smol.part1 .gguf/smol.part2 > /tmp/smol.gguf
+     echo "$(cat .xfer/p2/smol.sha256)  /tmp/smol.gguf" | sha256sum -c
+     timeout 150 python3 bench/bench_niah.py --teacher /tmp/smol.gguf > "$OUT/niah.log" 2>&1; echo "niah rc=$?"
+   else echo "niah: GGUF parts missing ($(ls .gguf 2>/dev/null))"; fi
+   timeout 200 python3 bench/bench_mixers.py > "$OUT/mixers.log" 2>&1; echo "mixers rc=$?") &
+  wait
+  ;;
+esac
+save_autotune
+# at most 8 files come back: bundle results, plots and logs into one archive
+cp bench/results/*.json bench/results/*.png "$OUT/" 2>/dev/null
+for d in runs/bench/*/; do [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$OUT/$(basename "$d").metrics.jsonl"; done
+(cd "$OUT" && tar -czf /tmp/bundle_$phase.tgz . && rm -rf ./* && mv /tmp/bundle_$phase.tgz .)
+ls -la "$OUT"

@@ -1,0 +1,51 @@
+"""bench/bench_stages.py end to end on CPU (tiny configs), and the engine's MFU accounting it reports."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from data_fixtures import run_prep
+
+from halo_dist.models.hypenet import HypeNetConfig
+from halo_dist.train.engine import Trainer
+from halo_dist.train.metrics import flops_per_token
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wiki") / "data"
+    run_prep(out, max_docs=200, shard_tokens=8000)
+    return out
+
+
+def test_stage2_benchmark_runs_the_launcher_without_checkpoints(shards, tmp_path):
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_stages.py"), "--data", str(shards), "--cpu-smoke",
+           "--stages", "2", "--runs", str(runs)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    payload = json.loads(Path("/tmp/halo_dist_stages_cpu_smoke.json").read_text())
+    s2 = payload["stage2"]
+    assert s2["status"] == "ok" and s2["tokens_per_s"] > 0 and len(s2["losses"]) == 4
+    run_dir = runs / "stage2cpu_smoke"
+    assert (run_dir / "final" / "DONE").exists()
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())  # save_final=false
+
+
+def test_mfu_counts_attention_of_student_and_teacher_once_per_rank():
+    student = SimpleNamespace(config=HypeNetConfig(num_hidden_layers=4, mixer_types=["attention", "lightning"] * 2,
+                                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                   hidden_size=64))
+    teacher = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                   hidden_size=64))
+    fake = SimpleNamespace(module=SimpleNamespace(student=student), teacher=teacher,
+                           cfg=SimpleNamespace(data=SimpleNamespace(seq_len=512)))
+    terms = Trainer._attention_flop_terms(fake)
+    assert terms == {"attn_layers": 2, "frozen_attn_layers": 4, "context": 512, "attn_dim": 64}
+    # PaLM: 12 L d T for the 2 trained attention layers, 4 L d T for the 4 forward-only ones
+    assert flops_per_token(10, 5, **terms) == 6 * 10 + 2 * 5 + (12 * 2 + 4 * 4) * 64 * 512
