@@ -144,11 +144,13 @@ def run_launcher(stage: int, a) -> dict:
         cmd += stage_overrides(stage, a, run_dir, ckpt)
         print(f"\n$ {' '.join(cmd)}", flush=True)
         t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, timeout=a.timeout, text=True, capture_output=True)
-            rc, out = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as err:
-            rc, out = "timeout", (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        log = a.runs / f"stage{stage}{a.tag}.log"  # streamed, so a run killed by a time limit still shows how far it got
+        with open(log, "w") as sink:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, timeout=a.timeout, stdout=sink, stderr=subprocess.STDOUT).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        out = log.read_text(errors="replace")
         wall = time.time() - t0
         lines = [ln for ln in out.splitlines() if "step" in ln and ("loss" in ln or "MFU" in ln)]
         print("\n".join(lines[-8:]) or out[-3000:], flush=True)

@@ -42,7 +42,7 @@ B)
   (CUDA_VISIBLE_DEVICES=1 timeout 130 $S --stages 3 --steps 1 1 2 --tag sp1 > "$OUT/sp1_stage3.log" 2>&1; echo "sp1 stage3 rc=$?") &
   wait
   timeout 110 $S --nproc 2 --stages 2 --steps 1 4 1 --tag dp2 > "$OUT/dp2.log" 2>&1; echo "dp2 rc=$?"
-  timeout 110 $S --nproc 2 --sp 2 --stages 3 --steps 1 1 2 --tag sp2 > "$OUT/sp2.log" 2>&1; echo "sp2 rc=$?"
+  timeout 300 $S --nproc 2 --sp 2 --stages 3 --steps 1 1 2 --tag sp2 --timeout 290 > "$OUT/sp2.log" 2>&1; echo "sp2 rc=$?"
   timeout 40 torchrun --standalone --nproc_per_node 2 bench/bench_a2a.py > "$OUT/a2a.log" 2>&1; echo "a2a rc=$?"
   df -h . | tail -1
   ;;
@@ -69,5 +69,6 @@ save_autotune
 # at most 8 files come back: bundle results, plots and logs into one archive
 cp bench/results/*.json bench/results/*.png "$OUT/" 2>/dev/null
 for d in runs/bench/*/; do [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$OUT/$(basename "$d").metrics.jsonl"; done
+cp runs/bench/*.log "$OUT/" 2>/dev/null
 (cd "$OUT" && tar -czf /tmp/bundle_$phase.tgz . && rm -rf ./* && mv /tmp/bundle_$phase.tgz .)
 ls -la "$OUT"

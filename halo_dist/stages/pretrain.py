@@ -37,11 +37,9 @@ import copy
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig, RunConfig, to_dict
@@ -289,50 +287,24 @@ def describe_size(cfg: RunConfig) -> str:
             f"whole run {fpt * cfg.tokens_per_step * cfg.total_steps:.3g}\n")
 
 
-def run_pretrain(cfg: RunConfig, argv: list[str] | None = None) -> Path | None:
-    """Build, train, write ``<run_dir>/final``; always leave the process group at a barrier."""
-    trainer = PretrainTrainer(cfg, argv)
-    try:
-        trainer.setup()
-        t0 = time.time()
-        trainer.train()
-        out = trainer.finish()
-        if trainer.rank == 0:
-            print(f"pretrain finished in {time.time() - t0:.1f}s -> {out}", flush=True)
-        return out
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-
-
 def _check_flag(parser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="validate the config and the variant (mixers implemented, layout with --world-size), "
                              "print the resolved config, layer plan, parameters and FLOPs; allocate nothing")
 
 
+def print_check(cfg: RunConfig, args) -> None:
+    """``--check``: the resolved config and layout, the layer plan, then parameters and FLOPs (the last
+    builds the model on the meta device and raises ValueError for a mixer without implementation)."""
+    from ..config import describe
+
+    sys.stdout.write(describe(cfg, args.world_size) + describe_plan(cfg))
+    sys.stdout.flush()
+    sys.stdout.write(describe_size(cfg))
+
+
 def launch_pretrain(doc: str | None = None, argv: list[str] | None = None) -> int:
     """``launchers/pretrain.py``: parse, [--check: print the plan, exit], run. User errors: one line, exit 2."""
-    from ..config import ConfigError, describe, parse_run_args
-    from ..data import DataError
-    from ..train.engine import NonFiniteLossError, StopRequested
+    from ..launch import launch
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg, args = parse_run_args(argv, description=doc, prog="launchers/pretrain.py", extra_args=_check_flag)
-    if cfg.stage.name != "pretrain":
-        print(f"error: this is the pretrain launcher but the config says stage.name={cfg.stage.name}", file=sys.stderr)
-        return 2
-    try:
-        if args.check:
-            sys.stdout.write(describe(cfg, args.world_size) + describe_plan(cfg))
-            sys.stdout.flush()
-            sys.stdout.write(describe_size(cfg))
-            return 0
-        run_pretrain(cfg, argv=["launchers/pretrain.py", *argv])
-    except StopRequested as e:
-        print(str(e), file=sys.stderr)
-        return 0
-    except (ConfigError, DataError, FileNotFoundError, NonFiniteLossError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return launch("pretrain", doc, argv, trainer_cls=PretrainTrainer, extra_args=_check_flag, on_check=print_check)

@@ -79,6 +79,10 @@ class NonFinitePolicy:
                     f"{self.max_skipped} ({self.total} skipped in this run)")
         return "optim.nonfinite=stop"
 
+    def skip_message(self, step: int, what: str = "loss") -> str:
+        return (f"step {step}: non-finite {what}, step skipped (no update; {self.consecutive} in a row, "
+                f"{self.total} in this run, at most {self.max_skipped} in a row)")
+
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive, "total": self.total}
 
@@ -404,9 +408,7 @@ class Trainer:
             return False
         if self.nonfinite.should_skip():
             if self.rank == 0:
-                p = self.nonfinite
-                print(f"step {self.step + 1}: non-finite loss, step skipped (no update; {p.consecutive} in a row, "
-                      f"{p.total} in this run, at most {p.max_skipped} in a row)", flush=True)
+                print(self.nonfinite.skip_message(self.step + 1), flush=True)
             return True
         path = self.save()  # parameters are those before this step's update: the last good state
         raise NonFiniteLossError(
@@ -432,9 +434,10 @@ def _test_fault_hook(step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_stage(cfg: RunConfig, argv: list[str] | None = None) -> Path | None:
-    """Entry point of every stage launcher: build, train, write the output, always clean up."""
-    trainer = Trainer(cfg, argv)
+def run_stage(cfg: RunConfig, argv: list[str] | None = None, trainer_cls: type | None = None) -> Path | None:
+    """Entry point of every stage launcher: build, train, write the output, always clean up.
+    ``trainer_cls``: a Trainer subclass (the pretrain stage's); default Trainer."""
+    trainer = (trainer_cls or Trainer)(cfg, argv)
     try:
         trainer.setup()
         t0 = time.time()

@@ -489,9 +489,7 @@ class OPDTrainer:
             return False
         if self.nonfinite.should_skip():
             if self.rank == 0:
-                p = self.nonfinite
-                print(f"step {self.step + 1}: non-finite reverse KL, step skipped (no update; {p.consecutive} in a "
-                      f"row, {p.total} in this run, at most {p.max_skipped} in a row)", flush=True)
+                print(self.nonfinite.skip_message(self.step + 1, "reverse KL"), flush=True)
             return True
         if not self.ds:
             self.optimizer.zero_grad(set_to_none=True)

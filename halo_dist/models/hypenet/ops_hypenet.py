@@ -587,7 +587,9 @@ def _flex_usable() -> bool:
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
-            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+            # default dynamic=None: static for the first shape, then one dynamic-shape recompile (OPD
+            # batches change length every step; dynamic=False would recompile per length up to the limit)
+            _FLEX["fn"] = torch.compile(flex_attention)
         except Exception:  # pragma: no cover - old torch
             _FLEX["failed"] = True
             return False
