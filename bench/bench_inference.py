@@ -34,15 +34,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import RESULTS, print_table, write_result  # noqa: E402
+from bench.common import ATTN_2B, RESULTS, SHAPE_2B, SHAPE_TINY, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
 from halo_dist.models.hypenet.modeling_hypenet import HypeNetCache, HypeNetForCausalLM  # noqa: E402
 
-SHAPE_2B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
-                num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True)
-ATTN_2B = [2, 3, 6, 8, 9, 21, 25]
-SHAPE_TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)
 GiB = 1 << 30
 
 

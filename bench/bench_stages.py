@@ -35,10 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import RESULTS, print_table, write_result  # noqa: E402
+from bench.common import ATTN_2B, RESULTS, SHAPE_2B, print_table, write_result  # noqa: E402
 
 PEAK = 779e12
-ATTN_2B = [2, 3, 6, 8, 9, 21, 25]
 
 
 def parse_args(argv=None):
@@ -163,9 +162,7 @@ def run_launcher(stage: int, a) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- naive
-QWEN3_1P7B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True,
-                  rope_theta=1e6, max_position_embeddings=40960)
+QWEN3_1P7B = dict(SHAPE_2B, rope_theta=1e6, max_position_embeddings=40960)
 
 
 def naive_stage2(a, shape: dict = QWEN3_1P7B, attn_layers=ATTN_2B, device: str = "cuda") -> dict:

@@ -14,6 +14,14 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# Qwen3-1.7B's shape (HF Qwen3Config / HypeNetConfig names) and HypeNet-2B's attention layers (paper
+# Table 7), used by every GPU benchmark of the 2B student; a tiny shape for the CPU smoke modes.
+SHAPE_2B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True)
+ATTN_2B = [2, 3, 6, 8, 9, 21, 25]
+SHAPE_TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)
+
 
 def environment() -> dict:
     """Device, date and library versions recorded with every result."""

@@ -434,10 +434,12 @@ def _test_fault_hook(step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_stage(cfg: RunConfig, argv: list[str] | None = None, trainer_cls: type | None = None) -> Path | None:
+def run_stage(cfg: RunConfig, argv: list[str] | None = None, trainer_cls: type | None = None,
+              **trainer_kwargs) -> Path | None:
     """Entry point of every stage launcher: build, train, write the output, always clean up.
-    ``trainer_cls``: a Trainer subclass (the pretrain stage's); default Trainer."""
-    trainer = (trainer_cls or Trainer)(cfg, argv)
+    ``trainer_cls``: the stage's trainer (pretrain's and OPD's; default Trainer), built with
+    ``(cfg, argv, **trainer_kwargs)``."""
+    trainer = (trainer_cls or Trainer)(cfg, argv, **trainer_kwargs)
     try:
         trainer.setup()
         t0 = time.time()

@@ -599,11 +599,6 @@ def _sync(device: torch.device) -> None:
 
 def run_opd(cfg: RunConfig, argv=None, **inject) -> Path | None:
     """Entry point of ``launchers/opd.py``: build, train, write the student."""
-    trainer = OPDTrainer(cfg, argv, **inject)
-    trainer.setup()
-    t0 = time.time()
-    trainer.train()
-    out = trainer.finish()
-    if trainer.rank == 0:
-        print(f"opd finished in {time.time() - t0:.1f}s -> {out}", flush=True)
-    return out
+    from .engine import run_stage
+
+    return run_stage(cfg, argv, trainer_cls=OPDTrainer, **inject)

@@ -14,6 +14,7 @@ and ``head_to_seq(x)`` (the inverse); this file never imports the training code.
 from __future__ import annotations
 
 import math
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -320,10 +321,11 @@ class HypeNetAttention(nn.Module):
         return self.o_proj(o)
 
 
-class LightningMixer(nn.Module):
-    """Lightning-Attention RNN layer, HyPE side "RoPE in RNN" (SPEC §2):
-    q = RMSNorm(x W_q), k = RMSNorm(x W_k), v = x W_v; RoPE on q/k; S_t = γ_h S_{t-1} + k̃ᵀv;
-    o = q̃ S / sqrt(d_h); y = (RMSNorm_per_head(o) ⊙ gate(x)) W_o."""
+class RNNMixerBase(nn.Module):
+    """What every RNN mixer shares, shaped like the teacher's attention so its weights transfer: q/k/v/o
+    of H heads x d_h, QK-norm (``rnn_qk_norm``), RoPE (``rnn_rope``), the per-head output RMSNorm's
+    weight, the sigmoid output gate (``rnn_output_gate``), GQA k/v kept or cloned to H heads, and the
+    ``.sp`` slot the engine fills for Ulysses sequence parallelism."""
 
     def __init__(self, config: HypeNetConfig, layer_idx: int):
         super().__init__()
@@ -359,6 +361,12 @@ class LightningMixer(nn.Module):
             g = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
         return q, k, v
+
+
+class LightningMixer(RNNMixerBase):
+    """Lightning-Attention RNN layer, HyPE side "RoPE in RNN" (SPEC §2):
+    q = RMSNorm(x W_q), k = RMSNorm(x W_k), v = x W_v; RoPE on q/k; S_t = γ_h S_{t-1} + k̃ᵀv;
+    o = q̃ S / sqrt(d_h); y = (RMSNorm_per_head(o) ⊙ gate(x)) W_o."""
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None):
         q, k, v = self.project(x, info)
@@ -497,11 +505,10 @@ def _log_uniform_dt_bias(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0
     return (dt + torch.log(-torch.expm1(-dt))).float()  # inverse softplus
 
 
-class GatedRNNMixer(nn.Module):
-    """Skeleton of the sweep RNN mixers (GDN, GLA, RWKV-7, Mamba2), shaped like LightningMixer so the
-    teacher's attention weights transfer: q/k/v/o of H heads × d_h, QK-norm (``rnn_qk_norm``), RoPE
-    (``rnn_rope``), per-head RMSNorm on the output, sigmoid output gate (``rnn_output_gate``), GQA k/v
-    cloned or repeated to H heads. No short convolution (SPEC §2), so the cache holds only the state.
+class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
+    """Skeleton of the sweep RNN mixers (GDN, GLA, RWKV-7, Mamba2) on :class:`RNNMixerBase`'s projections
+    (the same as LightningMixer's, so the teacher's attention weights transfer). No short convolution
+    (SPEC §2), so the cache holds only the state.
 
     A subclass sets ``kernel`` (an ops_hypenet dispatcher) and defines ``gates(x, q, k, v) -> (q, k, v,
     gates, extras)``: every gate a per-token, per-head tensor ``[B, T, H, ...]`` (token-local, so gates
@@ -515,51 +522,16 @@ class GatedRNNMixer(nn.Module):
     kernel = None  # an ops_hypenet dispatcher: kernel(q, k, v, *gates, scale, initial_state, cu_seqlens, ...)
     gate_names: tuple[str, ...] = ()
 
-    def __init__(self, config: HypeNetConfig, layer_idx: int):
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        d, H, D = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.num_heads, self.head_dim = H, D
-        self.num_kv_heads = H if config.rnn_gqa_to_mha else config.num_key_value_heads
-        self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(H * D, d, bias=config.o_bias)
-        if config.rnn_qk_norm:
-            self.q_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
-            self.k_norm = HypeNetRMSNorm(D, config.rms_norm_eps)
-        self.o_norm = HypeNetRMSNorm(H * D, config.rms_norm_eps)
-        if config.rnn_output_gate:
-            self.g_proj = nn.Linear(d, H * D, bias=False)
-        self.sp = None
-
     # --- to override ---------------------------------------------------------------------------
 
+    @abstractmethod
     def gates(self, x, q, k, v):
         """-> (q, k, v, {name: [B, T, H, ...]} in ``gate_names`` order, (pre, post))."""
-        raise NotImplementedError
 
     def init_mixer_parameters(self) -> None:
         """Deterministic init of the non-Linear parameters (called from ``_init_weights``)."""
 
     # --- shared --------------------------------------------------------------------------------
-
-    def project(self, x: torch.Tensor, info: SequenceInfo):
-        """x ``[B, T, d]`` -> q, k, v ``[B, T, H, D]`` (k/v repeated to H heads if GQA is kept)."""
-        B, T, _ = x.shape
-        D, cfg = self.head_dim, self.config
-        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
-        k = self.k_proj(x).view(B, T, -1, D)
-        v = self.v_proj(x).view(B, T, -1, D)
-        if cfg.rnn_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.rnn_rope:
-            cos, sin = rope_cos_sin(info.position_ids, D, cfg.rope_theta, q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.num_kv_heads != self.num_heads:
-            g = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
-        return q, k, v
 
     def _kernel(self, q, k, v, gates, scale, cu_seqlens, initial_state=None, decode=False, need_state=False):
         """The recurrence on whole sequences. With ``cu_seqlens`` the batch is flattened for the varlen
