@@ -9,9 +9,14 @@ For each context T:
 * prefill: the prompt goes through the model with a KV cache in chunks of ``--chunk`` tokens (each
   chunk is lower-right causal flash attention over the cache so far; Lightning carries its state), only
   the last position's logits are computed. Time = wall time of the whole prefill (CUDA-synchronised).
-* decode: ``--decode-steps`` single-token forwards on that cache (median ms per token). Where the
+* decode: ``--decode-steps`` single-token forwards on that cache (median ms per token), twice: the
+  eager dynamic-cache forward (``decode_eager_ms``), then the static step replayed as a CUDA graph
+  (``StaticDecoder``: split-KV Triton attention over the fixed buffers, ``decode_ms``). The graph's first
+  logits are compared with the eager step's at the same position (``graph_rel_err``). Where the
   prefill is not run (``--decode-only`` contexts, e.g. 2M), the cache is filled with random keys/values
   and states of the right size: decode time depends on the cache's size, not its values.
+* warm-up: a two-chunk prefill and a few decode steps on a short prompt before any timing, so the
+  kernels of both chunk kinds (without / with a carried state) are compiled and autotuned untimed.
 * memory: a context is first checked to fit (KV cache + one chunk's activations, allocated for real);
   one that does not fit is reported as ``oom`` without spending minutes computing it.
 
@@ -37,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import ATTN_2B, RESULTS, SHAPE_2B, SHAPE_TINY, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
 from halo_dist.models.hypenet.modeling_hypenet import HypeNetCache, HypeNetForCausalLM  # noqa: E402
+from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
 
 GiB = 1 << 30
 
@@ -51,6 +57,9 @@ def parse_args(argv=None):
                    help="contexts where HypeNet decodes on a random cache of that size (no prefill)")
     p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--no-graph", action="store_true", help="time only the eager decode")
+    p.add_argument("--profile", action="store_true",
+                   help="print the top CUDA kernels of one 2-chunk prefill (2 x 32K) and one decode step per model")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -115,10 +124,13 @@ def prefill(model, T: int, chunk: int, device, decode_room: int) -> tuple[float,
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
     sync(device)
     t0 = time.perf_counter()
+    marks = [t0]
     for start in range(0, T, chunk):
         out = model(ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
-    sync(device)
-    return time.perf_counter() - t0, out.cache, out.logits[:, -1].argmax(-1)
+        sync(device)
+        marks.append(time.perf_counter())
+    prefill.chunk_s = [round(b - a, 3) for a, b in zip(marks[:-1], marks[1:])]
+    return marks[-1] - t0, out.cache, out.logits[:, -1].argmax(-1)
 
 
 @torch.inference_mode()
@@ -137,38 +149,78 @@ def random_cache(model, T: int, device, dtype, decode_room: int) -> HypeNetCache
     return cache
 
 
-@torch.inference_mode()
-def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, device) -> float:
-    """Median ms per generated token (greedy, one token per forward)."""
-    times, nxt = [], token.view(1, 1)
+def rnn_states(cache: HypeNetCache) -> list:
+    return [e for e in cache.layers if e is not None and not isinstance(e, tuple)]
+
+
+def rewind(cache: HypeNetCache, T: int, states: list) -> None:
+    """Put a cache back to T tokens: attention views shortened, RNN states restored from copies."""
+    for i, entry in enumerate(cache.layers):
+        if isinstance(entry, tuple):
+            cache.layers[i] = (entry[0][:, :T], entry[1][:, :T])
+    for live, saved in zip(rnn_states(cache), states):
+        live.copy_(saved)
+    cache.seen_tokens = T
+
+
+def timed_steps(step, token: torch.Tensor, steps: int, device) -> tuple[float, torch.Tensor]:
+    """Median ms per token of ``steps`` greedy steps (``step(tokens [1]) -> logits [1, V]``); the first
+    step's logits come back for the graph-vs-eager check."""
+    times, nxt, first = [], token.view(1), None
     for _ in range(steps):
         sync(device)
         t0 = time.perf_counter()
-        out = model(nxt, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        logits = step(nxt)
+        nxt = logits.argmax(-1)
         sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
+        first = logits.float().clone() if first is None else first
     times = sorted(times[1:] if len(times) > 2 else times)  # the first step may grow buffers
-    return times[len(times) // 2]
+    return times[len(times) // 2], first
+
+
+@torch.inference_mode()
+def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, device, graph: bool = True) -> dict:
+    """Eager dynamic-cache decode, then (``graph``) the static CUDA-graph decode from the same position."""
+    T, saved = cache.seen_tokens, [s.clone() for s in rnn_states(cache)]
+
+    def eager(nxt):
+        return model(nxt.view(1, 1), cache=cache, use_cache=True).logits[:, -1]
+
+    out = {}
+    out["decode_eager_ms"], first_eager = timed_steps(eager, token, steps, device)
+    if not graph:
+        return out
+    rewind(cache, T, saved)
+    dec = StaticDecoder(model, cache)
+    out["decode_graph_ms"], first_graph = timed_steps(dec.step, token, steps, device)
+    out["graph"] = dec.graph is not None if device.type == "cuda" else "cpu (eager static step)"
+    if dec.graph_error:
+        out["graph_error"] = dec.graph_error
+    out["graph_rel_err"] = float((first_graph - first_eager).norm() / first_eager.norm())
+    return out
 
 
 def run_one(name, model, T, args, device, dtype, *, do_prefill: bool) -> dict:
     cfg, itemsize = model.config, torch.finfo(dtype).bits // 8
     ok, need = fits(cfg, T, args.chunk, device, itemsize)
-    row = {"model": name, "context": T, "prefill_s": None, "decode_ms": None, "est_GiB": round(need, 1),
-           "peak_GiB": None, "status": "ok"}
+    row = {"model": name, "context": T, "prefill_s": None, "decode_ms": None, "decode_eager_ms": None,
+           "est_GiB": round(need, 1), "peak_GiB": None, "status": "ok"}
     if not ok:
         row["status"] = "oom"
         return row
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
+        room = args.decode_steps + 4  # eager steps, then (rewound) graph warm-up + steps
         if do_prefill:
-            row["prefill_s"], cache, last = prefill(model, T, args.chunk, device, args.decode_steps + 1)
+            row["prefill_s"], cache, last = prefill(model, T, args.chunk, device, room)
+            row["prefill_chunk_s"] = prefill.chunk_s
         else:
-            cache, last = random_cache(model, T, device, dtype, args.decode_steps + 1), torch.zeros(1, dtype=torch.long, device=device)
+            cache, last = random_cache(model, T, device, dtype, room), torch.zeros(1, dtype=torch.long, device=device)
             row["status"] = "decode-only"
-        row["decode_ms"] = decode_ms(model, cache, last, args.decode_steps, device)
+        row.update(decode_ms(model, cache, last, args.decode_steps, device, graph=not args.no_graph))
+        row["decode_ms"] = row.get("decode_graph_ms", row["decode_eager_ms"])
         del cache
     except torch.OutOfMemoryError:
         row["status"] = "oom"
@@ -186,7 +238,25 @@ def headline(rows: list[dict], T: int) -> dict:
         out["prefill"] = t["prefill_s"] / s["prefill_s"]
     if t and s and t["decode_ms"] and s["decode_ms"]:
         out["decode"] = t["decode_ms"] / s["decode_ms"]
+    if t and s and t.get("decode_eager_ms") and s.get("decode_eager_ms"):
+        out["decode_eager"] = t["decode_eager_ms"] / s["decode_eager_ms"]
     return out
+
+
+def profile(model, device, chunk: int = 32768) -> None:
+    """Top CUDA kernels of one two-chunk prefill (the second chunk carries state) and one decode step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with torch_profile(activities=acts) as prof:
+        _, cache, last = prefill(model, 2 * chunk, chunk, device, 4)
+    print(f"--- profile: prefill 2 x {chunk} ---\n" + prof.key_averages().table(sort_by=sort, row_limit=15))
+    with torch_profile(activities=acts) as prof, torch.inference_mode():
+        model(last.view(1, 1), cache=cache, use_cache=True)
+        sync(device)
+    print("--- profile: one eager decode step ---\n" + prof.key_averages().table(sort_by=sort, row_limit=15))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -228,10 +298,14 @@ def main(argv=None) -> dict:
     rows = []
     for name, cfg in model_configs(args.cpu_smoke).items():
         model = build(cfg, device, dtype)
-        # warm-up (kernel compilation / autotune) on a short prompt
-        _, cache, last = prefill(model, min(args.chunk, 4096), args.chunk, device, 4)
-        decode_ms(model, cache, last, 3, device)
+        # warm-up (kernel compilation / autotune) on a short prompt in two chunks: the second carries
+        # the RNN state and attends lower-right causally over the cache, as every later chunk does
+        w = min(args.chunk, 4096)
+        _, cache, last = prefill(model, 2 * w, w, device, 8)
+        decode_ms(model, cache, last, 3, device, graph=not args.no_graph)
         del cache
+        if args.profile:
+            profile(model, device, chunk=64 if args.cpu_smoke else 32768)
         contexts = list(args.contexts) + list(args.decode_only)  # the teacher only fit-checks decode-only ones
         for T in contexts:
             teacher_skip = name != "hypenet-2b" and (T not in args.teacher_contexts or T in args.decode_only)
@@ -253,6 +327,7 @@ def main(argv=None) -> dict:
         "prefill_speedup_512k": hd.get("prefill"),
         "decode_speedup_512k": hd.get("decode"),
         "max_context_tokens": max(ran) if ran else None,
+        "decode_eager_speedup_512k": hd.get("decode_eager"),
         "speedups": {T: headline(rows, T) for T in sorted({r["context"] for r in rows})},
         "chunk": args.chunk,
         "rows": rows,

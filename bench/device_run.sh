@@ -4,7 +4,12 @@
 # benchmarks, two GPUs in parallel where the phase has independent single-GPU work. Logs land in $OUT.
 #   A: GPU0 stages 1-3 + naive stage 2 (bench_stages) | GPU1 attention check, inference, OPD
 #   B: 2 GPUs: stage 2 DP=2, stage 3 SP=2 at 16K and 64K, all-to-all timing (issue 9)
-#   C: NIAH (SmolLM2 from the GGUF parts carried over A/B/C) | pretrain 500M / mixers when present
+#   C: GPU0 stage 2 with expandable_segments | GPU1 OPD rollout/training throughput
+#   E: GPU0 OPD, then pretrain 500M | GPU1 static-decode CUDA test, then inference (+ profile)
+#   F: GPU1 NIAH (SmolLM2 GGUF parts carried by E and F) | GPU0 mixer kernels; then SP=2 stage 3 at 16K
+#   G: 2 GPUs: 8B-shape teacher ZeRO-3 vs replicated, SP=2 stage 3 at 64K (checkpointed)
+# The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
+# warm machine (issue the calls back to back: it is given back 30 s after a call).
 set -uo pipefail
 phase=${1:?phase}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +26,7 @@ export PYTHONPATH=$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d .triton_seed ] && mkdir -p .triton_cache && tar -xzf .triton_seed/autotune.tgz -C .triton_cache 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 gather_parts() {  # the SmolLM2 GGUF travels in 3 parts over chained calls on one warm machine
-  mkdir -p .gguf; for p in .xfer/p*/smol.part*; do [ -f "$p" ] && cp "$p" .gguf/; done; ls .gguf
+  mkdir -p .gguf; for p in .xfer/*/smol.part* .xfer/*/smol.sha256; do [ -f "$p" ] && cp "$p" .gguf/; done; ls .gguf
 }
 save_autotune() {
   (cd .triton_cache 2>/dev/null && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
@@ -52,17 +57,33 @@ C)
   (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 bench/bench_opd.py --horizons 512 2048 > "$OUT/opd.log" 2>&1; echo "opd rc=$?") &
   wait
   ;;
-D)
+E)
   gather_parts
-  (CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/bench_pretrain.py --steps 40 > "$OUT/pretrain.log" 2>&1; echo "pretrain rc=$?") &
+  (export CUDA_VISIBLE_DEVICES=0
+   timeout 200 python3 bench/bench_opd.py --horizons 512 2048 > "$OUT/opd.log" 2>&1; echo "opd rc=$?"
+   timeout 330 python3 bench/bench_pretrain.py --steps 40 > "$OUT/pretrain.log" 2>&1; echo "pretrain rc=$?") &
   (export CUDA_VISIBLE_DEVICES=1
-   if [ "$(ls .gguf 2>/dev/null | wc -l)" = 3 ]; then
-     cat .gguf/smol.part0 .gguf/smol.part1 .gguf/smol.part2 > /tmp/smol.gguf
-     echo "$(cat .xfer/p2/smol.sha256)  /tmp/smol.gguf" | sha256sum -c
-     timeout 150 python3 bench/bench_niah.py --teacher /tmp/smol.gguf > "$OUT/niah.log" 2>&1; echo "niah rc=$?"
-   else echo "niah: GGUF parts missing ($(ls .gguf 2>/dev/null))"; fi
-   timeout 200 python3 bench/bench_mixers.py > "$OUT/mixers.log" 2>&1; echo "mixers rc=$?") &
+   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py > "$OUT/static_decode_test.log" 2>&1; echo "static decode test rc=$?"
+   timeout 470 python3 bench/bench_inference.py --profile > "$OUT/inference.log" 2>&1; echo "inference rc=$?") &
   wait
+  ;;
+F)
+  gather_parts
+  (export CUDA_VISIBLE_DEVICES=1
+   if [ -f .gguf/smol.part0 ] && [ -f .gguf/smol.part1 ]; then
+     cat .gguf/smol.part0 .gguf/smol.part1 > /tmp/smol.gguf
+     (cd /tmp && echo "$(cat "$OLDPWD/.gguf/smol.sha256")  smol.gguf" | sha256sum -c)
+     timeout 200 python3 bench/bench_niah.py --teacher /tmp/smol.gguf > "$OUT/niah.log" 2>&1; echo "niah rc=$?"
+   else echo "niah: GGUF parts missing ($(ls .gguf 2>/dev/null))"; fi) &
+  (CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/bench_mixers.py > "$OUT/mixers.log" 2>&1; echo "mixers rc=$?") &
+  wait
+  timeout 340 python3 bench/bench_stages.py --data .bench_data/long --no-naive --nproc 2 --sp 2 --stages 3 \
+    --steps 1 1 2 --tag sp2 --timeout 330 > "$OUT/sp2.log" 2>&1; echo "sp2 rc=$?"
+  ;;
+G)
+  timeout 170 torchrun --standalone --nproc_per_node 2 bench/bench_teacher_placement.py > "$OUT/teacher_placement.log" 2>&1; echo "teacher placement rc=$?"
+  timeout 300 python3 bench/bench_stages.py --data .bench_data/long --no-naive --nproc 2 --sp 2 --stages 3 \
+    --steps 1 1 1 --stage3-seq 65536 --checkpointing on --tag sp2_64k --timeout 290 > "$OUT/sp2_64k.log" 2>&1; echo "sp2 64K rc=$?"
   ;;
 esac
 save_autotune

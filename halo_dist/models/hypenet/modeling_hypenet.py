@@ -198,6 +198,10 @@ class HypeNetCache:
         self.layers[layer_idx] = (buf[0][:, :new], buf[1][:, :new])  # [B, T_past + T, Hkv, D] views
         return self.layers[layer_idx]
 
+    def set_state(self, layer_idx: int, state: torch.Tensor) -> None:
+        """The recurrent state ``[B, H, K, V]`` of RNN layer ``layer_idx`` after this forward."""
+        self.layers[layer_idx] = state
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
@@ -277,6 +281,8 @@ class HypeNetAttention(nn.Module):
         return sdpa(q, k, v, is_causal=True, scale=scale)
 
     def _attend_with_cache(self, q, k, v, info: SequenceInfo, cache: HypeNetCache, scale: float):
+        if getattr(cache, "is_static", False):  # StaticDecodeCache: fixed buffers, device-side position
+            return cache.decode_attention(self.layer_idx, q, k, v, scale)
         past = cache.layers[self.layer_idx]
         k, v = cache.append_kv(self.layer_idx, k, v)  # [B, Tpast+T, Hkv, D]
         Tq, Tk = q.shape[1], k.shape[1]
@@ -388,7 +394,7 @@ class LightningMixer(RNNMixerBase):
             )
             o = o.reshape(B, T, *o.shape[2:])  # [1, B*T, H, D] -> [B, T, H, D] (no-op without cu_seqlens)
             if cache is not None:
-                cache.layers[self.layer_idx] = final
+                cache.set_state(self.layer_idx, final)
         return self.finish(o, x)
 
     def _recur_sequence_parallel(self, q, k, v, info: SequenceInfo, log_decay, scale):
@@ -561,7 +567,7 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
             decode = state is not None and q.shape[1] <= 16
             o, final = self._kernel(q, k, v, gates, scale, info.cu_seqlens, state, decode, need_state=cache is not None)
             if cache is not None:
-                cache.layers[self.layer_idx] = final
+                cache.set_state(self.layer_idx, final)
         return self.finish(o, x, pre, post)
 
     def _recur_sequence_parallel(self, q, k, v, gates, info: SequenceInfo, scale):

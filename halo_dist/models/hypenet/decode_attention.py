@@ -1,0 +1,140 @@
+"""Single-token GQA attention over a fixed-size KV buffer whose valid length lives on the device.
+
+This is the attention of the static (CUDA-graph) decode step (``static_decode.py``): the cache is a
+preallocated ``[B, room, Hkv, D]`` buffer and the number of valid keys is a device tensor, so one
+captured graph serves every decode position without a host sync or a shape change.
+
+* ``decode_attention_torch``: the exact reference (fp32 softmax over the masked buffer); CPU and tests.
+* ``decode_attention_triton``: split-KV ("flash-decoding") Triton kernel for CUDA. A decode step has one
+  query per head, so one program per (batch, head) would leave most SMs idle while reading GBs of keys
+  at 512K context; the keys are split into ``num_splits`` ranges read in parallel, each program serving
+  all G query heads of its KV head (keys and values are read once per group, in the cache's own
+  layout, no repeat), and a small torch reduction merges the partial softmaxes.
+
+``decode_attention`` dispatches (``HALO_DECODE_ATTENTION=torch`` forces the reference).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    _HAS_TRITON = False
+
+
+def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q ``[B, 1, H, D]``, k/v ``[B, room, Hkv, D]`` (keys ``>= length`` ignored), length int ``[1]``
+    -> ``[B, 1, H, D]``. Query head h reads KV head ``h // (H / Hkv)`` (repeat_interleave convention)."""
+    B, _, H, D = q.shape
+    room, Hkv = k.shape[1], k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    valid = torch.arange(room, device=k.device) < length  # [room]
+    qg = q.reshape(B, Hkv, H // Hkv, D).to(acc)  # [B, 1, H, D] -> [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k.to(acc)) * scale  # [B, Hkv, G, room]
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(-1)
+    o = torch.einsum("bhgt,bthd->bhgd", probs, v.to(acc))  # [B, Hkv, G, D]
+    return o.reshape(B, 1, H, D).to(q.dtype)  # [B, Hkv, G, D] -> [B, 1, H, D]
+
+
+def split_plan(room: int, batch: int, kv_heads: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """``(num_splits, split_len)``: about four programs per SM over the whole buffer (fixed for a
+    buffer, so a captured graph stays valid); splits past the valid length exit at once."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    blocks = math.ceil(room / block_n)
+    splits = max(1, min(blocks, math.ceil(4 * sms / max(1, batch * kv_heads))))
+    split_len = math.ceil(blocks / splits) * block_n
+    return math.ceil(room / split_len), split_len
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _split_kv_kernel(
+        Q, K, V, Length, O_part, M_part, L_part,
+        stride_qb, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        scale, split_len, num_splits,
+        KV_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """One program: batch b, KV head h, keys [split * split_len, +split_len) ∩ [0, length).
+        Writes the unnormalised output, running max and sum of its G query heads."""
+        pid_bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid_bh // KV_HEADS
+        h = pid_bh % KV_HEADS
+        length = tl.load(Length)
+        start = split * split_len
+        end = tl.minimum(start + split_len, length)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_ok[:, None], other=0.0)  # [BLOCK_G, D]
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        for n in range(start, end, BLOCK_N):
+            offs_n = n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
+                        mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * stride_vb + offs_n[:, None] * stride_vt + h * stride_vh + offs_d[None, :],
+                        mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        head = b * (KV_HEADS * G) + h * G + offs_g  # flat (b, query head) index
+        part = head * num_splits + split
+        tl.store(O_part + part[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(M_part + part, m, mask=g_ok)
+        tl.store(L_part + part, l, mask=g_ok)
+
+
+def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
+                            scale: float, block_n: int = 64) -> torch.Tensor:
+    """Split-KV decode on CUDA; same contract as ``decode_attention_torch``."""
+    B, _, H, D = q.shape
+    room, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or D & (D - 1):
+        raise ValueError("decode_attention_triton needs contiguous head dims of a power-of-two size")
+    num_splits, split_len = split_plan(room, B, Hkv, block_n, q.device)
+    q2 = q.reshape(B, H, D)  # [B, 1, H, D] -> [B, H, D]
+    o_part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
+    m_part = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
+    l_part = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
+    _split_kv_kernel[(B * Hkv, num_splits)](
+        q2, k, v, length, o_part, m_part, l_part,
+        q2.stride(0), q2.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        scale, split_len, num_splits,
+        KV_HEADS=Hkv, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
+    )
+    # merge the splits: o = sum_s e^{m_s - m} acc_s / sum_s e^{m_s - m} l_s  (empty splits: m_s = -inf)
+    m_max = m_part.max(dim=1, keepdim=True).values  # [B*H, 1]; split 0 is never empty
+    w = torch.exp(m_part - m_max)  # [B*H, S]
+    o = (o_part * w[..., None]).sum(1) / (l_part * w).sum(1, keepdim=True)  # [B*H, D]
+    return o.view(B, 1, H, D).to(q.dtype)  # [B*H, D] -> [B, 1, H, D]
+
+
+def decode_attention(q, k, v, length, scale):
+    """Triton split-KV on CUDA, the torch reference elsewhere (or with ``HALO_DECODE_ATTENTION=torch``)."""
+    if q.is_cuda and _HAS_TRITON and os.environ.get("HALO_DECODE_ATTENTION", "triton") != "torch":
+        return decode_attention_triton(q, k, v, length, scale)
+    return decode_attention_torch(q, k, v, length, scale)

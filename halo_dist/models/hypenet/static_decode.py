@@ -1,0 +1,164 @@
+"""Static-shape decoding with CUDA graphs.
+
+A dynamic decode step (``model(token, cache=HypeNetCache)``) costs ~1,000 small kernel launches from
+Python for a 28-layer model: measured ~40 ms per token on an H200 at every context length, far above
+the time to read the KV cache (BENCHMARKS.md, issue 8). ``StaticDecoder`` turns a prefilled
+``HypeNetCache`` into fixed-address buffers — the attention layers' preallocated ``[B, room, Hkv, D]``
+keys/values, the RNN layers' fp32 states, a device position counter — so one decode step has fixed
+shapes and no host syncs, captures it once as a CUDA graph and replays it per token.
+
+The step is the model's own forward: ``StaticDecodeCache`` stands in for ``HypeNetCache``; attention
+layers call ``cache.decode_attention`` (write the new key/value at the device position, then the
+split-KV kernel of ``decode_attention.py`` over the valid prefix) and RNN layers ``cache.set_state``
+(copy into the fixed state buffer). On CPU (or with ``use_cuda_graph=False``) the same static step runs
+eagerly; tests compare it token by token with the dynamic cache.
+
+Limits: rows without padding (the cache's keys must all be valid), full-attention and RNN mixers
+(sliding-window layers keep a rolling cache: use the dynamic path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode_attention import decode_attention
+
+
+class StaticDecodeCache:
+    """Fixed buffers of one decode batch; the model's mixers duck-type it like ``HypeNetCache``."""
+
+    is_static = True
+
+    def __init__(self, cache, model_config):
+        kinds = model_config.mixer_types
+        if "swa" in kinds:
+            raise ValueError("static decode does not support sliding-window layers (rolling cache); "
+                             "use the dynamic HypeNetCache")
+        T = cache.seen_tokens
+        if T == 0:
+            raise ValueError("static decode needs a prefilled cache (seen_tokens == 0)")
+        self.layers: list = []
+        room = None
+        for i, entry in enumerate(cache.layers):
+            if entry is None:
+                raise ValueError(f"layer {i} has no cached state: prefill the prompt first")
+            if isinstance(entry, tuple):
+                if entry[0].shape[1] != T:
+                    raise ValueError(f"layer {i} caches {entry[0].shape[1]} keys, not {T}: "
+                                     "static decode needs unpadded rows")
+                kbuf, vbuf = cache._kv_buffers[i]  # [B, room, Hkv, D], the first T valid
+                room = kbuf.shape[1] if room is None else min(room, kbuf.shape[1])
+                self.layers.append((kbuf, vbuf))
+            else:
+                self.layers.append(entry.contiguous())  # [B, H, K, V] fp32, updated in place
+        self.room = room  # None: no attention layer (pure RNN), unbounded
+        device = next(t for t in self._tensors()).device
+        self.pos = torch.tensor([T], dtype=torch.long, device=device)  # position of the next token
+        self.seen_tokens = T  # the model's forward bumps it; StaticDecoder keeps its own host count
+
+    def _tensors(self):
+        for entry in self.layers:
+            yield from (entry if isinstance(entry, tuple) else (entry,))
+
+    def rnn_states(self) -> list[torch.Tensor]:
+        return [e for e in self.layers if not isinstance(e, tuple)]
+
+    def decode_attention(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        """Write k/v ``[B, 1, Hkv, D]`` at ``pos``; attend q ``[B, 1, H, D]`` over keys ``0..pos``."""
+        kbuf, vbuf = self.layers[layer_idx]
+        kbuf.index_copy_(1, self.pos, k)  # [B, room, Hkv, D] <- [B, 1, Hkv, D] at pos
+        vbuf.index_copy_(1, self.pos, v)
+        return decode_attention(q, kbuf, vbuf, self.pos + 1, scale)
+
+    def set_state(self, layer_idx: int, state: torch.Tensor) -> None:
+        self.layers[layer_idx].copy_(state)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+
+class StaticDecoder:
+    """Decode one token per ``step`` from a prefilled cache, as a CUDA graph replay on CUDA.
+
+    >>> dec = StaticDecoder(model, cache)         # cache: HypeNetCache after the prompt's prefill
+    >>> logits = dec.step(next_tokens)            # [B] -> [B, V] (a static buffer: copy to keep)
+    """
+
+    def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2):
+        self.model = model
+        self.cache = StaticDecodeCache(cache, model.config)
+        device = self.cache.pos.device
+        B = next(self.cache._tensors()).shape[0]
+        self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.logits = torch.empty(B, model.config.vocab_size, device=device, dtype=model.lm_head.weight.dtype)
+        self.length = self.cache.seen_tokens  # tokens in the cache (host side; the graph reads cache.pos)
+        self.graph = None
+        self.graph_error: str | None = None
+        want_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        if want_graph:
+            self._capture(warmup_steps)
+
+    @property
+    def room_left(self) -> int | None:
+        room = self.cache.room
+        return None if room is None else room - self.length
+
+    @torch.inference_mode()
+    def _forward(self) -> None:
+        B = self.tokens.shape[0]
+        position_ids = self.cache.pos.view(1, 1).expand(B, 1)  # [B, 1], no host read
+        out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True)
+        self.logits.copy_(out.logits[:, -1])
+        self.cache.pos.add_(1)
+
+    @torch.inference_mode()
+    def _capture(self, warmup_steps: int) -> None:
+        """Warm up eagerly on a side stream (Triton compiles, autotunes), restore the state the warm-up
+        advanced, then capture one step. A failure leaves eager static steps (reason in graph_error)."""
+        if self.room_left is not None and self.room_left < warmup_steps:
+            raise ValueError(f"the cache has room for {self.room_left} more tokens; need {warmup_steps} to warm up")
+        states = [s.clone() for s in self.cache.rnn_states()]
+        pos = self.cache.pos.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup_steps):
+                self._forward()  # writes k/v at pos, pos + 1: rewritten before they are read again
+        torch.cuda.current_stream().wait_stream(stream)
+        self._restore(states, pos)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._forward()
+            self.graph = graph
+        except Exception as err:  # pragma: no cover - GPU only
+            self.graph_error = f"{type(err).__name__}: {err}"
+            torch.cuda.synchronize()
+        self._restore(states, pos)  # capture records kernels without running them; keep it exact
+
+    def _restore(self, states: list[torch.Tensor], pos: torch.Tensor) -> None:
+        for live, saved in zip(self.cache.rnn_states(), states):
+            live.copy_(saved)
+        self.cache.pos.copy_(pos)
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens ``[B]`` (or ``[B, 1]``) -> next-token logits ``[B, V]`` (overwritten by the next step)."""
+        if self.room_left is not None and self.room_left < 1:
+            raise RuntimeError(f"the KV buffers are full ({self.cache.room} tokens): prefill with a larger reserve")
+        self.tokens.copy_(tokens.view(-1, 1))
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._forward()
+        self.length += 1
+        return self.logits
+
+    @torch.inference_mode()
+    def greedy(self, first: torch.Tensor, steps: int) -> torch.Tensor:
+        """Greedy continuation: feed ``first [B]``, then each argmax; returns ``[B, steps]`` tokens."""
+        out, nxt = [], first.view(-1)
+        for _ in range(steps):
+            nxt = self.step(nxt).argmax(-1)
+            out.append(nxt)
+        return torch.stack(out, dim=1)

@@ -1,0 +1,124 @@
+"""The static (CUDA-graph) decode step: the split-KV attention contract and token-by-token equality with
+the dynamic cache. On CPU the static step runs eagerly through the torch reference; on CUDA the Triton
+kernel and the graph replay are compared with the same references (the CUDA tests run on the device)."""
+
+import copy
+
+import pytest
+import torch
+
+from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
+from halo_dist.models.hypenet.decode_attention import decode_attention_torch, split_plan
+from halo_dist.models.hypenet.ops_hypenet import sdpa
+from halo_dist.models.hypenet.static_decode import StaticDecoder
+
+CUDA = torch.cuda.is_available()
+
+
+def tiny(mixers, **kw) -> HypeNetForCausalLM:
+    torch.manual_seed(0)
+    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=len(mixers),
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mixer_types=list(mixers), **kw)
+    return HypeNetForCausalLM(cfg).double().eval()
+
+
+@torch.no_grad()
+def prefilled(model, B=2, T=11, reserve=8):
+    ids = torch.randint(1, 97, (B, T))
+    cache = HypeNetCache(model.config.num_hidden_layers, reserve_tokens=reserve)
+    out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache, out.logits[:, -1].argmax(-1)
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (8, 1), (4, 4)])
+def test_decode_attention_reference_equals_sdpa_over_the_valid_prefix(H, Hkv):
+    torch.manual_seed(1)
+    B, room, D, valid = 2, 37, 16, 23
+    q = torch.randn(B, 1, H, D, dtype=torch.float64)
+    k, v = torch.randn(B, room, Hkv, D, dtype=torch.float64), torch.randn(B, room, Hkv, D, dtype=torch.float64)
+    k[:, valid:] = 1e3  # garbage past the valid length must not leak in
+    got = decode_attention_torch(q, k, v, torch.tensor([valid]), 0.25)
+    want = sdpa(q, k[:, :valid], v[:, :valid], scale=0.25)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_split_plan_covers_the_buffer_in_block_multiples():
+    for room in (1, 63, 64, 65, 4097, 524_300):
+        splits, split_len = split_plan(room, batch=1, kv_heads=8, block_n=64, device=torch.device("cpu"))
+        assert split_len % 64 == 0 and splits * split_len >= room > (splits - 1) * split_len
+
+
+@pytest.mark.parametrize("mixers,kw", [
+    (("attention",) * 3, dict(attn_rope=True, attn_logits_scale_base=None)),  # the teacher shape
+    (("attention", "lightning", "attention", "lightning"), dict(attn_output_gate=True)),  # HypeNet
+    (("lightning", "gdn", "attention", "gla", "mamba2", "rwkv7"), {}),  # every RNN mixer's state update
+])
+def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw):
+    model = tiny(mixers, **kw)
+    cache, first = prefilled(model)
+    dynamic = copy.deepcopy(cache)
+    dec = StaticDecoder(model, cache, use_cuda_graph=False)
+    nxt_s = nxt_d = first
+    with torch.inference_mode():
+        for _ in range(8):  # the whole reserve
+            logits_s = dec.step(nxt_s).clone()
+            logits_d = model(nxt_d[:, None], cache=dynamic, use_cache=True).logits[:, -1]
+            assert torch.allclose(logits_s, logits_d, atol=1e-10)
+            nxt_s, nxt_d = logits_s.argmax(-1), logits_d.argmax(-1)
+    assert dec.room_left == 0
+    with pytest.raises(RuntimeError, match="KV buffers are full"):
+        dec.step(nxt_s)
+
+
+def test_static_greedy_equals_generate():
+    model = tiny(("attention", "lightning", "attention", "lightning"))
+    ids = torch.randint(1, 97, (2, 9))
+    want = model.generate(ids, max_new_tokens=6)[:, 9:]
+    cache = HypeNetCache(4, reserve_tokens=6)
+    with torch.no_grad():
+        first = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+    got = StaticDecoder(model, cache, use_cuda_graph=False).greedy(first, 5)
+    assert torch.equal(torch.cat([first[:, None], got], 1), want)
+
+
+def test_static_decode_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="sliding-window"):
+        StaticDecoder(tiny(("swa", "attention")), prefilled(tiny(("attention", "attention")))[0])
+    model = tiny(("attention", "lightning"))
+    with pytest.raises(ValueError, match="prefill"):
+        StaticDecoder(model, HypeNetCache(2))
+    cache = HypeNetCache(2, reserve_tokens=2)
+    ids, mask = torch.randint(1, 97, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0  # left padding: the padded row's keys are not all valid
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    cache.layers[0] = (cache.layers[0][0][:, 1:], cache.layers[0][1][:, 1:])  # (what a reorder could leave)
+    with pytest.raises(ValueError, match="unpadded"):
+        StaticDecoder(model, cache)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA: Triton split-KV kernel and graph replay (run on the device)")
+def test_triton_split_kv_and_graph_match_the_references_on_cuda():
+    from halo_dist.models.hypenet.decode_attention import decode_attention_triton
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 70_000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for valid in (1, 777, 65_536, 70_000):
+        length = torch.tensor([valid], device="cuda")
+        got = decode_attention_triton(q, k, v, length, 128**-0.5).float()
+        want = decode_attention_torch(q, k, v, length, 128**-0.5).float()
+        assert (got - want).norm() / want.norm() < 1e-2
+    model = tiny(("attention", "lightning", "attention", "lightning")).float().cuda()
+    ids = torch.randint(1, 97, (1, 50), device="cuda")
+    cache = HypeNetCache(4, reserve_tokens=10)
+    with torch.no_grad():
+        first = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+    dynamic = copy.deepcopy(cache)
+    dec = StaticDecoder(model, cache)
+    assert dec.graph is not None, dec.graph_error
+    with torch.inference_mode():
+        got = dec.step(first).clone()
+        want = model(first[:, None], cache=dynamic, use_cache=True).logits[:, -1]
+    assert (got - want).norm() / want.norm() < 1e-3
