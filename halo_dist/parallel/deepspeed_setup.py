@@ -111,6 +111,26 @@ def sp_loss_factor(ds_config: dict, groups: ProcessGroups) -> int:
     return sp
 
 
+def frozen_teacher_zero3_config(micro_batch_size: int, grad_accum_steps: int, global_batch_size: int,
+                                bf16: bool) -> dict:
+    """DeepSpeed config of a frozen teacher sharded by ZeRO-3 (``parallel.teacher_placement=zero3``).
+
+    No optimizer and no gradients: ZeRO-3 only partitions the parameters over all dp*sp ranks, and the
+    forward hooks gather each module's parameters just in time and free them after it
+    (``stage3_param_persistence_threshold: 0``: no small parameter stays resident, so every rank holds
+    exactly its 1/world share between forwards). The batch sizes must be the student engine's, which
+    DeepSpeed checks (``train_batch_size = micro * grad_accum * dp``) even though the teacher never steps.
+    Pass the result to :func:`initialize_engine` with the run's :class:`ProcessGroups`.
+    """
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": global_batch_size,
+        "bf16": {"enabled": bool(bf16)},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+
+
 def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGroups,
                       **kwargs: Any):
     """``deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)``, after making

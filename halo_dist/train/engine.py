@@ -238,13 +238,10 @@ class Trainer:
         ranks by a ZeRO-3 engine without optimizer; its forward gathers each layer just in time."""
         if self.teacher is None or self.cfg.parallel.teacher_placement == "replicated":
             return
-        teacher_ds = {
-            "train_micro_batch_size_per_gpu": self.layout.micro_batch_size,
-            "gradient_accumulation_steps": self.layout.grad_accum_steps,
-            "train_batch_size": self.layout.global_batch_size,
-            "bf16": {"enabled": self.dtype == torch.bfloat16},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        }
+        from ..parallel.deepspeed_setup import frozen_teacher_zero3_config
+
+        teacher_ds = frozen_teacher_zero3_config(self.layout.micro_batch_size, self.layout.grad_accum_steps,
+                                                 self.layout.global_batch_size, bf16=self.dtype == torch.bfloat16)
         self.teacher_engine = initialize_engine(self.teacher, teacher_ds, self.groups)[0]
         self.teacher_engine.eval()
 
