@@ -36,7 +36,8 @@ def test_decode_attention_reference_equals_sdpa_over_the_valid_prefix(H, Hkv):
     B, room, D, valid = 2, 37, 16, 23
     q = torch.randn(B, 1, H, D, dtype=torch.float64)
     k, v = torch.randn(B, room, Hkv, D, dtype=torch.float64), torch.randn(B, room, Hkv, D, dtype=torch.float64)
-    k[:, valid:] = 1e3  # garbage past the valid length must not leak in
+    k[:, valid:] = 1e3  # garbage past the valid length must not leak in, NaN bit patterns included
+    v[:, valid:] = float("nan")
     got = decode_attention_torch(q, k, v, torch.tensor([valid]), 0.25)
     want = sdpa(q, k[:, :valid], v[:, :valid], scale=0.25)
     assert torch.allclose(got, want, atol=1e-12)

@@ -41,7 +41,9 @@ def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     qg = q.reshape(B, Hkv, H // Hkv, D).to(acc)  # [B, 1, H, D] -> [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k.to(acc)) * scale  # [B, Hkv, G, room]
     probs = scores.masked_fill(~valid, float("-inf")).softmax(-1)
-    o = torch.einsum("bhgt,bthd->bhgd", probs, v.to(acc))  # [B, Hkv, G, D]
+    # the buffer past ``length`` is uninitialised memory (NaN bit patterns included): 0 * NaN = NaN
+    v = v.to(acc).masked_fill(~valid[None, :, None, None], 0.0)
+    o = torch.einsum("bhgt,bthd->bhgd", probs, v)  # [B, Hkv, G, D]
     return o.reshape(B, 1, H, D).to(q.dtype)  # [B, Hkv, G, D] -> [B, 1, H, D]
 
 
