@@ -43,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=None, help="fused-loss token chunk (None: auto)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the student")
+    p.add_argument("--static-decode", action="store_true", help="rollouts through the CUDA-graph StaticDecoder")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, fp32")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -85,7 +86,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t0 = time.perf_counter()
-    gens = sample_rollouts(student, prompts, horizon, eos_token_id=None, generator=g)
+    gens = sample_rollouts(student, prompts, horizon, eos_token_id=None, generator=g, static_cache=args.static_decode)
     sync(device)
     gen_s = time.perf_counter() - t0
     gen_mem = peak_gib(device)
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
         mem = max(x for x in (r["rollout_peak_gib"], r["train_peak_gib"], 0.0) if x is not None)
         print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} {r['train_packed_tokens_per_s']:>21.0f} "
               f"{r['train_sampled_tokens_per_s']:>22.0f} {r['opd_tokens_per_s']:>10.0f} {mem:>9.1f}")
-    out = args.out or (RESULTS / ("opd_cpu_smoke.json" if args.cpu_smoke else "opd.json"))
+    out = args.out or (Path("/tmp/halo_dist_opd_smoke.json") if args.cpu_smoke else RESULTS / "opd.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     shape_name = "tiny" if args.cpu_smoke else "hypenet-2b"
     out.write_text(json.dumps({"env": environment(), "shape": shape_name, "model_shape": shape, "attn_layers": attn,

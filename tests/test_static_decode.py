@@ -3,6 +3,11 @@ the dynamic cache. On CPU the static step runs eagerly through the torch referen
 kernel and the graph replay are compared with the same references (the CUDA tests run on the device)."""
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +18,13 @@ from halo_dist.models.hypenet.ops_hypenet import sdpa
 from halo_dist.models.hypenet.static_decode import StaticDecoder
 
 CUDA = torch.cuda.is_available()
+REPO = Path(__file__).resolve().parents[1]
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover
+    HAS_TRITON = False
 
 
 def tiny(mixers, **kw) -> HypeNetForCausalLM:
@@ -82,6 +94,56 @@ def test_static_greedy_equals_generate():
     assert torch.equal(torch.cat([first[:, None], got], 1), want)
 
 
+@pytest.mark.parametrize("mixers,kw", [
+    (("attention", "lightning", "attention", "gdn"), dict(attn_output_gate=True)),  # NoPE + logits scaling
+    (("attention",) * 2, dict(attn_rope=True, attn_logits_scale_base=None)),  # RoPE: positions must skip pads
+])
+def test_static_generate_with_left_padding_equals_dynamic(mixers, kw):
+    """Left-padded rows (OPD rollouts): per-row key start and positions; greedy and sampled tokens agree."""
+    model = tiny(mixers, **kw)
+    ids = torch.randint(1, 97, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :9] = 0  # a one-token prompt
+    ids = ids * mask
+    for sample in (False, True):
+        gens = [torch.Generator().manual_seed(7) for _ in range(2)]
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample, generator=gens[0])
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample, generator=gens[1],
+                             static_cache=True)
+        assert torch.equal(got, want)
+    # and a padded row generates what it would alone
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=7, static_cache=True)
+    alone = model.generate(ids[1:2, 4:], max_new_tokens=7, static_cache=True)
+    assert torch.equal(alone[0, 6:], greedy[1, 10:])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
+    """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 runs it with numpy (fp32; the interpreter has no
+    bf16). Several splits per row, empty splits, GQA groups, per-row left padding, 1..all valid keys."""
+    script = textwrap.dedent("""
+        import torch
+        from halo_dist.models.hypenet.decode_attention import decode_attention_torch, decode_attention_triton
+        torch.manual_seed(0)
+        worst = 0.0
+        for H, Hkv in ((8, 2), (4, 4), (8, 1)):
+            q = torch.randn(2, 1, H, 32)
+            k, v = torch.randn(2, 300, Hkv, 32), torch.randn(2, 300, Hkv, 32)
+            for length, start in ((1, (0, 0)), (129, (0, 37)), (300, (5, 299)), (64, (63, 0))):
+                L, S = torch.tensor([length]), torch.tensor(start)
+                got = decode_attention_triton(q, k, v, L, 0.17, S, block_n=16)
+                want = decode_attention_torch(q, k, v, L, 0.17, S)
+                worst = max(worst, float((got - want).norm() / want.norm()))
+        print("worst", worst)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst = float(out.stdout.split("worst")[-1])
+    assert worst < 1e-5, out.stdout
+
+
 def test_static_decode_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="sliding-window"):
         StaticDecoder(tiny(("swa", "attention")), prefilled(tiny(("attention", "attention")))[0])
@@ -90,12 +152,17 @@ def test_static_decode_refuses_what_it_cannot_do():
         StaticDecoder(model, HypeNetCache(2))
     cache = HypeNetCache(2, reserve_tokens=2)
     ids, mask = torch.randint(1, 97, (2, 6)), torch.ones(2, 6, dtype=torch.long)
-    mask[0, :2] = 0  # left padding: the padded row's keys are not all valid
+    mask[0, :2] = 0
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    right = mask.flip(1)
+    with pytest.raises(ValueError, match="left padding"):
+        StaticDecoder(model, cache, attention_mask=right)
+    with pytest.raises(ValueError, match="covers 5 tokens"):
+        StaticDecoder(model, cache, attention_mask=mask[:, 1:])
     cache.layers[0] = (cache.layers[0][0][:, 1:], cache.layers[0][1][:, 1:])  # (what a reorder could leave)
-    with pytest.raises(ValueError, match="unpadded"):
-        StaticDecoder(model, cache)
+    with pytest.raises(ValueError, match="all prompt keys"):
+        StaticDecoder(model, cache, attention_mask=mask)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA: Triton split-KV kernel and graph replay (run on the device)")
@@ -111,6 +178,11 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
         got = decode_attention_triton(q, k, v, length, 128**-0.5).float()
         want = decode_attention_torch(q, k, v, length, 128**-0.5).float()
         assert (got - want).norm() / want.norm() < 1e-2
+    q2, k2, v2 = q.expand(2, -1, -1, -1).contiguous(), k[:1, :9000].expand(2, -1, -1, -1), v[:1, :9000].expand(2, -1, -1, -1)
+    start, length = torch.tensor([0, 4321], device="cuda"), torch.tensor([9000], device="cuda")  # left padding
+    got = decode_attention_triton(q2, k2, v2, length, 128**-0.5, start).float()
+    want = decode_attention_torch(q2, k2, v2, length, 128**-0.5, start).float()
+    assert (got - want).norm() / want.norm() < 1e-2
     # past 2^31 elements of offset (2.1M tokens x 8 heads x 128): 64-bit addressing; the last keys matter
     k = torch.zeros(1, 2_200_000, 8, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.zeros_like(k)
@@ -130,3 +202,7 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
         got = dec.step(first).clone()
         want = model(first[:, None], cache=dynamic, use_cache=True).logits[:, -1]
     assert (got - want).norm() / want.norm() < 1e-3
+    ids, mask = torch.randint(1, 97, (2, 20), device="cuda"), torch.ones(2, 20, dtype=torch.long, device="cuda")
+    mask[1, :7] = 0  # left-padded rollouts through the graph: same greedy tokens as the dynamic loop
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, static_cache=True),
+                       model.generate(ids, attention_mask=mask, max_new_tokens=12))

@@ -165,10 +165,12 @@ class Rollout:
 @torch.no_grad()
 def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0, top_p: float = 1.0,
                     eos_token_id: int | None = None, pad_token_id: int = 0, stop_at_eos: bool = True,
-                    lockstep: bool = False, generator: torch.Generator | None = None) -> list[list[int]]:
+                    lockstep: bool = False, generator: torch.Generator | None = None,
+                    static_cache: bool = False) -> list[list[int]]:
     """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``).
 
     ``lockstep``: never stop early (every rank runs ``horizon`` decode steps; ZeRO-3 needs that).
+    ``static_cache``: decode with ``StaticDecoder`` (a CUDA-graph replay per token on CUDA).
     """
     if not prompts:
         return []
@@ -188,7 +190,7 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=horizon, do_sample=True,
                              temperature=temperature, top_p=top_p,
                              eos_token_id=eos_token_id if early else [-1], pad_token_id=pad_token_id,
-                             generator=generator)
+                             generator=generator, static_cache=static_cache)
     finally:
         model.train(was_training)
     gen = out[:, width:].cpu().tolist()

@@ -374,7 +374,8 @@ class OPDTrainer:
             chunk = picks[i:i + bs]
             gens = sample_rollouts(model, [p for _, p in chunk], horizon, temperature=opd.temperature,
                                    top_p=opd.top_p, eos_token_id=self.eos, pad_token_id=self.pad,
-                                   stop_at_eos=opd.stop_at_eos, generator=self.generator)
+                                   stop_at_eos=opd.stop_at_eos, generator=self.generator,
+                                   static_cache=opd.static_decode)
             out += [Rollout(p, g, name) for (name, p), g in zip(chunk, gens)]
         _sync(self.device)
         return out, time.perf_counter() - t0
@@ -517,7 +518,7 @@ class OPDTrainer:
                 chunk = prompts[i:i + bs]
                 gens = sample_rollouts(model, chunk, horizon, temperature=opd.temperature, top_p=opd.top_p,
                                        eos_token_id=self.eos, pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
-                                       generator=gen)
+                                       generator=gen, static_cache=opd.static_decode)
                 rs = [Rollout(p, g) for p, g in zip(chunk, gens) if g]
                 if not rs:
                     continue

@@ -31,18 +31,23 @@ except Exception:  # pragma: no cover - depends on the environment
 
 
 def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q ``[B, 1, H, D]``, k/v ``[B, room, Hkv, D]`` (keys ``>= length`` ignored), length int ``[1]``
-    -> ``[B, 1, H, D]``. Query head h reads KV head ``h // (H / Hkv)`` (repeat_interleave convention)."""
+                           scale: float, start: torch.Tensor | None = None) -> torch.Tensor:
+    """q ``[B, 1, H, D]``, k/v ``[B, room, Hkv, D]``, length int ``[1]``, start int ``[B]`` (default 0): row b
+    attends keys ``start[b] <= t < length`` (``start`` skips left padding) -> ``[B, 1, H, D]``. Query head h
+    reads KV head ``h // (H / Hkv)`` (repeat_interleave convention)."""
     B, _, H, D = q.shape
     room, Hkv = k.shape[1], k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    valid = torch.arange(room, device=k.device) < length  # [room]
+    t = torch.arange(room, device=k.device)
+    valid = t[None, :] < length  # [1 or B, room]
+    if start is not None:
+        valid = valid & (t[None, :] >= start[:, None])  # [B, room]
+    valid = valid[:, None, None, :]  # [B, 1, 1, room] over [B, Hkv, G, room]
     qg = q.reshape(B, Hkv, H // Hkv, D).to(acc)  # [B, 1, H, D] -> [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k.to(acc)) * scale  # [B, Hkv, G, room]
     probs = scores.masked_fill(~valid, float("-inf")).softmax(-1)
     # the buffer past ``length`` is uninitialised memory (NaN bit patterns included): 0 * NaN = NaN
-    v = v.to(acc).masked_fill(~valid[None, :, None, None], 0.0)
+    v = v.to(acc).masked_fill(~valid[:, 0, 0, :, None, None], 0.0)  # [B, room, Hkv, D]
     o = torch.einsum("bhgt,bthd->bhgd", probs, v)  # [B, Hkv, G, D]
     return o.reshape(B, 1, H, D).to(q.dtype)  # [B, Hkv, G, D] -> [B, 1, H, D]
 
@@ -61,22 +66,23 @@ if _HAS_TRITON:
 
     @triton.jit
     def _split_kv_kernel(
-        Q, K, V, Length, O_part, M_part, L_part,
+        Q, K, V, Length, Start, O_part, M_part, L_part,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
         scale, split_len, num_splits,
         KV_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """One program: batch b, KV head h, keys [split * split_len, +split_len) ∩ [0, length).
+        """One program: batch b, KV head h, keys [split * split_len, +split_len) ∩ [start[b], length).
         Writes the unnormalised output, running max and sum of its G query heads."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = (pid_bh // KV_HEADS).to(tl.int64)
         h = pid_bh % KV_HEADS
         length = tl.load(Length)
-        start = split * split_len
-        end = tl.minimum(start + split_len, length)
+        lo = split * split_len
+        end = tl.minimum(lo + split_len, length)
+        start = tl.maximum(lo, tl.load(Start + b))  # left padding of row b
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
         g_ok = offs_g < G
@@ -109,8 +115,9 @@ if _HAS_TRITON:
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
-                            scale: float, block_n: int = 64) -> torch.Tensor:
-    """Split-KV decode on CUDA; same contract as ``decode_attention_torch``."""
+                            scale: float, start: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+    """Split-KV decode on CUDA; same contract as ``decode_attention_torch``. (With ``TRITON_INTERPRET=1``
+    it also runs on CPU fp32 tensors: that is how the CPU tests check the kernel.)"""
     B, _, H, D = q.shape
     room, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -118,26 +125,29 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         raise ValueError("decode_attention_triton needs contiguous head dims of a power-of-two size")
     num_splits, split_len = split_plan(room, B, Hkv, block_n, q.device)
     q2 = q.reshape(B, H, D)  # [B, 1, H, D] -> [B, H, D]
+    if start is None:
+        start = torch.zeros(B, dtype=torch.long, device=q.device)
     o_part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     m_part = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
     l_part = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
     _split_kv_kernel[(B * Hkv, num_splits)](
-        q2, k, v, length, o_part, m_part, l_part,
+        q2, k, v, length, start, o_part, m_part, l_part,
         q2.stride(0), q2.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         scale, split_len, num_splits,
         KV_HEADS=Hkv, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
     )
-    # merge the splits: o = sum_s e^{m_s - m} acc_s / sum_s e^{m_s - m} l_s  (empty splits: m_s = -inf)
-    m_max = m_part.max(dim=1, keepdim=True).values  # [B*H, 1]; split 0 is never empty
+    # merge the splits: o = sum_s e^{m_s - m} acc_s / sum_s e^{m_s - m} l_s  (empty splits: m_s = -inf;
+    # every row has at least one valid key, so some split is not empty)
+    m_max = m_part.max(dim=1, keepdim=True).values  # [B*H, 1]
     w = torch.exp(m_part - m_max)  # [B*H, S]
     o = (o_part * w[..., None]).sum(1) / (l_part * w).sum(1, keepdim=True)  # [B*H, D]
     return o.view(B, 1, H, D).to(q.dtype)  # [B*H, D] -> [B, 1, H, D]
 
 
-def decode_attention(q, k, v, length, scale):
+def decode_attention(q, k, v, length, scale, start=None):
     """Triton split-KV on CUDA, the torch reference elsewhere (or with ``HALO_DECODE_ATTENTION=torch``)."""
     if q.is_cuda and _HAS_TRITON and os.environ.get("HALO_DECODE_ATTENTION", "triton") != "torch":
-        return decode_attention_triton(q, k, v, length, scale)
-    return decode_attention_torch(q, k, v, length, scale)
+        return decode_attention_triton(q, k, v, length, scale, start)
+    return decode_attention_torch(q, k, v, length, scale, start)

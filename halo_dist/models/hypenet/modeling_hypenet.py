@@ -954,13 +954,16 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel):
         stopping_criteria=None,
         generator: torch.Generator | None = None,
         generation_config=None,
+        static_cache: bool = False,
         **unused,
     ) -> torch.LongTensor:
         """Batched generation with a KV cache (attention) and recurrent state (RNN layers).
 
         Left padding is exact: pad keys are masked in attention, pad tokens are identity steps in
         the RNN, and positions count real tokens only, so each row generates what it would alone.
-        Returns ``[B, T_prompt + new]`` (finished rows padded with ``pad_token_id``).
+        ``static_cache``: decode with ``StaticDecoder`` (fixed buffers; a CUDA-graph replay per token on
+        CUDA), same tokens as the dynamic loop. Returns ``[B, T_prompt + new]`` (finished rows padded
+        with ``pad_token_id``).
         """
         if generation_config is not None:
             max_new_tokens = max_new_tokens or getattr(generation_config, "max_new_tokens", None)
@@ -974,11 +977,18 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel):
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
             raise ValueError("generate() needs left padding (a 0 in attention_mask after a 1 found)")
-        cache = HypeNetCache(self.config.num_hidden_layers, reserve_tokens=max_new_tokens)
+        # static decode warms up on (then rewinds) two extra slots
+        cache = HypeNetCache(self.config.num_hidden_layers, reserve_tokens=max_new_tokens + 2 * static_cache)
         out = self(input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        static = None
+        if static_cache and max_new_tokens > 1:
+            from .static_decode import StaticDecoder
+
+            static = StaticDecoder(self, cache, attention_mask=mask)
         seqs, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for _ in range(max_new_tokens):
-            nxt = self._pick(out.logits[:, -1].float(), do_sample, temperature, top_p, top_k, generator)
+            nxt = self._pick(logits.float(), do_sample, temperature, top_p, top_k, generator)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             seqs = torch.cat([seqs, nxt[:, None]], dim=1)
             done = done | torch.isin(nxt, eos)
@@ -986,8 +996,11 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel):
                 done = done | _as_bool_rows(stopping_criteria(seqs, None), B, seqs.device)
             if bool(done.all()):
                 break
+            if static is not None:
+                logits = static.step(nxt)
+                continue
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=mask.device)], dim=1)
-            out = self(nxt[:, None], attention_mask=mask, cache=cache, use_cache=True)
+            logits = self(nxt[:, None], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
         return seqs
 
     @staticmethod

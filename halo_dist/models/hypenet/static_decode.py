@@ -13,8 +13,9 @@ split-KV kernel of ``decode_attention.py`` over the valid prefix) and RNN layers
 (copy into the fixed state buffer). On CPU (or with ``use_cuda_graph=False``) the same static step runs
 eagerly; tests compare it token by token with the dynamic cache.
 
-Limits: rows without padding (the cache's keys must all be valid), full-attention and RNN mixers
-(sliding-window layers keep a rolling cache: use the dynamic path).
+Left-padded batches (``generate``'s layout) work: row b's first ``pad[b]`` keys are skipped by the
+attention and its positions count real tokens only (the RNN prefill already made pads identity steps).
+Full-attention and RNN mixers only (sliding-window layers keep a rolling cache: use the dynamic path).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class StaticDecodeCache:
 
     is_static = True
 
-    def __init__(self, cache, model_config):
+    def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None):
         kinds = model_config.mixer_types
         if "swa" in kinds:
             raise ValueError("static decode does not support sliding-window layers (rolling cache); "
@@ -45,7 +46,7 @@ class StaticDecodeCache:
             if isinstance(entry, tuple):
                 if entry[0].shape[1] != T:
                     raise ValueError(f"layer {i} caches {entry[0].shape[1]} keys, not {T}: "
-                                     "static decode needs unpadded rows")
+                                     "static decode needs every layer to hold all prompt keys")
                 kbuf, vbuf = cache._kv_buffers[i]  # [B, room, Hkv, D], the first T valid
                 room = kbuf.shape[1] if room is None else min(room, kbuf.shape[1])
                 self.layers.append((kbuf, vbuf))
@@ -53,8 +54,29 @@ class StaticDecodeCache:
                 self.layers.append(entry.contiguous())  # [B, H, K, V] fp32, updated in place
         self.room = room  # None: no attention layer (pure RNN), unbounded
         device = next(t for t in self._tensors()).device
-        self.pos = torch.tensor([T], dtype=torch.long, device=device)  # position of the next token
+        self.pos = torch.tensor([T], dtype=torch.long, device=device)  # buffer index of the next token
+        self.pad = self._left_pad(attention_mask, T, device)  # [B] keys to skip per row
         self.seen_tokens = T  # the model's forward bumps it; StaticDecoder keeps its own host count
+
+    @staticmethod
+    def _left_pad(attention_mask, T: int, device) -> torch.Tensor | None:
+        """Pads per row ``[B]`` from the prompt's ``[B, T]`` mask (left padding only), None if none."""
+        if attention_mask is None:
+            return None
+        mask = attention_mask.bool()
+        if mask.shape[1] != T:
+            raise ValueError(f"attention_mask covers {mask.shape[1]} tokens, the cache {T}")
+        if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+            raise ValueError("static decode needs left padding (a 0 in attention_mask after a 1 found)")
+        if not bool(mask[:, -1].all()):
+            raise ValueError("a row of attention_mask has no real token")
+        pad = (~mask).sum(1).to(device=device, dtype=torch.long)
+        return pad if bool(pad.any()) else None
+
+    def position_ids(self, batch: int) -> torch.Tensor:
+        """``[B, 1]`` position of the next token in each row (real tokens before it), read on the device."""
+        pos = self.pos.view(1, 1).expand(batch, 1)
+        return pos if self.pad is None else pos - self.pad[:, None]
 
     def _tensors(self):
         for entry in self.layers:
@@ -68,7 +90,7 @@ class StaticDecodeCache:
         kbuf, vbuf = self.layers[layer_idx]
         kbuf.index_copy_(1, self.pos, k)  # [B, room, Hkv, D] <- [B, 1, Hkv, D] at pos
         vbuf.index_copy_(1, self.pos, v)
-        return decode_attention(q, kbuf, vbuf, self.pos + 1, scale)
+        return decode_attention(q, kbuf, vbuf, self.pos + 1, scale, self.pad)
 
     def set_state(self, layer_idx: int, state: torch.Tensor) -> None:
         self.layers[layer_idx].copy_(state)
@@ -84,9 +106,11 @@ class StaticDecoder:
     >>> logits = dec.step(next_tokens)            # [B] -> [B, V] (a static buffer: copy to keep)
     """
 
-    def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2):
+    def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
+                 attention_mask: torch.Tensor | None = None):
+        """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded."""
         self.model = model
-        self.cache = StaticDecodeCache(cache, model.config)
+        self.cache = StaticDecodeCache(cache, model.config, attention_mask)
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
@@ -105,8 +129,7 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def _forward(self) -> None:
-        B = self.tokens.shape[0]
-        position_ids = self.cache.pos.view(1, 1).expand(B, 1)  # [B, 1], no host read
+        position_ids = self.cache.position_ids(self.tokens.shape[0])  # [B, 1], no host read
         out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True)
         self.logits.copy_(out.logits[:, -1])
         self.cache.pos.add_(1)
