@@ -187,7 +187,7 @@ def test_export_loads_in_fresh_process_without_halo_dist(tmp_path):
     student = convert_model(tiny_qwen3(tie=True), [0, 3])
     out = export_hypenet(student, tmp_path / "export")
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".py") == [
-        "configuration_hypenet.py", "modeling_hypenet.py", "ops_hypenet.py"]
+        "configuration_hypenet.py", "decode_attention.py", "modeling_hypenet.py", "ops_hypenet.py", "static_decode.py"]
     x = torch.randint(0, 256, (2, 17))
     torch.save(x, tmp_path / "x.pt")
     expected = logits(student, x)
@@ -230,3 +230,23 @@ def test_packed_batch_of_several_rows():
     ref = torch.cat([logits(student, rows[:1, :8]), logits(student, rows[:1, 8:])], dim=1)
     torch.testing.assert_close(out[:1], ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1:], logits(student, rows[1:]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rms_norm_is_bitwise_the_qwen3_reference(dtype):
+    """HypeNetRMSNorm (F.rms_norm: one fused kernel on CUDA) reproduces transformers' Qwen3RMSNorm exactly on CPU."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from halo_dist.models.hypenet.modeling_hypenet import HypeNetRMSNorm, per_head_rms_norm
+
+    torch.manual_seed(0)
+    x = (torch.randn(3, 17, 256) * 5).to(dtype)
+    ours, ref = HypeNetRMSNorm(256, 1e-6).to(dtype), Qwen3RMSNorm(256, 1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(256) + 0.5)
+        ours.weight.copy_(ref.weight)
+    assert torch.equal(ours(x), ref(x))
+    heads = x.view(3, 17, 4, 64)  # per-head norm = Qwen3RMSNorm over each head's 64 dims
+    ref_heads = Qwen3RMSNorm(64, 1e-6).to(dtype)
+    want = (ref_heads(heads).reshape(3, 17, 256)) * ref.weight
+    assert torch.equal(per_head_rms_norm(heads, ref.weight, 1e-6), want)

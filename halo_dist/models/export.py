@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .hypenet import HypeNetForCausalLM
 
-MODEL_FILES = ("configuration_hypenet.py", "modeling_hypenet.py", "ops_hypenet.py")
+MODEL_FILES = ("configuration_hypenet.py", "modeling_hypenet.py", "ops_hypenet.py", "static_decode.py",
+               "decode_attention.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_hypenet.HypeNetConfig",
     "AutoModel": "modeling_hypenet.HypeNetModel",
