@@ -175,9 +175,9 @@ def layer_timings(device, T, d, H, Hkv, D, dtype, kinds):
     return rows
 
 
-def kernel_timings(device, T, H, D, dtype):
+def kernel_timings(device, T, H, D, dtype, kinds=KINDS):
     rows = []
-    for kind in KINDS:
+    for kind in kinds:
         xs = [t.requires_grad_() for t in fast_inputs(kind, make_inputs(kind, T, H, D, device), dtype)]
 
         def step():
@@ -195,8 +195,14 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (torch paths only): checks the script")
     ap.add_argument("--tokens", type=int, default=4096, help="sequence length of the timings")
     ap.add_argument("--check-tokens", type=int, default=1024, help="sequence length of the correctness checks")
+    ap.add_argument("--mixers", default=",".join(KINDS),
+                    help="comma list of the mixers to check and time (a run cut short can continue with the rest)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    kinds = [k.strip() for k in args.mixers.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        ap.error(f"unknown mixers {unknown}; choose from {', '.join(KINDS)}")
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     if device == "cuda" and not ops._HAS_FLA:
         sys.exit("fla is not importable on this CUDA machine: install flash-linear-attention")
@@ -215,7 +221,7 @@ def main():
         return write_result(name, result, out=args.out)
 
     cu = torch.tensor([0, Tc // 8, Tc // 2, Tc // 2 + 7, Tc], dtype=torch.int32, device=device)
-    for kind in KINDS:
+    for kind in kinds:
         checks = [("train", lambda: train_check(kind, Tc, H, D, device, dtype)),
                   ("forward", lambda: forward_check(kind, Tc, H, D, device, dtype)),
                   ("packed forward", lambda: forward_check(kind, Tc, H, D, device, dtype, cu)),
@@ -233,10 +239,10 @@ def main():
             result["correctness"].append(row)
             log(f"checked {row}")
         save()
-    result["kernel_timing"] = kernel_timings(device, T, H, D, dtype)
+    result["kernel_timing"] = kernel_timings(device, T, H, D, dtype, kinds)
     save()
     result["layer_timing"] = layer_timings(device, T, d, H, Hkv, D, dtype,
-                                           ["attention", "swa", "lightning", *KINDS])
+                                           ["attention", "swa", "lightning", *kinds])
     path = save()
     cols = ["mixer", "case", "path", "o", "state", "dq", "dk", "dv"]
     print_table([{c: r.get(c) for c in cols} for r in result["correctness"]],
