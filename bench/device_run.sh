@@ -10,8 +10,9 @@
 #   G: 2 GPUs: 8B-shape teacher ZeRO-3 vs replicated, SP=2 stage 3 at 64K (checkpointed)
 #   H: GPU0 pretrain 500M HypeNet 300 steps | GPU1 pretrain 500M Transformer 300 steps, then decode at 512K/2M
 #   I: GPU0 NIAH (GGUF parts stashed in /tmp by H and I) | GPU1 static-decode CUDA test
-#   J: GPU0 static-decode CUDA test (left padding), OPD with graph rollouts | GPU1 decode at 512K/2M again,
-#      then the GLA/RWKV-7/Mamba2 kernel checks phase F did not reach
+#   J: GPU0 static-decode CUDA test (left padding), OPD with graph rollouts, stage 2 after the fused-RMSNorm
+#      change | GPU1 decode at 512K/2M again, then the GLA/RWKV-7/Mamba2 checks phase F did not reach
+#      (carry .whl .triton_seed .bench_data)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
 set -uo pipefail
@@ -110,7 +111,9 @@ I)
 J)
   (export CUDA_VISIBLE_DEVICES=0
    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py > "$OUT/static_decode_test.log" 2>&1; echo "static decode test rc=$?"
-   timeout 300 python3 bench/bench_opd.py --horizons 512 2048 --static-decode --out bench/results/opd_static.json > "$OUT/opd_static.log" 2>&1; echo "opd static rc=$?") &
+   timeout 300 python3 bench/bench_opd.py --horizons 512 2048 --static-decode --out bench/results/opd_static.json > "$OUT/opd_static.log" 2>&1; echo "opd static rc=$?"
+   timeout 200 python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 --steps 1 8 1 --tag fusednorm \
+     > "$OUT/stage2_fusednorm.log" 2>&1; echo "stage2 rc=$?") &
   (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 bench/bench_inference.py --contexts --decode-only 524288 2097152 --teacher-decode-only 524288 \
      --out bench/results/inference_decode.json > "$OUT/inference_decode.log" 2>&1; echo "decode rc=$?"
    timeout 240 python3 bench/bench_mixers.py --mixers gla,rwkv7,mamba2 --out bench/results/mixers_rest.json \
