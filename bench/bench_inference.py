@@ -122,7 +122,8 @@ def fits(cfg, T, chunk, device, itemsize) -> tuple[bool, float]:
 
 
 @torch.inference_mode()
-def prefill(model, T: int, chunk: int, device, decode_room: int) -> tuple[float, HypeNetCache, torch.Tensor]:
+def prefill(model, T: int, chunk: int, device, decode_room: int) -> tuple[float, HypeNetCache, torch.Tensor, list]:
+    """Chunked prefill of T random tokens: ``(seconds, cache, greedy next token, seconds per chunk)``."""
     cache = HypeNetCache(model.config.num_hidden_layers, reserve_tokens=decode_room)
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
     sync(device)
@@ -132,8 +133,8 @@ def prefill(model, T: int, chunk: int, device, decode_room: int) -> tuple[float,
         out = model(ids[:, start:start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
         sync(device)
         marks.append(time.perf_counter())
-    prefill.chunk_s = [round(b - a, 3) for a, b in zip(marks[:-1], marks[1:])]
-    return marks[-1] - t0, out.cache, out.logits[:, -1].argmax(-1)
+    chunk_s = [round(b - a, 3) for a, b in zip(marks[:-1], marks[1:])]
+    return marks[-1] - t0, out.cache, out.logits[:, -1].argmax(-1), chunk_s
 
 
 @torch.inference_mode()
@@ -217,8 +218,7 @@ def run_one(name, model, T, args, device, dtype, *, do_prefill: bool) -> dict:
     try:
         room = args.decode_steps + 4  # eager steps, then (rewound) graph warm-up + steps
         if do_prefill:
-            row["prefill_s"], cache, last = prefill(model, T, args.chunk, device, room)
-            row["prefill_chunk_s"] = prefill.chunk_s
+            row["prefill_s"], cache, last, row["prefill_chunk_s"] = prefill(model, T, args.chunk, device, room)
         else:
             cache, last = random_cache(model, T, device, dtype, room), torch.zeros(1, dtype=torch.long, device=device)
             row["status"] = "decode-only"
@@ -254,7 +254,7 @@ def profile(model, device, chunk: int = 32768) -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     with torch_profile(activities=acts) as prof:
-        _, cache, last = prefill(model, 2 * chunk, chunk, device, 4)
+        _, cache, last, _ = prefill(model, 2 * chunk, chunk, device, 4)
     print(f"--- profile: prefill 2 x {chunk} ---\n" + prof.key_averages().table(sort_by=sort, row_limit=15))
     with torch_profile(activities=acts) as prof, torch.inference_mode():
         model(last.view(1, 1), cache=cache, use_cache=True)
@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
         # warm-up (kernel compilation / autotune) on a short prompt in two chunks: the second carries
         # the RNN state and attends lower-right causally over the cache, as every later chunk does
         w = min(args.chunk, 4096)
-        _, cache, last = prefill(model, 2 * w, w, device, 8)
+        _, cache, last, _ = prefill(model, 2 * w, w, device, 8)
         decode_ms(model, cache, last, 3, device, graph=not args.no_graph)
         del cache
         if args.profile:

@@ -263,6 +263,15 @@ class HypeNetAttention(nn.Module):
             self.o_norm = HypeNetRMSNorm(H * D, config.rms_norm_eps)
         self.sp = None  # injected by the training engine for Ulysses sequence parallelism
 
+    # q/k positional treatment, read from the config at forward time (calibrate-scaling changes the base)
+    @property
+    def rope(self) -> bool:
+        return self.config.attn_rope
+
+    @property
+    def logits_scale_base(self) -> float | None:
+        return self.config.attn_logits_scale_base
+
     def project(self, x: torch.Tensor, info: SequenceInfo):
         """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with norms, RoPE and scaling."""
         B, T, _ = x.shape
@@ -272,11 +281,11 @@ class HypeNetAttention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, D)
         if cfg.attn_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.attn_rope:
+        if self.rope:
             cos, sin = info.rope(D, cfg.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cfg.attn_logits_scale_base is not None:
-            q = (q.float() * info.logits_scale(cfg.attn_logits_scale_base)).to(v.dtype)
+        if self.logits_scale_base is not None:
+            q = (q.float() * info.logits_scale(self.logits_scale_base)).to(v.dtype)
         return q, k, v
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None):
@@ -321,7 +330,8 @@ class HypeNetAttention(nn.Module):
         return sdpa(q, k, v, mask=mask, scale=scale)
 
     def _attend_sequence_parallel(self, q, k, v, info: SequenceInfo, scale: float):
-        """Ulysses: [B, T/sp, H, D] -> all-to-all -> [B, T, H/sp, D], full-sequence kernel, back."""
+        """Ulysses: [B, T/sp, H, D] -> all-to-all -> [B, T, H/sp, D], this layer's full-sequence kernel
+        (``_attend``: causal, or windowed for SlidingWindowAttention), back."""
         sp = self.sp
         if self.num_heads % sp.world_size:
             raise ValueError(f"sp_size={sp.world_size} does not divide num_attention_heads={self.num_heads}")
@@ -330,11 +340,7 @@ class HypeNetAttention(nn.Module):
             k, v = k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)  # [B, T/sp, Hkv*f, D]
         q, k, v = sp.seq_to_head(q), sp.seq_to_head(k), sp.seq_to_head(v)  # [B, T, heads/sp, D]
         full = SequenceInfo(position_ids=info.position_ids, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen)
-        if full.cu_seqlens is None:
-            o = sdpa(q, k, v, is_causal=True, scale=scale)
-        else:
-            o = packed_causal_attention(q, k, v, full.cu_seqlens, full.max_seqlen, scale)
-        return sp.head_to_seq(o)  # [B, T, H/sp, D] -> [B, T/sp, H, D]
+        return sp.head_to_seq(self._attend(q, k, v, full, scale))  # [B, T, H/sp, D] -> [B, T/sp, H, D]
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Optional per-head norm and output gate, then W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
@@ -457,19 +463,13 @@ class SlidingWindowAttention(HypeNetAttention):
         super().__init__(config, layer_idx)
         self.window = int(config.sliding_window)
 
-    def project(self, x: torch.Tensor, info: SequenceInfo):
-        """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with QK-norm and (swa_rope) RoPE."""
-        B, T, _ = x.shape
-        D, cfg = self.head_dim, self.config
-        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
-        k = self.k_proj(x).view(B, T, -1, D)
-        v = self.v_proj(x).view(B, T, -1, D)
-        if cfg.attn_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.swa_rope:
-            cos, sin = info.rope(D, cfg.rope_theta, q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q, k, v
+    @property
+    def rope(self) -> bool:
+        return self.config.swa_rope
+
+    @property
+    def logits_scale_base(self) -> None:  # local layers never scale their logits
+        return None
 
     def _attend(self, q, k, v, info: SequenceInfo, scale: float):
         B, T = q.shape[:2]
@@ -497,18 +497,6 @@ class SlidingWindowAttention(HypeNetAttention):
             mask = mask & key_mask[:, None, None, :]
             mask = mask | ~key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows
         return sdpa(q, k, v, mask=mask, scale=scale)
-
-    def _attend_sequence_parallel(self, q, k, v, info: SequenceInfo, scale: float):
-        """Ulysses as in full attention: [B, T/sp, H, D] -> [B, T, H/sp, D], windowed kernel, back."""
-        sp = self.sp
-        if self.num_heads % sp.world_size:
-            raise ValueError(f"sp_size={sp.world_size} does not divide num_attention_heads={self.num_heads}")
-        f = kv_expand_factor(self.num_heads, self.num_kv_heads, sp.world_size)
-        if f > 1:  # replicate KV heads so every rank holds the ones its query heads use
-            k, v = k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)  # [B, T/sp, Hkv*f, D]
-        q, k, v = sp.seq_to_head(q), sp.seq_to_head(k), sp.seq_to_head(v)  # [B, T, heads/sp, D]
-        full = SequenceInfo(position_ids=info.position_ids, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen)
-        return sp.head_to_seq(self._attend(q, k, v, full, scale))  # [B, T, H/sp, D] -> [B, T/sp, H, D]
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:

@@ -157,7 +157,7 @@ class StaticDecoder:
         except Exception as err:  # pragma: no cover - GPU only
             self.graph_error = f"{type(err).__name__}: {err}"
             torch.cuda.synchronize()
-        self._restore(states, pos)  # capture records kernels without running them; keep it exact
+        # (capture records kernels without running them: the restored state stands)
 
     def _restore(self, states: list[torch.Tensor], pos: torch.Tensor) -> None:
         for live, saved in zip(self.cache.rnn_states(), states):
