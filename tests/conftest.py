@@ -43,3 +43,17 @@ def smollm2_dir():
     from halo_dist.assets.teacher import smollm2_teacher_dir
 
     return smollm2_teacher_dir()
+
+
+def assert_left_padded_generate_matches_alone(model, prompts, new_tokens: int, pad_token_id: int) -> None:
+    """Greedy ``generate`` of left-padded prompts equals each prompt generated alone (no EOS stop)."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_token_id)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):], mask[i, T - len(p):] = p, 1
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[],
+                             pad_token_id=pad_token_id)
+    for i, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=new_tokens, eos_token_id=[])
+        assert torch.equal(batched[i, T:], alone[0, len(p):]), f"row {i} differs"

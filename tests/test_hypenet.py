@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_qwen3
+from conftest import assert_left_padded_generate_matches_alone, tiny_qwen3
 
 from halo_dist.models.convert import convert_model
 from halo_dist.models.export import export_hypenet
@@ -98,15 +98,7 @@ def test_chunked_prefill_then_decode_equals_full_forward():
 def test_padded_batched_generate_equals_unbatched():
     student = convert_model(tiny_qwen3(), [0, 2])
     prompts = [torch.randint(3, 256, (n,)) for n in (5, 12, 9)]
-    T = max(len(p) for p in prompts)
-    ids = torch.full((3, T), 2)
-    mask = torch.zeros(3, T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):], mask[i, T - len(p):] = p, 1
-    batched = student.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], pad_token_id=2)
-    for i, p in enumerate(prompts):
-        alone = student.generate(p[None], max_new_tokens=12, eos_token_id=[])
-        assert torch.equal(batched[i, T:], alone[0, len(p):]), f"row {i} differs"
+    assert_left_padded_generate_matches_alone(student, prompts, new_tokens=12, pad_token_id=2)
 
 
 def test_generate_rejects_right_padding():

@@ -21,6 +21,7 @@ if os.environ.get("HALO_TEST_SKIP_FLA") == "1":  # spawned CPU ranks: skip fla's
 import pytest
 import torch
 
+from conftest import assert_left_padded_generate_matches_alone
 from distributed import run_distributed
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
 from halo_dist.models.hypenet import ops_hypenet as ops
@@ -211,14 +212,7 @@ def test_tiny_hypenet_trains_and_generates_padded_batches(kind):
     assert torch.isfinite(loss0)
     model = randomise(model.to(F64).eval(), 4)
     prompts = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 6)]
-    T = 8
-    ids, mask = torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):], mask[i, T - len(p):] = p, 1
-    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0)
-    for i, p in enumerate(prompts):
-        alone = model.generate(p[None], max_new_tokens=6, eos_token_id=[])
-        assert torch.equal(batched[i, T:], alone[0, len(p):]), f"row {i}"
+    assert_left_padded_generate_matches_alone(model, prompts, new_tokens=6, pad_token_id=0)
 
 
 # --- sliding-window attention ------------------------------------------------------------------------
