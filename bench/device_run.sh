@@ -13,6 +13,7 @@
 #   J: GPU0 static-decode CUDA test (left padding), OPD with graph rollouts, stage 2 after the fused-RMSNorm
 #      change | GPU1 decode at 512K/2M again, then the GLA/RWKV-7/Mamba2 checks phase F did not reach
 #      (carry .whl .triton_seed .bench_data)
+#   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
 set -uo pipefail
@@ -119,6 +120,16 @@ J)
    timeout 240 python3 bench/bench_mixers.py --mixers gla,rwkv7,mamba2 --out bench/results/mixers_rest.json \
      > "$OUT/mixers_rest.log" 2>&1; echo "mixers rc=$?") &
   wait
+  ;;
+K)
+  S="python3 bench/bench_stages.py --data .bench_data/long --no-naive --nproc 2 --sp 2 --stages 3 --checkpointing on"
+  timeout 250 $S --steps 1 1 2 --stage3-seq 65536 --tag sp2_64k_steady --timeout 240 > "$OUT/sp2_64k_steady.log" 2>&1; echo "sp2 64K rc=$?"
+  timeout 300 $S --steps 1 1 1 --stage3-seq 262144 --stage3-batch 1 --tag sp2_256k --timeout 290 > "$OUT/sp2_256k.log" 2>&1
+  echo "sp2 256K rc=$?"
+  ok=$(python3 -c "import json; print(json.load(open('bench/results/stages_sp2_256k.json'))['stage3']['status'])" 2>/dev/null)
+  if [ "$ok" != ok ] && [ $SECONDS -lt 400 ]; then
+    timeout $((580 - SECONDS)) $S --steps 1 1 1 --stage3-seq 131072 --stage3-batch 1 --tag sp2_128k --timeout 200 > "$OUT/sp2_128k.log" 2>&1; echo "sp2 128K rc=$?"
+  fi
   ;;
 esac
 save_autotune

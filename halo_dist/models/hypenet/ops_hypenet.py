@@ -596,15 +596,47 @@ def _flex_usable() -> bool:
     return True
 
 
-def _document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | None):
-    from torch.nn.attention.flex_attention import create_block_mask
+def document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | None,
+                        block_size: int = 128):
+    """FlexAttention ``BlockMask`` of document-causal (optionally windowed) attention over ``[B, T]`` packed rows,
+    built from the document boundaries alone in O((T / block_size)^2) memory.
 
-    # An entry holds the cu_seqlens tensor itself, so its memory cannot be reused by another batch's
-    # boundaries while cached: identity + version + shape + window identify the content.
-    for entry in _FLEX["masks"]:
-        if entry[0] is cu_seqlens and entry[1:4] == (cu_seqlens._version, B, T) and entry[4] == window:
-            return entry[5]
+    ``create_block_mask`` evaluates the mask on a dense ``[T, T]`` grid first: 64 GiB at 256K tokens. Here the
+    block structure is computed directly. A query block ``[q_lo, q_hi]`` attends keys ``[lb(q_lo), q_hi]`` (the union
+    of its queries' ranges, contiguous because the lower bound ``lb(q) = max(doc_start(q), q - W + 1)`` never
+    decreases). A block is *full* (no mask needed) when its keys all precede its queries, query and key ends share a
+    document (document ids never decrease within a row) and the window covers the farthest pair; every other
+    visited block is *partial* and runs ``mask_mod``. Blocks cut by the sequence end are kept partial."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dev = cu_seqlens.device
     seg = segment_ids_from_cu_seqlens(cu_seqlens, B * T).view(B, T)  # [B, T] document id per token
+    pos = torch.arange(T, device=dev)
+    is_start = torch.ones(B, T, dtype=torch.bool, device=dev)
+    is_start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    doc_start = torch.where(is_start, pos, 0).cummax(dim=1).values  # [B, T] first position of each token's document
+    lower = doc_start if window is None else torch.maximum(doc_start, pos - window + 1)  # [B, T] first visible key
+
+    n = -(-T // block_size)
+    starts = torch.arange(n, device=dev) * block_size  # [n] first token of each block
+    ends = torch.clamp(starts + block_size - 1, max=T - 1)  # [n] last token of each block
+    qi, kj = starts[:, None] // block_size, starts[None, :] // block_size  # [n, 1], [1, n] block indices
+    first_kv_block = lower[:, starts] // block_size  # [B, n] first key block each query block visits
+    visited = (kj <= qi) & (kj >= first_kv_block[:, :, None])  # [B, n, n]
+    full = (ends[None, :] < starts[:, None]) & (seg[:, ends][:, :, None] == seg[:, starts][:, None, :])  # [B, n, n]
+    if window is not None:
+        full = full & (ends[:, None] - starts[None, :] < window)
+    if T % block_size:
+        cut = torch.zeros(n, dtype=torch.bool, device=dev)
+        cut[-1] = True  # the last block is shorter than block_size: let mask_mod handle it
+        full = full & ~cut[:, None] & ~cut[None, :]
+    full = full & visited
+    partial = visited & ~full
+
+    def ordered(blocks: torch.Tensor):  # [B, n, n] bool -> counts [B, 1, n], indices [B, 1, n, n] (true ones first)
+        counts = blocks.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[:, None], order[:, None]
 
     def doc_causal(b, h, q_idx, kv_idx):
         keep = (q_idx >= kv_idx) & (seg[b, q_idx] == seg[b, kv_idx])
@@ -612,7 +644,19 @@ def _document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int |
             keep = keep & (q_idx - kv_idx < window)
         return keep
 
-    mask = create_block_mask(doc_causal, B, None, T, T, device=cu_seqlens.device)
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=doc_causal, seq_lengths=(T, T))
+
+
+def _document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | None):
+    # An entry holds the cu_seqlens tensor itself, so its memory cannot be reused by another batch's
+    # boundaries while cached: identity + version + shape + window identify the content.
+    for entry in _FLEX["masks"]:
+        if entry[0] is cu_seqlens and entry[1:4] == (cu_seqlens._version, B, T) and entry[4] == window:
+            return entry[5]
+    mask = document_block_mask(cu_seqlens, B, T, window)
     _FLEX["masks"] = [(cu_seqlens, cu_seqlens._version, B, T, window, mask)] + _FLEX["masks"][:1]
     return mask
 
