@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--no-graph", action="store_true", help="time only the eager decode")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="also time the graph of the torch.compile'd step (decode_compiled_ms; the headline "
+                        "decode_ms takes it when it compiled)")
     p.add_argument("--profile", action="store_true",
                    help="print the top CUDA kernels of one 2-chunk prefill (2 x 32K) and one decode step per model")
     p.add_argument("--cpu-smoke", action="store_true")
@@ -184,8 +187,10 @@ def timed_steps(step, token: torch.Tensor, steps: int, device) -> tuple[float, t
 
 
 @torch.inference_mode()
-def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, device, graph: bool = True) -> dict:
-    """Eager dynamic-cache decode, then (``graph``) the static CUDA-graph decode from the same position."""
+def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, device, graph: bool = True,
+              compiled: bool = False) -> dict:
+    """Eager dynamic-cache decode, then (``graph``) the static CUDA-graph decode from the same position, then
+    (``compiled``) the graph of the torch.compile'd static step from there again."""
     T, saved = cache.seen_tokens, [s.clone() for s in rnn_states(cache)]
 
     def eager(nxt):
@@ -202,6 +207,19 @@ def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, devic
     if dec.graph_error:
         out["graph_error"] = dec.graph_error
     out["graph_rel_err"] = float((first_graph - first_eager).norm() / first_eager.norm())
+    if not compiled:
+        return out
+    del dec
+    rewind(cache, T, saved)
+    t0 = time.perf_counter()
+    dec = StaticDecoder(model, cache, compile=True)  # compiles and captures
+    out["compile_s"] = round(time.perf_counter() - t0, 1)
+    out["decode_compiled_ms"], first_compiled = timed_steps(dec.step, token, steps, device)
+    out["compiled"] = dec.compiled and (dec.graph is not None or device.type != "cuda")
+    if dec.compile_error or dec.graph_error:
+        out["compile_error"] = dec.compile_error or dec.graph_error
+    out["compiled_rel_err_vs_graph"] = float((first_compiled - first_graph).norm() / first_graph.norm())
+    out["compiled_rel_err_vs_eager"] = float((first_compiled - first_eager).norm() / first_eager.norm())
     return out
 
 
@@ -216,14 +234,16 @@ def run_one(name, model, T, args, device, dtype, *, do_prefill: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        room = args.decode_steps + 4  # eager steps, then (rewound) graph warm-up + steps
+        room = args.decode_steps + 4  # eager steps, then (rewound) graph warm-up + steps, compiled likewise
         if do_prefill:
             row["prefill_s"], cache, last, row["prefill_chunk_s"] = prefill(model, T, args.chunk, device, room)
         else:
             cache, last = random_cache(model, T, device, dtype, room), torch.zeros(1, dtype=torch.long, device=device)
             row["status"] = "decode-only"
-        row.update(decode_ms(model, cache, last, args.decode_steps, device, graph=not args.no_graph))
-        row["decode_ms"] = row.get("decode_graph_ms", row["decode_eager_ms"])
+        row.update(decode_ms(model, cache, last, args.decode_steps, device, graph=not args.no_graph,
+                             compiled=args.compile_decode and not args.no_graph))
+        row["decode_ms"] = (row["decode_compiled_ms"] if row.get("compiled")
+                            else row.get("decode_graph_ms", row["decode_eager_ms"]))
         del cache
     except torch.OutOfMemoryError:
         row["status"] = "oom"

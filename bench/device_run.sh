@@ -13,6 +13,8 @@
 #   J: GPU0 static-decode CUDA test (left padding), OPD with graph rollouts, stage 2 after the fused-RMSNorm
 #      change | GPU1 decode at 512K/2M again, then the GLA/RWKV-7/Mamba2 checks phase F did not reach
 #      (carry .whl .triton_seed .bench_data)
+#   L: 2 GPUs: SP=2 stage 3 at 256K (document block mask built without the dense grid); then GPU0 decode at 512K
+#      with the torch.compile'd graph step | GPU1 stage 2 with model.compile=layer, then =mlp
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -130,6 +132,18 @@ K)
   if [ "$ok" != ok ] && [ $SECONDS -lt 400 ]; then
     timeout $((580 - SECONDS)) $S --steps 1 1 1 --stage3-seq 131072 --stage3-batch 1 --tag sp2_128k --timeout 200 > "$OUT/sp2_128k.log" 2>&1; echo "sp2 128K rc=$?"
   fi
+  ;;
+L)
+  timeout 200 python3 bench/bench_stages.py --data .bench_data/long --no-naive --nproc 2 --sp 2 --stages 3 --checkpointing on \
+    --steps 1 1 1 --stage3-seq 262144 --stage3-batch 1 --tag sp2_256k --timeout 190 > "$OUT/sp2_256k.log" 2>&1; echo "sp2 256K rc=$?"
+  left=$((575 - SECONDS))
+  (CUDA_VISIBLE_DEVICES=0 timeout $left python3 bench/bench_inference.py --contexts --decode-only 524288 --teacher-decode-only 524288 \
+     --compile-decode --out bench/results/inference_compiled.json > "$OUT/inference_compiled.log" 2>&1; echo "decode compiled rc=$?") &
+  (export CUDA_VISIBLE_DEVICES=1
+   S="python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 --steps 1 8 1"
+   timeout $((left / 2)) $S --tag compile_layer --extra model.compile=layer > "$OUT/stage2_compile_layer.log" 2>&1; echo "stage2 layer rc=$?"
+   timeout $((575 - SECONDS)) $S --tag compile_mlp --extra model.compile=mlp > "$OUT/stage2_compile_mlp.log" 2>&1; echo "stage2 mlp rc=$?") &
+  wait
   ;;
 esac
 save_autotune

@@ -83,6 +83,27 @@ def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw):
         dec.step(nxt_s)
 
 
+def test_compiled_static_step_equals_eager_and_compiles_once():
+    """compile=True (Inductor fuses the step before capture on CUDA): same logits as the eager static step, one
+    compilation for every step (a guard on a per-token host value would recompile per token)."""
+    torch._dynamo.reset()
+    model = tiny(("attention", "lightning", "attention", "gdn"), attn_output_gate=True).float()
+    cache, first = prefilled(model, B=2)
+    eager_cache = copy.deepcopy(cache)
+    compiled = StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
+    eager = StaticDecoder(model, eager_cache, use_cuda_graph=False)
+    nxt = first
+    for _ in range(5):
+        got, want = compiled.step(nxt).clone(), eager.step(nxt).clone()
+        assert compiled.compile_error is None
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        nxt = want.argmax(-1)
+    assert compiled.compiled
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_static_greedy_equals_generate():
     model = tiny(("attention", "lightning", "attention", "lightning"))
     ids = torch.randint(1, 97, (2, 9))
@@ -123,8 +144,24 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
     """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 runs it with numpy (fp32; the interpreter has no
     bf16). Several splits per row, empty splits, GQA groups, per-row left padding, 1..all valid keys."""
     script = textwrap.dedent("""
+        import sys
         import torch
+        import triton
+        import triton.language as tl
         from halo_dist.models.hypenet.decode_attention import decode_attention_torch, decode_attention_triton
+
+        @triton.jit
+        def _loop_over_program_id(Out):  # the interpreter itself: a loop bounded by a runtime value
+            acc = 0
+            for _ in range(tl.program_id(0), 4):
+                acc += 1
+            tl.store(Out + tl.program_id(0), acc)
+
+        try:
+            _loop_over_program_id[(2,)](torch.zeros(2, dtype=torch.int32))
+        except Exception as err:  # triton <= 3.6 under numpy >= 2.4: int() of a 1-element array
+            print("interpreter-broken", triton.__version__, repr(err)[:200])
+            sys.exit(0)
         torch.manual_seed(0)
         worst = 0.0
         for H, Hkv in ((8, 2), (4, 4), (8, 1)):
@@ -140,6 +177,8 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    if "interpreter-broken" in out.stdout:  # not our kernel: the CUDA test covers it on such installs
+        pytest.skip(f"this triton's interpreter cannot run runtime-bounded loops: {out.stdout.strip()}")
     worst = float(out.stdout.split("worst")[-1])
     assert worst < 1e-5, out.stdout
 

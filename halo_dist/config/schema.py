@@ -138,6 +138,7 @@ class ModelConfig(Section):
     attn_output_norm: bool = False  # appendix RMSNorm on attention output; changes the teacher fn
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # float32 for CPU tests
     activation_checkpointing: bool = True  # applied in model code (DeepSpeed's json block is inert)
+    compile: Literal["none", "mlp", "layer"] = "none"  # torch.compile per decoder layer (student + teacher)
     # stage pretrain only (from-scratch sweeps, SPEC §3): the variant and the model's shape
     arch: Optional[ScratchArch] = None  # transformer (all attention, RoPE) | swan | hypenet
     pe: Optional[ScratchPE] = None  # arch=hypenet: position encoding; null = hype (RNN RoPE, attention NoPE)

@@ -41,6 +41,7 @@ def build_stage_module(cfg: RunConfig):
     """Returns ``(trainable module, frozen teacher or None)`` for ``cfg.stage.name``."""
     from ..models.convert import convert_model
     from ..models.hypenet import HypeNetForCausalLM
+    from ..models.hypenet.modeling_hypenet import compile_decoder_layers
 
     name = cfg.stage.name
     if name == "pretrain":
@@ -67,6 +68,8 @@ def build_stage_module(cfg: RunConfig):
     _check_vocab(student, teacher)
     if cfg.model.activation_checkpointing:
         student.model.gradient_checkpointing = True
+    compile_decoder_layers(student, cfg.model.compile)
+    compile_decoder_layers(teacher, cfg.model.compile)
     objective = cfg.loss.objective
     module = DistillModule(student, teacher if objective != "ce" else None, objective=objective,
                            temperature=cfg.loss.temperature, ce_weight=cfg.loss.ce_weight, chunk_size=cfg.loss.chunk_size)

@@ -16,6 +16,9 @@ eagerly; tests compare it token by token with the dynamic cache.
 Left-padded batches (``generate``'s layout) work: row b's first ``pad[b]`` keys are skipped by the
 attention and its positions count real tokens only (the RNN prefill already made pads identity steps).
 Full-attention and RNN mixers only (sliding-window layers keep a rolling cache: use the dynamic path).
+
+``compile=True`` runs the step through ``torch.compile`` before capture: Inductor fuses the ~30 elementwise
+kernels per layer (RoPE, casts, residual adds, gates) that set the graph's fixed per-token cost.
 """
 
 from __future__ import annotations
@@ -56,7 +59,17 @@ class StaticDecodeCache:
         device = next(t for t in self._tensors()).device
         self.pos = torch.tensor([T], dtype=torch.long, device=device)  # buffer index of the next token
         self.pad = self._left_pad(attention_mask, T, device)  # [B] keys to skip per row
-        self.seen_tokens = T  # the model's forward bumps it; StaticDecoder keeps its own host count
+        self.prompt_tokens = T
+
+    @property
+    def seen_tokens(self) -> int:
+        """The prompt length, constant: steps read their position from ``pos`` on the device, and a host count
+        growing per token would be a new guard value (a recompile) per step under ``torch.compile``."""
+        return self.prompt_tokens
+
+    @seen_tokens.setter
+    def seen_tokens(self, value: int) -> None:
+        """The model's forward bumps the count; ignored here (``StaticDecoder.length`` counts on the host)."""
 
     @staticmethod
     def _left_pad(attention_mask, T: int, device) -> torch.Tensor | None:
@@ -107,9 +120,14 @@ class StaticDecoder:
     """
 
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
-                 attention_mask: torch.Tensor | None = None):
-        """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded."""
+                 attention_mask: torch.Tensor | None = None, compile: bool = False):
+        """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``: fuse the step
+        with ``torch.compile`` (compiles during the warm-up; a compiler failure falls back to the eager step
+        and is kept in ``compile_error``)."""
         self.model = model
+        self.compile_error: str | None = None
+        self._compile_checked = False
+        self._step_fn = torch.compile(self._step_body, dynamic=False) if compile else self._step_body
         self.cache = StaticDecodeCache(cache, model.config, attention_mask)
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
@@ -127,12 +145,35 @@ class StaticDecoder:
         room = self.cache.room
         return None if room is None else room - self.length
 
-    @torch.inference_mode()
-    def _forward(self) -> None:
+    @property
+    def compiled(self) -> bool:
+        return self._step_fn is not self._step_body
+
+    def _step_body(self) -> None:
         position_ids = self.cache.position_ids(self.tokens.shape[0])  # [B, 1], no host read
         out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True)
         self.logits.copy_(out.logits[:, -1])
         self.cache.pos.add_(1)
+
+    @torch.inference_mode()
+    def _forward(self) -> None:
+        if self.compiled and not self._compile_checked:
+            self._first_compiled_step()
+        else:
+            self._step_fn()
+
+    def _first_compiled_step(self) -> None:
+        """Compile on the first step; on a compiler error restore the state and run the eager step instead."""
+        states = [s.clone() for s in self.cache.rnn_states()]
+        pos = self.cache.pos.clone()
+        try:
+            self._step_fn()
+        except Exception as err:  # compiler trouble: keep decoding eagerly from the same state
+            self.compile_error = f"{type(err).__name__}: {err}"
+            self._step_fn = self._step_body
+            self._restore(states, pos)
+            self._step_body()
+        self._compile_checked = True
 
     @torch.inference_mode()
     def _capture(self, warmup_steps: int) -> None:
