@@ -15,6 +15,7 @@
 #      (carry .whl .triton_seed .bench_data)
 #   L: 2 GPUs: SP=2 stage 3 at 256K (document block mask built without the dense grid); then GPU0 decode at 512K
 #      with the torch.compile'd graph step | GPU1 stage 2 with model.compile=layer, then =mlp
+#   M: GPU0 decode at 512K with the compiled graph step (fp32 scale fix); then 2 GPUs: SP=2 stage 3 at 512K
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -144,6 +145,13 @@ L)
    timeout $((left / 2)) $S --tag compile_layer --extra model.compile=layer > "$OUT/stage2_compile_layer.log" 2>&1; echo "stage2 layer rc=$?"
    timeout $((575 - SECONDS)) $S --tag compile_mlp --extra model.compile=mlp > "$OUT/stage2_compile_mlp.log" 2>&1; echo "stage2 mlp rc=$?") &
   wait
+  ;;
+M)
+  CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_inference.py --contexts --decode-only 524288 --teacher-decode-only 524288 \
+     --decode-steps 12 --compile-decode --out bench/results/inference_compiled.json > "$OUT/inference_compiled.log" 2>&1; echo "decode compiled rc=$?"
+  cp bench/results/inference_compiled.json "$OUT/" 2>/dev/null
+  timeout $((430 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long --no-naive --nproc 2 --sp 2 --stages 3 \
+    --checkpointing on --steps 1 1 1 --stage3-seq 524288 --stage3-batch 1 --tag sp2_512k --timeout 400 > "$OUT/sp2_512k.log" 2>&1; echo "sp2 512K rc=$?"
   ;;
 esac
 save_autotune

@@ -97,7 +97,9 @@ if _HAS_TRITON:
             offs_n = offs_n.to(tl.int64)  # token * stride passes 2^31 beyond 2M tokens x 8 heads x 128
             k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
                         mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32
+            # fp32 whatever the scale's type: Inductor re-launching this kernel inside a compiled step passes
+            # Python floats as fp64, which would turn the running max into fp64
+            s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [BLOCK_G, BLOCK_N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
