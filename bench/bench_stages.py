@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -116,19 +117,22 @@ def stage_overrides(stage: int, a, run_dir: Path, ckpt: bool) -> list[str]:
 
 def summarize_metrics(path: Path) -> dict:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Median over the logged intervals after the first (compile/autotune): robust to the one or two
+    recompiles that torch.compile (model.compile) makes when a batch's document count first changes."""
     timed = [r for r in rows if "perf/tokens_per_s" in r][1:]  # first interval: compile/autotune
     if not timed:
         timed = [r for r in rows if "perf/tokens_per_s" in r]
 
-    def mean(key):
+    def median(key):
         vals = [r[key] for r in timed if r.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
+        return statistics.median(vals) if vals else None
 
     return {
-        "tokens_per_s": mean("perf/tokens_per_s"),
-        "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu"),
-        "mfu": mean("perf/mfu"),
-        "step_time_s": mean("perf/step_time_s"),
+        "tokens_per_s": median("perf/tokens_per_s"),
+        "tokens_per_s_per_gpu": median("perf/tokens_per_s_per_gpu"),
+        "mfu": median("perf/mfu"),
+        "attended_keys": median("perf/attended_keys"),
+        "step_time_s": median("perf/step_time_s"),
         "peak_mem_gib": max((r.get("mem/peak_allocated_gib") or 0) for r in rows) if rows else None,
         "losses": {int(r["step"]): r["train/loss"] for r in rows if "train/loss" in r},
     }

@@ -11,7 +11,7 @@ from data_fixtures import run_prep
 
 from halo_dist.models.hypenet import HypeNetConfig
 from halo_dist.train.engine import Trainer
-from halo_dist.train.metrics import flops_per_token
+from halo_dist.train.metrics import attention_flops_coefficient, flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,6 +46,7 @@ def test_mfu_counts_attention_of_student_and_teacher_once_per_rank():
     fake = SimpleNamespace(module=SimpleNamespace(student=student), teacher=teacher,
                            cfg=SimpleNamespace(data=SimpleNamespace(seq_len=512)))
     terms = Trainer._attention_flop_terms(fake)
-    assert terms == {"attn_layers": 2, "frozen_attn_layers": 4, "context": 512, "attn_dim": 64}
+    assert terms == {"attn_layers": 2, "frozen_attn_layers": 4, "attn_dim": 64}
     # PaLM: 12 L d T for the 2 trained attention layers, 4 L d T for the 4 forward-only ones
-    assert flops_per_token(10, 5, **terms) == 6 * 10 + 2 * 5 + (12 * 2 + 4 * 4) * 64 * 512
+    assert flops_per_token(10, 5, **terms, context=512) == 6 * 10 + 2 * 5 + (12 * 2 + 4 * 4) * 64 * 512
+    assert attention_flops_coefficient(**terms) == (12 * 2 + 4 * 4) * 64

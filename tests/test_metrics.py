@@ -161,3 +161,22 @@ def test_two_rank_reduction_is_token_weighted(tmp_path):
     mp.start_processes(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True,
                        start_method="fork")
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == pytest.approx(2.0)
+
+
+def test_attended_keys_of_packed_documents_set_the_attention_flops(tmp_path):
+    """MFU counts the keys each token attends under the document mask, not the row length: a row of
+    documents 2 + 6 tokens attends (4 + 36) / 8 = 5 keys per token."""
+    from halo_dist.train.metrics import ATTENDED, attended_context
+
+    assert attended_context(torch.tensor([0, 2, 8], dtype=torch.int32)) == 5.0
+    assert attended_context(torch.tensor([0, 8, 16])) == 8.0  # one document per row: the row length
+    clock, lines = FakeClock(), []
+    logger = make_logger(tmp_path, clock, lines, tensorboard=False, world_size=1,
+                         flops_per_token=1e9, peak_flops=1e13, attn_flops_per_key=1e8)
+    logger.add(ATTENDED, 5.0, weight=8)
+    logger.add(ATTENDED, 8.0, weight=24)  # token-weighted: (40 + 192) / 32 = 7.25 keys
+    clock.now = 10.0
+    out = logger.log(10, tokens_seen=20_000)
+    assert out[ATTENDED] == pytest.approx(7.25)
+    assert out["perf/mfu"] == pytest.approx(2000 * (1e9 + 7.25e8) / 1e13)
+    logger.close()

@@ -45,7 +45,7 @@ from torch import nn
 from ..config import ModelConfig, RunConfig, to_dict
 from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
 from ..train.engine import Trainer
-from ..train.metrics import flops_per_token
+from ..train.metrics import attention_flops_coefficient, flops_per_token
 from .distill import DistillModule
 
 DEFAULT_SLIDING_WINDOW = 512  # SWAN-GPT's window (paper Table 13)
@@ -162,11 +162,13 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------- FLOPs
-def train_flops_per_token(config: HypeNetConfig, n_params: int, seq_len: int) -> float:
+def train_flops_per_token(config: HypeNetConfig, n_params: int, seq_len: int,
+                          full_attention_keys: float | None = None) -> float:
     """Model FLOPs per trained token: 6 N + attention scores (``metrics.flops_per_token``, PaLM App. B).
 
     N counts the lm_head but not the input embedding (tied: the one matrix counts once). Full
-    attention layers attend ``seq_len`` keys, SWA layers ``min(window, seq_len)``; RNN state updates
+    attention layers attend ``full_attention_keys`` keys (default ``seq_len``; the trainer passes 0 and
+    adds the measured keys per batch), SWA layers ``min(window, seq_len)``; RNN state updates
     are not counted. ``n_params``: unique parameters of the model (embedding included).
     """
     n = n_params - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
@@ -174,7 +176,8 @@ def train_flops_per_token(config: HypeNetConfig, n_params: int, seq_len: int) ->
     attn_dim = config.num_attention_heads * config.head_dim
     window = min(int(getattr(config, "sliding_window", None) or seq_len), seq_len)
     swa = flops_per_token(0, attn_layers=types.count("swa"), attn_dim=attn_dim, context=window)
-    return flops_per_token(n, attn_layers=types.count("attention"), attn_dim=attn_dim, context=seq_len) + swa
+    keys = seq_len if full_attention_keys is None else full_attention_keys
+    return flops_per_token(n, attn_layers=types.count("attention"), attn_dim=attn_dim, context=keys) + swa
 
 
 def unique_numel(module: nn.Module) -> int:
@@ -202,7 +205,10 @@ class PretrainTrainer(Trainer):
         student = self.module.student_model()
         # Per trained token, not divided by the world size: MetricsLogger already divides tokens/s.
         self.metrics.flops_per_token = train_flops_per_token(student.config, unique_numel(student),
-                                                             self.cfg.data.seq_len)
+                                                             self.cfg.data.seq_len, full_attention_keys=0)
+        c = student.config  # full attention: per attended key of each batch's documents (Trainer)
+        self.metrics.attn_flops_per_key = attention_flops_coefficient(
+            c.mixer_types.count("attention"), attn_dim=c.num_attention_heads * c.head_dim)
 
     def _tokenizer_for_check(self):
         """model.scratch.tokenizer, if it loads: shards made with another tokenizer are refused."""

@@ -42,7 +42,7 @@ from ..config import RunConfig, deepspeed_config, format_config, save_resolved
 from ..data import build_loader
 from ..parallel import ProcessGroups, SequenceParallel
 from .checkpoint import CheckpointManager, latest_checkpoint
-from .metrics import MetricsLogger, flops_per_token
+from .metrics import ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, flops_per_token
 from .schedules import LRSchedule, make_lr_scheduler
 
 
@@ -279,8 +279,9 @@ class Trainer:
 
     def _attention_flop_terms(self) -> dict:
         """Softmax-attention layers of the trained student and the forward-only teacher, for MFU
-        (metrics.flops_per_token: PaLM's 12·L·d·T / 4·L·d·T with T = seq_len, the packed row length;
-        stage 1 trains only RNN layers, so its student attention count is 0)."""
+        (metrics.attention_flops_coefficient: PaLM's 12·L·d / 4·L·d per attended key; the keys per token
+        come from each batch's documents, ``attended_context``; stage 1 trains only RNN layers, so its
+        student attention count is 0)."""
         student = getattr(self.module, "student", None)
         trained = sum(m == "attention" for m in student.config.mixer_types) if student is not None else 0
         cfg = getattr(self.teacher, "config", None)
@@ -288,7 +289,7 @@ class Trainer:
         if cfg is None and student is None:
             return {}
         ref = cfg if cfg is not None else student.config
-        return {"attn_layers": trained, "frozen_attn_layers": frozen, "context": self.cfg.data.seq_len,
+        return {"attn_layers": trained, "frozen_attn_layers": frozen,
                 "attn_dim": ref.num_attention_heads * getattr(ref, "head_dim", ref.hidden_size // ref.num_attention_heads)}
 
     def _start_metrics(self) -> None:
@@ -299,7 +300,8 @@ class Trainer:
         n_teacher = sum(numel(p) for p in self.teacher.parameters()) if self.teacher is not None else 0
         self.metrics = MetricsLogger.from_config(
             self.cfg, rank=self.rank, world_size=self.world, device=self.device,
-            flops_per_token=flops_per_token(n_train, n_teacher, **self._attention_flop_terms()),
+            flops_per_token=flops_per_token(n_train, n_teacher),
+            attn_flops_per_key=attention_flops_coefficient(**self._attention_flop_terms()),
             start_step=self.step, start_tokens=self.tokens_seen,
         )
         if self.rank == 0:
@@ -358,6 +360,7 @@ class Trainer:
             normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
             skipping = False  # this step had a non-finite loss and is dropped (module doc)
             for batch in micro_batches:
+                self._track_attended_keys(batch)
                 loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
                 if not skipping:
                     skipping = self._nonfinite(loss)
@@ -390,6 +393,13 @@ class Trainer:
         t = torch.tensor([float(local)], device=self.device, dtype=torch.float64)
         dist.all_reduce(t)
         return max(1.0, float(t.item()))
+
+    def _track_attended_keys(self, batch: dict) -> None:
+        """Keys per token of this micro-batch's documents (host-side cu_seqlens: no GPU sync), for MFU."""
+        ids = batch["input_ids"]
+        cu = batch.get("cu_seqlens")
+        keys = attended_context(cu) if cu is not None else float(ids.shape[-1])
+        self.metrics.add(ATTENDED, keys, weight=float(ids.numel()))
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 NAMESPACES = ("train", "optim", "perf", "mem", "progress", "eval")
+ATTENDED = "perf/attended_keys"  # keys per token under the document mask (token-weighted), for MFU
 GIB = 1024**3
 # Dense bf16 FLOP/s per device for MFU. H200: measured bf16 matmul ceiling (SPEC §7); others:
 # datasheet dense peaks (SXM parts). Matched by substring, in order (GH200 before H200).
@@ -43,17 +44,33 @@ def check_tag(tag: str) -> str:
 
 
 def flops_per_token(n_trainable: float, n_frozen_forward: float = 0, *, attn_layers: int = 0,
-                    frozen_attn_layers: int = 0, attn_dim: int = 0, context: int = 0) -> float:
+                    frozen_attn_layers: int = 0, attn_dim: int = 0, context: float = 0) -> float:
     """Model FLOPs per trained token: 6 N_student + 2 N_teacher + attention score FLOPs.
 
     ``n_trainable``: parameters updated (forward + backward, 6 per token); count the lm_head, not
     the input embedding. ``n_frozen_forward``: parameters only run forward (the teacher: 2 per
-    token). Attention follows PaLM (App. B): 12 L d T per token for trained softmax-attention
-    layers, 4 L d T for forward-only ones, d = heads x head_dim, T = attended context (no causal
-    halving, as in PaLM; RNN layers' state updates are not counted).
+    token). Attention: ``attention_flops_coefficient(...) * context`` (PaLM App. B), where ``context`` is
+    the keys a token attends: the row length for unpacked rows, ``attended_context(cu_seqlens)`` for
+    packed documents (RNN layers' state updates are not counted).
     """
-    attn = (12 * attn_layers + 4 * frozen_attn_layers) * attn_dim * context
-    return 6.0 * n_trainable + 2.0 * n_frozen_forward + attn
+    coef = attention_flops_coefficient(attn_layers, frozen_attn_layers, attn_dim)
+    return 6.0 * n_trainable + 2.0 * n_frozen_forward + coef * context
+
+
+def attention_flops_coefficient(attn_layers: int = 0, frozen_attn_layers: int = 0, attn_dim: int = 0) -> float:
+    """Attention score FLOPs per token per attended key: PaLM's 12 L d for trained softmax-attention layers
+    (forward + backward of QK^T and AV), 4 L d for forward-only ones; d = heads x head_dim. No causal halving
+    (as in PaLM), so a causal row of T tokens counts T keys per token."""
+    return float((12 * attn_layers + 4 * frozen_attn_layers) * attn_dim)
+
+
+def attended_context(cu_seqlens: torch.Tensor) -> float:
+    """Keys per token under document masking, PaLM-style (each token of a document of n tokens counts n):
+    sum(n_i^2) / sum(n_i) over the packed batch's documents. A 512K row of 17K-token documents attends
+    ~17K keys per token, not 512K: counting the row length would overstate long-context MFU ~30x."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.float64)
+    total = float(lengths.sum())
+    return float((lengths * lengths).sum()) / total if total else 0.0
 
 
 def peak_flops_for(device_name: Optional[str]) -> Optional[float]:
@@ -141,6 +158,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Union[str, Path], *, total_steps: int, log_every: int = 10,
                  rank: int = 0, world_size: int = 1, tensorboard: bool = True, jsonl: bool = True,
                  flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
+                 attn_flops_per_key: float = 0.0,
                  device: Optional[torch.device] = None, group: Any = None, start_step: int = 0,
                  start_tokens: int = 0, clock: Callable[[], float] = time.perf_counter,
                  emit: Callable[[str], None] = print):
@@ -148,6 +166,8 @@ class MetricsLogger:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device) if device is not None else _default_device()
         self.flops_per_token, self.clock, self.emit = flops_per_token, clock, emit
+        # attention FLOPs per token per attended key; the attended keys come from add(ATTENDED, ...) per batch
+        self.attn_flops_per_key = attn_flops_per_key
         self.peak_flops = device_peak_flops(self.device, peak_flops)
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
@@ -207,7 +227,7 @@ class MetricsLogger:
         scalars (on every rank) so callers can act on e.g. a non-finite loss consistently.
         """
         scalars = self._reduce()
-        scalars.update(self._rates(step, tokens_seen))
+        scalars.update(self._rates(step, tokens_seen, scalars.get(ATTENDED)))
         scalars.update(memory_stats(self.device))
         if lr is not None:
             scalars["optim/lr"] = float(lr)
@@ -229,7 +249,7 @@ class MetricsLogger:
         return {t: values[i] / values[n + i] if values[n + i] else math.nan
                 for i, t in enumerate(tags)}
 
-    def _rates(self, step: int, tokens_seen: int) -> dict[str, float]:
+    def _rates(self, step: int, tokens_seen: int, attended: Optional[float] = None) -> dict[str, float]:
         now = self.clock()
         last_time, last_step, last_tokens = self._last
         self._last = (now, step, tokens_seen)
@@ -245,7 +265,8 @@ class MetricsLogger:
                     "perf/tokens_per_s_per_gpu": tok_s / self.world_size,
                     "perf/step_time_s": elapsed / steps})
         if self.flops_per_token and self.peak_flops:
-            out["perf/mfu"] = tok_s / self.world_size * self.flops_per_token / self.peak_flops
+            fpt = self.flops_per_token + self.attn_flops_per_key * (attended or 0.0)
+            out["perf/mfu"] = tok_s / self.world_size * fpt / self.peak_flops
         return out
 
     def eta_seconds(self, step: int, step_time: Optional[float]) -> Optional[float]:
