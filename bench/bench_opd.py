@@ -39,7 +39,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--horizons", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--rollouts", type=int, default=32, help="rollouts generated together (one rank)")
-    p.add_argument("--micro", type=int, default=0, help="rollouts per training micro-step (0: all)")
+    p.add_argument("--micro", type=int, default=0,
+                   help="rollouts per training micro-step (0: as many as fit --micro-tokens)")
+    p.add_argument("--micro-tokens", type=int, default=24576,
+                   help="packed tokens per micro-step when --micro is 0 (32 x 768 peaked at 97 GiB on an H200)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=None, help="fused-loss token chunk (None: auto)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the student")
@@ -97,7 +100,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     student.model.gradient_checkpointing = args.checkpointing
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
-    micro = args.micro or args.rollouts
+    micro = args.micro or max(1, min(args.rollouts, args.micro_tokens // (args.prompt_len + horizon)))
     rollouts = [Rollout(p, c) for p, c in zip(prompts, gens)]
     batches = [pack_rollouts(rollouts[i:i + micro]).to(device) for i in range(0, len(rollouts), micro)]
     n_gen = sum(b.num_generated for b in batches)
@@ -135,6 +138,7 @@ def main(argv=None) -> int:
         device, dtype, shape, attn = torch.device("cpu"), torch.float32, SHAPE_TINY, [1]
         args.horizons = [h for h in args.horizons if h <= 64] or [16, 32]
         args.rollouts, args.prompt_len = min(args.rollouts, 4), min(args.prompt_len, 16)
+        args.micro_tokens = min(args.micro_tokens, 64)  # several micro-steps per step, as at long horizons
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --cpu-smoke", file=sys.stderr)

@@ -123,6 +123,7 @@ def test_bench_opd_cpu_smoke_with_static_rollouts(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
     assert rows and all(r["rollout_tokens_per_s"] > 0 and r["train_packed_tokens_per_s"] > 0 for r in rows)
+    assert [r["micro"] for r in rows] == [64 // (16 + r["horizon"]) for r in rows]  # split by the token budget
 
 
 # ------------------------------------------------------------------------------------------------ horizon
