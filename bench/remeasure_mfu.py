@@ -62,25 +62,31 @@ def main(argv=None) -> dict:
     else:
         p.error("give --metrics, or --tokens-per-s with --steps")
     steps = max(int(r["step"]) for r in rows)
-    accum = cfg.data.global_batch_size // (cfg.data.micro_batch_size * max(1, a.world // cfg.parallel.sp_size))
+    if cfg.stage.name not in ("stage2", "stage3") or cfg.loss.objective == "ce":
+        p.error("only KL stages 2/3 (trained student + forward teacher) are modelled here")
+    # a step consumes global_batch_size rows in the loader's global order, over all DP ranks and micro-steps:
+    # replaying a one-rank loader with micro-batches of the same size visits the same rows
+    per_step = cfg.data.global_batch_size // cfg.data.micro_batch_size
     loader = iter(build_loader(cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size, seed=cfg.data.seed,
                                shuffle=cfg.data.shuffle, num_workers=0))
     keys = []
-    for _ in range(steps):  # keys per token of each step's micro-batches (token-weighted mean)
-        micro = [attended_context(next(loader)["cu_seqlens"]) for _ in range(accum)]
+    for _ in range(steps):  # keys per token of each step's micro-batches (equal token counts: plain mean)
+        micro = [attended_context(next(loader)["cu_seqlens"]) for _ in range(per_step)]
         keys.append(sum(micro) / len(micro))
     n_student, n_teacher = param_counts(SHAPE_2B, ATTN_2B)
     student_attn = len(ATTN_2B) if cfg.stage.name != "stage1" else 0
     coef = attention_flops_coefficient(student_attn, SHAPE_2B["num_hidden_layers"],
                                        SHAPE_2B["num_attention_heads"] * SHAPE_2B["head_dim"])
     base = flops_per_token(n_student, n_teacher)
-    out = []
+    out, prev = [], 0
     for r in rows:
         if "perf/tokens_per_s" not in r:
             continue
-        k = keys[int(r["step"]) - 1]
+        step = int(r["step"])
+        interval = keys[prev:step]  # logged tokens/s covers the steps since the previous record
+        k, prev = sum(interval) / len(interval), step
         mfu = r["perf/tokens_per_s"] / a.world * (base + coef * k) / PEAK
-        out.append({"step": int(r["step"]), "tokens_per_s": r["perf/tokens_per_s"], "attended_keys": round(k, 1),
+        out.append({"step": step, "tokens_per_s": r["perf/tokens_per_s"], "attended_keys": round(k, 1),
                     "mfu_logged_row_length": r.get("perf/mfu"), "mfu": mfu})
     print("| step | tokens/s | keys/token | MFU (row length, as logged) | MFU (attended keys) |")
     print("|---|---|---|---|---|")

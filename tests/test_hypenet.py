@@ -244,9 +244,10 @@ def test_rms_norm_is_bitwise_the_qwen3_reference(dtype):
     assert torch.equal(per_head_rms_norm(heads, ref.weight, 1e-6), want)
 
 
-@pytest.mark.parametrize("scope", ["mlp", "layer"])
-def test_compiled_decoder_layers_train_like_eager(scope):
-    """model.compile: same loss and gradients as the eager model on a packed batch (fp32, CPU Inductor)."""
+@pytest.mark.parametrize("scope,checkpointing", [("mlp", False), ("layer", False), ("layer", True)])
+def test_compiled_decoder_layers_train_like_eager(scope, checkpointing):
+    """model.compile: same loss and gradients as the eager model on a packed batch (fp32, CPU Inductor), also
+    under activation checkpointing (its recompute must take the forward's graph)."""
     import copy
 
     from halo_dist.models.hypenet.modeling_hypenet import compile_decoder_layers
@@ -254,18 +255,21 @@ def test_compiled_decoder_layers_train_like_eager(scope):
     torch._dynamo.reset()
     student = convert_model(tiny_qwen3(), [1, 3]).float().train()
     compiled = compile_decoder_layers(copy.deepcopy(student), scope)
+    compiled.model.gradient_checkpointing = checkpointing
     target = compiled.model.layers[0] if scope == "layer" else compiled.model.layers[0].mlp
     assert target._compiled_call_impl is not None
     x = torch.randint(0, 256, (2, 24))
     pos = torch.cat([torch.arange(10), torch.arange(14), torch.arange(24)]).view(2, 24)
     cu = torch.tensor([0, 10, 24, 48], dtype=torch.int32)
     grads = []
-    for model in (student, compiled):
+    for model in (student, compiled, compiled):  # twice: a second step reuses the compiled graphs
+        model.zero_grad()
         loss = model(x, position_ids=pos, cu_seqlens=cu, max_seqlen=24).logits.float().logsumexp(-1).mean()
         loss.backward()
-        grads.append((loss.detach(), [p.grad for p in model.parameters()]))
-    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
-    for g_compiled, g_eager in zip(grads[1][1], grads[0][1]):
-        torch.testing.assert_close(g_compiled, g_eager, rtol=1e-4, atol=1e-5)
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    for loss, g in grads[1:]:
+        torch.testing.assert_close(loss, grads[0][0], rtol=1e-5, atol=1e-5)
+        for g_compiled, g_eager in zip(g, grads[0][1]):
+            torch.testing.assert_close(g_compiled, g_eager, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="none, mlp or layer"):
         compile_decoder_layers(student, "all")

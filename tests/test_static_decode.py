@@ -86,7 +86,10 @@ def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw):
 def test_compiled_static_step_equals_eager_and_compiles_once():
     """compile=True (Inductor fuses the step before capture on CUDA): same logits as the eager static step, one
     compilation for every step (a guard on a per-token host value would recompile per token)."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()  # process-wide: other tests' compilations count too
     model = tiny(("attention", "lightning", "attention", "gdn"), attn_output_gate=True).float()
     cache, first = prefilled(model, B=2)
     eager_cache = copy.deepcopy(cache)
@@ -99,8 +102,6 @@ def test_compiled_static_step_equals_eager_and_compiles_once():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         nxt = want.argmax(-1)
     assert compiled.compiled
-    from torch._dynamo.utils import counters
-
     assert counters["stats"]["unique_graphs"] == 1
 
 

@@ -398,7 +398,8 @@ class Trainer:
         """Keys per token of this micro-batch's documents (host-side cu_seqlens: no GPU sync), for MFU."""
         ids = batch["input_ids"]
         cu = batch.get("cu_seqlens")
-        keys = attended_context(cu) if cu is not None else float(ids.shape[-1])
+        # without boundaries a row is one causal document; under SP the local slice is 1/sp of it
+        keys = attended_context(cu) if cu is not None else float(ids.shape[-1] * batch.get("sp_size", 1))
         self.metrics.add(ATTENDED, keys, weight=float(ids.numel()))
 
     def _to_device(self, batch: dict) -> dict:

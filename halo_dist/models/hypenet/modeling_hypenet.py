@@ -163,6 +163,19 @@ class SequenceInfo:
             self._memo[key] = rope_cos_sin(self.position_ids, head_dim, theta, dtype)
         return self._memo[key]
 
+    def prefill(self, config, dtype) -> "SequenceInfo":
+        """Compute the tables the layers will ask for before they run. Layers compiled with ``model.compile=layer``
+        then always see a filled memo: a lazily filled one is a different guard in the first layer than in the
+        others, and in the activation-checkpointing recompute (a filled memo) than in the forward (an empty one),
+        which torch.utils.checkpoint rejects. (A layer computing in another dtype, e.g. under autocast, still fills
+        its own entry lazily.)"""
+        kinds = set(config.mixer_types)
+        if config.rnn_rope or "swa" in kinds or (config.attn_rope and "attention" in kinds):
+            self.rope(config.head_dim, config.rope_theta, dtype)
+        if config.attn_logits_scale_base is not None and "attention" in kinds:
+            self.logits_scale(config.attn_logits_scale_base)
+        return self
+
     def logits_scale(self, base: float) -> torch.Tensor:
         """s_t ``[B, T, 1, 1]`` fp32 of ``position_ids``, computed once per forward for every attention layer."""
         key = ("scale", base)
@@ -879,6 +892,7 @@ class HypeNetModel(HypeNetPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.seen_tokens if cache is not None else 0
         info = sequence_info(x.shape[:2], x.device, position_ids, attention_mask, cu_seqlens, max_seqlen, past)
+        info.prefill(self.config, x.dtype)
         hidden = [x] if output_hidden_states else None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and cache is None:

@@ -112,6 +112,15 @@ class StaticDecodeCache:
         return self.seen_tokens
 
 
+def _room_for_more_compilations(at_least: int = 256):
+    """Every StaticDecoder compiles the same code object, once per buffer shape. Past dynamo's recompile limit
+    (8) a new shape would silently run eagerly (e.g. a benchmark sweeping context lengths), so raise it for the
+    decoder's first compiled step."""
+    cfg = torch._dynamo.config
+    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{key: max(getattr(cfg, key), at_least)})
+
+
 class StaticDecoder:
     """Decode one token per ``step`` from a prefilled cache, as a CUDA graph replay on CUDA.
 
@@ -167,7 +176,8 @@ class StaticDecoder:
         states = [s.clone() for s in self.cache.rnn_states()]
         pos = self.cache.pos.clone()
         try:
-            self._step_fn()
+            with _room_for_more_compilations():
+                self._step_fn()
         except Exception as err:  # compiler trouble: keep decoding eagerly from the same state
             self.compile_error = f"{type(err).__name__}: {err}"
             self._step_fn = self._step_body
