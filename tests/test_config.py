@@ -83,7 +83,10 @@ def test_stage_files_match_paper_and_fit_1_to_8_gpus(path, monkeypatch):
     for world in (1, 2, 4, 8):
         layout = cfg.validate_against_world(world)
         ds = deepspeed_config(cfg, layout)
-        assert ds["train_batch_size"] == batch and ds["zero_optimization"]["stage"] == 3
+        # ZeRO-3 everywhere except 2B stage 2, which compiles its layers (model.compile needs ZeRO <= 2)
+        zero = 1 if cfg.model.compile != "none" else 3
+        assert ds["train_batch_size"] == batch and ds["zero_optimization"]["stage"] == zero
+    assert (cfg.model.compile != "none") == (path.relative_to(CONFIGS).as_posix() == "stages/2b/stage2.yaml")
 
 
 def test_paper_defaults_per_size(monkeypatch):

@@ -518,6 +518,16 @@ class RunConfig(Section):
                  f"parallel.sp_size={self.parallel.sp_size}")
         self._validate_sp_heads()
         self._validate_schedule_fits()
+        self._validate_compile()
+
+    def _validate_compile(self) -> None:
+        if self.model.compile == "none":
+            return
+        if self.parallel.zero_stage == 3:
+            fail("model.compile", f"{self.model.compile} needs parallel.zero_stage <= 2: ZeRO-3 gathers each "
+                 "layer's parameters in hooks that a compiled layer does not run (it would see empty shards)")
+        if self.stage.name not in ("stage2", "stage3"):
+            fail("model.compile", f"is applied by the distillation stages 2/3, not {self.stage.name}: set none")
 
     def _validate_opd(self) -> None:
         if (self.stage.name == "opd") != (self.opd is not None):
