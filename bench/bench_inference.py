@@ -267,19 +267,38 @@ def headline(rows: list[dict], T: int) -> dict:
 
 
 def profile(model, device, chunk: int = 32768) -> None:
-    """Top CUDA kernels of one two-chunk prefill (the second chunk carries state) and one decode step."""
+    """Top CUDA kernels of one two-chunk prefill (the second chunk carries state), one eager decode step and
+    the static decode step (the kernels a CUDA graph replays). The static step's summed kernel time against the
+    graph's wall time per token splits the fixed decode cost into kernel work and launch gaps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     with torch_profile(activities=acts) as prof:
-        _, cache, last, _ = prefill(model, 2 * chunk, chunk, device, 4)
+        _, cache, last, _ = prefill(model, 2 * chunk, chunk, device, 8)
     print(f"--- profile: prefill 2 x {chunk} ---\n" + prof.key_averages().table(sort_by=sort, row_limit=15))
     with torch_profile(activities=acts) as prof, torch.inference_mode():
         model(last.view(1, 1), cache=cache, use_cache=True)
         sync(device)
     print("--- profile: one eager decode step ---\n" + prof.key_averages().table(sort_by=sort, row_limit=15))
+    dec = StaticDecoder(model, cache, use_cuda_graph=False)
+    nxt = last.view(1)
+    dec.step(nxt)  # first static step (Triton compile) untimed
+    steps = 3
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            nxt = dec.step(nxt).argmax(-1)
+        sync(device)
+    events = prof.key_averages()
+    print(f"--- profile: {steps} static decode steps (the graph's kernels) ---\n"
+          + events.table(sort_by=sort, row_limit=20))
+    if device.type == "cuda":
+        cuda = torch.autograd.DeviceType.CUDA
+        kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                        for e in events if getattr(e, "device_type", None) == cuda)
+        print(f"static step: {kernel_us / steps / 1e3:.3f} ms of CUDA kernel time per token "
+              f"(compare decode_graph_ms at this context)")
 
 
 def plot(rows: list[dict], path: Path) -> None:

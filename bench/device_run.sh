@@ -16,6 +16,8 @@
 #   L: 2 GPUs: SP=2 stage 3 at 256K (document block mask built without the dense grid); then GPU0 decode at 512K
 #      with the torch.compile'd graph step | GPU1 stage 2 with model.compile=layer, then =mlp
 #   M: GPU0 decode at 512K with the compiled graph step (fp32 scale fix); then 2 GPUs: SP=2 stage 3 at 512K
+#   N (next session): GPU0 stage 2 compiled (2B config: compile=layer, ZeRO-1) with the naive baseline in the same
+#      run | GPU1 decode-step profile (kernel time vs graph time), then the GLA/RWKV-7/Mamba2 checks
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -152,6 +154,16 @@ M)
   cp bench/results/inference_compiled.json "$OUT/" 2>/dev/null
   timeout $((430 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long --no-naive --nproc 2 --sp 2 --stages 3 \
     --checkpointing on --steps 1 1 1 --stage3-seq 524288 --stage3-batch 1 --tag sp2_512k --timeout 400 > "$OUT/sp2_512k.log" 2>&1; echo "sp2 512K rc=$?"
+  ;;
+N)
+  (CUDA_VISIBLE_DEVICES=0 timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 \
+     --naive-steps 6 --tag compiled_vs_naive > "$OUT/stage2_vs_naive.log" 2>&1; echo "stage2 vs naive rc=$?") &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout 150 python3 bench/bench_inference.py --profile --contexts --decode-only --out /tmp/profile_only.json \
+     > "$OUT/decode_profile.log" 2>&1; echo "decode profile rc=$?"
+   timeout $((570 - SECONDS)) python3 bench/bench_mixers.py --mixers gla,rwkv7,mamba2 --out bench/results/mixers_rest.json \
+     > "$OUT/mixers_rest.log" 2>&1; echo "mixers rc=$?") &
+  wait
   ;;
 esac
 save_autotune
