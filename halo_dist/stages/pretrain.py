@@ -45,7 +45,7 @@ from torch import nn
 from ..config import ModelConfig, RunConfig, to_dict
 from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
 from ..train.engine import Trainer
-from ..train.metrics import attention_flops_coefficient, flops_per_token
+from ..train.metrics import flops_per_token
 from .distill import DistillModule
 
 DEFAULT_SLIDING_WINDOW = 512  # SWAN-GPT's window (paper Table 13)
@@ -204,11 +204,10 @@ class PretrainTrainer(Trainer):
         super()._start_metrics()
         student = self.module.student_model()
         # Per trained token, not divided by the world size: MetricsLogger already divides tokens/s.
+        # full attention is counted per attended key of each batch's documents by the Trainer (its
+        # attn_flops_per_key covers the student's attention layers): 0 keys here
         self.metrics.flops_per_token = train_flops_per_token(student.config, unique_numel(student),
                                                              self.cfg.data.seq_len, full_attention_keys=0)
-        c = student.config  # full attention: per attended key of each batch's documents (Trainer)
-        self.metrics.attn_flops_per_key = attention_flops_coefficient(
-            c.mixer_types.count("attention"), attn_dim=c.num_attention_heads * c.head_dim)
 
     def _tokenizer_for_check(self):
         """model.scratch.tokenizer, if it loads: shards made with another tokenizer are refused."""
