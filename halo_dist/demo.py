@@ -44,6 +44,7 @@ class DemoSettings:
     niah_depths: str = "3"
     csr_limit: int = 25
     calib_grid: str = "none,50,200,500,2000"
+    keep_checkpoints: bool = False  # keep each stage's resumable checkpoints once its final export is written
 
     @classmethod
     def tiny(cls, out: str) -> "DemoSettings":
@@ -85,6 +86,17 @@ class Demo:
             raise DemoStepError(f"step {name} failed (exit {res.returncode}); log: {log}\n{tail}")
         print(f" done in {self.timings[name]:.0f}s", flush=True)
 
+    def prune_checkpoints(self, stage: str) -> None:
+        """Drop a finished stage's resumable checkpoints (GBs of optimizer state) unless asked to keep them.
+
+        Only once ``<stage>/final/DONE`` exists: the demo never resumes a finished stage, and the next
+        stage starts from the exported ``final`` folder.
+        """
+        ckpts = self.out / stage / "checkpoints"
+        if self.s.keep_checkpoints or not (self.out / stage / "final" / "DONE").exists() or not ckpts.exists():
+            return
+        shutil.rmtree(ckpts)
+
     def halo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "halo_dist.cli", *args]
 
@@ -116,6 +128,7 @@ class Demo:
         self.run("stage1", self.launcher("stage1", f"schedule.total_steps={s.stage1_steps}", f"data.seq_len={s.seq_len}",
                                          f"schedule.warmup_steps={min(4, s.stage1_steps - 1)}"),
                  out / "stage1" / "final" / "DONE")
+        self.prune_checkpoints("stage1")
         self.run("select-layers", self.halo(
             "select-layers", "--teacher", teacher, "--stage1-weights", str(out / "stage1" / "final" / "rnn_layers.safetensors"), "--evaluator", "proxy",
             "--num-attn", str(s.num_attn), "--output", str(out / "select" / "selection.json"),
@@ -129,10 +142,12 @@ class Demo:
                                          f"schedule.total_steps={s.stage2_steps}", f"data.seq_len={s.seq_len}",
                                          f"schedule.warmup_steps={min(4, s.stage2_steps - 1)}"),
                  out / "stage2" / "final" / "DONE")
+        self.prune_checkpoints("stage2")
         self.run("stage3", self.launcher("stage3", f"model.student_init={out / 'stage2' / 'final'}",
                                          f"schedule.total_steps={s.stage3_steps}", f"data.seq_len={s.long_seq_len}",
                                          "data.global_batch_size=2", "data.micro_batch_size=1"),
                  out / "stage3" / "final" / "DONE")
+        self.prune_checkpoints("stage3")
         student = out / "hypenet"
         if not (student / "config.json").exists():
             shutil.copytree(out / "stage3" / "final", student)
@@ -260,7 +275,11 @@ def add_demo_command(sub) -> None:
                               "  halo-dist demo --stage2-steps 200 --docs 5000   # a longer run\n")
     p.add_argument("--preset", choices=("default", "tiny"), default="default")
     for f in fields(DemoSettings):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None, help=f"default {f.default}")
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default {f.default}")
+        else:
+            p.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default}")
     p.set_defaults(func=cmd_demo)
 
 

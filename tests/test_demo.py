@@ -29,9 +29,44 @@ def test_demo_tiny_runs_every_step_and_writes_the_report(tmp_path, smollm2_dir):
     assert any(name.startswith("niah_student") for name in pictures) and any(name.startswith("niah_teacher") for name in pictures)
     assert (out / "hypenet" / "modeling_hypenet.py").exists() and (out / "hypenet" / "tokenizer_config.json").exists()
     assert list((out / "stage2" / "tb").glob("events.*"))  # TensorBoard logs
+    # finished stages drop their resumable checkpoints (GBs of optimizer state each)
+    assert not any((out / stage / "checkpoints").exists() for stage in ("stage1", "stage2", "stage3"))
     # a second invocation skips every finished step
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert again.returncode == 0 and again.stdout.count("already done") >= 8, again.stdout[-2000:]
+
+
+def _stage_dir(root: Path, stage: str, done: bool) -> Path:
+    (root / stage / "checkpoints" / "step-00000003").mkdir(parents=True)
+    (root / stage / "final").mkdir()
+    if done:
+        (root / stage / "final" / "DONE").write_text("ok")
+    return root / stage / "checkpoints"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_demo_prunes_only_finished_stages_checkpoints(tmp_path, keep):
+    from halo_dist.demo import Demo, DemoSettings
+
+    finished, running = _stage_dir(tmp_path, "stage1", done=True), _stage_dir(tmp_path, "stage2", done=False)
+    demo = Demo(DemoSettings(out=str(tmp_path), keep_checkpoints=keep))
+    demo.prune_checkpoints("stage1")
+    demo.prune_checkpoints("stage2")
+    demo.prune_checkpoints("stage3")  # never ran: nothing to do
+    assert finished.exists() == keep
+    assert running.exists()  # an unfinished stage keeps what it needs to resume
+
+
+def test_demo_boolean_flags_parse_both_ways():
+    import argparse
+
+    from halo_dist.demo import add_demo_command
+
+    parser = argparse.ArgumentParser()
+    add_demo_command(parser.add_subparsers())
+    assert parser.parse_args(["demo", "--keep-checkpoints"]).keep_checkpoints is True
+    assert parser.parse_args(["demo", "--no-keep-checkpoints"]).keep_checkpoints is False
+    assert parser.parse_args(["demo"]).keep_checkpoints is None  # the preset decides
 
 
 def test_demo_help_lists_every_setting():
