@@ -6,7 +6,8 @@ configs/sweeps/grid.yaml, shape configs/sweeps/base_500m.yaml) it builds the mod
 ``DistillModule``), trains ``--steps`` optimizer steps on random-token batches (bf16 weights,
 fused AdamW, 4K context, ``--micro`` sequences per step, documents packed with boundaries every
 ``--doc-len`` tokens), and reports tokens/s, MFU (6N + attention FLOPs per token,
-``stages.pretrain.train_flops_per_token``; H200 bf16 ceiling 779 TFLOP/s, SPEC §7), peak memory
+``stages.pretrain.train_flops_per_token``, with each token attending the ``--doc-len`` keys of its own
+document, as the Trainer counts attended keys; H200 bf16 ceiling 779 TFLOP/s), peak memory
 and the loss at the first and last step. The first ``--warmup`` steps (fla's Triton autotune, ~2 min
 on first use) are excluded from the timing.
 
@@ -19,6 +20,7 @@ should fall from ~10.9 toward it, not lower. Each variant's ``wall_s`` includes 
   python bench/bench_pretrain.py                          # on the GPU (< 5 min incl. autotune)
   python bench/bench_pretrain.py --steps 300 --micro 8     # longer / larger micro-batch
   python bench/bench_pretrain.py --smoke                   # tiny shapes on CPU (tests)
+  python bench/bench_pretrain.py --recount bench/results/pretrain.json   # recount FLOPs of a finished run
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, print_table, write_result  # noqa: E402
 from halo_dist.config import load_config  # noqa: E402
 from halo_dist.stages.pretrain import (build_pretrain_module, param_groups,  # noqa: E402
-                                       train_flops_per_token, unique_numel)
+                                       pretrain_config, train_flops_per_token, unique_numel)
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "sweeps" / "base_500m.yaml"
@@ -65,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU ceiling (default: 779 on an H200)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, fp32 (what the test runs)")
     p.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/pretrain.json)")
+    p.add_argument("--recount", type=Path, default=None, metavar="FILE",
+                   help="no training: recompute FLOPs/token and MFU of FILE's rows (measured tokens/s kept) and rewrite it")
     a = p.parse_args(argv)
     if a.smoke:
         a.steps, a.warmup, a.micro, a.seq_len, a.doc_len = min(a.steps, 6), min(a.warmup, 1), 2, 64, 32
@@ -100,6 +104,42 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def flops_per_trained_token(config, n_params: int, a) -> float:
+    """6N + attention FLOPs with the keys a token really attends: the ``doc_len`` of its packed document
+    (Σn²/Σn over equal documents), not the row's ``seq_len``; sliding windows are capped by it too."""
+    return train_flops_per_token(config, n_params, min(a.doc_len, a.seq_len))
+
+
+def recount(path: Path) -> int:
+    """Rewrite a finished run's FLOPs/token and MFU with today's count, keeping its measured tokens/s."""
+    import json
+
+    data = json.loads(path.read_text())
+    stored = data["args"]
+    a = argparse.Namespace(seq_len=int(stored["seq_len"]), doc_len=int(stored["doc_len"]), micro=int(stored["micro"]),
+                           lr=float(stored["lr"]), smoke=stored.get("smoke") == "True",
+                           no_checkpointing=stored.get("no_checkpointing") == "True")
+    peak, changed = data.get("peak_flops"), []
+    for row in data["results"]:
+        if "error" in row:
+            continue
+        config = pretrain_config(variant_config(row["variant"], a).model)
+        fpt = flops_per_trained_token(config, round(row["params_M"] * 1e6), a)
+        old = row["mfu"]
+        row.setdefault("mfu_by_row_length", old)
+        row["gflop_per_token"], row["mfu"] = fpt / 1e9, row["tokens_per_s"] * fpt / peak if peak else None
+        key = row["variant"].replace("-", "_") + "_mfu"
+        if key in data:
+            data[key] = row["mfu"]
+        changed.append({"variant": row["variant"], "gflop_per_token": row["gflop_per_token"],
+                        "mfu_before": old, "mfu": row["mfu"]})
+    data["recount"] = ("FLOPs/token and MFU recomputed by `bench_pretrain.py --recount` with attended keys "
+                       f"(doc_len {a.doc_len}); tokens/s as measured; mfu_by_row_length keeps the first count")
+    path.write_text(json.dumps(data, indent=2, default=str))
+    print_table(changed, f"recounted {path}")
+    return 0
+
+
 def bench_variant(name: str, a, device, dtype, peak: float | None) -> dict:
     cfg = variant_config(name, a)
     module, _ = build_pretrain_module(cfg)
@@ -109,7 +149,7 @@ def bench_variant(name: str, a, device, dtype, peak: float | None) -> dict:
     opt = torch.optim.AdamW(param_groups(module, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=tuple(cfg.optim.betas), fused=fused or None, foreach=None if fused else True)
     n_params = unique_numel(student)
-    fpt = train_flops_per_token(student.config, n_params, a.seq_len)
+    fpt = flops_per_trained_token(student.config, n_params, a)
     gen = torch.Generator().manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -145,6 +185,8 @@ def bench_variant(name: str, a, device, dtype, peak: float | None) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.recount:
+        return recount(a.recount)
     if a.smoke:
         device, dtype = torch.device("cpu"), torch.float32
     else:

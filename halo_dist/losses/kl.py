@@ -30,8 +30,9 @@ NaN), which costs one host sync for the count.
 
 Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Triton
 ``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
-CPU, used by the tests as an independent cross-check), ``"auto"`` (Liger on CUDA when installed,
-else torch). Both return identical quantities (see ``_liger.py`` for the conventions we adapt).
+CPU, used by the tests as an independent cross-check), ``"auto"`` (torch everywhere: faster and smaller
+than Liger on the H200, BENCHMARKS.md). Both return identical quantities (see ``_liger.py`` for the
+conventions we adapt).
 
 ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
 be a leaf parameter or a non-leaf tensor; it is not saved for backward (the gradient is), so
