@@ -224,6 +224,13 @@ halo_check_layouts() {
         fi
     done
     ((failed > 3)) && printf '(%d more checks failed)\n' $((failed - 3)) >&2
+    if ((!failed)); then   # say where data.fit_micro_batch changed a stage's micro batch
+        for i in "${!labels[@]}"; do
+            sed -n 's/^#   data.fit_micro_batch: /'"${labels[$i]}"': /p' "$tmp/$i.out" | while IFS= read -r line; do
+                halo_log "$line"
+            done
+        done
+    fi
     rm -rf "$tmp"
     if ((failed)); then
         printf '%s\n' "${HALO_LAYOUT_HINT:-Change the node count or the batch layout.}" "Nothing was submitted." >&2
@@ -548,6 +555,21 @@ halo_pipeline_step_body() {  # what the job of step $1 runs (printed instead in 
     esac
 }
 
+halo_check_teacher_depth() {
+    # A teacher of another size than the configs (e.g. Qwen3-1.7B with halo_5b.sh) fails here, not in the
+    # stage-1 job after data prep. Offline: a teacher folder, or a hub id already in the HF cache.
+    [[ ${HALO_CONFIG_CHECK:-} == none ]] && return 0
+    local problem
+    problem=$(cd "$HALO_REPO" && "$HALO_PYTHON" -W ignore -c '
+import sys
+from halo_dist.config import load_tree
+from halo_dist.config.teacher import teacher_depth_problem
+cfg, teacher = sys.argv[1:]
+print(teacher_depth_problem(teacher, load_tree(cfg).get("model", {}).get("num_layers")) or "")
+' "$HALO_CONFIG_DIR/stage1.yaml" "$HALO_TEACHER") || halo_die "could not read $HALO_CONFIG_DIR/stage1.yaml with $HALO_PYTHON"
+    [[ -z $problem ]] || halo_die "$problem"
+}
+
 halo_pipeline_validate() {
     halo_require_env \
         "HALO_DATA:folder of the tokenized training data (data prep writes HALO_DATA/manifest.json), e.g. export HALO_DATA=/scratch/\$USER/data/qwen3-fwe-1b" \
@@ -562,6 +584,7 @@ halo_pipeline_validate() {
     elif [[ ! $HALO_TEACHER =~ ^[A-Za-z0-9._-]+/[A-Za-z0-9._-]+$ ]]; then
         halo_die "HALO_TEACHER=$HALO_TEACHER is neither an existing folder nor a hub id like $HALO_TEACHER_HINT"
     fi
+    halo_check_teacher_depth
     halo_posint HALO_NODES "$HALO_NODES"
     halo_posint HALO_GPUS_PER_NODE "$HALO_GPUS_PER_NODE"
     local n
@@ -583,6 +606,9 @@ halo_pipeline_driver() {
     [[ -n ${HALO_DATA_LONG:-} ]] && export HALO_DATA_LONG
     halo_pipeline_paths
     halo_log "HALO $HALO_SIZE: teacher $HALO_TEACHER -> HypeNet-${HALO_STUDENT^^}; data $DATA; runs $RUNS (tensorboard --logdir $RUNS)"
+    if [[ -z ${HALO_DATA_LONG:-} ]]; then
+        halo_log "stage 3 and calibration (16K context) also read $DATA: set HALO_DATA_LONG to shards of long documents"
+    fi
     local checks=() n
     for n in 1 2 3; do
         local nodes world
@@ -597,7 +623,13 @@ halo_pipeline_driver() {
 
     local script=$HALO_REPO/slurm/halo_$HALO_SIZE.sh dep="" step
     for step in "${HALO_STEPS[@]}"; do
-        if [[ $step == prep && ${HALO_SKIP_PREP:-0} == 1 ]] || halo_step_is_done "$step"; then
+        if [[ $step == prep && ${HALO_SKIP_PREP:-0} == 1 ]]; then
+            halo_log "skip prep: HALO_SKIP_PREP=1"
+            continue
+        elif [[ $step == select && -n ${HALO_ATTN_LAYERS:-} ]]; then
+            halo_log "skip select: HALO_ATTN_LAYERS=$HALO_ATTN_LAYERS"
+            continue
+        elif halo_step_is_done "$step"; then
             halo_log "skip $step: already done ($(halo_step_done_file "$step"))"
             continue
         fi

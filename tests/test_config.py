@@ -233,6 +233,39 @@ def test_validate_against_world():
         with_overrides(cfg, ["parallel.sp_size=2"]).validate_against_world(3)
 
 
+def test_fit_micro_batch_keeps_the_global_batch():
+    from halo_dist.config import describe, fit_to_world
+
+    cfg = config_from_dict(minimal())  # global 96, micro 12
+    assert cfg.fitted_to_world(16) is cfg  # off by default: the layout error stays
+    with pytest.raises(ConfigError, match=r"96 must equal micro_batch_size \(12\)"):
+        cfg.validate_against_world(16)
+    fit = with_overrides(cfg, ["data.fit_micro_batch=true"])
+    assert fit.fitted_to_world(8) is fit  # 12 x 8 = 96 already fits
+    for world, micro, accum in ((16, 6, 1), (32, 3, 1), (64, 1, 0)):
+        if accum == 0:  # 96 is not a multiple of 64 ranks: nothing fits, the hint explains
+            with pytest.raises(ConfigError, match=r"global_batch_size 64 or 128"):
+                fit.fitted_to_world(world).validate_against_world(world)
+            continue
+        fitted = fit_to_world(fit, world)
+        layout = fitted.validate_against_world(world)
+        assert (layout.micro_batch_size, layout.grad_accum_steps, layout.global_batch_size) == (micro, accum, 96)
+        assert fitted.data.micro_batch_size == micro and fitted.optim == fit.optim
+    assert "micro batch 12 -> 6 on 16 ranks (global batch 96 unchanged)" in describe(fit, 16)
+    assert "x sp 2; global batch 96 = micro 12 x grad_accum 1 x dp 8" in describe(
+        with_overrides(fit, ["parallel.sp_size=2"]), 16)  # dp counts data-parallel ranks only
+
+
+def test_fit_to_world_announces_the_change(capsys):
+    from halo_dist.config import fit_to_world
+
+    fit = with_overrides(config_from_dict(minimal()), ["data.fit_micro_batch=true"])
+    fit_to_world(fit, 16, announce=True)
+    assert "micro batch 12 -> 6" in capsys.readouterr().out
+    fit_to_world(fit, 8, announce=True)
+    assert capsys.readouterr().out == ""
+
+
 # --- inheritance, round trip, CLI, DeepSpeed -------------------------------------------------
 
 def test_base_inheritance_merges_and_detects_cycles(tmp_path):
@@ -327,3 +360,15 @@ def test_direct_construction_is_validated():
     with pytest.raises(ConfigError, match="lr: must be > 0"):
         OptimConfig(lr=0.0)
     assert isinstance(config_from_dict(minimal()), RunConfig)
+
+
+def test_teacher_depth_check_is_offline(tmp_path):
+    from halo_dist.config.teacher import offline_teacher_depth, teacher_depth_problem
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28}))
+    assert offline_teacher_depth(str(tmp_path)) == 28
+    assert teacher_depth_problem(str(tmp_path), 28) is None
+    assert "has 28 layers but the stage configs are sized for a 36-layer teacher" in teacher_depth_problem(str(tmp_path), 36)
+    assert offline_teacher_depth("nobody-here/not-a-cached-model") is None  # would need the network: no verdict
+    assert teacher_depth_problem("nobody-here/not-a-cached-model", 36) is None
+    assert offline_teacher_depth("not a repo id!") is None

@@ -88,7 +88,11 @@ def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4", "parallel.zero_stage=3"]
     run_launcher("stage2", tmp_path / "one", *common)
     run_launcher("stage2", tmp_path / "two", *common, nproc=2)
-    run_launcher("stage2", tmp_path / "sharded", *common, "parallel.teacher_placement=zero3", nproc=2)
+    # micro 4 does not fit 4 rows over 2 ranks: data.fit_micro_batch runs micro 2, the same global batch
+    res = run_launcher("stage2", tmp_path / "sharded", *common, "parallel.teacher_placement=zero3",
+                       "data.micro_batch_size=4", "data.fit_micro_batch=true", nproc=2)
+    assert "micro batch 4 -> 2 on 2 ranks" in res.stdout
+    assert "micro_batch_size: 2" in (tmp_path / "sharded" / "config.yaml").read_text()  # the resolved config says so
     one, two, sharded = losses(tmp_path / "one"), losses(tmp_path / "two"), losses(tmp_path / "sharded")
     assert len(one) == len(two) == len(sharded) == 4
     for a, b, c in zip(one, two, sharded):

@@ -219,6 +219,28 @@ def test_bad_input_stops_before_submitting(slurm_env, extra, message):
     assert calls(log, "sbatch") == []
 
 
+def test_two_nodes_fit_every_stage_with_a_smaller_micro_batch(slurm_env):
+    """data.fit_micro_batch: stage 1's 32 sequences over 16 ranks run at micro 2 (real config checks)."""
+    env, log = slurm_env
+    res = run("halo_8b.sh", env, HALO_NODES="2", HALO_DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    assert "stage1 (2 node(s) x 8 GPUs): micro batch 4 -> 2 on 16 ranks (global batch 32 unchanged)" in res.stdout
+    assert "stage2 (2 node(s) x 8 GPUs): micro batch 4 -> 3 on 16 ranks (global batch 96 unchanged)" in res.stdout
+    assert "set HALO_DATA_LONG" in res.stdout  # stage 3 would read the short-context shards: said up front
+
+
+def test_teacher_of_another_size_is_refused_before_data_prep(slurm_env, tmp_path):
+    env, log = slurm_env
+    teacher = tmp_path / "qwen3-1.7b"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps({"num_hidden_layers": 28}))
+    res = run("halo_5b.sh", env, HALO_TEACHER=str(teacher))
+    assert res.returncode == 2
+    assert "has 28 layers but the stage configs are sized for a 36-layer teacher" in res.stderr
+    assert calls(log, "sbatch") == []
+    assert run("halo_2b.sh", env, HALO_TEACHER=str(teacher), HALO_DRY_RUN="1").returncode == 0  # the right size
+
+
 def test_bad_node_count_from_sbatch_flag(slurm_env):
     env, log = slurm_env
     res = run("halo_2b.sh", env, "-N", "3")

@@ -9,7 +9,7 @@ from .coerce import ConfigError, from_dict, to_dict
 from .deepspeed import deepspeed_config, read_deepspeed_json
 from .loader import apply_overrides, config_from_dict, deep_merge, load_config, load_tree, \
     validate_file, with_overrides
-from .resolved import describe, format_config, git_info, load_resolved, read_resolved_meta, \
+from .resolved import describe, fit_to_world, format_config, git_info, load_resolved, read_resolved_meta, \
     save_resolved
 from .schema import (STAGE_OBJECTIVES, BatchLayout, CheckpointConfig, DataConfig, LoggingConfig,
                      LossConfig, ModelConfig, OptimConfig, ParallelConfig, RandomTeacherConfig,
@@ -19,7 +19,7 @@ __all__ = [
     "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "LossConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "RandomTeacherConfig", "RunConfig",
     "STAGE_OBJECTIVES", "ScheduleConfig", "ScratchModelConfig", "StageConfig", "add_config_args", "apply_overrides",
-    "config_from_dict", "deep_merge", "deepspeed_config", "describe", "format_config", "from_dict",
+    "config_from_dict", "deep_merge", "deepspeed_config", "describe", "fit_to_world", "format_config", "from_dict",
     "git_info", "load_config", "load_resolved", "load_tree", "parse_run_args", "read_deepspeed_json",
     "read_resolved_meta", "save_resolved", "to_dict", "validate_file", "with_overrides",
 ]

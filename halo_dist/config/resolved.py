@@ -45,6 +45,19 @@ def format_config(cfg: Any) -> str:
     return dump_yaml(to_dict(cfg))
 
 
+def _fit_note(cfg: RunConfig, fitted: RunConfig, world_size: int) -> str:
+    return (f"data.fit_micro_batch: micro batch {cfg.data.micro_batch_size} -> {fitted.data.micro_batch_size} "
+            f"on {world_size} ranks (global batch {cfg.data.global_batch_size} unchanged)")
+
+
+def fit_to_world(cfg: RunConfig, world_size: int, announce: bool = False) -> RunConfig:
+    """``cfg`` with its micro batch fitted to ``world_size`` (``data.fit_micro_batch``); says so if ``announce``."""
+    fitted = cfg.fitted_to_world(world_size)
+    if announce and fitted is not cfg:
+        print(_fit_note(cfg, fitted, world_size), flush=True)
+    return fitted
+
+
 def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
     """What ``--dry-run`` prints: the resolved YAML plus the derived run length and batch layout."""
     lines = [format_config(cfg).rstrip(), "# derived:",
@@ -53,7 +66,10 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
              f"({cfg.total_steps * cfg.tokens_per_step:,} tokens)",
              f"#   checkpoint dir:  {cfg.checkpoint_dir}"]
     if world_size is not None:
-        layout = cfg.validate_against_world(world_size)
+        fitted = cfg.fitted_to_world(world_size)
+        if fitted is not cfg:
+            lines.append(f"#   {_fit_note(cfg, fitted, world_size)}")
+        layout = fitted.validate_against_world(world_size)
         lines.append(f"#   world {layout.world_size} = dp {layout.dp_size} x sp {layout.sp_size}; "
                      f"global batch {layout.global_batch_size} = micro {layout.micro_batch_size} "
                      f"x grad_accum {layout.grad_accum_steps} x dp {layout.dp_size}")

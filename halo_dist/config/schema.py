@@ -197,6 +197,9 @@ class DataConfig(Section):
     seq_len: int  # tokens per packed sequence (context length)
     global_batch_size: int  # sequences per optimizer step = micro x grad_accum x dp
     micro_batch_size: int  # sequences per rank per forward; grad_accum derived from dp at runtime
+    # When micro x dp does not divide global_batch_size (e.g. 32 sequences over 16 ranks at micro 4), run
+    # the largest smaller micro batch that does. The global batch, and so the optimisation, is unchanged.
+    fit_micro_batch: bool = False
     num_workers: int = 2  # loader worker processes per rank
     shuffle: bool = True  # deterministic shard + sample shuffling (SPEC §6.3)
     seed: int = 1234  # shuffle seed (also the base of per-rank RNG seeds)
@@ -587,22 +590,44 @@ class RunConfig(Section):
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or f"{self.logging.run_dir.rstrip('/')}/checkpoints"
 
+    def fitted_micro_batch(self, world_size: int) -> int:
+        """The micro batch this config runs at on ``world_size`` ranks (``data.fit_micro_batch``)."""
+        data, dp = self.data, self.parallel.dp_size(world_size)
+        if not data.fit_micro_batch or data.global_batch_size % (data.micro_batch_size * dp) == 0:
+            return data.micro_batch_size
+        fits = [m for m in range(data.micro_batch_size, 0, -1) if data.global_batch_size % (m * dp) == 0]
+        return fits[0] if fits else data.micro_batch_size  # none: validate_against_world explains
+
+    def fitted_to_world(self, world_size: int) -> "RunConfig":
+        """This config with ``data.micro_batch_size`` fitted to ``world_size`` (itself when it already fits)."""
+        micro = self.fitted_micro_batch(world_size)
+        if micro == self.data.micro_batch_size:
+            return self
+        from .loader import with_overrides
+
+        return with_overrides(self, {"data.micro_batch_size": micro})
+
     def validate_against_world(self, world_size: int) -> BatchLayout:
         """Check the batch and SP layout for ``world_size`` ranks; return the derived layout."""
         dp = self.parallel.dp_size(world_size)
         data = self.data
         per_accum = data.micro_batch_size * dp
         if data.global_batch_size % per_accum:
-            fail("data.global_batch_size", _batch_hint(data.global_batch_size,
-                                                       data.micro_batch_size, dp))
+            fail("data.global_batch_size", _batch_hint(data.global_batch_size, data.micro_batch_size, dp,
+                                                       data.fit_micro_batch))
         return BatchLayout(world_size=world_size, dp_size=dp, sp_size=self.parallel.sp_size,
                            micro_batch_size=data.micro_batch_size,
                            grad_accum_steps=data.global_batch_size // per_accum,
                            global_batch_size=data.global_batch_size, seq_len=data.seq_len)
 
 
-def _batch_hint(global_batch: int, micro: int, dp: int) -> str:
+def _batch_hint(global_batch: int, micro: int, dp: int, fit: bool = False) -> str:
     """Explain a global batch that micro x dp does not divide, with the nearest fixes."""
+    if fit:  # no micro batch fits: the global batch must be a multiple of dp
+        below = global_batch // dp * dp
+        sizes = " or ".join(str(n) for n in (below, below + dp) if n > 0)
+        return (f"{global_batch} is not a multiple of dp ({dp}), so data.fit_micro_batch finds no micro batch "
+                f"that fits. Use global_batch_size {sizes}, or another number of ranks")
     per_accum = micro * dp
     below = global_batch // per_accum * per_accum
     sizes = [n for n in (below, below + per_accum) if n > 0]

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig, deepspeed_config, format_config, save_resolved
+from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, save_resolved
 from ..data import build_loader
 from ..parallel import ProcessGroups, SequenceParallel
 from .checkpoint import CheckpointManager, latest_checkpoint
@@ -192,6 +192,7 @@ class Trainer:
             init_distributed()
         self.groups = ProcessGroups.build(sp_size=cfg.parallel.sp_size)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda":

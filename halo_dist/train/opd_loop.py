@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import format_config, save_resolved
+from ..config import fit_to_world, format_config, save_resolved
 from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
@@ -165,6 +165,7 @@ class OPDTrainer:
         cfg, opd = self.cfg, self.cfg.opd
         ensure_process_group(self.ds)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda":
