@@ -121,7 +121,8 @@ def recount(path: Path) -> int:
                            no_checkpointing=stored.get("no_checkpointing") == "True")
     peak, changed = data.get("peak_flops"), []
     for row in data["results"]:
-        if "error" in row:
+        if "error" in row or row["variant"] not in VARIANTS:
+            print(f"skipped {row['variant']}: {'no measurement' if 'error' in row else 'no longer a variant here'}")
             continue
         config = pretrain_config(variant_config(row["variant"], a).model)
         fpt = flops_per_trained_token(config, round(row["params_M"] * 1e6), a)

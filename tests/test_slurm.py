@@ -96,7 +96,8 @@ def slurm_env(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HALO_", "SLURM_", "SBATCH_"))}
     env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{env.get('PATH', '')}", SHIM_LOG=str(log),
                HALO_PYTHON=sys.executable, HALO_DATA=str(tmp_path / "data"), HALO_RUNS=str(tmp_path / "runs"),
-               HALO_TEACHER="Qwen/Qwen3-8B", HALO_VENV="")
+               HALO_TEACHER="Qwen/Qwen3-8B", HALO_VENV="",
+               HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))  # no cached teacher configs
     env["VIRTUAL_ENV"] = env.get("VIRTUAL_ENV") or str(Path(sys.executable).parents[1])  # no re-activation
     return env, log
 
@@ -239,6 +240,14 @@ def test_teacher_of_another_size_is_refused_before_data_prep(slurm_env, tmp_path
     assert "has 28 layers but the stage configs are sized for a 36-layer teacher" in res.stderr
     assert calls(log, "sbatch") == []
     assert run("halo_2b.sh", env, HALO_TEACHER=str(teacher), HALO_DRY_RUN="1").returncode == 0  # the right size
+
+
+def test_teacher_depth_check_is_best_effort(slurm_env):
+    """A HALO_PYTHON without halo_dist (layouts checked by a custom command) only skips the depth check."""
+    env, log = slurm_env
+    res = run("halo_8b.sh", sweep_env(env, None), HALO_PYTHON="false", HALO_DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    assert "WARNING: teacher depth not checked" in res.stdout
 
 
 def test_bad_node_count_from_sbatch_flag(slurm_env):

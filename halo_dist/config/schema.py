@@ -613,8 +613,9 @@ class RunConfig(Section):
         data = self.data
         per_accum = data.micro_batch_size * dp
         if data.global_batch_size % per_accum:
+            no_micro_fits = data.fit_micro_batch and data.global_batch_size % dp != 0
             fail("data.global_batch_size", _batch_hint(data.global_batch_size, data.micro_batch_size, dp,
-                                                       data.fit_micro_batch))
+                                                       no_micro_fits))
         return BatchLayout(world_size=world_size, dp_size=dp, sp_size=self.parallel.sp_size,
                            micro_batch_size=data.micro_batch_size,
                            grad_accum_steps=data.global_batch_size // per_accum,
