@@ -18,6 +18,7 @@
 #   M: GPU0 decode at 512K with the compiled graph step (fp32 scale fix); then 2 GPUs: SP=2 stage 3 at 512K
 #   N (next session): GPU0 stage 2 compiled (2B config: compile=layer, ZeRO-1) with the naive baseline in the same
 #      run | GPU1 decode-step profile (kernel time vs graph time), then the GLA/RWKV-7/Mamba2 checks
+#   N1 (next session, one GPU): N's same-run compiled-vs-naive stage 2 alone (the stage2_speedup_vs_naive key)
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -164,6 +165,10 @@ N)
    timeout $((570 - SECONDS)) python3 bench/bench_mixers.py --mixers gla,rwkv7,mamba2 --out bench/results/mixers_rest.json \
      > "$OUT/mixers_rest.log" 2>&1; echo "mixers rc=$?") &
   wait
+  ;;
+N1)
+  timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
+    --tag compiled_vs_naive > "$OUT/stage2_vs_naive.log" 2>&1; echo "stage2 vs naive rc=$?"
   ;;
 esac
 save_autotune
