@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, print_table, write_result  # noqa: E402
 from halo_dist.config import load_config  # noqa: E402
+from halo_dist.train.metrics import attended_context  # noqa: E402
 from halo_dist.stages.pretrain import (build_pretrain_module, param_groups,  # noqa: E402
                                        pretrain_config, train_flops_per_token, unique_numel)
 
@@ -88,14 +89,18 @@ def variant_config(name: str, a):
     return load_config(BASE, over)
 
 
+def packed_cu_seqlens(a) -> torch.Tensor:
+    """Boundaries ``[micro * seq_len / doc_len + 1]`` of the ``doc_len``-token documents packed in a batch."""
+    return torch.arange(0, a.micro * a.seq_len + 1, a.doc_len, dtype=torch.int32)
+
+
 def random_batch(a, vocab: int, device, gen: torch.Generator) -> dict:
     """``micro`` rows of random tokens, documents of ``doc_len`` packed with cu_seqlens."""
     ids = torch.randint(0, vocab, (a.micro, a.seq_len), generator=gen).to(device)
     pos = (torch.arange(a.seq_len) % a.doc_len).expand(a.micro, -1).contiguous().to(device)
     labels = torch.roll(ids, -1, dims=1)
     labels[:, a.doc_len - 1 :: a.doc_len] = -100  # a document's last token has no successor
-    starts = torch.arange(0, a.micro * a.seq_len + 1, a.doc_len, dtype=torch.int32)
-    return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seqlens": starts.to(device),
+    return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seqlens": packed_cu_seqlens(a).to(device),
             "max_seqlen": a.doc_len}
 
 
@@ -105,9 +110,10 @@ def sync(device) -> None:
 
 
 def flops_per_trained_token(config, n_params: int, a) -> float:
-    """6N + attention FLOPs with the keys a token really attends: the ``doc_len`` of its packed document
-    (Σn²/Σn over equal documents), not the row's ``seq_len``; sliding windows are capped by it too."""
-    return train_flops_per_token(config, n_params, min(a.doc_len, a.seq_len))
+    """6N + attention FLOPs with the keys a token really attends, counted as the Trainer counts them
+    (``metrics.attended_context`` of the packed documents: ``doc_len`` here), not the row's ``seq_len``."""
+    keys = attended_context(packed_cu_seqlens(a))
+    return train_flops_per_token(config, n_params, a.seq_len, full_attention_keys=keys)
 
 
 def recount(path: Path) -> int:
