@@ -50,13 +50,20 @@ def losses(run_dir):
 
 def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path):
     s1, s2, s3 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"
-    run_launcher("stage1", s1, f"data.train={shards}", "schedule.total_steps=10")
+    run_launcher("stage1", s1, f"data.train={shards}", "schedule.total_steps=10", "eval.every_steps=5", "eval.rows=4")
     l1 = losses(s1)
     assert l1[-1] < 0.7 * l1[0], l1
+    mse = read_metrics(s1)["eval/mse"]  # held-out curve: before training, every 5 steps, at the end
+    assert [s for s, _ in mse] == [0, 5, 10] and mse[-1][1] < mse[0][1], mse
     assert (s1 / "final" / "rnn_layers.safetensors").exists() and (s1 / "config.yaml").exists()
-    run_launcher("stage2", s2, f"data.train={shards}", f"model.stage1_weights={s1 / 'final'}", "schedule.total_steps=8")
+    run_launcher("stage2", s2, f"data.train={shards}", f"model.stage1_weights={s1 / 'final'}", "schedule.total_steps=8",
+                 "eval.every_steps=4", "eval.rows=4")
     l2 = losses(s2)
     assert l2[-1] < l2[0], l2
+    m2 = read_metrics(s2)
+    assert [s for s, _ in m2["eval/kl"]] == [0, 4, 8] and m2["eval/kl"][-1][1] < m2["eval/kl"][0][1], m2["eval/kl"]
+    assert all(v > 5.0 for _, v in m2["eval/teacher_ce"])  # a random teacher over the real vocabulary: ~ln(151K)
+    assert all(v > 0 for _, v in m2["eval/ce"])
     run_launcher("stage3", s3, f"data.train={shards}", f"model.student_init={s2 / 'final'}", "schedule.total_steps=3")
     assert (s3 / "final" / "modeling_hypenet.py").exists()
     # stage 3's CE-only objective (the reference code's choice) runs without a teacher forward
@@ -85,7 +92,8 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
 
 def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
     """Same global batch (4 rows): 1 rank x 2 accumulation steps vs 2 ranks x 1, ZeRO-3 on gloo."""
-    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4", "parallel.zero_stage=3"]
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4", "parallel.zero_stage=3",
+              "eval.every_steps=2", "eval.rows=8"]
     run_launcher("stage2", tmp_path / "one", *common)
     run_launcher("stage2", tmp_path / "two", *common, nproc=2)
     # micro 4 does not fit 4 rows over 2 ranks: data.fit_micro_batch runs micro 2, the same global batch
@@ -98,21 +106,33 @@ def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
     for a, b, c in zip(one, two, sharded):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (one, two)
         assert abs(a - c) <= 1e-4 * max(1.0, abs(a)), (one, sharded)  # a ZeRO-3-sharded teacher is the same teacher
+    # held-out evaluation: the same 8 rows, split over 2 ranks, summed over the world
+    for tag in ("eval/kl", "eval/ce", "eval/teacher_ce"):
+        curves = [read_metrics(tmp_path / run)[tag] for run in ("one", "two", "sharded")]
+        assert [s for s, _ in curves[0]] == [0, 2, 4], curves[0]
+        for (_, a), (_, b), (_, c) in zip(*curves):
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)) and abs(a - c) <= 1e-4 * max(1.0, abs(a)), (tag, curves)
 
 
 def test_sequence_parallel_stage2_matches_sp1(shards, tmp_path):
     """Ulysses SP = 2 (attention and Lightning layers, student and teacher) vs SP = 1 on the same data."""
-    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=3", "data.seq_len=128"]
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=3", "data.seq_len=128",
+              "eval.every_steps=3", "eval.rows=2"]
     run_launcher("stage2", tmp_path / "sp1", *common)
     run_launcher("stage2", tmp_path / "sp2", *common, "parallel.sp_size=2", nproc=2)
     sp1, sp2 = losses(tmp_path / "sp1"), losses(tmp_path / "sp2")
     assert len(sp1) == len(sp2) == 3
     for a, b in zip(sp1, sp2):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (sp1, sp2)
+    kl1, kl2 = read_metrics(tmp_path / "sp1")["eval/kl"], read_metrics(tmp_path / "sp2")["eval/kl"]
+    assert len(kl1) == len(kl2) == 2  # steps 0 and 3; SP ranks each hold half of every held-out row
+    for (_, a), (_, b) in zip(kl1, kl2):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (kl1, kl2)
 
 
 def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
-    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=6", "checkpoint.every_steps=2"]
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=6", "checkpoint.every_steps=2",
+              "eval.every_steps=2", "eval.rows=2"]
     run_launcher("stage2", tmp_path / "straight", *common)
     crashed = tmp_path / "crashed"
     run_launcher("stage2", crashed, *common, env={"HALO_TEST_CRASH_AT_STEP": "3"}, expect=17)
@@ -123,6 +143,11 @@ def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
     assert len(resumed) == 6
     for a, b in zip(straight, resumed):
         assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (straight, resumed)
+    # the held-out curve continues too: step 2 was evaluated before its checkpoint, not again after resume
+    kl_straight, kl_resumed = read_metrics(tmp_path / "straight")["eval/kl"], read_metrics(crashed)["eval/kl"]
+    assert [s for s, _ in kl_resumed] == [0, 2, 4, 6]
+    assert [v for _, v in kl_straight] == pytest.approx([v for _, v in kl_resumed], rel=1e-6)
+    assert res.stdout.count("eval @ step 2 ") == 0 and res.stdout.count("eval @ step 4 ") == 1
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(shards, tmp_path):

@@ -193,7 +193,7 @@ class DataConfig(Section):
     """Pre-tokenized webdataset shards and the batch shape (sequences of seq_len tokens)."""
 
     train: str  # manifest.json, shard folder or brace pattern; paths relative to the working dir
-    eval: Optional[str] = None  # held-out shards for eval/ metrics
+    eval: Optional[str] = None  # shards evaluated by the eval section (default: train's held-out split)
     seq_len: int  # tokens per packed sequence (context length)
     global_batch_size: int  # sequences per optimizer step = micro x grad_accum x dp
     micro_batch_size: int  # sequences per rank per forward; grad_accum derived from dp at runtime
@@ -345,6 +345,28 @@ class LoggingConfig(Section):
         _positive("log_every", self.log_every)
         if self.peak_flops is not None:
             _positive("peak_flops", self.peak_flops)
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig(Section):
+    """Held-out evaluation while training (stages 1-3 and pretrain), logged as ``eval/`` curves.
+
+    The same rows are evaluated every time: the first ``rows`` rows of ``data.seq_len`` tokens of the
+    ``split`` split of ``data.eval`` (default: the training shards' own held-out split), unshuffled and
+    split over the DP ranks like training batches. Stage 1 logs ``eval/mse``; the KL stages log
+    ``eval/kl`` (forward KL(teacher || student) per token), ``eval/ce`` and ``eval/teacher_ce``
+    (next-token cross-entropy of student and teacher, nats per token).
+    """
+
+    every_steps: int = 0  # 0: off; N: before the first step, every N steps and after the last one
+    rows: int = 32  # held-out rows per evaluation (rounded down to whole micro-batches per DP rank)
+    split: str = "heldout"  # split of the manifest that is evaluated
+
+    def validate(self) -> None:
+        _non_negative("every_steps", self.every_steps)
+        _positive("rows", self.rows)
+        if not self.split:
+            fail("split", "must name a manifest split, e.g. heldout")
 
 
 PromptKind = Literal["wiki", "text_file", "jsonl", "niah", "synthetic"]
@@ -507,6 +529,7 @@ class RunConfig(Section):
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     opd: Optional[OPDConfig] = None  # on-policy distillation settings (stage opd only)
 
     def validate(self) -> None:
@@ -641,7 +664,7 @@ def _batch_hint(global_batch: int, micro: int, dp: int, fit: bool = False) -> st
 
 
 __all__ = [
-    "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "LossConfig",
+    "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "LossConfig",
     "ModelConfig", "OPDConfig", "OptimConfig", "ParallelConfig", "PromptSetConfig", "RandomTeacherConfig", "RunConfig",
     "ScheduleConfig", "ScratchModelConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
 ]

@@ -41,15 +41,18 @@ class DistillModule(nn.Module):
         self._zero3 = True
 
     def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, labels=None,
-                normalizer: float = 1.0, **unused):
-        """Returns ``(loss for backward, detached token-sum of the objective, token count)``."""
+                normalizer: float = 1.0, evaluate: bool = False, **unused):
+        """Returns ``(loss for backward, detached token-sum of the objective, token count)``; with
+        ``evaluate`` (held-out evaluation, train/evaluation.py) ``{name: (sum, count)}`` instead."""
         kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_hidden_only=True)
         hidden = self.student(input_ids, **kw).flatten(0, 1)  # [B, T, d] -> [B*T, d]
         teacher_hidden = teacher_weight = None
-        if self.objective != "ce":
+        if self.teacher is not None:
             with torch.no_grad():
                 teacher_hidden = self.teacher(input_ids, **kw).flatten(0, 1)
             teacher_weight = self.teacher.lm_head.weight
+        if evaluate:
+            return self._evaluate(hidden, teacher_hidden, teacher_weight, labels.flatten())
         use_ce = self.objective == "ce" or self.ce_weight > 0
         with self._gathered_teacher_head():
             out = fused_distill_loss(
@@ -62,6 +65,21 @@ class DistillModule(nn.Module):
         tracked = out.ce_sum if self.objective == "ce" else out.kl_sum
         count = out.num_ce_tokens if self.objective == "ce" else out.num_tokens
         return out.loss, tracked, count
+
+    def _evaluate(self, hidden, teacher_hidden, teacher_weight, labels) -> dict:
+        """Held-out sums: forward KL(teacher || student) per token, student and teacher next-token CE."""
+        out = {}
+        with self._gathered_teacher_head():
+            student = fused_distill_loss(hidden, self.student.lm_head.weight, teacher_hidden, teacher_weight,
+                                         labels=labels, kl_weight=0.0 if teacher_hidden is None else 1.0,
+                                         ce_weight=1.0, chunk_size=self.chunk_size)
+            out["ce"] = (student.ce_sum, student.num_ce_tokens)
+            if teacher_hidden is not None:
+                out["kl"] = (student.kl_sum, student.num_tokens)
+                teacher = fused_distill_loss(teacher_hidden, teacher_weight, None, None, labels=labels,
+                                             kl_weight=0.0, ce_weight=1.0, chunk_size=self.chunk_size)
+                out["teacher_ce"] = (teacher.ce_sum, teacher.num_ce_tokens)
+        return out
 
     def _gathered_teacher_head(self):
         """A ZeRO-3-sharded teacher needs its lm_head gathered for the loss; a replicated one does not."""

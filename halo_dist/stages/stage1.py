@@ -65,8 +65,10 @@ class Stage1Aligner(nn.Module):
     def teacher(self) -> HypeNetForCausalLM:
         return self._teacher[0]
 
-    def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, normalizer: float = 1.0, **unused):
-        """Returns ``(loss for backward, detached sum of per-token layer-summed MSE, token count)``."""
+    def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, normalizer: float = 1.0,
+                evaluate: bool = False, **unused):
+        """Returns ``(loss for backward, detached sum of per-token layer-summed MSE, token count)``;
+        with ``evaluate`` (held-out evaluation, train/evaluation.py) ``{"mse": (sum, count)}``."""
         with torch.no_grad():
             self.teacher(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                          return_hidden_only=True)
@@ -77,6 +79,8 @@ class Stage1Aligner(nn.Module):
             # per-token mean over the hidden dim, summed over tokens: a token-weighted MSE
             total = total + (pred.float() - target.float()).pow(2).mean(-1).sum()
         count = input_ids.numel()
+        if evaluate:
+            return {"mse": (total.detach(), count)}
         return total / normalizer, total.detach(), count
 
 

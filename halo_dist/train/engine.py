@@ -42,6 +42,7 @@ from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, s
 from ..data import build_loader
 from ..parallel import ProcessGroups, SequenceParallel
 from .checkpoint import CheckpointManager, latest_checkpoint
+from .evaluation import HeldoutEval
 from .metrics import ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, flops_per_token
 from .schedules import LRSchedule, make_lr_scheduler
 
@@ -187,6 +188,7 @@ class Trainer:
         from ..parallel.deepspeed_setup import init_distributed, initialize_engine, sp_loss_factor
 
         cfg = self.cfg
+        HeldoutEval.check_config(cfg)
         ensure_distributed_env()
         if not dist.is_initialized():
             init_distributed()
@@ -219,6 +221,7 @@ class Trainer:
             self.groups.sp_rank, cfg.parallel.sp_size, seed=cfg.data.seed, num_workers=cfg.data.num_workers,
             shuffle=cfg.data.shuffle, tokenizer=self._tokenizer_for_check(),
         )
+        self.heldout = HeldoutEval.from_trainer(self)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
         self._maybe_resume()
         self._start_metrics()
@@ -356,6 +359,8 @@ class Trainer:
         data = iter(self.loader)
         last = {}
         self.engine.train()
+        if self.step == 0:
+            self._maybe_evaluate(total)
         while self.step < total:
             micro_batches = [next(data) for _ in range(self.layout.grad_accum_steps)]
             normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
@@ -380,6 +385,7 @@ class Trainer:
                 self.metrics.add("train/skipped_steps", float(self.nonfinite.total))
             out = self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
             last = out or last
+            self._maybe_evaluate(total)
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < total:
                 self.save()
             if self._stop_agreed():
@@ -388,6 +394,16 @@ class Trainer:
         if cfg.checkpoint.save_final:
             self.save()
         return last
+
+    def _maybe_evaluate(self, total: int) -> None:
+        """Held-out ``eval/`` scalars before the first step, every ``eval.every_steps`` and after the last.
+
+        Called after a step's metrics and before its checkpoint, so a run resumed from that checkpoint
+        does not evaluate the same step twice."""
+        every = self.cfg.eval.every_steps
+        if self.heldout is None or not (self.step == 0 or self.step % every == 0 or self.step == total):
+            return
+        self.metrics.log_eval(self.step, self.heldout.run(self.engine))
 
     def _global_tokens(self, micro_batches) -> float:
         local = sum(self.module.loss_tokens(b) for b in micro_batches)
