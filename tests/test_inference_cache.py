@@ -82,3 +82,52 @@ def test_inference_benchmark_smoke(tmp_path):
     statuses = {(r["model"], r["context"]): r["status"] for r in payload["rows"]}
     assert statuses[("hypenet-2b", 256)] == "decode-only" and statuses[("qwen3-1.7b-shape", 64)] == "ok"
     assert all(r["decode_ms"] > 0 for r in payload["rows"] if r["status"] in ("ok", "decode-only"))
+
+
+def load_bench_inference():
+    """bench/ is a script folder, not an installed package: load the module from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_inference", REPO / "bench" / "bench_inference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def real_pair_folders(tmp_path_factory):
+    """A tiny random Llama teacher folder and the HypeNet converted from it, exported (attention in layer 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from halo_dist.models.convert import convert_model
+    from halo_dist.models.export import export_hypenet
+
+    root = tmp_path_factory.mktemp("real_pair")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    teacher = LlamaForCausalLM(cfg).eval()
+    teacher.save_pretrained(root / "teacher")
+    export_hypenet(convert_model(teacher, [1]), root / "student")
+    return root / "teacher", root / "student"
+
+
+def test_real_pair_benchmark_smoke(real_pair_folders, tmp_path):
+    """--real on CPU: one row per context, both models timed, ratios student / teacher; importable in-process."""
+    bench = load_bench_inference()
+    teacher_dir, student_dir = real_pair_folders
+    out = tmp_path / "real.json"
+    payload = bench.main(["--real", str(teacher_dir), str(student_dir), "--cpu-smoke", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [r["context"] for r in saved["rows"]] == [64, 128] == payload["contexts"]
+    for r in saved["rows"]:
+        assert r["status"] == "ok"
+        for who in ("teacher", "student"):
+            assert r[f"{who}_prefill_s"] > 0 and r[f"{who}_prefill_tok_s"] > 0 and r[f"{who}_decode_ms"] > 0
+        assert r["prefill_tok_s_ratio"] == pytest.approx(r["student_prefill_tok_s"] / r["teacher_prefill_tok_s"])
+        assert r["decode_ms_ratio"] == pytest.approx(r["student_decode_ms"] / r["teacher_decode_ms"])
+    assert saved["decode"] == "eager" and saved["teacher"]["mixers"] == ["attention"]
+    assert saved["student"]["attention_layers"] == [1] and "lightning" in saved["student"]["mixers"]
+    assert out.with_suffix(".png").exists()
+    with pytest.raises(SystemExit):  # shape-mode options are refused, not ignored
+        bench.parse_args(["--real", str(teacher_dir), str(student_dir), "--decode-only", "256"])
