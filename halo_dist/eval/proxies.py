@@ -177,14 +177,15 @@ def heldout_text_batches(tokenizer, seq_len: int = 512, n_rows: int = 8, batch_s
 
 
 def heldout_shard_batches(manifest: str, seq_len: int = 512, n_batches: int = 2, batch_size: int = 4, split: str = "heldout") -> list[dict]:
-    """Packed batches (document boundaries kept) from pre-tokenized shards of ``split``."""
+    """Packed batches (document boundaries kept; labels = next token of the same document, else -100)
+    from pre-tokenized shards of ``split``."""
     from ..data import DataError, build_loader
 
     try:
         loader = build_loader(manifest, seq_len, batch_size, shuffle=False, split=split, max_epochs=1)
         batches = []
         for batch in loader:
-            batches.append({k: batch[k] for k in ("input_ids", "position_ids", "cu_seqlens", "max_seqlen")})
+            batches.append({k: batch[k] for k in ("input_ids", "position_ids", "labels", "cu_seqlens", "max_seqlen")})
             if len(batches) >= n_batches:
                 break
     except DataError as e:
