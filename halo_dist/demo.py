@@ -122,44 +122,61 @@ class Demo:
 
         ``stage``: a training launcher, which checkpoints and exits 0 on SIGTERM, so the deadline
         stops it gently; any other step is simply stopped there and redone by the next piece."""
-        if done.exists():
-            print(f"[demo] {name:<16} already done ({done.relative_to(self.out)})", flush=True)
+        self.run_together([(name, cmd, done)], stage=stage)
+
+    def run_together(self, steps: list[tuple[str, list[str], Path]], stage: bool = False) -> None:
+        """Run independent steps at the same time (e.g. teacher and student evaluations, which leave a
+        GPU mostly idle one at a time); each is skipped when its ``done`` file exists."""
+        todo = []
+        for name, cmd, done in steps:
+            if done.exists():
+                print(f"[demo] {name:<16} already done ({done.relative_to(self.out)})", flush=True)
+            else:
+                todo.append((name, cmd))
+        if not todo:
             return
+        names = " + ".join(name for name, _ in todo)
         left = self.time_left()
         if left is not None and left < (STAGE_MIN_S if stage else OTHER_MIN_S):
-            raise DemoPaused(f"{left:.0f}s left before the deadline: {name} not started")
+            raise DemoPaused(f"{left:.0f}s left before the deadline: {names} not started")
         self.logs.mkdir(parents=True, exist_ok=True)
-        log = self.logs / f"{name}.log"
         t0 = time.time()
-        print(f"[demo] {name:<16} ...", end="", flush=True)
+        print(f"[demo] {names:<16} ...", end="", flush=True)
+        running = [(name, self._start(name, cmd)) for name, cmd in todo]
+        results = [(name, *self._wait(proc), log) for name, (proc, log) in running]
+        self.record_time(names, time.time() - t0)  # wall time: steps run together are counted once
+        if any(stopped for _, _, stopped, _ in results):
+            print(" paused", flush=True)
+            saved = " (checkpoint saved)" if stage and all(rc == 0 for _, rc, _, _ in results) else ""
+            cause = f"signal {self.stop_signal}" if self.stop_signal else "the deadline"
+            raise DemoPaused(f"{cause} stopped {names}{saved}")
+        failed = [(name, rc, log) for name, rc, _, log in results if rc != 0]
+        if failed:
+            print(" FAILED", flush=True)
+            name, rc, log = failed[0]
+            tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+            raise DemoStepError(f"step {name} failed (exit {rc}); log: {log}\n{tail}")
+        print(f" done in {time.time() - t0:.0f}s", flush=True)
+
+    def _start(self, name: str, cmd: list[str]) -> tuple[subprocess.Popen, Path]:
+        log = self.logs / f"{name}.log"
         with open(log, "a") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env(), start_new_session=True)
-            returncode, stopped = self._wait(proc)
-        self.record_time(name, time.time() - t0)
-        if stopped:
-            print(" paused", flush=True)
-            saved = " (its checkpoint is saved)" if stage and returncode == 0 else ""
-            raise DemoPaused(f"{'signal ' + str(self.stop_signal) if self.stop_signal else 'the deadline'} "
-                             f"stopped {name}{saved}")
-        if returncode != 0:
-            print(" FAILED", flush=True)
-            tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-            raise DemoStepError(f"step {name} failed (exit {returncode}); log: {log}\n{tail}")
-        print(f" done in {time.time() - t0:.0f}s", flush=True)
+        return proc, log
 
     def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
         """Wait for the step; at the deadline (or a signal to the demo) SIGTERM it, then SIGKILL after the grace.
 
         SIGTERM goes to the step's own process only: a stage's loader workers must live until it has
-        saved its checkpoint."""
+        saved its checkpoint. Returns ``(exit code, stopped early)``."""
         while True:
             try:
                 return proc.wait(timeout=1.0), False
             except subprocess.TimeoutExpired:
                 left = self.time_left()
-                if self.stop_signal is None and (left is None or left > 0):
+                if left is None or left > 0:
                     continue
             proc.send_signal(signal.SIGTERM)
             try:
@@ -274,8 +291,8 @@ class Demo:
                                           "--seq-len", str(s.long_seq_len), "--rows", str(s.calib_rows),
                                           "--batch-size", str(min(4, s.calib_rows)), "--grid", s.calib_grid,
                                           "--output", str(out / "calibrate.json"), *self.eval_args()), out / "calibrate.json")
-        for who, model in (("teacher", teacher), ("student", str(student))):
-            self.run(f"eval-{who}", self.halo(*self.suite_args(who, model, data)), out / "eval" / who / "DONE")
+        self.run_together([(f"eval-{who}", self.halo(*self.suite_args(who, model, data)), out / "eval" / who / "DONE")
+                           for who, model in (("teacher", teacher), ("student", str(student)))])
         report = write_report(out, layers, time.time() - t0)
         print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
         return report

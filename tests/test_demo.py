@@ -74,3 +74,34 @@ def test_demo_help_lists_every_setting():
     assert res.returncode == 0
     for flag in ("--preset", "--stage2-steps", "--niah-lengths", "--csr-limit", "--out"):
         assert flag in res.stdout
+
+
+def test_deadline_stops_a_running_step_gently_and_the_next_piece_continues(tmp_path, monkeypatch):
+    """At the deadline the running step gets SIGTERM (a stage saves and exits 0), the demo pauses;
+    the seconds of both pieces add up in timings.json and a finished step is skipped next time."""
+    import halo_dist.demo as demo_module
+    from halo_dist.demo import Demo, DemoPaused, DemoSettings
+
+    monkeypatch.setattr(demo_module, "STAGE_MIN_S", 1.0)  # seconds, not minutes: a 2 s deadline
+    monkeypatch.setattr(demo_module, "OTHER_MIN_S", 1.0)
+    saver = ("import signal, sys, time, pathlib\n"
+             "def stop(*_):\n    pathlib.Path(sys.argv[1]).write_text('saved'); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop)\ntime.sleep(60)\n")
+    demo = Demo(DemoSettings(out=str(tmp_path), deadline_s=2.0))
+    done = tmp_path / "done"
+    with pytest.raises(DemoPaused, match="checkpoint saved"):
+        demo.run("stage", [sys.executable, "-c", saver, str(tmp_path / "ckpt")], done, stage=True)
+    assert (tmp_path / "ckpt").read_text() == "saved"
+    with pytest.raises(DemoPaused, match="not started"):  # too little time left to start anything
+        demo.run("next", [sys.executable, "-c", "pass"], tmp_path / "next_done")
+
+    demo2 = Demo(DemoSettings(out=str(tmp_path)))  # the next piece, no deadline
+    finish = f"import pathlib; pathlib.Path({str(done)!r}).write_text('ok')"
+    demo2.run_together([("stage", [sys.executable, "-c", finish], done),
+                        ("other", [sys.executable, "-c", "pass"], tmp_path / "other_done")])
+    demo2.run("stage", [sys.executable, "-c", "raise SystemExit(9)"], done)  # done: skipped, not run
+    import json
+
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert timings["stage"] >= 2.0 and "stage + other" in timings, timings
+    assert "$ " in (tmp_path / "logs" / "stage.log").read_text()
