@@ -51,7 +51,8 @@ class DemoSettings:
     micro_batch: int = 4
     stage3_global_batch: int = 2
     stage3_micro_batch: int = 1
-    compile: str = "none"  # model.compile of stages 2/3: none | mlp | layer
+    compile: str = "none"  # model.compile of stage 2: none | mlp | layer
+    stage3_compile: str = "none"  # model.compile of stage 3 (a short stage: compiling may cost more than it saves)
     num_attn: int = 7  # k = floor(30 / 4)
     select_items: int = 6  # retrieval prompts per layer for the recall proxy
     select_length: int = 256
@@ -62,6 +63,7 @@ class DemoSettings:
     niah_depths: str = "3"
     niah_samples: int = 1  # prompts per (task, length, depth) cell
     niah_batch: int = 4
+    niah_batch_tokens: int = 0  # > 0: prompts per batch = tokens // length (at most niah_batch)
     csr_tasks: str = "hellaswag,arc_easy,arc_challenge"
     csr_limit: int = 25  # items per task (0: every item)
     csr_batch: int = 8
@@ -88,7 +90,7 @@ class DemoSettings:
                    stage1_steps=306, stage2_steps=916, stage3_steps=77, global_batch=128, micro_batch=128,
                    stage3_global_batch=8, stage3_micro_batch=4, compile="layer", select_items=64,
                    select_length=2048, kl_rows=64, calib_grid="none,100,200,500,1000,2000,5000", calib_rows=8,
-                   niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=10,
+                   niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=16, niah_batch_tokens=65536,
                    csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0, csr_batch=128,
                    ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16")
 
@@ -96,7 +98,7 @@ class DemoSettings:
 PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny, "h200": DemoSettings.h200}
 # a stage (which checkpoints on SIGTERM) is not started with less than this left before the deadline,
 # another step (which would be redone) with less than OTHER_MIN_S; a stage gets STOP_GRACE_S to save
-STAGE_MIN_S, OTHER_MIN_S, STOP_GRACE_S = 60.0, 45.0, 90.0
+STAGE_MIN_S, OTHER_MIN_S, STOP_GRACE_S = 60.0, 45.0, 45.0
 
 
 class DemoStepError(RuntimeError):
@@ -221,7 +223,7 @@ class Demo:
         s = self.s
         global_batch, micro = (s.stage3_global_batch, s.stage3_micro_batch) if stage == "stage3" else (s.global_batch, s.micro_batch)
         data = (s.data_long or s.data) if stage == "stage3" else s.data
-        compile_ = [f"model.compile={s.compile}"] if stage != "stage1" else []
+        compile_ = {"stage1": [], "stage2": [f"model.compile={s.compile}"], "stage3": [f"model.compile={s.stage3_compile}"]}[stage]
         return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
                 f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
                 f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",
@@ -302,7 +304,7 @@ class Demo:
         s, folder = self.s, self.out / "eval" / who
         args = ["eval-suite", "--model", model, "--output-dir", str(folder), "--name", who,
                 "--niah-lengths", s.niah_lengths, "--niah-depths", s.niah_depths, "--niah-samples", str(s.niah_samples),
-                "--niah-batch-size", str(s.niah_batch), "--csr-tasks", s.csr_tasks, "--csr-limit", str(s.csr_limit),
+                "--niah-batch-size", str(s.niah_batch), "--niah-batch-tokens", str(s.niah_batch_tokens), "--csr-tasks", s.csr_tasks, "--csr-limit", str(s.csr_limit),
                 "--csr-batch-size", str(s.csr_batch), "--done-marker", *self.eval_args()]
         if s.ppl_seq_len:
             args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows", str(s.ppl_rows)]

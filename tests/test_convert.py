@@ -125,3 +125,20 @@ def test_cli_convert_and_generate(qwen3_folder, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: attention layer indices [9] out of range" in err and "hint:" in err
     assert cli.main(["convert", "--teacher", str(folder), "--attn-layers", "a,b", "--output", str(out)]) == 2
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_random_teacher_family_and_its_exact_hypenet(architecture):
+    """model.random_teacher.architecture builds that HF family (Llama: no QK-norm, as SmolLM2); the
+    all-attention HypeNet the stages train against reproduces its logits."""
+    import torch
+
+    from halo_dist.config import load_config
+    from halo_dist.config.loader import with_overrides
+    from halo_dist.stages.teacher import as_exact_hypenet, load_hf_teacher
+
+    cfg = with_overrides(load_config("configs/tiny/stage2.yaml"), {"model.random_teacher.architecture": architecture})
+    hf = load_hf_teacher(cfg.model)
+    assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[architecture]
+    ids = torch.randint(0, hf.config.vocab_size, (2, 24))
+    assert torch.allclose(hf(ids).logits, as_exact_hypenet(hf)(ids).logits, atol=1e-5)

@@ -119,3 +119,9 @@ def test_eval_niah_cli_on_the_real_teacher(tmp_path, capsys):
     assert (out / "smol_heatmap.png").exists() and "niah_single_1" in (out / "smol.md").read_text()
     assert cli.main(["eval-niah", "--model", "smollm2", "--tasks", "niah_single_9", "--output-dir", str(out)]) == 2
     assert "unknown NIAH tasks" in capsys.readouterr().err
+
+
+def test_batch_by_tokens_sends_long_prompts_alone():
+    cfg = niah.NiahConfig(["niah_single_1"], [2048, 65536], [0.5], batch_size=16, batch_tokens=65536)
+    assert [cfg.batch_for(n) for n in (2048, 16384, 65536, 131072)] == [16, 4, 1, 1]
+    assert niah.NiahConfig(["niah_single_1"], [2048], [0.5], batch_size=3).batch_for(65536) == 3  # off: fixed

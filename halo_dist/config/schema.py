@@ -57,10 +57,14 @@ def _non_negative(key: str, value: float | int) -> None:
 
 @dataclass(kw_only=True, frozen=True)
 class RandomTeacherConfig(Section):
-    """A randomly initialised Qwen3 teacher (CPU tests, GPU benchmarks of the real shapes).
+    """A randomly initialised teacher (CPU tests, GPU benchmarks of the real shapes).
 
-    Field names are Hugging Face ``Qwen3Config`` names so a builder can pass them through.
+    Field names are Hugging Face ``Qwen3Config`` / ``LlamaConfig`` names so a builder can pass them
+    through. ``architecture`` picks the family: Qwen3 (QK-norm in attention) or Llama (none, as SmolLM2),
+    so a benchmark or warm-up runs, and compiles, the same layers as the real teacher.
     """
+
+    architecture: Literal["qwen3", "llama"] = "qwen3"
 
     num_hidden_layers: int  # transformer blocks
     hidden_size: int  # model width d

@@ -312,6 +312,15 @@ class NiahConfig:
     batch_size: int = 4
     max_new_tokens: int = 0  # 0: enough for the answer (from the tokenizer)
     seed: int = 0
+    # > 0: prompts per batch = max(1, batch_tokens // length), at most batch_size. Long prompts then go
+    # one at a time, so no padding mask is needed (HF's SDPA path materialises [B, 1, T, T] masks for
+    # left-padded batches: 43 GB at 10 x 64K).
+    batch_tokens: int = 0
+
+    def batch_for(self, length: int) -> int:
+        if self.batch_tokens <= 0:
+            return self.batch_size
+        return max(1, min(self.batch_size, self.batch_tokens // max(1, length)))
 
 
 def run_niah(model, tokenizer, cfg: NiahConfig, corpus: list[str] | None = None, log=print) -> dict:
@@ -330,8 +339,9 @@ def run_niah(model, tokenizer, cfg: NiahConfig, corpus: list[str] | None = None,
 
 def _decode_and_score(model, tokenizer, samples: list[NiahSample], cfg: NiahConfig) -> list[dict]:
     out = []
-    for s in range(0, len(samples), cfg.batch_size):
-        chunk = samples[s : s + cfg.batch_size]
+    step = cfg.batch_for(max(x.length for x in samples)) if samples else 1
+    for s in range(0, len(samples), step):
+        chunk = samples[s : s + step]
         new = cfg.max_new_tokens or max(len(tokenizer(" " + x.answer, add_special_tokens=False)["input_ids"]) for x in chunk) + 8
         texts = greedy_generate(model, tokenizer, [x.input_ids for x in chunk], new)
         for x, text in zip(chunk, texts):

@@ -17,21 +17,23 @@ from ..models.hypenet import HypeNetForCausalLM
 EXACT_TEACHER = dict(attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False, rnn_output_gate=False)
 
 
-def random_qwen3(model_cfg: ModelConfig):
-    """A random Qwen3 of the configured shape (tests and benchmarks), seeded so every rank agrees."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def random_teacher(model_cfg: ModelConfig):
+    """A random teacher of the configured shape and family (Qwen3 or Llama; tests and benchmarks), seeded
+    so every rank agrees."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     rt = model_cfg.random_teacher
-    cfg = Qwen3Config(
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[rt.architecture]
+    cfg = config_cls(
         vocab_size=rt.vocab_size, hidden_size=rt.hidden_size, intermediate_size=rt.intermediate_size,
         num_hidden_layers=rt.num_hidden_layers, num_attention_heads=rt.num_attention_heads,
         num_key_value_heads=rt.num_key_value_heads, head_dim=rt.head_dim, tie_word_embeddings=rt.tie_word_embeddings,
         rope_theta=rt.rope_theta, max_position_embeddings=rt.max_position_embeddings,
     )
-    cfg.architectures = ["Qwen3ForCausalLM"]
+    cfg.architectures = [model_cls.__name__]
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(rt.seed)
-    model = Qwen3ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     torch.random.set_rng_state(generator_state)
     return model
 
@@ -48,7 +50,7 @@ def teacher_path(name: str) -> str:
 def load_hf_teacher(model_cfg: ModelConfig):
     """The teacher as a loaded HF model (fp32 on CPU; cast and moved later)."""
     if model_cfg.teacher == "random":
-        return random_qwen3(model_cfg)
+        return random_teacher(model_cfg)
     source = resolve_teacher(teacher_path(model_cfg.teacher))
     load_teacher_config(source)  # fails fast on a bad path / architecture
     return load_teacher(source, torch.float32)
