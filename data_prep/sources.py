@@ -46,17 +46,38 @@ def wiki_spec(lang: str = "en-us") -> dict:
 
 def iter_texts(spec: dict) -> Iterator[str | None]:
     """Yield every document text of ``spec`` in order (None/'' for records without text)."""
+    for _, text in iter_labeled(spec):
+        yield text
+
+
+def iter_labeled(spec: dict) -> Iterator[tuple[str, str | None]]:
+    """Yield (source label, text) for every document of ``spec`` in order.
+
+    The label names where the document came from, so the manifest can count each input's share of
+    a multi-file data set: an input file's path relative to the inputs' common folder, the Hugging
+    Face dataset name, or ``wiki-offline``.
+    """
     kind = spec["kind"]
     if kind == "files":
-        for f in spec["files"]:
-            yield from _iter_file(f["path"], spec["text_field"], spec["txt_doc"])
+        for f, label in zip(spec["files"], file_labels(spec)):
+            for text in _iter_file(f["path"], spec["text_field"], spec["txt_doc"]):
+                yield label, text
     elif kind == "hf":
-        yield from _iter_hf(spec)
+        for text in _iter_hf(spec):
+            yield spec["name"], text
     elif kind == "wiki-offline":
         from halo_dist.assets.text import iter_wiki_texts
-        yield from iter_wiki_texts(lang=spec["lang"])
+        for text in iter_wiki_texts(lang=spec["lang"]):
+            yield "wiki-offline", text
     else:
         raise ValueError(f"unknown source kind {kind!r}")
+
+
+def file_labels(spec: dict) -> list[str]:
+    """Source labels of a files spec: each path relative to the folder that holds all of them."""
+    paths = [f["path"] for f in spec["files"]]
+    common = os.path.commonpath([os.path.dirname(p) for p in paths])
+    return [os.path.relpath(p, common) for p in paths]
 
 
 def _open_text(path: str):

@@ -19,6 +19,8 @@ documents longer than ``--max-doc-tokens`` become pieces (``piece.json`` says wh
 the piece continues). The output is a deterministic function of the arguments. Shards are written
 atomically and the manifest is updated after each one, so re-running the same command after a
 crash resumes after the last finished shard; a re-run with different arguments is refused.
+Each split of the manifest counts its documents and tokens per input (``sources``: an input file's
+path relative to the inputs' common folder), so the mix of a multi-file data set is on record.
 """
 from __future__ import annotations
 
@@ -109,21 +111,24 @@ def _init_worker(tok_spec: str, eos: int, dtype: str, add_special: bool) -> None
     _WORKER.update(eos=eos, dtype=np.dtype(dtype), add_special=add_special)
 
 
-def _encode(batch: list[tuple[int, str]]) -> list[tuple[int, np.ndarray]]:
-    """Tokenize (doc index, text) pairs; each result ends with EOS (None stays None). Runs in a worker."""
+def _encode(batch: list[tuple[int, str, str]]) -> list[tuple[int, str, np.ndarray]]:
+    """Tokenize (doc index, source label, text) triples; each result ends with EOS (None stays None).
+
+    Runs in a worker.
+    """
     tok, eos, dtype = _WORKER["tok"], _WORKER["eos"], _WORKER["dtype"]
-    texts = [t for _, t in batch if t is not None]
+    texts = [t for _, _, t in batch if t is not None]
     ids = iter(tok(texts, add_special_tokens=_WORKER["add_special"])["input_ids"] if texts else [])
     out = []
-    for i, text in batch:
+    for i, label, text in batch:
         if text is None:
-            out.append((i, None))
+            out.append((i, label, None))
             continue
         seq = next(ids)
         arr = np.empty(len(seq) + 1, dtype)  # [n+1]: tokens then EOS
         arr[:-1] = seq
         arr[-1] = eos
-        out.append((i, arr))
+        out.append((i, label, arr))
     return out
 
 
@@ -154,6 +159,7 @@ class SplitWriter:
         self.writer: ShardWriter | None = None
         self.first_doc = self.last_doc = -1
         self.empty = 0  # empty source records seen since the last finished shard
+        self.sources: dict[str, dict] = {}  # label -> docs, tokens of the open shard
         (out / split).mkdir(parents=True, exist_ok=True)
         remove_stale_tmp(out / split, lambda n: n.startswith(".shard-"))
 
@@ -161,11 +167,16 @@ class SplitWriter:
     def tokens(self) -> int:
         return self.done_tokens + (self.writer.tokens if self.writer else 0)
 
-    def add(self, doc: int, tokens: np.ndarray | None, max_doc_tokens: int) -> bool:
-        """Add a document (None: an empty record, only counted); True when this finished a shard."""
+    def add(self, doc: int, tokens: np.ndarray | None, max_doc_tokens: int, source: str | None = None) -> bool:
+        """Add a document (None: an empty record, only counted) of input ``source``; True when this
+        finished a shard."""
         if tokens is None:
             self.empty += 1
             return False
+        if source is not None:
+            count = self.sources.setdefault(source, {"docs": 0, "tokens": 0})
+            count["docs"] += 1
+            count["tokens"] += len(tokens)
         if self.writer is None:
             self.writer = ShardWriter(self.out / self.split / f"shard-{len(self.records):06d}.tar")
             self.first_doc = doc
@@ -184,15 +195,16 @@ class SplitWriter:
             return
         rec = self.writer.close()
         rec.update(path=f"{self.split}/{self.writer.path.name}", first_doc=self.first_doc,
-                   last_doc=self.last_doc, empty_docs_skipped=self.empty)
+                   last_doc=self.last_doc, empty_docs_skipped=self.empty, sources=self.sources)
         self.records.append(rec)
         self.done_tokens += rec["tokens"]
-        self.next_doc, self.writer, self.empty = self.last_doc + 1, None, 0
+        self.next_doc, self.writer, self.empty, self.sources = self.last_doc + 1, None, 0, {}
 
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
+        self.sources = {}
 
 
 # ----------------------------------------------------------------------------------- manifest
@@ -202,7 +214,7 @@ def _manifest(config: dict, tok_info: dict, writers: dict, args: dict, complete:
     for name, w in writers.items():
         recs = w.records
         agg = {k: sum(r[k] for r in recs) for k in ("docs", "samples", "tokens")}
-        splits[name] = {"shards": recs, **agg}
+        splits[name] = {"shards": recs, **agg, "sources": _source_counts(recs)}
         for k in agg:
             totals[k] += agg[k]
         totals["shards"] += len(recs)
@@ -210,6 +222,20 @@ def _manifest(config: dict, tok_info: dict, writers: dict, args: dict, complete:
     return {"format": FORMAT, "complete": complete, "dtype": config["dtype"], "tokenizer": tok_info,
             "source": config["source"], "config": config, "args": args, "splits": splits,
             "resume": {n: {"next_doc": w.next_doc} for n, w in writers.items()}, "totals": totals}
+
+
+def _source_counts(records: list[dict]) -> dict:
+    """Documents and tokens (EOS included) per input source over a split's finished shards.
+
+    Summed from the shard records, so a resumed run reports exactly what an uninterrupted one does.
+    """
+    total: dict[str, dict] = {}
+    for rec in records:
+        for label, count in rec.get("sources", {}).items():
+            t = total.setdefault(label, {"docs": 0, "tokens": 0})
+            t["docs"] += count["docs"]
+            t["tokens"] += count["tokens"]
+    return total
 
 
 def _load_previous(out: Path, config: dict) -> dict | None:
@@ -232,14 +258,15 @@ def _load_previous(out: Path, config: dict) -> dict | None:
 
 # ----------------------------------------------------------------------------------- main loop
 def _batches(spec: dict, start: int, max_docs: int | None, want, size: int) -> Iterator[list]:
-    """Batches of (doc index, text or None if empty) from ``start`` on, keeping docs ``want(i)`` accepts."""
+    """Batches of (doc index, source label, text or None if empty) from ``start`` on, keeping docs
+    ``want(i)`` accepts."""
     batch = []
-    for i, text in enumerate(sources.iter_texts(spec)):
+    for i, (label, text) in enumerate(sources.iter_labeled(spec)):
         if max_docs is not None and i >= max_docs:
             break
         if i < start or not want(i):
             continue
-        batch.append((i, text if isinstance(text, str) and text.strip() else None))
+        batch.append((i, label, text if isinstance(text, str) and text.strip() else None))
         if len(batch) >= size:
             yield batch
             batch = []
@@ -333,10 +360,10 @@ def _tokenize_into(args, spec: dict, tok, eos: int, dtype: str, writers: dict, s
     want = lambda i: i >= writers[split_of(i)].next_doc  # noqa: E731
     with _encoder(args, tok, eos, dtype) as encode, _progress(args) as bar:
         for batch in encode(_batches(spec, start, args.max_docs, want, args.batch_docs)):
-            for i, arr in batch:
+            for i, label, arr in batch:
                 if args.max_tokens and i >= train.resume_doc and train.tokens >= args.max_tokens:
                     return n_tok
-                if writers[split_of(i)].add(i, arr, args.max_doc_tokens):
+                if writers[split_of(i)].add(i, arr, args.max_doc_tokens, source=label):
                     on_shard()
                 n_tok += 0 if arr is None else len(arr)
                 bar.update(1)

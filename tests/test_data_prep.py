@@ -103,11 +103,11 @@ def test_crash_then_resume_is_identical(tmp_path, monkeypatch):
     calls = {"n": 0}
     real_add = T.SplitWriter.add
 
-    def flaky(self, doc, tokens, max_doc_tokens):
+    def flaky(self, doc, tokens, max_doc_tokens, **kw):
         calls["n"] += 1
         if calls["n"] == 120:
             raise RuntimeError("simulated crash")
-        return real_add(self, doc, tokens, max_doc_tokens)
+        return real_add(self, doc, tokens, max_doc_tokens, **kw)
 
     monkeypatch.setattr(T.SplitWriter, "add", flaky)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -144,11 +144,11 @@ def test_resume_refuses_damaged_finished_shard(tmp_path, monkeypatch):
     real = T.SplitWriter.add
     n = {"c": 0}
 
-    def crash(self, *a):
+    def crash(self, *a, **kw):
         n["c"] += 1
         if n["c"] == 80:
             raise KeyboardInterrupt
-        return real(self, *a)
+        return real(self, *a, **kw)
 
     monkeypatch.setattr(T.SplitWriter, "add", crash)
     with pytest.raises(KeyboardInterrupt):
@@ -266,3 +266,41 @@ def test_concurrent_run_into_same_folder_refused(tmp_path):
         with pytest.raises(DataError, match="another data_prep run"):
             run_prep(out, max_docs=5)
     assert run_prep(out, max_docs=5)["complete"]
+
+
+def test_manifest_counts_each_input_file_and_survives_resume(tmp_path, monkeypatch):
+    import data_prep.tokenize as T
+
+    texts = wiki_docs(160)
+    files = [write_jsonl(tmp_path / "in" / "a.jsonl", texts[:60]), write_jsonl(tmp_path / "in" / "sub" / "b.jsonl",
+                                                                               ["", *texts[60:]])]
+    kw = dict(input=[str(f) for f in files], shard_tokens=2500, heldout_fraction=0.1)
+    ref = run_prep(tmp_path / "ref", **kw)
+    for split in ("train", "heldout"):
+        sp = ref["splits"][split]
+        assert set(sp["sources"]) == {"a.jsonl", "sub/b.jsonl"}
+        assert sum(c["tokens"] for c in sp["sources"].values()) == sp["tokens"]
+        assert sum(c["docs"] for c in sp["sources"].values()) == sp["docs"]
+    assert sum(ref["splits"][s]["sources"]["a.jsonl"]["docs"] for s in ("train", "heldout")) == 60
+    assert sum(ref["splits"][s]["sources"]["sub/b.jsonl"]["docs"] for s in ("train", "heldout")) == 100  # "" skipped
+    tok = qwen_tokenizer()
+    a_tokens = sum(len(tok(t)["input_ids"]) + 1 for i, t in enumerate(texts[:60])
+                   if not T.is_heldout(i, 0.1, 0))
+    assert ref["splits"]["train"]["sources"]["a.jsonl"]["tokens"] == a_tokens
+
+    real_add, calls = T.SplitWriter.add, {"n": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 90:  # inside the second file, with finished shards of both behind
+            raise RuntimeError("simulated crash")
+        return real_add(self, *a, **k)
+
+    monkeypatch.setattr(T.SplitWriter, "add", flaky)
+    with pytest.raises(RuntimeError):
+        run_prep(tmp_path / "run", **kw)
+    monkeypatch.setattr(T.SplitWriter, "add", real_add)
+    part = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert not part["complete"] and "a.jsonl" in part["splits"]["train"]["sources"]
+    m = run_prep(tmp_path / "run", **kw)
+    assert {k: v for k, v in m.items() if k != "args"} == {k: v for k, v in ref.items() if k != "args"}
