@@ -65,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--naive-steps", type=int, default=6)
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench")
     p.add_argument("--tag", default="", help="suffix of the result name (stages_<tag>.json)")
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/stages_<tag>.json)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per launcher run")
     p.add_argument("--config-pattern", default="configs/bench/stage{stage}_2b.yaml")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny CPU configs (checks the script end to end)")
@@ -259,7 +260,7 @@ def save(a, results: dict, final: bool = False) -> dict:
         **results,
     }
     name = f"stages{('_' + a.tag) if a.tag else ''}"
-    out = write_result(name, payload, f"/tmp/halo_dist_{name}.json" if a.cpu_smoke else None)
+    out = write_result(name, payload, a.out or (f"/tmp/halo_dist_{name}.json" if a.cpu_smoke else None))
     if not final:
         return payload
     print(f"\nstage2 MFU {payload['stage2_mfu']}, speedup vs naive {payload['stage2_speedup_vs_naive']}, "

