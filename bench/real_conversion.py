@@ -79,7 +79,8 @@ def cmd_corpus(a) -> int:
         os.replace(a.work / ".tokenizer.tmp", tok)
     cmd = [sys.executable, str(ROOT / "bench" / "build_corpus.py"), "build", "--text", str(a.text), "--tokenizer",
            str(tok), "--out", str(a.work / "corpus"), "--num-proc", str(a.num_proc),
-           "--heldout-fraction", "0.02"]  # 2% of documents: enough natural-language text to evaluate on
+           # 2% of the documents: enough natural-language text to evaluate on (a rehearsal's few need more)
+           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02"]
     # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's alone
     cmd += ["--code-root", str(ROOT / "halo_dist")] if a.cpu_rehearsal else ["--code-from-python"]
     print("$ " + " ".join(cmd), flush=True)
@@ -110,8 +111,11 @@ def cmd_warmup(a) -> int:
     subprocess.run(cmd, cwd=ROOT, check=False)
     stages = json.loads((a.work / "warmup_stages.json").read_text()) if (a.work / "warmup_stages.json").exists() else {}
     ok = stages.get("stage2", {}).get("status") == "ok"
-    choice = {"compile": "layer" if ok and not a.cpu_rehearsal else "none",
-              "why": "the compiled stage 2 ran in the warm-up" if ok else "the compiled warm-up stage 2 failed: eager"}
+    if a.cpu_rehearsal:
+        choice = {"compile": "none", "why": "CPU rehearsal: eager"}
+    else:
+        choice = {"compile": "layer" if ok else "none",
+                  "why": "the compiled stage 2 ran in the warm-up" if ok else "the compiled warm-up stage 2 failed: eager"}
     out.write_text(json.dumps({**choice, "stages": stages, "environment": environment()}, indent=2, default=str))
     print(json.dumps(choice))
     return 0
@@ -209,9 +213,9 @@ def collect(a, partial: bool = False) -> Path:
     a.results.mkdir(parents=True, exist_ok=True)
     result = summarize(a.work)
     result["complete"] = not partial and (run / "speed.json").exists()
-    path = a.results / ("real_conversion_rehearsal.json" if a.cpu_rehearsal else "real_conversion.json")
+    path = a.results / "real_conversion.json"
     path.write_text(json.dumps(result, indent=2, default=str))
-    pictures(run, a.results, prefix="rehearsal_" if a.cpu_rehearsal else "")
+    pictures(run, a.results)
     print(f"[real] wrote {path}", flush=True)
     return path
 
@@ -295,11 +299,11 @@ def gpu_minutes(work: Path) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- pictures
-def pictures(run: Path, results: Path, prefix: str = "") -> list[Path]:
+def pictures(run: Path, results: Path) -> list[Path]:
     made = []
     for fn in (_curves_png, _niah_png, _csr_png):
         try:
-            path = fn(run, results / f"{prefix}real_conversion_{fn.__name__[1:-4]}.png")
+            path = fn(run, results / f"real_conversion_{fn.__name__[1:-4]}.png")
         except (OSError, KeyError, ValueError) as e:  # a part not run yet
             print(f"[real] no {fn.__name__[1:-4]} picture yet ({e})")
             continue
@@ -339,6 +343,9 @@ def _curves_png(run: Path, path: Path) -> Path | None:
             if tag in series:
                 bottom.plot(*zip(*series[tag]), "o-", label=f"{label} held-out CE")
         bottom.set(title=f"{stage}: held-out next-token CE (nats)", xlabel="step")
+        if stage == "stage1":
+            bottom.text(0.5, 0.5, "stage 1 trains layer outputs (MSE):\nno next-token prediction yet",
+                        ha="center", va="center", transform=bottom.transAxes)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
             if ax.lines:
@@ -350,6 +357,8 @@ def _curves_png(run: Path, path: Path) -> Path | None:
 def _niah_png(run: Path, path: Path) -> Path | None:
     """Teacher and student NIAH heatmaps (accuracy by depth x length) side by side, one row per task."""
     import numpy as np
+
+    from halo_dist.eval.niah import format_length
 
     reports = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
     if not all(reports.values()):
@@ -364,7 +373,7 @@ def _niah_png(run: Path, path: Path) -> Path | None:
                               for L in lengths] for d in depths])
             ax = fig.add_subplot(len(tasks), 2, 2 * i + j + 1)
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(lengths)), [f"{L // 1024}K" for L in lengths])
+            ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
             ax.set(title=f"{who}: {task}", xlabel="context (tokens)", ylabel="needle depth")
             for (y, x), v in np.ndenumerate(grid):
@@ -402,6 +411,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     a.work = a.work.resolve()
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.cpu_rehearsal and a.results == RESULTS:
+        a.results = a.work / "results"  # a rehearsal's figures are not results
     return {"corpus": cmd_corpus, "warmup": cmd_warmup, "run": cmd_run, "collect": cmd_collect}[a.command](a)
 
 

