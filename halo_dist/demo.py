@@ -90,7 +90,7 @@ class DemoSettings:
                    stage1_steps=306, stage2_steps=916, stage3_steps=77, global_batch=128, micro_batch=128,
                    stage3_global_batch=8, stage3_micro_batch=4, compile="layer", select_items=64,
                    select_length=2048, kl_rows=64, calib_grid="none,100,200,500,1000,2000,5000", calib_rows=8,
-                   niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=16, niah_batch_tokens=65536,
+                   niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=16, niah_batch_tokens=262144,
                    csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0, csr_batch=128,
                    ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16")
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 NAMESPACES = ("train", "optim", "perf", "mem", "progress", "eval")
 ATTENDED = "perf/attended_keys"  # keys per token under the document mask (token-weighted), for MFU
 GIB = 1024**3
-# Dense bf16 FLOP/s per device for MFU. H200: measured bf16 matmul ceiling (SPEC §7); others:
+# Dense bf16 FLOP/s per device for MFU. H200: the bf16 matmul ceiling measured on the lent H200 (BENCHMARKS.md); others:
 # datasheet dense peaks (SXM parts). Matched by substring, in order (GH200 before H200).
 PEAK_FLOPS = (
     ("GH200", 989e12), ("H200", 779e12), ("H100", 989e12), ("H800", 989e12), ("B200", 2250e12),
