@@ -1,0 +1,35 @@
+"""bench/real_conversion.py's collection on the files the H200 run wrote (bench/results/logs/real_*)."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("real_conversion", REPO / "bench" / "real_conversion.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_and_pictures_from_the_h200_run(tmp_path):
+    rc = _module()
+    run = tmp_path / "run"
+    for stage in ("stage1", "stage2", "stage3"):
+        (run / stage).mkdir(parents=True)
+        shutil.copyfile(RESULTS / "logs" / f"real_{stage}.metrics.jsonl", run / stage / "metrics.jsonl")
+    (run / "eval" / "teacher" / "niah").mkdir(parents=True)
+    shutil.copyfile(RESULTS / "real_niah16k32k_teacher.json", run / "eval" / "teacher" / "niah" / "teacher.json")
+    out = rc.summarize(tmp_path)
+    recorded = json.loads((RESULTS / "real_conversion.json").read_text())
+    for key in ("kl_heldout_stage1", "kl_heldout_stage2", "kl_heldout_stage3", "tokens_stage1", "tokens_stage2",
+                "tokens_stage3", "niah_s1_teacher_16k"):
+        assert out[key] == recorded[key], key
+    assert out["tokens_stage2"] == 916 * 128 * 512 and out["goals"]["kl_heldout_stage2 < kl_heldout_stage1 / 2"]
+    assert out["csr_ratio"] is None and out["niah_s1_student_16k"] is None  # not run: null, never invented
+    made = rc.pictures(run, tmp_path)
+    assert [p.name for p in made] == ["real_conversion_curves.png"]  # NIAH and CSR pictures need both models
