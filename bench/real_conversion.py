@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -225,18 +224,18 @@ def _read(path: Path):
 
 
 def stage_summary(run_dir: Path) -> dict:
-    """Tokens, throughput (median of the logged intervals after the first), MFU, memory and held-out curves."""
+    """Tokens, throughput and MFU (bench_stages' medians of the logged intervals after the first), memory,
+    and the held-out curves."""
+    from bench.bench_stages import summarize_metrics
     from halo_dist.train.metrics import read_metrics
 
     if not (run_dir / "metrics.jsonl").exists():
         return {}
+    rates = summarize_metrics(run_dir / "metrics.jsonl")
     series = read_metrics(run_dir)
-    timed = lambda tag: [v for _, v in series.get(tag, [])][1:] or [v for _, v in series.get(tag, [])]  # noqa: E731
-    med = lambda tag: statistics.median(timed(tag)) if timed(tag) else None  # noqa: E731
     tokens = series.get("progress/tokens", [])
     return {"tokens": int(tokens[-1][1]) if tokens else None, "steps": int(tokens[-1][0]) if tokens else None,
-            "tokens_per_s": med("perf/tokens_per_s"), "mfu": med("perf/mfu"),
-            "peak_mem_gib": max((v for _, v in series.get("mem/peak_allocated_gib", [])), default=None),
+            **{k: rates[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib")},
             "loss_first_last": [series["train/loss"][0][1], series["train/loss"][-1][1]] if "train/loss" in series else None,
             "eval": {t: series[t] for t in series if t.startswith("eval/")}}
 
