@@ -127,6 +127,7 @@ def settings_for(a) -> DemoSettings:
     s.data, s.data_long = str(a.work / "corpus" / "all"), str(a.work / "corpus" / "long")
     if a.cpu_rehearsal:
         s.config_dir = "configs/demo"
+    s.teacher_eval = "with-stages"  # the h200 schedule, rehearsed on CPU too
     compile_ = a.compile
     if compile_ == "auto":
         warm = a.work / "warmup.json"
@@ -223,9 +224,10 @@ def _read(path: Path):
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def stage_summary(run_dir: Path) -> dict:
+def stage_summary(run_dir: Path, windows: list[dict] | None = None) -> dict:
     """Tokens, throughput and MFU (bench_stages' medians of the logged intervals after the first), memory,
-    and the held-out curves."""
+    and the held-out curves; with the background steps' ``windows`` (the demo's background.json) also
+    the rates of the intervals that shared the GPU with them and of those that had it alone."""
     from bench.bench_stages import summarize_metrics
     from halo_dist.train.metrics import read_metrics
 
@@ -236,8 +238,37 @@ def stage_summary(run_dir: Path) -> dict:
     tokens = series.get("progress/tokens", [])
     return {"tokens": int(tokens[-1][1]) if tokens else None, "steps": int(tokens[-1][0]) if tokens else None,
             **{k: rates[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib")},
+            "sharing": sharing_rates(run_dir / "metrics.jsonl", windows or []),
             "loss_first_last": [series["train/loss"][0][1], series["train/loss"][-1][1]] if "train/loss" in series else None,
             "eval": {t: series[t] for t in series if t.startswith("eval/")}}
+
+
+def sharing_rates(path: Path, windows: list[dict]) -> dict:
+    """Median tokens/s and MFU of the logged intervals that overlapped a background window and of the rest.
+
+    An interval runs from the previous logged row's time to its own (rows of one resumed piece only:
+    the first interval of each piece, compile and autotuning, is left out as in summarize_metrics)."""
+    import statistics
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    groups: dict[str, list[dict]] = {"alone": [], "shared": []}
+    prev = None
+    for r in rows:
+        if "perf/tokens_per_s" not in r:
+            continue
+        first_of_piece = prev is None or r["step"] <= prev["step"] or r["time"] - prev["time"] > 600
+        if not first_of_piece:
+            lo, hi = prev["time"], r["time"]
+            shared = any(w["start"] < hi and w["end"] > lo for w in windows)
+            groups["shared" if shared else "alone"].append(r)
+        prev = r
+
+    def med(rs, key):
+        vals = [x[key] for x in rs if x.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    return {name: {"intervals": len(rs), "tokens_per_s": med(rs, "perf/tokens_per_s"), "mfu": med(rs, "perf/mfu")}
+            for name, rs in groups.items()}
 
 
 def niah_cell(report: dict | None, task: str, length: int) -> float | None:
@@ -251,7 +282,8 @@ def summarize(work: Path) -> dict:
     from halo_dist.eval.niah import parse_length
 
     run = work / "run"
-    stages = {s: stage_summary(run / s) for s in ("stage1", "stage2", "stage3")}
+    windows = _read(run / "background.json") or []
+    stages = {s: stage_summary(run / s, windows) for s in ("stage1", "stage2", "stage3")}
     kl = lambda s, i: (stages[s].get("eval", {}).get("eval/kl") or [[None, None]])[i][1]  # noqa: E731
     csr = {w: _read(run / "eval" / w / "csr.json") for w in ("teacher", "student")}
     niah = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
@@ -273,6 +305,7 @@ def summarize(work: Path) -> dict:
         "niah_summary": {w: (r or {}).get("summary") for w, r in niah.items()},
         "selection": _read(run / "select" / "selection.json"), "calibration": _read(run / "calibrate.json"),
         "speed": _read(run / "speed.json"), "timings_s": _read(run / "timings.json"),
+        "background": windows,
         "corpus": _read(work / "corpus" / "corpus_report.json"), "warmup": _read(work / "warmup.json"),
         "settings": _read(run / "settings.json"), "pieces": _read(work / "pieces.json"), "environment": environment(),
     }

@@ -73,6 +73,9 @@ class DemoSettings:
     dtype: str = "fp32"  # evaluation precision: fp32 | bf16
     deadline_s: float = 0.0  # stop cleanly after this many seconds (0: none); the same command continues
     keep_checkpoints: bool = False  # keep each stage's resumable checkpoints once its final export is written
+    # when the teacher's evaluation runs: "at-end" (with the student's) or "with-stages" (alongside stages
+    # 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly idle)
+    teacher_eval: str = "at-end"
 
     @classmethod
     def tiny(cls, out: str) -> "DemoSettings":
@@ -92,9 +95,10 @@ class DemoSettings:
                    select_length=2048, kl_rows=64, calib_grid="none,100,200,500,1000,2000,5000", calib_rows=8,
                    niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=16, niah_batch_tokens=262144,
                    csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0, csr_batch=128,
-                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16")
+                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16", teacher_eval="with-stages")
 
 
+TEACHER_EVAL_CHOICES = ("at-end", "with-stages")
 PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny, "h200": DemoSettings.h200}
 # a stage (which checkpoints on SIGTERM) is not started with less than this left before the deadline,
 # another step (which would be redone) with less than OTHER_MIN_S; a stage gets STOP_GRACE_S to save
@@ -117,6 +121,9 @@ class Demo:
         self.timings: dict[str, float] = {}
         self.deadline = time.time() + s.deadline_s if s.deadline_s > 0 else None
         self.stop_signal: int | None = None
+        self.background: dict[str, tuple[subprocess.Popen, Path, float]] = {}
+        if s.teacher_eval not in TEACHER_EVAL_CHOICES:
+            raise DemoStepError(f"--teacher-eval {s.teacher_eval!r}: choose one of {', '.join(TEACHER_EVAL_CHOICES)}")
 
     # ------------------------------------------------------------------ plumbing
     def run(self, name: str, cmd: list[str], done: Path, stage: bool = False) -> None:
@@ -155,10 +162,61 @@ class Demo:
         failed = [(name, rc, log) for name, rc, _, log in results if rc != 0]
         if failed:
             print(" FAILED", flush=True)
-            name, rc, log = failed[0]
-            tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-            raise DemoStepError(f"step {name} failed (exit {rc}); log: {log}\n{tail}")
+            raise _step_failed(*failed[0])
         print(f" done in {time.time() - t0:.0f}s", flush=True)
+
+    def start_background(self, name: str, cmd: list[str], done: Path) -> None:
+        """Start a step that needs nothing the next steps make, to run alongside them (unless ``done``
+        exists). ``join_background`` waits for it; at the deadline it is stopped with the foreground
+        step and started again by the next piece (the evaluation suite keeps its finished parts)."""
+        if done.exists():
+            print(f"[demo] {name:<16} already done ({done.relative_to(self.out)})", flush=True)
+            return
+        self.logs.mkdir(parents=True, exist_ok=True)
+        proc, log = self._start(name, cmd)
+        self.background[name] = (proc, log, time.time())
+        print(f"[demo] {name:<16} started alongside the next steps (log {log.relative_to(self.out)})", flush=True)
+
+    def join_background(self) -> None:
+        """Wait for the background steps; a failed one stops the demo with its log's tail."""
+        for name in list(self.background):
+            proc, log, t0 = self.background[name]
+            print(f"[demo] {name:<16} waiting ...", end="", flush=True)
+            rc, stopped = self._wait(proc)
+            self._end_background(name)
+            if stopped:
+                print(" paused", flush=True)
+                raise DemoPaused(f"the deadline stopped {name}")
+            if rc != 0:
+                print(" FAILED", flush=True)
+                raise _step_failed(name, rc, log)
+            print(f" done ({time.time() - t0:.0f}s since it started)", flush=True)
+
+    def stop_background(self) -> None:
+        """SIGTERM whatever still runs in the background (the demo is pausing or failing), SIGKILL after the grace."""
+        for name in list(self.background):
+            proc = self.background[name][0]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            self._end_background(name)
+
+    def _end_background(self, name: str) -> None:
+        """Forget the step; its seconds go to ``timings.json`` and its time window to ``background.json``
+        (which stage intervals shared the GPU with it)."""
+        _, _, t0 = self.background.pop(name)
+        t1 = time.time()
+        self.record_time(f"{name} (background)", t1 - t0)
+        path = self.out / "background.json"
+        windows = json.loads(path.read_text()) if path.exists() else []
+        windows.append({"name": name, "start": t0, "end": t1})
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(windows, indent=2))
+        os.replace(tmp, path)
 
     def _start(self, name: str, cmd: list[str]) -> tuple[subprocess.Popen, Path]:
         log = self.logs / f"{name}.log"
@@ -243,6 +301,7 @@ class Demo:
         try:
             return self._pipeline()
         finally:
+            self.stop_background()
             signal.signal(signal.SIGTERM, previous)
 
     def _on_signal(self, signum, frame) -> None:
@@ -260,6 +319,9 @@ class Demo:
             self.run("data", [sys.executable, "-m", "data_prep.tokenize", "--wiki-offline", "--tokenizer", teacher,
                               "--out", data, "--max-docs", str(s.docs), "--heldout-fraction", "0.05",
                               "--shard-tokens", "50000", "--num-proc", "1", "--no-progress"], out / "data" / "manifest.json")
+        if s.teacher_eval == "with-stages":
+            self.start_background("eval-teacher", self.halo(*self.suite_args("teacher", teacher, data)),
+                                  out / "eval" / "teacher" / "DONE")
         self.run("stage1", self.launcher("stage1", f"schedule.total_steps={s.stage1_steps}", f"data.seq_len={s.seq_len}",
                                          f"schedule.warmup_steps={min(50, s.stage1_steps // 5, s.stage1_steps - 1)}"),
                  out / "stage1" / "final" / "DONE", stage=True)
@@ -293,8 +355,10 @@ class Demo:
                                           "--seq-len", str(s.long_seq_len), "--rows", str(s.calib_rows),
                                           "--batch-size", str(min(4, s.calib_rows)), "--grid", s.calib_grid,
                                           "--output", str(out / "calibrate.json"), *self.eval_args()), out / "calibrate.json")
+        models = [("student", str(student))] + ([("teacher", teacher)] if s.teacher_eval == "at-end" else [])
         self.run_together([(f"eval-{who}", self.halo(*self.suite_args(who, model, data)), out / "eval" / who / "DONE")
-                           for who, model in (("teacher", teacher), ("student", str(student)))])
+                           for who, model in models])
+        self.join_background()
         report = write_report(out, layers, time.time() - t0)
         print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
         return report
@@ -309,6 +373,11 @@ class Demo:
         if s.ppl_seq_len:
             args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows", str(s.ppl_rows)]
         return args
+
+
+def _step_failed(name: str, rc: int, log: Path) -> DemoStepError:
+    tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+    return DemoStepError(f"step {name} failed (exit {rc}); log: {log}\n{tail}")
 
 
 def _env() -> dict:

@@ -105,3 +105,56 @@ def test_deadline_stops_a_running_step_gently_and_the_next_piece_continues(tmp_p
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert timings["stage"] >= 2.0 and "stage + other" in timings, timings
     assert "$ " in (tmp_path / "logs" / "stage.log").read_text()
+
+
+def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp_path, monkeypatch):
+    """The teacher's evaluation (``teacher_eval: with-stages``) runs while the stages do: a foreground step
+    finishes while it runs; join waits for it and records its window; a failed one stops the demo with
+    its log; at the deadline it is stopped and the next piece starts it again."""
+    import json
+
+    import halo_dist.demo as demo_module
+    from halo_dist.demo import Demo, DemoPaused, DemoSettings, DemoStepError
+
+    demo = Demo(DemoSettings(out=str(tmp_path)))
+    done = tmp_path / "bg_done"
+    slow = f"import pathlib, time; time.sleep(1.5); pathlib.Path({str(done)!r}).write_text('ok')"
+    t0 = __import__("time").time()
+    demo.start_background("bg", [sys.executable, "-c", slow], done)
+    demo.run("fg", [sys.executable, "-c", f"import pathlib; pathlib.Path({str(tmp_path / 'fg')!r}).write_text('ok')"],
+             tmp_path / "fg")
+    assert not done.exists()  # the foreground step did not wait for the background one
+    demo.join_background()
+    assert done.exists() and not demo.background
+    window = json.loads((tmp_path / "background.json").read_text())[-1]
+    assert window["name"] == "bg" and window["end"] - window["start"] >= 1.4 and window["start"] >= t0
+    demo.start_background("bg", [sys.executable, "-c", "raise SystemExit(5)"], done)  # done: not started
+    assert not demo.background
+
+    demo.start_background("bad", [sys.executable, "-c", "print('boom'); raise SystemExit(7)"], tmp_path / "never")
+    with pytest.raises(DemoStepError, match=r"step bad failed \(exit 7\)(.|\n)*boom"):
+        demo.join_background()
+
+    monkeypatch.setattr(demo_module, "STOP_GRACE_S", 5.0)
+    paused = Demo(DemoSettings(out=str(tmp_path), deadline_s=1.0))
+    paused.start_background("long", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "long_done")
+    proc = paused.background["long"][0]
+    with pytest.raises(DemoPaused, match="stopped long"):
+        paused.join_background()
+    assert proc.poll() is not None and not paused.background  # stopped, not left running
+
+    leftover = Demo(DemoSettings(out=str(tmp_path)))
+    leftover.start_background("orphan", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "o_done")
+    proc = leftover.background["orphan"][0]
+    leftover.stop_background()  # what main() does when a step fails or the demo pauses
+    assert proc.poll() is not None
+    names = [w["name"] for w in json.loads((tmp_path / "background.json").read_text())]
+    assert names == ["bg", "bad", "long", "orphan"]
+
+
+def test_teacher_eval_setting_is_validated():
+    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+
+    with pytest.raises(DemoStepError, match="--teacher-eval 'later'"):
+        Demo(DemoSettings(teacher_eval="later"))
+    assert DemoSettings.h200("x").teacher_eval == "with-stages" and DemoSettings.tiny("x").teacher_eval == "at-end"

@@ -36,3 +36,20 @@ def test_summary_and_pictures_from_the_h200_run(tmp_path):
     assert out["csr_ratio"] is None and out["niah_s1_student_16k"] is None  # not run: null, never invented
     made = rc.pictures(run, tmp_path)
     assert [p.name for p in made] == ["real_conversion_curves.png"]  # NIAH and CSR pictures need both models
+
+
+def test_stage_rates_split_by_the_background_steps_window():
+    """Intervals that overlapped the teacher's background evaluation are counted apart from the rest;
+    the first interval of each piece (compile, autotuning) belongs to neither."""
+    rc = _module()
+    path = RESULTS / "logs" / "real_stage2.metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    timed = [r for r in rows if "perf/tokens_per_s" in r]
+    pieces = 1 + sum(1 for a, b in zip(timed, timed[1:]) if b["step"] <= a["step"] or b["time"] - a["time"] > 600)
+    alone = rc.sharing_rates(path, [])
+    assert alone["shared"]["intervals"] == 0 and alone["alone"]["intervals"] == len(timed) - pieces
+    middle = timed[len(timed) // 2]["time"]
+    split = rc.sharing_rates(path, [{"name": "eval-teacher", "start": timed[0]["time"], "end": middle}])
+    assert split["shared"]["intervals"] + split["alone"]["intervals"] == len(timed) - pieces
+    assert 0 < split["shared"]["intervals"] < len(timed) - pieces
+    assert split["shared"]["tokens_per_s"] > 50_000 and split["alone"]["mfu"] > 0.1
