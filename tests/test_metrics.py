@@ -180,3 +180,36 @@ def test_attended_keys_of_packed_documents_set_the_attention_flops(tmp_path):
     assert out[ATTENDED] == pytest.approx(7.25)
     assert out["perf/mfu"] == pytest.approx(2000 * (1e9 + 7.25e8) / 1e13)
     logger.close()
+
+
+def test_a_resumed_run_keeps_one_history_in_jsonl_and_tensorboard(tmp_path):
+    """Steps logged after the checkpoint by the run that stopped are redone by the resumed one: they appear
+    once (the resumed values), in metrics.jsonl and in TensorBoard; a torn last line is dropped too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from halo_dist.train.metrics import read_metrics
+
+    def run(start, stop, value, **kw):
+        clock = FakeClock()
+        with make_logger(tmp_path, clock, [], start_step=start, **kw) as logger:
+            for step in range(start + 1, stop + 1):
+                logger.add("train/loss", torch.tensor(value))
+                clock.now += 1.0
+                logger.maybe_log(step, tokens_seen=step * 10)
+
+    run(0, 50, 1.0)  # logs 10..50; its last checkpoint was at step 30
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 60, "train/lo')  # killed mid-write
+    run(30, 60, 2.0)  # resumed at 30: redoes 40 and 50
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert steps == [10, 20, 30, 40, 50, 60]
+    assert read_metrics(tmp_path / "run")["train/loss"] == [(10, 1.0), (20, 1.0), (30, 1.0), (40, 2.0), (50, 2.0), (60, 2.0)]
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == \
+        [(10, 1.0), (20, 1.0), (30, 1.0), (40, 2.0), (50, 2.0), (60, 2.0)]
+    run(0, 20, 3.0)  # a fresh run in the same folder starts a new history
+    assert read_metrics(tmp_path / "run")["train/loss"] == [(10, 3.0), (20, 3.0)]
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 3.0), (20, 3.0)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
@@ -176,7 +177,7 @@ class MetricsLogger:
         self._intervals = 0
         self._tb = self._jsonl = None
         if rank == 0:
-            self._open_writers(tensorboard, jsonl)
+            self._open_writers(tensorboard, jsonl, start_step)
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> "MetricsLogger":
@@ -185,15 +186,21 @@ class MetricsLogger:
         return cls(log.run_dir, total_steps=cfg.total_steps, log_every=log.log_every,
                    tensorboard=log.tensorboard, peak_flops=log.peak_flops, **kwargs)
 
-    def _open_writers(self, tensorboard: bool, jsonl: bool) -> None:
+    def _open_writers(self, tensorboard: bool, jsonl: bool, start_step: int) -> None:
+        """A run resumed at ``start_step`` continues one history: steps it will redo (logged after
+        its checkpoint by the run that stopped) are dropped from metrics.jsonl and purged from
+        TensorBoard. A fresh run (``start_step`` 0) starts both afresh."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            # events at steps >= purge_step from earlier writers of this folder are hidden
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=start_step + 1 if start_step else 0)
         if jsonl:
-            # Append: a resumed run continues the same file (readers keep the last record per step).
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            path = self.run_dir / "metrics.jsonl"
+            if path.exists():
+                truncate_metrics(path, start_step)
+            self._jsonl = open(path, "a", encoding="utf-8")
 
     def add(self, tag: str, value: Number, weight: Number = 1.0) -> None:
         """Accumulate ``value`` (weighted mean over the interval; e.g. weight = token count).
@@ -322,6 +329,29 @@ class MetricsLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep the records of steps ``<= last_step`` (none when it is 0; a torn line never); returns how
+    many were dropped.
+
+    Rewritten atomically: a crash here leaves the old file or the new one, never a torn one."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [line for line in lines if last_step and (_record_step(line) or last_step + 1) <= last_step]
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _record_step(line: str) -> Optional[int]:
+    """The step of one JSONL record; None for a line torn by a hard kill mid-write."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_metrics(path: Union[str, Path]) -> dict[str, list[tuple[int, float]]]:
