@@ -72,6 +72,14 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder, its ``COMPLETE`` marker first: if the deletion stops part-way (a
+    kill, a full disk), what is left is an incomplete folder that resume skips, never one that looks
+    complete with files missing."""
+    (path / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 class CheckpointManager:
     """Save / find / load / prune checkpoints of one run."""
 
@@ -107,7 +115,7 @@ class CheckpointManager:
         for p in self.root.glob("step-*"):
             n = int(p.name.split("-")[1])
             if p.name not in keep and (p in done or n < newest):
-                shutil.rmtree(p, ignore_errors=True)
+                remove_checkpoint(p)
 
     def load(self, engine, path: Path) -> dict:
         """Restore engine (model, optimizer, LR scheduler) and this rank's RNG; return the trainer state."""
