@@ -76,6 +76,8 @@ class DemoSettings:
     # when the teacher's evaluation runs: "at-end" (with the student's) or "with-stages" (alongside stages
     # 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly idle)
     teacher_eval: str = "at-end"
+    # the student's NIAH in one process and its CSR + perplexity in another, at the same time
+    split_student_eval: bool = False
 
     @classmethod
     def tiny(cls, out: str) -> "DemoSettings":
@@ -95,7 +97,8 @@ class DemoSettings:
                    select_length=2048, kl_rows=64, calib_grid="none,100,200,500,1000,2000,5000", calib_rows=8,
                    niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=16, niah_batch_tokens=262144,
                    csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0, csr_batch=128,
-                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16", teacher_eval="with-stages")
+                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16", teacher_eval="with-stages",
+                   split_student_eval=True)
 
 
 TEACHER_EVAL_CHOICES = ("at-end", "with-stages")
@@ -122,6 +125,7 @@ class Demo:
         self.deadline = time.time() + s.deadline_s if s.deadline_s > 0 else None
         self.stop_signal: int | None = None
         self.background: dict[str, tuple[subprocess.Popen, Path, float]] = {}
+        self.background_ended: dict[str, float] = {}  # when a background step's process exited
         if s.teacher_eval not in TEACHER_EVAL_CHOICES:
             raise DemoStepError(f"--teacher-eval {s.teacher_eval!r}: choose one of {', '.join(TEACHER_EVAL_CHOICES)}")
 
@@ -152,7 +156,10 @@ class Demo:
         t0 = time.time()
         print(f"[demo] {names:<16} ...", end="", flush=True)
         running = [(name, self._start(name, cmd)) for name, cmd in todo]
-        results = [(name, *self._wait(proc), log) for name, (proc, log) in running]
+        # a step that wrote its done file and exited 0 as the deadline's SIGTERM came has finished
+        done_of = {name: done for name, _, done in steps}
+        results = [(name, rc, stopped and not (rc == 0 and done_of[name].exists()), log)
+                   for name, (proc, log) in running for rc, stopped in [self._wait(proc)]]
         self.record_time(names, time.time() - t0)  # wall time: steps run together are counted once
         if any(stopped for _, _, stopped, _ in results):
             print(" paused", flush=True)
@@ -205,11 +212,18 @@ class Demo:
                     proc.wait()
             self._end_background(name)
 
+    def _note_background_exits(self) -> None:
+        """Note when a background step exits (checked every second while a foreground step runs), so its
+        window ends there and not when the demo next looks at it."""
+        for name, (proc, _, _) in self.background.items():
+            if name not in self.background_ended and proc.poll() is not None:
+                self.background_ended[name] = time.time()
+
     def _end_background(self, name: str) -> None:
         """Forget the step; its seconds go to ``timings.json`` and its time window to ``background.json``
         (which stage intervals shared the GPU with it)."""
         _, _, t0 = self.background.pop(name)
-        t1 = time.time()
+        t1 = self.background_ended.pop(name, time.time())
         self.record_time(f"{name} (background)", t1 - t0)
         path = self.out / "background.json"
         windows = json.loads(path.read_text()) if path.exists() else []
@@ -235,6 +249,7 @@ class Demo:
             try:
                 return proc.wait(timeout=1.0), False
             except subprocess.TimeoutExpired:
+                self._note_background_exits()
                 left = self.time_left()
                 if left is None or left > 0:
                     continue
@@ -355,22 +370,39 @@ class Demo:
                                           "--seq-len", str(s.long_seq_len), "--rows", str(s.calib_rows),
                                           "--batch-size", str(min(4, s.calib_rows)), "--grid", s.calib_grid,
                                           "--output", str(out / "calibrate.json"), *self.eval_args()), out / "calibrate.json")
-        models = [("student", str(student))] + ([("teacher", teacher)] if s.teacher_eval == "at-end" else [])
-        self.run_together([(f"eval-{who}", self.halo(*self.suite_args(who, model, data)), out / "eval" / who / "DONE")
-                           for who, model in models])
+        self.run_together(self.final_evals(teacher, str(student), data))
         self.join_background()
         report = write_report(out, layers, time.time() - t0)
         print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
         return report
 
-    def suite_args(self, who: str, model: str, data: str) -> list[str]:
-        """``halo-dist eval-suite`` of one model; ``DONE`` marks all of its parts written."""
+    def final_evals(self, teacher: str, student: str, data: str) -> list[tuple[str, list[str], Path]]:
+        """The evaluation steps after calibration, run together: the student's suite (or its NIAH and its
+        CSR + perplexity as two processes) and, unless it ran alongside the stages, the teacher's."""
+        folder = self.out / "eval" / "student"
+        if self.s.split_student_eval:
+            steps = [("eval-student-niah", self.suite_args("student", student, data, ("niah",), "DONE.niah"),
+                      folder / "DONE.niah"),
+                     ("eval-student-csr", self.suite_args("student", student, data, ("csr", "ppl"), "DONE.csr"),
+                      folder / "DONE.csr")]
+        else:
+            steps = [("eval-student", self.suite_args("student", student, data), folder / "DONE")]
+        if self.s.teacher_eval == "at-end":
+            steps.append(("eval-teacher", self.suite_args("teacher", teacher, data), self.out / "eval" / "teacher" / "DONE"))
+        return [(name, self.halo(*args), done) for name, args, done in steps]
+
+    def suite_args(self, who: str, model: str, data: str, parts: tuple[str, ...] = ("niah", "csr", "ppl"),
+                   marker: str = "DONE") -> list[str]:
+        """``halo-dist eval-suite`` of one model for ``parts``; ``marker`` is written once they all are."""
         s, folder = self.s, self.out / "eval" / who
+        niah = s.niah_lengths if "niah" in parts else ""
+        csr = s.csr_tasks if "csr" in parts else ""
         args = ["eval-suite", "--model", model, "--output-dir", str(folder), "--name", who,
-                "--niah-lengths", s.niah_lengths, "--niah-depths", s.niah_depths, "--niah-samples", str(s.niah_samples),
-                "--niah-batch-size", str(s.niah_batch), "--niah-batch-tokens", str(s.niah_batch_tokens), "--csr-tasks", s.csr_tasks, "--csr-limit", str(s.csr_limit),
-                "--csr-batch-size", str(s.csr_batch), "--done-marker", *self.eval_args()]
-        if s.ppl_seq_len:
+                "--niah-lengths", niah, "--niah-depths", s.niah_depths, "--niah-samples", str(s.niah_samples),
+                "--niah-batch-size", str(s.niah_batch), "--niah-batch-tokens", str(s.niah_batch_tokens),
+                "--csr-tasks", csr, "--csr-limit", str(s.csr_limit), "--csr-batch-size", str(s.csr_batch),
+                "--done-marker", marker, *self.eval_args()]
+        if s.ppl_seq_len and "ppl" in parts:
             args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows", str(s.ppl_rows)]
         return args
 

@@ -119,15 +119,20 @@ def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp
     demo = Demo(DemoSettings(out=str(tmp_path)))
     done = tmp_path / "bg_done"
     slow = f"import pathlib, time; time.sleep(1.5); pathlib.Path({str(done)!r}).write_text('ok')"
-    t0 = __import__("time").time()
+    import time
+
+    t0 = time.time()
     demo.start_background("bg", [sys.executable, "-c", slow], done)
     demo.run("fg", [sys.executable, "-c", f"import pathlib; pathlib.Path({str(tmp_path / 'fg')!r}).write_text('ok')"],
              tmp_path / "fg")
     assert not done.exists()  # the foreground step did not wait for the background one
+    demo.run("fg2", [sys.executable, "-c", "import time; time.sleep(4)"], tmp_path / "fg2_done")
+    time.sleep(1.0)
     demo.join_background()
     assert done.exists() and not demo.background
     window = json.loads((tmp_path / "background.json").read_text())[-1]
-    assert window["name"] == "bg" and window["end"] - window["start"] >= 1.4 and window["start"] >= t0
+    # the window ends when the step exited (noticed during fg2), not when join_background looked
+    assert window["name"] == "bg" and 1.4 <= window["end"] - window["start"] < 3.5 and window["start"] >= t0
     demo.start_background("bg", [sys.executable, "-c", "raise SystemExit(5)"], done)  # done: not started
     assert not demo.background
 
@@ -158,3 +163,41 @@ def test_teacher_eval_setting_is_validated():
     with pytest.raises(DemoStepError, match="--teacher-eval 'later'"):
         Demo(DemoSettings(teacher_eval="later"))
     assert DemoSettings.h200("x").teacher_eval == "with-stages" and DemoSettings.tiny("x").teacher_eval == "at-end"
+
+
+def test_a_step_that_finished_as_the_deadline_came_counts_as_done(tmp_path, monkeypatch):
+    """SIGTERM at the deadline reached a stage after its last step and export (it wrote DONE and exited 0):
+    the demo goes on to the next step instead of reporting a pause."""
+    import halo_dist.demo as demo_module
+    from halo_dist.demo import Demo, DemoSettings
+
+    monkeypatch.setattr(demo_module, "STAGE_MIN_S", 0.5)
+    done = tmp_path / "DONE"
+    finisher = ("import signal, sys, time, pathlib\n"
+                "def stop(*_):\n    pathlib.Path(sys.argv[1]).write_text('ok'); sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, stop)\ntime.sleep(60)\n")
+    Demo(DemoSettings(out=str(tmp_path), deadline_s=1.0)).run("stage", [sys.executable, "-c", finisher, str(done)],
+                                                               done, stage=True)
+    assert done.read_text() == "ok"
+
+
+def test_split_student_evaluation_runs_niah_and_csr_as_two_suites_with_their_own_markers(tmp_path):
+    """h200: the student's NIAH and its CSR + perplexity run as two processes into one folder; each part
+    is asked of exactly one of them and each writes its own marker (the teacher ran alongside the stages)."""
+    from halo_dist.demo import Demo, DemoSettings
+
+    demo = Demo(DemoSettings.h200(str(tmp_path)))
+    steps = demo.final_evals("TEACHER", "STUDENT", "DATA")
+    assert [name for name, _, _ in steps] == ["eval-student-niah", "eval-student-csr"]
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1] if name in cmd else None
+
+    (_, niah, niah_done), (_, csr, csr_done) = steps
+    assert flag(niah, "--niah-lengths") == "2K,4K,8K,16K,32K,64K" and flag(niah, "--csr-tasks") == ""
+    assert flag(niah, "--ppl-data") is None and flag(niah, "--done-marker") == "DONE.niah" == niah_done.name
+    assert flag(csr, "--niah-lengths") == "" and "winogrande" in flag(csr, "--csr-tasks")
+    assert flag(csr, "--ppl-data") == "DATA" and flag(csr, "--done-marker") == "DONE.csr" == csr_done.name
+    assert niah_done.parent == csr_done.parent == tmp_path.resolve() / "eval" / "student"
+    together = Demo(DemoSettings(out=str(tmp_path))).final_evals("TEACHER", "STUDENT", "DATA")
+    assert [name for name, _, _ in together] == ["eval-student", "eval-teacher"]

@@ -37,3 +37,10 @@ def test_eval_suite_refuses_bad_arguments_before_loading(tmp_path):
            "--ppl-data", str(tmp_path / "missing")]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert res.returncode == 2 and "--ppl-data" in res.stderr and "no such" in res.stderr, res.stderr
+
+
+def test_done_marker_must_be_a_file_name(tmp_path):
+    cmd = [sys.executable, "-m", "halo_dist.cli", "eval-suite", "--model", "smollm2", "--output-dir", str(tmp_path),
+           "--done-marker", "../elsewhere/DONE"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 2 and "--done-marker" in res.stderr and "file name" in res.stderr, res.stderr

@@ -55,7 +55,9 @@ def add_suite_command(sub) -> None:
     p.add_argument("--ppl-split", default="heldout")
     p.add_argument("--ppl-seq-len", type=int, default=2048)
     p.add_argument("--ppl-rows", type=int, default=32)
-    p.add_argument("--done-marker", action="store_true", help="write <output-dir>/DONE once every part is written")
+    p.add_argument("--done-marker", nargs="?", const="DONE", default=None, metavar="NAME",
+                   help="write <output-dir>/NAME (default DONE) once every part asked for is written; two suites "
+                        "sharing a folder (e.g. NIAH in one process, CSR in another) use different names")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.set_defaults(func=cmd_eval_suite)
@@ -66,6 +68,8 @@ def _check_args(args) -> None:
         raise EvalError("--niah-samples, --niah-batch-size and --csr-batch-size must be >= 1")
     if args.csr_limit < 0 or args.ppl_rows < 1 or args.ppl_seq_len < 2:
         raise EvalError("--csr-limit must be >= 0, --ppl-rows >= 1 and --ppl-seq-len >= 2")
+    if args.done_marker is not None and (not args.done_marker or Path(args.done_marker).name != args.done_marker):
+        raise EvalError(f"--done-marker {args.done_marker!r}: a file name inside --output-dir, not a path")
     if args.ppl_data and not Path(args.ppl_data).exists():
         raise FileNotFoundError(f"--ppl-data {args.ppl_data}: no such shard folder or manifest")
 
@@ -90,7 +94,7 @@ def cmd_eval_suite(args) -> int:
             print(f"{name}: done in {time.time() - t0:.0f}s -> {parts[name][1]}", flush=True)
     if args.done_marker:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "DONE").write_text(json.dumps({n: str(p) for n, (wanted, p) in parts.items() if wanted}))
+        (out / args.done_marker).write_text(json.dumps({n: str(p) for n, (wanted, p) in parts.items() if wanted}))
     return 0
 
 
