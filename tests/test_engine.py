@@ -180,6 +180,11 @@ def test_bad_input_is_refused_with_a_clear_message(shards, tmp_path):
     assert "run stage 1 first" in res.stderr
     res = run_launcher("stage1", tmp_path / "e", f"data.train={shards}", config=TINY / "stage2.yaml", expect=2)
     assert "stage1 launcher" in res.stderr
+    # shards of the 151K-token Qwen BPE for a model that embeds 1,000 ids: refused before any model is built
+    res = run_launcher("stage2", tmp_path / "f", f"data.train={shards}", "model.stage1_weights=null",
+                       "model.random_teacher.vocab_size=1000", expect=2)
+    assert "embeds only 1,000" in res.stderr and "tokenizer.vocab_size" in res.stderr and "manifest.json" in res.stderr
+    assert "Traceback" not in res.stderr and "IndexError" not in res.stderr
 
 
 @pytest.mark.slow

@@ -47,6 +47,24 @@ def teacher_path(name: str) -> str:
     return name
 
 
+def model_vocab_size(model_cfg: ModelConfig) -> int | None:
+    """Rows of the embedding the run will build, read from configs alone (no weights): the scratch
+    shape, the random teacher's, or the teacher folder's config.json; None when it cannot be read
+    here (building the model then reports the real problem)."""
+    if model_cfg.scratch is not None:
+        return int(model_cfg.scratch.vocab_size)
+    if model_cfg.teacher == "random":
+        return int(model_cfg.random_teacher.vocab_size)
+    if not model_cfg.teacher:
+        return None
+    from ..models.convert import ConversionError, load_teacher_config, resolve_teacher
+
+    try:
+        return int(load_teacher_config(resolve_teacher(teacher_path(model_cfg.teacher))).vocab_size)
+    except (ConversionError, OSError, ValueError, AttributeError):
+        return None
+
+
 def load_hf_teacher(model_cfg: ModelConfig):
     """The teacher as a loaded HF model (fp32 on CPU; cast and moved later)."""
     if model_cfg.teacher == "random":

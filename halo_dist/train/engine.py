@@ -204,6 +204,7 @@ class Trainer:
             # Distillation gradients get tiny (student ≈ teacher); x86 denormal arithmetic then runs
             # ~10-100x slower (measured: 47 s vs 4 s per demo step). GPUs flush denormals anyway.
             torch.set_flush_denormal(True)
+        self._check_data_vocabulary()
         self.module, self.teacher = self._build_stage()
         self._apply_sequence_parallel()
         self.ds_config = deepspeed_config(cfg, self.layout)
@@ -227,6 +228,22 @@ class Trainer:
         self._start_metrics()
         self._install_signal_handlers()
         return self
+
+    def _check_data_vocabulary(self) -> None:
+        """Refuse shards whose token ids the model cannot embed before any model is built (otherwise an
+        IndexError in the embedding at step 1). Compares the manifest's tokenizer size with the model's
+        vocabulary; bare shards without a manifest carry no size and are not checked here."""
+        from ..data import resolve_shards
+        from ..data.errors import DataError
+        from ..stages.teacher import model_vocab_size
+
+        vocab = model_vocab_size(self.cfg.model)
+        _, manifest = resolve_shards(self.cfg.data.train, "train", False)
+        size = (manifest.tokenizer or {}).get("vocab_size") if manifest is not None else None
+        if vocab is not None and size is not None and int(size) > vocab:
+            raise DataError(f"the shards were tokenized with a {int(size):,}-token vocabulary, but the model embeds "
+                            f"only {vocab:,} (ids >= {vocab:,} would fail at step 1): tokenize with the teacher's "
+                            f"tokenizer or fix the model's vocab_size", manifest.path, "tokenizer.vocab_size")
 
     def _build_stage(self):
         from ..stages import build_stage_module
