@@ -166,7 +166,13 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(shards, tmp_path):
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
                        "schedule.total_steps=5", env={"HALO_TEST_NAN_AT_STEP": "3"}, expect=2)
     assert "non-finite loss at step 3" in res.stderr
-    assert (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").exists()
+    saved = run_dir / "checkpoints" / "step-00000002"
+    assert (saved / "COMPLETE").exists()
+    # the state is that of step 2: its loader stands before step 3's batch (global batch 4 rows here),
+    # and the message names that batch
+    state = json.loads((saved / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["loader"]["rows_consumed"] == 2 * 4, state["loader"]
+    assert "epoch 0, packed rows 8..11" in res.stderr, res.stderr[-2000:]
 
 
 def test_bad_input_is_refused_with_a_clear_message(shards, tmp_path):

@@ -345,8 +345,10 @@ class Trainer:
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)", flush=True)
 
-    def save(self) -> Path:
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+    def save(self, loader_state: dict | None = None) -> Path:
+        """Checkpoint the state after ``self.step`` steps; ``loader_state``: the loader position to record
+        (default: where it is now)."""
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": loader_state or self.loader.state_dict(),
                  "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout),
                  "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher,
                  "student_config": self.module.student_model().config.to_dict(),
@@ -379,6 +381,7 @@ class Trainer:
         if self.step == 0:
             self._maybe_evaluate(total)
         while self.step < total:
+            self._step_start = self.loader.state_dict()  # the position of this step's first batch
             micro_batches = [next(data) for _ in range(self.layout.grad_accum_steps)]
             normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
             skipping = False  # this step had a non-finite loss and is dropped (module doc)
@@ -452,10 +455,17 @@ class Trainer:
             if self.rank == 0:
                 print(self.nonfinite.skip_message(self.step + 1), flush=True)
             return True
-        path = self.save()  # parameters are those before this step's update: the last good state
+        # the last good state: parameters before this step's update, and the loader before its batches,
+        # so a resume (after lowering the LR, say) trains step ``step + 1`` on the same batch
+        start = self._step_start
+        path = self.save(loader_state=start)
+        rows = self.layout.grad_accum_steps * self.layout.dp_size * self.cfg.data.micro_batch_size
         raise NonFiniteLossError(
-            f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}); the last good state is "
-            f"saved in {path}. Lower optim.lr or inspect the data at this position before resuming."
+            f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}) on the batch of epoch "
+            f"{start['epoch']}, packed rows {start['rows_consumed']}..{start['rows_consumed'] + rows - 1} of that "
+            f"epoch's order (data.seed={start['seed']}, {start['seq_len']} tokens per row, all data-parallel ranks); "
+            f"the last good state, positioned before that batch, is saved in {path}. Lower optim.lr or inspect that "
+            f"batch before resuming."
         )
 
     # ------------------------------------------------------------------------------ outputs
