@@ -157,7 +157,12 @@ def test_sigterm_checkpoints_and_exits_cleanly(shards, tmp_path):
     assert "stopped by signal" in res.stderr
     assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == ["step-00000002"]
     assert (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").exists()
-    run_launcher("stage2", run_dir, *common)
+    # another run's settings are refused before anything is built, with the list of differences
+    res = run_launcher("stage2", run_dir, *common, "model.attn_layers=0,2", "data.seq_len=96", expect=2)
+    assert "refusing to resume" in res.stderr and "model.attn_layers" in res.stderr and "data.seq_len" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = run_launcher("stage2", run_dir, *common, "checkpoint.keep_last=3")  # cadence may change: printed
+    assert "with changed settings" in res.stdout and "checkpoint.keep_last: 2 -> 3" in res.stdout
     assert len(losses(run_dir)) == 5
 
 
@@ -223,3 +228,19 @@ def test_compiled_layers_train_like_eager_under_zero1_and_checkpointing(shards, 
     refused = run_launcher("stage2", tmp_path / "zero3", f"data.train={shards}", "parallel.zero_stage=3",
                            "model.compile=layer", expect=2)
     assert "model.compile" in refused.stderr and "zero_stage" in refused.stderr
+
+
+def test_resume_check_sorts_settings_into_refused_and_allowed():
+    from halo_dist.train.resume_check import compare
+
+    saved = {"stage": {"name": "stage2"}, "model": {"teacher": "a", "attn_layers": [1, 3], "compile": "none"},
+             "data": {"train": "d", "seq_len": 512, "micro_batch_size": 8, "global_batch_size": 32},
+             "optim": {"lr": 1e-4}, "schedule": {"total_steps": 100}, "loss": {"objective": "kl", "chunk_size": 4096}}
+    current = {"stage": {"name": "stage2"}, "model": {"teacher": "b", "attn_layers": [1, 3], "compile": "layer"},
+               "data": {"train": "d", "seq_len": 512, "micro_batch_size": 4, "global_batch_size": 32},
+               "optim": {"lr": 5e-5}, "schedule": {"total_steps": 200}, "loss": {"objective": "kl", "chunk_size": 8192}}
+    refused, allowed = compare(saved, current)
+    assert refused == ["model.teacher: 'a' -> 'b'"]
+    assert allowed == ["data.micro_batch_size: 8 -> 4", "loss.chunk_size: 4096 -> 8192", "model.compile: 'none' -> 'layer'",
+                       "optim.lr: 0.0001 -> 5e-05", "schedule.total_steps: 100 -> 200"]
+    assert compare(saved, saved) == ([], [])

@@ -205,6 +205,7 @@ class Trainer:
             # ~10-100x slower (measured: 47 s vs 4 s per demo step). GPUs flush denormals anyway.
             torch.set_flush_denormal(True)
         self._check_data_vocabulary()
+        self._check_resume_config()
         self.module, self.teacher = self._build_stage()
         self._apply_sequence_parallel()
         self.ds_config = deepspeed_config(cfg, self.layout)
@@ -228,6 +229,17 @@ class Trainer:
         self._start_metrics()
         self._install_signal_handlers()
         return self
+
+    def _check_resume_config(self) -> None:
+        """Before building anything: a resume continues the checkpoint's run or is refused (resume_check)."""
+        if self.cfg.checkpoint.resume != "auto":
+            return
+        path = latest_checkpoint(self.cfg.checkpoint_dir)
+        if path is not None:
+            from ..config import to_dict
+            from .resume_check import check_resume_config
+
+            check_resume_config(path, to_dict(self.cfg), announce=self.rank == 0)
 
     def _check_data_vocabulary(self) -> None:
         """Refuse shards whose token ids the model cannot embed before any model is built (otherwise an

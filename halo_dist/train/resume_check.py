@@ -1,0 +1,67 @@
+"""Is a resume the same run? The checkpoint's resolved config against the one about to run.
+
+What defines the run must match, or the resume is refused with the list of differences: the stage, the
+model (teacher, shape, attention layers, mixers, scaling, dtype, initial weights), the data (shards,
+sequence length, global batch, seed, shuffling, held-out split) and the objective. What only changes how
+the run proceeds may differ and is printed: step counts and schedule (checked on its own against the saved
+LR), optimizer settings (e.g. a lower LR after a non-finite stop), logging, checkpoint and evaluation
+cadence, micro batch and workers, parallel layout, compilation and activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+
+MUST_MATCH = ("stage", "model", "data.train", "data.eval", "data.seq_len", "data.global_batch_size", "data.seed",
+              "data.shuffle", "loss.objective", "loss.temperature", "loss.ce_weight", "eval.split", "opd")
+# performance settings inside the sections above: they change speed and memory, not the trained function
+MAY_CHANGE = ("model.compile", "model.activation_checkpointing")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _covered(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def compare(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """``(refused, allowed)``: one ``key: saved -> current`` line per differing setting."""
+    a, b = flatten(saved), flatten(current)
+    refused, allowed = [], []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, "<unset>"), b.get(key, "<unset>")
+        if old == new:
+            continue
+        line = f"{key}: {old!r} -> {new!r}"
+        (refused if _covered(key, MUST_MATCH) and not _covered(key, MAY_CHANGE) else allowed).append(line)
+    return refused, allowed
+
+
+def check_resume_config(checkpoint: Path, current: dict, announce: bool = True) -> list[str]:
+    """Refuse (ConfigError) to resume ``checkpoint`` with a config that defines another run; return (and
+    print, if ``announce``) the settings that changed and are allowed to."""
+    from ..config.resolved import _resolved_data
+
+    path = checkpoint / "config.yaml"
+    if not path.exists():
+        raise ConfigError(f"{checkpoint} holds no config.yaml: cannot tell whether resuming it continues the same "
+                          f"run (start a new run folder, or set checkpoint.resume=never)")
+    refused, allowed = compare(_resolved_data(path)["config"], current)
+    if refused:
+        raise ConfigError(f"refusing to resume {checkpoint}: the run it belongs to differs in\n  "
+                          + "\n  ".join(refused)
+                          + "\nUse the checkpoint's settings (its config.yaml), or start a new run folder.")
+    if allowed and announce:
+        print(f"resuming {checkpoint.name} with changed settings:\n  " + "\n  ".join(allowed), flush=True)
+    return allowed
