@@ -16,6 +16,7 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
     from .config import ConfigError, parse_run_args
     from .data import DataError
     from .models.convert import ConversionError
+    from .train.checkpoint import CheckpointWriteError
     from .train.engine import NonFiniteLossError, StopRequested, run_stage
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -31,7 +32,8 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 0
-    except (ConfigError, DataError, ConversionError, FileNotFoundError, NonFiniteLossError, ValueError) as e:
+    except (CheckpointWriteError, ConfigError, DataError, ConversionError, FileNotFoundError, NonFiniteLossError,
+            ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

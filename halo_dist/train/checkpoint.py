@@ -80,6 +80,34 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (too little space, or the write failed); the previous one is intact."""
+
+
+# bytes per parameter of a save when there is no earlier checkpoint to measure: bf16 weights (2) + fp32
+# master weights and two Adam moments (12), rounded up for DeepSpeed's bookkeeping
+BYTES_PER_PARAM = 16
+SPACE_MARGIN = 1.1
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def expected_bytes(root: Path, engine) -> int:
+    """What the next save will write: the size of the latest complete checkpoint (same model, same
+    optimizer), else an estimate from the parameter count."""
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        return folder_bytes(latest)
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+    return params * BYTES_PER_PARAM
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
 class CheckpointManager:
     """Save / find / load / prune checkpoints of one run."""
 
@@ -95,17 +123,44 @@ class CheckpointManager:
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # an incomplete leftover of a crashed save of the same step
         _barrier()
-        engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
-        torch.save(rng_state(), path / f"rng_rank{self.rank:05d}.pt")
-        if self.rank == 0:
-            _atomic_text(path / TRAINER_STATE, json.dumps(trainer_state, indent=2))
-            _atomic_text(path / "config.yaml", config_text)
+        need = self._check_space(engine)
+        try:
+            engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
+            torch.save(rng_state(), path / f"rng_rank{self.rank:05d}.pt")
+            if self.rank == 0:
+                _atomic_text(path / TRAINER_STATE, json.dumps(trainer_state, indent=2))
+                _atomic_text(path / "config.yaml", config_text)
+        except OSError as e:
+            shutil.rmtree(path, ignore_errors=True)  # no marker: never resumed from; free what it took
+            raise CheckpointWriteError(f"writing checkpoint {path} failed ({e.strerror or e}); it needs about "
+                                       f"{_gib(need)} on {self.root}{self._previous()}") from e
         _barrier()
         if self.rank == 0:
             _atomic_text(path / MARKER, json.dumps({"step": step}))
             self._prune()
         _barrier()
         return path
+
+    def _check_space(self, engine) -> int:
+        """Refuse a save that would not fit (before writing anything, on every rank at once); returns the
+        expected size in bytes."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        need = expected_bytes(self.root, engine)
+        free = shutil.disk_usage(self.root).free
+        short = torch.tensor([1.0 if free < need * SPACE_MARGIN else 0.0])
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.all_reduce(short, op=dist.ReduceOp.MAX)
+        elif dist.is_initialized():
+            short = short.cuda()
+            dist.all_reduce(short, op=dist.ReduceOp.MAX)
+        if short.item() > 0:
+            raise CheckpointWriteError(f"not enough space for a checkpoint in {self.root}: it needs about {_gib(need)}, "
+                                       f"{_gib(free)} free on this rank's disk{self._previous()}")
+        return need
+
+    def _previous(self) -> str:
+        latest = latest_checkpoint(self.root)
+        return f"; the previous checkpoint {latest} is intact" if latest is not None else ""
 
     def _prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints; drop older and incomplete folders."""
