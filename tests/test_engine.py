@@ -244,3 +244,45 @@ def test_resume_check_sorts_settings_into_refused_and_allowed():
     assert allowed == ["data.micro_batch_size: 8 -> 4", "loss.chunk_size: 4096 -> 8192", "model.compile: 'none' -> 'layer'",
                        "optim.lr: 0.0001 -> 5e-05", "schedule.total_steps: 100 -> 200"]
     assert compare(saved, saved) == ([], [])
+
+
+class _Payload:
+    """What an attacker would plant in a run folder: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path):
+    """DeepSpeed's shards, our RNG files and the export path are read with weights_only=True: a model-states
+    file holding a pickled callable stops resume and export with an error naming the file."""
+    import shutil
+
+    import torch
+
+    run_dir = tmp_path / "run"
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=3", "checkpoint.every_steps=1"]
+    run_launcher("stage2", run_dir, *common, env={"HALO_TEST_CRASH_AT_STEP": "2"}, expect=17)
+    step = run_dir / "checkpoints" / "step-00000001"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(step, pristine)
+    marker = tmp_path / "PWNED"
+    states = next(step.glob("*model_states.pt"))
+    torch.save({"module": _Payload(marker)}, states)
+    res = run_launcher("stage2", run_dir, *common, expect=2)
+    assert "refusing to load" in res.stderr and states.name in res.stderr and "Traceback" not in res.stderr
+    export = subprocess.run([sys.executable, "-m", "halo_dist.cli", "export", "--checkpoint", str(step), "--output",
+                             str(tmp_path / "export")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert export.returncode != 0 and "refusing to load" in export.stderr, export.stderr[-2000:]
+    assert not marker.exists()  # the payload never ran
+    # the untouched checkpoint still resumes and exports through the same safe path
+    shutil.rmtree(step)
+    shutil.copytree(pristine, step)
+    res = run_launcher("stage2", run_dir, *common)
+    assert "resumed from" in res.stdout
+    ok = subprocess.run([sys.executable, "-m", "halo_dist.cli", "export", "--checkpoint", str(run_dir / "checkpoints"),
+                         "--output", str(tmp_path / "export")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]

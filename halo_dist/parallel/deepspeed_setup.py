@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import ProcessGroups
+from .safe_load import install_safe_loading
 
 
 def on_cpu() -> bool:
@@ -135,7 +136,7 @@ def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGr
                       **kwargs: Any):
     """``deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)``, after making
     ZeRO-3's parameter partitions span the sequence-data-parallel group; returns DeepSpeed's tuple
-    ``(engine, optimizer, dataloader, lr_scheduler)``. Works for a frozen teacher too (config without
+    ``(engine, optimizer, dataloader, lr_scheduler)``; the engine loads checkpoints with ``weights_only=True``. Works for a frozen teacher too (config without
     optimizer). ``kwargs``: ``optimizer=``, ``model_parameters=``, ``lr_scheduler=`` ..."""
     import deepspeed
 
@@ -144,4 +145,6 @@ def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGr
         if groups.layout.sp_size > 1:
             partition_for_zero3(model, groups, ds_config)
         check_zero3_partitioning(model, groups)
-    return deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)
+    out = deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)
+    install_safe_loading(out[0])  # checkpoints are read with weights_only=True (safe_load.py)
+    return out

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..parallel.safe_load import safe_load
+
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
 
@@ -180,7 +182,7 @@ class CheckpointManager:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {path}")
         rng_file = path / f"rng_rank{self.rank:05d}.pt"
         if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=True))
+            set_rng_state(safe_load(rng_file, map_location="cpu"))
         return json.loads((path / TRAINER_STATE).read_text())
 
 

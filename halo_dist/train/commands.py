@@ -33,9 +33,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def consolidated_state(ckpt: Path) -> dict:
     """fp32 state dict of the trained module from DeepSpeed's shards (any ZeRO stage)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils import zero_to_fp32
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    from ..parallel.safe_load import weights_only_loads
+
+    with weights_only_loads(zero_to_fp32):  # its own loads unpickle anything (safe_load's doc)
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
 
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:

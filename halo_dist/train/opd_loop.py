@@ -68,6 +68,7 @@ from ..stages.opd_prompts import ByteTokenizer, Curriculum
 from .engine import NonFiniteLossError, NonFinitePolicy, backward_and_step, finish_skipped_step, nonfinite_agreed
 from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoints, latest_checkpoint, rng_state, \
     set_rng_state, step_dir_name
+from ..parallel.safe_load import safe_load
 from .metrics import MetricsLogger, flops_per_token
 from .schedules import LRSchedule
 
@@ -332,11 +333,11 @@ class OPDTrainer:
                 raise RuntimeError(f"DeepSpeed could not load checkpoint {path}")
             self._replica_step = None
         else:
-            blob = torch.load(path / "state.pt", map_location=self.device, weights_only=True)
+            blob = safe_load(path / "state.pt", map_location=self.device)
             self.module.student.load_state_dict(blob["model"])
             self.optimizer.load_state_dict(blob["optimizer"])
             self.scheduler.load_state_dict(blob["scheduler"])
-        local = torch.load(path / f"rng_rank{self.rank:05d}.pt", weights_only=False)
+        local = safe_load(path / f"rng_rank{self.rank:05d}.pt")  # tensors and plain values only
         set_rng_state(local["rng"])
         self.generator.set_state(local["generator"])
         self.curriculum.load_state_dict(local["curriculum"])

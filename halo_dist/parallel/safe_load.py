@@ -1,0 +1,82 @@
+"""Checkpoint files are read with ``torch.load(weights_only=True)``: tensors, containers and plain values
+only, never an arbitrary pickled callable. A crafted ``.pt`` in a run folder (or one copied from
+elsewhere) then cannot run code when a run resumes or a checkpoint is exported.
+
+DeepSpeed's own engine and its ``zero_to_fp32`` load with ``weights_only=False``. Resume goes through
+:class:`SafeCheckpointEngine`, installed on every engine we build; export wraps ``zero_to_fp32`` in
+:func:`weights_only_loads`. The only non-tensor types DeepSpeed stores in ZeRO 0-3 checkpoints are
+allowed by name (:data:`DEEPSPEED_SAFE_GLOBALS`); a file that needs anything else is refused with an
+error naming the file and the type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import torch
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled objects beyond tensors and the allowed DeepSpeed types."""
+
+
+def deepspeed_safe_globals() -> list:
+    """Classes DeepSpeed pickles into optimizer states: the ZeRO stage enum and the loss scalers (plain
+    attribute holders; unpickling them sets attributes and runs no code)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def safe_load(path, map_location=None, **kwargs):
+    """``torch.load(path, weights_only=True)`` with the DeepSpeed types allowed; refuses anything else."""
+    kwargs.pop("weights_only", None)
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise UnsafeCheckpointError(f"refusing to load {path}: it holds pickled objects that are not tensors or "
+                                    f"allowed DeepSpeed types ({first}). Only load checkpoints you trust; this "
+                                    f"one was not written by halo_dist as is.") from None
+
+
+def make_safe_checkpoint_engine(config_params=None):
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SafeCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` (module doc)."""
+
+        def load(self, path: str, map_location=None):
+            return safe_load(path, map_location=map_location)
+
+    return SafeCheckpointEngine(config_params)
+
+
+def install_safe_loading(engine) -> None:
+    """Make ``engine.load_checkpoint`` read every file through :func:`safe_load`."""
+    engine.checkpoint_engine = make_safe_checkpoint_engine(getattr(engine, "_config", None))
+
+
+class _TorchWithSafeLoad:
+    """``torch`` as one module sees it, with ``load`` replaced by :func:`safe_load`."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, map_location=None, **kwargs):
+        return safe_load(f, map_location=map_location, **{k: v for k, v in kwargs.items() if k == "mmap"})
+
+
+@contextlib.contextmanager
+def weights_only_loads(module):
+    """Within the block, the name ``torch`` inside ``module`` (e.g. DeepSpeed's zero_to_fp32) loads files
+    through :func:`safe_load`; the real ``torch`` module and every other caller are untouched."""
+    original = module.torch
+    module.torch = _TorchWithSafeLoad()
+    try:
+        yield
+    finally:
+        module.torch = original
