@@ -73,9 +73,12 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .models.trust import trust_for
+
     path = resolve_model_arg(args.model)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # our exported folders carry model code
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    trust = trust_for(path, args.trust_remote_code)  # our exported folders carry model code: trusted by content
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -108,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="greedy generation from a model folder", epilog=EXAMPLES["generate"], formatter_class=fmt)
     g.add_argument("--model", required=True, help="model folder or 'smollm2'")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="run code the folder carries; folders halo_dist exported are trusted without it")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.set_defaults(func=cmd_generate)
@@ -135,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     from .train.commands import ExportError
 
     from .eval.errors import EvalError
+    from .models.trust import UntrustedCodeError
+    from .parallel.safe_load import UnsafeCheckpointError
 
-    except_types = (UserError, ConversionError, FileNotFoundError, ExportError, EvalError)
+    except_types = (UserError, ConversionError, FileNotFoundError, ExportError, EvalError, UntrustedCodeError,
+                    UnsafeCheckpointError)
     try:
         return args.func(args)
     except except_types as e:

@@ -276,7 +276,8 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
     assert "refusing to load" in res.stderr and states.name in res.stderr and "Traceback" not in res.stderr
     export = subprocess.run([sys.executable, "-m", "halo_dist.cli", "export", "--checkpoint", str(step), "--output",
                              str(tmp_path / "export")], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert export.returncode != 0 and "refusing to load" in export.stderr, export.stderr[-2000:]
+    assert export.returncode == 2 and "error: refusing to load" in export.stderr, export.stderr[-2000:]
+    assert "Traceback" not in export.stderr
     assert not marker.exists()  # the payload never ran
     # the untouched checkpoint still resumes and exports through the same safe path
     shutil.rmtree(step)

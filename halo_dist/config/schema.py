@@ -131,6 +131,9 @@ class ModelConfig(Section):
 
     teacher: Optional[str] = None  # HF hub id or local folder; "random" uses random_teacher; none for pretrain
     random_teacher: Optional[RandomTeacherConfig] = None  # shape of a random teacher
+    # run code that a teacher/student folder carries (auto_map, .py); folders halo_dist exported are trusted
+    # without it (halo_dist.models.trust)
+    trust_remote_code: bool = False
     num_layers: Optional[int] = None  # teacher depth, when known, to range-check attn_layers
     attn_layers: list[int] = field(default_factory=list)  # 0-based layers kept as softmax attention
     student_init: Optional[str] = None  # HypeNet checkpoint/HF folder to start from (stage 3, OPD)

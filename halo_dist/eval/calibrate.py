@@ -180,10 +180,10 @@ def _fmt_a(a) -> str:
 
 def calibrate(folder: str | Path, grid: list[float | None], data: str = "wiki", seq_len: int = 4096,
               n_rows: int = 4, batch_size: int = 1, by: str = "loss", write: bool = True,
-              device: str = "cpu", dtype=torch.float32, log=print) -> dict:
+              device: str = "cpu", dtype=torch.float32, log=print, trust_remote_code: bool = False) -> dict:
     """Load ``folder``, grid-search a, write the best into its config.json; returns the report."""
     check_hypenet_folder(folder)
-    model, tokenizer = load_folder(folder, device, dtype)
+    model, tokenizer = load_folder(folder, device, dtype, trust_remote_code)
     batches = long_batches(data, tokenizer, seq_len, n_rows, batch_size, model.config.vocab_size)
     curve = grid_search(model, batches, grid, log)
     best = best_point(curve, by)
@@ -194,15 +194,16 @@ def calibrate(folder: str | Path, grid: list[float | None], data: str = "wiki", 
     return {"model": str(folder), "seq_len": seq_len, "data": data, "select_by": by, "curve": curve, "best_a": best["a"]}
 
 
-def load_folder(folder, device: str = "cpu", dtype=torch.float32):
+def load_folder(folder, device: str = "cpu", dtype=torch.float32, trust_remote_code: bool = False):
     """HypeNet model (our class, no remote code needed) and the folder's tokenizer (or None)."""
     from ..models.hypenet import HypeNetForCausalLM
+    from ..models.trust import UntrustedCodeError, load_tokenizer
 
     model = HypeNetForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+        tokenizer = load_tokenizer(folder, trust_remote_code)
+    except UntrustedCodeError:
+        raise
     except Exception:  # noqa: BLE001 - a folder without a tokenizer still calibrates on shards/random
         tokenizer = None
     return model, tokenizer

@@ -81,6 +81,13 @@ def _parser(sub, name: str, help_text: str):
 def _add_device(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    add_trust_flag(p)
+
+
+def add_trust_flag(p) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run code the model folder carries (auto_map, .py); folders halo_dist exported are "
+                        "trusted without it")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,7 +168,7 @@ def _evaluate_and_select(args) -> dict:
     L = _teacher_config(args.teacher).num_hidden_layers
     k = sel.check_k(sel.default_num_attn(L) if args.num_attn is None else args.num_attn, L)
     results_out = args.results_out or str(Path(args.output).with_suffix("")) + ".results.json"
-    base, tokenizer = _load_base(args.teacher, args.device, args.dtype)
+    base, tokenizer = _load_base(args.teacher, args.device, args.dtype, args.trust_remote_code)
     stage1 = Stage1Weights(args.stage1_weights, base)
     evaluator = make_evaluator(args, tokenizer, base.config.vocab_size)
     t0 = time.time()
@@ -173,7 +180,7 @@ def _evaluate_and_select(args) -> dict:
     return payload
 
 
-def _load_base(teacher: str, device: str, dtype: str):
+def _load_base(teacher: str, device: str, dtype: str, trust_remote_code: bool = False):
     """The teacher as an exact all-attention HypeNet (the HF copy is freed) and its tokenizer (or None)."""
     from ..cli import resolve_model_arg
     from ..models.convert import load_teacher, resolve_teacher
@@ -183,7 +190,7 @@ def _load_base(teacher: str, device: str, dtype: str):
     hf = load_teacher(source)
     base = teacher_as_hypenet(hf).to(device=device, dtype=_torch_dtype(dtype)).eval()
     del hf
-    return base, _try_tokenizer(source.path, source.load_kwargs())
+    return base, _try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
 
 
 def make_evaluator(args, tokenizer, vocab_size: int):
@@ -261,7 +268,8 @@ def cmd_eval_niah(args) -> int:
         raise EvalError("--samples and --batch-size must be >= 1")
     cfg = NiahConfig(tasks, parse_lengths(args.lengths), parse_depths(args.depths), args.samples, args.batch_size,
                      args.max_new_tokens, args.seed)
-    model, tokenizer, label = load_model(args.model, args.device, args.dtype, args.convert_attn_layers)
+    model, tokenizer, label = load_model(args.model, args.device, args.dtype, args.convert_attn_layers,
+                                         args.trust_remote_code)
     report = {"model": label, **run_niah(model, tokenizer, cfg)}
     paths = write_reports(report, args.output_dir, args.name)
     print(open(paths["markdown"]).read())
@@ -299,7 +307,8 @@ def cmd_calibrate(args) -> int:
         raise EvalError("--seq-len must be >= 2, --rows and --batch-size >= 1")
     check_hypenet_folder(args.model)
     report = calibrate(args.model, grid, args.data, args.seq_len, args.rows, args.batch_size, args.select_by,
-                       write=not args.dry_run, device=args.device, dtype=_torch_dtype(args.dtype))
+                       write=not args.dry_run, device=args.device, dtype=_torch_dtype(args.dtype),
+                       trust_remote_code=args.trust_remote_code)
     if args.output:
         from .selection import write_json_atomic
 
@@ -335,7 +344,7 @@ def cmd_eval_lm(args) -> int:
         raise EvalError("--limit must be >= 1")
     if args.include_path and not Path(args.include_path).is_dir():
         raise FileNotFoundError(f"--include-path {args.include_path} is not a folder")
-    model, tokenizer, label = load_model(args.model, args.device, args.dtype)
+    model, tokenizer, label = load_model(args.model, args.device, args.dtype, trust_remote_code=args.trust_remote_code)
     summary = run_lm_eval(model, tokenizer, tasks, args.limit, args.batch_size, include_path=args.include_path,
                           num_fewshot=args.num_fewshot)
     summary.update(model=label, limit=args.limit)
@@ -353,7 +362,8 @@ def cmd_eval_lm(args) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-def load_model(name: str, device: str = "cpu", dtype: str = "fp32", convert_attn_layers: str | None = None):
+def load_model(name: str, device: str = "cpu", dtype: str = "fp32", convert_attn_layers: str | None = None,
+               trust_remote_code: bool = False):
     """``(model, tokenizer, label)`` for a HypeNet folder, any HF causal LM folder, or 'smollm2'.
 
     With ``convert_attn_layers`` the (teacher) model is converted to an untrained HypeNet first.
@@ -362,7 +372,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "fp32", convert_attn
     from ..models.convert import resolve_teacher
 
     source = resolve_teacher(resolve_model_arg(name))
-    tokenizer = _try_tokenizer(source.path, source.load_kwargs())
+    tokenizer = _try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
     if tokenizer is None:
         raise EvalError(f"{name} has no tokenizer: NIAH and lm-eval need one in the model folder")
     torch_dtype = _torch_dtype(dtype)
@@ -388,11 +398,13 @@ def _load_causal_lm(source, dtype):
     return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.load_kwargs())
 
 
-def _try_tokenizer(path: str, kwargs: dict):
-    from transformers import AutoTokenizer
+def _try_tokenizer(path: str, kwargs: dict, trust_remote_code: bool = False):
+    from ..models.trust import UntrustedCodeError, load_tokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True, **kwargs)  # HypeNet folders have an auto_map
+        tok = load_tokenizer(path, trust_remote_code, **kwargs)  # our HypeNet folders: trusted by content
+    except UntrustedCodeError:
+        raise
     except Exception:  # noqa: BLE001 - no tokenizer files (e.g. a bare test teacher)
         return None
     if len(tok) < 2 or not tok("hello world", add_special_tokens=False)["input_ids"]:

@@ -60,6 +60,9 @@ def add_suite_command(sub) -> None:
                         "sharing a folder (e.g. NIAH in one process, CSR in another) use different names")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    from .commands import add_trust_flag
+
+    add_trust_flag(p)
     p.set_defaults(func=cmd_eval_suite)
 
 
@@ -87,7 +90,7 @@ def cmd_eval_suite(args) -> int:
         if wanted and name not in todo:
             print(f"{name}: already done ({path})")
     if todo:
-        model, tokenizer, label = load_model(args.model, args.device, args.dtype)
+        model, tokenizer, label = load_model(args.model, args.device, args.dtype, trust_remote_code=args.trust_remote_code)
         for name in todo:
             t0 = time.time()
             {"niah": _niah, "csr": _csr, "ppl": _ppl}[name](model, tokenizer, label, args, parts[name][1])

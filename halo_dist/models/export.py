@@ -41,6 +41,7 @@ def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokeniz
             shutil.copyfile(src / name, tmp / name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+            _drop_foreign_code(tmp)
         if extra:
             (tmp / "halo_dist.json").write_text(json.dumps(extra, indent=2, default=str))
         _replace_dir(tmp, output)
@@ -48,6 +49,20 @@ def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokeniz
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output
+
+
+def _drop_foreign_code(folder: Path) -> None:
+    """An export carries our model files only: a tokenizer loaded with remote code would save its own
+    ``.py`` and an ``auto_map`` into tokenizer_config.json; both are removed (the tokenizer's files and
+    vocabulary stay)."""
+    for f in folder.glob("*.py"):
+        if f.name not in MODEL_FILES:
+            f.unlink()
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data.pop("auto_map", None) is not None:
+            path.write_text(json.dumps(data, indent=2, ensure_ascii=False))
 
 
 def _replace_dir(new: Path, target: Path) -> None:

@@ -102,14 +102,15 @@ class _Layer(torch.nn.Module):
 
 def _teacher_tokenizer(cfg: RunConfig):
     """The tokenizer exported with the student: the teacher's (or the initial student's) one."""
-    from transformers import AutoTokenizer
-
+    from ..models.trust import UntrustedCodeError, load_tokenizer
     from .teacher import teacher_path
 
     for source in (cfg.model.student_init, None if cfg.model.teacher == "random" else teacher_path(cfg.model.teacher)):
         if source:
             try:
-                return AutoTokenizer.from_pretrained(source, trust_remote_code=True)  # HypeNet folders have an auto_map
+                return load_tokenizer(source, cfg.model.trust_remote_code)
+            except UntrustedCodeError:
+                raise
             except (OSError, ValueError, TypeError):
                 continue
     return None

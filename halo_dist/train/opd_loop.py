@@ -95,9 +95,9 @@ def student_tokenizer(cfg: RunConfig):
     init = cfg.model.student_init
     if not init or not Path(init).is_dir() or not any(Path(init).glob("tokenizer*")):
         return None
-    from transformers import AutoTokenizer
+    from ..models.trust import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(init, trust_remote_code=True)
+    return load_tokenizer(init, cfg.model.trust_remote_code)
 
 
 def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
