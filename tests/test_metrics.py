@@ -192,6 +192,8 @@ def test_a_resumed_run_keeps_one_history_in_jsonl_and_tensorboard(tmp_path):
     def run(start, stop, value, **kw):
         clock = FakeClock()
         with make_logger(tmp_path, clock, [], start_step=start, **kw) as logger:
+            if start == 0:
+                logger.log_eval(0, {"eval/kl": value})  # evaluated before the first step: kept by a resume
             for step in range(start + 1, stop + 1):
                 logger.add("train/loss", torch.tensor(value))
                 clock.now += 1.0
@@ -202,7 +204,8 @@ def test_a_resumed_run_keeps_one_history_in_jsonl_and_tensorboard(tmp_path):
         f.write('{"step": 60, "train/lo')  # killed mid-write
     run(30, 60, 2.0)  # resumed at 30: redoes 40 and 50
     steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert steps == [10, 20, 30, 40, 50, 60]
+    assert steps == [0, 10, 20, 30, 40, 50, 60]
+    assert read_metrics(tmp_path / "run")["eval/kl"] == [(0, 1.0)]
     assert read_metrics(tmp_path / "run")["train/loss"] == [(10, 1.0), (20, 1.0), (30, 1.0), (40, 2.0), (50, 2.0), (60, 2.0)]
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import re
+
 import torch
 
 
@@ -21,12 +23,14 @@ class UnsafeCheckpointError(ValueError):
 
 
 def deepspeed_safe_globals() -> list:
-    """Classes DeepSpeed pickles into optimizer states: the ZeRO stage enum and the loss scalers (plain
-    attribute holders; unpickling them sets attributes and runs no code)."""
+    """Classes DeepSpeed pickles into optimizer states: the ZeRO stage enum, the loss scalers and the
+    fragment addresses of ZeRO-1/2 and bf16 parameter slices (plain attribute holders and a dataclass:
+    unpickling them sets fields and runs no code)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def safe_load(path, map_location=None, **kwargs):
@@ -36,10 +40,11 @@ def safe_load(path, map_location=None, **kwargs):
         with torch.serialization.safe_globals(deepspeed_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-        raise UnsafeCheckpointError(f"refusing to load {path}: it holds pickled objects that are not tensors or "
-                                    f"allowed DeepSpeed types ({first}). Only load checkpoints you trust; this "
-                                    f"one was not written by halo_dist as is.") from None
+        found = re.search(r"(?:Unsupported global: GLOBAL|Unsupported operand|global) ([\w.]+)", str(e))
+        what = found.group(1) if found else str(e).strip().splitlines()[-1][:200]
+        raise UnsafeCheckpointError(f"refusing to load {path}: it holds a pickled {what}, which is neither a tensor "
+                                    f"nor one of the DeepSpeed types allowed. Only load checkpoints you trust; "
+                                    f"this file is not as halo_dist wrote it.") from None
 
 
 def make_safe_checkpoint_engine(config_params=None):

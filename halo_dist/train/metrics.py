@@ -337,7 +337,8 @@ def truncate_metrics(path: Path, last_step: int) -> int:
 
     Rewritten atomically: a crash here leaves the old file or the new one, never a torn one."""
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = [line for line in lines if last_step and (_record_step(line) or last_step + 1) <= last_step]
+    steps = [_record_step(line) for line in lines]
+    kept = [line for line, step in zip(lines, steps) if last_step and step is not None and step <= last_step]
     if len(kept) == len(lines):
         return 0
     tmp = path.with_name(path.name + ".tmp")
