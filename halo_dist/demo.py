@@ -156,10 +156,12 @@ class Demo:
         t0 = time.time()
         print(f"[demo] {names:<16} ...", end="", flush=True)
         running = [(name, self._start(name, cmd)) for name, cmd in todo]
-        # a step that wrote its done file and exited 0 as the deadline's SIGTERM came has finished
         done_of = {name: done for name, _, done in steps}
-        results = [(name, rc, stopped and not (rc == 0 and done_of[name].exists()), log)
-                   for name, (proc, log) in running for rc, stopped in [self._wait(proc)]]
+        results = []
+        for name, (proc, log) in running:
+            rc, stopped = self._wait(proc)
+            # a step that wrote its done file and exited 0 as the deadline's SIGTERM came has finished
+            results.append((name, rc, stopped and not (rc == 0 and done_of[name].exists()), log))
         self.record_time(names, time.time() - t0)  # wall time: steps run together are counted once
         if any(stopped for _, _, stopped, _ in results):
             print(" paused", flush=True)

@@ -2,11 +2,12 @@
 only, never an arbitrary pickled callable. A crafted ``.pt`` in a run folder (or one copied from
 elsewhere) then cannot run code when a run resumes or a checkpoint is exported.
 
-DeepSpeed's own engine and its ``zero_to_fp32`` load with ``weights_only=False``. Resume goes through
-:class:`SafeCheckpointEngine`, installed on every engine we build; export wraps ``zero_to_fp32`` in
-:func:`weights_only_loads`. The only non-tensor types DeepSpeed stores in ZeRO 0-3 checkpoints are
-allowed by name (:data:`DEEPSPEED_SAFE_GLOBALS`); a file that needs anything else is refused with an
-error naming the file and the type.
+DeepSpeed's stock checkpoint engine and its ``zero_to_fp32`` would unpickle anything; we never let them.
+Every engine we build gets a checkpoint engine whose ``load`` is :func:`safe_load` (``install_safe_loading``,
+called by ``initialize_engine``), and export runs ``zero_to_fp32`` inside :func:`weights_only_loads`. The
+only non-tensor types DeepSpeed stores in ZeRO 0-3 checkpoints are allowed by name
+(:func:`deepspeed_safe_globals`); a file that needs anything else is refused with an error naming the file
+and the type.
 """
 
 from __future__ import annotations

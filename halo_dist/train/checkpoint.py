@@ -150,10 +150,8 @@ class CheckpointManager:
         need = expected_bytes(self.root, engine)
         free = shutil.disk_usage(self.root).free
         short = torch.tensor([1.0 if free < need * SPACE_MARGIN else 0.0])
-        if dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.all_reduce(short, op=dist.ReduceOp.MAX)
-        elif dist.is_initialized():
-            short = short.cuda()
+        if dist.is_initialized():  # every rank refuses, or none: a lone refusal would hang the others
+            short = short.cuda() if dist.get_backend() == "nccl" else short
             dist.all_reduce(short, op=dist.ReduceOp.MAX)
         if short.item() > 0:
             raise CheckpointWriteError(f"not enough space for a checkpoint in {self.root}: it needs about {_gib(need)}, "

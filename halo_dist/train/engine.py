@@ -244,15 +244,19 @@ class Trainer:
     def _check_data_vocabulary(self) -> None:
         """Refuse shards whose token ids the model cannot embed before any model is built (otherwise an
         IndexError in the embedding at step 1). Compares the manifest's tokenizer size with the model's
-        vocabulary; bare shards without a manifest carry no size and are not checked here."""
-        from ..data import resolve_shards
+        vocabulary; bare shards without a manifest carry no size and are not checked here (nor scanned:
+        the loader reads them once, later)."""
+        from ..data import load_manifest
         from ..data.errors import DataError
         from ..stages.teacher import model_vocab_size
 
-        vocab = model_vocab_size(self.cfg.model)
-        _, manifest = resolve_shards(self.cfg.data.train, "train", False)
-        size = (manifest.tokenizer or {}).get("vocab_size") if manifest is not None else None
-        if vocab is not None and size is not None and int(size) > vocab:
+        source = Path(str(self.cfg.data.train))
+        vocab = model_vocab_size(self.cfg.model) if source.suffix == ".json" or source.is_dir() else None
+        if vocab is None:
+            return
+        manifest = load_manifest(source, "train")
+        size = (manifest.tokenizer or {}).get("vocab_size")
+        if size is not None and int(size) > vocab:
             raise DataError(f"the shards were tokenized with a {int(size):,}-token vocabulary, but the model embeds "
                             f"only {vocab:,} (ids >= {vocab:,} would fail at step 1): tokenize with the teacher's "
                             f"tokenizer or fix the model's vocab_size", manifest.path, "tokenizer.vocab_size")
