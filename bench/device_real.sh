@@ -20,6 +20,7 @@ T0=$SECONDS
 W=${HALO_WORK:-/tmp/halo}
 X=${XFER:-.xfer}
 DEADLINE=${DEADLINE:-530}   # seconds of a piece before its stage is stopped (a call may run 600)
+PAUSE_AFTER=${PAUSE_AFTER:-}  # or end the piece once this step has run (select-layers, stage2, ...)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -44,6 +45,9 @@ bundle() {
   (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
      --exclude='checkpoints' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
      --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' . 2>/dev/null)
+  # Triton's autotuning results (fla caches them on disk): a later session carries them back (.xfer/c1),
+  # and its fresh machine skips most of the 3-4 minutes of autotuning
+  (cd $W && find triton -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/triton_autotune.tgz" -T - 2>/dev/null)
   ls -la "$OUT"; df -h /tmp | tail -1; echo "phase $tag: $((SECONDS - T0)) s"
 }
 
@@ -52,6 +56,7 @@ case $phase in
 R1)
   install
   cp $X/c1/smol.gguf.xz.part0 $W/
+  [ -f $X/c1/triton_autotune.tgz ] && tar -xzf $X/c1/triton_autotune.tgz -C $W && echo "autotune cache: $(find $W/triton -name '*.autotune.json' | wc -l) results carried"
   mkdir -p $W/text && cp $X/c1/text/* $W/text/
   mkdir -p $W/tokenizer_src && tar -xJf $X/c1/tokenizer.tar.xz -C $W/tokenizer_src
   # corpus on the CPU cores while the GPU warms up; the warm-up reads the Wikipedia part alone
@@ -71,7 +76,7 @@ R2|R3)
       && (cd $W && echo "$(cat $OLDPWD/$X/c2/smol.gguf.sha256)  smol.gguf.tmp" | sha256sum -c) \
       && mv $W/smol.gguf.tmp $W/smol.gguf
   fi
-  $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+  $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac

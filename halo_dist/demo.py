@@ -72,6 +72,9 @@ class DemoSettings:
     device: str = "cpu"  # where evaluation and selection run (stages use the launcher's device)
     dtype: str = "fp32"  # evaluation precision: fp32 | bf16
     deadline_s: float = 0.0  # stop cleanly after this many seconds (0: none); the same command continues
+    # pause once this step has run (e.g. "select-layers"): a piece can end between stages, so that no
+    # stage pays a resume (checkpoint, restart, compile) when the piece lengths are known in advance
+    pause_after: str = ""
     keep_checkpoints: bool = False  # keep each stage's resumable checkpoints once its final export is written
     # when the teacher's evaluation runs: "at-end" (with the student's) or "with-stages" (alongside stages
     # 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly idle)
@@ -102,6 +105,7 @@ class DemoSettings:
 
 
 TEACHER_EVAL_CHOICES = ("at-end", "with-stages")
+PAUSE_POINTS = ("data", "stage1", "select-layers", "stage2", "stage3", "calibrate-a")  # steps run alone
 PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny, "h200": DemoSettings.h200}
 # a stage (which checkpoints on SIGTERM) is not started with less than this left before the deadline,
 # another step (which would be redone) with less than OTHER_MIN_S; a stage gets STOP_GRACE_S to save
@@ -128,6 +132,8 @@ class Demo:
         self.background_ended: dict[str, float] = {}  # when a background step's process exited
         if s.teacher_eval not in TEACHER_EVAL_CHOICES:
             raise DemoStepError(f"--teacher-eval {s.teacher_eval!r}: choose one of {', '.join(TEACHER_EVAL_CHOICES)}")
+        if s.pause_after and s.pause_after not in PAUSE_POINTS:
+            raise DemoStepError(f"--pause-after {s.pause_after!r}: choose one of {', '.join(PAUSE_POINTS)}")
 
     # ------------------------------------------------------------------ plumbing
     def run(self, name: str, cmd: list[str], done: Path, stage: bool = False) -> None:
@@ -173,6 +179,8 @@ class Demo:
             print(" FAILED", flush=True)
             raise _step_failed(*failed[0])
         print(f" done in {time.time() - t0:.0f}s", flush=True)
+        if self.s.pause_after and self.s.pause_after in {name for name, _ in todo}:
+            raise DemoPaused(f"paused after {self.s.pause_after} (--pause-after)")
 
     def start_background(self, name: str, cmd: list[str], done: Path) -> None:
         """Start a step that needs nothing the next steps make, to run alongside them (unless ``done``

@@ -229,3 +229,13 @@ def test_atomic_writes_never_clobber(tmp_path):
     with pytest.raises(TypeError):
         atomic_write_json(j, {"a": object()})
     assert json.loads(j.read_text()) == {"a": 1} and sorted(x.name for x in tmp_path.iterdir()) == ["m.json", p.name]
+
+
+def test_verify_share_splits_the_shards_over_ranks_and_names_the_bad_one(data):
+    from halo_dist.data import resolve_shards, verify_share
+
+    shards, _ = resolve_shards(data)
+    _flip(data / "train" / "shard-000002.tar", 512 + 200)
+    found = [verify_share(data, "train", rank, 3) for rank in range(3)]
+    assert [len(f) for f in found] == [0, 0, 1] and "shard-000002.tar" in found[2][0] and "sha256" in found[2][0]
+    assert len(shards) > 3  # every rank had a share; together they cover each shard once

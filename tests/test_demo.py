@@ -201,3 +201,18 @@ def test_split_student_evaluation_runs_niah_and_csr_as_two_suites_with_their_own
     assert niah_done.parent == csr_done.parent == tmp_path.resolve() / "eval" / "student"
     together = Demo(DemoSettings(out=str(tmp_path))).final_evals("TEACHER", "STUDENT", "DATA")
     assert [name for name, _, _ in together] == ["eval-student", "eval-teacher"]
+
+
+def test_pause_after_a_step_ends_the_piece_there_and_names_are_checked(tmp_path):
+    """--pause-after ends a piece once that step has run (not when it was already done), so a piece can
+    end between stages; an unknown step name is refused up front, not ignored."""
+    from halo_dist.demo import Demo, DemoPaused, DemoSettings, DemoStepError
+
+    demo = Demo(DemoSettings(out=str(tmp_path), pause_after="select-layers"))
+    done = tmp_path / "selection.json"
+    demo.run("stage1", [sys.executable, "-c", "pass"], tmp_path / "s1")  # another step: no pause
+    with pytest.raises(DemoPaused, match="paused after select-layers"):
+        demo.run("select-layers", [sys.executable, "-c", f"open({str(done)!r}, 'w').write('{{}}')"], done)
+    demo.run("select-layers", [sys.executable, "-c", "raise SystemExit(9)"], done)  # done: skipped, no pause
+    with pytest.raises(DemoStepError, match="--pause-after 'select'"):
+        Demo(DemoSettings(out=str(tmp_path), pause_after="select"))

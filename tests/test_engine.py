@@ -287,3 +287,24 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
     ok = subprocess.run([sys.executable, "-m", "halo_dist.cli", "export", "--checkpoint", str(run_dir / "checkpoints"),
                          "--output", str(tmp_path / "export")], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_a_corrupt_shard_stops_every_rank_before_training(shards, tmp_path):
+    """data.verify=full (the default): the two ranks check half of the shards each, before any model is
+    built; a shard with one flipped byte (same size, so the size check passes) stops both with its name.
+    With data.verify=sizes the same run starts, and the shard is refused only when it is first read."""
+    import shutil
+
+    bad = shutil.copytree(shards, tmp_path / "data")
+    victim = sorted((bad / "train").glob("*.tar"))[1]  # rank 1's share
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x5A
+    victim.write_bytes(bytes(raw))
+    res = run_launcher("stage2", tmp_path / "a", f"data.train={bad}", "model.stage1_weights=null", nproc=2, expect=None)
+    assert res.returncode != 0
+    assert "data.verify=full found 1 bad shard" in res.stderr and victim.name in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    res = run_launcher("stage2", tmp_path / "b", f"data.train={bad}", "model.stage1_weights=null", "data.verify=sizes",
+                       "schedule.total_steps=1", "schedule.warmup_steps=0", "eval.every_steps=0", expect=2)
+    assert "data.verify" not in res.stderr and "shards verified" not in res.stdout
+    assert victim.name in res.stderr, res.stderr[-2000:]

@@ -208,6 +208,10 @@ class DataConfig(Section):
     # the largest smaller micro batch that does. The global batch, and so the optimisation, is unchanged.
     fit_micro_batch: bool = False
     num_workers: int = 2  # loader worker processes per rank
+    # Shard checks at start-up. full: every shard's structure, counts and sha256, the shards shared out
+    # over all ranks (about 1 s per GB and rank, see README); sizes: file sizes only, each shard's
+    # checksum then verified when it is first read (a corrupt shard may stop the run hours in).
+    verify: Literal["full", "sizes"] = "full"
     shuffle: bool = True  # deterministic shard + sample shuffling (SPEC §6.3)
     seed: int = 1234  # shuffle seed (also the base of per-rank RNG seeds)
 
