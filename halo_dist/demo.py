@@ -180,6 +180,9 @@ class Demo:
             raise _step_failed(*failed[0])
         print(f" done in {time.time() - t0:.0f}s", flush=True)
         if self.s.pause_after and self.s.pause_after in {name for name, _ in todo}:
+            # a background step still running finishes first (until the deadline): stopped here, it
+            # would start over in the next piece and share the GPU with that piece's stage
+            self.join_background()
             raise DemoPaused(f"paused after {self.s.pause_after} (--pause-after)")
 
     def start_background(self, name: str, cmd: list[str], done: Path) -> None:

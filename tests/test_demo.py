@@ -214,5 +214,12 @@ def test_pause_after_a_step_ends_the_piece_there_and_names_are_checked(tmp_path)
     with pytest.raises(DemoPaused, match="paused after select-layers"):
         demo.run("select-layers", [sys.executable, "-c", f"open({str(done)!r}, 'w').write('{{}}')"], done)
     demo.run("select-layers", [sys.executable, "-c", "raise SystemExit(9)"], done)  # done: skipped, no pause
+    # a background step still running when the pause comes finishes first instead of being stopped
+    slow = tmp_path / "background_done"
+    demo = Demo(DemoSettings(out=str(tmp_path), pause_after="stage2"))
+    demo.start_background("eval-teacher", [sys.executable, "-c", f"import time; time.sleep(2); open({str(slow)!r}, 'w')"], slow)
+    with pytest.raises(DemoPaused, match="paused after stage2"):
+        demo.run("stage2", [sys.executable, "-c", "pass"], tmp_path / "s2")
+    assert slow.exists() and not demo.background
     with pytest.raises(DemoStepError, match="--pause-after 'select'"):
         Demo(DemoSettings(out=str(tmp_path), pause_after="select"))
