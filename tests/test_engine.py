@@ -308,3 +308,35 @@ def test_a_corrupt_shard_stops_every_rank_before_training(shards, tmp_path):
                        "schedule.total_steps=1", "schedule.warmup_steps=0", "eval.every_steps=0", expect=2)
     assert "data.verify" not in res.stderr and "shards verified" not in res.stdout
     assert victim.name in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("zero", [3, 1])
+def test_resume_on_another_number_of_ranks_continues_the_curve(shards, tmp_path, zero):
+    """A run checkpointed on 2 ranks resumes on 1, and one checkpointed on 1 resumes on 2 (a requeue onto
+    another number of GPUs): DeepSpeed's universal checkpoint re-partitions weights and Adam moments, and
+    the loss curve equals the 1-rank run's within the 1-vs-2-rank tolerance, the loader position exact."""
+    import shutil
+
+    common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4", "checkpoint.every_steps=2",
+              "checkpoint.keep_last=2", "eval.every_steps=0", f"parallel.zero_stage={zero}"]
+    ref = tmp_path / "ref"
+    run_launcher("stage2", ref, *common)
+    two_to_one = tmp_path / "two_to_one"
+    run_launcher("stage2", two_to_one, *common, nproc=2, env={"HALO_TEST_SIGTERM_AT_STEP": "2"})
+    res = run_launcher("stage2", two_to_one, *common)
+    assert "2 ranks -> 1" in res.stdout and "resumed from" in res.stdout, res.stdout[-2000:]
+    assert not (two_to_one / "checkpoints" / "universal").exists()  # the converted copy is removed once loaded
+    one_to_two = tmp_path / "one_to_two"  # the reference's own step-2 checkpoint, resumed on 2 ranks
+    shutil.copytree(ref, one_to_two)
+    shutil.rmtree(one_to_two / "checkpoints" / "step-00000004")
+    res = run_launcher("stage2", one_to_two, *common, nproc=2)
+    assert "1 rank -> 2" in res.stdout, res.stdout[-2000:]
+    curve = losses(ref)
+    for run in (two_to_one, one_to_two):
+        other = losses(run)
+        assert len(other) == 4
+        for a, b in zip(curve, other):
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (curve, other)
+        state = json.loads((run / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+        assert state["loader"]["rows_consumed"] == json.loads(
+            (ref / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())["loader"]["rows_consumed"]

@@ -41,3 +41,36 @@ def test_bf16_zero_checkpoints_load_weights_only_and_resume(tmp_path):
     for stage, (files, loaded) in out.items():
         assert loaded and any("model_states" in f for f in files), (stage, files)
     assert any("optim_states" in f for f in out[1][0])  # the optimizer file with DeepSpeed's own types
+
+
+class _Payload:
+    """Unpickling it would create a marker file: the proof that a load ran foreign code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_forced_weights_only_refuses_code_even_where_the_caller_asks_for_full_unpickling(tmp_path):
+    """DeepSpeed's universal-checkpoint code calls torch.load(weights_only=False); inside
+    forced_weights_only that still reads weights only, and a nested safe_load (our checkpoint engine, in
+    the same block) does not drop the DeepSpeed types from the allow-list on its way out."""
+    import pytest
+    import torch
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from halo_dist.parallel.safe_load import UnsafeCheckpointError, forced_weights_only, safe_load
+
+    marker = tmp_path / "ran"
+    torch.save({"x": _Payload(str(marker))}, tmp_path / "bad.pt")
+    torch.save({"stage": ZeroStageEnum(1), "t": torch.ones(2)}, tmp_path / "good.pt")
+    with pytest.raises(UnsafeCheckpointError, match="refusing to load the folder"):
+        with forced_weights_only("the folder"):
+            torch.load(tmp_path / "bad.pt", weights_only=False)
+    assert not marker.exists()
+    with forced_weights_only("the folder"):
+        safe_load(tmp_path / "good.pt")
+        assert torch.load(tmp_path / "good.pt", weights_only=False)["stage"] == ZeroStageEnum(1)
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in __import__("os").environ

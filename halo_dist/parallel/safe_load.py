@@ -13,6 +13,7 @@ and the type.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import re
 
@@ -34,18 +35,31 @@ def deepspeed_safe_globals() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
+@contextlib.contextmanager
+def _allowing_deepspeed_types():
+    """torch's ``safe_globals`` for the DeepSpeed types, safe to nest: torch's own context removes its
+    types on exit even when an outer block still allows them, so only the missing ones are added here."""
+    missing = [g for g in deepspeed_safe_globals() if g not in torch.serialization.get_safe_globals()]
+    with torch.serialization.safe_globals(missing):
+        yield
+
+
 def safe_load(path, map_location=None, **kwargs):
     """``torch.load(path, weights_only=True)`` with the DeepSpeed types allowed; refuses anything else."""
     kwargs.pop("weights_only", None)
     try:
-        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        with _allowing_deepspeed_types():
             return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
-        found = re.search(r"(?:Unsupported global: GLOBAL|Unsupported operand|global) ([\w.]+)", str(e))
-        what = found.group(1) if found else str(e).strip().splitlines()[-1][:200]
-        raise UnsafeCheckpointError(f"refusing to load {path}: it holds a pickled {what}, which is neither a tensor "
+        raise UnsafeCheckpointError(f"refusing to load {path}: it holds a pickled {_refused_type(e)}, which is neither a tensor "
                                     f"nor one of the DeepSpeed types allowed. Only load checkpoints you trust; "
                                     f"this file is not as halo_dist wrote it.") from None
+
+
+def _refused_type(error: pickle.UnpicklingError) -> str:
+    """The type torch's weights-only unpickler refused, from its message."""
+    found = re.search(r"(?:Unsupported global: GLOBAL|Unsupported operand|global) ([\w.]+)", str(error))
+    return found.group(1) if found else str(error).strip().splitlines()[0][:200]
 
 
 def make_safe_checkpoint_engine(config_params=None):
@@ -86,3 +100,24 @@ def weights_only_loads(module):
         yield
     finally:
         module.torch = original
+
+
+@contextlib.contextmanager
+def forced_weights_only(what: str):
+    """Within the block every ``torch.load`` reads with ``weights_only=True``, even where the caller passes
+    ``weights_only=False`` (DeepSpeed's universal-checkpoint conversion and loading do, in several
+    modules), with the DeepSpeed types allowed; a file that needs more is refused, naming ``what``."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # read by torch.load at every call
+    try:
+        with _allowing_deepspeed_types():
+            yield
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(f"refusing to load {what}: a file in it holds a pickled {_refused_type(e)}, which is "
+                                    "neither a tensor nor one of the DeepSpeed types allowed. Only load checkpoints "
+                                    "you trust.") from None
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous

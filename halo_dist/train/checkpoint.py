@@ -5,6 +5,12 @@ RNG state, rank 0 writes the trainer state (step, tokens, loader position, sched
 resolved config, and after a barrier rank 0 writes the ``COMPLETE`` marker atomically. A crash in
 between leaves a folder without the marker, which resume ignores and the next save deletes. The
 last ``keep_last`` complete checkpoints are kept. The teacher is never part of a checkpoint.
+
+Resuming on another number of ranks (a requeue onto fewer or more GPUs): ZeRO-1/2/3 optimizer states are
+partitioned by rank, so rank 0 first converts the checkpoint with DeepSpeed's ``ds_to_universal`` into
+``<dir>/universal/step-N/`` (fp32 weights and Adam moments per parameter), every rank loads its new
+partition from there, and the converted copy is deleted. Without ZeRO the states are not partitioned
+and load as they are. Loader positions are rank-count independent (``PackedLoader``).
 """
 
 from __future__ import annotations
@@ -14,15 +20,17 @@ import os
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..parallel.safe_load import safe_load
+from ..parallel.safe_load import forced_weights_only, safe_load
 
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
+UNIVERSAL = "universal"  # <dir>/universal/step-N: a checkpoint re-partitionable to any number of ranks
 
 
 def step_dir_name(step: int) -> str:
@@ -172,16 +180,40 @@ class CheckpointManager:
             if p.name not in keep and (p in done or n < newest):
                 remove_checkpoint(p)
 
-    def load(self, engine, path: Path) -> dict:
-        """Restore engine (model, optimizer, LR scheduler) and this rank's RNG; return the trainer state."""
-        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+    def load(self, engine, path: Path, universal: bool = False) -> dict:
+        """Restore engine (model, optimizer, LR scheduler) and this rank's RNG; return the trainer state.
+        ``universal``: the checkpoint was written on another number of ranks under ZeRO-1/2/3 (module doc);
+        the engine was built with ``checkpoint.load_universal``."""
+        source = to_universal(path) if universal else path
+        with forced_weights_only(str(source)):
+            load_path, _ = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {path}")
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {source}")
+        if universal:
+            _barrier()
+            if self.rank == 0:
+                shutil.rmtree(source.parent)  # a converted copy, as large as the checkpoint
         rng_file = path / f"rng_rank{self.rank:05d}.pt"
-        if rng_file.exists():
+        if rng_file.exists():  # a rank the checkpoint did not have starts from its seeded state
             set_rng_state(safe_load(rng_file, map_location="cpu"))
         return json.loads((path / TRAINER_STATE).read_text())
+
+
+def to_universal(path: Path) -> Path:
+    """Rank 0 converts checkpoint ``path`` with DeepSpeed's ``ds_to_universal`` (one process, every load
+    weights-only) into ``<dir>/universal/<name>``; all ranks return that folder after a barrier."""
+    out = path.parent / UNIVERSAL / path.name
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        from deepspeed.checkpoint import ds_to_universal
+
+        shutil.rmtree(out.parent, ignore_errors=True)  # a conversion cut short earlier
+        args = SimpleNamespace(input_folder=str(path), output_folder=str(out), num_extract_workers=1,
+                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        with forced_weights_only(str(path)):
+            ds_to_universal.main(args)
+    _barrier()
+    return out
 
 
 def _barrier() -> None:

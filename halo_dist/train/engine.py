@@ -27,6 +27,7 @@ More than ``optim.max_skipped_steps`` consecutive skips stop the run like ``stop
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, save_resolved
 from ..data import build_loader
 from ..parallel import ProcessGroups, SequenceParallel
-from .checkpoint import CheckpointManager, latest_checkpoint
+from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
 from .metrics import ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, flops_per_token
 from .schedules import LRSchedule, make_lr_scheduler
@@ -211,6 +212,9 @@ class Trainer:
         self._apply_sequence_parallel()
         self.ds_config = deepspeed_config(cfg, self.layout)
         self.ds_config.setdefault("zero_allow_untested_optimizer", True)
+        self.resume_path, self.reshard = self._resume_source()
+        if self.reshard:  # ZeRO partitions came from another number of ranks: re-partition (checkpoint.py)
+            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
         self.loss_ranks = self.layout.dp_size * sp_loss_factor(self.ds_config, self.groups)
         optimizer, scheduler = self._optimizer()
         self.engine, self.optimizer, _, self.scheduler = initialize_engine(
@@ -373,13 +377,27 @@ class Trainer:
             print(format_config(self.cfg), flush=True)
 
     # ------------------------------------------------------------------------------ resume / save
+    def _resume_source(self) -> tuple[Path | None, bool]:
+        """The checkpoint a resume starts from, and whether its ZeRO partitions must be re-made for this
+        number of ranks (it was written on another; ZeRO 0 keeps whole states and loads anywhere)."""
+        path = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint.resume == "auto" else None
+        if path is None:
+            return None, False
+        saved = json.loads((path / TRAINER_STATE).read_text()).get("world_size", self.world)
+        if saved == self.world:
+            return path, False
+        if self.rank == 0:
+            plural = "s" if saved > 1 else ""
+            how = ("re-partitioned through DeepSpeed's universal checkpoint" if self.cfg.parallel.zero_stage
+                   else "ZeRO 0 holds whole optimizer states")
+            print(f"resume: {path.name} was written on {saved} rank{plural} -> {self.world} now ({how})", flush=True)
+        return path, self.cfg.parallel.zero_stage > 0
+
     def _maybe_resume(self) -> None:
-        if self.cfg.checkpoint.resume != "auto":
-            return
-        path = latest_checkpoint(self.ckpt.root)
+        path = self.resume_path
         if path is None:
             return
-        state = self.ckpt.load(self.engine, path)
+        state = self.ckpt.load(self.engine, path, universal=self.reshard)
         self.schedule.check_resume(state["schedule"], state["step"])
         self.loader.load_state_dict(state["loader"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
