@@ -340,3 +340,27 @@ def test_resume_on_another_number_of_ranks_continues_the_curve(shards, tmp_path,
         state = json.loads((run / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
         assert state["loader"]["rows_consumed"] == json.loads(
             (ref / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())["loader"]["rows_consumed"]
+
+
+def test_a_resume_with_other_teacher_weights_under_the_same_path_is_refused(shards, tmp_path):
+    """The teacher is identified by the content of its files, not its path: after another model is saved
+    into the teacher folder, the resume is refused before anything is built and names the changed file."""
+    from conftest import tiny_qwen3
+    from data_fixtures import qwen_tokenizer
+    from safetensors.torch import load_file, save_file
+
+    teacher = tmp_path / "teacher"
+    tiny_qwen3(layers=4, vocab=len(qwen_tokenizer())).save_pretrained(teacher)
+    qwen_tokenizer().save_pretrained(teacher)
+    common = [f"data.train={shards}", f"model.teacher={teacher}", "model.random_teacher=null", "model.attn_layers=1",
+              "model.stage1_weights=null", "schedule.total_steps=4", "checkpoint.every_steps=0", "eval.every_steps=0"]
+    run = tmp_path / "run"
+    run_launcher("stage2", run, *common, env={"HALO_TEST_SIGTERM_AT_STEP": "2"})
+    state = json.loads((run / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert set(state["teacher_files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    weights = load_file(teacher / "model.safetensors")
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()}, teacher / "model.safetensors",
+              metadata={"format": "pt"})
+    res = run_launcher("stage2", run, *common, expect=2)
+    assert "the teacher's files differ" in res.stderr and "model.safetensors" in res.stderr, res.stderr[-2000:]
+    assert "config.json" not in res.stderr.split("differ")[1]  # only the changed file is named

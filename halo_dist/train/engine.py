@@ -207,6 +207,7 @@ class Trainer:
             torch.set_flush_denormal(True)
         self._check_data_vocabulary()
         self._verify_data()
+        self.teacher_files = self._hash_teacher()
         self._check_resume_config()
         self.module, self.teacher = self._build_stage()
         self._apply_sequence_parallel()
@@ -244,8 +245,22 @@ class Trainer:
         if path is not None:
             from ..config import to_dict
             from .resume_check import check_resume_config
+            from .teacher_identity import check_same_teacher
 
             check_resume_config(path, to_dict(self.cfg), announce=self.rank == 0)
+            saved = json.loads((path / TRAINER_STATE).read_text()).get("teacher_files")
+            check_same_teacher(saved, self.teacher_files, path)
+
+    def _hash_teacher(self) -> dict[str, str] | None:
+        """Rank 0 hashes the teacher folder's files (cached per run, teacher_identity.py); all ranks get them."""
+        from .teacher_identity import teacher_digests, teacher_folder
+
+        folder = teacher_folder(self.cfg.model)
+        if folder is None:
+            return None
+        box = [teacher_digests(folder, Path(self.cfg.checkpoint_dir)) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _verify_data(self) -> None:
         """``data.verify=full``: every rank fully checks its share of the training shards (and of the
@@ -410,7 +425,7 @@ class Trainer:
         (default: where it is now)."""
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": loader_state or self.loader.state_dict(),
                  "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout),
-                 "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher,
+                 "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher, "teacher_files": self.teacher_files,
                  "student_config": self.module.student_model().config.to_dict(),
                  "nonfinite": self.nonfinite.state_dict()}
         cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
