@@ -437,3 +437,15 @@ def test_deepspeed_backend_skips_a_nonfinite_step(ds_runs):
         w1, w2, w3 = skip["per_step"][:3]
         assert all(torch.equal(w1[k], w2[k]) for k in w1)  # step 2 changed nothing
         assert any(not torch.equal(w2[k], w3[k]) for k in w2)  # step 3 did
+
+
+def test_an_automatic_resume_of_another_run_is_refused(tmp_path):
+    """OPD's auto-resume compares the checkpoint's config like the stages do: another student (attention
+    layers) in the same run folder is refused with the difference; a longer schedule is allowed."""
+    from halo_dist.config import ConfigError
+
+    common = ["opd.eval_every=0", "opd.snapshot_every=0", "checkpoint.every_steps=2", "checkpoint.resume=auto",
+              "schedule.decay_steps=1"]
+    run_trainer(tiny_cfg(tmp_path, "schedule.total_steps=4", *common, set0=dict(heldout=0)))
+    with pytest.raises(ConfigError, match="model.attn_layers"):
+        run_trainer(tiny_cfg(tmp_path, "schedule.total_steps=6", "model.attn_layers=2", *common, set0=dict(heldout=0)))

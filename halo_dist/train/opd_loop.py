@@ -352,6 +352,11 @@ class OPDTrainer:
     def _maybe_resume(self) -> None:
         latest = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume == "auto" else None
         if latest is not None:
+            from ..config import to_dict
+            from .resume_check import check_resume_config
+
+            # the same run or refused, as for the stages (a rung, opd.resume_from, starts a new run)
+            check_resume_config(latest, to_dict(self.cfg), announce=self.rank == 0)
             self.load(latest)
         elif self.cfg.opd.resume_from:
             self.load(Path(self.cfg.opd.resume_from), rung=True)
