@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, environment  # noqa: E402
+from halo_dist.config import PE_ROPE  # noqa: E402
 from halo_dist.demo import Demo, DemoPaused, DemoSettings  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
@@ -67,6 +68,9 @@ def parse_args(argv=None):
     r.add_argument("--pause-after", default="", help="end this piece once that step has run (e.g. select-layers)")
     r.add_argument("--compile", choices=("auto", "none", "mlp", "layer"), default="auto",
                    help="model.compile of stage 2; auto: warmup.json's choice, else layer")
+    r.add_argument("--pe", choices=("", *PE_ROPE), default="",
+                   help="model.pe of stages 1-2 (empty: hype); all_rope keeps the teacher's attention RoPE, the "
+                        "HyPE ablation. The results record it (pe); give --results another folder to keep the HyPE ones")
     for c in sub.choices.values():
         c.add_argument("--results", type=Path, default=RESULTS, help="where real_conversion.json and PNGs go")
     return p.parse_args(argv)
@@ -137,6 +141,7 @@ def settings_for(a) -> DemoSettings:
         warm = a.work / "warmup.json"
         compile_ = json.loads(warm.read_text())["compile"] if warm.exists() else ("none" if a.cpu_rehearsal else "layer")
     s.compile = compile_
+    s.pe = a.pe
     return s
 
 
@@ -145,6 +150,7 @@ def cmd_run(a) -> int:
     if not corpus_done(a.work):
         raise SystemExit(f"error: no corpus in {a.work / 'corpus'}: run `real_conversion.py corpus` first")
     s = settings_for(a)
+    check_same_pe(a.work / "run", s.pe)
     s.deadline_s, s.pause_after = a.deadline_s, a.pause_after
     demo = Demo(s)
     code = 0
@@ -159,6 +165,15 @@ def cmd_run(a) -> int:
         record_piece(a.work, t0, code)
     collect(a, partial=code == PAUSED)
     return code
+
+
+def check_same_pe(run: Path, pe: str) -> None:
+    """A continued run keeps the position encoding it started with: each piece rewrites settings.json,
+    which labels the results, and the steps already done would not be redone with the new one."""
+    started = (_read(run / "settings.json") or {"pe": pe}).get("pe") or "hype"  # settings before --pe: hype
+    if started != (pe or "hype"):
+        raise SystemExit(f"error: {run} was started with --pe {started}, not {pe or 'hype'}: continue it with "
+                         "the same --pe, or give another --work")
 
 
 def record_piece(work: Path, t0: float, code: int) -> None:
@@ -293,7 +308,9 @@ def summarize(work: Path) -> dict:
     niah = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
     ppl = {w: _read(run / "eval" / w / "ppl.json") for w in ("teacher", "student")}
     c_t, c_s = (csr[w]["csr"] if csr[w] else None for w in ("teacher", "student"))
+    settings = _read(run / "settings.json")
     out = {
+        "pe": (settings or {}).get("pe") or "hype",  # model.pe of stages 1-2: hype, or an ablation (all_rope, ...)
         "csr_teacher": c_t, "csr_student": c_s, "csr_ratio": c_s / c_t if c_t and c_s is not None else None,
         "niah_s1_student_16k": niah_cell(niah["student"], "niah_single_1", parse_length("16K")),
         "niah_s1_teacher_16k": niah_cell(niah["teacher"], "niah_single_1", parse_length("16K")),
@@ -311,7 +328,7 @@ def summarize(work: Path) -> dict:
         "speed": _read(run / "speed.json"), "timings_s": _read(run / "timings.json"),
         "background": windows,
         "corpus": _read(work / "corpus" / "corpus_report.json"), "warmup": _read(work / "warmup.json"),
-        "settings": _read(run / "settings.json"), "pieces": _read(work / "pieces.json"), "environment": environment(),
+        "settings": settings, "pieces": _read(work / "pieces.json"), "environment": environment(),
     }
     g = out["goals"]
     if c_s is not None and c_t:

@@ -53,6 +53,9 @@ class DemoSettings:
     stage3_micro_batch: int = 1
     compile: str = "none"  # model.compile of stage 2: none | mlp | layer
     stage3_compile: str = "none"  # model.compile of stage 3 (a short stage: compiling may cost more than it saves)
+    # model.pe of stages 1 and 2 (stage 3 keeps the stage-2 folder's); empty: hype. all_rope keeps the teacher's
+    # attention RoPE (the HyPE ablation): hype | all_rope | all_nope | attn_rope_rnn_nope
+    pe: str = ""
     num_attn: int = 7  # k = floor(30 / 4)
     select_items: int = 6  # retrieval prompts per layer for the recall proxy
     select_length: int = 256
@@ -134,6 +137,10 @@ class Demo:
             raise DemoStepError(f"--teacher-eval {s.teacher_eval!r}: choose one of {', '.join(TEACHER_EVAL_CHOICES)}")
         if s.pause_after and s.pause_after not in PAUSE_POINTS:
             raise DemoStepError(f"--pause-after {s.pause_after!r}: choose one of {', '.join(PAUSE_POINTS)}")
+        from .config import PE_ROPE
+
+        if s.pe and s.pe not in PE_ROPE:  # here, not in stage 1's log after the data step
+            raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it empty: hype)")
 
     # ------------------------------------------------------------------ plumbing
     def run(self, name: str, cmd: list[str], done: Path, stage: bool = False) -> None:
@@ -310,10 +317,12 @@ class Demo:
         global_batch, micro = (s.stage3_global_batch, s.stage3_micro_batch) if stage == "stage3" else (s.global_batch, s.micro_batch)
         data = (s.data_long or s.data) if stage == "stage3" else s.data
         compile_ = {"stage1": [], "stage2": [f"model.compile={s.compile}"], "stage3": [f"model.compile={s.stage3_compile}"]}[stage]
+        # stage 3 loads the stage-2 folder, whose config already carries the encoding
+        pe = [f"model.pe={s.pe}"] if s.pe and stage != "stage3" else []
         return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
                 f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
                 f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",
-                f"logging.log_every={self.log_every(stage)}", *compile_, *overrides]
+                f"logging.log_every={self.log_every(stage)}", *compile_, *pe, *overrides]
 
     def log_every(self, stage: str) -> int:
         """About ten points per loss curve (at most every 10 steps)."""

@@ -215,6 +215,16 @@ def test_impossible_combinations(overrides, key, text):
     assert key in found and text in found[key], found
 
 
+@pytest.mark.parametrize("path", ["tiny/stage1.yaml", "tiny/stage2.yaml", "tiny/stage3.yaml", "opd/tiny.yaml"])
+def test_model_pe_is_accepted_by_the_distillation_stages(path):
+    assert load_config(CONFIGS / path, ["model.pe=all_rope"]).model.pe == "all_rope"
+
+
+def test_model_pe_is_still_refused_where_the_encoding_is_fixed():
+    with pytest.raises(ConfigError, match="model.pe: only arch=hypenet chooses a position encoding"):
+        load_config(CONFIGS / "tiny" / "pretrain_transformer.yaml", ["model.pe=all_rope"])
+
+
 def test_sp_must_divide_random_teacher_heads():
     with pytest.raises(ConfigError, match=r"parallel\.sp_size: 8 does not divide num_attention_heads=4"):
         load_config(TINY_STAGE2, ["parallel.sp_size=8"])

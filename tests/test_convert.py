@@ -142,3 +142,61 @@ def test_random_teacher_family_and_its_exact_hypenet(architecture):
     assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[architecture]
     ids = torch.randint(0, hf.config.vocab_size, (2, 24))
     assert torch.allclose(hf(ids).logits, as_exact_hypenet(hf)(ids).logits, atol=1e-5)
+
+
+# ------------------------------------------------------------------ model.pe of distilled students
+def _distilled_student_config(*overrides):
+    """The student stage 2 builds from the tiny random teacher (the launcher's path), without stage-1 weights."""
+    from halo_dist.config import load_config
+    from halo_dist.stages import build_stage_module
+
+    cfg = load_config("configs/tiny/stage2.yaml", ["model.stage1_weights=null", *overrides])
+    module, _ = build_stage_module(cfg)
+    return module.student.config.to_dict()
+
+
+def test_model_pe_sets_the_rope_of_a_converted_student():
+    """model.pe=all_rope (the HyPE ablation: the teacher's attention RoPE kept) reaches the student;
+    null stays HyPE (attention NoPE, RNN RoPE); nothing else differs, logits scaling included."""
+    from halo_dist.config import load_config
+
+    for stage in ("stage1", "stage2"):
+        assert load_config(f"configs/tiny/{stage}.yaml", ["model.pe=all_rope"]).model.pe == "all_rope"
+    ablation, default = _distilled_student_config("model.pe=all_rope"), _distilled_student_config()
+    assert (ablation["attn_rope"], ablation["rnn_rope"]) == (True, True)
+    assert (default["attn_rope"], default["rnn_rope"]) == (False, True)
+    assert {k for k in default if default[k] != ablation[k]} == {"attn_rope"}
+    assert ablation["attn_logits_scale_base"] == 500.0  # still applied when set
+
+
+def test_stage1_weights_aligned_with_another_rnn_rope_are_refused(qwen3_folder, tmp_path):
+    from halo_dist.stages.stage1 import save_stage1_weights
+
+    _, teacher = qwen3_folder
+    path = save_stage1_weights({}, tmp_path, 4, "tiny", rnn_rope=False)  # e.g. stage 1 ran pe=all_nope
+    with pytest.raises(conv.ConversionError, match="aligned with rnn_rope=false, this student has rnn_rope=true"):
+        conv.convert_model(teacher, [0], stage1_weights=path)
+    assert conv.convert_model(teacher, [0], stage1_weights=path, rnn_rope=False).config.rnn_rope is False
+
+
+def test_stage3_refuses_a_model_pe_that_its_student_init_folder_does_not_have(tmp_path, monkeypatch):
+    """The folder's config.json decides the encoding; a disagreeing model.pe stops before the teacher loads."""
+    import halo_dist.stages as stages
+    from halo_dist.config import ConfigError, load_config
+    from halo_dist.models.hypenet import HypeNetConfig
+    from halo_dist.train.opd_loop import build_models
+
+    HypeNetConfig(num_hidden_layers=2, mixer_types=["attention", "lightning"]).save_pretrained(tmp_path)  # hype
+    monkeypatch.setattr(stages, "load_hf_teacher", lambda m: pytest.fail("the teacher was loaded"))
+    cfg = load_config("configs/tiny/stage3.yaml", [f"model.student_init={tmp_path}", "model.pe=all_rope"])
+    with pytest.raises(ConfigError, match=r"model.pe: all_rope \(attn_rope=True, rnn_rope=True\) disagrees with "
+                                          rf"model.student_init={tmp_path}, whose config.json has attn_rope=False, "
+                                          r"rnn_rope=True \(pe hype\): set model.pe=null"):
+        stages.build_stage_module(cfg)
+    opd = load_config("configs/opd/tiny.yaml", [f"model.student_init={tmp_path}", "model.pe=all_nope"])
+    monkeypatch.setattr("halo_dist.stages.teacher.load_hf_teacher", lambda m: pytest.fail("the teacher was loaded"))
+    with pytest.raises(ConfigError, match="model.pe: all_nope .* disagrees with model.student_init"):
+        build_models(opd)  # OPD from a folder: the same check
+    for agreeing in ("model.pe=hype", "model.pe=null"):
+        stages.check_student_init_pe(load_config("configs/tiny/stage3.yaml", [f"model.student_init={tmp_path}",
+                                                                             agreeing]).model)

@@ -72,7 +72,7 @@ def test_demo_boolean_flags_parse_both_ways():
 def test_demo_help_lists_every_setting():
     res = subprocess.run([sys.executable, "-m", "halo_dist.cli", "demo", "--help"], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 0
-    for flag in ("--preset", "--stage2-steps", "--niah-lengths", "--csr-limit", "--out"):
+    for flag in ("--preset", "--stage2-steps", "--niah-lengths", "--csr-limit", "--out", "--pe"):
         assert flag in res.stdout
 
 
@@ -155,6 +155,24 @@ def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp
     assert proc.poll() is not None
     names = [w["name"] for w in json.loads((tmp_path / "background.json").read_text())]
     assert names == ["bg", "bad", "long", "orphan"]
+
+
+def test_pe_setting_reaches_the_stage1_and_stage2_launchers_only(tmp_path):
+    """--pe all_rope (the HyPE ablation) is stages 1-2's model.pe; stage 3 inherits the stage-2 folder's."""
+    from halo_dist.config import load_config
+    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+
+    stages = ("stage1", "stage2", "stage3")
+    demo = Demo(DemoSettings(out=str(tmp_path), pe="all_rope"))
+    given = {stage: [a for a in demo.launcher(stage) if a.startswith("model.pe=")] for stage in stages}
+    assert given == {"stage1": ["model.pe=all_rope"], "stage2": ["model.pe=all_rope"], "stage3": []}
+    cmd = demo.launcher("stage2")
+    config_at = cmd.index("--config") + 1
+    assert load_config(cmd[config_at], cmd[config_at + 1:]).model.pe == "all_rope"  # the launcher accepts it
+    default = Demo(DemoSettings(out=str(tmp_path)))
+    assert not [a for stage in stages for a in default.launcher(stage) if a.startswith("model.pe=")]
+    with pytest.raises(DemoStepError, match="--pe 'rope': choose one of hype, all_rope, all_nope"):
+        Demo(DemoSettings(pe="rope"))
 
 
 def test_teacher_eval_setting_is_validated():

@@ -5,6 +5,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
@@ -57,3 +59,21 @@ def test_stage_rates_split_by_the_background_steps_window():
     assert split["shared"]["intervals"] + split["alone"]["intervals"] == len(timed) - pieces
     assert 0 < split["shared"]["intervals"] < len(timed) - pieces
     assert split["shared"]["tokens_per_s"] > 50_000 and split["alone"]["mfu"] > 0.1
+
+
+def test_an_ablation_run_is_labelled_and_continued_only_with_its_pe(tmp_path):
+    """run --pe all_rope reaches the demo settings; the results name the encoding; a continuation that
+    changes it is refused (settings.json, which labels the results, would be rewritten)."""
+    rc = _module()
+    assert rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path), "--pe", "all_rope"])).pe == "all_rope"
+    assert rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path)])).pe == ""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert rc.summarize(tmp_path)["pe"] == "hype"  # no settings yet, or settings from before --pe
+    rc.check_same_pe(run, "all_rope")  # a new run: any encoding
+    (run / "settings.json").write_text(json.dumps({"pe": "all_rope"}))
+    out = rc.summarize(tmp_path)
+    assert out["pe"] == "all_rope" and out["settings"]["pe"] == "all_rope"
+    rc.check_same_pe(run, "all_rope")
+    with pytest.raises(SystemExit, match="started with --pe all_rope, not hype"):
+        rc.check_same_pe(run, "")

@@ -185,3 +185,18 @@ def test_evaluator_without_data_is_refused(tiny_setup, tmp_path, capsys):
         RetrievalProbe([])
     with pytest.raises(EvalError, match="no held-out batches"):
         KLProbe([])
+
+
+def test_m_i_runs_the_rnn_layer_with_the_rope_stage1_aligned_it_with(tiny_setup, tmp_path):
+    """A stage-1 file of a model.pe without RNN RoPE (all_nope, attn_rope_rnn_nope) is scored without it;
+    files from before the key keep RoPE."""
+    from safetensors.torch import load_file
+
+    from halo_dist.stages.stage1 import save_stage1_weights
+
+    root, teacher = tiny_setup
+    base = teacher_as_hypenet(teacher)
+    path = save_stage1_weights(load_file(str(root / "s1.safetensors")), tmp_path, 4, "tiny", rnn_rope=False)
+    assert Stage1Weights(path, base).mixer(1).config.rnn_rope is False
+    assert Stage1Weights(root / "s1.safetensors", base).mixer(1).config.rnn_rope is True
+    assert base.config.rnn_rope is True  # the teacher base itself is untouched

@@ -17,9 +17,14 @@ from .coerce import ConfigError, coerce_fields, fail
 
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
 Objective = Literal["mse", "kl", "ce", "reverse_kl"]
-# From-scratch architectures and HypeNet position encodings of the sweeps (SPEC §3, paper §6.3).
+# From-scratch architectures of the sweeps and HypeNet position encodings (sweeps and distilled
+# students; SPEC §3, paper §6.3).
 ScratchArch = Literal["transformer", "swan", "hypenet"]
 ScratchPE = Literal["hype", "all_rope", "all_nope", "attn_rope_rnn_nope"]
+# model.pe -> HypeNet (attn_rope, rnn_rope). One table for the model stage pretrain builds and for the
+# student the distillation stages convert from the teacher; null means hype.
+PE_ROPE: dict[str, tuple[bool, bool]] = {"hype": (False, True), "all_rope": (True, True),
+                                         "all_nope": (False, False), "attn_rope_rnn_nope": (True, False)}
 
 # Which objectives each stage may train with (SPEC §3): stage 1 aligns layer outputs by MSE,
 # stage 2 is forward KL (CE-only would skip the teacher), stage 3 KL or the reference code's
@@ -146,9 +151,15 @@ class ModelConfig(Section):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # float32 for CPU tests
     activation_checkpointing: bool = True  # applied in model code (DeepSpeed's json block is inert)
     compile: Literal["none", "mlp", "layer"] = "none"  # torch.compile per decoder layer (student + teacher)
+    # HypeNet position encoding, null = hype: RoPE in the RNN layers, NoPE in the attention layers (HyPE) |
+    # all_rope (attention keeps the teacher's RoPE: the HyPE ablation) | all_nope | attn_rope_rnn_nope.
+    # Read by stage pretrain (arch=hypenet) and by the students converted from the teacher (stages 1, 2, OPD;
+    # stage 2 refuses stage-1 weights aligned with another RNN RoPE). An all_rope run normally sets
+    # logits_scaling_a null (when set, it still scales the attention logits). A student loaded from
+    # student_init (stage 3, OPD) keeps its folder's encoding: pe must then be null or the folder's.
+    pe: Optional[ScratchPE] = None
     # stage pretrain only (from-scratch sweeps, SPEC §3): the variant and the model's shape
     arch: Optional[ScratchArch] = None  # transformer (all attention, RoPE) | swan | hypenet
-    pe: Optional[ScratchPE] = None  # arch=hypenet: position encoding; null = hype (RNN RoPE, attention NoPE)
     sliding_window: Optional[int] = None  # arch=swan: window of the SWA RoPE layers; null = 512
     scratch: Optional[ScratchModelConfig] = None  # shape + init of the randomly initialised model
 
@@ -163,7 +174,7 @@ class ModelConfig(Section):
         self._validate_scratch()
 
     def _validate_scratch(self) -> None:
-        if self.pe is not None and self.arch != "hypenet":
+        if self.pe is not None and self.arch in ("transformer", "swan"):
             fail("pe", f"only arch=hypenet chooses a position encoding (arch={self.arch} has a fixed one); "
                  "remove model.pe")
         if self.sliding_window is not None:
@@ -583,7 +594,7 @@ class RunConfig(Section):
         if self.stage.name != "pretrain":
             if m.teacher is None:
                 fail("model.teacher", f"{self.stage.name} distills from a teacher: set a hub id, a folder or 'random'")
-            for name in ("arch", "pe", "sliding_window", "scratch"):
+            for name in ("arch", "sliding_window", "scratch"):
                 if getattr(m, name) is not None:
                     fail(f"model.{name}", f"only used by stage pretrain (from scratch), not {self.stage.name}")
             return
@@ -676,6 +687,6 @@ def _batch_hint(global_batch: int, micro: int, dp: int, fit: bool = False) -> st
 
 __all__ = [
     "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "LossConfig",
-    "ModelConfig", "OPDConfig", "OptimConfig", "ParallelConfig", "PromptSetConfig", "RandomTeacherConfig", "RunConfig",
-    "ScheduleConfig", "ScratchModelConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
+    "ModelConfig", "OPDConfig", "OptimConfig", "PE_ROPE", "ParallelConfig", "PromptSetConfig", "RandomTeacherConfig",
+    "RunConfig", "ScheduleConfig", "ScratchModelConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
 ]

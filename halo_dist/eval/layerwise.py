@@ -62,11 +62,19 @@ class Stage1Weights:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise EvalError(f"stage-1 weights {self.path} are not a readable safetensors file: {e}") from None
         self.keys_by_layer = self._check()
+        self.mixer_config = self._mixer_config()
 
     def _expected_shapes(self) -> dict[str, tuple]:
         with torch.device("meta"):
             mixer = LightningMixer(self.base.config, 0)
         return {k: tuple(v.shape) for k, v in mixer.state_dict().items()}
+
+    def _mixer_config(self):
+        """``base``'s config with the RNN RoPE stage 1 aligned the layers with (``model.pe``; files from
+        before it have no key: RoPE on), so that M(i) runs layer i as stage 1 trained it."""
+        cfg = copy.deepcopy(self.base.config)
+        cfg.rnn_rope = (self._file.metadata() or {}).get("rnn_rope", "true") == "true"
+        return cfg
 
     def _check(self) -> dict[int, list[str]]:
         meta = self._file.metadata() or {}
@@ -101,7 +109,7 @@ class Stage1Weights:
             state[_split_mixer_key(key)[1]] = self._file.get_tensor(key)
         ref = self.base.model.layers[i].mixer.q_proj.weight
         with torch.device("meta"):
-            mixer = LightningMixer(self.base.config, i)
+            mixer = LightningMixer(self.mixer_config, i)
         mixer.load_state_dict({k: v.to(ref.dtype) for k, v in state.items()}, strict=True, assign=True)
         return mixer.to(ref.device).eval()
 

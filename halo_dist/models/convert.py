@@ -260,6 +260,11 @@ def load_stage1_weights(
             f"stage-1 weights {path} were trained for {meta['num_hidden_layers']} layers, "
             f"teacher has {cfg.num_hidden_layers}"
         )
+    if "rnn_rope" in meta and (meta["rnn_rope"] == "true") != cfg.rnn_rope:  # files before model.pe: no key
+        raise ConversionError(
+            f"stage-1 weights {path} were aligned with rnn_rope={meta['rnn_rope']}, this student has "
+            f"rnn_rope={str(cfg.rnn_rope).lower()}: give stage 2 the model.pe of the stage-1 run"
+        )
     weights = load_file(str(path))
     foreign = [k for k in weights if _layer_of(k) is None or not 0 <= _layer_of(k) < cfg.num_hidden_layers]
     if foreign:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig, to_dict
+from ..config import PE_ROPE, ModelConfig, RunConfig, to_dict
+from ..config.coerce import fail
 from .distill import DistillModule
 from .stage1 import STAGE1_FILE, Stage1Aligner, resolve_stage1_file, save_stage1_weights, stage1_state_dict
 from .teacher import as_exact_hypenet, load_hf_teacher
@@ -22,11 +23,32 @@ from .teacher import as_exact_hypenet, load_hf_teacher
 def student_overrides(cfg: RunConfig) -> dict:
     """HypeNet switches taken from the run config's model section."""
     m = cfg.model
+    attn_rope, rnn_rope = PE_ROPE[m.pe or "hype"]
     return dict(
+        attn_rope=attn_rope,
+        rnn_rope=rnn_rope,
         attn_logits_scale_base=m.logits_scaling_a if m.logits_scaling_in_training else None,
         attn_output_gate=m.attn_output_gate,
         attn_output_norm=m.attn_output_norm,
     )
+
+
+def check_student_init_pe(m: ModelConfig) -> None:
+    """A student loaded from ``model.student_init`` keeps the position encoding its weights were trained
+    with, so a ``model.pe`` that names another one would be silently ignored: refuse it before the teacher
+    loads. Reads only the folder's config.json (a folder without one fails when it is loaded)."""
+    from ..models.hypenet import HypeNetConfig
+
+    config_file = Path(m.student_init or "") / "config.json"
+    if m.pe is None or not m.student_init or not config_file.is_file():
+        return
+    folder = HypeNetConfig.from_json_file(str(config_file))  # absent keys take HypeNetConfig's defaults
+    found = (bool(folder.attn_rope), bool(folder.rnn_rope))
+    if found != PE_ROPE[m.pe]:
+        folder_pe = next(name for name, rope in PE_ROPE.items() if rope == found)  # the table has all four
+        fail("model.pe", f"{m.pe} (attn_rope={PE_ROPE[m.pe][0]}, rnn_rope={PE_ROPE[m.pe][1]}) disagrees with "
+             f"model.student_init={m.student_init}, whose config.json has attn_rope={found[0]}, "
+             f"rnn_rope={found[1]} (pe {folder_pe}): set model.pe=null to keep the folder's encoding")
 
 
 def _loss_tokens(batch: dict) -> int:
@@ -48,6 +70,7 @@ def build_stage_module(cfg: RunConfig):
         from .pretrain import build_pretrain_module
 
         return build_pretrain_module(cfg)
+    check_student_init_pe(cfg.model)
     hf_teacher = load_hf_teacher(cfg.model)
     teacher = as_exact_hypenet(hf_teacher)
     if name == "stage1":
@@ -141,7 +164,8 @@ def write_stage_output(trainer, folder: Path) -> Path | None:
     module = trainer.module
     if cfg.stage.name == "stage1":
         weights = stage1_state_dict(module, state)
-        path = save_stage1_weights(weights, folder, len(module.mixers), cfg.model.teacher)
+        path = save_stage1_weights(weights, folder, len(module.mixers), cfg.model.teacher,
+                                   rnn_rope=module.student_config.rnn_rope)
     else:
         student = module.student
         prefix = "student."
@@ -160,4 +184,5 @@ def write_stage_output(trainer, folder: Path) -> Path | None:
     return path
 
 
-__all__ = ["STAGE1_FILE", "DistillModule", "Stage1Aligner", "build_stage_module", "write_stage_output"]
+__all__ = ["STAGE1_FILE", "DistillModule", "Stage1Aligner", "build_stage_module", "check_student_init_pe",
+           "student_overrides", "write_stage_output"]

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import ModelConfig, RunConfig, to_dict
+from ..config import PE_ROPE, ModelConfig, RunConfig, to_dict
 from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
 from ..train.engine import Trainer
 from ..train.metrics import flops_per_token
@@ -50,9 +50,6 @@ from .distill import DistillModule
 
 DEFAULT_SLIDING_WINDOW = 512  # SWAN-GPT's window (paper Table 13)
 DEFAULT_ATTN_EVERY = 4  # Attn -> RNN -> RNN -> RNN (paper App. H.2)
-# model.pe -> (attn_rope, rnn_rope)
-PE_ROPE = {"hype": (False, True), "all_rope": (True, True), "all_nope": (False, False),
-           "attn_rope_rnn_nope": (True, False)}
 OUTPUT_PROJECTIONS = ("mixer.o_proj", "mlp.down_proj")
 
 

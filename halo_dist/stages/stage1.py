@@ -95,8 +95,10 @@ def stage1_state_dict(aligner: Stage1Aligner, state: dict[str, torch.Tensor] | N
     return out
 
 
-def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, num_layers: int, teacher: str) -> Path:
-    """Atomic write of the stage-1 file (+ metadata conversion checks against)."""
+def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, num_layers: int, teacher: str,
+                        rnn_rope: bool = True) -> Path:
+    """Atomic write of the stage-1 file (+ metadata conversion checks against: the layer count, and the
+    RNN RoPE of ``model.pe`` the layers were aligned with, which a stage-2 student must share)."""
     import os
 
     from safetensors.torch import save_file
@@ -105,7 +107,8 @@ def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, nu
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / STAGE1_FILE
     tmp = folder / f".{STAGE1_FILE}.tmp"
-    save_file(weights, str(tmp), metadata={"num_hidden_layers": str(num_layers), "teacher": str(teacher)})
+    save_file(weights, str(tmp), metadata={"num_hidden_layers": str(num_layers), "teacher": str(teacher),
+                                           "rnn_rope": "true" if rnn_rope else "false"})
     os.replace(tmp, path)
     return path
 

@@ -58,7 +58,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     cfg_dict = dict(meta["student_config"])
     if meta["stage"] == "stage1":
         rnn = _stage1_weights(weights)
-        return save_stage1_weights(rnn, output, cfg_dict["num_hidden_layers"], meta.get("teacher", "?"))
+        return save_stage1_weights(rnn, output, cfg_dict["num_hidden_layers"], meta.get("teacher", "?"),
+                                   rnn_rope=cfg_dict.get("rnn_rope", True))
     config = HypeNetConfig(**{k: v for k, v in cfg_dict.items() if k not in ("auto_map", "architectures")})
     student = {k[len("student."):]: v for k, v in weights.items() if k.startswith("student.")}
     with torch.device("meta"):

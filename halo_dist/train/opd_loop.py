@@ -104,10 +104,12 @@ def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
     """``(student HypeNet, frozen exact teacher, tokenizer)`` with vocabulary/tokenizer checks."""
     from ..models.convert import convert_model
     from ..models.hypenet import HypeNetForCausalLM
-    from ..stages import student_overrides
+    from ..stages import check_student_init_pe, student_overrides
     from ..stages.stage1 import resolve_stage1_file
     from ..stages.teacher import as_exact_hypenet, load_hf_teacher
 
+    if student is None:
+        check_student_init_pe(cfg.model)
     tokenizer = tokenizer or load_tokenizer(cfg)
     hf_teacher = hf_teacher if hf_teacher is not None else load_hf_teacher(cfg.model)
     teacher = as_exact_hypenet(hf_teacher)
