@@ -21,6 +21,7 @@ W=${HALO_WORK:-/tmp/halo}
 X=${XFER:-.xfer}
 DEADLINE=${DEADLINE:-530}   # seconds of a piece before its stage is stopped (a call may run 600)
 PAUSE_AFTER=${PAUSE_AFTER:-}  # or end the piece once this step has run (select-layers, stage2, ...)
+PE=${PE:-}                    # model.pe of stages 1-2: empty (HyPE) or all_rope (the ablation; use another HALO_WORK)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -76,7 +77,7 @@ R2|R3)
       && (cd $W && echo "$(cat $OLDPWD/$X/c2/smol.gguf.sha256)  smol.gguf.tmp" | sha256sum -c) \
       && mv $W/smol.gguf.tmp $W/smol.gguf
   fi
-  $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+  $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac

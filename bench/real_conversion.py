@@ -70,7 +70,7 @@ def parse_args(argv=None):
                    help="model.compile of stage 2; auto: warmup.json's choice, else layer")
     r.add_argument("--pe", choices=("", *PE_ROPE), default="",
                    help="model.pe of stages 1-2 (empty: hype); all_rope keeps the teacher's attention RoPE, the "
-                        "HyPE ablation. The results record it (pe); give --results another folder to keep the HyPE ones")
+                        "HyPE ablation. The results record it (pe) and go to real_conversion_<pe>.json / _*.png")
     for c in sub.choices.values():
         c.add_argument("--results", type=Path, default=RESULTS, help="where real_conversion.json and PNGs go")
     return p.parse_args(argv)
@@ -232,11 +232,17 @@ def collect(a, partial: bool = False) -> Path:
     a.results.mkdir(parents=True, exist_ok=True)
     result = summarize(a.work)
     result["complete"] = not partial and (run / "speed.json").exists()
-    path = a.results / "real_conversion.json"
+    stem = result_stem(result["pe"])
+    path = a.results / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2, default=str))
-    pictures(run, a.results)
+    pictures(run, a.results, stem)
     print(f"[real] wrote {path}", flush=True)
     return path
+
+
+def result_stem(pe: str) -> str:
+    """``real_conversion`` for the HyPE recipe, ``real_conversion_<pe>`` for an ablation (kept side by side)."""
+    return "real_conversion" if pe in ("", "hype") else f"real_conversion_{pe}"
 
 
 def _read(path: Path):
@@ -352,11 +358,11 @@ def gpu_minutes(work: Path) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- pictures
-def pictures(run: Path, results: Path) -> list[Path]:
+def pictures(run: Path, results: Path, stem: str = "real_conversion") -> list[Path]:
     made = []
     for fn in (_curves_png, _niah_png, _csr_png):
         try:
-            path = fn(run, results / f"real_conversion_{fn.__name__[1:-4]}.png")
+            path = fn(run, results / f"{stem}_{fn.__name__[1:-4]}.png")
         except (OSError, KeyError, ValueError) as e:  # a part not run yet
             print(f"[real] no {fn.__name__[1:-4]} picture yet ({e})")
             continue

@@ -54,7 +54,7 @@ class DemoSettings:
     compile: str = "none"  # model.compile of stage 2: none | mlp | layer
     stage3_compile: str = "none"  # model.compile of stage 3 (a short stage: compiling may cost more than it saves)
     # model.pe of stages 1 and 2 (stage 3 keeps the stage-2 folder's); empty: hype. all_rope keeps the teacher's
-    # attention RoPE (the HyPE ablation): hype | all_rope | all_nope | attn_rope_rnn_nope
+    # attention RoPE, trained without logits scaling (the HyPE ablation): hype | all_rope | all_nope | attn_rope_rnn_nope
     pe: str = ""
     num_attn: int = 7  # k = floor(30 / 4)
     select_items: int = 6  # retrieval prompts per layer for the recall proxy
@@ -317,8 +317,13 @@ class Demo:
         global_batch, micro = (s.stage3_global_batch, s.stage3_micro_batch) if stage == "stage3" else (s.global_batch, s.micro_batch)
         data = (s.data_long or s.data) if stage == "stage3" else s.data
         compile_ = {"stage1": [], "stage2": [f"model.compile={s.compile}"], "stage3": [f"model.compile={s.stage3_compile}"]}[stage]
-        # stage 3 loads the stage-2 folder, whose config already carries the encoding
+        # stage 3 loads the stage-2 folder, whose config already carries the encoding; attention that keeps
+        # the teacher's RoPE trains without logits scaling, as the teacher did (calibration still tries a)
+        from .config import PE_ROPE
+
         pe = [f"model.pe={s.pe}"] if s.pe and stage != "stage3" else []
+        if pe and PE_ROPE[s.pe][0]:
+            pe.append("model.logits_scaling_a=null")
         return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
                 f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
                 f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",

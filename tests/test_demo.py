@@ -168,7 +168,9 @@ def test_pe_setting_reaches_the_stage1_and_stage2_launchers_only(tmp_path):
     assert given == {"stage1": ["model.pe=all_rope"], "stage2": ["model.pe=all_rope"], "stage3": []}
     cmd = demo.launcher("stage2")
     config_at = cmd.index("--config") + 1
-    assert load_config(cmd[config_at], cmd[config_at + 1:]).model.pe == "all_rope"  # the launcher accepts it
+    loaded = load_config(cmd[config_at], cmd[config_at + 1:])
+    assert loaded.model.pe == "all_rope"  # the launcher accepts it
+    assert loaded.model.logits_scaling_a is None  # RoPE attention trains as the teacher's did, unscaled
     default = Demo(DemoSettings(out=str(tmp_path)))
     assert not [a for stage in stages for a in default.launcher(stage) if a.startswith("model.pe=")]
     with pytest.raises(DemoStepError, match="--pe 'rope': choose one of hype, all_rope, all_nope"):

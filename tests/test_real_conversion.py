@@ -77,3 +77,4 @@ def test_an_ablation_run_is_labelled_and_continued_only_with_its_pe(tmp_path):
     rc.check_same_pe(run, "all_rope")
     with pytest.raises(SystemExit, match="started with --pe all_rope, not hype"):
         rc.check_same_pe(run, "")
+    assert rc.result_stem("hype") == "real_conversion" and rc.result_stem("all_rope") == "real_conversion_all_rope"
