@@ -46,6 +46,7 @@ from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
 from .metrics import ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, flops_per_token
 from .schedules import LRSchedule, make_lr_scheduler
+from .teacher_identity import check_same_teacher, run_teacher_digests
 
 
 class NonFiniteLossError(RuntimeError):
@@ -207,7 +208,7 @@ class Trainer:
             torch.set_flush_denormal(True)
         self._check_data_vocabulary()
         self._verify_data()
-        self.teacher_files = self._hash_teacher()
+        self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # resume check, checkpoints
         self._check_resume_config()
         self.module, self.teacher = self._build_stage()
         self._apply_sequence_parallel()
@@ -245,22 +246,11 @@ class Trainer:
         if path is not None:
             from ..config import to_dict
             from .resume_check import check_resume_config
-            from .teacher_identity import check_same_teacher
 
             check_resume_config(path, to_dict(self.cfg), announce=self.rank == 0)
             saved = json.loads((path / TRAINER_STATE).read_text()).get("teacher_files")
             check_same_teacher(saved, self.teacher_files, path)
 
-    def _hash_teacher(self) -> dict[str, str] | None:
-        """Rank 0 hashes the teacher folder's files (cached per run, teacher_identity.py); all ranks get them."""
-        from .teacher_identity import teacher_digests, teacher_folder
-
-        folder = teacher_folder(self.cfg.model)
-        if folder is None:
-            return None
-        box = [teacher_digests(folder, Path(self.cfg.checkpoint_dir)) if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def _verify_data(self) -> None:
         """``data.verify=full``: every rank fully checks its share of the training shards (and of the

@@ -70,6 +70,7 @@ from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoint
     set_rng_state, step_dir_name
 from ..parallel.safe_load import safe_load
 from .metrics import MetricsLogger, flops_per_token
+from .teacher_identity import check_same_teacher, run_teacher_digests
 from .schedules import LRSchedule
 
 
@@ -174,6 +175,7 @@ class OPDTrainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # the teacher's identity by content
         student, teacher, self.tokenizer = build_models(cfg, **self._inject)
         if cfg.model.activation_checkpointing:
             student.model.gradient_checkpointing = True
@@ -276,7 +278,7 @@ class OPDTrainer:
     def _trainer_state(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "schedule": self.schedule.state_dict(),
                 "horizon": self.horizon.state_dict(), "world_size": self.world, "stage": "opd",
-                "teacher": self.cfg.model.teacher, "eval_history": self.eval_history,
+                "teacher": self.cfg.model.teacher, "teacher_files": self.teacher_files, "eval_history": self.eval_history,
                 "student_config": self.module.student.config.to_dict(), "backend": self.cfg.opd.backend,
                 "nonfinite": self.nonfinite.state_dict()}
 
@@ -359,6 +361,8 @@ class OPDTrainer:
 
             # the same run or refused, as for the stages (a rung, opd.resume_from, starts a new run)
             check_resume_config(latest, to_dict(self.cfg), announce=self.rank == 0)
+            saved = json.loads((latest / TRAINER_STATE).read_text()).get("teacher_files")
+            check_same_teacher(saved, self.teacher_files, latest)
             self.load(latest)
         elif self.cfg.opd.resume_from:
             self.load(Path(self.cfg.opd.resume_from), rung=True)

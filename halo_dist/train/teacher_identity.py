@@ -57,6 +57,21 @@ def teacher_digests(folder: Path, cache_dir: Path | None = None) -> dict[str, st
     return digests
 
 
+def run_teacher_digests(model_cfg, checkpoint_dir) -> dict[str, str] | None:
+    """The digests a run records: rank 0 hashes the teacher folder (cached in ``checkpoint_dir``), every
+    rank receives them; None where the teacher is not a local folder."""
+    import torch.distributed as dist
+
+    folder = teacher_folder(model_cfg)
+    if folder is None:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    box = [teacher_digests(folder, Path(checkpoint_dir)) if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def check_same_teacher(saved: dict[str, str] | None, current: dict[str, str] | None, checkpoint: Path) -> None:
     """Refuse (ConfigError) a resume whose teacher files differ from those the checkpoint recorded."""
     if saved is None or current is None:
