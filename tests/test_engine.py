@@ -94,8 +94,13 @@ def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
     """Same global batch (4 rows): 1 rank x 2 accumulation steps vs 2 ranks x 1, ZeRO-3 on gloo."""
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4", "parallel.zero_stage=3",
               "eval.every_steps=2", "eval.rows=8"]
-    run_launcher("stage2", tmp_path / "one", *common)
-    run_launcher("stage2", tmp_path / "two", *common, nproc=2)
+    one = run_launcher("stage2", tmp_path / "one", *common)
+    two = run_launcher("stage2", tmp_path / "two", *common, nproc=2)
+    # the start line states the layout (issue 19); ZeRO-3's gathers use torch's current collective names:
+    # DeepSpeed's deprecated all_gather_into_tensor/reduce_scatter_tensor warned ~2x per step (deepspeed_setup.py)
+    assert "layout: world 1 = dp 1 x sp 1; global batch 4 = micro 2 x grad_accum 2 x dp 1" in one.stdout
+    assert "layout: world 2 = dp 2 x sp 1; global batch 4 = micro 2 x grad_accum 1 x dp 2" in two.stdout
+    assert "FutureWarning" not in two.stdout + two.stderr, two.stderr[-3000:]
     # micro 4 does not fit 4 rows over 2 ranks: data.fit_micro_batch runs micro 2, the same global batch
     res = run_launcher("stage2", tmp_path / "sharded", *common, "parallel.teacher_placement=zero3",
                        "data.micro_batch_size=4", "data.fit_micro_batch=true", nproc=2)

@@ -216,3 +216,96 @@ def test_a_resumed_run_keeps_one_history_in_jsonl_and_tensorboard(tmp_path):
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 3.0), (20, 3.0)]
+
+
+def tb_events(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_config_text_and_hparams_go_to_tensorboard_once(tmp_path):
+    """The resolved config (text) and the flattened hyperparameters (hparams plugin) are written by the run that
+    starts at step 0; a resumed run writes neither again, so TB shows one copy."""
+    from halo_dist.train.metrics import CONFIG_TAG, flatten_hparams
+
+    hp = flatten_hparams({"stage": {"name": "stage2"}, "optim": {"lr": 3e-4, "betas": [0.9, 0.95]},
+                          "model": {"teacher": None, "attn_layers": [2, 5]}, "parallel": {"zero_stage": 3}})
+    assert hp == {"stage.name": "stage2", "optim.lr": 3e-4, "optim.betas": "0.9,0.95", "model.teacher": "null",
+                  "model.attn_layers": "2,5", "parallel.zero_stage": 3}
+    for start in (0, 30):  # the first start, then a resume
+        with make_logger(tmp_path, FakeClock(), [], start_step=start) as logger:
+            logger.log_config("stage:\n  name: stage2\n", hp)
+    acc = tb_events(tmp_path / "run")
+    texts = acc.Tensors(CONFIG_TAG + "/text_summary")  # add_text's suffix
+    assert [e.step for e in texts] == [0]
+    assert texts[0].tensor_proto.string_val[0].decode() == "    stage:\n      name: stage2\n"
+    plugin = acc.PluginTagToContent("hparams")
+    assert set(plugin) == {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    start = HParamsPluginData.FromString(plugin["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["optim.lr"].number_value == 3e-4 and start.hparams["stage.name"].string_value == "stage2"
+
+
+class FakeWandb:
+    """Stands in for the wandb module (not installed here): records init, config and log calls."""
+
+    def __init__(self):
+        self.inits, self.logged, self.config_updates, self.finished = [], [], [], 0
+        self.config = self
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def update(self, values, allow_val_change=False):
+        self.config_updates.append(dict(values))
+
+    def log(self, scalars, step):
+        self.logged.append((step, dict(scalars)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_mirrors_the_tensorboard_scalars(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+    clock = FakeClock()
+    with make_logger(tmp_path, clock, [], wandb="halo") as logger:
+        logger.log_config("stage: {}\n", {"optim.lr": 1e-3})
+        for step in range(1, 21):
+            logger.add("train/loss", torch.tensor(float(step)))
+            clock.now += 1.0
+            logger.maybe_log(step, tokens_seen=step * 100, lr=1e-3)
+        logger.log_eval(20, {"eval/kl": 0.5})
+    acc = tb_events(tmp_path / "run")
+    tb = {(e.step, tag): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    mirrored = {(step, tag): value for step, scalars in fake.logged for tag, value in scalars.items()}
+    assert mirrored.keys() == tb.keys() and all(mirrored[k] == pytest.approx(tb[k]) for k in tb)
+    assert [step for step, _ in fake.logged] == [10, 20, 20]
+    assert fake.config_updates == [{"optim.lr": 1e-3}] and fake.finished == 1
+    run_id = (tmp_path / "run" / "wandb_id").read_text().strip()
+    assert fake.inits[0]["project"] == "halo" and fake.inits[0]["id"] == run_id
+    with make_logger(tmp_path, FakeClock(), [], wandb="halo", start_step=20):  # a resume continues that W&B run
+        pass
+    with make_logger(tmp_path, FakeClock(), [], wandb="halo", rank=1):  # other ranks open no W&B run
+        pass
+    assert [i["id"] for i in fake.inits] == [run_id, run_id]
+
+
+def test_wandb_set_but_not_installed_is_a_config_error(monkeypatch):
+    from halo_dist.config import ConfigError
+    from halo_dist.train.metrics import check_wandb
+
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import wandb -> ImportError, as when absent
+    check_wandb(None)
+    with pytest.raises(ConfigError, match=r"logging.wandb: .*pip install wandb, or set logging.wandb null"):
+        check_wandb("halo")
+    from halo_dist.config.schema import LoggingConfig
+
+    with pytest.raises(ConfigError, match="wandb: must be a W&B project name"):
+        LoggingConfig(wandb=" ")

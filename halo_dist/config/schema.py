@@ -354,10 +354,15 @@ class CheckpointConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig(Section):
-    """Run folder, TensorBoard, progress line cadence and the MFU ceiling."""
+    """Run folder, TensorBoard (+ optional W&B mirror), progress line cadence and the MFU ceiling."""
 
     run_dir: str = "runs/default"  # TensorBoard events, metrics.jsonl, config.yaml, checkpoints
+    # scalars, the resolved config (text tag config/resolved) and the hparams table, under <run_dir>/tb
     tensorboard: bool = True
+    # W&B project name: rank 0 mirrors every TensorBoard scalar (same tags and steps) and the hyperparameters
+    # to one W&B run per run_dir (its id in <run_dir>/wandb_id, so a resume continues it); needs
+    # `pip install wandb` (checked at start-up); null = off
+    wandb: Optional[str] = None
     log_every: int = 10  # optimizer steps per metrics reduction (one host sync per interval)
     peak_flops: Optional[float] = None  # per-device FLOP/s for MFU; null: from the device name
 
@@ -365,6 +370,8 @@ class LoggingConfig(Section):
         if not self.run_dir:
             fail("run_dir", "must not be empty")
         _positive("log_every", self.log_every)
+        if self.wandb is not None and not self.wandb.strip():
+            fail("wandb", "must be a W&B project name, or null for no W&B mirror")
         if self.peak_flops is not None:
             _positive("peak_flops", self.peak_flops)
 
@@ -536,6 +543,12 @@ class BatchLayout:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
+
+    def describe(self) -> str:
+        """The rank-0 start line: ``layout: world 2 = dp 2 x sp 1; global batch 4 = micro 2 x grad_accum 1 x dp 2``."""
+        return (f"layout: world {self.world_size} = dp {self.dp_size} x sp {self.sp_size}; global batch "
+                f"{self.global_batch_size} = micro {self.micro_batch_size} x grad_accum {self.grad_accum_steps} "
+                f"x dp {self.dp_size}; seq_len {self.seq_len} ({self.tokens_per_step:,} tokens per step)")
 
 
 @dataclass(kw_only=True, frozen=True)

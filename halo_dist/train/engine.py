@@ -44,7 +44,8 @@ from ..data import build_loader
 from ..parallel import ProcessGroups, SequenceParallel
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
-from .metrics import ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, flops_per_token
+from .metrics import (ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, check_wandb,
+                      flops_per_token, run_hparams)
 from .schedules import LRSchedule, make_lr_scheduler
 from .teacher_identity import check_same_teacher, run_teacher_digests
 
@@ -191,6 +192,7 @@ class Trainer:
 
         cfg = self.cfg
         HeldoutEval.check_config(cfg)
+        check_wandb(cfg.logging.wandb)
         ensure_distributed_env()
         if not dist.is_initialized():
             init_distributed()
@@ -376,10 +378,7 @@ class Trainer:
             attn_flops_per_key=attention_flops_coefficient(**self._attention_flop_terms()),
             start_step=self.step, start_tokens=self.tokens_seen,
         )
-        if self.rank == 0:
-            Path(self.cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)
-            save_resolved(self.cfg, Path(self.cfg.logging.run_dir) / "config.yaml", argv=self.argv)
-            print(format_config(self.cfg), flush=True)
+        record_run_start(self.cfg, self.layout, self.metrics, self.rank, self.argv)
 
     # ------------------------------------------------------------------------------ resume / save
     def _resume_source(self) -> tuple[Path | None, bool]:
@@ -541,6 +540,17 @@ class Trainer:
         out = write_stage_output(self, Path(self.cfg.logging.run_dir) / "final")
         self.metrics.close()
         return out
+
+
+def record_run_start(cfg: RunConfig, layout, metrics: MetricsLogger, rank: int, argv: list[str] | None) -> None:
+    """Rank 0: write <run_dir>/config.yaml, hand it and the hyperparameters to the metrics writers (TB text +
+    hparams, W&B config), print the config and the batch layout (world = dp x sp, global = micro x accum x dp)."""
+    if rank != 0:
+        return
+    path = save_resolved(cfg, Path(cfg.logging.run_dir) / "config.yaml", argv=argv)
+    metrics.log_config(path.read_text(), run_hparams(cfg, layout))
+    print(format_config(cfg), flush=True)
+    print(layout.describe(), flush=True)
 
 
 def _test_fault_hook(step: int) -> None:

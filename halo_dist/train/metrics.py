@@ -4,12 +4,14 @@ The training loop calls :meth:`MetricsLogger.add` every micro-step with device t
 sync), and :meth:`MetricsLogger.maybe_log` every optimizer step on every rank. Every
 ``log_every`` steps all accumulated sums go through one ``all_reduce`` and one ``.tolist()``;
 rank 0 then writes TensorBoard scalars, a JSONL mirror (``<run_dir>/metrics.jsonl``, for tests
-and plots) and one human progress line::
+and plots), the same scalars to W&B when ``logging.wandb`` names a project, and one human progress line::
 
     step 120/20000 (0.6%) | loss 2.3141 | lr 9.8e-05 | 16.2K tok/s | MFU 31.4% \
         | mem 41.2/80.0 GiB | ETA 5h12m        (one line)
 
 Tags live in fixed namespaces (:data:`NAMESPACES`); any other tag is a bug and raises.
+At start-up :meth:`MetricsLogger.log_config` records the resolved config (TB text ``config/resolved``) and
+the flattened hyperparameters (TB's hparams table, W&B's run config).
 """
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ import json
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from ..config.coerce import fail
 
 NAMESPACES = ("train", "optim", "perf", "mem", "progress", "eval")
 ATTENDED = "perf/attended_keys"  # keys per token under the document mask (token-weighted), for MFU
@@ -33,6 +38,48 @@ PEAK_FLOPS = (
     ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
 )
 Number = Union[float, int, torch.Tensor]
+HParam = Union[float, int, str, bool]
+# TB text tag of the resolved config (outside NAMESPACES: not a scalar; add_text stores it as <tag>/text_summary)
+CONFIG_TAG = "config/resolved"
+WANDB_ID = "wandb_id"  # <run_dir>/wandb_id: the W&B run id, so a resumed run continues the same W&B run
+
+
+def check_wandb(project: Optional[str]) -> None:
+    """``logging.wandb`` set but wandb not importable: a ConfigError before anything is built (not at step 1)."""
+    if project is None:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as err:
+        fail("logging.wandb", f"W&B project {project!r} is set but wandb does not import ({err}): "
+             "pip install wandb, or set logging.wandb null")
+
+
+def flatten_hparams(tree: dict, prefix: str = "") -> dict[str, HParam]:
+    """A nested config dict as ``{"optim.lr": 3e-4, ...}`` of TB-hparams-safe values (numbers, strings,
+    bools): null becomes "null", a list its comma-joined items."""
+    flat: dict[str, HParam] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_hparams(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        elif isinstance(value, (list, tuple)):
+            flat[name] = ",".join(map(str, value))
+        else:
+            flat[name] = "null" if value is None else str(value)
+    return flat
+
+
+def run_hparams(cfg: Any, layout: Any) -> dict[str, HParam]:
+    """Every config field plus the batch layout derived for this world size (``layout.dp`` ...)."""
+    from ..config import to_dict
+
+    derived = {"world": layout.world_size, "dp": layout.dp_size, "sp": layout.sp_size,
+               "micro_batch": layout.micro_batch_size, "grad_accum": layout.grad_accum_steps,
+               "global_batch": layout.global_batch_size, "total_steps": cfg.total_steps}
+    return {**flatten_hparams(to_dict(cfg)), **flatten_hparams(derived, "layout.")}
 
 
 def check_tag(tag: str) -> str:
@@ -162,7 +209,7 @@ class MetricsLogger:
                  attn_flops_per_key: float = 0.0,
                  device: Optional[torch.device] = None, group: Any = None, start_step: int = 0,
                  start_tokens: int = 0, clock: Callable[[], float] = time.perf_counter,
-                 emit: Callable[[str], None] = print):
+                 emit: Callable[[str], None] = print, wandb: Optional[str] = None):
         self.run_dir, self.total_steps, self.log_every = Path(run_dir), total_steps, log_every
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device) if device is not None else _default_device()
@@ -175,16 +222,19 @@ class MetricsLogger:
         self._last = (clock(), start_step, start_tokens)
         self._timed = (0.0, 0)  # seconds and steps measured after the first (warm-up) interval
         self._intervals = 0
-        self._tb = self._jsonl = None
+        self._tb = self._jsonl = self._wandb = None
+        self._start_step = start_step
         if rank == 0:
             self._open_writers(tensorboard, jsonl, start_step)
+            if wandb is not None:
+                self._wandb = open_wandb(wandb, self.run_dir, resumed=start_step > 0)
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> "MetricsLogger":
         """From a RunConfig's logging section; ``kwargs``: rank, world_size, flops_per_token..."""
         log = cfg.logging
         return cls(log.run_dir, total_steps=cfg.total_steps, log_every=log.log_every,
-                   tensorboard=log.tensorboard, peak_flops=log.peak_flops, **kwargs)
+                   tensorboard=log.tensorboard, peak_flops=log.peak_flops, wandb=log.wandb, **kwargs)
 
     def _open_writers(self, tensorboard: bool, jsonl: bool, start_step: int) -> None:
         """A run resumed at ``start_step`` continues one history: steps it will redo (logged after
@@ -201,6 +251,24 @@ class MetricsLogger:
             if path.exists():
                 truncate_metrics(path, start_step)
             self._jsonl = open(path, "a", encoding="utf-8")
+
+    def log_config(self, config_text: str, hparams: dict[str, HParam]) -> None:
+        """Rank 0: the resolved config as TB text and ``hparams`` (:func:`run_hparams`) in TB's hparams table
+        and W&B's run config. TB gets them once, from the run that starts at step 0: a resumed run's
+        writer purges only steps after its checkpoint, so the first copy stays and no second one is added."""
+        if self._wandb is not None:
+            self._wandb.config.update(hparams, allow_val_change=True)
+        if self._tb is None or self._start_step:
+            return
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        # 4-space indent: a markdown code block, so the YAML keeps its layout in the text plugin
+        self._tb.add_text(CONFIG_TAG, "".join(f"    {line}\n" for line in config_text.splitlines()), 0)
+        # the summaries add_hparams writes, but into this run's folder (add_hparams makes a new sub-run);
+        # the metric column shows this run's train/loss scalars
+        for summary in hparams_summary(hparams, {"train/loss": math.nan}):
+            self._tb.file_writer.add_summary(summary, 0)
+        self._tb.flush()
 
     def add(self, tag: str, value: Number, weight: Number = 1.0) -> None:
         """Accumulate ``value`` (weighted mean over the interval; e.g. weight = token count).
@@ -295,6 +363,8 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
             self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def progress_line(self, step: int, scalars: dict[str, float]) -> str:
         mem = None
@@ -322,13 +392,29 @@ class MetricsLogger:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
-        self._tb = self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._tb = self._jsonl = self._wandb = None
 
     def __enter__(self) -> "MetricsLogger":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def open_wandb(project: str, run_dir: Path, resumed: bool) -> Any:
+    """The W&B run of ``run_dir``: a new one for a run starting at step 0 (like TB, which then purges the
+    folder's old events), the same id again for a resumed run.
+
+    W&B cannot purge: the steps a resumed run redoes (logged after its checkpoint before the stop) arrive
+    again with a step below the run's last one, which W&B drops with a warning; later steps log normally."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID
+    run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:16]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, id=run_id, resume="allow", name=run_dir.name, dir=str(run_dir))
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:

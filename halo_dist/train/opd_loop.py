@@ -60,16 +60,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import fit_to_world, format_config, save_resolved
+from ..config import fit_to_world
 from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_prompts import ByteTokenizer, Curriculum
-from .engine import NonFiniteLossError, NonFinitePolicy, backward_and_step, finish_skipped_step, nonfinite_agreed
+from .engine import (NonFiniteLossError, NonFinitePolicy, backward_and_step, finish_skipped_step, nonfinite_agreed,
+                     record_run_start)
 from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoints, latest_checkpoint, rng_state, \
     set_rng_state, step_dir_name
 from ..parallel.safe_load import safe_load
-from .metrics import MetricsLogger, flops_per_token
+from .metrics import MetricsLogger, check_wandb, flops_per_token
 from .teacher_identity import check_same_teacher, run_teacher_digests
 from .schedules import LRSchedule
 
@@ -167,6 +168,7 @@ class OPDTrainer:
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> "OPDTrainer":
         cfg, opd = self.cfg, self.cfg.opd
+        check_wandb(cfg.logging.wandb)
         ensure_process_group(self.ds)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
@@ -269,10 +271,7 @@ class OPDTrainer:
         self.metrics = MetricsLogger.from_config(
             self.cfg, rank=self.rank, world_size=self.world, device=self.device,
             flops_per_token=flops_per_token(n_train, n_teacher), start_step=self.step, start_tokens=self.tokens_seen)
-        if self.rank == 0:
-            Path(self.cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)
-            save_resolved(self.cfg, Path(self.cfg.logging.run_dir) / "config.yaml", argv=self.argv)
-            print(format_config(self.cfg), flush=True)
+        record_run_start(self.cfg, self.layout, self.metrics, self.rank, self.argv)
 
     # ------------------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
