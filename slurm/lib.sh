@@ -28,7 +28,9 @@ set -euo pipefail
 : "${HALO_CALIBRATE_ARGS:=--seq-len 16384 --rows 8 --device cuda --dtype bf16}"
 : "${HALO_NIAH_LENGTHS:=4K,8K,16K,32K,64K,128K,256K}"
 : "${HALO_NIAH_ARGS:=--depths 10 --samples 2 --batch-size 1 --device cuda --dtype bf16}"
-: "${HALO_CSR_TASKS:=arc_easy,arc_challenge,hellaswag,winogrande,piqa,lambada_openai,mmlu}"
+# eval-lm's offline tasks (halo_dist/eval/olmo_sets.py SETS): the default CSR list, runnable without the hub
+HALO_OFFLINE_TASKS=hellaswag,arc_easy,arc_challenge,piqa,winogrande
+: "${HALO_CSR_TASKS:=$HALO_OFFLINE_TASKS}"
 : "${HALO_CSR_ARGS:=--batch-size 8 --device cuda --dtype bf16}"
 HALO_NIAH_OUT_FLAG=--output-dir             # eval-niah writes <dir>/niah.json, niah.md, niah_heatmap.png
 HALO_STAGE1_FILE=rnn_layers.safetensors     # what stage 1 writes into <run_dir>/final (select-layers wants the file)
@@ -574,6 +576,15 @@ print(teacher_depth_problem(teacher, load_tree(cfg).get("model", {}).get("num_la
     [[ -z $problem ]] || halo_die "$problem"
 }
 
+halo_hub_tasks() {  # the HALO_CSR_TASKS outside HALO_OFFLINE_TASKS (comma-separated): they need the hub
+    local t tasks hub=()
+    IFS=, read -ra tasks <<< "$HALO_CSR_TASKS"
+    for t in "${tasks[@]}"; do
+        [[ -z $t || ,$HALO_OFFLINE_TASKS, == *",$t,"* ]] || hub+=("$t")
+    done
+    (IFS=,; echo "${hub[*]}")
+}
+
 halo_pipeline_validate() {
     halo_require_env \
         "HALO_DATA:folder of the tokenized training data (data prep writes HALO_DATA/manifest.json), e.g. export HALO_DATA=/scratch/\$USER/data/qwen3-fwe-1b" \
@@ -612,6 +623,12 @@ halo_pipeline_driver() {
     halo_log "HALO $HALO_SIZE: teacher $HALO_TEACHER -> HypeNet-${HALO_STUDENT^^}; data $DATA; runs $RUNS (tensorboard --logdir $RUNS)"
     if [[ -z ${HALO_DATA_LONG:-} ]]; then
         halo_log "stage 3 and calibration (16K context) also read $DATA: set HALO_DATA_LONG to shards of long documents"
+    fi
+    local hub
+    hub=$(halo_hub_tasks)  # said before submission: the eval job comes last, hours later, often without network
+    if [[ -n $hub ]]; then
+        halo_log "eval: HALO_CSR_TASKS $hub are not saved offline and need the Hugging Face hub" \
+            "(network or the HF cache) in the eval job; offline: $HALO_OFFLINE_TASKS"
     fi
     local checks=() n
     for n in 1 2 3; do

@@ -130,6 +130,22 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(path)
 
 
+def test_unknown_key_in_a_base_file_names_that_file(tmp_path):
+    """A typo two files down names the base file that holds it, not only the file given."""
+    (tmp_path / "common.yaml").write_text("data: {trian: x}\n")
+    (tmp_path / "mid.yaml").write_text("base: common.yaml\n")
+    raw = minimal(base="mid.yaml")
+    raw["optim"]["lrr"] = 1.0  # a typo in the top file: the user already knows which file that is
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(tmp_path / "run.yaml")
+    found = problems_of(excinfo)
+    assert "did you mean 'data.train'" in found["data.trian"] and str(tmp_path / "common.yaml") in found["data.trian"]
+    assert "base file" not in found["optim.lrr"]
+    with pytest.raises(ConfigError, match=r"data\.trian: unknown key .*in base file .*common\.yaml"):
+        validate_file(tmp_path / "mid.yaml")
+
+
 def test_override_into_a_value_is_an_error():
     with pytest.raises(ConfigError, match=r"optim\.lr: is a value, not a section"):
         config_from_dict(minimal(), ["optim.lr.x=1"])
@@ -382,3 +398,14 @@ def test_teacher_depth_check_is_offline(tmp_path):
     assert offline_teacher_depth("nobody-here/not-a-cached-model") is None  # would need the network: no verdict
     assert teacher_depth_problem("nobody-here/not-a-cached-model", 36) is None
     assert offline_teacher_depth("not a repo id!") is None
+
+
+def test_tiny_configs_read_what_the_readme_data_prep_writes():
+    """configs/tiny/*'s default data.train is the --out of the README's offline data prep command (the
+    manifest folder tokenize writes), so the README's CPU commands run without a data.train override."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    out = re.search(r"python -m data_prep\.tokenize --wiki-offline .*--out (\S+)", readme).group(1)
+    for name in ("stage1", "stage2", "stage3", "pretrain_hypenet", "pretrain_transformer"):
+        assert load_tree(CONFIGS / "tiny" / f"{name}.yaml")["data"]["train"] == out, name

@@ -9,7 +9,7 @@ from conftest import tiny_qwen3
 from halo_dist import cli
 from halo_dist.eval.errors import EvalError
 from halo_dist.eval.layerwise import LayerwiseRunner
-from halo_dist.eval.lm_eval_bridge import resolve_tasks, run_lm_eval
+from halo_dist.eval.lm_eval_bridge import markdown, resolve_tasks, run_lm_eval, summarize
 from halo_dist.eval.olmo_sets import CSR_TASKS, SETS, load_task_docs, olmo_datasets_root
 from halo_dist.eval.proxies import ChoiceProbe
 from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer
@@ -56,6 +56,48 @@ def test_eval_lm_cli_on_an_exported_hypenet(tiny_hypenet, tmp_path, capsys):
     assert "| hellaswag |" in capsys.readouterr().out
     assert cli.main(["eval-lm", "--model", str(folder), "--tasks", "no_such_task_xyz", "--limit", "2"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_hypenet, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    export_hypenet(tiny_hypenet, folder, tokenizer=byte_tokenizer())
+    return folder
+
+
+def test_csr_mean_names_the_tasks_it_covers(exported, capsys):
+    """Two CSR tasks give a mean labelled with those two (not the five-task CSR); no CSR task: no CSR line."""
+    assert cli.main(["eval-lm", "--model", str(exported), "--tasks", "arc_easy,piqa", "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| **CSR mean (arc_easy, piqa)** |" in out and out.count("CSR") == 1
+    assert summarize({"x": {"acc,none": 0.5}}, ["custom"], ["x"]) == {"tasks": {"custom": {"acc": 0.5}},
+                                                                    "csr": None, "csr_tasks": []}
+    assert "CSR" not in markdown({"tasks": {"custom": {"acc": 0.5}}, "csr": None, "csr_tasks": []})
+
+
+# A task lm-eval knows whose dataset lives only on the hub (never saved, never cached: always unreachable here).
+HUB_ONLY_TASK = """task: hub_only_task
+dataset_path: halo-dist-tests/no-such-dataset
+test_split: test
+output_type: multiple_choice
+doc_to_text: q
+doc_to_choice: c
+doc_to_target: 0
+metric_list:
+  - metric: acc
+"""
+
+
+def test_task_without_offline_data_is_one_error_line(exported, tmp_path, capsys):
+    (tmp_path / "hub_only_task.yaml").write_text(HUB_ONLY_TASK)
+    args = ["eval-lm", "--model", str(exported), "--tasks", "arc_easy,hub_only_task", "--limit", "2",
+            "--include-path", str(tmp_path)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert errors[0].startswith("error: lm-eval task 'hub_only_task': its dataset is not saved offline")
+    assert "--include-path" in errors[0]
 
 
 def test_local_task_files_are_written_once(tmp_path):

@@ -341,6 +341,20 @@ def test_eval_step_uses_the_exported_model_and_marks_done(slurm_env):
     assert (Path(env["HALO_RUNS"]) / "eval" / "DONE").exists()
 
 
+def test_default_csr_tasks_run_offline_and_hub_tasks_are_named_before_submission(slurm_env):
+    """The eval step's default tasks are eval-lm's saved sets; any other task is named up front."""
+    from halo_dist.eval.olmo_sets import SETS
+
+    env, log = slurm_env
+    res = run("halo_8b.sh", env, HALO_DRY_RUN="1")
+    assert res.returncode == 0, res.stderr
+    assert f"--tasks {','.join(SETS)}" in res.stdout and "need the Hugging Face hub" not in res.stdout
+    res = run("halo_8b.sh", env, HALO_DRY_RUN="1", HALO_CSR_TASKS="arc_easy,mmlu,boolq")
+    note = next(line for line in res.stdout.splitlines() if "need the Hugging Face hub" in line)
+    assert "mmlu,boolq" in note and "arc_easy," not in note.split("offline:")[0]
+    assert res.stdout.index(note) < res.stdout.index("+ sbatch ")
+
+
 # ------------------------------------------------------------------------------------------------
 # From-scratch sweep
 # ------------------------------------------------------------------------------------------------

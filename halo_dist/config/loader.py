@@ -41,20 +41,63 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def load_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The merged raw mapping of ``path`` and its ``base`` files (not yet typed)."""
+    return _load_tree_and_origins(path, _chain)[0]
+
+
+def _load_tree_and_origins(path: str | Path,
+                           _chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], dict[str, Path]]:
+    """``load_tree`` plus, for every dotted key, the file whose value won (errors name that file)."""
     path = Path(path).resolve()
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
         raise ConfigError(f"base files include each other: {cycle}")
     data = read_yaml(path)
     if set(data) == RESOLVED_KEYS:
-        return data["config"]
+        return data["config"], {}
     merged: dict[str, Any] = {}
+    origins: dict[str, Path] = {}
     for base in _base_list(data.pop(BASE_KEY, None), path):
         base_path = path.parent / base
         if not base_path.is_file():
             raise ConfigError(f"{path}: base file not found: {base} (looked at {base_path})")
-        merged = deep_merge(merged, load_tree(base_path, (*_chain, path)))
-    return deep_merge(merged, data)
+        tree, base_origins = _load_tree_and_origins(base_path, (*_chain, path))
+        merged = deep_merge(merged, tree)
+        origins.update(base_origins)
+    origins.update(dict.fromkeys(_dotted_keys(data), path))
+    return deep_merge(merged, data), origins
+
+
+def _dotted_keys(tree: Mapping, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        keys.append(full)
+        if isinstance(value, Mapping):
+            keys += _dotted_keys(value, full)
+    return keys
+
+
+def _name_base_files(err: ConfigError, origins: Mapping[str, Path], top: Path,
+                     overridden: Iterable[str] = ()) -> ConfigError:
+    """``err`` with each problem that comes from a ``base`` file (not ``top``, not an override) naming it:
+    a typo three files down is otherwise reported as if it were in the file the user gave."""
+    overridden = tuple(overridden)
+    problems = []
+    for key, message in err.problems:
+        origin = origins.get(key)
+        from_override = any(key == o or key.startswith(o + ".") for o in overridden)
+        if origin is not None and origin != top and not from_override:
+            message = f"{message} (in base file {_shown(origin)})"
+        problems.append((key, message))
+    return ConfigError(problems)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it (as users type config paths)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _base_list(value: Any, path: Path) -> list[str]:
@@ -123,7 +166,13 @@ def load_config(path: str | Path, overrides: Iterable[str] | Mapping[str, Any] =
     Raises :class:`ConfigError` listing every problem: unknown keys (with the dotted path and a
     "did you mean"), bad types, and impossible combinations.
     """
-    return config_from_dict(load_tree(path), overrides, cls)
+    tree, origins = _load_tree_and_origins(path)
+    overrides = dict(overrides) if isinstance(overrides, Mapping) else list(overrides)  # read twice
+    keys = overrides if isinstance(overrides, dict) else [parse_override(o)[0] for o in overrides]
+    try:
+        return config_from_dict(tree, overrides, cls)
+    except ConfigError as err:
+        raise _name_base_files(err, origins, Path(path).resolve(), keys) from None
 
 
 def with_overrides(cfg: T, overrides: Iterable[str] | Mapping[str, Any]) -> T:
@@ -135,10 +184,13 @@ def validate_file(path: str | Path, cls: type[T] = RunConfig) -> T | None:
     """Check any shipped YAML: a full run config (it names a ``stage``) is loaded and returned;
     a partial one (a ``base`` file) is checked for unknown keys and bad values, returning None.
     """
-    tree = load_tree(path)
-    if "stage" in tree:
-        return config_from_dict(tree, (), cls)
-    problems = check_partial(cls, tree)
-    if problems:
-        raise with_suggestions(ConfigError(problems), cls)
+    tree, origins = _load_tree_and_origins(path)
+    try:
+        if "stage" in tree:
+            return config_from_dict(tree, (), cls)
+        problems = check_partial(cls, tree)
+        if problems:
+            raise with_suggestions(ConfigError(problems), cls)
+    except ConfigError as err:
+        raise _name_base_files(err, origins, Path(path).resolve()) from None
     return None

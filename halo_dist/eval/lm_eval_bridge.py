@@ -9,7 +9,8 @@ lm-eval's registry unchanged (plus any ``include_path`` folder of your own YAML 
 their datasets reachable.
 
 The summary's ``csr`` is the mean over the CSR tasks present of ``acc_norm`` where the task defines it
-and ``acc`` otherwise (WinoGrande, whose partial evaluation scores the same tokens for both options).
+and ``acc`` otherwise (WinoGrande, whose partial evaluation scores the same tokens for both options);
+``csr_tasks`` lists those tasks, and the printed table labels the mean with them.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def run_lm_eval(
 ) -> dict:
     """Evaluate ``model`` on ``tasks`` (``limit=None``: every item); ``batch_size`` requests per forward.
 
-    Returns ``{"tasks": {task: {metric: value, "n": items}}, "csr": float | None}`` (see :func:`summarize`).
+    Returns ``{"tasks": {task: {metric: value, "n": items}}, "csr": float | None, "csr_tasks": [...]}``
+    (see :func:`summarize`).
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -115,12 +117,34 @@ def run_lm_eval(
         raise EvalError(
             f"lm-eval tasks {unknown} not found (offline tasks: {', '.join(SETS)}; add YAML folders with --include-path)"
         )
+    loaded = [spec for n in names for spec in load_task(manager, n)]  # before the model: fails fast
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=names, limit=limit, task_manager=manager, num_fewshot=num_fewshot,
+    out = simple_evaluate(model=lm, tasks=loaded, limit=limit, task_manager=manager, num_fewshot=num_fewshot,
                           log_samples=False, bootstrap_iters=0)
     return summarize(out["results"], tasks, names)
+
+
+def load_task(manager, name: str) -> list:
+    """lm-eval's task, group or tag ``name`` built with its datasets loaded; EvalError naming the task when the
+    dataset is neither saved offline nor reachable on the Hugging Face hub (instead of a hub traceback)."""
+    from datasets.exceptions import DatasetNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        loaded = manager.load(name)
+    except (ConnectionError, DatasetNotFoundError, LocalEntryNotFoundError) as err:
+        why = (str(err).splitlines() or [""])[0]  # one error line, not the hub's traceback
+        raise EvalError(
+            f"lm-eval task {name!r}: its dataset is not saved offline and the Hugging Face hub cannot serve it "
+            f"({type(err).__name__}: {why}); run it where the hub is reachable (or with the dataset in the HF "
+            f"cache), or use the offline tasks ({', '.join(SETS)}) or a local YAML task with --include-path"
+        ) from None
+    # simple_evaluate takes built tasks and groups (no second dataset load); a tag stands for its tasks
+    if name in loaded["groups"]:
+        return [loaded["groups"][name]]
+    return [loaded["tasks"][name]] if name in loaded["tasks"] else list(loaded["tasks"].values())
 
 
 def summarize(results: dict, tasks: list[str], names: list[str]) -> dict:
@@ -131,9 +155,11 @@ def summarize(results: dict, tasks: list[str], names: list[str]) -> dict:
         raw = results.get(name, {})
         table[task] = {("n" if k == "sample_len" else k.split(",")[0]): v for k, v in raw.items()
                        if isinstance(v, (int, float)) and "stderr" not in k}
-    scores = [csr_score(table[t]) for t in tasks if t in CSR_TASKS]
-    scores = [v for v in scores if v is not None]
-    return {"tasks": table, "csr": sum(scores) / len(scores) if scores else None}
+    scored = {t: csr_score(table[t]) for t in tasks if t in CSR_TASKS}
+    scored = {t: v for t, v in scored.items() if v is not None}
+    # csr_tasks says which tasks the mean covers: a mean of two tasks must not read as the five-task CSR
+    return {"tasks": table, "csr": sum(scored.values()) / len(scored) if scored else None,
+            "csr_tasks": list(scored)}
 
 
 def csr_score(metrics: dict) -> float | None:
@@ -147,8 +173,13 @@ def markdown(summary: dict) -> str:
         fmt = lambda k: f"{100 * m[k]:.1f}" if k in m else "–"  # noqa: E731
         lines.append(f"| {task} | {fmt('acc')} | {fmt('acc_norm')} |")
     if summary.get("csr") is not None:
-        lines.append(f"| **CSR (mean acc_norm, else acc)** | | {100 * summary['csr']:.1f} |")
+        lines.append(f"| **{csr_label(summary)}** | | {100 * summary['csr']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def csr_label(summary: dict) -> str:
+    """"CSR mean (arc_easy, piqa)": the tasks the mean is over (acc_norm, else acc), never implied."""
+    return f"CSR mean ({', '.join(summary['csr_tasks'])})"
 
 
 class LmEvalEvaluator:
