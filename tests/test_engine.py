@@ -204,17 +204,11 @@ def test_bad_input_is_refused_with_a_clear_message(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_smollm2_teacher_stage1_and_stage2(smollm2_dir, shards, tmp_path):
-    """A few steps of stage 1 and 2 on the real SmolLM2-135M teacher, on shards made with its tokenizer."""
-    data = tmp_path / "smol-data"
-    run_prep(data, max_docs=120, shard_tokens=6000, heldout_fraction=0.05, tokenizer=str(smollm2_dir))
-    real = [f"model.teacher={smollm2_dir}", "model.random_teacher=null", "model.num_layers=30", "model.attn_layers=3,10,17,24",
-            f"data.train={data}"]
-    run_launcher("stage1", tmp_path / "s1", *real, "schedule.total_steps=3")
-    run_launcher("stage2", tmp_path / "s2", *real, f"model.stage1_weights={tmp_path / 's1' / 'final'}", "schedule.total_steps=3")
-    assert all(v == v for v in losses(tmp_path / "s2"))  # finite
-    # shards tokenized with another tokenizer are refused
-    res = run_launcher("stage2", tmp_path / "bad", *real[:-1], f"data.train={shards}",
+def test_real_smollm2_teacher_refuses_shards_of_another_tokenizer(smollm2_dir, shards, tmp_path):
+    """Stage 2 with the real SmolLM2-135M teacher on shards made with the Qwen tokenizer: refused up front.
+    (Stages 1-3 on this teacher and its own shards run end to end in tests/test_demo.py.)"""
+    real = [f"model.teacher={smollm2_dir}", "model.random_teacher=null", "model.num_layers=30", "model.attn_layers=3,10,17,24"]
+    res = run_launcher("stage2", tmp_path / "bad", *real, f"data.train={shards}",
                        "model.stage1_weights=null", expect=None)
     assert res.returncode == 2 and "tokenizer" in res.stderr, res.stderr[-2000:]
 
@@ -326,18 +320,21 @@ def test_resume_on_another_number_of_ranks_continues_the_curve(shards, tmp_path,
               "checkpoint.keep_last=2", "eval.every_steps=0", f"parallel.zero_stage={zero}"]
     ref = tmp_path / "ref"
     run_launcher("stage2", ref, *common)
-    two_to_one = tmp_path / "two_to_one"
-    run_launcher("stage2", two_to_one, *common, nproc=2, env={"HALO_TEST_SIGTERM_AT_STEP": "2"})
-    res = run_launcher("stage2", two_to_one, *common)
-    assert "2 ranks -> 1" in res.stdout and "resumed from" in res.stdout, res.stdout[-2000:]
-    assert not (two_to_one / "checkpoints" / "universal").exists()  # the converted copy is removed once loaded
+    resumed = []
+    if zero == 3:  # ZeRO-1 takes the same conversion path: one direction there keeps the suite short
+        two_to_one = tmp_path / "two_to_one"
+        run_launcher("stage2", two_to_one, *common, nproc=2, env={"HALO_TEST_SIGTERM_AT_STEP": "2"})
+        res = run_launcher("stage2", two_to_one, *common)
+        assert "2 ranks -> 1" in res.stdout and "resumed from" in res.stdout, res.stdout[-2000:]
+        assert not (two_to_one / "checkpoints" / "universal").exists()  # the converted copy is removed once loaded
+        resumed.append(two_to_one)
     one_to_two = tmp_path / "one_to_two"  # the reference's own step-2 checkpoint, resumed on 2 ranks
     shutil.copytree(ref, one_to_two)
     shutil.rmtree(one_to_two / "checkpoints" / "step-00000004")
     res = run_launcher("stage2", one_to_two, *common, nproc=2)
     assert "1 rank -> 2" in res.stdout, res.stdout[-2000:]
     curve = losses(ref)
-    for run in (two_to_one, one_to_two):
+    for run in (*resumed, one_to_two):
         other = losses(run)
         assert len(other) == 4
         for a, b in zip(curve, other):
