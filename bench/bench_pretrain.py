@@ -42,7 +42,7 @@ from halo_dist.stages.pretrain import (build_pretrain_module, param_groups,  # n
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "sweeps" / "base_500m.yaml"
-PEAK_FLOPS = {"H200": 779e12}  # measured bf16 matmul ceiling (SPEC §7); other GPUs: --peak-tflops
+PEAK_FLOPS = {"H200": 779e12}  # measured bf16 matmul ceiling; other GPUs: --peak-tflops
 VARIANTS = {  # the grid's overrides (configs/sweeps/grid.yaml)
     "hypenet-lightning-hype": ["model.arch=hypenet", "model.rnn_mixer=lightning", "model.pe=hype",
                                "model.attn_layers=0,4,8,12,16,20,24", "model.logits_scaling_a=300"],

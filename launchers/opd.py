@@ -1,4 +1,4 @@
-"""On-policy distillation launcher (OPAL, SPEC §3; thin: parse config, build, run).
+"""On-policy distillation launcher (OPAL; thin: parse config, build, run).
 
     torchrun --nproc_per_node 4 launchers/opd.py --config configs/opd/hypenet_2b.yaml [key=value ...]
     python launchers/opd.py --config configs/opd/tiny.yaml                  # CPU, one rank

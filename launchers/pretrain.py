@@ -1,4 +1,4 @@
-"""From-scratch pretraining launcher (SPEC §3 sweeps; thin: parse config, build, run).
+"""From-scratch pretraining launcher (sweeps; thin: parse config, build, run).
 
     torchrun --nproc_per_node 8 launchers/pretrain.py --config configs/sweeps/base_500m.yaml data.train=/data/fwe-gpt2
     deepspeed launchers/pretrain.py --config configs/sweeps/base_500m.yaml model.arch=transformer \

@@ -1,5 +1,5 @@
 #!/bin/bash
-# HALO pipeline, Qwen3-8B -> HypeNet-9B (SPEC §2 sizes), on Slurm:
+# HALO pipeline, Qwen3-8B -> HypeNet-9B, on Slurm:
 #   data prep -> stage 1 -> layer selection -> stage 2 -> stage 3 -> calibrate a -> export -> NIAH + CSR eval
 #
 #   export HALO_DATA=/scratch/$USER/data/qwen3-fwe-1b HALO_RUNS=/scratch/$USER/runs/halo-8b HALO_TEACHER=Qwen/Qwen3-8B

@@ -1,5 +1,5 @@
 #!/bin/bash
-# From-scratch architecture sweep (SPEC §3; paper §6.3): every variant of configs/sweeps/grid.yaml trained
+# From-scratch architecture sweep (paper §6.3): every variant of configs/sweeps/grid.yaml trained
 # for 40K steps x 128 x 4K tokens by launchers/pretrain.py, as one Slurm job array, then NIAH 4K -> 256K
 # for every variant and one comparison table + plot.
 #

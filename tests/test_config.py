@@ -54,7 +54,7 @@ def test_every_shipped_yaml_validates(path):
 
 @pytest.mark.parametrize("grid,name,overrides", SWEEP_VARIANTS, ids=[f"{g.name}:{n}" for g, n, _ in SWEEP_VARIANTS])
 def test_every_sweep_variant_validates(grid, name, overrides, monkeypatch):
-    """Each variant of a sweep grid is a valid pretrain config over the grid's base (SPEC §3: 40K steps x
+    """Each variant of a sweep grid is a valid pretrain config over the grid's base (40K steps x
     128 x 4K tokens, WSD 5e-4 -> 5e-5, 1K warm-up, 8K decay, wd 0.1), and fits 8 to 32 GPUs."""
     monkeypatch.chdir(REPO)  # the grid's base path is relative to the repo root
     base = yaml.safe_load(grid.read_text())["base"]

@@ -1,6 +1,6 @@
 """Command-line front end shared by every launcher: ``--config FILE [key=value ...] [--dry-run]``.
 
-Launchers stay thin (STYLE §1): ``cfg, args = parse_run_args()`` and then build and run. Config
+Launchers stay thin: ``cfg, args = parse_run_args()`` and then build and run. Config
 errors end the process with argparse's usage message and exit status 2, not a traceback.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each section checks its own fields in ``validate``; :class:`RunConfig` checks co
 sections. Everything that can be checked before a process group or a tensor exists is checked
 here, so a bad config fails in the launcher's first second instead of after the teacher loaded.
 The only checks left for runtime need the world size: :meth:`RunConfig.validate_against_world`.
-Defaults follow the paper (SPEC §3): AdamW β (0.9, 0.95), no weight decay, clip 1.0, 50 warm-up
+Defaults follow the HALO paper: AdamW β (0.9, 0.95), no weight decay, clip 1.0, 50 warm-up
 steps, bf16.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .coerce import ConfigError, coerce_fields, fail
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
 Objective = Literal["mse", "kl", "ce", "reverse_kl"]
 # From-scratch architectures of the sweeps and HypeNet position encodings (sweeps and distilled
-# students; SPEC §3, paper §6.3).
+# students; paper §6.3).
 ScratchArch = Literal["transformer", "swan", "hypenet"]
 ScratchPE = Literal["hype", "all_rope", "all_nope", "attn_rope_rnn_nope"]
 # model.pe -> HypeNet (attn_rope, rnn_rope). One table for the model stage pretrain builds and for the
@@ -26,7 +26,7 @@ ScratchPE = Literal["hype", "all_rope", "all_nope", "attn_rope_rnn_nope"]
 PE_ROPE: dict[str, tuple[bool, bool]] = {"hype": (False, True), "all_rope": (True, True),
                                          "all_nope": (False, False), "attn_rope_rnn_nope": (True, False)}
 
-# Which objectives each stage may train with (SPEC §3): stage 1 aligns layer outputs by MSE,
+# Which objectives each stage may train with: stage 1 aligns layer outputs by MSE,
 # stage 2 is forward KL (CE-only would skip the teacher), stage 3 KL or the reference code's
 # plain CE, OPAL is reverse KL on student samples, from-scratch pretraining is CE.
 STAGE_OBJECTIVES: dict[str, tuple[str, ...]] = {
@@ -132,7 +132,7 @@ class ScratchModelConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig(Section):
-    """Teacher, student initialisation and HypeNet hyperparameters (SPEC §2)."""
+    """Teacher, student initialisation and HypeNet hyperparameters."""
 
     teacher: Optional[str] = None  # HF hub id or local folder; "random" uses random_teacher; none for pretrain
     random_teacher: Optional[RandomTeacherConfig] = None  # shape of a random teacher
@@ -144,7 +144,7 @@ class ModelConfig(Section):
     student_init: Optional[str] = None  # HypeNet checkpoint/HF folder to start from (stage 3, OPD)
     stage1_weights: Optional[str] = None  # stage-1 output (aligned RNN layers) that stage 2 reads
     rnn_mixer: Literal["lightning", "gdn", "gla", "rwkv7", "mamba2"] = "lightning"
-    logits_scaling_a: Optional[float] = None  # a of s_t = log_a(t + a); null disables (SPEC §2)
+    logits_scaling_a: Optional[float] = None  # a of s_t = log_a(t + a); null disables
     logits_scaling_in_training: bool = True  # the reference code only scaled at inference (§6.6)
     attn_output_gate: bool = True  # sigmoid gate on attention output, initialised as identity
     attn_output_norm: bool = False  # appendix RMSNorm on attention output; changes the teacher fn
@@ -158,7 +158,7 @@ class ModelConfig(Section):
     # logits_scaling_a null (when set, it still scales the attention logits). A student loaded from
     # student_init (stage 3, OPD) keeps its folder's encoding: pe must then be null or the folder's.
     pe: Optional[ScratchPE] = None
-    # stage pretrain only (from-scratch sweeps, SPEC §3): the variant and the model's shape
+    # stage pretrain only (from-scratch sweeps): the variant and the model's shape
     arch: Optional[ScratchArch] = None  # transformer (all attention, RoPE) | swan | hypenet
     sliding_window: Optional[int] = None  # arch=swan: window of the SWA RoPE layers; null = 512
     scratch: Optional[ScratchModelConfig] = None  # shape + init of the randomly initialised model
@@ -223,7 +223,7 @@ class DataConfig(Section):
     # over all ranks (about 1 s per GB and rank, see README); sizes: file sizes only, each shard's
     # checksum then verified when it is first read (a corrupt shard may stop the run hours in).
     verify: Literal["full", "sizes"] = "full"
-    shuffle: bool = True  # deterministic shard + sample shuffling (SPEC §6.3)
+    shuffle: bool = True  # deterministic shard + sample shuffling
     seed: int = 1234  # shuffle seed (also the base of per-rank RNG seeds)
 
     def validate(self) -> None:
@@ -242,7 +242,7 @@ class OptimConfig(Section):
     """AdamW (fused on GPU); the peak lr here is the schedule's eta."""
 
     lr: float  # peak learning rate
-    min_lr: float = 1e-5  # floor of cosine/linear/WSD decay (SPEC §3: 1e-5)
+    min_lr: float = 1e-5  # floor of cosine/linear/WSD decay (the paper's 1e-5)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0  # the paper uses none for distillation; 0.1 for from-scratch
@@ -302,7 +302,7 @@ class ScheduleConfig(Section):
 class ParallelConfig(Section):
     """Data parallel x sequence parallel (Ulysses) on DeepSpeed ZeRO; dp = world / sp at runtime."""
 
-    zero_stage: Literal[0, 1, 2, 3] = 3  # 1/2 only for small students (SPEC §6)
+    zero_stage: Literal[0, 1, 2, 3] = 3  # 1/2 only for small students
     sp_size: int = 1  # Ulysses degree; must divide seq_len and the head counts
     teacher_placement: Literal["replicated", "zero3"] = "replicated"  # bf16 copy per GPU or sharded
     deepspeed_config: Optional[str] = None  # JSON merged over the dict built from this config
@@ -321,7 +321,7 @@ class ParallelConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class LossConfig(Section):
-    """Distillation objective; KL is fused and chunked, never on full logits (SPEC §6.1)."""
+    """Distillation objective; KL is fused and chunked, never on full logits."""
 
     objective: Objective = "kl"  # see STAGE_OBJECTIVES for what each stage allows
     temperature: float = 1.0  # softmax temperature of both models in KL
@@ -339,7 +339,7 @@ class LossConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig(Section):
-    """Where and how often to save; resume = latest complete checkpoint (STYLE §6)."""
+    """Where and how often to save; resume = latest complete checkpoint."""
 
     dir: Optional[str] = None  # default: <logging.run_dir>/checkpoints
     every_steps: int = 1000  # 0 saves only at the end (and on SIGTERM/SIGUSR1)
@@ -455,7 +455,7 @@ class PromptSetConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class OPDConfig(Section):
-    """On-policy distillation (OPAL, SPEC §3): rollouts, horizon doubling, curriculum, groups.
+    """On-policy distillation (OPAL): rollouts, horizon doubling, curriculum, groups.
 
     Batch shape comes from ``data``: ``global_batch_size`` rollouts per optimizer step,
     ``micro_batch_size`` rollouts per rank per training forward (``data.train`` is unused).

@@ -1,4 +1,4 @@
-"""Calibrate the logits-scaling base a of a trained HypeNet (SPEC §2 "logits scaling", §4).
+"""Calibrate the logits-scaling base a of a trained HypeNet.
 
 Attention layers scale queries by s_t = ln(t + a) / ln(a). After training, a is grid-searched by the
 held-out next-token loss on long documents at a target length; the best a is written into the

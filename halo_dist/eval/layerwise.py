@@ -1,4 +1,4 @@
-"""Evaluate M(i) for every layer i with work reuse (SPEC §3 "Layer selection").
+"""Evaluate M(i) for every layer i with work reuse.
 
 M(i) = the teacher with only layer i replaced by its stage-1 RNN. With RoPE kept, no logits scaling
 and no gates, an all-attention HypeNet *is* the teacher (tests/test_hypenet.py), so we:

@@ -1,4 +1,4 @@
-"""RULER-style needle-in-a-haystack (SPEC §4): NIAH-Single-1/2/3 at exact token lengths.
+"""RULER-style needle-in-a-haystack: NIAH-Single-1/2/3 at exact token lengths.
 
 Tasks (RULER's templates):
   niah_single_1  haystack = repeated filler sentences, needle value = a 7-digit number

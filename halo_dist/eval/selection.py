@@ -1,4 +1,4 @@
-"""Attention-layer selection (SPEC §3): score formula, ranking, alternative methods, results-file IO.
+"""Attention-layer selection: score formula, ranking, alternative methods, results-file IO.
 
 The HALO score of layer i, from M(i) = the teacher with only layer i replaced by its stage-1 RNN::
 

@@ -1,4 +1,4 @@
-"""Fused, chunked distillation losses over the full vocabulary (SPEC §3 stages 2/3 and OPAL, §6.1).
+"""Fused, chunked distillation losses over the full vocabulary (stages 2/3 and OPAL).
 
 Given the final hidden states and lm_head weights of a student and a frozen teacher, computes per
 token t (valid tokens only) and sums over tokens:

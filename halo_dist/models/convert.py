@@ -1,4 +1,4 @@
-"""Teacher -> HypeNet conversion (HALO stage 0, SPEC §2/§3).
+"""Teacher -> HypeNet conversion (HALO stage 0).
 
 ``convert(teacher, attn_layers, output)`` builds a HypeNet student from a Qwen3 teacher or a
 Llama/Qwen2/Mistral-style GQA teacher:
@@ -6,11 +6,11 @@ Llama/Qwen2/Mistral-style GQA teacher:
   * RNN layers get the same weights with KV heads cloned per query head (GQA -> MHA: head i <- KV
     head i // g), the teacher's q/k norms (or fresh ones at 1), a fresh per-head output norm at 1;
   * embeddings, MLPs, norms and lm_head are copied exactly, tied only where the teacher ties;
-  * output gates W_z = 0 with gate = 2·sigmoid(x W_z), i.e. exactly 1 at the start (SPEC §6.8).
+  * output gates W_z = 0 with gate = 2·sigmoid(x W_z), i.e. exactly 1 at the start.
 Trained stage-1 RNN weights (a safetensors file, keys named as in the student) replace the
 transferred RNN weights when given.
 
-``rnn_mixer`` picks the replacement mixer (SPEC §2 "Other RNN mixers"): "lightning" (default),
+``rnn_mixer`` picks the replacement mixer: "lightning" (default),
 "gdn", "gla", "rwkv7", "mamba2" -- all attention-shaped, so W_q/W_k/W_v/W_o (+ q/k norms) transfer
 as for Lightning and only their gate / decay parameters start fresh (seeded per layer) -- or "swa"
 (sliding-window attention: the teacher's attention weights unchanged, GQA kept).

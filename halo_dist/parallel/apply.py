@@ -1,7 +1,7 @@
 """Apply Ulysses sequence parallelism to a HypeNet: validate every mixer's heads, then inject ``sp``.
 
 Each mixer owns its Ulysses logic (``HypeNetAttention._attend_sequence_parallel``,
-``LightningMixer._recur_sequence_parallel``; STYLE.md item 4); this module only checks, up front and
+``LightningMixer._recur_sequence_parallel``); this module only checks, up front and
 without any communication, that every mixer's heads can be split over the SP group, and then sets
 ``layer.mixer.sp``. Checking first means a bad layout fails identically on every rank with one
 clear message, instead of inside the first forward's all-to-all (where one rank may raise while the

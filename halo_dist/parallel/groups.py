@@ -1,6 +1,6 @@
 """Process-group arithmetic (data parallel x Ulysses sequence parallel) and DeepSpeed's ``mpu``.
 
-Layout (SPEC §6 "Parallel layout"): ``world = dp * sp``. Global rank ``r`` sits at
+Layout: ``world = dp * sp``. Global rank ``r`` sits at
 ``(dp_rank, sp_rank) = (r // sp, r % sp)``, so every sequence-parallel (SP) group is a block of
 *consecutive* ranks -- launchers number ranks node by node, so an SP group (whose all-to-alls run
 in every attention/RNN layer) stays inside one node -- and the data-parallel (DP) groups are strided

@@ -1,4 +1,4 @@
-"""HALO stages 2 and 3: forward KL(teacher ‖ student) over the full vocabulary (SPEC §3).
+"""HALO stages 2 and 3: forward KL(teacher ‖ student) over the full vocabulary.
 
 The loss is fused and chunked (``halo_dist.losses``): neither model's ``[tokens × vocab]`` logits
 exist at once. The student returns final hidden states only; the vocabulary projection happens

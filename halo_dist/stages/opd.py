@@ -1,4 +1,4 @@
-"""On-policy distillation (OPAL, SPEC §3): student rollouts scored by the frozen teacher.
+"""On-policy distillation (OPAL): student rollouts scored by the frozen teacher.
 
 One optimizer step:
 

@@ -1,4 +1,4 @@
-"""Prompt sets and the prompt curriculum of on-policy distillation (OPAL, SPEC §3).
+"""Prompt sets and the prompt curriculum of on-policy distillation (OPAL).
 
 A :class:`PromptSet` is a list of token-id prompts built once from its config (``opd.prompt_sets``
 entry, :class:`halo_dist.config.schema.PromptSetConfig`); its last ``heldout`` prompts never train

@@ -1,6 +1,6 @@
 """Stage ``pretrain``: a randomly initialised HypeNet-family model trained from scratch with CE.
 
-The from-scratch sweeps (SPEC §3; paper §6.3, App. H) are three architectures, all expressed as the
+The from-scratch sweeps (paper §6.3, App. H) are three architectures, all expressed as the
 HypeNet model so one set of kernels, SP, checkpoints and exports serves them:
 
   transformer  every layer softmax attention with RoPE (θ = model.scratch.rope_theta)

@@ -1,4 +1,4 @@
-"""HALO stage 1: align every RNN layer to the attention layer it replaces (SPEC §3).
+"""HALO stage 1: align every RNN layer to the attention layer it replaces.
 
 All layers are trained at once. Layer l's RNN is fed the teacher's own input to layer l (the
 normalised hidden state entering its attention) and regresses the teacher's attention output:

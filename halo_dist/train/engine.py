@@ -422,7 +422,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> None:
-        """The handler only records the signal; ranks agree at the next step boundary (STYLE §7)."""
+        """The handler only records the signal; ranks agree at the next step boundary."""
 
         def handler(signum, frame):
             self.stop_signal = signum

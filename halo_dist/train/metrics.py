@@ -1,4 +1,4 @@
-"""One metrics path (STYLE §8): accumulate on device, reduce once per interval, rank 0 writes.
+"""One metrics path: accumulate on device, reduce once per interval, rank 0 writes.
 
 The training loop calls :meth:`MetricsLogger.add` every micro-step with device tensors (no host
 sync), and :meth:`MetricsLogger.maybe_log` every optimizer step on every rank. Every

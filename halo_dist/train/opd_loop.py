@@ -1,4 +1,4 @@
-"""The on-policy distillation loop (OPAL, SPEC §3); the stage's pieces are in ``halo_dist.stages.opd``.
+"""The on-policy distillation loop (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
 
 Per optimizer step on every rank: sample ``global_batch / dp`` prompts from the curriculum ->
 student rollouts at the current horizon -> pack into ``grad_accum`` micro-batches -> all-reduce the

@@ -14,7 +14,7 @@ first update is not wasted at LR 0) followed by:
 
 p and q are clipped to [0, 1]: past the end the LR stays at min (peak for constant).
 
-WSD is what the on-policy stage extends rung by rung (SPEC §3): for every step <= decay_start the
+WSD is what the on-policy stage extends rung by rung: for every step <= decay_start the
 LR does not depend on ``total_steps``, so a run resumed from a pre-decay snapshot with a larger
 total retraces the identical LR history. :meth:`LRSchedule.check_resume` enforces that.
 """

@@ -1,4 +1,4 @@
-"""HypeNet configuration (SPEC §2).
+"""HypeNet configuration.
 
 Self-contained on purpose: an exported HypeNet folder carries this file and loads with
 ``AutoConfig.from_pretrained(folder, trust_remote_code=True)`` without halo_dist installed.
@@ -12,7 +12,7 @@ import math
 from transformers import PretrainedConfig
 
 # Every name here is a class in modeling_hypenet.MIXER_CLASSES. "swa" is softmax attention over a
-# sliding window (SWAN-GPT's local layers); the others besides "attention" are RNNs (SPEC §2).
+# sliding window (SWAN-GPT's local layers); the others besides "attention" are RNNs.
 IMPLEMENTED_MIXERS = ("attention", "lightning", "gdn", "gla", "rwkv7", "mamba2", "swa")
 PLANNED_MIXERS: tuple[str, ...] = ()
 RNN_MIXERS = ("lightning", "gdn", "gla", "rwkv7", "mamba2")
@@ -33,7 +33,7 @@ class HypeNetConfig(PretrainedConfig):
       attn_qk_norm (None)        RMSNorm on attention q/k; None = whatever the teacher had.
       rnn_output_gate / attn_output_gate (True)  sigmoid output gates.
       output_gate_scale (2.0)    gate = scale * sigmoid(x W_z); with W_z = 0 at conversion the gate
-                                 starts at exactly 1, so a gated layer starts as its teacher (SPEC §6.8).
+                                 starts at exactly 1, so a gated layer starts as its teacher.
       attn_output_norm (False)   per-head RMSNorm on the attention output (paper appendix; off by
                                  default because a fresh norm changes the teacher's function).
       rnn_gqa_to_mha (True)      every RNN head gets its own W_k/W_v (cloned from its KV head);

@@ -1,4 +1,4 @@
-"""HypeNet: a hybrid of softmax-attention and Lightning-Attention RNN layers (SPEC §2).
+"""HypeNet: a hybrid of softmax-attention and Lightning-Attention RNN layers.
 
 Self-contained (torch + transformers; fla / flash-attn optional) so an exported folder loads with
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` without halo_dist.
@@ -107,7 +107,7 @@ def logits_scale(position_ids: torch.Tensor, base: float) -> torch.Tensor:
 
 
 def output_gate(x: torch.Tensor, proj: nn.Linear, scale: float) -> torch.Tensor:
-    """gate = scale * sigmoid(x W_z). With W_z = 0 and scale 2 it is exactly 1 (SPEC §6.8)."""
+    """gate = scale * sigmoid(x W_z). With W_z = 0 and scale 2 it is exactly 1."""
     return scale * torch.sigmoid(proj(x))
 
 
@@ -410,7 +410,7 @@ class RNNMixerBase(nn.Module):
 
 
 class LightningMixer(RNNMixerBase):
-    """Lightning-Attention RNN layer, HyPE side "RoPE in RNN" (SPEC §2):
+    """Lightning-Attention RNN layer, HyPE side "RoPE in RNN":
     q = RMSNorm(x W_q), k = RMSNorm(x W_k), v = x W_v; RoPE on q/k; S_t = γ_h S_{t-1} + k̃ᵀv;
     o = q̃ S / sqrt(d_h); y = (RMSNorm_per_head(o) ⊙ gate(x)) W_o."""
 
@@ -463,7 +463,7 @@ class LightningMixer(RNNMixerBase):
 
 
 # --------------------------------------------------------------------------------------------
-# Sweep mixers (SPEC §2 "Other RNN mixers", §3 "From-scratch sweeps")
+# Sweep mixers: the other RNN mixers of the from-scratch sweeps
 # --------------------------------------------------------------------------------------------
 
 
@@ -535,8 +535,8 @@ def _log_uniform_dt_bias(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0
 
 class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
     """Skeleton of the sweep RNN mixers (GDN, GLA, RWKV-7, Mamba2) on :class:`RNNMixerBase`'s projections
-    (the same as LightningMixer's, so the teacher's attention weights transfer). No short convolution
-    (SPEC §2), so the cache holds only the state.
+    (the same as LightningMixer's, so the teacher's attention weights transfer). No short convolution,
+    so the cache holds only the state.
 
     A subclass sets ``kernel`` (an ops_hypenet dispatcher) and defines ``gates(x, q, k, v) -> (q, k, v,
     gates, extras)``: every gate a per-token, per-head tensor ``[B, T, H, ...]`` (token-local, so gates

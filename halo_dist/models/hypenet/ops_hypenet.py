@@ -2,13 +2,13 @@
 
 Self-contained (torch only, fla / flash-attn optional) because exported folders carry this file.
 
-Lightning attention (SPEC §2), per head h with log-decay g_h = -2^(-8h/H):
+Lightning attention, per head h with log-decay g_h = -2^(-8h/H):
     S_t = exp(g_t) S_{t-1} + k_tᵀ v_t ,   o_t = scale · q_t S_t
 On CUDA with fla installed we call ``chunk_simple_gla`` (train / prefill, varlen via ``cu_seqlens``)
 and ``fused_recurrent_simple_gla`` (decode). Elsewhere an exact chunked torch implementation runs;
 it is also the reference the GPU path is tested against (tests/test_lightning.py, bench/).
 
-The sweep mixers (SPEC §2 "Other RNN mixers") share one state convention, S ``[K, V]`` per head
+The sweep mixers share one state convention, S ``[K, V]`` per head
 and ``o_t = scale · q_t S_t``:
     GLA     S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ                       (gk ``[B, T, H, K]``)
     Mamba2  S_t = exp(g_t) S_{t-1} + k_t v_tᵀ                              (g ``[B, T, H]``, SSD form)
@@ -54,7 +54,7 @@ except Exception:  # pragma: no cover
 
 
 def lightning_log_decay(num_heads: int, device=None) -> torch.Tensor:
-    """log γ_h = -2^(-8h/H) for h = 1..H, the same in every layer (no layer factor, SPEC §2). [H] fp32."""
+    """log γ_h = -2^(-8h/H) for h = 1..H, the same in every layer (no layer factor). [H] fp32."""
     h = torch.arange(1, num_heads + 1, dtype=torch.float64, device=device)
     return (-torch.pow(2.0, -8.0 * h / num_heads)).to(torch.float32)
 
