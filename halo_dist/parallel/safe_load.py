@@ -4,7 +4,9 @@ elsewhere) then cannot run code when a run resumes or a checkpoint is exported.
 
 DeepSpeed's stock checkpoint engine and its ``zero_to_fp32`` would unpickle anything; we never let them.
 Every engine we build gets a checkpoint engine whose ``load`` is :func:`safe_load` (``install_safe_loading``,
-called by ``initialize_engine``), and export runs ``zero_to_fp32`` inside :func:`weights_only_loads`. The
+called by ``initialize_engine``); DeepSpeed code that calls ``torch.load`` itself (``zero_to_fp32`` in export,
+the universal-checkpoint conversion when a run resumes on another number of ranks) runs inside
+:func:`forced_weights_only`. The
 only non-tensor types DeepSpeed stores in ZeRO 0-3 checkpoints are allowed by name
 (:func:`deepspeed_safe_globals`); a file that needs anything else is refused with an error naming the file
 and the type.
@@ -79,34 +81,12 @@ def install_safe_loading(engine) -> None:
     engine.checkpoint_engine = make_safe_checkpoint_engine(getattr(engine, "_config", None))
 
 
-class _TorchWithSafeLoad:
-    """``torch`` as one module sees it, with ``load`` replaced by :func:`safe_load`."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def load(f, map_location=None, **kwargs):
-        return safe_load(f, map_location=map_location, **{k: v for k, v in kwargs.items() if k == "mmap"})
-
-
-@contextlib.contextmanager
-def weights_only_loads(module):
-    """Within the block, the name ``torch`` inside ``module`` (e.g. DeepSpeed's zero_to_fp32) loads files
-    through :func:`safe_load`; the real ``torch`` module and every other caller are untouched."""
-    original = module.torch
-    module.torch = _TorchWithSafeLoad()
-    try:
-        yield
-    finally:
-        module.torch = original
-
-
 @contextlib.contextmanager
 def forced_weights_only(what: str):
     """Within the block every ``torch.load`` reads with ``weights_only=True``, even where the caller passes
     ``weights_only=False`` (DeepSpeed's universal-checkpoint conversion and loading do, in several
-    modules), with the DeepSpeed types allowed; a file that needs more is refused, naming ``what``."""
+    modules, and so does ``zero_to_fp32``), with the DeepSpeed types allowed; a file that needs more is
+    refused, naming ``what``."""
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # read by torch.load at every call
     try:

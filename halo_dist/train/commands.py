@@ -35,9 +35,9 @@ def consolidated_state(ckpt: Path) -> dict:
     """fp32 state dict of the trained module from DeepSpeed's shards (any ZeRO stage)."""
     from deepspeed.utils import zero_to_fp32
 
-    from ..parallel.safe_load import weights_only_loads
+    from ..parallel.safe_load import forced_weights_only
 
-    with weights_only_loads(zero_to_fp32):  # its own loads unpickle anything (safe_load's doc)
+    with forced_weights_only(str(ckpt)):  # its own loads would unpickle anything (safe_load's doc)
         return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
 
 
