@@ -70,29 +70,30 @@ def verify_share(data, split: str, rank: int, world: int) -> list[str]:
     the ranks together cover every shard once, so a corrupt shard is found before training starts
     instead of when it is first read, hours later."""
     shards, _ = resolve_shards(data, split)
+    return [msg for _, msg in _bad_shards(shards[rank::world])]
+
+
+def _bad_shards(shards: list[ShardInfo]) -> list[tuple[ShardInfo, str]]:
+    """The shards that fail the full check, each with its error message."""
     bad = []
-    for s in shards[rank::world]:
+    for s in shards:
         try:
             check_shard(s, "full")
         except DataError as e:
-            bad.append(str(e))
+            bad.append((s, str(e)))
     return bad
 
 
 def _drop_corrupt(shards: list[ShardInfo]) -> tuple[list[ShardInfo], list[tuple[str, str]]]:
-    good, bad = [], []
-    for s in shards:
-        try:
-            check_shard(s, "full")
-            good.append(s)
-        except DataError as e:
-            log.warning("skipping corrupt shard %s: %s", s.path, e)
-            bad.append((s.path, str(e)))
+    bad = _bad_shards(shards)
+    for s, msg in bad:
+        log.warning("skipping corrupt shard %s: %s", s.path, msg)
     if bad:
         log.warning("skipped %d of %d shards as corrupt", len(bad), len(shards))
-    if not good:
+    if len(bad) == len(shards):
         raise DataError(f"all {len(shards)} shards are corrupt")
-    return good, bad
+    dropped = {id(s) for s, _ in bad}
+    return [s for s in shards if id(s) not in dropped], [(s.path, msg) for s, msg in bad]
 
 
 def build_loader(data, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
