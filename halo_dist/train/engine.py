@@ -211,12 +211,14 @@ class Trainer:
         self._check_data_vocabulary()
         self._verify_data()
         self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # resume check, checkpoints
+        # the checkpoint this run continues (None: a new run), read once and checked before anything is built
+        self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume == "auto" else None
         self._check_resume_config()
         self.module, self.teacher = self._build_stage()
         self._apply_sequence_parallel()
         self.ds_config = deepspeed_config(cfg, self.layout)
         self.ds_config.setdefault("zero_allow_untested_optimizer", True)
-        self.resume_path, self.reshard = self._resume_source()
+        self.reshard = self._needs_reshard()
         if self.reshard:  # ZeRO partitions came from another number of ranks: re-partition (checkpoint.py)
             self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
         self.loss_ranks = self.layout.dp_size * sp_loss_factor(self.ds_config, self.groups)
@@ -242,9 +244,7 @@ class Trainer:
 
     def _check_resume_config(self) -> None:
         """Before building anything: a resume continues the checkpoint's run or is refused (resume_check)."""
-        if self.cfg.checkpoint.resume != "auto":
-            return
-        path = latest_checkpoint(self.cfg.checkpoint_dir)
+        path = self.resume_path
         if path is not None:
             from ..config import to_dict
             from .resume_check import check_resume_config
@@ -252,7 +252,6 @@ class Trainer:
             check_resume_config(path, to_dict(self.cfg), announce=self.rank == 0)
             saved = json.loads((path / TRAINER_STATE).read_text()).get("teacher_files")
             check_same_teacher(saved, self.teacher_files, path)
-
 
     def _verify_data(self) -> None:
         """``data.verify=full``: every rank fully checks its share of the training shards (and of the
@@ -381,21 +380,21 @@ class Trainer:
         record_run_start(self.cfg, self.layout, self.metrics, self.rank, self.argv)
 
     # ------------------------------------------------------------------------------ resume / save
-    def _resume_source(self) -> tuple[Path | None, bool]:
-        """The checkpoint a resume starts from, and whether its ZeRO partitions must be re-made for this
-        number of ranks (it was written on another; ZeRO 0 keeps whole states and loads anywhere)."""
-        path = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint.resume == "auto" else None
+    def _needs_reshard(self) -> bool:
+        """Whether the resumed checkpoint's ZeRO partitions must be re-made for this number of ranks (it
+        was written on another; ZeRO 0 keeps whole states and loads anywhere)."""
+        path = self.resume_path
         if path is None:
-            return None, False
+            return False
         saved = json.loads((path / TRAINER_STATE).read_text()).get("world_size", self.world)
         if saved == self.world:
-            return path, False
+            return False
         if self.rank == 0:
             plural = "s" if saved > 1 else ""
             how = ("re-partitioned through DeepSpeed's universal checkpoint" if self.cfg.parallel.zero_stage
                    else "ZeRO 0 holds whole optimizer states")
             print(f"resume: {path.name} was written on {saved} rank{plural} -> {self.world} now ({how})", flush=True)
-        return path, self.cfg.parallel.zero_stage > 0
+        return self.cfg.parallel.zero_stage > 0
 
     def _maybe_resume(self) -> None:
         path = self.resume_path
