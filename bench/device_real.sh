@@ -22,6 +22,8 @@ X=${XFER:-.xfer}
 DEADLINE=${DEADLINE:-530}   # seconds of a piece before its stage is stopped (a call may run 600)
 PAUSE_AFTER=${PAUSE_AFTER:-}  # or end the piece once this step has run (select-layers, stage2, ...)
 PE=${PE:-}                    # model.pe of stages 1-2: empty (HyPE) or all_rope (the ablation; use another HALO_WORK)
+ATTN_LAYERS=${ATTN_LAYERS:-}  # keep these attention layers (an ablation keeps the HyPE run's) instead of selecting
+TEACHER_EVAL=${TEACHER_EVAL:-}  # none: the teacher's figures come from the HyPE run (same harness)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -45,7 +47,7 @@ bundle() {
   cp bench/results/real_conversion*.json bench/results/real_conversion*.png "$W/" 2>/dev/null
   (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
      --exclude='checkpoints' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
-     --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' . 2>/dev/null)
+     --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' --exclude='trace.json' . 2>/dev/null)
   # Triton's autotuning results (fla caches them on disk): a later session carries them back (.xfer/c1),
   # and its fresh machine skips most of the 3-4 minutes of autotuning
   (cd $W && find triton -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/triton_autotune.tgz" -T - 2>/dev/null)
@@ -67,7 +69,7 @@ R1)
   ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
   wait
-  tail -5 $W/warmup.log; tail -25 $W/corpus.log
+  tail -5 $W/warmup.log; cat $W/warmup_runs/stage2_warmup/profile/summary.txt; tail -25 $W/corpus.log
   bundle R1
   ;;
 R2|R3)
@@ -77,7 +79,8 @@ R2|R3)
       && (cd $W && echo "$(cat $OLDPWD/$X/c2/smol.gguf.sha256)  smol.gguf.tmp" | sha256sum -c) \
       && mv $W/smol.gguf.tmp $W/smol.gguf
   fi
-  $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+  $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \
+    --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac

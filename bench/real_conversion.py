@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, environment  # noqa: E402
 from halo_dist.config import PE_ROPE  # noqa: E402
-from halo_dist.demo import Demo, DemoPaused, DemoSettings  # noqa: E402
+from halo_dist.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
 PAUSED = 3
@@ -52,7 +52,7 @@ PAUSED = 3
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("corpus", "warmup", "run", "collect"):
+    for name in ("corpus", "warmup", "run", "collect", "compare"):
         c = sub.add_parser(name)
         c.add_argument("--work", type=Path, required=True, help="work folder: corpus/, run/, warmup.json")
         c.add_argument("--cpu-rehearsal", action="store_true", help="the demo's tiny sizes on CPU (checks the script)")
@@ -71,6 +71,13 @@ def parse_args(argv=None):
     r.add_argument("--pe", choices=("", *PE_ROPE), default="",
                    help="model.pe of stages 1-2 (empty: hype); all_rope keeps the teacher's attention RoPE, the "
                         "HyPE ablation. The results record it (pe) and go to real_conversion_<pe>.json / _*.png")
+    r.add_argument("--attn-layers", default="", help="keep these attention layers instead of selecting them (an "
+                                                      "ablation keeps the HyPE run's: only --pe then differs)")
+    r.add_argument("--teacher-eval", choices=("", *TEACHER_EVAL_CHOICES), default="",
+                   help="empty: the preset's (with-stages); none: the teacher's figures come from another run")
+    c = sub.choices["compare"]
+    c.add_argument("--pe", choices=tuple(k for k in PE_ROPE if k != "hype"), default="all_rope",
+                   help="the ablation arm compared with the HyPE run (both results files must exist)")
     for c in sub.choices.values():
         c.add_argument("--results", type=Path, default=RESULTS, help="where real_conversion.json and PNGs go")
     return p.parse_args(argv)
@@ -102,7 +109,8 @@ def corpus_done(work: Path) -> bool:
 def cmd_warmup(a) -> int:
     """Stage 2 through bench_stages on the real config with a random SmolLM2-shape (Llama) teacher: it
     autotunes fla's forward and backward kernels (the RNN layers of every stage) and fills the compile
-    caches for the compiled stage-2 layers, training and held-out evaluation; writes warmup.json."""
+    caches for the compiled stage-2 layers, training and held-out evaluation; profiles its last two
+    steps (warmup_runs/stage2_warmup/profile/); writes warmup.json."""
     out = a.work / "warmup.json"
     if out.exists():
         print(f"warmup: already done ({out})")
@@ -113,7 +121,9 @@ def cmd_warmup(a) -> int:
     cmd = [sys.executable, str(ROOT / "bench" / "bench_stages.py"), "--data", str(a.data), "--no-naive", "--stages", "2",
            "--config-pattern", pattern, "--steps", "1", str(a.steps), "1", "--runs", str(a.work / "warmup_runs"),
            "--stage2-micro", str(s.micro_batch), "--stage2-batch", str(s.global_batch), "--checkpointing", "off",
-           "--log-every", "2", "--tag", "_warmup", "--out", str(a.work / "warmup_stages.json")]
+           "--log-every", "2", "--tag", "_warmup", "--out", str(a.work / "warmup_stages.json"),
+           # where a step of this small model spends its time (host launches vs GPU), after compilation
+           "--extra", f"logging.profile_at_step={max(1, a.steps - 1)}", "logging.profile_steps=2"]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=False)
     stages = json.loads((a.work / "warmup_stages.json").read_text()) if (a.work / "warmup_stages.json").exists() else {}
@@ -142,6 +152,8 @@ def settings_for(a) -> DemoSettings:
         compile_ = json.loads(warm.read_text())["compile"] if warm.exists() else ("none" if a.cpu_rehearsal else "layer")
     s.compile = compile_
     s.pe = a.pe
+    s.attn_layers = a.attn_layers
+    s.teacher_eval = a.teacher_eval or s.teacher_eval
     return s
 
 
@@ -214,10 +226,26 @@ def speed(a, demo: Demo) -> None:
 
     run = a.work / "run"
     out = run / "speed.json"
+    student = run / "hypenet" if a.pe in ("", "hype") else hype_twin(run / "hypenet", run / "hypenet_hype_twin")
     cmd = [sys.executable, str(ROOT / "bench" / "bench_inference.py"), "--real", str(smollm2_teacher_dir()),
-           str(run / "hypenet"), "--out", str(out)]
+           str(student), "--out", str(out)]
     cmd += ["--cpu-smoke"] if a.cpu_rehearsal else ["--contexts", *SPEED_CONTEXTS.split(","), "--decode-steps", "8"]
     demo.run("speed", cmd, out)
+
+
+def hype_twin(student: Path, twin: Path) -> Path:
+    """The ablation student's weights in the HyPE layout (attention without RoPE, logits scaling on): the
+    speed of the HyPE student, whose kernels and shapes these are (speed does not depend on weight values;
+    its outputs do, and this folder is used for nothing else). The base ``a`` only scales the logits."""
+    if not (twin / "config.json").exists():
+        tmp = twin.with_name(twin.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(student, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config.update(attn_rope=False, attn_logits_scale_base=config.get("attn_logits_scale_base") or 500.0)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        os.replace(tmp, twin)
+    return twin
 
 
 # ---------------------------------------------------------------------------------------------- collect
@@ -357,6 +385,79 @@ def gpu_minutes(work: Path) -> float | None:
     return sum(timings.values()) / 60 if timings else None
 
 
+# ---------------------------------------------------------------------------------------------- compare
+NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
+
+
+def cmd_compare(a) -> int:
+    """The HyPE ablation: NIAH by length of the teacher, the HyPE student and the ablation student (the
+    same corpus, budgets and attention layers), with CSR, perplexity and held-out KL beside it; writes
+    ``real_ablation_<pe>.json`` and ``real_ablation_<pe>_niah.png`` and prints the table."""
+    hype_path, arm_path = a.results / "real_conversion.json", a.results / f"{result_stem(a.pe)}.json"
+    missing = [str(p) for p in (hype_path, arm_path) if not p.exists()]
+    if missing:
+        raise SystemExit(f"error: compare needs both runs' results; missing: {', '.join(missing)}")
+    hype, arm = _read(hype_path), _read(arm_path)
+    if arm.get("pe") != a.pe or hype.get("pe") != "hype":
+        raise SystemExit(f"error: {arm_path} holds pe={arm.get('pe')!r} and {hype_path} pe={hype.get('pe')!r}; "
+                         f"expected {a.pe!r} and 'hype'")
+    models = {"teacher": hype["niah_summary"]["teacher"], "hype": hype["niah_summary"]["student"],
+              a.pe: arm["niah_summary"]["student"]}
+    lengths = sorted({int(L) for m in models.values() for t in NIAH_TASKS for L in (m or {}).get(t, {}).get("by_length", {})})
+    niah = {name: {t: {L: (m or {}).get(t, {}).get("by_length", {}).get(str(L)) for L in lengths} for t in NIAH_TASKS}
+            for name, m in models.items()}
+    layers = lambda r: (r.get("selection") or {}).get("attn_layers") or (r.get("settings") or {}).get("attn_layers")  # noqa: E731
+    out = {"pe": a.pe, "lengths": lengths, "niah": niah,
+           "csr": {"teacher": hype.get("csr_teacher"), "hype": hype.get("csr_student"), a.pe: arm.get("csr_student")},
+           "ppl": {"teacher": (hype.get("ppl") or {}).get("teacher"), "hype": (hype.get("ppl") or {}).get("student"),
+                   a.pe: (arm.get("ppl") or {}).get("student")},
+           "kl_heldout": {k: {"hype": hype.get(f"kl_heldout_{k}"), a.pe: arm.get(f"kl_heldout_{k}")}
+                          for k in ("stage1", "stage2", "stage3")},
+           "attn_layers": {"hype": layers(hype), a.pe: layers(arm)},
+           "tokens": {k: {"hype": hype.get(f"tokens_{k}"), a.pe: arm.get(f"tokens_{k}")} for k in ("stage1", "stage2", "stage3")},
+           "calibrated_a": {"hype": (hype.get("calibration") or {}).get("best_a"), a.pe: (arm.get("calibration") or {}).get("best_a")},
+           "sources": {"hype": str(hype_path.name), a.pe: str(arm_path.name)}, "environment": environment()}
+    path = a.results / f"real_ablation_{a.pe}.json"
+    path.write_text(json.dumps(out, indent=2, default=str))
+    print(ablation_table(out))
+    _ablation_png(out, a.results / f"real_ablation_{a.pe}_niah.png")
+    print(f"[real] wrote {path}")
+    return 0
+
+
+def ablation_table(out: dict) -> str:
+    from halo_dist.eval.niah import format_length
+
+    lengths, names = out["lengths"], list(out["niah"])
+    head = "| model | " + " | ".join(f"S{t[-1]} {format_length(L)}" for t in NIAH_TASKS for L in lengths)
+    rows = [head + " |", "|---|" + "---|" * (len(NIAH_TASKS) * len(lengths))]
+    for name in names:
+        cells = [out["niah"][name][t][L] for t in NIAH_TASKS for L in lengths]
+        rows.append(f"| {name} | " + " | ".join("–" if v is None else f"{v:.0%}" for v in cells) + " |")
+    return "\n".join(rows)
+
+
+def _ablation_png(out: dict, path: Path) -> Path:
+    """NIAH accuracy by context length, one panel per task: teacher, HyPE student, ablation student."""
+    from halo_dist.eval.niah import format_length
+
+    lengths = out["lengths"]
+    fig = _figure(4.2 * len(NIAH_TASKS), 3.4)
+    for i, task in enumerate(NIAH_TASKS):
+        ax = fig.add_subplot(1, len(NIAH_TASKS), i + 1)
+        for name, style in zip(out["niah"], ("k--", "o-", "s-")):
+            vals = [out["niah"][name][task][L] for L in lengths]
+            ax.plot(range(len(lengths)), [float("nan") if v is None else v for v in vals], style, label=name)
+        ax.axvline(lengths.index(8192) + 0.5 if 8192 in lengths else -1, color="grey", lw=0.8, ls=":")
+        ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
+        ax.set(title=task, xlabel="context (tokens)", ylabel="accuracy", ylim=(-0.03, 1.03))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"HyPE vs {out['pe']} (same data, budgets, layers); dotted: the teacher's 8K trained positions")
+    fig.savefig(path, dpi=100)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------- pictures
 def pictures(run: Path, results: Path, stem: str = "real_conversion") -> list[Path]:
     made = []
@@ -472,7 +573,8 @@ def main(argv=None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     if a.cpu_rehearsal and a.results == RESULTS:
         a.results = a.work / "results"  # a rehearsal's figures are not results
-    return {"corpus": cmd_corpus, "warmup": cmd_warmup, "run": cmd_run, "collect": cmd_collect}[a.command](a)
+    commands = {"corpus": cmd_corpus, "warmup": cmd_warmup, "run": cmd_run, "collect": cmd_collect, "compare": cmd_compare}
+    return commands[a.command](a)
 
 
 if __name__ == "__main__":

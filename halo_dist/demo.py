@@ -57,6 +57,9 @@ class DemoSettings:
     # attention RoPE, trained without logits scaling (the HyPE ablation): hype | all_rope | all_nope | attn_rope_rnn_nope
     pe: str = ""
     num_attn: int = 7  # k = floor(30 / 4)
+    # attention layers given instead of selected ("7,18,19"): the selection step is skipped, e.g. for an
+    # ablation that must keep another run's layers so that only the setting under study differs
+    attn_layers: str = ""
     select_items: int = 6  # retrieval prompts per layer for the recall proxy
     select_length: int = 256
     kl_rows: int = 4
@@ -79,8 +82,9 @@ class DemoSettings:
     # stage pays a resume (checkpoint, restart, compile) when the piece lengths are known in advance
     pause_after: str = ""
     keep_checkpoints: bool = False  # keep each stage's resumable checkpoints once its final export is written
-    # when the teacher's evaluation runs: "at-end" (with the student's) or "with-stages" (alongside stages
-    # 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly idle)
+    # when the teacher's evaluation runs: "at-end" (with the student's), "with-stages" (alongside stages
+    # 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly idle) or
+    # "none" (an ablation compared with a run that evaluated the same teacher through the same harness)
     teacher_eval: str = "at-end"
     # the student's NIAH in one process and its CSR + perplexity in another, at the same time
     split_student_eval: bool = False
@@ -107,7 +111,7 @@ class DemoSettings:
                    split_student_eval=True)
 
 
-TEACHER_EVAL_CHOICES = ("at-end", "with-stages")
+TEACHER_EVAL_CHOICES = ("at-end", "with-stages", "none")
 PAUSE_POINTS = ("data", "stage1", "select-layers", "stage2", "stage3", "calibrate-a")  # steps run alone
 PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny, "h200": DemoSettings.h200}
 # a stage (which checkpoints on SIGTERM) is not started with less than this left before the deadline,
@@ -141,6 +145,7 @@ class Demo:
 
         if s.pe and s.pe not in PE_ROPE:  # here, not in stage 1's log after the data step
             raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it empty: hype)")
+        self.given_layers = parse_layers(s.attn_layers, s.num_attn)
 
     # ------------------------------------------------------------------ plumbing
     def run(self, name: str, cmd: list[str], done: Path, stage: bool = False) -> None:
@@ -368,14 +373,7 @@ class Demo:
                                          f"schedule.warmup_steps={min(50, s.stage1_steps // 5, s.stage1_steps - 1)}"),
                  out / "stage1" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage1")
-        self.run("select-layers", self.halo(
-            "select-layers", "--teacher", teacher, "--stage1-weights", str(out / "stage1" / "final" / "rnn_layers.safetensors"), "--evaluator", "proxy",
-            "--num-attn", str(s.num_attn), "--output", str(out / "select" / "selection.json"),
-            "--results-out", str(out / "select" / "results.json"), "--resume", "--recall-items", str(s.select_items),
-            "--recall-length", str(s.select_length), "--heldout", data, "--kl-rows", str(s.kl_rows),
-            "--kl-seq-len", str(s.seq_len), *self.eval_args()), out / "select" / "selection.json")
-        layers = json.loads((out / "select" / "selection.json").read_text())["attn_layers"]
-        print(f"[demo] selected attention layers {layers}", flush=True)
+        layers = self.attention_layers(teacher, data)
         layer_arg = "model.attn_layers=" + ",".join(str(i) for i in layers)
         self.run("stage2", self.launcher("stage2", layer_arg, f"model.stage1_weights={out / 'stage1' / 'final'}",
                                          f"schedule.total_steps={s.stage2_steps}", f"data.seq_len={s.seq_len}",
@@ -402,6 +400,22 @@ class Demo:
         report = write_report(out, layers, time.time() - t0)
         print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
         return report
+
+    def attention_layers(self, teacher: str, data: str) -> list[int]:
+        """The layers that stay attention: the label-free selection on the stage-1 student, or the given ones."""
+        s, out = self.s, self.out
+        if self.given_layers:
+            print(f"[demo] select-layers    skipped: attention layers given {self.given_layers}", flush=True)
+            return self.given_layers
+        self.run("select-layers", self.halo(
+            "select-layers", "--teacher", teacher, "--stage1-weights", str(out / "stage1" / "final" / "rnn_layers.safetensors"), "--evaluator", "proxy",
+            "--num-attn", str(s.num_attn), "--output", str(out / "select" / "selection.json"),
+            "--results-out", str(out / "select" / "results.json"), "--resume", "--recall-items", str(s.select_items),
+            "--recall-length", str(s.select_length), "--heldout", data, "--kl-rows", str(s.kl_rows),
+            "--kl-seq-len", str(s.seq_len), *self.eval_args()), out / "select" / "selection.json")
+        layers = json.loads((out / "select" / "selection.json").read_text())["attn_layers"]
+        print(f"[demo] selected attention layers {layers}", flush=True)
+        return layers
 
     def final_evals(self, teacher: str, student: str, data: str) -> list[tuple[str, list[str], Path]]:
         """The evaluation steps after calibration, run together: the student's suite (or its NIAH and its
@@ -432,6 +446,21 @@ class Demo:
         if s.ppl_seq_len and "ppl" in parts:
             args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows", str(s.ppl_rows)]
         return args
+
+
+def parse_layers(text: str, num_attn: int, num_layers: int = 30) -> list[int]:
+    """``"7,18,19"`` -> ``[7, 18, 19]`` (empty: none given); as many distinct layers of the teacher as
+    ``num_attn`` asks for, so a typo fails here and not in stage 2's config check minutes later."""
+    if not text.strip():
+        return []
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise DemoStepError(f"--attn-layers {text!r}: expected comma-separated layer indices such as 7,18,19") from None
+    if len(set(layers)) != len(layers) or len(layers) != num_attn or not all(0 <= i < num_layers for i in layers):
+        raise DemoStepError(f"--attn-layers {text!r}: expected {num_attn} distinct indices in 0..{num_layers - 1} "
+                            f"(--num-attn {num_attn})")
+    return sorted(layers)
 
 
 def _step_failed(name: str, rc: int, log: Path) -> DemoStepError:

@@ -185,6 +185,27 @@ def test_teacher_eval_setting_is_validated():
     assert DemoSettings.h200("x").teacher_eval == "with-stages" and DemoSettings.tiny("x").teacher_eval == "at-end"
 
 
+def test_teacher_eval_none_evaluates_only_the_student(tmp_path):
+    from halo_dist.demo import Demo, DemoSettings
+
+    steps = Demo(DemoSettings(out=str(tmp_path), teacher_eval="none")).final_evals("TEACHER", "STUDENT", "DATA")
+    assert [name for name, _, _ in steps] == ["eval-student"]
+
+
+def test_given_attention_layers_skip_the_selection_and_bad_ones_are_refused(tmp_path):
+    """--attn-layers (an ablation keeping another run's layers) skips select-layers; a list that stage 2
+    would refuse minutes later is refused before anything runs."""
+    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+
+    demo = Demo(DemoSettings(out=str(tmp_path), num_attn=3, attn_layers="19,7,18"))
+    assert demo.attention_layers("TEACHER", "DATA") == [7, 18, 19]
+    assert not (tmp_path / "logs").exists()  # no step ran
+    for bad, why in (("7,18", "expected 3 distinct"), ("7,7,18", "expected 3 distinct"), ("7,18,30", "0..29"),
+                     ("7;18;19", "comma-separated")):
+        with pytest.raises(DemoStepError, match=why):
+            Demo(DemoSettings(out=str(tmp_path), num_attn=3, attn_layers=bad))
+
+
 def test_a_step_that_finished_as_the_deadline_came_counts_as_done(tmp_path, monkeypatch):
     """SIGTERM at the deadline reached a stage after its last step and export (it wrote DONE and exited 0):
     the demo goes on to the next step instead of reporting a pause."""

@@ -68,8 +68,13 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
     assert (s3 / "final" / "modeling_hypenet.py").exists()
     # stage 3's CE-only objective (the reference code's choice) runs without a teacher forward
     run_launcher("stage3", tmp_path / "s3ce", f"data.train={shards}", f"model.student_init={s2 / 'final'}",
-                 "schedule.total_steps=3", "loss.objective=ce", "checkpoint.every_steps=0")
+                 "schedule.total_steps=3", "loss.objective=ce", "checkpoint.every_steps=0",
+                 "logging.profile_at_step=2", "logging.profile_steps=2")
     assert losses(tmp_path / "s3ce")[0] > 1.0  # next-token CE over the real vocabulary, not a KL
+    # the profiler window (steps 2-3) wrote its summary and trace
+    prof = json.loads((tmp_path / "s3ce" / "profile" / "summary.json").read_text())
+    assert prof["steps"] == [2, 3] and prof["wall_ms_per_step"] > 0 and prof["top_host"]
+    assert (tmp_path / "s3ce" / "profile" / "trace.json").stat().st_size > 0
     # the stage-3 output is a self-contained HF folder; the checkpoint holds no teacher
     ckpt = next((s3 / "checkpoints").glob("step-*"))
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 3

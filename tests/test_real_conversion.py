@@ -78,3 +78,44 @@ def test_an_ablation_run_is_labelled_and_continued_only_with_its_pe(tmp_path):
     with pytest.raises(SystemExit, match="started with --pe all_rope, not hype"):
         rc.check_same_pe(run, "")
     assert rc.result_stem("hype") == "real_conversion" and rc.result_stem("all_rope") == "real_conversion_all_rope"
+
+
+def test_ablation_compare_lines_up_both_runs_niah_and_refuses_a_mislabelled_file(tmp_path):
+    rc = _module()
+    by_len = lambda *v: {"by_length": {"2048": v[0], "16384": v[1]}}  # noqa: E731
+    summary = lambda s1: {t: by_len(*s1) for t in rc.NIAH_TASKS}  # noqa: E731
+    hype = {"pe": "hype", "niah_summary": {"teacher": summary((1.0, 0.0)), "student": summary((0.4, 0.05))},
+            "csr_teacher": 0.46, "csr_student": 0.41, "selection": {"attn_layers": [7, 18]},
+            "calibration": {"best_a": 200.0}}
+    arm = {"pe": "all_rope", "niah_summary": {"teacher": None, "student": summary((0.9, 0.0))}, "csr_student": 0.43,
+           "settings": {"attn_layers": "7,18"}}
+    (tmp_path / "real_conversion.json").write_text(json.dumps(hype))
+    args = rc.parse_args(["compare", "--work", str(tmp_path), "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match="missing: .*real_conversion_all_rope.json"):
+        rc.cmd_compare(args)
+    (tmp_path / "real_conversion_all_rope.json").write_text(json.dumps({**arm, "pe": "all_nope"}))
+    with pytest.raises(SystemExit, match="pe='all_nope'"):
+        rc.cmd_compare(args)
+    (tmp_path / "real_conversion_all_rope.json").write_text(json.dumps(arm))
+    assert rc.cmd_compare(args) == 0
+    out = json.loads((tmp_path / "real_ablation_all_rope.json").read_text())
+    assert out["lengths"] == [2048, 16384]
+    assert out["niah"]["all_rope"]["niah_single_1"] == {"2048": 0.9, "16384": 0.0}
+    assert out["niah"]["teacher"]["niah_single_2"]["2048"] == 1.0 and out["csr"]["hype"] == 0.41
+    assert out["attn_layers"] == {"hype": [7, 18], "all_rope": "7,18"} and out["calibrated_a"]["hype"] == 200.0
+    assert "| all_rope | 90% | 0% |" in rc.ablation_table({**out, "niah": {k: {t: {int(L): v for L, v in c.items()}
+                                                                              for t, c in m.items()} for k, m in out["niah"].items()}})
+    assert (tmp_path / "real_ablation_all_rope_niah.png").stat().st_size > 10_000
+
+
+def test_hype_twin_switches_only_the_attention_encoding(tmp_path):
+    """The speed of an ablation run is measured on its weights in the HyPE layout; the student is untouched."""
+    rc = _module()
+    student = tmp_path / "hypenet"
+    student.mkdir()
+    (student / "config.json").write_text(json.dumps({"attn_rope": True, "attn_logits_scale_base": None, "x": 1}))
+    (student / "model.safetensors").write_bytes(b"w")
+    twin = rc.hype_twin(student, tmp_path / "twin")
+    assert json.loads((twin / "config.json").read_text()) == {"attn_rope": False, "attn_logits_scale_base": 500.0, "x": 1}
+    assert json.loads((student / "config.json").read_text())["attn_rope"] is True
+    assert (twin / "model.safetensors").read_bytes() == b"w" and rc.hype_twin(student, twin) == twin

@@ -365,11 +365,18 @@ class LoggingConfig(Section):
     wandb: Optional[str] = None
     log_every: int = 10  # optimizer steps per metrics reduction (one host sync per interval)
     peak_flops: Optional[float] = None  # per-device FLOP/s for MFU; null: from the device name
+    # rank 0 runs torch.profiler over steps [profile_at_step, profile_at_step + profile_steps) and writes
+    # <run_dir>/profile/ (summary: wall vs device-busy ms per step, top operators; a Chrome trace); 0 = off
+    profile_at_step: int = 0
+    profile_steps: int = 3
 
     def validate(self) -> None:
         if not self.run_dir:
             fail("run_dir", "must not be empty")
         _positive("log_every", self.log_every)
+        if self.profile_at_step < 0:
+            fail("profile_at_step", f"must be >= 0 (0 = no profile), got {self.profile_at_step}")
+        _positive("profile_steps", self.profile_steps)
         if self.wandb is not None and not self.wandb.strip():
             fail("wandb", "must be a W&B project name, or null for no W&B mirror")
         if self.peak_flops is not None:

@@ -46,6 +46,7 @@ from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
 from .metrics import (ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, check_wandb,
                       flops_per_token, run_hparams)
+from .profiling import StepProfiler
 from .schedules import LRSchedule, make_lr_scheduler
 from .teacher_identity import check_same_teacher, run_teacher_digests
 
@@ -441,9 +442,12 @@ class Trainer:
         data = iter(self.loader)
         last = {}
         self.engine.train()
+        log = cfg.logging
+        profiler = StepProfiler(log.profile_at_step, log.profile_steps, log.run_dir, self.rank, self.device)
         if self.step == 0:
             self._maybe_evaluate(total)
         while self.step < total:
+            profiler.before_step(self.step + 1)
             self._step_start = self.loader.state_dict()  # the position of this step's first batch
             micro_batches = [next(data) for _ in range(self.layout.grad_accum_steps)]
             normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
@@ -458,6 +462,7 @@ class Trainer:
                 backward_and_step(self.engine, loss, drop=skipping)
             self.step += 1
             self.tokens_seen += self.layout.tokens_per_step
+            profiler.after_step(self.step)
             _test_fault_hook(self.step)
             if skipping:
                 finish_skipped_step(self.engine, self.scheduler)
