@@ -398,7 +398,7 @@ def cmd_compare(a) -> int:
     if missing:
         raise SystemExit(f"error: compare needs both runs' results; missing: {', '.join(missing)}")
     hype, arm = _read(hype_path), _read(arm_path)
-    if arm.get("pe") != a.pe or hype.get("pe") != "hype":
+    if arm.get("pe") != a.pe or hype.get("pe", "hype") != "hype":  # results from before the pe field: HyPE
         raise SystemExit(f"error: {arm_path} holds pe={arm.get('pe')!r} and {hype_path} pe={hype.get('pe')!r}; "
                          f"expected {a.pe!r} and 'hype'")
     models = {"teacher": hype["niah_summary"]["teacher"], "hype": hype["niah_summary"]["student"],
