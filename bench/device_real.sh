@@ -20,6 +20,8 @@ T0=$SECONDS
 W=${HALO_WORK:-/tmp/halo}
 X=${XFER:-.xfer}
 DEADLINE=${DEADLINE:-530}   # seconds of a piece before its stage is stopped (a call may run 600)
+# a stopped stage takes up to 45 s to checkpoint, and the bundle ~10 s: a later deadline loses the call's bundle
+[ "$DEADLINE" -le 540 ] || { echo "error: DEADLINE=$DEADLINE: at most 540 (600-s call, 45-s stop grace, bundle)"; exit 2; }
 PAUSE_AFTER=${PAUSE_AFTER:-}  # or end the piece once this step has run (select-layers, stage2, ...)
 PE=${PE:-}                    # model.pe of stages 1-2: empty (HyPE) or all_rope (the ablation; use another HALO_WORK)
 ATTN_LAYERS=${ATTN_LAYERS:-}  # keep these attention layers (an ablation keeps the HyPE run's) instead of selecting
