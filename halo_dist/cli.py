@@ -16,6 +16,10 @@ EXAMPLES = {
   halo-dist convert --teacher smollm2 --attn-layers 3,10,17,24 --output out/smol-hypenet
   halo-dist convert --teacher DIR --attn-layers 1,2 --stage1-weights runs/s1/rnn_layers.safetensors --output OUT
 """,
+    "import-official": """examples:
+  halo-dist import-official ckpts/hypenet-2b/ckpt_500 --output out/hypenet-2b
+  (a folder written by the authors' build_hf_ckpt.py: their config.json and safetensors)
+""",
     "generate": """examples:
   halo-dist generate --model out/smol-hypenet --prompt "The capital of Germany is" --max-new-tokens 16
   halo-dist generate --model smollm2 --prompt "Hello" --prompt "Paris is"
@@ -69,6 +73,16 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_import_official(args) -> int:
+    from .models.convert import describe
+    from .models.official import import_official
+
+    t0 = time.time()
+    model = import_official(args.folder, args.output)
+    print(f"imported in {time.time() - t0:.1f}s: {describe(model)} -> {args.output}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-rnn-qk-norm", action="store_true", help="no QK-norm in RNN layers (ablation)")
     c.add_argument("--no-gates", action="store_true", help="no output gates (ablation)")
     c.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("import-official", help="import a HypeNet checkpoint of the authors' reference code",
+                       epilog=EXAMPLES["import-official"], formatter_class=fmt)
+    i.add_argument("folder", help="their Hugging Face folder (config.json + safetensors)")
+    i.add_argument("--output", required=True, help="output folder (HF HypeNet, loads with trust_remote_code)")
+    i.set_defaults(func=cmd_import_official)
 
     g = sub.add_parser("generate", help="greedy generation from a model folder", epilog=EXAMPLES["generate"], formatter_class=fmt)
     g.add_argument("--model", required=True, help="model folder or 'smollm2'")

@@ -101,6 +101,55 @@ def test_auto_chunk_size_fits_budget():
     assert auto_chunk_size(151_936, 1) == 1
 
 
+# ---------------------------------------------------------------- generalized JSD (beta, TRL's GKD)
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("masked,ce", [(False, False), (True, True)])
+def test_beta_matches_naive_float64(beta, masked, ce):
+    """Values and gradients of the generalized JSD against the full-logit float64 reference, with a
+    token mask and CE labels holding ignore_index."""
+    s_h, s_w, t_h, t_w, mask, labels = make()
+    kw = dict(beta=beta, temperature=1.7, token_mask=mask if masked else None, labels=labels if ce else None,
+              ce_weight=0.3 if ce else 0.0, normalizer=11.0)
+    out, grads = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, chunk_size=7, **kw)
+    ref, ref_grads = value_and_grads(naive_distill_loss, s_h, s_w, t_h, t_w, **kw)
+    assert_rel(out.loss, ref.loss, 1e-10)
+    assert_rel(out.kl_sum, ref.kl_sum, 1e-6)
+    for g, r in zip(grads, ref_grads):
+        assert_rel(g, r, 1e-10)
+    assert out.num_tokens.item() == (mask.sum().item() if masked else N)
+    kept = labels[mask] if masked else labels
+    assert out.num_ce_tokens.item() == ref.num_ce_tokens.item() == (int((kept != -100).sum()) if ce else 0)
+
+
+def test_naive_jsd_reference_is_the_textbook_formula():
+    """beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q, from probabilities; the
+    endpoints are the KLs; beta = 0.5 is symmetric in student and teacher."""
+    s_h, s_w, t_h, t_w, _, _ = make()
+    q, p = (s_h @ s_w.T / 2.0).softmax(-1), (t_h @ t_w.T / 2.0).softmax(-1)
+    for beta in (0.25, 0.5, 0.8):
+        m = beta * p + (1 - beta) * q
+        jsd = beta * (p * (p / m).log()).sum() + (1 - beta) * (q * (q / m).log()).sum()
+        assert_rel(naive_distill_loss(s_h, s_w, t_h, t_w, beta=beta, temperature=2.0).loss, jsd, 1e-12)
+    swapped = naive_distill_loss(t_h, t_w, s_h, s_w, beta=0.5).loss
+    assert_rel(naive_distill_loss(s_h, s_w, t_h, t_w, beta=0.5).loss, swapped, 1e-12)
+    for beta, direction in ((0.0, "forward"), (1.0, "reverse")):
+        a = fused_distill_loss(s_h, s_w, t_h, t_w, beta=beta, chunk_size=9)
+        b = fused_distill_loss(s_h, s_w, t_h, t_w, direction=direction, chunk_size=9)
+        assert torch.equal(a.loss, b.loss)  # the same code path: the default numerics are untouched
+
+
+def test_jsd_masked_tokens_contribute_nothing_even_if_nan():
+    s_h, s_w, t_h, t_w, mask, _ = make()
+    with torch.no_grad():
+        s_h[~mask] = float("nan")
+        t_h[~mask] = float("inf")
+    out, (g_h, g_w) = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask, beta=0.5)
+    ref = naive_distill_loss(s_h[mask], s_w, t_h[mask], t_w, beta=0.5)
+    assert_rel(out.loss, ref.loss, 1e-10)
+    assert torch.isfinite(g_w).all()
+    assert (g_h[~mask] == 0).all() and torch.isfinite(g_h[mask]).all()
+
+
 # ---------------------------------------------------------------- reduction, masking, CE
 def test_token_weighted_reduction_over_ranks():
     """Two 'ranks' with unequal valid-token counts: normalizer = global count and summing grads
@@ -254,6 +303,18 @@ def test_liger_backend_matches_torch_backend(direction, temperature):
 
 
 @needs_liger
+@pytest.mark.parametrize("beta", [0.3, 0.5])
+def test_liger_backend_jsd_matches_torch_backend(beta):
+    s_h, s_w, t_h, t_w, mask, _ = make()
+    kw = dict(beta=beta, temperature=1.5, token_mask=mask, chunk_size=8, normalizer=9.0)
+    ours, g_ours = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="torch", **kw)
+    lig, g_lig = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="liger", **kw)
+    assert_rel(lig.loss, ours.loss, 1e-6)
+    for a, b in zip(g_lig, g_ours):
+        assert_rel(a, b, 1e-6)
+
+
+@needs_liger
 def test_liger_backend_bf16_is_fed_fp32():
     """Liger's chunked class would run log-softmax in bf16 (percent-level KL error); the adapter
     upcasts, so in bf16 both backends still agree to fp32 accuracy."""
@@ -310,6 +371,18 @@ def test_bad_input(change, match):
     change(args)
     with pytest.raises(ValueError, match=match):
         fused_distill_loss(args.pop("s_h"), args.pop("s_w"), args.pop("t_h"), args.pop("t_w"), **args)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(beta=1.5), r"beta must be a number in \[0, 1\]"),
+    (dict(beta=-0.1), r"beta must be a number in \[0, 1\]"),
+    (dict(beta="0.5"), r"beta must be a number"),
+    (dict(beta=0.5, direction="reverse"), "give direction or beta, not both"),
+])
+def test_bad_beta(kw, match):
+    s_h, s_w, t_h, t_w, _, _ = make()
+    with pytest.raises(ValueError, match=match):
+        fused_distill_loss(s_h, s_w, t_h, t_w, **kw)
 
 
 def test_backend_selection(monkeypatch):

@@ -16,7 +16,7 @@ from distributed import run_distributed
 from halo_dist.config import ConfigError, load_config
 from halo_dist.models.convert import convert_model
 from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, Rollout, check_tokenizers, check_vocab,
-                                  pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
+                                  on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
 from halo_dist.stages.opd_prompts import ByteTokenizer, Curriculum, PromptError, build_prompt_set
 from halo_dist.stages.teacher import as_exact_hypenet
 from halo_dist.train.metrics import read_metrics
@@ -84,6 +84,42 @@ def test_reverse_kl_loss_and_grads_match_naive_through_the_module():
     (ref / 10).backward()
     assert torch.allclose(kl.double(), ref.detach(), rtol=1e-5, atol=1e-7), (kl, ref)
     assert torch.allclose(loss.double(), ref.detach() / 10, rtol=1e-5)
+    for n, p in student.named_parameters():
+        if p.grad is not None and p.grad.abs().max() > 0:
+            assert torch.allclose(fused_grads[n], p.grad, rtol=1e-4, atol=1e-6), n
+
+
+def naive_jsd(student, teacher, rollouts, beta):
+    """Per-document full-logit generalized JSD, beta KL(p || m) + (1 - beta) KL(q || m) with
+    m = beta p + (1 - beta) q (p teacher, q student), in float64, summed over sampled tokens."""
+    total = 0.0
+    for r in rollouts:
+        ids = torch.tensor([r.prompt + r.completion])
+        q = torch.softmax(student(ids).logits[0].double(), -1)
+        with torch.no_grad():
+            p = torch.softmax(teacher(ids).logits[0].double(), -1)
+        rows = slice(len(r.prompt) - 1, len(r.prompt) - 1 + len(r.completion))
+        q, p = q[rows], p[rows]
+        m = beta * p + (1 - beta) * q
+        total = total + beta * (p * (p / m).log()).sum() + (1 - beta) * (q * (q / m).log()).sum()
+    return total
+
+
+def test_jsd_beta_loss_and_grads_match_naive_through_the_module():
+    """opd.beta: the generalized JSD through OPDModule's packed, bucketed, masked fused loss."""
+    _, student, teacher = models()
+    rollouts = [Rollout([7, 8, 9, 10], [11, 12, 13, 1]), Rollout([20, 21], [22, 23, 24, 25, 26]), Rollout([30], [31])]
+    b = pack_rollouts(rollouts)
+    mod = OPDModule(student, teacher, chunk_size=3, buckets=position_buckets(2, 8), beta=0.3)
+    loss, div, count, _ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask, b.gen_index,
+                              normalizer=10.0)
+    loss.backward()
+    fused_grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+    ref = naive_jsd(student, teacher, rollouts, 0.3)
+    (ref / 10).backward()
+    assert int(count) == 10
+    assert torch.allclose(div.double(), ref.detach(), rtol=1e-5, atol=1e-7), (div, ref)
     for n, p in student.named_parameters():
         if p.grad is not None and p.grad.abs().max() > 0:
             assert torch.allclose(fused_grads[n], p.grad, rtol=1e-4, atol=1e-6), n
@@ -264,6 +300,120 @@ def test_rung_continuation_reproduces_the_longer_run(tmp_path):
     late = a.save(tmp_path / "late")
     with pytest.raises(ValueError, match="after its schedule's decay started"):
         run_trainer(tiny_cfg(tmp_path / "d", "schedule.total_steps=20", f"opd.resume_from={late}", *common, set0=dict(heldout=0)))
+
+
+# ------------------------------------------------------------------------------------------------ lmbda
+def test_on_policy_steps_are_a_function_of_seed_and_step():
+    steps = range(2000)
+    half = [on_policy_step(0, s, 0.5) for s in steps]
+    assert half == [on_policy_step(0, s, 0.5) for s in steps]  # no hidden state: a resume repeats them
+    assert 900 < sum(half) < 1100 and half != [on_policy_step(1, s, 0.5) for s in steps]
+    assert 250 < sum(on_policy_step(0, s, 0.15) for s in steps) < 350
+    assert all(on_policy_step(0, s, 1.0) for s in steps) and not any(on_policy_step(0, s, 0.0) for s in steps)
+    # the same draw per step: a larger lmbda keeps every on-policy step of a smaller one
+    assert all(on_policy_step(0, s, 0.7) for s in steps if on_policy_step(0, s, 0.5))
+
+
+def test_fixed_continuations_are_the_datasets_and_leave_the_prompts_alone(tmp_path):
+    from halo_dist.config.schema import PromptSetConfig
+
+    tok, eos = ByteTokenizer(), ByteTokenizer.eos_token_id
+    docs = tmp_path / "docs.txt"
+    docs.write_text("the quick brown fox jumps over the lazy dog\n\nshort doc here\n\n" + "x" * 80)
+    text = PromptSetConfig(name="t", kind="text_file", path=str(docs), prompt_tokens=[5, 9], num_prompts=3)
+    plain = build_prompt_set(text, tok, VOCAB, seed=3)
+    fixed = build_prompt_set(text, tok, VOCAB, seed=3, continuation_tokens=20, eos_token_id=eos)
+    assert fixed.train == plain.train and plain.continuations is None
+    for doc, p, c in zip(docs.read_text().split("\n\n"), fixed.train, fixed.continuations):
+        ids = tok(doc)["input_ids"]
+        rest = ids[len(p):]
+        assert ids[:len(p)] == p
+        assert list(c) == (rest + [eos] if len(rest) < 20 else rest[:20])  # EOS only where the document ends
+    jl = tmp_path / "qa.jsonl"
+    jl.write_text("\n".join(json.dumps({"q": f"{i}+{i}=", "a": str(2 * i)}) for i in range(6)))
+    qa = build_prompt_set(PromptSetConfig(name="qa", kind="jsonl", path=str(jl), text_field="q", completion_field="a",
+                                          heldout=2), tok, VOCAB, continuation_tokens=4, eos_token_id=eos)
+    assert len(qa.continuations) == 4 and list(qa.continuations[3]) == tok("6")["input_ids"] + [eos]
+    syn = PromptSetConfig(name="s", kind="synthetic", prompt_tokens=[4, 6], num_prompts=5)
+    a, b = build_prompt_set(syn, tok, VOCAB), build_prompt_set(syn, tok, VOCAB, continuation_tokens=7)
+    assert a.train == b.train and all(len(c) == 7 and min(c) >= 4 for c in b.continuations)
+    # sampling: the horizon cuts the continuation; the curriculum's RNG state round-trips as before
+    cfg = tiny_cfg(tmp_path, "opd.lmbda=0.5")
+    cur = Curriculum(cfg.opd, tok, VOCAB, eos_token_id=eos)
+    state = cur.state_dict()
+    picks = cur.sample_fixed(6, 0, 16)
+    s = cur.sets["synthetic"]
+    assert all(name == "synthetic" and len(c) == 16 for name, _, c in picks)
+    assert all(list(s.continuations[s.train.index(p)][:16]) == c for _, p, c in picks)
+    cur.load_state_dict(state)
+    assert cur.sample_fixed(6, 0, 16) == picks
+    bare = Curriculum(cfg.opd, tok, VOCAB, prebuilt={"synthetic": a})
+    with pytest.raises(PromptError, match="'s' has no fixed continuations"):
+        bare.sample_fixed(2, 0, 16)
+
+
+def _record_steps(trainer):
+    """Which steps sampled rollouts and what each fixed-data step trained on."""
+    kinds, fixed = [], []
+    gen, fix = trainer._rollouts, trainer._fixed_data
+    trainer._rollouts = lambda n, h: (kinds.append((trainer.step, True)), gen(n, h))[1]
+    trainer._fixed_data = lambda n, h: (kinds.append((trainer.step, False)), fixed.append(fix(n, h)), fixed[-1])[2]
+    return kinds, fixed
+
+
+def test_gkd_run_mixes_fixed_and_on_policy_steps_and_resumes_exactly(tmp_path):
+    """beta 0.5 and lmbda 0.5 on the tiny run: the on-policy steps are on_policy_step's, fixed-data steps
+    train on the synthetic set's continuations, metrics say jsd, and a resume from step 4 ends bitwise
+    equal to the uninterrupted run (same choices, same rollouts)."""
+    import shutil
+
+    from halo_dist.train.opd_loop import OPDTrainer
+
+    common = ["schedule.total_steps=8", "schedule.decay_steps=2", "opd.eval_every=0", "opd.snapshot_every=0",
+              "checkpoint.every_steps=4", "opd.lmbda=0.5", "opd.beta=0.5", "loss.objective=jsd", "opd.seed=1"]
+    runs = {}
+    for name in ("full", "resumed"):
+        if name == "resumed":
+            shutil.copytree(tmp_path / "full" / "checkpoints" / "step-00000004",
+                            tmp_path / name / "checkpoints" / "step-00000004")
+        cfg = tiny_cfg(tmp_path / name, *common, "checkpoint.resume=auto", set0=dict(heldout=4))
+        t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=ByteTokenizer()).setup()
+        kinds, fixed = _record_steps(t)
+        t.train()
+        runs[name] = (t, kinds, fixed)
+    full, kinds, fixed = runs["full"]
+    assert kinds == [(s, on_policy_step(1, s, 0.5)) for s in range(8)]
+    assert {k for _, k in kinds} == {True, False}
+    syn = full.curriculum.sets["synthetic"]
+    for batch in fixed:
+        for r in batch:
+            i = syn.train.index(r.prompt)
+            assert r.source == "synthetic" and r.completion == list(syn.continuations[i][:16])
+    resumed, rkinds, _ = runs["resumed"]
+    assert rkinds == kinds[4:]
+    for (n, a), (_, b) in zip(full.module.student.named_parameters(), resumed.module.student.named_parameters()):
+        assert torch.equal(a, b), n
+    m = read_metrics(tmp_path / "full")
+    assert "train/jsd" in m and "eval/jsd" in m and "train/reverse_kl" not in m
+    assert [v for _, v in m["progress/on_policy"]] == [float(k) for _, k in kinds]
+    assert len(m["perf/rollout_time_s"]) == sum(k for _, k in kinds)
+
+
+def test_gkd_options_are_checked_up_front(tmp_path):
+    from halo_dist.config.schema import PromptSetConfig
+
+    with pytest.raises(ConfigError, match="opd.beta: 0.5 with loss.objective=reverse_kl"):
+        tiny_cfg(tmp_path, "opd.beta=0.5")
+    for key in ("beta", "lmbda"):
+        with pytest.raises(ConfigError, match=rf"opd.{key}: must be in \[0, 1\], got 1.5"):
+            tiny_cfg(tmp_path, f"opd.{key}=1.5", "loss.objective=jsd")
+    with pytest.raises(ConfigError, match=r"jsonl set\(s\) \['qa'\] have no completion_field"):
+        tiny_cfg(tmp_path, "opd.lmbda=0.5", "opd.prompt_sets=[{name: qa, kind: jsonl, path: x.jsonl}]")
+    with pytest.raises(ConfigError, match="completion_field: only jsonl sets have one"):
+        PromptSetConfig(name="w", kind="wiki", completion_field="a")
+    with pytest.raises(ConfigError, match="stage3 trains with kl|ce, not jsd"):
+        tiny_cfg(tmp_path, "stage.name=stage3", "loss.objective=jsd", "opd=null")
+    assert tiny_cfg(tmp_path, "opd.beta=0.0", "loss.objective=jsd", "opd.lmbda=0").opd.beta == 0.0
 
 
 # ------------------------------------------------------------------------------------------------ bad input

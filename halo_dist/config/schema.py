@@ -16,7 +16,7 @@ from typing import Literal, Optional
 from .coerce import ConfigError, coerce_fields, fail
 
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
-Objective = Literal["mse", "kl", "ce", "reverse_kl"]
+Objective = Literal["mse", "kl", "ce", "reverse_kl", "jsd"]
 # From-scratch architectures of the sweeps and HypeNet position encodings (sweeps and distilled
 # students; paper §6.3).
 ScratchArch = Literal["transformer", "swan", "hypenet"]
@@ -28,12 +28,13 @@ PE_ROPE: dict[str, tuple[bool, bool]] = {"hype": (False, True), "all_rope": (Tru
 
 # Which objectives each stage may train with: stage 1 aligns layer outputs by MSE,
 # stage 2 is forward KL (CE-only would skip the teacher), stage 3 KL or the reference code's
-# plain CE, OPAL is reverse KL on student samples, from-scratch pretraining is CE.
+# plain CE, OPAL is reverse KL on student samples (or the generalized JSD of ``opd.beta``, TRL's GKD
+# objective), from-scratch pretraining is CE.
 STAGE_OBJECTIVES: dict[str, tuple[str, ...]] = {
     "stage1": ("mse",),
     "stage2": ("kl",),
     "stage3": ("kl", "ce"),
-    "opd": ("reverse_kl",),
+    "opd": ("reverse_kl", "jsd"),
     "pretrain": ("ce",),
 }
 
@@ -406,6 +407,11 @@ class EvalConfig(Section):
 
 
 PromptKind = Literal["wiki", "text_file", "jsonl", "niah", "synthetic"]
+# What a fixed-data step (opd.lmbda < 1) trains on after a prompt of each kind, instead of a rollout.
+FIXED_CONTINUATION = {"wiki": "the rest of the document the prefix was cut from",
+                      "text_file": "the rest of the document the prefix was cut from",
+                      "jsonl": "the completion_field text", "niah": "the needle's value",
+                      "synthetic": "random tokens drawn with the prompts' seed"}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -425,6 +431,7 @@ class PromptSetConfig(Section):
     kind: PromptKind
     path: Optional[str] = None  # text_file / jsonl source
     text_field: str = "prompt"  # jsonl: key holding the prompt text
+    completion_field: Optional[str] = None  # jsonl: key of the reference completion (fixed-data steps, opd.lmbda < 1)
     weight: float = 1.0  # relative sampling weight among the active sets
     prompt_tokens: tuple[int, int] = (64, 256)  # wiki/text_file/synthetic: prefix length range
     lengths: list[int] = field(default_factory=list)  # niah: prompt lengths in tokens
@@ -440,6 +447,9 @@ class PromptSetConfig(Section):
             fail("name", "must not be empty")
         if self.kind in ("text_file", "jsonl") and not self.path:
             fail("path", f"kind={self.kind} reads prompts from a file: set path")
+        if self.completion_field is not None and self.kind != "jsonl":
+            fail("completion_field", f"only jsonl sets have one (a {self.kind} set's fixed continuation is "
+                 f"{FIXED_CONTINUATION[self.kind]})")
         if self.kind == "niah" and not self.lengths:
             fail("lengths", "kind=niah needs prompt lengths, e.g. [2048, 4096]")
         _positive("weight", self.weight)
@@ -494,6 +504,12 @@ class OPDConfig(Section):
     eval_horizon: Optional[int] = None  # rollout length of the eval (default horizon_start)
     kl_bucket_min: int = 64  # first position bucket [0, min); then powers of two up to horizon_max
     seed: int = 0  # prompt sampling and rollout RNG seed (offset by rank)
+    # TRL GKD's knobs. beta: the generalized JSD's interpolation, 0 forward KL(teacher || student),
+    # 1 reverse KL(student || teacher) (values other than 1 need loss.objective jsd). lmbda: the share
+    # of optimizer steps trained on student rollouts; the others train on the prompt sets' fixed
+    # continuations (FIXED_CONTINUATION). Which steps is a function of (seed, step) alone.
+    beta: float = 1.0
+    lmbda: float = 1.0
 
     def validate(self) -> None:
         for name in ("horizon_start", "horizon_max", "max_seq_len", "plateau_window",
@@ -526,6 +542,14 @@ class OPDConfig(Section):
         _non_negative("eval_every", self.eval_every)
         if self.eval_horizon is not None:
             _positive("eval_horizon", self.eval_horizon)
+        for name in ("beta", "lmbda"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                fail(name, f"must be in [0, 1], got {getattr(self, name)}")
+        if self.lmbda < 1.0:
+            missing = [p.name for p in self.prompt_sets if p.kind == "jsonl" and p.completion_field is None]
+            if missing:
+                fail("prompt_sets", f"lmbda={self.lmbda} trains some steps on the prompt sets' fixed "
+                     f"continuations, but the jsonl set(s) {missing} have no completion_field")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -604,6 +628,9 @@ class RunConfig(Section):
             return
         if self.parallel.sp_size != 1:
             fail("parallel.sp_size", "on-policy distillation runs without sequence parallelism (1)")
+        if self.loss.objective == "reverse_kl" and self.opd.beta != 1.0:
+            fail("opd.beta", f"{self.opd.beta} with loss.objective=reverse_kl (which is beta 1): set "
+                 "loss.objective=jsd to train the generalized JSD")
         if self.schedule.total_tokens is not None:
             fail("schedule.total_tokens", "opd counts optimizer steps (tokens per step change with "
                  "the horizon): set schedule.total_steps")

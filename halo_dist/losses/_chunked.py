@@ -14,6 +14,7 @@ accumulated over chunks in fp32 and rounded to the weight's dtype once, at the e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ BYTES_PER_ROW_ENTRY = 28
 class ChunkConfig:
     """Static settings of one fused loss call (already validated by ``kl.py``)."""
 
-    direction: str  # "forward": KL(teacher || student); "reverse": KL(student || teacher)
+    beta: float  # 0: KL(teacher || student); 1: KL(student || teacher); between: generalized JSD
     temperature: float
     kl_weight: float
     ce_weight: float
@@ -111,7 +112,32 @@ def _reverse_kl_(logq: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, 
     return kl, diff.sub_(kl.unsqueeze(-1)).mul_(q)
 
 
-_KL_FNS = {"forward": _forward_kl_, "reverse": _reverse_kl_}
+def _jsd_(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row generalized JSD and its gradient w.r.t. the (temperature-scaled) student logits.
+
+    JSD_beta = beta KL(p || m) + (1 - beta) KL(q || m) with the mixture m = beta p + (1 - beta) q,
+    for 0 < beta < 1 (TRL's GKD and Liger's JSD). With q free, d JSD / d q_v = (1 - beta)
+    (log q_v - log m_v) (the p / m terms cancel because beta p + (1 - beta) q = m), so through the
+    softmax d/dz_j = (1 - beta) q_j (log q_j - log m_j - KL(q || m)). log m is a log-sum-exp of the
+    two log-probabilities, finite wherever either is. Same args as _forward_kl_.
+    """
+    logm = torch.logaddexp(logq + math.log1p(-beta), logp + math.log(beta))
+    kl_pm = torch.linalg.vecdot(logp.exp(), logp.sub_(logm))  # logp consumed
+    q = logq.exp()
+    diff = logq.sub_(logm)  # log q - log m
+    del logm
+    kl_qm = torch.linalg.vecdot(q, diff)
+    grad = diff.sub_(kl_qm.unsqueeze(-1)).mul_(q).mul_(1.0 - beta)
+    return kl_pm.mul_(beta).add_(kl_qm, alpha=1.0 - beta), grad
+
+
+def _divergence_(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The endpoints are the plain KLs (as in TRL and Liger), not the limits of the JSD (which vanish)."""
+    if beta == 0.0:
+        return _forward_kl_(logq, logp)
+    if beta == 1.0:
+        return _reverse_kl_(logq, logp)
+    return _jsd_(logq, logp, beta)
 
 
 def _ce_(z: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +180,7 @@ def _chunk(s_h, s_w, t_h, t_w, labels, cfg: ChunkConfig, scale):
     tz = _mm_fp32(t_h, t_w.t())  # [c, V] teacher logits, no grad
     if cfg.temperature != 1.0:
         z.div_(cfg.temperature), tz.div_(cfg.temperature)
-    kl, g_kl = _KL_FNS[cfg.direction](_log_softmax_(z), _log_softmax_(tz))
+    kl, g_kl = _divergence_(_log_softmax_(z), _log_softmax_(tz), cfg.beta)
     # d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
     g_kl.mul_(cfg.kl_weight * scale / cfg.temperature)
     return kl.sum(), ce_sum, g_kl if grad is None else g_kl.add_(grad)

@@ -5,8 +5,9 @@ Liger conventions (read from liger-kernel 0.8.5's source; see ``docs`` in ``kl.p
 * Both Liger classes return a **mean**: the per-token sum divided by the number of rows whose label
   is not ``ignore_index`` (all rows when no labels are given to the Triton op), and scale their
   gradients by the same 1/n. We pass only valid rows, so n = rows, and multiply back by n.
-* ``beta`` = 0 is forward KL(teacher || student), ``beta`` = 1 reverse KL(student || teacher)
-  (student log-probs are the kernel's X / "input", teacher's its Y / "target").
+* ``beta`` = 0 is forward KL(teacher || student), ``beta`` = 1 reverse KL(student || teacher), in
+  between beta KL(teacher || m) + (1 - beta) KL(student || m), m = beta teacher + (1 - beta) student:
+  our ``beta`` (student log-probs are the kernel's X / "input", teacher's its Y / "target").
 * Temperature divides both logits; no T^2 factor; the CE ("hard") term of the chunked class uses
   the raw (T = 1) logits. Same as ours.
 * One label tensor masks both KL and CE there, so KL and CE are separate calls here.
@@ -15,8 +16,6 @@ Liger conventions (read from liger-kernel 0.8.5's source; see ``docs`` in ``kl.p
 from __future__ import annotations
 
 import torch
-
-_BETA = {"forward": 0.0, "reverse": 1.0}
 
 
 def liger_available() -> bool:
@@ -43,7 +42,7 @@ def liger_cuda(s_h, s_w, t_h, t_w, labels, cfg, normalizer):
     loss = kl_sum = ce_sum = torch.zeros((), dtype=torch.float32, device=s_h.device)
     if cfg.kl_weight:
         kl_mean = LigerFusedLinearJSDFunction.apply(
-            s_h, s_w, t_h, t_w, None, _BETA[cfg.direction], cfg.ignore_index, cfg.temperature,
+            s_h, s_w, t_h, t_w, None, cfg.beta, cfg.ignore_index, cfg.temperature,
             torch.float32, None, None)
         kl_sum = kl_mean.float() * n  # Liger divides by n rows: undo it (grads scale along)
         loss = loss + cfg.kl_weight * kl_sum
@@ -72,7 +71,7 @@ def liger_chunked(s_h, s_w, t_h, t_w, labels, cfg, normalizer):
         # positional: ..., true_labels, student_bias, teacher_bias, weight_hard_loss,
         # weight_soft_loss, beta, ignore_index, temperature, compiled, chunk_size, return_soft_hard
         return LigerFusedLinearJSDFunction.apply(
-            s_h, s_w, t_h, t_w, target, None, None, w_hard, w_soft, _BETA[cfg.direction],
+            s_h, s_w, t_h, t_w, target, None, None, w_hard, w_soft, cfg.beta,
             cfg.ignore_index, cfg.temperature, False, cfg.chunk_size, True)
 
     if t_h is None:

@@ -5,6 +5,10 @@ token t (valid tokens only) and sums over tokens:
 
 * ``direction="forward"`` (stages 2/3, default): KL(p_t || q_t) = sum_v p log(p / q)
 * ``direction="reverse"`` (on-policy stage):       KL(q_t || p_t) = sum_v q log(q / p)
+* or ``beta`` in [0, 1] instead of ``direction``, the generalized JSD of TRL's GKD (and Liger's JSD):
+  beta = 0 is the forward KL, beta = 1 the reverse KL, and 0 < beta < 1
+  beta KL(p_t || m_t) + (1 - beta) KL(q_t || m_t) with m = beta p + (1 - beta) q (which tends to 0, not
+  to a KL, at the ends: the endpoints are defined as the KLs, as there)
 * optionally ``ce_weight`` x cross-entropy of the student against ``labels`` (ignore_index -100),
 
 where q = softmax(student_logits / T), p = softmax(teacher_logits / T). Units: nats.
@@ -41,6 +45,7 @@ backward also works after the gathered weight has been released.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +54,7 @@ from halo_dist.losses._chunked import ChunkConfig, FusedDistillFunction, auto_ch
 from halo_dist.losses._liger import liger_available, liger_chunked, liger_cuda
 
 DIRECTIONS = ("forward", "reverse")
+DIRECTION_BETA = {"forward": 0.0, "reverse": 1.0}  # the same divergence as a generalized-JSD beta
 BACKENDS = ("auto", "torch", "liger")
 
 
@@ -101,12 +107,24 @@ def _check_pair(h: torch.Tensor, w: torch.Tensor, who: str) -> None:
         raise ValueError(f"{who} tensors must be floating point; got {h.dtype}")
 
 
+def resolve_beta(direction: str | None, beta: float | None) -> float:
+    """The divergence as a generalized-JSD ``beta`` from either option (None, None: forward KL)."""
+    if beta is None:
+        direction = "forward" if direction is None else direction
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}; got {direction!r}")
+        return DIRECTION_BETA[direction]
+    if direction is not None:
+        raise ValueError(f"give direction or beta, not both (got direction={direction!r}, beta={beta})")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be a number in [0, 1] (0 forward KL, 1 reverse KL); got {beta!r}")
+    return float(beta)
+
+
 def _validate(s_h, s_w, t_h, t_w, mask, labels, cfg_kwargs) -> None:
     """Clear errors for every inconsistent input (shapes, vocab, dtypes, devices, options)."""
-    direction, temperature = cfg_kwargs["direction"], cfg_kwargs["temperature"]
+    temperature = cfg_kwargs["temperature"]
     kl_weight, ce_weight = cfg_kwargs["kl_weight"], cfg_kwargs["ce_weight"]
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}; got {direction!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     if kl_weight < 0 or ce_weight < 0 or not (kl_weight or ce_weight):
@@ -177,7 +195,8 @@ def fused_distill_loss(
     *,
     token_mask: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
-    direction: str = "forward",
+    direction: str | None = None,
+    beta: float | None = None,
     temperature: float = 1.0,
     kl_weight: float = 1.0,
     ce_weight: float = 0.0,
@@ -197,7 +216,9 @@ def fused_distill_loss(
         teacher_weight: [V, Dt] teacher lm_head weight; V must equal the student's.
         token_mask: [N] bool; False tokens contribute nothing (padding, prompts in OPAL).
         labels: [N] int64 next-token targets for the CE term; ``ignore_index`` entries skipped.
-        direction: "forward" = KL(teacher || student); "reverse" = KL(student || teacher).
+        direction: "forward" = KL(teacher || student) (the default); "reverse" = KL(student || teacher).
+        beta: instead of ``direction``, the generalized JSD's interpolation in [0, 1] (module doc):
+            0 = forward KL, 1 = reverse KL.
         temperature: T > 0 for both softmaxes of the KL term (no T^2 factor, see module doc).
         kl_weight, ce_weight: weights of the two sums in ``loss``.
         normalizer: divide the weighted sum by this (e.g. the global valid-token count, a float or
@@ -210,7 +231,7 @@ def fused_distill_loss(
     """
     s_h, t_h = _flat(student_hidden, "student_hidden"), _flat(teacher_hidden, "teacher_hidden")
     mask, labels = _flat(token_mask, "token_mask", False), _flat(labels, "labels", False)
-    opts = dict(direction=direction, temperature=float(temperature), kl_weight=float(kl_weight),
+    opts = dict(beta=resolve_beta(direction, beta), temperature=float(temperature), kl_weight=float(kl_weight),
                 ce_weight=float(ce_weight), ignore_index=ignore_index)
     _validate(s_h, student_weight, t_h, teacher_weight, mask, labels, opts)
     if not opts["kl_weight"]:
@@ -252,14 +273,15 @@ def _counts(s_h, labels, ignore_index):
 class FusedDistillLoss(torch.nn.Module):
     """Module form of :func:`fused_distill_loss` with the options fixed at construction (configs)."""
 
-    def __init__(self, direction: str = "forward", temperature: float = 1.0, kl_weight: float = 1.0,
+    def __init__(self, direction: str | None = None, temperature: float = 1.0, kl_weight: float = 1.0,
                  ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int | None = None,
-                 memory_budget_bytes: int = 2 << 30, backend: str = "auto"):
+                 memory_budget_bytes: int = 2 << 30, backend: str = "auto", beta: float | None = None):
         super().__init__()
-        self.options = dict(direction=direction, temperature=temperature, kl_weight=kl_weight,
+        self.options = dict(direction=direction, beta=beta, temperature=temperature, kl_weight=kl_weight,
                             ce_weight=ce_weight, ignore_index=ignore_index, chunk_size=chunk_size,
                             memory_budget_bytes=memory_budget_bytes, backend=backend)
-        if direction not in DIRECTIONS or backend not in BACKENDS or not temperature > 0:
+        resolve_beta(direction, beta)
+        if backend not in BACKENDS or not temperature > 0:
             raise ValueError(f"bad FusedDistillLoss options: {self.options}")
 
     def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, *,
@@ -270,14 +292,16 @@ class FusedDistillLoss(torch.nn.Module):
 
 
 def naive_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, *,
-                       token_mask=None, labels=None, direction="forward", temperature=1.0,
+                       token_mask=None, labels=None, direction=None, beta=None, temperature=1.0,
                        kl_weight=1.0, ce_weight=0.0, ignore_index=-100, normalizer=None,
                        upcast=True) -> DistillLossOutput:
     """Reference that materialises the full [N, V] logits (tests, benchmarks, tiny models only).
 
     Same conventions and return value as :func:`fused_distill_loss`. ``upcast=True`` computes the
-    softmaxes in fp32 (at least); ``upcast=False`` reproduces the reference code's bf16 KL.
+    softmaxes in fp32 (at least); ``upcast=False`` reproduces the reference code's bf16 KL. The
+    divergence is written with ``torch.nn.functional.kl_div`` and autograd differentiates it.
     """
+    beta = resolve_beta(direction, beta)
     s_h, t_h = _flat(student_hidden, "student_hidden"), _flat(teacher_hidden, "teacher_hidden")
     mask = _flat(token_mask, "token_mask", False)
     mask = torch.ones(s_h.shape[0], dtype=torch.bool, device=s_h.device) if mask is None else mask
@@ -287,8 +311,13 @@ def naive_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_w
     if kl_weight:
         logq = torch.log_softmax(z / temperature, -1)
         logp = torch.log_softmax(up(t_h @ teacher_weight.t()).detach() / temperature, -1)
-        a, b = (logq, logp) if direction == "forward" else (logp, logq)
-        kl = torch.nn.functional.kl_div(a, b, reduction="none", log_target=True).sum(-1)
+        kl_div = lambda inp, target: torch.nn.functional.kl_div(  # noqa: E731  KL(target || input) per token
+            inp, target, reduction="none", log_target=True).sum(-1)
+        if beta in (0.0, 1.0):
+            kl = kl_div(logq, logp) if beta == 0.0 else kl_div(logp, logq)
+        else:
+            logm = torch.logsumexp(torch.stack([logq + math.log1p(-beta), logp + math.log(beta)]), dim=0)
+            kl = beta * kl_div(logm, logp) + (1 - beta) * kl_div(logm, logq)
         kl_sum = (kl * mask).sum()
     n_ce = torch.zeros((), dtype=torch.int64, device=s_h.device)
     if ce_weight:

@@ -12,9 +12,10 @@ One optimizer step:
    packed ``[1, L]`` row with ``cu_seqlens`` and per-document positions: the student and the
    teacher run their varlen kernels, as in stages 2/3.
 3. **Loss.** Token-level reverse KL(student ‖ teacher) over the full vocabulary, fused and
-   chunked (``halo_dist.losses.fused_distill_loss(direction="reverse")``, never ``[L, V]``
-   logits), on the positions that predict a *generated* token only (``loss_mask``: position j
-   of a document is trained iff token j+1 was sampled). The teacher runs once over the packed
+   chunked (``halo_dist.losses.fused_distill_loss(beta=1)``, never ``[L, V]`` logits), or with
+   ``opd.beta`` (``loss.objective: jsd``) TRL GKD's generalized JSD (0 = forward KL), on the
+   positions that predict a *generated* token only (``loss_mask``: position j of a document is
+   trained iff token j+1 was sampled). The teacher runs once over the packed
    sequences under ``no_grad``. The loss is split by position bucket of the predicted token
    (``[0, kl_bucket_min)``, then powers of two) so per-bucket KL sums come for free; the
    gradient is that of the sum.
@@ -22,6 +23,11 @@ One optimizer step:
    count N is all-reduced before the forward, and every micro-batch's loss is its KL sum divided
    by ``N / G`` (G = ranks gradients are averaged over), so the update is the gradient of the
    global token mean whatever rank or micro-batch holds a token.
+
+With ``opd.lmbda < 1`` (TRL GKD's on-policy fraction) a step is on-policy with probability lmbda,
+decided by :func:`on_policy_step` from ``(opd.seed, step)`` alone: every rank makes the same choice
+and a resumed run the same choices. The other steps skip step 1 and train on the prompt sets' fixed
+continuations (``opd_prompts``), cut to the horizon, packed and scored exactly like rollouts.
 
 The horizon starts at ``horizon_start`` and doubles (up to ``horizon_max``) when the
 :class:`PlateauDetector` says the reverse KL stopped improving. The training loop is
@@ -31,6 +37,7 @@ The horizon starts at ``horizon_start`` and doubles (up to ``horizon_max``) when
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -150,6 +157,14 @@ def bucket_tag(lo: int, hi: int) -> str:
     return f"train/kl_pos_{lo:05d}_{hi:05d}"
 
 
+def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
+    """Whether optimizer step ``step`` (0-based) trains on student rollouts: probability ``lmbda``,
+    a function of ``(seed, step)`` only (string seeds hash the same in every process)."""
+    if lmbda >= 1.0:
+        return True
+    return lmbda > 0.0 and random.Random(f"{seed}:lmbda:{step}").random() < lmbda
+
+
 # ------------------------------------------------------------------------------------------------
 # Rollouts and packing
 # ------------------------------------------------------------------------------------------------
@@ -249,11 +264,12 @@ class OPDModule(nn.Module):
     """Student + loss in one module (DeepSpeed sees one forward; ZeRO-3 gathers the lm_head)."""
 
     def __init__(self, student, teacher, temperature: float = 1.0, chunk_size: int | None = None,
-                 buckets: list[tuple[int, int]] | None = None):
+                 buckets: list[tuple[int, int]] | None = None, beta: float = 1.0):
         super().__init__()
         self.student = student
         self._teacher = [teacher]  # frozen, never saved: not a submodule
         self.temperature, self.chunk_size = temperature, chunk_size
+        self.beta = beta  # the generalized JSD's interpolation: 1 = reverse KL
         self.buckets = buckets or [(0, 1 << 62)]
 
     @property
@@ -270,7 +286,7 @@ class OPDModule(nn.Module):
 
     def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, loss_mask, gen_index,
                 normalizer: float = 1.0, horizon: int | None = None):
-        """Returns ``(loss for backward, detached KL sum, token count, [per-bucket (kl_sum, count)])``."""
+        """Returns ``(loss for backward, detached divergence sum, token count, [per-bucket (sum, count)])``."""
         kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_hidden_only=True)
         hidden = self.student(input_ids, **kw).flatten(0, 1)  # [1, L, d] -> [L, d]
         with torch.no_grad():
@@ -284,7 +300,8 @@ class OPDModule(nn.Module):
                 break
             m = loss_mask & (gen_index >= lo) & (gen_index < hi)
             out = fused_distill_loss(
-                hidden, self.student.lm_head.weight, t_hidden, self.teacher.lm_head.weight, token_mask=m, direction="reverse", temperature=self.temperature,
+                hidden, self.student.lm_head.weight, t_hidden, self.teacher.lm_head.weight, token_mask=m, beta=self.beta,
+                temperature=self.temperature,
                 normalizer=normalizer, chunk_size=self.chunk_size,
             )
             loss = loss + out.loss

@@ -6,6 +6,15 @@ generated-token count N -> per micro-batch: teacher scores, fused reverse KL / n
 -> gradients averaged over ranks, clip, AdamW step with per-group LRs on the run's schedule
 -> all-reduce the step's KL sum -> the plateau detector may double the horizon.
 
+TRL GKD's knobs: ``opd.beta`` (with ``loss.objective: jsd``) replaces the reverse KL by the
+generalized JSD everywhere (training, buckets, held-out eval; metrics ``train/jsd``, ``eval/jsd``).
+``opd.lmbda < 1`` makes some steps fixed-data steps (``stages.opd.on_policy_step``, a function of
+seed and step, so ranks agree and a resume repeats the choices; nothing extra is checkpointed):
+they draw prompts the same way but train on the prompt sets' fixed continuations instead of sampling
+(no decoding, no replica refresh). The plateau detector sees on-policy steps only (all steps when
+lmbda is 0): the two kinds of data sit at different divergence levels. ``progress/on_policy`` logs
+the share of on-policy steps; the held-out eval always scores rollouts.
+
 Backends (``opd.backend``):
 
 - ``torch``: a full replica of the student per rank (plain data parallelism: gradients all-reduced by
@@ -63,7 +72,7 @@ import torch.distributed as dist
 from ..config import fit_to_world
 from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
-                          pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
+                          on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_prompts import ByteTokenizer, Curriculum
 from .engine import (NonFiniteLossError, NonFinitePolicy, backward_and_step, finish_skipped_step, nonfinite_agreed,
                      record_run_start)
@@ -186,7 +195,10 @@ class OPDTrainer:
         self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)
         self.buckets = position_buckets(opd.kl_bucket_min, opd.horizon_max)
         self.module = OPDModule(student.to(self.device, self.dtype), teacher.to(self.device, self.dtype),
-                                temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size, buckets=self.buckets)
+                                temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size, buckets=self.buckets,
+                                beta=opd.beta)
+        self.objective = cfg.loss.objective  # names the divergence in metric tags
+        self.divergence = {1.0: "reverse KL", 0.0: "forward KL"}.get(opd.beta, f"generalized JSD (beta {opd.beta})")
         self.module.train()
         o = cfg.optim
         self.groups = parameter_groups(student, lr=o.lr, rnn_lr=opd.rnn_lr, attn_lr=opd.attn_lr,
@@ -203,7 +215,8 @@ class OPDTrainer:
             self._init_deepspeed()
         self.horizon = HorizonSchedule.from_config(opd)
         vocab = student.config.vocab_size
-        self.curriculum = Curriculum(opd, self.tokenizer, vocab, rank=self.rank, prebuilt=self._prebuilt)
+        self.curriculum = Curriculum(opd, self.tokenizer, vocab, rank=self.rank, prebuilt=self._prebuilt,
+                                     eos_token_id=self.eos)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(opd.seed * 1000 + self.rank)
         self.ckpt_root = Path(cfg.checkpoint_dir)
@@ -225,7 +238,7 @@ class OPDTrainer:
         if self.zero3:  # copied before initialize partitions the student's weights
             self.rollout_student = copy.deepcopy(self.module.student).requires_grad_(False).eval()
             self.rollout_module = OPDModule(self.rollout_student, self.module.teacher, self.module.temperature,
-                                            self.module.chunk_size, self.module.buckets)
+                                            self.module.chunk_size, self.module.buckets, self.module.beta)
         self.engine, self.optimizer, _, self.scheduler = initialize_engine(
             self.module, ds_config, self.process_groups, optimizer=self.optimizer, lr_scheduler=self.scheduler)
         if self.zero3:
@@ -392,11 +405,19 @@ class OPDTrainer:
         _sync(self.device)
         return out, time.perf_counter() - t0
 
+    def _fixed_data(self, n: int, horizon: int) -> list[Rollout]:
+        """A fixed-data step's documents: prompts with their fixed continuations in place of rollouts."""
+        return [Rollout(p, c, name) for name, p, c in self.curriculum.sample_fixed(n, self.step, horizon)]
+
     def train_step(self) -> dict:
-        """One optimizer step; returns the step's global reverse KL and counts."""
-        layout, horizon = self.layout, self.horizon.horizon
+        """One optimizer step; returns the step's global divergence (reverse KL by default) and counts."""
+        layout, horizon, opd = self.layout, self.horizon.horizon, self.cfg.opd
         per_rank = layout.micro_batch_size * layout.grad_accum_steps
-        rollouts, gen_time = self._rollouts(per_rank, horizon)
+        on_policy = on_policy_step(opd.seed, self.step, opd.lmbda)
+        if on_policy:
+            rollouts, gen_time = self._rollouts(per_rank, horizon)
+        else:
+            rollouts, gen_time = self._fixed_data(per_rank, horizon), 0.0
         m = layout.micro_batch_size
         micro = [rollouts[i:i + m] for i in range(0, per_rank, m)]
         # horizon >= 1, so every rollout has a sampled token and every micro-batch is non-empty (the
@@ -445,12 +466,14 @@ class OPDTrainer:
         if not skipping:
             self.nonfinite.step_ok()
         out = {"kl": kl_mean, "tokens": n_global, "horizon": horizon, "grad_norm": grad_norm, "skipped": skipping,
+               "on_policy": on_policy,
                "gen_tokens_per_s": local / max(gen_time, 1e-9), "train_tokens_per_s": train_tokens / max(train_time, 1e-9),
                "buckets": {self.buckets[i]: (red[1 + i], red[1 + nb + i]) for i in range(nb)}}
         self._log_step(out, local, gen_time, train_tokens, train_time)
-        if self.horizon.update(self.step, kl_mean) and self.rank == 0:
-            print(f"step {self.step}: reverse KL plateaued at horizon {horizon} -> horizon {self.horizon.horizon}",
-                  flush=True)
+        fed = kl_mean if on_policy or opd.lmbda == 0.0 else float("nan")  # NaN: not fed (module doc)
+        if self.horizon.update(self.step, fed) and self.rank == 0:
+            print(f"step {self.step}: {self.divergence} plateaued at horizon {horizon} -> horizon "
+                  f"{self.horizon.horizon}", flush=True)
         return out
 
     def _reduce_and_step(self) -> float:
@@ -478,7 +501,7 @@ class OPDTrainer:
         add = self.metrics.add
         if not out["skipped"]:
             add("train/loss", out["kl"], weight=out["tokens"])
-            add("train/reverse_kl", out["kl"], weight=out["tokens"])
+            add(f"train/{self.objective}", out["kl"], weight=out["tokens"])
             for (lo, hi), (s, c) in out["buckets"].items():
                 if lo < out["horizon"]:
                     add(bucket_tag(lo, hi), s / max(c, 1.0), weight=c)
@@ -486,12 +509,14 @@ class OPDTrainer:
         if self.nonfinite.mode == "skip" and self.metrics.should_log(self.step):
             add("train/skipped_steps", float(self.nonfinite.total))
         add("progress/horizon", float(out["horizon"]))
+        add("progress/on_policy", float(out["on_policy"]))
         add("progress/gen_tokens_per_rollout", out["tokens"] / self.layout.global_batch_size)
         for g in self.torch_optimizer.param_groups:
             add(f"optim/lr_{g['name']}", self.schedule.multiplier(self.step - 1) * g["initial_lr"])
-        add("perf/rollout_tokens_per_s_per_gpu", out["gen_tokens_per_s"])
+        if out["on_policy"]:  # a fixed-data step decodes nothing
+            add("perf/rollout_tokens_per_s_per_gpu", out["gen_tokens_per_s"])
+            add("perf/rollout_time_s", gen_time)
         add("perf/train_tokens_per_s_per_gpu", out["train_tokens_per_s"])
-        add("perf/rollout_time_s", gen_time)
         add("perf/train_time_s", train_time)
         self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
 
@@ -502,18 +527,18 @@ class OPDTrainer:
             return False
         if self.nonfinite.should_skip():
             if self.rank == 0:
-                print(self.nonfinite.skip_message(self.step + 1, "reverse KL"), flush=True)
+                print(self.nonfinite.skip_message(self.step + 1, self.divergence), flush=True)
             return True
         if not self.ds:
             self.optimizer.zero_grad(set_to_none=True)
         path = self.save(keep_last=self.cfg.checkpoint.keep_last)
-        raise NonFiniteLossError(f"non-finite reverse KL at step {self.step + 1} ({self.nonfinite.stop_reason()}); "
+        raise NonFiniteLossError(f"non-finite {self.divergence} at step {self.step + 1} ({self.nonfinite.stop_reason()}); "
                                  f"the last good state is saved in {path}. Lower optim.lr before resuming.")
 
     # ------------------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean reverse KL per sampled token on the held-out prompts (fixed sampling seed)."""
+        """Mean divergence (reverse KL by default) per sampled token of held-out rollouts (fixed sampling seed)."""
         prompts = self.curriculum.heldout()[self.rank::self.world]
         if not self.curriculum.heldout():
             return None
@@ -543,7 +568,7 @@ class OPDTrainer:
         dist.all_reduce(sums)
         value = float(sums[0] / sums[1].clamp_min(1))
         self.eval_history.append((self.step, value))
-        self.metrics.log_eval(self.step, {"eval/reverse_kl": value})
+        self.metrics.log_eval(self.step, {f"eval/{self.objective}": value})
         return value
 
     # ------------------------------------------------------------------------------ the loop

@@ -14,6 +14,8 @@ from transformers import PretrainedConfig
 # Every name here is a class in modeling_hypenet.MIXER_CLASSES. "swa" is softmax attention over a
 # sliding window (SWAN-GPT's local layers); the others besides "attention" are RNNs.
 IMPLEMENTED_MIXERS = ("attention", "lightning", "gdn", "gla", "rwkv7", "mamba2", "swa")
+RNN_OUTPUT_NORMS = ("per_head", "all_heads")
+LIGHTNING_DECAYS = ("hype", "alibi")  # ops_hypenet.lightning_log_decay
 PLANNED_MIXERS: tuple[str, ...] = ()
 RNN_MIXERS = ("lightning", "gdn", "gla", "rwkv7", "mamba2")
 
@@ -38,6 +40,13 @@ class HypeNetConfig(PretrainedConfig):
                                  default because a fresh norm changes the teacher's function).
       rnn_gqa_to_mha (True)      every RNN head gets its own W_k/W_v (cloned from its KV head);
                                  False keeps shared GQA k/v in RNN layers.
+
+    Numerical choices where the authors' reference code differs (``halo-dist import-official`` sets
+    theirs; ours are the defaults):
+      rnn_output_norm ("per_head")  RMSNorm of the RNN output over each head's d_h ("per_head") or over
+                                 all H*d_h at once ("all_heads", the reference code's).
+      lightning_decay ("hype")   log γ_h = -2^(-8h/H) ("hype") or minus ALiBi's slopes ("alibi", the
+                                 reference code's), which interleave when H is not a power of two.
 
     Sweep mixers (``mixer_types`` entries): "gdn", "gla", "rwkv7", "mamba2" take the RNN switches
     above; "swa" layers attend to the last ``sliding_window`` tokens of their document, with RoPE if
@@ -77,6 +86,8 @@ class HypeNetConfig(PretrainedConfig):
         output_gate_scale: float = 2.0,
         attn_output_norm: bool = False,
         rnn_gqa_to_mha: bool = True,
+        rnn_output_norm: str = "per_head",
+        lightning_decay: str = "hype",
         lightning_chunk_size: int = 64,
         sliding_window: int | None = 512,
         swa_rope: bool = True,
@@ -111,6 +122,8 @@ class HypeNetConfig(PretrainedConfig):
         self.output_gate_scale = float(output_gate_scale)
         self.attn_output_norm = attn_output_norm
         self.rnn_gqa_to_mha = rnn_gqa_to_mha
+        self.rnn_output_norm = rnn_output_norm
+        self.lightning_decay = lightning_decay
         self.lightning_chunk_size = lightning_chunk_size
         self.sliding_window = sliding_window
         self.swa_rope = swa_rope
@@ -159,6 +172,10 @@ class HypeNetConfig(PretrainedConfig):
             raise ValueError(f"attn_logits_scale_base={a} must be > 1 (log base) or None to disable scaling")
         if self.output_gate_scale <= 0:
             raise ValueError(f"output_gate_scale={self.output_gate_scale} must be positive")
+        if self.rnn_output_norm not in RNN_OUTPUT_NORMS:
+            raise ValueError(f"rnn_output_norm={self.rnn_output_norm!r} is unknown; choose from {RNN_OUTPUT_NORMS}")
+        if self.lightning_decay not in LIGHTNING_DECAYS:
+            raise ValueError(f"lightning_decay={self.lightning_decay!r} is unknown; choose from {LIGHTNING_DECAYS}")
         if self.lightning_chunk_size < 1:
             raise ValueError(f"lightning_chunk_size={self.lightning_chunk_size} must be >= 1")
         if self.hidden_act != "silu":

@@ -117,6 +117,14 @@ def per_head_rms_norm(o: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     return weight * rms_normalize(o, eps).reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
 
 
+def rnn_output_rms_norm(o: torch.Tensor, weight: torch.Tensor, config: HypeNetConfig) -> torch.Tensor:
+    """The RNN output norm of ``config.rnn_output_norm``: per head, or over all H*d_h at once.
+    o ``[B, T, H, D]``, weight ``[H*D]`` -> ``[B, T, H*D]``."""
+    if config.rnn_output_norm == "all_heads":
+        return weight * rms_normalize(o.flatten(2), config.rms_norm_eps)  # [B, T, H, D] -> [B, T, H*D]
+    return per_head_rms_norm(o, weight, config.rms_norm_eps)
+
+
 def kv_expand_factor(num_q_heads: int, num_kv_heads: int, sp_size: int) -> int:
     """Smallest f dividing the GQA group size g with (num_kv_heads * f) % sp_size == 0.
 
@@ -419,7 +427,7 @@ class LightningMixer(RNNMixerBase):
         scale = self.head_dim**-0.5  # == dividing k by sqrt(d_h)
         # log γ_h is a fixed function of H (not a parameter or buffer, so meta-device loading cannot
         # leave it uninitialised)
-        log_decay = lightning_log_decay(self.num_heads, device=x.device)
+        log_decay = lightning_log_decay(self.num_heads, device=x.device, decay=self.config.lightning_decay)
         if self.sp is not None:
             o = self._recur_sequence_parallel(q, k, v, info, log_decay, scale)
         else:
@@ -455,8 +463,8 @@ class LightningMixer(RNNMixerBase):
         return sp.head_to_seq(o)  # [B, T, H/sp, D] -> [B, T/sp, H, D]
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm, gate, W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
-        o = per_head_rms_norm(o.to(x.dtype), self.o_norm.weight, self.config.rms_norm_eps)
+        """RMSNorm (per head by default), gate, W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
+        o = rnn_output_rms_norm(o.to(x.dtype), self.o_norm.weight, self.config)
         if self.config.rnn_output_gate:
             o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
         return self.o_proj(o)
@@ -605,11 +613,11 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
         return sp.head_to_seq(o)  # [B, T, H/sp, V] -> [B, T/sp, H, V]
 
     def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None) -> torch.Tensor:
-        """(+pre) per-head RMSNorm (+post), gate, W_o. o ``[B, T, H, V]`` -> ``[B, T, d]``."""
+        """(+pre) RMSNorm (per head by default) (+post), gate, W_o. o ``[B, T, H, V]`` -> ``[B, T, d]``."""
         o = o.to(x.dtype)
         if pre is not None:
             o = o + pre.to(x.dtype)
-        o = per_head_rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps)  # [B, T, H*V]
+        o = rnn_output_rms_norm(o, self.o_norm.weight, self.config)  # [B, T, H*V]
         if post is not None:
             o = o + post.to(x.dtype).flatten(2)  # [B, T, H, V] -> [B, T, H*V]
         if self.config.rnn_output_gate:

@@ -2,7 +2,8 @@
 
 Self-contained (torch only, fla / flash-attn optional) because exported folders carry this file.
 
-Lightning attention, per head h with log-decay g_h = -2^(-8h/H):
+Lightning attention, per head h with log-decay g_h = -2^(-8h/H) (``decay="hype"``) or minus ALiBi's
+slope of head h (``decay="alibi"``: the same for H a power of two, interleaved otherwise):
     S_t = exp(g_t) S_{t-1} + k_tᵀ v_t ,   o_t = scale · q_t S_t
 On CUDA with fla installed we call ``chunk_simple_gla`` (train / prefill, varlen via ``cu_seqlens``)
 and ``fused_recurrent_simple_gla`` (decode). Elsewhere an exact chunked torch implementation runs;
@@ -53,8 +54,32 @@ except Exception:  # pragma: no cover
     _HAS_FLASH_ATTN = False
 
 
-def lightning_log_decay(num_heads: int, device=None) -> torch.Tensor:
-    """log γ_h = -2^(-8h/H) for h = 1..H, the same in every layer (no layer factor). [H] fp32."""
+LIGHTNING_DECAYS = ("hype", "alibi")
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's per-head slopes (Press et al.): 2^(-8h/n), h = 1..n, for n a power of two; otherwise the
+    slopes of the largest power of two p below n, then every other slope of 2p for the remaining heads
+    (so they interleave with the first p instead of extending the geometric series)."""
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    p = 1 << (num_heads.bit_length() - 1)
+    if p == num_heads:
+        return power_of_two(num_heads)
+    return power_of_two(p) + alibi_slopes(2 * p)[0::2][: num_heads - p]
+
+
+def lightning_log_decay(num_heads: int, device=None, decay: str = "hype") -> torch.Tensor:
+    """log γ_h for heads h = 1..H, the same in every layer (no layer factor). [H] fp32.
+
+    ``decay="hype"``: -2^(-8h/H); ``"alibi"``: minus ALiBi's slopes (:func:`alibi_slopes`), the decays of
+    the reference HypeNet checkpoints; the two agree exactly when H is a power of two.
+    """
+    if decay == "alibi":
+        return -torch.tensor(alibi_slopes(num_heads), dtype=torch.float64, device=device).to(torch.float32)
+    if decay != "hype":
+        raise ValueError(f"lightning decay {decay!r} is unknown; choose from {LIGHTNING_DECAYS}")
     h = torch.arange(1, num_heads + 1, dtype=torch.float64, device=device)
     return (-torch.pow(2.0, -8.0 * h / num_heads)).to(torch.float32)
 
