@@ -46,9 +46,9 @@ def test_cache_preallocates_prompt_plus_reserve_and_grows_by_doubling():
     keys, values = cache.append_kv(0, k[:, :1] + 1, k[:, :1] + 1)  # beyond the room: doubling copy
     assert cache._kv_buffers[0][0].shape[1] == 28 and keys.shape[1] == 15
     assert torch.equal(keys[:, :10], k) and torch.equal(keys[:, -1:], k[:, :1] + 1)
-    cache.reorder(torch.tensor([1]))  # row selection drops the buffer; the next append regrows
+    cache.reorder_cache(torch.tensor([1]))  # row selection keeps the buffer's room
     keys, _ = cache.append_kv(0, k[1:, :1], k[1:, :1])
-    assert keys.shape == (1, 16, 2, 8) and torch.equal(keys[0, :10], k[1])
+    assert keys.shape == (1, 16, 2, 8) and torch.equal(keys[0, :10], k[1]) and cache._kv_buffers[0][0].shape[1] == 28
 
 
 def test_generate_matches_with_reserved_cache():
