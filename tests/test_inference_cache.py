@@ -62,6 +62,17 @@ def test_generate_matches_with_reserved_cache():
     assert torch.equal(out, seq)
 
 
+@pytest.mark.parametrize("mixers", [("lightning", "gdn"), ("attention", "lightning")])
+def test_generate_continues_from_the_cache_it_returned(mixers):
+    """transformers slices a restarted cache's tokens off the input only when some layer holds keys; an RNN-only
+    cache counts its tokens too."""
+    model = tiny_model(mixers)
+    ids = torch.randint(1, 97, (2, 9))
+    first = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True)
+    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=3)
+    assert torch.equal(more, model.generate(ids, max_new_tokens=6))
+
+
 def test_chunk_prefill_attention_is_lower_right_causal():
     torch.manual_seed(1)
     q = torch.randn(1, 5, 4, 8, dtype=torch.float64)
