@@ -222,13 +222,12 @@ class HypeNetCache(Cache):
     """
 
     def __init__(self, num_layers: int, reserve_tokens: int = 0, max_cache_len: int | None = None,
-                 static: bool = False, compile: bool = False):
+                 static: bool = False):
         super().__init__(layers=[None] * num_layers)
         self.seen_tokens = 0
         self.reserve_tokens = reserve_tokens  # room left after the prefill for decoded tokens
         self.max_cache_len = max_cache_len  # room for this many tokens in all, if more than prompt + reserve
         self.static = static
-        self.compile = compile  # static steps through torch.compile (StaticDecoder's compile)
         self._kv_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decoder = None  # the StaticDecoder that owns the buffers once static steps began
 
@@ -268,7 +267,7 @@ class HypeNetCache(Cache):
             from .static_decode import StaticDecoder
 
             prompt_mask = None if attention_mask is None else attention_mask[:, : self.seen_tokens]
-            self._decoder = StaticDecoder(model, self, attention_mask=prompt_mask, compile=self.compile)
+            self._decoder = StaticDecoder(model, self, attention_mask=prompt_mask)
         logits = self._decoder.step(tokens).clone()  # the decoder's buffer is overwritten by the next step
         self.seen_tokens = self._decoder.length
         return logits
@@ -1158,8 +1157,7 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel, GenerationMixin):
         tokens = generation_config.max_length
         if static:
             tokens = max(tokens, generation_config.max_cache_len or 0) + STATIC_WARMUP_TOKENS
-        model_kwargs[key] = HypeNetCache(self.config.num_hidden_layers, max_cache_len=tokens, static=static,
-                                         compile=static and generation_config.compile_config is not None)
+        model_kwargs[key] = HypeNetCache(self.config.num_hidden_layers, max_cache_len=tokens, static=static)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       **kwargs):
