@@ -62,15 +62,16 @@ def test_generate_matches_with_reserved_cache():
     assert torch.equal(out, seq)
 
 
-@pytest.mark.parametrize("mixers", [("lightning", "gdn"), ("attention", "lightning")])
-def test_generate_continues_from_the_cache_it_returned(mixers):
+@pytest.mark.parametrize("mixers,impl", [(("lightning", "gdn"), None), (("attention", "lightning"), None),
+                                         (("attention", "lightning"), "static")])
+def test_generate_continues_from_the_cache_it_returned(mixers, impl):
     """transformers slices a restarted cache's tokens off the input only when some layer holds keys; an RNN-only
-    cache counts its tokens too."""
+    cache counts its tokens too. A static cache continued past its buffers goes on with dynamic steps."""
     model = tiny_model(mixers)
     ids = torch.randint(1, 97, (2, 9))
-    first = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True)
-    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=3)
-    assert torch.equal(more, model.generate(ids, max_new_tokens=6))
+    first = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True, cache_implementation=impl)
+    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=6)
+    assert torch.equal(more, model.generate(ids, max_new_tokens=9))
 
 
 def test_chunk_prefill_attention_is_lower_right_causal():

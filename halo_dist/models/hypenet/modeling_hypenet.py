@@ -260,14 +260,21 @@ class HypeNetCache(Cache):
 
     # --- static (CUDA-graph) decoding ------------------------------------------------------------------
 
-    def static_step(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def static_step(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Next-token logits ``[B, V]`` for ``tokens`` ``[B, 1]`` through the StaticDecoder (built on the first
-        step from the prefilled buffers; ``attention_mask`` covers the prompt's left padding)."""
+        step from the prefilled buffers; ``attention_mask`` covers the prompt's left padding). None once the
+        buffers are full (e.g. generation continued past ``max_cache_len``): the caller steps dynamically."""
         if self._decoder is None:
             from .static_decode import StaticDecoder
 
+            room = min((buf[0].shape[1] for buf in self._kv_buffers.values()), default=None)
+            if room is not None and room - self.seen_tokens < 1 + STATIC_WARMUP_TOKENS:
+                return None
             prompt_mask = None if attention_mask is None else attention_mask[:, : self.seen_tokens]
             self._decoder = StaticDecoder(model, self, attention_mask=prompt_mask)
+        elif self._decoder.room_left is not None and self._decoder.room_left < 1:
+            self.leave_static()
+            return None
         logits = self._decoder.step(tokens).clone()  # the decoder's buffer is overwritten by the next step
         self.seen_tokens = self._decoder.length
         return logits
@@ -1103,11 +1110,13 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = HypeNetCache(self.config.num_hidden_layers)
-        all_hidden = None
+        all_hidden = logits = None
         static = isinstance(cache, HypeNetCache) and cache.static
         if (static and cache.seen_tokens and input_ids is not None and input_ids.shape[1] == 1 and inputs_embeds is None
                 and cu_seqlens is None and labels is None and not return_hidden_only and not output_hidden_states):
-            logits = cache.static_step(self, input_ids, attention_mask)[:, None]  # [B, 1, V]
+            logits = cache.static_step(self, input_ids, attention_mask)  # [B, V], or None: a dynamic step
+        if logits is not None:
+            logits = logits[:, None]  # [B, V] -> [B, 1, V]
         else:
             if static:
                 cache.leave_static()
