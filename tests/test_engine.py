@@ -66,6 +66,15 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
     assert all(v > 0 for _, v in m2["eval/ce"])
     run_launcher("stage3", s3, f"data.train={shards}", f"model.student_init={s2 / 'final'}", "schedule.total_steps=3")
     assert (s3 / "final" / "modeling_hypenet.py").exists()
+    # the export records its recipe: every stage before it with its steps, tokens and last held-out figures
+    record = json.loads((s3 / "final" / "halo_dist.json").read_text())
+    assert record["stage"] == "stage3" and record["step"] == 3 and record["tokens"] > 0
+    assert [h["stage"] for h in record["history"]] == ["convert", "stage1", "stage2"]
+    _, stage1, stage2 = record["history"]
+    assert stage1["step"] == 10 and stage1["eval"]["eval/mse"] == mse[-1][1]
+    assert stage2["step"] == 8 and stage2["tokens"] > 0 and stage2["eval"]["eval/kl"] == m2["eval/kl"][-1][1]
+    card = (s3 / "final" / "README.md").read_text()
+    assert "stage 2: end-to-end distillation" in card and f"{stage2['eval']['eval/kl']:.4f}" in card
     # stage 3's CE-only objective (the reference code's choice) runs without a teacher forward
     run_launcher("stage3", tmp_path / "s3ce", f"data.train={shards}", f"model.student_init={s2 / 'final'}",
                  "schedule.total_steps=3", "loss.objective=ce", "checkpoint.every_steps=0",

@@ -46,9 +46,9 @@ def test_cache_preallocates_prompt_plus_reserve_and_grows_by_doubling():
     keys, values = cache.append_kv(0, k[:, :1] + 1, k[:, :1] + 1)  # beyond the room: doubling copy
     assert cache._kv_buffers[0][0].shape[1] == 28 and keys.shape[1] == 15
     assert torch.equal(keys[:, :10], k) and torch.equal(keys[:, -1:], k[:, :1] + 1)
-    cache.reorder(torch.tensor([1]))  # row selection drops the buffer; the next append regrows
+    cache.reorder_cache(torch.tensor([1]))  # row selection keeps the buffer's room
     keys, _ = cache.append_kv(0, k[1:, :1], k[1:, :1])
-    assert keys.shape == (1, 16, 2, 8) and torch.equal(keys[0, :10], k[1])
+    assert keys.shape == (1, 16, 2, 8) and torch.equal(keys[0, :10], k[1]) and cache._kv_buffers[0][0].shape[1] == 28
 
 
 def test_generate_matches_with_reserved_cache():
@@ -60,6 +60,18 @@ def test_generate_matches_with_reserved_cache():
     for _ in range(6):
         seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, seq)
+
+
+@pytest.mark.parametrize("mixers,impl", [(("lightning", "gdn"), None), (("attention", "lightning"), None),
+                                         (("attention", "lightning"), "static")])
+def test_generate_continues_from_the_cache_it_returned(mixers, impl):
+    """transformers slices a restarted cache's tokens off the input only when some layer holds keys; an RNN-only
+    cache counts its tokens too. A static cache continued past its buffers goes on with dynamic steps."""
+    model = tiny_model(mixers)
+    ids = torch.randint(1, 97, (2, 9))
+    first = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True, cache_implementation=impl)
+    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=6)
+    assert torch.equal(more, model.generate(ids, max_new_tokens=9))
 
 
 def test_chunk_prefill_attention_is_lower_right_causal():

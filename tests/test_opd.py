@@ -278,6 +278,9 @@ def test_tiny_run_heldout_reverse_kl_falls(tmp_path):
     assert m["progress/horizon"][0][1] == 16
     assert "train/kl_pos_00000_00008" in m and "perf/rollout_tokens_per_s_per_gpu" in m
     assert (tmp_path / "final" / "config.json").exists()
+    record = json.loads((tmp_path / "final" / "halo_dist.json").read_text())
+    assert record["stage"] == "opd" and record["step"] == 24 and record["tokens"] == t.tokens_seen > 0
+    assert record["eval"]["eval/reverse_kl"] == last
 
 
 def test_rung_continuation_reproduces_the_longer_run(tmp_path):

@@ -58,7 +58,9 @@ def test_transformer_trains_and_exports(shards, tmp_path):
     cfg = model.config
     assert cfg.mixer_types == ["attention"] * 4 and cfg.attn_rope and cfg.attn_logits_scale_base is None
     assert cfg.rope_theta == 50_000.0 and not cfg.attn_output_gate
-    assert json.loads((run_dir / "final" / "DONE").read_text())["stage"] == "pretrain"
+    record = json.loads((run_dir / "final" / "DONE").read_text())
+    assert record["stage"] == "pretrain" and record["step"] == 6 and record["tokens"] > 0 and "history" not in record
+    assert json.loads((run_dir / "final" / "halo_dist.json").read_text()) == record
     assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2).shape == (1, 5)
 
 

@@ -129,14 +129,14 @@ def test_static_generate_with_left_padding_equals_dynamic(mixers, kw):
     mask[2, :9] = 0  # a one-token prompt
     ids = ids * mask
     for sample in (False, True):
-        gens = [torch.Generator().manual_seed(7) for _ in range(2)]
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample, generator=gens[0])
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample, generator=gens[1],
-                             static_cache=True)
+        torch.manual_seed(7)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample)
+        torch.manual_seed(7)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample, cache_implementation="static")
         assert torch.equal(got, want)
     # and a padded row generates what it would alone
-    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=7, static_cache=True)
-    alone = model.generate(ids[1:2, 4:], max_new_tokens=7, static_cache=True)
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=7, cache_implementation="static")
+    alone = model.generate(ids[1:2, 4:], max_new_tokens=7, cache_implementation="static")
     assert torch.equal(alone[0, 6:], greedy[1, 10:])
 
 
@@ -244,5 +244,5 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
     assert (got - want).norm() / want.norm() < 1e-3
     ids, mask = torch.randint(1, 97, (2, 20), device="cuda"), torch.ones(2, 20, dtype=torch.long, device="cuda")
     mask[1, :7] = 0  # left-padded rollouts through the graph: same greedy tokens as the dynamic loop
-    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, static_cache=True),
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, cache_implementation="static"),
                        model.generate(ids, attention_mask=mask, max_new_tokens=12))

@@ -325,6 +325,14 @@ def _layer_of(key: str) -> int | None:
     return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] else None
 
 
+def teacher_generation_config(source: TeacherSource):
+    """The teacher's generation defaults (generation_config.json) for its student's export; None for a GGUF
+    teacher or one without the file."""
+    from .export import load_generation_config
+
+    return None if source.gguf_file else load_generation_config(source.path)
+
+
 def load_teacher(source: TeacherSource, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
@@ -359,7 +367,8 @@ def convert(
                 tok = AutoTokenizer.from_pretrained(source.path, **source.load_kwargs())
             except Exception:  # a teacher without a tokenizer still converts
                 tok = None
-        export_hypenet(student, output, tokenizer=tok, extra={"conversion": {"teacher": teacher, "attn_layers": cfg.attn_layers}})
+        export_hypenet(student, output, tokenizer=tok, generation_config=teacher_generation_config(source),
+                       extra={"stage": "convert", "teacher": teacher, "attn_layers": cfg.attn_layers})
     assert cfg.to_dict()["mixer_types"] == student.config.mixer_types
     return student
 

@@ -1,13 +1,15 @@
 """Export a HypeNet model as a self-contained Hugging Face folder.
 
-The folder holds safetensors weights, ``config.json`` with an ``auto_map``, the tokenizer (if
-given) and exactly our three model files, so
-``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works in a fresh process
-without halo_dist installed. Nothing else (no teacher, no training code) is written.
+The folder holds safetensors weights, ``config.json`` with an ``auto_map``, ``generation_config.json`` (the
+teacher's when given), the tokenizer (if given, with its chat template), exactly our model files, a model
+card (``README.md``) and the run record (``halo_dist.json``), so
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works in a fresh process without
+halo_dist installed. Nothing else (no teacher, no training code) is written.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -15,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from .hypenet import HypeNetForCausalLM
+from .model_card import model_card
 
 MODEL_FILES = ("configuration_hypenet.py", "modeling_hypenet.py", "ops_hypenet.py", "static_decode.py",
                "decode_attention.py")
@@ -23,18 +26,26 @@ AUTO_MAP = {
     "AutoModel": "modeling_hypenet.HypeNetModel",
     "AutoModelForCausalLM": "modeling_hypenet.HypeNetForCausalLM",
 }
+RECORD_FILE = "halo_dist.json"
 
 
-def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokenizer=None, extra: dict | None = None) -> Path:
+def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokenizer=None, extra: dict | None = None,
+                   generation_config=None) -> Path:
     """Write the folder atomically: build it in a sibling temp dir, then rename into place.
 
+    ``extra``: the run record (stage, teacher, steps, tokens, held-out evaluation, ``history`` of the stages
+    before) for halo_dist.json and the model card. ``generation_config``: the teacher's GenerationConfig, the
+    export's generation defaults (default: the special tokens of the model's config).
     An existing ``output`` is replaced only after the new folder is complete.
     """
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    own_generation = model.generation_config
     try:
         model.config.auto_map = dict(AUTO_MAP)
+        if generation_config is not None:
+            model.generation_config = copy.deepcopy(generation_config)
         model.save_pretrained(tmp, safe_serialization=True)
         src = Path(__file__).parent / "hypenet"
         for name in MODEL_FILES:
@@ -43,12 +54,38 @@ def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokeniz
             tokenizer.save_pretrained(tmp)
             _drop_foreign_code(tmp)
         if extra:
-            (tmp / "halo_dist.json").write_text(json.dumps(extra, indent=2, default=str))
+            (tmp / RECORD_FILE).write_text(json.dumps(extra, indent=2, default=str))
+        card = model_card(model.config, json.loads(json.dumps(extra, default=str)) if extra else None,
+                          tokenizer=tokenizer is not None, chat_template=bool(getattr(tokenizer, "chat_template", None)),
+                          generation=model.generation_config.to_diff_dict())
+        (tmp / "README.md").write_text(card)
         _replace_dir(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        model.generation_config = own_generation
     return output
+
+
+def read_record(folder: str | os.PathLike) -> dict | None:
+    """The run record an export carries (None for a folder halo_dist did not export, or an older export)."""
+    path = Path(folder) / RECORD_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def load_generation_config(source: str | os.PathLike, **kwargs):
+    """``source``'s generation_config.json as a GenerationConfig (a folder or a cached hub id), None without one."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(source), **kwargs)
+    except (OSError, ValueError):
+        return None
 
 
 def _drop_foreign_code(folder: Path) -> None:

@@ -123,6 +123,66 @@ class _Layer(torch.nn.Module):
         self.mixer = mixer
 
 
+def run_record(cfg: RunConfig, step: int, tokens: int, metrics=None, **fields) -> dict:
+    """What this run made, for its output's DONE / halo_dist.json and the export's model card: stage, teacher,
+    steps, tokens, ``fields``, the held-out figures of its last evaluation (``metrics.last_eval``), and under
+    ``history`` the records of what its student started from (oldest first)."""
+    record = {"stage": cfg.stage.name, "step": step, "tokens": tokens}
+    if cfg.model.teacher:
+        record["teacher"] = cfg.model.teacher
+    record.update(fields)
+    last = getattr(metrics, "last_eval", None)
+    if last:
+        record["eval"] = dict(last)
+    history = lineage(cfg)
+    if history:
+        record["history"] = history
+    return record
+
+
+def lineage(cfg: RunConfig) -> list[dict]:
+    """The records of the models this run's student comes from: a ``student_init`` export's own lineage and
+    record; else the conversion from the teacher, then the stage-1 run whose weights stage 2 reads."""
+    m = cfg.model
+    if m.student_init:
+        from ..models.export import read_record
+
+        done = read_record(m.student_init)
+        if done is None:
+            return [{"stage": "init", "checkpoint": m.student_init}]
+        return list(done.pop("history", [])) + [done]
+    if cfg.stage.name == "pretrain" or not m.teacher:
+        return []
+    history = [{"stage": "convert", "teacher": m.teacher, "attn_layers": list(m.attn_layers)}]
+    if m.stage1_weights and cfg.stage.name != "stage1":
+        try:
+            done = json.loads((resolve_stage1_file(m.stage1_weights).parent / "DONE").read_text())
+        except (OSError, ValueError):
+            done = None
+        if isinstance(done, dict):
+            done.pop("history", None)  # the same conversion
+            history.append(done)
+    return history
+
+
+def export_generation_config(cfg: RunConfig):
+    """The generation defaults exported with the student: the initial student's, else the teacher's."""
+    from ..models.convert import ConversionError, resolve_teacher, teacher_generation_config
+    from ..models.export import load_generation_config
+    from .teacher import teacher_path
+
+    if cfg.model.student_init:
+        found = load_generation_config(cfg.model.student_init)
+        if found is not None and not getattr(found, "_from_model_config", False):
+            return found
+    if not cfg.model.teacher or cfg.model.teacher == "random":
+        return None
+    try:
+        return teacher_generation_config(resolve_teacher(teacher_path(cfg.model.teacher)))
+    except ConversionError:
+        return None
+
+
 def _teacher_tokenizer(cfg: RunConfig):
     """The tokenizer exported with the student: the teacher's (or the initial student's) one."""
     from ..models.trust import UntrustedCodeError, load_tokenizer
@@ -162,6 +222,8 @@ def write_stage_output(trainer, folder: Path) -> Path | None:
         return None
     cfg = trainer.cfg
     module = trainer.module
+    record = run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics, seq_len=cfg.data.seq_len,
+                        **({} if cfg.model.student_init else {"attn_layers": list(cfg.model.attn_layers)}))
     if cfg.stage.name == "stage1":
         weights = stage1_state_dict(module, state)
         path = save_stage1_weights(weights, folder, len(module.mixers), cfg.model.teacher,
@@ -177,12 +239,12 @@ def write_stage_output(trainer, folder: Path) -> Path | None:
         clean.load_state_dict(cpu_state, strict=False, assign=True)
         if student.config.tie_word_embeddings:
             clean.lm_head.weight = clean.model.embed_tokens.weight
-        path = export_hypenet(clean, folder, tokenizer=_teacher_tokenizer(cfg),
-                              extra={"stage": cfg.stage.name, "step": trainer.step})
+        path = export_hypenet(clean, folder, tokenizer=_teacher_tokenizer(cfg), extra=record,
+                              generation_config=export_generation_config(cfg))
     (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
-    (folder / "DONE").write_text(json.dumps({"stage": cfg.stage.name, "step": trainer.step}))
+    (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
     return path
 
 
 __all__ = ["STAGE1_FILE", "DistillModule", "Stage1Aligner", "build_stage_module", "check_student_init_pe",
-           "student_overrides", "write_stage_output"]
+           "export_generation_config", "lineage", "run_record", "student_overrides", "write_stage_output"]

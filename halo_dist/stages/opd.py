@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import math
 import random
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from ..losses import fused_distill_loss
 
@@ -182,10 +184,13 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
                     eos_token_id: int | None = None, pad_token_id: int = 0, stop_at_eos: bool = True,
                     lockstep: bool = False, generator: torch.Generator | None = None,
                     static_cache: bool = False) -> list[list[int]]:
-    """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``).
+    """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the student's own
+    distribution under ``temperature`` / ``top_p`` only: the model's generation defaults stay out (an export
+    carries its teacher's chat defaults, e.g. a top-k or a repetition penalty).
 
     ``lockstep``: never stop early (every rank runs ``horizon`` decode steps; ZeRO-3 needs that).
-    ``static_cache``: decode with ``StaticDecoder`` (a CUDA-graph replay per token on CUDA).
+    ``generator``: the draws come from a seed taken from it (see ``_sampling_seeded_by``).
+    ``static_cache``: decode through ``StaticDecoder`` (a CUDA-graph replay per token on CUDA).
     """
     if not prompts:
         return []
@@ -199,19 +204,40 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
         ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[b, width - len(p):] = 1
     early = stop_at_eos and not lockstep and eos_token_id is not None
-    was_training = model.training
+    was_training, defaults = model.training, model.generation_config
     model.eval()
+    model.generation_config = GenerationConfig()
     try:
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=horizon, do_sample=True,
-                             temperature=temperature, top_p=top_p,
-                             eos_token_id=eos_token_id if early else [-1], pad_token_id=pad_token_id,
-                             generator=generator, static_cache=static_cache)
+        with _sampling_seeded_by(generator, device):
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=horizon,
+                                 do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                 eos_token_id=[eos_token_id] if early else [], pad_token_id=pad_token_id,
+                                 cache_implementation="static" if static_cache else None)
     finally:
         model.train(was_training)
+        model.generation_config = defaults
     gen = out[:, width:].cpu().tolist()
     if stop_at_eos and eos_token_id is not None:
         gen = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in gen]
     return gen
+
+
+@contextmanager
+def _sampling_seeded_by(generator: torch.Generator | None, device: torch.device):
+    """``generate`` samples from the default RNG of ``device``: run it on a seed drawn from ``generator`` (so a
+    rank's rollouts follow its generator, whose state the checkpoints keep) and restore that RNG afterwards."""
+    if generator is None:
+        yield
+        return
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
 
 
 @dataclass

@@ -237,7 +237,7 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
     (``logits_scaling_in_training=false``: the reference code's inference-only scaling).
     """
     from ..models.export import export_hypenet
-    from . import gathered_state_dict
+    from . import gathered_state_dict, run_record
 
     state = gathered_state_dict(trainer)
     if trainer.rank != 0:
@@ -255,11 +255,11 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
     clean.load_state_dict(cpu_state, strict=False, assign=True)
     if config.tie_word_embeddings:
         clean.lm_head.weight = clean.model.embed_tokens.weight
-    path = export_hypenet(clean, folder, tokenizer=tokenizer,
-                          extra={"stage": "pretrain", "step": trainer.step, "arch": cfg.model.arch,
-                                 "pe": cfg.model.pe, "rnn_mixer": cfg.model.rnn_mixer})
+    record = run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics, seq_len=cfg.data.seq_len,
+                        arch=cfg.model.arch, pe=cfg.model.pe, rnn_mixer=cfg.model.rnn_mixer)
+    path = export_hypenet(clean, folder, tokenizer=tokenizer, extra=record)
     (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
-    (folder / "DONE").write_text(json.dumps({"stage": "pretrain", "step": trainer.step}))
+    (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
     return path
 
 

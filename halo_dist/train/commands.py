@@ -70,7 +70,9 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     missing = [k for k, p in model.state_dict().items() if p.is_meta]
     if missing:
         raise ExportError(f"checkpoint {ckpt} lacks {missing[:3]} ...")
-    return export_hypenet(model, output, extra={"checkpoint": str(ckpt), "step": meta["step"]})
+    record = {"stage": meta.get("stage", "checkpoint"), "step": meta["step"], "tokens": meta.get("tokens_seen"),
+              "teacher": meta.get("teacher"), "checkpoint": str(ckpt)}
+    return export_hypenet(model, output, extra={k: v for k, v in record.items() if v is not None})
 
 
 def _stage1_weights(weights: dict) -> dict:

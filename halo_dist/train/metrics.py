@@ -224,6 +224,7 @@ class MetricsLogger:
         self._intervals = 0
         self._tb = self._jsonl = self._wandb = None
         self._start_step = start_step
+        self.last_eval: dict[str, float] = {}  # the latest log_eval scalars (rank 0)
         if rank == 0:
             self._open_writers(tensorboard, jsonl, start_step)
             if wandb is not None:
@@ -383,6 +384,7 @@ class MetricsLogger:
         if self.rank != 0:
             return
         scalars = {tag: float(value) for tag, value in scalars.items()}
+        self.last_eval = scalars
         self._record(step, scalars)
         shown = " | ".join(f"{tag[len('eval/'):]} {value:.4f}" for tag, value in scalars.items())
         self.emit(f"eval @ step {step} | {shown}")

@@ -592,15 +592,17 @@ class OPDTrainer:
     def finish(self) -> Path | None:
         """Write the student as an HF HypeNet folder under ``<run_dir>/final`` (rank 0)."""
         from ..models.export import export_hypenet
+        from ..stages import export_generation_config, run_record
 
         out = None
         student = self._generation_model()  # under ZeRO-3 the gathered replica (collective)
         if self.rank == 0:
             folder = Path(self.cfg.logging.run_dir) / "final"
             tok = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
-            out = export_hypenet(student.float(), folder, tokenizer=tok,
-                                 extra={"stage": "opd", "step": self.step, "horizon": self.horizon.horizon})
-            (folder / "DONE").write_text(json.dumps({"stage": "opd", "step": self.step}))
+            record = run_record(self.cfg, self.step, self.tokens_seen, self.metrics, horizon=self.horizon.horizon)
+            out = export_hypenet(student.float(), folder, tokenizer=tok, extra=record,
+                                 generation_config=export_generation_config(self.cfg))
+            (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
         self.metrics.close()
         _barrier()
         return out

@@ -13,6 +13,7 @@ and ``head_to_seq(x)`` (the inverse); this file never imports the training code.
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from .configuration_hypenet import HypeNetConfig
@@ -206,16 +208,36 @@ class HypeNetCausalLMOutput(ModelOutput):
         return self.cache
 
 
-class HypeNetCache:
-    """Per-layer decoding state: ``(k, v)`` ``[B, T, Hkv, D]`` for attention layers, the recurrent
-    state ``[B, H, K, V]`` (fp32) for RNN layers. Independent of transformers' Cache classes,
-    whose API changes between releases; HypeNet's ``generate`` drives it."""
+# The name generate keeps the cache under (transformers 5.24 renamed ``past_key_values`` to ``cache``).
+_GENERATE_CACHE_KWARG = ("cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+                         else "past_key_values")
 
-    def __init__(self, num_layers: int, reserve_tokens: int = 0):
-        self.layers: list[object | None] = [None] * num_layers
+# Extra KV slots a static (CUDA-graph) cache reserves: StaticDecoder's warm-up writes two tokens, then rewinds.
+STATIC_WARMUP_TOKENS = 2
+
+
+class HypeNetCache(Cache):
+    """Per-layer decoding state: ``(k, v)`` ``[B, T, Hkv, D]`` for attention layers, the recurrent state
+    ``[B, H, K, V]`` (fp32) for RNN layers, in ``layers[i]`` (None before the first forward).
+
+    A ``transformers`` Cache, so ``generate`` drives it (beam search reorders it through ``reorder_cache``),
+    but with its own layer storage: the mixers read and write ``layers`` directly, and the attention keys
+    live in preallocated buffers (``append_kv``).
+
+    ``static=True`` (``generate(..., cache_implementation="static")``): after the prefill, one-token steps
+    run through ``StaticDecoder`` on this cache's buffers (a CUDA-graph replay per token on CUDA, the same
+    step eagerly elsewhere); ``max_cache_len`` then bounds the tokens it can hold.
+    """
+
+    def __init__(self, num_layers: int, reserve_tokens: int = 0, max_cache_len: int | None = None,
+                 static: bool = False):
+        super().__init__(layers=[None] * num_layers)
         self.seen_tokens = 0
         self.reserve_tokens = reserve_tokens  # room left after the prefill for decoded tokens
+        self.max_cache_len = max_cache_len  # room for this many tokens in all, if more than prompt + reserve
+        self.static = static
         self._kv_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._decoder = None  # the StaticDecoder that owns the buffers once static steps began
 
     def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k/v ``[B, T, Hkv, D]`` to layer ``layer_idx``; returns views of all cached keys/values.
@@ -229,7 +251,7 @@ class HypeNetCache:
         buf = self._kv_buffers.get(layer_idx)
         if buf is None or buf[0].shape[1] < new or buf[0].shape[0] != k.shape[0]:
             # prefill: the prompt plus the reserved decode room; beyond it, grow by doubling
-            room = new + self.reserve_tokens if past is None else max(new, 2 * used)
+            room = max(new + self.reserve_tokens, self.max_cache_len or 0) if past is None else max(new, 2 * used)
             grown = tuple(t.new_empty(t.shape[0], room, *t.shape[2:]) for t in (k, v))  # [B, room, Hkv, D]
             if past is not None:
                 grown[0][:, :used].copy_(past[0])
@@ -244,17 +266,139 @@ class HypeNetCache:
         """The recurrent state ``[B, H, K, V]`` of RNN layer ``layer_idx`` after this forward."""
         self.layers[layer_idx] = state
 
+    # --- static (CUDA-graph) decoding ------------------------------------------------------------------
+
+    def static_step(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Next-token logits ``[B, V]`` for ``tokens`` ``[B, 1]`` through the StaticDecoder (built on the first
+        step from the prefilled buffers; ``attention_mask`` covers the prompt's left padding). None once the
+        buffers are full (e.g. generation continued past ``max_cache_len``): the caller steps dynamically."""
+        if self._decoder is None:
+            from .static_decode import StaticDecoder
+
+            room = min((buf[0].shape[1] for buf in self._kv_buffers.values()), default=None)
+            if room is not None and room - self.seen_tokens < 1 + STATIC_WARMUP_TOKENS:
+                return None
+            prompt_mask = None if attention_mask is None else attention_mask[:, : self.seen_tokens]
+            self._decoder = StaticDecoder(model, self, attention_mask=prompt_mask)
+        elif self._decoder.room_left is not None and self._decoder.room_left < 1:
+            self.leave_static()
+            return None
+        logits = self._decoder.step(tokens).clone()  # the decoder's buffer is overwritten by the next step
+        self.seen_tokens = self._decoder.length
+        return logits
+
+    def leave_static(self) -> None:
+        """Hand the decoder's state back to ``layers`` (for a forward the static step cannot run, or a
+        batch-size change); a later one-token step builds a new decoder."""
+        dec = self._decoder
+        if dec is None:
+            return
+        n = dec.length
+        for i, entry in enumerate(dec.cache.layers):
+            self.layers[i] = (entry[0][:, :n], entry[1][:, :n]) if isinstance(entry, tuple) else entry
+        self.seen_tokens = n
+        self._decoder = None
+
+    # --- transformers' Cache interface ------------------------------------------------------------------
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        """Select rows (e.g. to drop finished sequences)."""
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: the dynamic cache grows; a static one holds what its buffers were sized for."""
+        return self.max_cache_len if self.static and self.max_cache_len else -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.seen_tokens > 0
+
+    def reset(self) -> None:
+        self.layers = [None] * len(self.layers)
+        self._kv_buffers.clear()
+        self._decoder = None
+        self.seen_tokens = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep rows ``beam_idx`` (beam search: the beams each new beam continues; any selection of rows)."""
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        batch = self.batch_size
+        if batch > 0:
+            self._select_rows(torch.arange(batch).repeat_interleave(repeats))
+
+    def _select_rows(self, idx: torch.Tensor) -> None:
+        """Rows ``idx`` of every KV buffer and recurrent state. Under a static decoder with the batch size
+        unchanged, in place (the CUDA graph reads fixed addresses); otherwise into new tensors, the KV
+        buffers keeping their spare room."""
+        if self._decoder is not None:
+            if idx.numel() == self.batch_size:
+                self._decoder.cache.select_rows_(idx)
+                return
+            self.leave_static()
         for i, entry in enumerate(self.layers):
-            if isinstance(entry, tuple):
-                self.layers[i] = tuple(t.index_select(0, beam_idx) for t in entry)
-                self._kv_buffers.pop(i, None)  # the selected rows are fresh tensors; regrow on append
-            elif entry is not None:
-                self.layers[i] = entry.index_select(0, beam_idx)
+            if entry is None:
+                continue
+            rows = idx.to(entry[0].device if isinstance(entry, tuple) else entry.device)
+            if not isinstance(entry, tuple):
+                self.layers[i] = entry.index_select(0, rows)
+                continue
+            buf = self._kv_buffers.get(i)
+            if buf is not None and buf[0].shape[0] == entry[0].shape[0]:
+                used = entry[0].shape[1]
+                buf = self._kv_buffers[i] = tuple(b.index_select(0, rows) for b in buf)  # [B', room, Hkv, D]
+                self.layers[i] = (buf[0][:, :used], buf[1][:, :used])
+            else:  # a sliding-window layer's rolling cache (no buffer)
+                self.layers[i] = tuple(t.index_select(0, rows) for t in entry)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only ``crop(0)``: a recurrent state cannot be rewound to an earlier token."""
+        if tokens_to_remove:
+            raise NotImplementedError("HypeNetCache cannot drop tokens: RNN states cannot be rewound")
+
+    def activate_past_recording(self) -> None:
+        """Nothing to record: the cache is not croppable, so generate never asks it to roll back."""
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        if self._decoder is not None:
+            return self._decoder.tokens.shape[0]
+        entry = next((e for e in self.layers if e is not None), None)
+        if entry is None:
+            return -1
+        return (entry[0] if isinstance(entry, tuple) else entry).shape[0]
+
+    @property
+    def is_compileable(self) -> bool:
+        """False: generate must not torch.compile the forward around this cache (static decoding captures its
+        own graph)."""
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.seen_tokens > 0
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        """Sliding-window layers keep their last keys in plain tensors, not in a buffer."""
+        return [isinstance(e, tuple) and i not in self._kv_buffers for i, e in enumerate(self.layers)]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """Which layers hold a recurrent state (known after the first forward)."""
+        return [isinstance(e, torch.Tensor) for e in self.layers]
 
 
 # --------------------------------------------------------------------------------------------
@@ -917,10 +1061,13 @@ class HypeNetModel(HypeNetPreTrainedModel):
         self.gradient_checkpointing = enable
 
 
-class HypeNetForCausalLM(HypeNetPreTrainedModel):
-    """HypeNet with an LM head. ``generate`` is HypeNet's own (batched, padding-correct, cached)."""
+class HypeNetForCausalLM(HypeNetPreTrainedModel, GenerationMixin):
+    """HypeNet with an LM head. ``generate`` is transformers' (every GenerationConfig option, beam search,
+    streamers, ...) over a :class:`HypeNetCache`; ``cache_implementation="static"`` decodes through
+    ``StaticDecoder`` (CUDA graphs on CUDA)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _is_stateful = True  # RNN states cannot be rewound: no assisted decoding
 
     def __init__(self, config: HypeNetConfig):
         super().__init__(config)
@@ -954,8 +1101,9 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_hidden_only: bool = False,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
     ):
         """Causal LM forward.
@@ -963,114 +1111,89 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel):
         ``return_hidden_only=True`` returns the final normed hidden states ``[B, T, d]`` and skips the
         LM head, so distillation losses can fuse the vocabulary projection (never ``[T, V]`` logits).
         ``labels`` gives the usual shifted CE (for lm-eval / quick checks; training uses fused losses).
+        ``return_dict`` (default ``config.return_dict``): a :class:`HypeNetCausalLMOutput`, else its tuple.
         """
+        if output_attentions:
+            raise ValueError("HypeNet does not return attention weights (its kernels never form them)")
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = HypeNetCache(self.config.num_hidden_layers)
-        hidden, all_hidden = self.model(
-            input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen, cache, inputs_embeds, output_hidden_states
-        )
-        if return_hidden_only:
-            return hidden
-        h = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        logits = self.lm_head(h)
+        all_hidden = logits = None
+        static = isinstance(cache, HypeNetCache) and cache.static
+        if (static and cache.seen_tokens and input_ids is not None and input_ids.shape[1] == 1 and inputs_embeds is None
+                and cu_seqlens is None and labels is None and not return_hidden_only and not output_hidden_states):
+            logits = cache.static_step(self, input_ids, attention_mask)  # [B, V], or None: a dynamic step
+        if logits is not None:
+            logits = logits[:, None]  # [B, V] -> [B, 1, V]
+        else:
+            if static:
+                cache.leave_static()
+            hidden, all_hidden = self.model(
+                input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen, cache, inputs_embeds,
+                bool(output_hidden_states),
+            )
+            if return_hidden_only:
+                return hidden
+            logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        if not return_dict:
-            return (loss, logits) if loss is not None else (logits,)
-        return HypeNetCausalLMOutput(
+        out = HypeNetCausalLMOutput(
             loss=loss, logits=logits, cache=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
         )
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return out if return_dict else out.to_tuple()
 
-    def can_generate(self) -> bool:  # noqa: D102 - HF API
-        return True
+    # --- generation: transformers' GenerationMixin over HypeNetCache ------------------------------------
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """The cache ``generate`` decodes with: a :class:`HypeNetCache` sized for ``max_length`` tokens
+        (attention keys preallocated). ``cache_implementation``: None / "dynamic", or "static" for the
+        StaticDecoder (CUDA-graph) steps; a cache passed by the caller must be a HypeNetCache."""
+        key = _GENERATE_CACHE_KWARG
+        impl = generation_config.cache_implementation
+        given = model_kwargs.get(key)
+        if given is not None:
+            if not isinstance(given, HypeNetCache):
+                raise TypeError(f"HypeNet decodes with a HypeNetCache, not {type(given).__name__}")
+            if impl is not None:
+                raise ValueError("pass either a cache or cache_implementation, not both")
+            given._is_user_defined = True  # generate returns a cache the caller passed in
+            return
+        if generation_config.use_cache is False:
+            return
+        if impl not in (None, "dynamic", "static"):
+            raise ValueError(f"cache_implementation={impl!r}: HypeNet decodes with its own cache, "
+                             "None/'dynamic', or 'static' for CUDA-graph steps (StaticDecoder)")
+        static = impl == "static"
+        if static and "swa" in self.config.mixer_types:
+            raise ValueError("cache_implementation='static' does not support sliding-window layers (their cache "
+                             "rolls); use the dynamic cache")
+        tokens = generation_config.max_length
+        if static:
+            tokens = max(tokens, generation_config.max_cache_len or 0) + STATIC_WARMUP_TOKENS
+        model_kwargs[key] = HypeNetCache(self.config.num_hidden_layers, max_cache_len=tokens, static=static)
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      **kwargs):
+        """transformers' preparation, which slices off the tokens a restarted cache holds only when some layer
+        keeps keys: here the cache counts its tokens for RNN-only models too."""
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        seen = cache.get_seq_length() if isinstance(cache, HypeNetCache) else 0
+        if (next_sequence_length is None and seen and input_ids.shape[1] > seen and kwargs.get("inputs_embeds") is None
+                and (attention_mask is None or attention_mask.shape[1] == input_ids.shape[1])):
+            next_sequence_length = input_ids.shape[1] - seen
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask, **kwargs)
 
     @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.LongTensor,
-        attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int | None = None,
-        max_length: int | None = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        eos_token_id: int | list[int] | None = None,
-        pad_token_id: int | None = None,
-        stopping_criteria=None,
-        generator: torch.Generator | None = None,
-        generation_config=None,
-        static_cache: bool = False,
-        **unused,
-    ) -> torch.LongTensor:
-        """Batched generation with a KV cache (attention) and recurrent state (RNN layers).
-
-        Left padding is exact: pad keys are masked in attention, pad tokens are identity steps in
-        the RNN, and positions count real tokens only, so each row generates what it would alone.
-        ``static_cache``: decode with ``StaticDecoder`` (fixed buffers; a CUDA-graph replay per token on
-        CUDA), same tokens as the dynamic loop. Returns ``[B, T_prompt + new]`` (finished rows padded
-        with ``pad_token_id``).
-        """
-        if generation_config is not None:
-            max_new_tokens = max_new_tokens or getattr(generation_config, "max_new_tokens", None)
-            do_sample = getattr(generation_config, "do_sample", do_sample)
-        B, T = input_ids.shape
-        if max_new_tokens is None:
-            max_new_tokens = (max_length - T) if max_length is not None else 20
-        eos = eos_token_id if eos_token_id is not None else self.config.eos_token_id
-        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
-        pad = pad_token_id if pad_token_id is not None else (self.config.pad_token_id or 0)
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, *args, **kwargs):
+        """transformers' ``generate``, after checking the padding side: left padding is exact (pad keys are
+        masked in attention, pad tokens are identity steps in the RNNs, positions count real tokens), so each
+        row of a batch generates what it would alone; right padding would decode from a pad."""
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and bool((mask[:, :-1].bool() & ~mask[:, 1:].bool()).any()):
             raise ValueError("generate() needs left padding (a 0 in attention_mask after a 1 found)")
-        # static decode warms up on (then rewinds) two extra slots
-        cache = HypeNetCache(self.config.num_hidden_layers, reserve_tokens=max_new_tokens + 2 * static_cache)
-        out = self(input_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
-        static = None
-        if static_cache and max_new_tokens > 1:
-            from .static_decode import StaticDecoder
-
-            static = StaticDecoder(self, cache, attention_mask=mask)
-        seqs, done = input_ids, torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            nxt = self._pick(logits.float(), do_sample, temperature, top_p, top_k, generator)
-            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            seqs = torch.cat([seqs, nxt[:, None]], dim=1)
-            done = done | torch.isin(nxt, eos)
-            if stopping_criteria is not None:
-                done = done | _as_bool_rows(stopping_criteria(seqs, None), B, seqs.device)
-            if bool(done.all()):
-                break
-            if static is not None:
-                logits = static.step(nxt)
-                continue
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.bool, device=mask.device)], dim=1)
-            logits = self(nxt[:, None], attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
-        return seqs
-
-    @staticmethod
-    def _pick(logits, do_sample, temperature, top_p, top_k, generator):
-        """Greedy, or sampling with temperature / top-k / nucleus top-p. logits ``[B, V]`` fp32."""
-        if not do_sample:
-            return logits.argmax(-1)
-        logits = logits / max(temperature, 1e-6)
-        if top_k:
-            kth = logits.topk(top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
-            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
-
-
-def _as_bool_rows(result, batch: int, device) -> torch.Tensor:
-    """HF stopping criteria return a bool or a ``[B]`` bool tensor."""
-    if isinstance(result, torch.Tensor):
-        return result.to(device=device, dtype=torch.bool).reshape(-1).expand(batch)
-    return torch.full((batch,), bool(result), dtype=torch.bool, device=device)
+        return super().generate(inputs, generation_config, *args, **kwargs)

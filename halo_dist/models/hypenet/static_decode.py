@@ -17,6 +17,10 @@ Left-padded batches (``generate``'s layout) work: row b's first ``pad[b]`` keys 
 attention and its positions count real tokens only (the RNN prefill already made pads identity steps).
 Full-attention and RNN mixers only (sliding-window layers keep a rolling cache: use the dynamic path).
 
+``model.generate(..., cache_implementation="static")`` is the usual way in: its HypeNetCache builds a
+StaticDecoder after the prefill and sends every one-token step through it; a beam-search reorder permutes
+the fixed buffers in place (``StaticDecodeCache.select_rows_``).
+
 ``compile=True`` runs the step through ``torch.compile`` before capture: Inductor fuses the ~30 elementwise
 kernels per layer (RoPE, casts, residual adds, gates) that set the graph's fixed per-token cost.
 """
@@ -98,6 +102,15 @@ class StaticDecodeCache:
     def rnn_states(self) -> list[torch.Tensor]:
         return [e for e in self.layers if not isinstance(e, tuple)]
 
+    def select_rows_(self, idx: torch.Tensor) -> None:
+        """Rows ``idx`` (as many as the batch: a beam-search reorder) of every buffer, in place, so a captured
+        graph keeps reading the same addresses."""
+        idx = idx.to(self.pos.device)
+        for t in self._tensors():
+            t.copy_(t.index_select(0, idx))
+        if self.pad is not None:
+            self.pad.copy_(self.pad.index_select(0, idx))
+
     def decode_attention(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         """Write k/v ``[B, 1, Hkv, D]`` at ``pos``; attend q ``[B, 1, H, D]`` over keys ``0..pos``."""
         kbuf, vbuf = self.layers[layer_idx]
@@ -160,7 +173,7 @@ class StaticDecoder:
 
     def _step_body(self) -> None:
         position_ids = self.cache.position_ids(self.tokens.shape[0])  # [B, 1], no host read
-        out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True)
+        out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True, return_dict=True)
         self.logits.copy_(out.logits[:, -1])
         self.cache.pos.add_(1)
 

@@ -1,0 +1,89 @@
+"""An export behaves as transformers and PEFT users expect (issue 19, items 1 and 2).
+
+A tiny teacher folder with a chat template and a generation_config.json is converted by ``convert`` (the
+``halo-dist convert`` path); the export then runs tests/hf_export_checks.py once in a fresh process without
+halo_dist: generate with GenerationConfig defaults and objects, logits processors, sampling with several
+return sequences, stop strings, a streamer, scores and a continued cache, beam search on left-padded rows
+against an unbatched reference (dynamic and static cache), and a PEFT LoRA fine-tune.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_qwen3
+from hf_export_checks import CHAT_TEMPLATE, CHECKS, TEACHER_GENERATION
+
+from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer
+from halo_dist.models.convert import convert, convert_model
+from halo_dist.models.export import export_hypenet, read_record
+from halo_dist.models.model_card import model_card
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from transformers import GenerationConfig
+
+    root = tmp_path_factory.mktemp("hf_export")
+    teacher = root / "teacher"
+    tiny_qwen3(vocab=BYTE_VOCAB, layers=3).save_pretrained(teacher)
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(teacher)
+    GenerationConfig(bos_token_id=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                     **TEACHER_GENERATION).save_pretrained(teacher)
+    convert(str(teacher), [1], root / "export")
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def fresh_results(export, tmp_path_factory):
+    work = tmp_path_factory.mktemp("fresh")
+    results = work / "results.json"
+    res = subprocess.run([sys.executable, str(HERE / "hf_export_checks.py"), str(export), str(work), str(results)],
+                         capture_output=True, text=True, cwd=work, timeout=600)
+    assert res.returncode == 0 and results.exists(), res.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_fresh_process_export(fresh_results, name):
+    assert fresh_results[name] == "ok", fresh_results[name]
+
+
+def test_export_carries_the_teachers_chat_template_generation_config_and_a_model_card(export):
+    gen = json.loads((export / "generation_config.json").read_text())
+    assert {k: gen[k] for k in TEACHER_GENERATION} == TEACHER_GENERATION and gen["eos_token_id"] == 256
+    assert CHAT_TEMPLATE in (export / "chat_template.jinja").read_text()
+    record = read_record(export)
+    assert record["stage"] == "convert" and record["attn_layers"] == [1] and record["teacher"].endswith("teacher")
+    card = (export / "README.md").read_text()
+    assert "attention at layers [1]" in card and "with its chat template" in card
+    assert '"repetition_penalty": 1.3' in card and "trust_remote_code=True" in card
+
+
+def test_an_export_without_tokenizer_says_so(tmp_path):
+    out = export_hypenet(convert_model(tiny_qwen3(layers=2), [0]), tmp_path / "bare")
+    assert not list(out.glob("tokenizer*"))
+    card = (out / "README.md").read_text()
+    assert "**This export has no tokenizer.**" in card and "exported without a run record" in card
+
+
+def test_model_card_lists_each_stage_with_its_tokens_and_evaluation():
+    student = convert_model(tiny_qwen3(layers=2), [1])
+    record = {"stage": "stage3", "step": 50, "tokens": 3_200, "seq_len": 64, "teacher": "Org/Teacher-1B",
+              "eval": {"eval/kl": 0.25},
+              "history": [{"stage": "convert", "teacher": "Org/Teacher-1B", "attn_layers": [1]},
+                          {"stage": "stage1", "step": 10, "tokens": 1_000, "eval": {"eval/mse": 0.5}},
+                          {"stage": "stage2", "step": 20, "tokens": 2_000, "eval": {"eval/kl": 0.75}}]}
+    card = model_card(student.config, record, tokenizer=True, chat_template=False, generation={"eos_token_id": 1})
+    assert "base_model: Org/Teacher-1B" in card and "distilled from Org/Teacher-1B" in card
+    for row in ("| 1 | conversion (stage 0)", "| 2 | stage 1:", "| 3 | stage 2:", "| 4 | stage 3:"):
+        assert row in card, row
+    assert "| 50 | 3,200 | 64 |" in card and "all stages: 6,200." in card
+    assert "| stage1 | eval/mse | 0.5000 |" in card and "| stage3 | eval/kl | 0.2500 |" in card
+    assert "it has no chat template" in card
