@@ -206,6 +206,8 @@ def test_missing_required_keys():
     (["data.micro_batch_size=7"], "data.global_batch_size", "not a multiple"),
     (["stage.name=stage3", "loss.objective=reverse_kl"], "loss.objective", "stage3 trains with kl|ce"),
     (["stage.name=stage1"], "loss.objective", "stage1 trains with mse"),
+    (["loss.kl_max_position=0"], "loss.kl_max_position", "must be > 0"),
+    (["stage.name=stage3", "loss.objective=ce", "loss.kl_max_position=8192"], "loss.kl_max_position", "objective is ce"),
     (["logging.profile_at_step=-1"], "logging.profile_at_step", "must be >= 0"),
     (["logging.profile_steps=0"], "logging.profile_steps", "must be > 0"),
     (["optim.lr=0"], "optim.lr", "must be > 0"),

@@ -64,7 +64,9 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
     assert [s for s, _ in m2["eval/kl"]] == [0, 4, 8] and m2["eval/kl"][-1][1] < m2["eval/kl"][0][1], m2["eval/kl"]
     assert all(v > 5.0 for _, v in m2["eval/teacher_ce"])  # a random teacher over the real vocabulary: ~ln(151K)
     assert all(v > 0 for _, v in m2["eval/ce"])
-    run_launcher("stage3", s3, f"data.train={shards}", f"model.student_init={s2 / 'final'}", "schedule.total_steps=3")
+    # KL inside the first 32 positions of each document, CE beyond (loss.kl_max_position)
+    run_launcher("stage3", s3, f"data.train={shards}", f"model.student_init={s2 / 'final'}", "schedule.total_steps=3",
+                 "loss.kl_max_position=32")
     assert (s3 / "final" / "modeling_hypenet.py").exists()
     # the export records its recipe: every stage before it with its steps, tokens and last held-out figures
     record = json.loads((s3 / "final" / "halo_dist.json").read_text())

@@ -410,3 +410,50 @@ def test_bench_cpu_smoke(tmp_path):
     assert 0 < result["kl_peak_mem_ratio"] < 1
     assert {"device", "date", "versions"} <= result.keys()
     assert all(c["loss_rel_err"] < 1e-4 for c in result["option_checks"] if c["backend"] != "naive_lowp")
+
+
+def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
+    """``loss.kl_max_position``: forward KL(teacher || student) on rows at document positions < P, next-token
+    CE on the rest, one normalizer; value, token count and student gradients against full float64 logits."""
+    import torch.nn.functional as F
+    from conftest import tiny_qwen3
+
+    from halo_dist.models.convert import convert_model
+    from halo_dist.stages import _split_tokens
+    from halo_dist.stages.distill import DistillModule
+    from halo_dist.stages.teacher import as_exact_hypenet
+
+    torch.manual_seed(0)
+    hf = tiny_qwen3(vocab=64)
+    teacher = as_exact_hypenet(hf).double()
+    student = convert_model(hf, [1]).double()
+    ids = torch.randint(0, 64, (2, 12))
+    pos = torch.stack([torch.arange(12), torch.cat([torch.arange(7), torch.arange(5)])])  # row 1: two documents
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    labels[1, 6] = -100  # no target across the document boundary
+    batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
+    P, norm = 5, 17.0
+    module = DistillModule(student, teacher, kl_max_position=P, chunk_size=7)
+    loss, tracked, count = module(**batch, normalizer=norm)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+
+    h = student(ids, position_ids=pos, return_hidden_only=True).flatten(0, 1)
+    with torch.no_grad():
+        th = teacher(ids, position_ids=pos, return_hidden_only=True).flatten(0, 1)
+    zs, zt = h @ student.lm_head.weight.T, th @ teacher.lm_head.weight.T  # [24, V] float64
+    kl = (zt.softmax(-1) * (zt.log_softmax(-1) - zs.log_softmax(-1))).sum(-1)
+    ce = F.cross_entropy(zs, labels.flatten(), ignore_index=-100, reduction="none")
+    inside = pos.flatten() < P
+    ref = (kl[inside].sum() + ce[~inside].sum()) / norm
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-9), (loss, ref)
+    assert count == int(inside.sum() + ((labels.flatten() != -100) & ~inside).sum()) == _split_tokens(P)(batch) == 22
+    assert torch.allclose(tracked.double(), ref.detach() * norm, rtol=1e-6)
+    for n, p in student.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(got[n], p.grad, rtol=1e-5, atol=1e-9), n
+    # KL everywhere differs: the split is not a no-op
+    everywhere = DistillModule(student, teacher, chunk_size=7)(**batch, normalizer=norm)[0]
+    assert not torch.allclose(everywhere, loss)

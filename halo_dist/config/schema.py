@@ -328,11 +328,19 @@ class LossConfig(Section):
     temperature: float = 1.0  # softmax temperature of both models in KL
     ce_weight: float = 0.0  # extra next-token CE term added to a KL objective (0 = off, §6.2)
     chunk_size: int = 4096  # tokens per chunk of the fused loss (memory vs kernel launches)
+    # KL to the teacher only at document positions below this (the teacher's trained context); beyond
+    # it next-token CE on the text. A teacher past its positions is a wrong target: a long-context stage
+    # would teach the student its failure. null = KL everywhere
+    kl_max_position: Optional[int] = None
 
     def validate(self) -> None:
         _positive("temperature", self.temperature)
         _non_negative("ce_weight", self.ce_weight)
         _positive("chunk_size", self.chunk_size)
+        if self.kl_max_position is not None:
+            _positive("kl_max_position", self.kl_max_position)
+            if self.objective != "kl":
+                fail("kl_max_position", f"splits a forward-KL objective by position; objective is {self.objective}")
         if self.ce_weight > 0 and self.objective not in ("kl", "reverse_kl"):
             fail("ce_weight", f"an extra CE term only applies to KL objectives, "
                  f"not {self.objective}")

@@ -59,6 +59,14 @@ def _ce_tokens(batch: dict) -> int:
     return int((batch["labels"] != -100).sum())
 
 
+def _split_tokens(max_position: int):
+    """Loss tokens of ``loss.kl_max_position``: KL tokens before it, CE tokens (with a label) from it on."""
+    def count(batch: dict) -> int:
+        inside = batch["position_ids"] < max_position
+        return int(inside.sum() + ((batch["labels"] != -100) & ~inside).sum())
+    return count
+
+
 def build_stage_module(cfg: RunConfig):
     """Returns ``(trainable module, frozen teacher or None)`` for ``cfg.stage.name``."""
     from ..models.convert import convert_model
@@ -94,9 +102,11 @@ def build_stage_module(cfg: RunConfig):
     compile_decoder_layers(student, cfg.model.compile)
     compile_decoder_layers(teacher, cfg.model.compile)
     objective = cfg.loss.objective
+    split = cfg.loss.kl_max_position
     module = DistillModule(student, teacher if objective != "ce" else None, objective=objective,
-                           temperature=cfg.loss.temperature, ce_weight=cfg.loss.ce_weight, chunk_size=cfg.loss.chunk_size)
-    module.loss_tokens = _ce_tokens if objective == "ce" else _loss_tokens
+                           temperature=cfg.loss.temperature, ce_weight=cfg.loss.ce_weight, chunk_size=cfg.loss.chunk_size,
+                           kl_max_position=split)
+    module.loss_tokens = _ce_tokens if objective == "ce" else (_split_tokens(split) if split else _loss_tokens)
     module.student_model = lambda: module.student
     return module, (teacher if objective != "ce" else None)
 

@@ -2,7 +2,8 @@
 
 The loss is fused and chunked (``halo_dist.losses``): neither model's ``[tokens × vocab]`` logits
 exist at once. The student returns final hidden states only; the vocabulary projection happens
-inside the loss with the (ZeRO-3-gathered) lm_head. Stage 3's ``ce`` objective skips the teacher.
+inside the loss with the (ZeRO-3-gathered) lm_head. Stage 3's ``ce`` objective skips the teacher;
+``loss.kl_max_position`` keeps KL inside the teacher's trained context and trains CE beyond it.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ class DistillModule(nn.Module):
 
     def __init__(self, student: HypeNetForCausalLM, teacher: HypeNetForCausalLM | None, objective: str = "kl",
                  temperature: float = 1.0, ce_weight: float = 0.0, chunk_size: int | None = None,
-                 direction: str = "forward"):
+                 direction: str = "forward", kl_max_position: int | None = None):
         super().__init__()
         self.student = student
         self._teacher = [teacher]  # frozen and never saved: not a submodule
         self.objective, self.temperature, self.ce_weight = objective, temperature, ce_weight
-        self.chunk_size, self.direction = chunk_size, direction
+        self.chunk_size, self.direction, self.kl_max_position = chunk_size, direction, kl_max_position
         self._zero3 = False
 
     @property
@@ -53,6 +54,9 @@ class DistillModule(nn.Module):
             teacher_weight = self.teacher.lm_head.weight
         if evaluate:
             return self._evaluate(hidden, teacher_hidden, teacher_weight, labels.flatten())
+        if self.kl_max_position is not None:
+            return self._split_loss(hidden, teacher_hidden, teacher_weight, labels.flatten(), position_ids.flatten(),
+                                    normalizer)
         use_ce = self.objective == "ce" or self.ce_weight > 0
         with self._gathered_teacher_head():
             out = fused_distill_loss(
@@ -65,6 +69,20 @@ class DistillModule(nn.Module):
         tracked = out.ce_sum if self.objective == "ce" else out.kl_sum
         count = out.num_ce_tokens if self.objective == "ce" else out.num_tokens
         return out.loss, tracked, count
+
+    def _split_loss(self, hidden, teacher_hidden, teacher_weight, labels, positions, normalizer):
+        """``loss.kl_max_position``: forward KL on the rows whose document position is below it, next-token
+        CE on the rest; one normalizer (the loss tokens of both parts) keeps it a per-token mean."""
+        inside = positions < self.kl_max_position  # [B*T] bool
+        s_w = self.student.lm_head.weight
+        with self._gathered_teacher_head():
+            kl = fused_distill_loss(hidden[inside], s_w, teacher_hidden[inside], teacher_weight,
+                                    labels=labels[inside] if self.ce_weight > 0 else None, direction=self.direction,
+                                    temperature=self.temperature, ce_weight=self.ce_weight,
+                                    chunk_size=self.chunk_size, normalizer=normalizer)
+        ce = fused_distill_loss(hidden[~inside], s_w, None, None, labels=labels[~inside], kl_weight=0.0, ce_weight=1.0,
+                                chunk_size=self.chunk_size, normalizer=normalizer)
+        return kl.loss + ce.loss, kl.kl_sum + ce.ce_sum, kl.num_tokens + ce.num_ce_tokens
 
     def _evaluate(self, hidden, teacher_hidden, teacher_weight, labels) -> dict:
         """Held-out sums: forward KL(teacher || student) per token, student and teacher next-token CE."""
