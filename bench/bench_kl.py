@@ -2,7 +2,8 @@
 
 Default shape = stage 3 of HypeNet-2B on one GPU: 16,384 tokens x 151,936 vocab, hidden 2048
 (student and teacher), bf16. For every backend (naive = full [N, V] logits upcast to fp32;
-torch = our chunked autograd function; liger = Liger-Kernel's Triton fused linear JSD) it measures
+torch = our chunked autograd function; compiled = the same with each chunk's forward KL fused by
+torch.compile; liger = Liger-Kernel's Triton fused linear JSD) it measures
 forward+backward time and peak memory above the inputs, and the agreement of loss and gradients
 with the naive path. A second section checks every option (forward/reverse KL, temperature, mask,
 CE term) of each fused backend against a float64 full-logits reference on a token subset.
@@ -13,6 +14,8 @@ divided by the naive path's.
 
   python bench/bench_kl.py                 # on the GPU
   python bench/bench_kl.py --cpu-smoke     # tiny shapes on CPU (aten-level memory tracking)
+  python bench/bench_kl.py --tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192 \
+      --backends naive,torch,compiled     # a SmolLM2-size stage-2 step's loss: eager vs compiled chunks
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def loss_fn(backend, a):
     if backend == "naive":
         return lambda *x, **kw: naive_distill_loss(*x, direction=a.direction, **kw)
     return lambda *x, **kw: fused_distill_loss(*x, direction=a.direction, backend=backend,
-                                               chunk_size=a.chunk_size if backend == "torch" else None, **kw)
+                                               chunk_size=a.chunk_size if backend in ("torch", "compiled") else None, **kw)
 
 
 def sync(device):
@@ -170,6 +173,8 @@ def option_checks(a, device, backends):
         ref = naive_distill_loss(*ref_in, **kw)
         rg = torch.autograd.grad(ref.loss, ref_in[:2])
         for b in backends:
+            if b == "compiled" and c["direction"] != "forward":
+                continue  # the compiled backend fuses forward KL only
             out = (naive_distill_loss(s_h, s_w, t_h, t_w, upcast=False, **kw) if b == "naive_lowp" else
                    fused_distill_loss(s_h, s_w, t_h, t_w, backend=b, **kw))
             g = torch.autograd.grad(out.loss, [s_h, s_w])

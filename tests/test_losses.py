@@ -457,3 +457,28 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     # KL everywhere differs: the split is not a no-op
     everywhere = DistillModule(student, teacher, chunk_size=7)(**batch, normalizer=norm)[0]
     assert not torch.allclose(everywhere, loss)
+
+
+def test_compiled_backend_matches_the_eager_chunked_path_and_refuses_what_it_does_not_fuse():
+    """backend='compiled' (each chunk's forward KL through torch.compile, inductor's CPU code here) gives the
+    torch backend's loss, sums and gradients; a shorter last chunk reuses the dynamic graph."""
+    from halo_dist.losses._chunked import _COMPILED
+
+    torch.manual_seed(0)
+    n, d, v = 37, 16, 300  # chunk 16: 16 + 16 + 5 rows
+    s_h, t_h = torch.randn(n, d, requires_grad=True), torch.randn(n, d)
+    s_w = (torch.randn(v, d) * 0.3).requires_grad_()
+    t_w = torch.randn(v, d) * 0.3
+    labels = torch.randint(0, v, (n,))
+    labels[::7] = -100
+    out = {}
+    for backend in ("torch", "compiled"):
+        o = fused_distill_loss(s_h, s_w, t_h, t_w, labels=labels, ce_weight=0.3, normalizer=11.0, chunk_size=16,
+                               temperature=1.5, backend=backend)
+        gh, gw = torch.autograd.grad(o.loss, (s_h, s_w))
+        out[backend] = (o.loss.detach(), o.kl_sum, o.ce_sum, gh, gw)
+    for a, b in zip(out["torch"], out["compiled"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a, b)
+    assert "forward_kl" in _COMPILED
+    with pytest.raises(ValueError, match="forward KL only"):
+        fused_distill_loss(s_h, s_w, t_h, t_w, direction="reverse", backend="compiled")

@@ -35,8 +35,9 @@ NaN), which costs one host sync for the count.
 Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Triton
 ``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
 CPU, used by the tests as an independent cross-check), ``"auto"`` (torch everywhere: faster and smaller
-than Liger on the H200, BENCHMARKS.md). Both return identical quantities (see ``_liger.py`` for the
-conventions we adapt).
+than Liger on the H200, BENCHMARKS.md), ``"compiled"`` (the torch path with each chunk's forward KL and
+its gradient compiled by torch.compile into a few fused passes over the chunk; forward KL only). All
+return identical quantities (see ``_liger.py`` for the conventions we adapt).
 
 ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
 be a leaf parameter or a non-leaf tensor; it is not saved for backward (the gradient is), so
@@ -55,7 +56,7 @@ from halo_dist.losses._liger import liger_available, liger_chunked, liger_cuda
 
 DIRECTIONS = ("forward", "reverse")
 DIRECTION_BETA = {"forward": 0.0, "reverse": 1.0}  # the same divergence as a generalized-JSD beta
-BACKENDS = ("auto", "torch", "liger")
+BACKENDS = ("auto", "torch", "liger", "compiled")
 
 
 @dataclass
@@ -245,14 +246,16 @@ def fused_distill_loss(
         chunk_size = auto_chunk_size(student_weight.shape[0], memory_budget_bytes)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    cfg = ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), **opts)
+    which = _pick_backend(backend, s_h.device, n)
+    if which == "compiled" and opts["beta"] != 0.0:
+        raise ValueError(f"backend='compiled' computes forward KL only (beta 0); got beta={opts['beta']}")
+    cfg = ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), compiled=which == "compiled", **opts)
     norm = 1.0 if normalizer is None else normalizer
     if not torch.is_tensor(norm) and not norm > 0:  # tensors are not checked (no host sync)
         raise ValueError(f"normalizer must be > 0; got {normalizer}")
-    which = _pick_backend(backend, s_h.device, n)
     # Autocast would silently re-cast our fp32 matmuls to bf16: precision is handled explicitly.
     with torch.autocast(s_h.device.type, enabled=False):
-        if which == "torch":
+        if which in ("torch", "compiled"):
             loss, kl_sum, ce_sum = FusedDistillFunction.apply(
                 s_h, student_weight, t_h, teacher_weight, labels, cfg, norm)
         else:

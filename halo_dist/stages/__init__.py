@@ -105,7 +105,7 @@ def build_stage_module(cfg: RunConfig):
     split = cfg.loss.kl_max_position
     module = DistillModule(student, teacher if objective != "ce" else None, objective=objective,
                            temperature=cfg.loss.temperature, ce_weight=cfg.loss.ce_weight, chunk_size=cfg.loss.chunk_size,
-                           kl_max_position=split)
+                           kl_max_position=split, backend=cfg.loss.backend)
     module.loss_tokens = _ce_tokens if objective == "ce" else (_split_tokens(split) if split else _loss_tokens)
     module.student_model = lambda: module.student
     return module, (teacher if objective != "ce" else None)

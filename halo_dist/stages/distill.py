@@ -22,12 +22,13 @@ class DistillModule(nn.Module):
 
     def __init__(self, student: HypeNetForCausalLM, teacher: HypeNetForCausalLM | None, objective: str = "kl",
                  temperature: float = 1.0, ce_weight: float = 0.0, chunk_size: int | None = None,
-                 direction: str = "forward", kl_max_position: int | None = None):
+                 direction: str = "forward", kl_max_position: int | None = None, backend: str = "auto"):
         super().__init__()
         self.student = student
         self._teacher = [teacher]  # frozen and never saved: not a submodule
         self.objective, self.temperature, self.ce_weight = objective, temperature, ce_weight
         self.chunk_size, self.direction, self.kl_max_position = chunk_size, direction, kl_max_position
+        self.backend = backend  # of the fused loss while training (evaluation keeps the default)
         self._zero3 = False
 
     @property
@@ -64,7 +65,7 @@ class DistillModule(nn.Module):
                 labels=labels.flatten() if use_ce else None, direction=self.direction,
                 temperature=self.temperature, kl_weight=0.0 if self.objective == "ce" else 1.0,
                 ce_weight=1.0 if self.objective == "ce" else self.ce_weight,
-                chunk_size=self.chunk_size, normalizer=normalizer,
+                chunk_size=self.chunk_size, normalizer=normalizer, backend=self.backend,
             )
         tracked = out.ce_sum if self.objective == "ce" else out.kl_sum
         count = out.num_ce_tokens if self.objective == "ce" else out.num_tokens
@@ -79,9 +80,9 @@ class DistillModule(nn.Module):
             kl = fused_distill_loss(hidden[inside], s_w, teacher_hidden[inside], teacher_weight,
                                     labels=labels[inside] if self.ce_weight > 0 else None, direction=self.direction,
                                     temperature=self.temperature, ce_weight=self.ce_weight,
-                                    chunk_size=self.chunk_size, normalizer=normalizer)
+                                    chunk_size=self.chunk_size, normalizer=normalizer, backend=self.backend)
         ce = fused_distill_loss(hidden[~inside], s_w, None, None, labels=labels[~inside], kl_weight=0.0, ce_weight=1.0,
-                                chunk_size=self.chunk_size, normalizer=normalizer)
+                                chunk_size=self.chunk_size, normalizer=normalizer, backend=self.backend)
         return kl.loss + ce.loss, kl.kl_sum + ce.ce_sum, kl.num_tokens + ce.num_ce_tokens
 
     def _evaluate(self, hidden, teacher_hidden, teacher_weight, labels) -> dict:
