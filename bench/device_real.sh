@@ -26,6 +26,7 @@ PAUSE_AFTER=${PAUSE_AFTER:-}  # or end the piece once this step has run (select-
 PE=${PE:-}                    # model.pe of stages 1-2: empty (HyPE) or all_rope (the ablation; use another HALO_WORK)
 ATTN_LAYERS=${ATTN_LAYERS:-}  # keep these attention layers (an ablation keeps the HyPE run's) instead of selecting
 TEACHER_EVAL=${TEACHER_EVAL:-}  # none: the teacher's figures come from the HyPE run (same harness)
+LOSS_BACKEND=${LOSS_BACKEND:-}  # loss.backend of stages 2-3 (compiled: see R1's eager-vs-compiled loss table)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -70,6 +71,10 @@ R1)
     --heldout-fraction 0.2 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
   ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
+  # the fused loss of one stage-2 step of this pair (128 x 512 tokens, SmolLM2's vocabulary), eager vs compiled
+  KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
+  timeout 150 python3 bench/bench_kl.py $KL_SHAPE --backends torch,compiled --out $W/kl_smollm2.json > $W/kl_smollm2.log 2>&1
+  echo "kl bench rc $?"; grep -A6 "^backend\|fwd+bwd" $W/kl_smollm2.log | head -12
   wait
   tail -5 $W/warmup.log; cat $W/warmup_runs/stage2_warmup/profile/summary.txt; tail -25 $W/corpus.log
   bundle R1
@@ -82,7 +87,7 @@ R2|R3)
       && mv $W/smol.gguf.tmp $W/smol.gguf
   fi
   $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \
-    --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+    --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac

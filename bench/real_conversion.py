@@ -73,6 +73,8 @@ def parse_args(argv=None):
                         "HyPE ablation. The results record it (pe) and go to real_conversion_<pe>.json / _*.png")
     r.add_argument("--attn-layers", default="", help="keep these attention layers instead of selecting them (an "
                                                       "ablation keeps the HyPE run's: only --pe then differs)")
+    r.add_argument("--loss-backend", choices=("", "auto", "torch", "compiled", "liger"), default="",
+                   help="loss.backend of stages 2-3 (empty: the configs'); see warmup's kl_smollm2.json")
     r.add_argument("--teacher-eval", choices=("", *TEACHER_EVAL_CHOICES), default="",
                    help="empty: the preset's (with-stages); none: the teacher's figures come from another run")
     c = sub.choices["compare"]
@@ -154,6 +156,7 @@ def settings_for(a) -> DemoSettings:
     s.pe = a.pe
     s.attn_layers = a.attn_layers
     s.teacher_eval = a.teacher_eval or s.teacher_eval
+    s.loss_backend = a.loss_backend
     return s
 
 

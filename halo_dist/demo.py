@@ -53,6 +53,7 @@ class DemoSettings:
     stage3_micro_batch: int = 1
     compile: str = "none"  # model.compile of stage 2: none | mlp | layer
     stage3_compile: str = "none"  # model.compile of stage 3 (a short stage: compiling may cost more than it saves)
+    loss_backend: str = ""  # loss.backend of stages 2-3 (auto | torch | compiled | liger); empty: the configs'
     # model.pe of stages 1 and 2 (stage 3 keeps the stage-2 folder's); empty: hype. all_rope keeps the teacher's
     # attention RoPE, trained without logits scaling (the HyPE ablation): hype | all_rope | all_nope | attn_rope_rnn_nope
     pe: str = ""
@@ -329,6 +330,8 @@ class Demo:
         pe = [f"model.pe={s.pe}"] if s.pe and stage != "stage3" else []
         if pe and PE_ROPE[s.pe][0]:
             pe.append("model.logits_scaling_a=null")
+        if s.loss_backend and stage != "stage1":  # stage 1 aligns hidden states: no vocabulary loss
+            pe.append(f"loss.backend={s.loss_backend}")
         return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
                 f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
                 f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",

@@ -185,6 +185,17 @@ def test_teacher_eval_setting_is_validated():
     assert DemoSettings.h200("x").teacher_eval == "with-stages" and DemoSettings.tiny("x").teacher_eval == "at-end"
 
 
+def test_loss_backend_setting_reaches_the_kl_stages_only(tmp_path):
+    from halo_dist.config import load_config
+    from halo_dist.demo import Demo, DemoSettings
+
+    demo = Demo(DemoSettings(out=str(tmp_path), loss_backend="compiled"))
+    given = {st: [a for a in demo.launcher(st) if a.startswith("loss.backend=")] for st in ("stage1", "stage2", "stage3")}
+    assert given == {"stage1": [], "stage2": ["loss.backend=compiled"], "stage3": ["loss.backend=compiled"]}
+    cmd = demo.launcher("stage3")
+    assert load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:]).loss.backend == "compiled"
+
+
 def test_teacher_eval_none_evaluates_only_the_student(tmp_path):
     from halo_dist.demo import Demo, DemoSettings
 
