@@ -319,8 +319,9 @@ def return_dict_in_generate_scores_logits_and_continue_from_its_cache(ctx):
         assert torch.allclose(out.scores[step], process(seq, raw), atol=1e-5), step
         seq = torch.cat([seq, process(seq, raw).argmax(-1, keepdim=True)], 1)
     assert out.sequences.tolist() == seq.tolist()
-    assert type(out.cache).__name__ == "HypeNetCache" and out.cache.get_seq_length() == seq.shape[1] - 1
-    more = m.generate(out.sequences, cache=out.cache, max_new_tokens=3, eos_token_id=[])
+    cache = out.cache if "cache" in out else out.past_key_values  # the field's name before transformers' rename
+    assert type(cache).__name__ == "HypeNetCache" and cache.get_seq_length() == seq.shape[1] - 1
+    more = m.generate(out.sequences, cache=cache, max_new_tokens=3, eos_token_id=[])
     assert more.tolist() == reference(m, out.sequences[0], 3).tolist(), more
 
 

@@ -70,7 +70,8 @@ def test_generate_continues_from_the_cache_it_returned(mixers, impl):
     model = tiny_model(mixers)
     ids = torch.randint(1, 97, (2, 9))
     first = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True, cache_implementation=impl)
-    more = model.generate(first.sequences, cache=first.cache, max_new_tokens=6)
+    cache = first.cache if "cache" in first else first.past_key_values  # the field's name before transformers' rename
+    more = model.generate(first.sequences, cache=cache, max_new_tokens=6)
     assert torch.equal(more, model.generate(ids, max_new_tokens=9))
 
 

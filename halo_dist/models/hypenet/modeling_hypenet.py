@@ -196,7 +196,9 @@ class SequenceInfo:
 
 @dataclass
 class HypeNetCausalLMOutput(ModelOutput):
-    """Our own output class: transformers renamed ``past_key_values`` to ``cache`` between 5.17 and 5.24."""
+    """Our own output class: transformers renamed ``past_key_values`` to ``cache`` between 5.17 and 5.24, and
+    both attribute names work here. (Older generate looks the cache up in the output under ``past_key_values``,
+    finds nothing and decodes on with the HypeNetCache it passed in, which the forward updated in place.)"""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -228,6 +230,10 @@ class HypeNetCache(Cache):
     run through ``StaticDecoder`` on this cache's buffers (a CUDA-graph replay per token on CUDA, the same
     step eagerly elsewhere); ``max_cache_len`` then bounds the tokens it can hold.
     """
+
+    # A plain attribute, declared on the class so that it shadows transformers 5.17's read-only (deprecated)
+    # ``Cache.max_cache_len`` property, which would refuse the assignment in __init__.
+    max_cache_len: int | None = None
 
     def __init__(self, num_layers: int, reserve_tokens: int = 0, max_cache_len: int | None = None,
                  static: bool = False):
@@ -1176,17 +1182,17 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel, GenerationMixin):
             tokens = max(tokens, generation_config.max_cache_len or 0) + STATIC_WARMUP_TOKENS
         model_kwargs[key] = HypeNetCache(self.config.num_hidden_layers, max_cache_len=tokens, static=static)
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
-                                      **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None, **kwargs):
         """transformers' preparation, which slices off the tokens a restarted cache holds only when some layer
-        keeps keys: here the cache counts its tokens for RNN-only models too."""
-        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        keeps keys: here the cache counts its tokens for RNN-only models too. The cache travels in ``kwargs``
+        under the installed transformers' name (``_GENERATE_CACHE_KWARG``)."""
+        cache = kwargs.get(_GENERATE_CACHE_KWARG)
         seen = cache.get_seq_length() if isinstance(cache, HypeNetCache) else 0
         if (next_sequence_length is None and seen and input_ids.shape[1] > seen and kwargs.get("inputs_embeds") is None
                 and (attention_mask is None or attention_mask.shape[1] == input_ids.shape[1])):
             next_sequence_length = input_ids.shape[1] - seen
         return super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask, **kwargs)
+            input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask, **kwargs)
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, *args, **kwargs):
@@ -1196,4 +1202,10 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel, GenerationMixin):
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() == 2 and bool((mask[:, :-1].bool() & ~mask[:, 1:].bool()).any()):
             raise ValueError("generate() needs left padding (a 0 in attention_mask after a 1 found)")
+        if _GENERATE_CACHE_KWARG != "cache" and kwargs.get("cache") is not None:
+            # transformers before the rename only knows past_key_values=: a cache passed as cache= (the newer
+            # spelling) would otherwise reach the forward beside a fresh one that generate made
+            if kwargs.get(_GENERATE_CACHE_KWARG) is not None:
+                raise ValueError("pass the cache as cache= or past_key_values=, not both")
+            kwargs[_GENERATE_CACHE_KWARG] = kwargs.pop("cache")
         return super().generate(inputs, generation_config, *args, **kwargs)
