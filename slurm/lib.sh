@@ -45,7 +45,7 @@ HALO_NODES_SET=${HALO_NODES:+1}             # the user chose HALO_NODES (wins ov
 : "${HALO_EVAL_GPUS:=1}"                    # select / calibrate / export / eval run one process on one GPU
 : "${HALO_EXCLUSIVE:=1}"                    # training stages: --exclusive --mem=0
 : "${HALO_SIGNAL_LEAD:=300}"                # --signal=B:USR1@<seconds before the time limit>
-: "${HALO_RDZV_PORT:=29500}"
+: "${HALO_RDZV_PORT:=}"                     # torchrun's rendezvous port; default: one per job (halo_rdzv_port)
 : "${HALO_SHUTDOWN_TIMEOUT:=240}"           # torchrun waits this long for workers to checkpoint after a signal
 : "${HALO_MAX_REQUEUES:=100}"
 : "${HALO_DRY_RUN:=0}"
@@ -246,7 +246,7 @@ halo_refuse_duplicates() {  # a second chain writing the same HALO_RUNS would co
     [[ ${HALO_ALLOW_DUPLICATE:-0} == 1 ]] && return 0
     command -v squeue >/dev/null || return 0
     local line
-    line=$(squeue -h --me -o '%i|%j|%k' 2>/dev/null | grep -F "|halo:$HALO_RUNS" | head -n 3 || true)
+    line=$(squeue -h --me -o '%i|%j|%k' 2>/dev/null | awk -F'|' -v c="halo:$HALO_RUNS" '$3 == c' | head -n 3 || true)
     [[ -z $line ]] || halo_die "jobs for $HALO_RUNS are already queued or running (${line//$'\n'/; }): wait or scancel them, or set HALO_ALLOW_DUPLICATE=1"
 }
 
@@ -312,13 +312,21 @@ halo_head_node() {  # first host of the allocation: the torchrun rendezvous endp
     printf '%s' "${hosts[0]}"
 }
 
+halo_rdzv_port() {
+    # HALO_RDZV_PORT, else a port derived from the job id (15000-29999, below Linux's ephemeral range):
+    # two jobs sharing a node (array tasks, HALO_EXCLUSIVE=0) must not meet in one rendezvous store
+    if [[ -n $HALO_RDZV_PORT ]]; then printf '%s' "$HALO_RDZV_PORT"
+    elif [[ ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]]; then printf '%s' $((15000 + SLURM_JOB_ID % 15000))
+    else printf '<15000 + job id %% 15000>'; fi
+}
+
 halo_torchrun_cmd() {  # halo_torchrun_cmd SCRIPT ARGS...: srun -> one torchrun per node -> GPUS ranks each
     local nnodes=${SLURM_NNODES:-1} head
     head=$(halo_head_node) || exit 2
     HALO_CMD=(srun "--nodes=$nnodes" "--ntasks=$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpu-bind=none)
     [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && HALO_CMD+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
     HALO_CMD+=("$HALO_TORCHRUN" --nnodes "$nnodes" --nproc_per_node "$HALO_GPUS_PER_NODE"
-        --rdzv_backend c10d --rdzv_endpoint "$head:$HALO_RDZV_PORT" --rdzv_id "${SLURM_JOB_ID:-0}"
+        --rdzv_backend c10d --rdzv_endpoint "$head:$(halo_rdzv_port)" --rdzv_id "${SLURM_JOB_ID:-0}"
         --max_restarts 0 "$@")
 }
 
@@ -330,12 +338,13 @@ halo_one_cmd() {  # halo_one_cmd CMD...: one task on the first node
 
 halo_forward() {
     # Trap handler: remember the signal and pass it on to the supervised srun, which forwards it to its
-    # tasks (torchrun, which forwards it to the ranks). Sent as TERM by default: every torchrun version
-    # forwards TERM to its workers, while USR1 reaches them only where TORCHELASTIC_SIGNALS_TO_HANDLE is
-    # honoured; the trainers treat TERM and USR1 alike (checkpoint at the next step, exit 0).
-    # HALO_FORWARD_SIGNAL=same forwards the received signal unchanged.
+    # tasks (torchrun, which forwards it to the ranks: TORCHELASTIC_SIGNALS_TO_HANDLE includes SIGUSR1).
+    # Sent as USR1 whatever arrived: srun answers TERM, HUP and QUIT by sending SIGKILL to its tasks,
+    # which would kill the ranks before they save; USR1 and USR2 it forwards unchanged. The trainers
+    # treat USR1 and TERM alike (checkpoint at the next step, exit 0). HALO_FORWARD_SIGNAL=same forwards
+    # the received signal unchanged, HALO_FORWARD_SIGNAL=<name> sends that one.
     HALO_GOT_SIGNAL=$1
-    local sig=${HALO_FORWARD_SIGNAL:-TERM}
+    local sig=${HALO_FORWARD_SIGNAL:-USR1}
     [[ $sig == same ]] && sig=$1
     printf '# received SIG%s: forwarding SIG%s to pid %s\n' "$1" "$sig" "${HALO_CHILD_PID:-none}"
     [[ -n $HALO_CHILD_PID ]] && kill -s "$sig" "$HALO_CHILD_PID" 2>/dev/null

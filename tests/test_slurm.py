@@ -193,6 +193,8 @@ def test_queued_chain_for_the_same_runs_is_refused(slurm_env):
     res = run("halo_8b.sh", env, FAKE_SQUEUE=f"77|halo-8b-stage2|halo:{env['HALO_RUNS']}\n")
     assert res.returncode == 2 and "already queued or running" in res.stderr
     assert calls(log, "sbatch") == []
+    res = run("halo_8b.sh", env, FAKE_SQUEUE=f"78|halo-8b-stage2|halo:{env['HALO_RUNS']}-v2\n")  # another folder
+    assert res.returncode == 0, res.stderr
 
 
 def test_missing_environment_stops_before_submitting(slurm_env):
@@ -279,16 +281,19 @@ def test_stage_job_rendezvous_and_selected_layers(slurm_env):
     i = argv.index("torchrun")
     assert argv[:i] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpu-bind=none"]
     assert argv[i + 1:i + 13] == ["--nnodes", "3", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
-                                  "--rdzv_endpoint", "gpu-node07:29500", "--rdzv_id", "4242", "--max_restarts", "0"]
+                                  "--rdzv_endpoint", "gpu-node07:19242", "--rdzv_id", "4242", "--max_restarts", "0"]
     assert argv[i + 13:i + 16] == ["launchers/stage2.py", "--config", "configs/stages/9b/stage2.yaml"]
     assert {"model.attn_layers=2,3,6", f"model.stage1_weights={runs}/stage1/final", f"data.train={env['HALO_DATA']}",
             f"logging.run_dir={runs}/stage2"} <= set(argv)
     (srun_env,) = calls(log, "srun-env")
     assert "TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in srun_env
     assert calls(log, "scontrol")[1:] == []  # finished: no requeue
+    (runs / "stage2" / "final" / "DONE").unlink()
+    res = run("halo_8b.sh", step_env(env, "stage2", FAKE_SRUN="finish", HALO_RDZV_PORT="29500"))
+    assert res.returncode == 0 and "gpu-node07:29500" in calls(log, "srun")[-1]
 
 
-@pytest.mark.parametrize("forward,expected", [("", "TERM"), ("same", "USR1")])
+@pytest.mark.parametrize("forward,expected", [("", "USR1"), ("TERM", "TERM")])
 def test_stage_job_forwards_signal_and_requeues(slurm_env, forward, expected):
     env, log = slurm_env
     job_env = step_env(env, "stage1", FAKE_SRUN="wait", HALO_FORWARD_SIGNAL=forward)
