@@ -70,7 +70,21 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     missing = [k for k, p in model.state_dict().items() if p.is_meta]
     if missing:
         raise ExportError(f"checkpoint {ckpt} lacks {missing[:3]} ...")
-    return export_hypenet(model, output, extra={"checkpoint": str(ckpt), "step": meta["step"]})
+    return export_hypenet(model, output, tokenizer=run_tokenizer(ckpt),
+                          extra={"checkpoint": str(ckpt), "step": meta["step"]})
+
+
+def run_tokenizer(ckpt: Path):
+    """The tokenizer the stage puts into its own final folder (the initial student's, else the teacher's),
+    read through the checkpoint's config; None for a random teacher or one that no longer loads here."""
+    from ..config import ConfigError, load_resolved
+    from ..stages import _teacher_tokenizer
+
+    try:
+        cfg = load_resolved(ckpt / "config.yaml")
+    except (ConfigError, OSError, ValueError):
+        return None
+    return _teacher_tokenizer(cfg)
 
 
 def _stage1_weights(weights: dict) -> dict:
@@ -85,6 +99,9 @@ def _stage1_weights(weights: dict) -> dict:
 def cmd_export(args) -> int:
     out = export_checkpoint(args.checkpoint, args.output)
     print(f"exported {args.checkpoint} -> {out}")
+    if (out / "config.json").exists() and not (out / "tokenizer_config.json").exists():
+        print(f"note: {out} holds no tokenizer (the run's teacher has none, or it does not load here): "
+              "NIAH and lm-eval need one in the model folder", flush=True)
     return 0
 
 
