@@ -49,6 +49,8 @@ HALO_NODES_SET=${HALO_NODES:+1}             # the user chose HALO_NODES (wins ov
 : "${HALO_SHUTDOWN_TIMEOUT:=240}"           # torchrun waits this long for workers to checkpoint after a signal
 : "${HALO_MAX_REQUEUES:=100}"
 : "${HALO_DRY_RUN:=0}"
+: "${HALO_WAIT:=0}"                         # 1: the driver stays until the chain ends and reports how it ended
+: "${HALO_WAIT_POLL:=30}"                   # seconds between two looks at the chain's jobs
 
 HALO_PREVIEW=0          # 1 while the driver prints, in a dry run, what each step job will run
 HALO_JOB_ID=""          # id of the job the last halo_sbatch submitted
@@ -300,6 +302,65 @@ halo_sbatch() {
     halo_log "submitted $step: job $HALO_JOB_ID"
 }
 
+halo_job_field() {  # halo_job_field LINE KEY: the value of KEY=... in a `scontrol show job -o` line
+    local re="(^| )$2=([^ ]*)"
+    [[ $1 =~ $re ]] && printf '%s' "${BASH_REMATCH[2]}"
+    return 0
+}
+
+halo_wait_chain() {
+    # halo_wait_chain STEP:JOB ...: HALO_WAIT=1. Wait until every job of the chain completed and its step
+    # is done (exit 0), or name the first step that ended otherwise, with its state, exit code, log and
+    # last error lines, and the steps that will not run (exit 1). A requeued job is still waiting.
+    halo_posint HALO_WAIT_POLL "$HALO_WAIT_POLL"
+    local spec step id line state seen="" now
+    halo_log "HALO_WAIT=1: waiting for the chain (a look every ${HALO_WAIT_POLL}s)"
+    while :; do
+        local bad="" active="" i=0 idx=0
+        for spec in "$@"; do
+            step=${spec%%:*}; id=${spec#*:}
+            line=$(scontrol show job -o "$id" 2>/dev/null | head -n 1) || line=""
+            state=$(halo_job_field "$line" JobState)
+            case $state in
+                COMPLETED)
+                    halo_step_is_done "$step" || { bad=$spec; idx=$i; break; } ;;
+                "")  # the record is gone (MinJobAge): the step's marker decides
+                    halo_step_is_done "$step" || { bad=$spec; idx=$i; break; } ;;
+                PENDING|CONFIGURING|RUNNING|COMPLETING|REQUEUED|REQUEUE_HOLD|REQUEUE_FED|RESIZING|SUSPENDED|SIGNALING|STAGE_OUT|POWER_UP_NODE)
+                    active="$step (job $id) $state, restart $(halo_job_field "$line" Restarts)"
+                    break ;;
+                *) bad=$spec; idx=$i; break ;;
+            esac
+            i=$((i + 1))
+        done
+        if [[ -n $bad ]]; then
+            step=${bad%%:*}; id=${bad#*:}
+            local log=$RUNS/logs/$step-$id.log what
+            if [[ -z $state ]]; then what="is no longer known to Slurm"
+            else what="ended $state (exit code $(halo_job_field "$line" ExitCode), reason $(halo_job_field "$line" Reason))"; fi
+            printf 'error: step %s (job %s) %s without finishing: %s missing; log: %s\n' \
+                "$step" "$id" "$what" "$(halo_step_done_file "$step")" "$log" >&2
+            if [[ -f $log ]]; then grep -a '^error:' "$log" | tail -n 3 | sed 's/^/  | /' >&2 || true; fi
+            local -a rest=("${@:idx+2}")
+            if ((${#rest[@]})); then
+                printf 'not run: %s (their afterok dependency on job %s can no longer be met; Slurm cancels them)\n' \
+                    "$(for spec in "${rest[@]}"; do printf '%s ' "${spec%%:*}"; done | sed 's/ $//')" "$id" >&2
+            fi
+            return 1
+        fi
+        if [[ -z $active ]]; then
+            halo_log "chain finished: every step done (outputs under $RUNS)"
+            return 0
+        fi
+        if [[ $active != "$seen" ]]; then
+            now=$(date +%H:%M:%S)
+            halo_log "$now $active"
+            seen=$active
+        fi
+        sleep "$HALO_WAIT_POLL"
+    done
+}
+
 # ------------------------------------------------------------------------------------------------
 # Step jobs: launching, signal forwarding, requeue
 # ------------------------------------------------------------------------------------------------
@@ -418,8 +479,13 @@ halo_manifest_complete() {  # halo_manifest_complete DIR: data prep finished the
 
 halo_prep_cmd() {  # halo_prep_cmd OUT TOKENIZER TOKENS HF_CONFIG: the data prep command (resumes on re-run)
     local procs=${SLURM_CPUS_PER_TASK:-$HALO_PREP_CPUS}
-    halo_one_cmd "$HALO_PYTHON" -m data_prep.tokenize --hf-dataset "$HALO_HF_DATASET" --hf-config "$4" \
-        --tokenizer "$2" --out "$1" --max-tokens "$3" --heldout-fraction "$HALO_HELDOUT_FRACTION" --num-proc "$procs"
+    local -a source=(--hf-dataset "$HALO_HF_DATASET" --hf-config "$4")
+    # another corpus: local files (--input 'corpus/*.jsonl.gz', the glob expanded by data prep) or --wiki-offline
+    [[ -n ${HALO_PREP_SOURCE:-} ]] && read -r -a source <<< "$HALO_PREP_SOURCE"
+    halo_split "${HALO_PREP_ARGS:-}"
+    halo_one_cmd "$HALO_PYTHON" -m data_prep.tokenize "${source[@]}" \
+        --tokenizer "$2" --out "$1" --max-tokens "$3" --heldout-fraction "$HALO_HELDOUT_FRACTION" --num-proc "$procs" \
+        "${HALO_WORDS[@]}"
 }
 
 halo_split() {  # halo_split "a b c" -> HALO_WORDS=(a b c)
@@ -652,6 +718,7 @@ halo_pipeline_driver() {
     run_cmd mkdir -p "$RUNS/logs"
 
     local script=$HALO_REPO/slurm/halo_$HALO_SIZE.sh dep="" step
+    local -a submitted=()
     for step in "${HALO_STEPS[@]}"; do
         if [[ $step == prep && ${HALO_SKIP_PREP:-0} == 1 ]]; then
             halo_log "skip prep: HALO_SKIP_PREP=1"
@@ -666,13 +733,18 @@ halo_pipeline_driver() {
         halo_sbatch "halo-$HALO_SIZE-$step" "$step" "$(halo_step_kind "$step")" "$(halo_step_nodes "$step")" \
             "$dep" "$RUNS/logs/$step-%j.log" "$script"
         dep="afterok:$HALO_JOB_ID"
+        submitted+=("$step:$HALO_JOB_ID")
         if halo_is_dry; then   # show what the job will run, with this step's node count
             HALO_PREVIEW=1 HALO_STEP=$step SLURM_NNODES=$(halo_step_nodes "$step") SLURM_JOB_ID=$HALO_JOB_ID \
                 SLURM_CPUS_PER_TASK="" halo_pipeline_step_body "$step"
         fi
     done
     [[ -n $dep ]] || halo_log "every step is done: nothing to submit (outputs under $RUNS)"
-    halo_is_dry && halo_log "dry run: nothing was submitted"
+    if halo_is_dry; then
+        halo_log "dry run: nothing was submitted"
+    elif [[ $HALO_WAIT == 1 && ${#submitted[@]} -gt 0 ]]; then
+        halo_wait_chain "${submitted[@]}" || exit 1
+    fi
     return 0
 }
 

@@ -129,7 +129,7 @@ def complete_manifest(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("size,config_dir", [("8b", "configs/stages/9b"), ("5b", "configs/stages/5b"),
-                                             ("2b", "configs/stages/2b")])
+                                             ("2b", "configs/stages/2b"), ("tiny", "configs/stages/tiny")])
 def test_dry_run_prints_every_command_in_order(slurm_env, size, config_dir):
     env, log = slurm_env
     res = run(f"halo_{size}.sh", env, HALO_DRY_RUN="1")
@@ -143,6 +143,16 @@ def test_dry_run_prints_every_command_in_order(slurm_env, size, config_dir):
     assert "--dependency=afterok:dry-stage2" in out  # stage 3 waits for stage 2
     assert "nothing was submitted" in out
     assert log.read_text() == "", "a dry run must not call any Slurm tool"
+
+
+def test_data_prep_reads_another_corpus(slurm_env):
+    env, log = slurm_env
+    res = run("halo_2b.sh", env, HALO_DRY_RUN="1", HALO_PREP_SOURCE="--input corpus/*.jsonl.gz",
+              HALO_PREP_ARGS="--text-field body --max-docs 10")
+    assert res.returncode == 0, res.stderr
+    (prep,) = [line for line in res.stdout.splitlines() if "data_prep.tokenize" in line]
+    assert "--input 'corpus/*.jsonl.gz' --tokenizer Qwen/Qwen3-8B" in prep and "--hf-dataset" not in prep
+    assert prep.endswith("--text-field body --max-docs 10")
 
 
 def test_submission_chain_dependencies_resources_and_environment(slurm_env):
