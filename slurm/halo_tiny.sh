@@ -1,15 +1,15 @@
 #!/bin/bash
-# The HALO chain at the tiny CPU sizes (configs/stages/tiny, 4-layer students, a few hundred steps, offline
-# Wikipedia extracts): every step of slurm/halo_{2b,5b,8b}.sh as the same chained jobs, in minutes, with
-# one rank per job on CPU. It checks a cluster's Slurm set-up (partitions, accounts, GPU requests,
-# dependencies, requeue, the venv in the jobs) before a real size is submitted.
+# The HALO chain at the tiny CPU sizes: every step of slurm/halo_{2b,5b,8b}.sh as the same chained jobs,
+# on configs/tiny/slurm (tens of steps at 64-256 tokens), 200 offline Wikipedia extracts and CPU flags
+# for the evaluation steps, one rank per job. It checks a cluster's Slurm set-up (partitions, accounts,
+# GPU requests, dependencies, requeue, the venv inside the jobs) in minutes, before a real size.
 #
 #   export HALO_DATA=/scratch/$USER/data/tiny-wiki HALO_RUNS=/scratch/$USER/runs/halo-tiny HALO_TEACHER=/path/to/small/teacher
 #   HALO_WAIT=1 bash slurm/halo_tiny.sh -p gpu -A myproj     # submit, wait, report the first failing step
 #
-# HALO_TEACHER: any small Qwen3/Llama folder or hub id whose tokenizer data prep can use (e.g. the bundled
-# SmolLM2: python -c 'from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())').
-# Every default below is a HALO_* variable of the README "Slurm" section and can be overridden.
+# HALO_TEACHER: a small Qwen3/Llama folder or hub id with a tokenizer (data prep uses it), e.g. the bundled
+# SmolLM2: python -c 'from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())'
+# Every default below is a HALO_* variable of the README section "Slurm" and can be overridden.
 #SBATCH --job-name=halo-tiny
 #SBATCH --output=halo-tiny-%j.log
 #SBATCH --open-mode=append
@@ -19,7 +19,7 @@
 # shellcheck disable=SC2034  # read by lib.sh
 HALO_SIZE=tiny
 HALO_STUDENT=tiny
-HALO_CONFIG_DIR=configs/stages/tiny
+HALO_CONFIG_DIR=configs/tiny/slurm
 HALO_TEACHER_HINT=HuggingFaceTB/SmolLM2-135M
 : "${HALO_GPUS_PER_NODE:=1}"       # one rank per node: torchrun --nproc_per_node 1
 : "${HALO_CPUS_PER_NODE:=1}"

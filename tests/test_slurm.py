@@ -129,7 +129,7 @@ def complete_manifest(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("size,config_dir", [("8b", "configs/stages/9b"), ("5b", "configs/stages/5b"),
-                                             ("2b", "configs/stages/2b"), ("tiny", "configs/stages/tiny")])
+                                             ("2b", "configs/stages/2b"), ("tiny", "configs/tiny/slurm")])
 def test_dry_run_prints_every_command_in_order(slurm_env, size, config_dir):
     env, log = slurm_env
     res = run(f"halo_{size}.sh", env, HALO_DRY_RUN="1")
