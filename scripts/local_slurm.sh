@@ -13,7 +13,10 @@
 # The node is `hostname -s` (slurmd insists) with every CPU of this host, in partition `debug`, plus
 # HALO_LOCAL_SLURM_GPUS (default 2) `gpu` generic resources whose device files are /dev/null: the
 # pipeline's `--gpus-per-node` requests are then scheduled as on a GPU cluster while the work runs on
-# CPU. Jobs run at nice HALO_LOCAL_SLURM_NICE (default 10), and the scheduler's intervals are short so
+# CPU. With HALO_LOCAL_SLURM_CPU=idle (the default) slurmd, and so every job, runs in a CPU cgroup of
+# the idle class (cpu.idle): jobs get only the CPU time this machine's other work leaves unused, so a
+# test suite can run them alongside its other tests (where the kernel has no cpu.idle: nice 10 instead).
+# HALO_LOCAL_SLURM_CPU=normal leaves them at normal priority. The scheduler's intervals are short so
 # that a chain of small jobs does not wait on it.
 set -euo pipefail
 
@@ -22,9 +25,10 @@ CONF=$DIR/etc/slurm.conf
 GPUS=${HALO_LOCAL_SLURM_GPUS:-2}
 MUNGE_SOCKET=/run/munge/munge.socket.2   # munged's and Slurm's default: the client tools need no option
 WAIT_S=${HALO_LOCAL_SLURM_WAIT_S:-60}
-NICE=${HALO_LOCAL_SLURM_NICE:-10}        # the jobs inherit slurmd's niceness: this machine's own work comes first
+CPU=${HALO_LOCAL_SLURM_CPU:-idle}
+CGROUP_NAME=halo-slurm
 [[ $GPUS =~ ^[0-9]+$ ]] || { echo "error: local_slurm: HALO_LOCAL_SLURM_GPUS=$GPUS must be a count (0: no gpu resources)" >&2; exit 2; }
-[[ $NICE =~ ^[0-9]+$ ]] && ((NICE <= 19)) || { echo "error: local_slurm: HALO_LOCAL_SLURM_NICE=$NICE must be 0..19" >&2; exit 2; }
+[[ $CPU == idle || $CPU == normal ]] || { echo "error: local_slurm: HALO_LOCAL_SLURM_CPU=$CPU must be idle or normal" >&2; exit 2; }
 
 die() { printf 'error: local_slurm: %s\n' "$*" >&2; exit 2; }
 say() { printf '# local_slurm: %s\n' "$*"; }
@@ -97,8 +101,14 @@ write_conf() {
     local host
     host=$(hostname -s)
     mkdir -p "$DIR/etc" "$DIR/state" "$DIR/spool/slurmd" "$DIR/log" "$DIR/run"
+    local prolog=""
+    if [[ $CPU == idle ]]; then
+        prolog=$(task_prolog)
+        if [[ -f $DIR/run/cgroup ]]; then say "jobs get the CPU time other work leaves unused (idle-class cgroup $(cat "$DIR/run/cgroup"))"
+        else say "no idle-class CPU cgroup here (cpu.idle): jobs run at nice 10"; fi
+    fi
     cat > "$CONF" <<EOF
-# Written by scripts/local_slurm.sh: one node, partition debug, no accounting database, no cgroups.
+# Written by scripts/local_slurm.sh: one node, partition debug, no accounting database, no Slurm cgroup plugins.
 ClusterName=halo-local
 SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
@@ -129,14 +139,17 @@ $( ((GPUS > 0)) && echo "GresTypes=gpu" )
 # schedule on every event and re-test pending jobs (dependencies) every second
 SchedulerType=sched/builtin
 SchedulerParameters=sched_interval=1,sched_min_interval=0,batch_sched_delay=0
-MessageTimeout=5
-SlurmctldTimeout=10
-SlurmdTimeout=10
+# generous: idle-class tasks (srun, the batch shell) may wait seconds for a CPU while other work runs,
+# and a job told to stop (scancel, scontrol requeue) gets KillWait seconds to checkpoint before SIGKILL
+MessageTimeout=30
+SlurmctldTimeout=60
+SlurmdTimeout=60
 InactiveLimit=0
-KillWait=30
+KillWait=120
 MinJobAge=60
 ReturnToService=2
 JobRequeue=1
+${prolog:+TaskProlog=$prolog}
 $(node_line)
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -147,6 +160,33 @@ EOF
         for ((i = 0; i < GPUS; i++)); do ln -sfn /dev/null "$DIR/dev/gpu$i"; done
         echo "NodeName=$host Name=gpu File=$DIR/dev/gpu[0-$((GPUS - 1))]" > "$DIR/etc/gres.conf"
     fi
+}
+
+idle_cgroup() {  # an idle-class CPU cgroup (cgroup v1's cpu hierarchy, else v2), its folder in $DIR/run/cgroup
+    local dir
+    for dir in /sys/fs/cgroup/cpu/$CGROUP_NAME /sys/fs/cgroup/$CGROUP_NAME; do
+        [[ -d ${dir%/*} ]] || continue
+        mkdir -p "$dir" 2>/dev/null || continue
+        if [[ -f $dir/cpu.idle ]] && echo 1 2>/dev/null > "$dir/cpu.idle"; then
+            echo "$dir" > "$DIR/run/cgroup"
+            return 0
+        fi
+        rmdir "$dir" 2>/dev/null || true
+    done
+    return 1
+}
+
+task_prolog() {  # slurm.conf's TaskProlog: run in each task (batch script, srun task) before its command
+    local script=$DIR/etc/task_prolog.sh
+    {
+        echo '#!/bin/sh'
+        echo '# the task (this script'"'"'s parent) and all it starts: the CPU time other work leaves unused'
+        if idle_cgroup; then echo "echo \$PPID > $(cat "$DIR/run/cgroup")/cgroup.procs 2>/dev/null"
+        else echo 'renice -n 10 -p $PPID >/dev/null 2>&1'; fi
+        echo 'exit 0'
+    } > "$script"
+    chmod 755 "$script"
+    printf '%s' "$script"
 }
 
 ctl_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
@@ -184,7 +224,7 @@ cmd_up() {
     start_munge
     write_conf
     slurmctld -c -f "$CONF" || { show_logs; die "slurmctld did not start"; }
-    nice -n "$NICE" slurmd -f "$CONF" || { show_logs; die "slurmd did not start"; }
+    slurmd -f "$CONF" || { show_logs; die "slurmd did not start"; }
     local deadline=$((SECONDS + WAIT_S))
     until ctl_up && node_ready; do
         if ((SECONDS >= deadline)) || [[ $(node_state) == inval* || $(node_state) == drain* ]]; then
@@ -226,6 +266,9 @@ stop_daemons() {
     if [[ -f $DIR/run/munged.pid ]]; then
         kill -TERM "$(cat "$DIR/run/munged.pid")" 2>/dev/null || true
         wait_gone "$DIR/run/munged.pid" 5
+    fi
+    if [[ -f $DIR/run/cgroup ]]; then
+        rmdir "$(cat "$DIR/run/cgroup")" 2>/dev/null || say "$(cat "$DIR/run/cgroup") still holds processes: not removed"
     fi
 }
 
