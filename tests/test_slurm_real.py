@@ -150,6 +150,17 @@ def test_sweep_array_runs_both_variants_one_at_a_time_then_the_comparison(slurm_
     assert "| transformer |" in table and "| hypenet |" in table and "missing" not in table, table
 
 
+def test_torchrun_jobs_on_one_node_each_use_their_own_rendezvous_port(slurm_scenario):
+    sc = slurm_scenario
+    logs = [sc.log("chain", s) for s in ("stage1", "stage2", "stage3")] + [sc.log("fail", "stage1"),
+                                                                          sc.log("preempt", "stage1")]
+    array = sc.ids["sweep"]["sweep_task"]
+    logs += [p.read_text() for p in (sc.runs("sweep") / "logs").glob(f"sweep-{array}_*.log")]
+    ports = [set(re.findall(r"--rdzv_endpoint \S+:(\d+)", log)) for log in logs]
+    assert all(len(p) == 1 for p in ports), ports  # a requeued job keeps its port
+    assert len(set.union(*ports)) == len(logs) == 7, ports
+
+
 def _pids(folder: Path) -> list[int]:
     return [int(p.read_text()) for p in folder.glob("run/*.pid")]
 
