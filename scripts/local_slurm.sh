@@ -248,8 +248,9 @@ stop_daemons() {
     export SLURM_CONF=$CONF
     local f
     if ctl_up; then
-        # jobs first: slurmstepd (and what it runs) outlives a stopped slurmd
-        scancel --full --quiet --state=PENDING,RUNNING,SUSPENDED,REQUEUED 2>/dev/null || true
+        # jobs first: slurmstepd (and what it runs) outlives a stopped slurmd; SIGKILL, as nothing is resumed
+        scancel --quiet --state=PENDING,SUSPENDED,REQUEUED 2>/dev/null || true
+        scancel --quiet --full --signal=KILL --state=RUNNING 2>/dev/null || true
         local i
         for ((i = 0; i < 300; i++)); do
             [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break
