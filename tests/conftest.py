@@ -67,7 +67,7 @@ def pytest_collection_finish(session):
     if any("slurm_scenario" in getattr(item, "fixturenames", ()) for item in session.items):
         import slurm_real
 
-        slurm_real.start()
+        slurm_real.start(session.config._tmp_path_factory)
 
 
 def pytest_sessionfinish(session, exitstatus):

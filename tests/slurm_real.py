@@ -14,7 +14,8 @@ and, once the chain's data prep completed, on its shards:
 * sweep: slurm/sweep_scratch.sh with two tiny variants, a job array limited to one task at a time.
 
 The teacher is a random 4-layer Qwen3 saved as a folder with the offline Qwen tokenizer; the data are
-the offline Wikipedia extracts. Everything lives in one temporary folder, removed when the session passed.
+the offline Wikipedia extracts. Everything lives in one folder of pytest's temporary tree, removed when
+the session passed.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -361,7 +361,7 @@ class _Run:
     brought_up = False  # this session started the local Slurm: it takes it down again
 
 
-def _main() -> None:
+def _main(tmp_path_factory) -> None:
     t0 = time.time()
     try:
         env = base_env()
@@ -376,7 +376,7 @@ def _main() -> None:
             if res.returncode != 0:
                 raise RuntimeError(f"scripts/local_slurm.sh up failed:\n{res.stdout}\n{res.stderr}")
             _Run.brought_up = True
-        root = Path(tempfile.mkdtemp(prefix="halo-slurm-real-"))
+        root = tmp_path_factory.mktemp("slurm_real")
         sc = Scenario(root=root, env=env)
         subprocess.run([sys.executable, __file__, "teacher", str(root / "teacher")], check=True, capture_output=True,
                        env={**env, "PYTHONPATH": str(REPO)}, timeout=300)
@@ -392,18 +392,19 @@ def _main() -> None:
         _Run.error = traceback.format_exc()
 
 
-def start() -> None:
-    """Start the scenario in the background (once per session)."""
+def start(tmp_path_factory) -> None:
+    """Start the scenario in the background (once per session), in a folder of pytest's temporary tree
+    (so pytest's retention policy bounds what failed sessions leave on disk)."""
     if _Run.thread is None:
-        _Run.thread = threading.Thread(target=_main, name="slurm-real", daemon=True)
+        _Run.thread = threading.Thread(target=_main, args=(tmp_path_factory,), name="slurm-real", daemon=True)
         _Run.thread.start()
 
 
-def result() -> Scenario:
+def result(tmp_path_factory) -> Scenario:
     """The finished scenario; raises pytest's skip or the scenario's own error."""
     import pytest
 
-    start()
+    start(tmp_path_factory)
     _Run.thread.join()
     if _Run.skip:
         import warnings

@@ -19,8 +19,8 @@ from slurm_real import LOCAL_SLURM, STEPS, Job, Scenario
 
 
 @pytest.fixture(scope="session")
-def slurm_scenario() -> Scenario:
-    return slurm_real.result()
+def slurm_scenario(tmp_path_factory) -> Scenario:
+    return slurm_real.result(tmp_path_factory)
 
 
 def _by_run(log: str) -> list[str]:
