@@ -45,10 +45,12 @@ HALO_NODES_SET=${HALO_NODES:+1}             # the user chose HALO_NODES (wins ov
 : "${HALO_EVAL_GPUS:=1}"                    # select / calibrate / export / eval run one process on one GPU
 : "${HALO_EXCLUSIVE:=1}"                    # training stages: --exclusive --mem=0
 : "${HALO_SIGNAL_LEAD:=300}"                # --signal=B:USR1@<seconds before the time limit>
-: "${HALO_RDZV_PORT:=29500}"
+: "${HALO_RDZV_PORT:=}"                     # torchrun's rendezvous port; default: one per job (halo_rdzv_port)
 : "${HALO_SHUTDOWN_TIMEOUT:=240}"           # torchrun waits this long for workers to checkpoint after a signal
 : "${HALO_MAX_REQUEUES:=100}"
 : "${HALO_DRY_RUN:=0}"
+: "${HALO_WAIT:=0}"                         # 1: the driver stays until the chain ends and reports how it ended
+: "${HALO_WAIT_POLL:=30}"                   # seconds between two looks at the chain's jobs
 
 HALO_PREVIEW=0          # 1 while the driver prints, in a dry run, what each step job will run
 HALO_JOB_ID=""          # id of the job the last halo_sbatch submitted
@@ -246,7 +248,7 @@ halo_refuse_duplicates() {  # a second chain writing the same HALO_RUNS would co
     [[ ${HALO_ALLOW_DUPLICATE:-0} == 1 ]] && return 0
     command -v squeue >/dev/null || return 0
     local line
-    line=$(squeue -h --me -o '%i|%j|%k' 2>/dev/null | grep -F "|halo:$HALO_RUNS" | head -n 3 || true)
+    line=$(squeue -h --me -o '%i|%j|%k' 2>/dev/null | awk -F'|' -v c="halo:$HALO_RUNS" '$3 == c' | head -n 3 || true)
     [[ -z $line ]] || halo_die "jobs for $HALO_RUNS are already queued or running (${line//$'\n'/; }): wait or scancel them, or set HALO_ALLOW_DUPLICATE=1"
 }
 
@@ -300,6 +302,65 @@ halo_sbatch() {
     halo_log "submitted $step: job $HALO_JOB_ID"
 }
 
+halo_job_field() {  # halo_job_field LINE KEY: the value of KEY=... in a `scontrol show job -o` line
+    local re="(^| )$2=([^ ]*)"
+    [[ $1 =~ $re ]] && printf '%s' "${BASH_REMATCH[2]}"
+    return 0
+}
+
+halo_wait_chain() {
+    # halo_wait_chain STEP:JOB ...: HALO_WAIT=1. Wait until every job of the chain completed and its step
+    # is done (exit 0), or name the first step that ended otherwise, with its state, exit code, log and
+    # last error lines, and the steps that will not run (exit 1). A requeued job is still waiting.
+    halo_posint HALO_WAIT_POLL "$HALO_WAIT_POLL"
+    local spec step id line state seen="" now
+    halo_log "HALO_WAIT=1: waiting for the chain (a look every ${HALO_WAIT_POLL}s)"
+    while :; do
+        local bad="" active="" i=0 idx=0
+        for spec in "$@"; do
+            step=${spec%%:*}; id=${spec#*:}
+            line=$(scontrol show job -o "$id" 2>/dev/null | head -n 1) || line=""
+            state=$(halo_job_field "$line" JobState)
+            case $state in
+                COMPLETED)
+                    halo_step_is_done "$step" || { bad=$spec; idx=$i; break; } ;;
+                "")  # the record is gone (MinJobAge): the step's marker decides
+                    halo_step_is_done "$step" || { bad=$spec; idx=$i; break; } ;;
+                PENDING|CONFIGURING|RUNNING|COMPLETING|REQUEUED|REQUEUE_HOLD|REQUEUE_FED|RESIZING|SUSPENDED|SIGNALING|STAGE_OUT|POWER_UP_NODE)
+                    active="$step (job $id) $state, restart $(halo_job_field "$line" Restarts)"
+                    break ;;
+                *) bad=$spec; idx=$i; break ;;
+            esac
+            i=$((i + 1))
+        done
+        if [[ -n $bad ]]; then
+            step=${bad%%:*}; id=${bad#*:}
+            local log=$RUNS/logs/$step-$id.log what
+            if [[ -z $state ]]; then what="is no longer known to Slurm"
+            else what="ended $state (exit code $(halo_job_field "$line" ExitCode), reason $(halo_job_field "$line" Reason))"; fi
+            printf 'error: step %s (job %s) %s without finishing: %s missing; log: %s\n' \
+                "$step" "$id" "$what" "$(halo_step_done_file "$step")" "$log" >&2
+            if [[ -f $log ]]; then grep -a '^error:' "$log" | tail -n 3 | sed 's/^/  | /' >&2 || true; fi
+            local -a rest=("${@:idx+2}")
+            if ((${#rest[@]})); then
+                printf 'not run: %s (their afterok dependency on job %s can no longer be met; Slurm cancels them)\n' \
+                    "$(for spec in "${rest[@]}"; do printf '%s ' "${spec%%:*}"; done | sed 's/ $//')" "$id" >&2
+            fi
+            return 1
+        fi
+        if [[ -z $active ]]; then
+            halo_log "chain finished: every step done (outputs under $RUNS)"
+            return 0
+        fi
+        if [[ $active != "$seen" ]]; then
+            now=$(date +%H:%M:%S)
+            halo_log "$now $active"
+            seen=$active
+        fi
+        sleep "$HALO_WAIT_POLL"
+    done
+}
+
 # ------------------------------------------------------------------------------------------------
 # Step jobs: launching, signal forwarding, requeue
 # ------------------------------------------------------------------------------------------------
@@ -312,13 +373,21 @@ halo_head_node() {  # first host of the allocation: the torchrun rendezvous endp
     printf '%s' "${hosts[0]}"
 }
 
+halo_rdzv_port() {
+    # HALO_RDZV_PORT, else a port derived from the job id (15000-29999, below Linux's ephemeral range):
+    # two jobs sharing a node (array tasks, HALO_EXCLUSIVE=0) must not meet in one rendezvous store
+    if [[ -n $HALO_RDZV_PORT ]]; then printf '%s' "$HALO_RDZV_PORT"
+    elif [[ ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]]; then printf '%s' $((15000 + SLURM_JOB_ID % 15000))
+    else printf '<15000 + job id %% 15000>'; fi
+}
+
 halo_torchrun_cmd() {  # halo_torchrun_cmd SCRIPT ARGS...: srun -> one torchrun per node -> GPUS ranks each
     local nnodes=${SLURM_NNODES:-1} head
     head=$(halo_head_node) || exit 2
     HALO_CMD=(srun "--nodes=$nnodes" "--ntasks=$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpu-bind=none)
     [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && HALO_CMD+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
     HALO_CMD+=("$HALO_TORCHRUN" --nnodes "$nnodes" --nproc_per_node "$HALO_GPUS_PER_NODE"
-        --rdzv_backend c10d --rdzv_endpoint "$head:$HALO_RDZV_PORT" --rdzv_id "${SLURM_JOB_ID:-0}"
+        --rdzv_backend c10d --rdzv_endpoint "$head:$(halo_rdzv_port)" --rdzv_id "${SLURM_JOB_ID:-0}"
         --max_restarts 0 "$@")
 }
 
@@ -330,12 +399,13 @@ halo_one_cmd() {  # halo_one_cmd CMD...: one task on the first node
 
 halo_forward() {
     # Trap handler: remember the signal and pass it on to the supervised srun, which forwards it to its
-    # tasks (torchrun, which forwards it to the ranks). Sent as TERM by default: every torchrun version
-    # forwards TERM to its workers, while USR1 reaches them only where TORCHELASTIC_SIGNALS_TO_HANDLE is
-    # honoured; the trainers treat TERM and USR1 alike (checkpoint at the next step, exit 0).
-    # HALO_FORWARD_SIGNAL=same forwards the received signal unchanged.
+    # tasks (torchrun, which forwards it to the ranks: TORCHELASTIC_SIGNALS_TO_HANDLE includes SIGUSR1).
+    # Sent as USR1 whatever arrived: srun answers TERM, HUP and QUIT by sending SIGKILL to its tasks,
+    # which would kill the ranks before they save; USR1 and USR2 it forwards unchanged. The trainers
+    # treat USR1 and TERM alike (checkpoint at the next step, exit 0). HALO_FORWARD_SIGNAL=same forwards
+    # the received signal unchanged, HALO_FORWARD_SIGNAL=<name> sends that one.
     HALO_GOT_SIGNAL=$1
-    local sig=${HALO_FORWARD_SIGNAL:-TERM}
+    local sig=${HALO_FORWARD_SIGNAL:-USR1}
     [[ $sig == same ]] && sig=$1
     printf '# received SIG%s: forwarding SIG%s to pid %s\n' "$1" "$sig" "${HALO_CHILD_PID:-none}"
     [[ -n $HALO_CHILD_PID ]] && kill -s "$sig" "$HALO_CHILD_PID" 2>/dev/null
@@ -409,8 +479,13 @@ halo_manifest_complete() {  # halo_manifest_complete DIR: data prep finished the
 
 halo_prep_cmd() {  # halo_prep_cmd OUT TOKENIZER TOKENS HF_CONFIG: the data prep command (resumes on re-run)
     local procs=${SLURM_CPUS_PER_TASK:-$HALO_PREP_CPUS}
-    halo_one_cmd "$HALO_PYTHON" -m data_prep.tokenize --hf-dataset "$HALO_HF_DATASET" --hf-config "$4" \
-        --tokenizer "$2" --out "$1" --max-tokens "$3" --heldout-fraction "$HALO_HELDOUT_FRACTION" --num-proc "$procs"
+    local -a source=(--hf-dataset "$HALO_HF_DATASET" --hf-config "$4")
+    # another corpus: local files (--input 'corpus/*.jsonl.gz', the glob expanded by data prep) or --wiki-offline
+    [[ -n ${HALO_PREP_SOURCE:-} ]] && read -r -a source <<< "$HALO_PREP_SOURCE"
+    halo_split "${HALO_PREP_ARGS:-}"
+    halo_one_cmd "$HALO_PYTHON" -m data_prep.tokenize "${source[@]}" \
+        --tokenizer "$2" --out "$1" --max-tokens "$3" --heldout-fraction "$HALO_HELDOUT_FRACTION" --num-proc "$procs" \
+        "${HALO_WORDS[@]}"
 }
 
 halo_split() {  # halo_split "a b c" -> HALO_WORDS=(a b c)
@@ -643,6 +718,7 @@ halo_pipeline_driver() {
     run_cmd mkdir -p "$RUNS/logs"
 
     local script=$HALO_REPO/slurm/halo_$HALO_SIZE.sh dep="" step
+    local -a submitted=()
     for step in "${HALO_STEPS[@]}"; do
         if [[ $step == prep && ${HALO_SKIP_PREP:-0} == 1 ]]; then
             halo_log "skip prep: HALO_SKIP_PREP=1"
@@ -657,13 +733,18 @@ halo_pipeline_driver() {
         halo_sbatch "halo-$HALO_SIZE-$step" "$step" "$(halo_step_kind "$step")" "$(halo_step_nodes "$step")" \
             "$dep" "$RUNS/logs/$step-%j.log" "$script"
         dep="afterok:$HALO_JOB_ID"
+        submitted+=("$step:$HALO_JOB_ID")
         if halo_is_dry; then   # show what the job will run, with this step's node count
             HALO_PREVIEW=1 HALO_STEP=$step SLURM_NNODES=$(halo_step_nodes "$step") SLURM_JOB_ID=$HALO_JOB_ID \
                 SLURM_CPUS_PER_TASK="" halo_pipeline_step_body "$step"
         fi
     done
     [[ -n $dep ]] || halo_log "every step is done: nothing to submit (outputs under $RUNS)"
-    halo_is_dry && halo_log "dry run: nothing was submitted"
+    if halo_is_dry; then
+        halo_log "dry run: nothing was submitted"
+    elif [[ $HALO_WAIT == 1 && ${#submitted[@]} -gt 0 ]]; then
+        halo_wait_chain "${submitted[@]}" || exit 1
+    fi
     return 0
 }
 

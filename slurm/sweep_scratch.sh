@@ -51,8 +51,10 @@ sweep_task_cmd() {  # sweep_task_cmd NAME BASE "OVERRIDES": the training command
     local -a overrides=()
     [[ -n $3 ]] && read -r -a overrides <<< "$3"
     halo_split "${HALO_SWEEP_ARGS:-}"
+    # the model exports (and checks the shards against) the tokenizer data prep used
     halo_torchrun_cmd "$HALO_PRETRAIN_LAUNCHER" --config "$base" "${overrides[@]}" \
-        "data.train=$HALO_DATA" "logging.run_dir=$HALO_RUNS/$name" "${HALO_WORDS[@]}"
+        "model.scratch.tokenizer=$HALO_SWEEP_TOKENIZER" "data.train=$HALO_DATA" "logging.run_dir=$HALO_RUNS/$name" \
+        "${HALO_WORDS[@]}"
 }
 
 sweep_eval_body() {  # NIAH for every variant with a trained model, then the comparison table + plot

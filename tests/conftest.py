@@ -57,3 +57,21 @@ def assert_left_padded_generate_matches_alone(model, prompts, new_tokens: int, p
     for i, p in enumerate(prompts):
         alone = model.generate(p[None], max_new_tokens=new_tokens, eos_token_id=[])
         assert torch.equal(batched[i, T:], alone[0, len(p):]), f"row {i} differs"
+
+
+def pytest_collection_finish(session):
+    """The real-Slurm scenario (tests/slurm_real.py) starts in the background as soon as a collected test
+    needs it: its jobs get the CPU time the other tests leave unused (scripts/local_slurm.sh)."""
+    if session.config.option.collectonly:
+        return
+    if any("slurm_scenario" in getattr(item, "fixturenames", ()) for item in session.items):
+        import slurm_real
+
+        slurm_real.start(session.config._tmp_path_factory)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    if "slurm_real" in sys.modules:
+        sys.modules["slurm_real"].finish(passed=session.testsfailed == 0)

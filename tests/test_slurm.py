@@ -129,7 +129,7 @@ def complete_manifest(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("size,config_dir", [("8b", "configs/stages/9b"), ("5b", "configs/stages/5b"),
-                                             ("2b", "configs/stages/2b")])
+                                             ("2b", "configs/stages/2b"), ("tiny", "configs/tiny/slurm")])
 def test_dry_run_prints_every_command_in_order(slurm_env, size, config_dir):
     env, log = slurm_env
     res = run(f"halo_{size}.sh", env, HALO_DRY_RUN="1")
@@ -143,6 +143,16 @@ def test_dry_run_prints_every_command_in_order(slurm_env, size, config_dir):
     assert "--dependency=afterok:dry-stage2" in out  # stage 3 waits for stage 2
     assert "nothing was submitted" in out
     assert log.read_text() == "", "a dry run must not call any Slurm tool"
+
+
+def test_data_prep_reads_another_corpus(slurm_env):
+    env, log = slurm_env
+    res = run("halo_2b.sh", env, HALO_DRY_RUN="1", HALO_PREP_SOURCE="--input corpus/*.jsonl.gz",
+              HALO_PREP_ARGS="--text-field body --max-docs 10")
+    assert res.returncode == 0, res.stderr
+    (prep,) = [line for line in res.stdout.splitlines() if "data_prep.tokenize" in line]
+    assert "--input 'corpus/*.jsonl.gz' --tokenizer Qwen/Qwen3-8B" in prep and "--hf-dataset" not in prep
+    assert prep.endswith("--text-field body --max-docs 10")
 
 
 def test_submission_chain_dependencies_resources_and_environment(slurm_env):
@@ -193,6 +203,8 @@ def test_queued_chain_for_the_same_runs_is_refused(slurm_env):
     res = run("halo_8b.sh", env, FAKE_SQUEUE=f"77|halo-8b-stage2|halo:{env['HALO_RUNS']}\n")
     assert res.returncode == 2 and "already queued or running" in res.stderr
     assert calls(log, "sbatch") == []
+    res = run("halo_8b.sh", env, FAKE_SQUEUE=f"78|halo-8b-stage2|halo:{env['HALO_RUNS']}-v2\n")  # another folder
+    assert res.returncode == 0, res.stderr
 
 
 def test_missing_environment_stops_before_submitting(slurm_env):
@@ -279,16 +291,19 @@ def test_stage_job_rendezvous_and_selected_layers(slurm_env):
     i = argv.index("torchrun")
     assert argv[:i] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpu-bind=none"]
     assert argv[i + 1:i + 13] == ["--nnodes", "3", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
-                                  "--rdzv_endpoint", "gpu-node07:29500", "--rdzv_id", "4242", "--max_restarts", "0"]
+                                  "--rdzv_endpoint", "gpu-node07:19242", "--rdzv_id", "4242", "--max_restarts", "0"]
     assert argv[i + 13:i + 16] == ["launchers/stage2.py", "--config", "configs/stages/9b/stage2.yaml"]
     assert {"model.attn_layers=2,3,6", f"model.stage1_weights={runs}/stage1/final", f"data.train={env['HALO_DATA']}",
             f"logging.run_dir={runs}/stage2"} <= set(argv)
     (srun_env,) = calls(log, "srun-env")
     assert "TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in srun_env
     assert calls(log, "scontrol")[1:] == []  # finished: no requeue
+    (runs / "stage2" / "final" / "DONE").unlink()
+    res = run("halo_8b.sh", step_env(env, "stage2", FAKE_SRUN="finish", HALO_RDZV_PORT="29500"))
+    assert res.returncode == 0 and "gpu-node07:29500" in calls(log, "srun")[-1]
 
 
-@pytest.mark.parametrize("forward,expected", [("", "TERM"), ("same", "USR1")])
+@pytest.mark.parametrize("forward,expected", [("", "USR1"), ("TERM", "TERM")])
 def test_stage_job_forwards_signal_and_requeues(slurm_env, forward, expected):
     env, log = slurm_env
     job_env = step_env(env, "stage1", FAKE_SRUN="wait", HALO_FORWARD_SIGNAL=forward)
@@ -391,7 +406,8 @@ def test_sweep_dry_run_commands_are_valid_pretrain_runs(slurm_env, tmp_path):
         args = argv[script + 1:]
         assert args[:2] == ["--config", "configs/sweeps/base_500m.yaml"]
         assert args[2:2 + len(overrides)] == overrides
-        assert args[2 + len(overrides):] == [f"data.train={env['HALO_DATA']}", f"logging.run_dir={env['HALO_RUNS']}/{name}"]
+        assert args[2 + len(overrides):] == ["model.scratch.tokenizer=openai-community/gpt2",
+                                             f"data.train={env['HALO_DATA']}", f"logging.run_dir={env['HALO_RUNS']}/{name}"]
         cfg = load_config(REPO / args[1], args[2:])
         assert cfg.stage.name == "pretrain" and cfg.logging.run_dir.endswith(name)
         cfg.validate_against_world(8)
@@ -468,7 +484,8 @@ def test_sweep_array_task_trains_its_variant(slurm_env, tmp_path, index):
     (argv,) = calls(log, "srun")
     name = names[index]
     assert f"logging.run_dir={env['HALO_RUNS']}/{name}" in argv
-    assert [a for a in argv if a.startswith("model.")] == dict(GRID)[name]
+    tokenizer = "model.scratch.tokenizer=openai-community/gpt2"  # the one data prep used
+    assert [a for a in argv if a.startswith("model.")] == dict(GRID)[name] + [tokenizer]
     assert argv[argv.index("--config") + 1] == "configs/sweeps/base_500m.yaml"
     assert f"variant {name}" in res.stdout
 

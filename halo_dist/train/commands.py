@@ -72,7 +72,21 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
         raise ExportError(f"checkpoint {ckpt} lacks {missing[:3]} ...")
     record = {"stage": meta.get("stage", "checkpoint"), "step": meta["step"], "tokens": meta.get("tokens_seen"),
               "teacher": meta.get("teacher"), "checkpoint": str(ckpt)}
-    return export_hypenet(model, output, extra={k: v for k, v in record.items() if v is not None})
+    return export_hypenet(model, output, tokenizer=run_tokenizer(ckpt),
+                          extra={k: v for k, v in record.items() if v is not None})
+
+
+def run_tokenizer(ckpt: Path):
+    """The tokenizer the stage puts into its own final folder (the initial student's, else the teacher's),
+    read through the checkpoint's config; None for a random teacher or one that no longer loads here."""
+    from ..config import ConfigError, load_resolved
+    from ..stages import _teacher_tokenizer
+
+    try:
+        cfg = load_resolved(ckpt / "config.yaml")
+    except (ConfigError, OSError, ValueError):
+        return None
+    return _teacher_tokenizer(cfg)
 
 
 def _stage1_weights(weights: dict) -> dict:
@@ -87,6 +101,9 @@ def _stage1_weights(weights: dict) -> dict:
 def cmd_export(args) -> int:
     out = export_checkpoint(args.checkpoint, args.output)
     print(f"exported {args.checkpoint} -> {out}")
+    if (out / "config.json").exists() and not (out / "tokenizer_config.json").exists():
+        print(f"note: {out} holds no tokenizer (the run's teacher has none, or it does not load here): "
+              "NIAH and lm-eval need one in the model folder", flush=True)
     return 0
 
 
