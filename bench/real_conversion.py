@@ -147,7 +147,7 @@ def settings_for(a) -> DemoSettings:
     s.data, s.data_long = str(a.work / "corpus" / "all"), str(a.work / "corpus" / "long")
     if a.cpu_rehearsal:
         s.config_dir = "configs/demo"
-    s.teacher_eval, s.split_student_eval = "with-stages", True  # the h200 schedule, rehearsed on CPU too
+    s.teacher_eval = "with-stages"  # the h200 schedule, rehearsed on CPU too
     compile_ = a.compile
     if compile_ == "auto":
         warm = a.work / "warmup.json"

@@ -87,7 +87,9 @@ class DemoSettings:
     # 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly idle) or
     # "none" (an ablation compared with a run that evaluated the same teacher through the same harness)
     teacher_eval: str = "at-end"
-    # the student's NIAH in one process and its CSR + perplexity in another, at the same time
+    # the student's NIAH in one process and its CSR + perplexity in another, at the same time. Off for one
+    # GPU: NIAH's greedy decode is a chain of small kernels, and a GPU time-sliced with CSR's large batches
+    # made each decode step ~150 ms (session of 2026-12-01: NIAH 203 s beside a 71-s CSR)
     split_student_eval: bool = False
 
     @classmethod
@@ -108,8 +110,7 @@ class DemoSettings:
                    select_length=2048, kl_rows=64, calib_grid="none,100,200,500,1000,2000,5000", calib_rows=8,
                    niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=16, niah_batch_tokens=262144,
                    csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0, csr_batch=128,
-                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16", teacher_eval="with-stages",
-                   split_student_eval=True)
+                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16", teacher_eval="with-stages")
 
 
 TEACHER_EVAL_CHOICES = ("at-end", "with-stages", "none")

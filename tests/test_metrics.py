@@ -309,3 +309,19 @@ def test_wandb_set_but_not_installed_is_a_config_error(monkeypatch):
 
     with pytest.raises(ConfigError, match="wandb: must be a W&B project name"):
         LoggingConfig(wandb=" ")
+
+
+def test_evaluation_time_is_left_out_of_training_throughput(tmp_path):
+    """An interval that held an evaluation reports the training steps' own rate; the evaluation's wall time is
+    logged beside its scalars (line and perf/eval_seconds)."""
+    clock, lines = FakeClock(), []
+    logger = make_logger(tmp_path, clock, lines, tensorboard=False)
+    logger.log(10, 1000)  # first interval: warm-up
+    clock.now += 2.0  # ten steps of training ...
+    logger.log_eval(15, {"eval/kl": 0.5}, seconds=3.0)
+    clock.now += 3.0  # ... and the evaluation's 3 s
+    out = logger.log(20, 2000)
+    logger.close()
+    assert out["perf/tokens_per_s"] == pytest.approx(1000 / 2.0)
+    assert lines[-2].endswith("| kl 0.5000 | 3.0s")
+    assert read_metrics(tmp_path / "run")["perf/eval_seconds"] == [(15, 3.0)]

@@ -491,7 +491,9 @@ class Trainer:
         every = self.cfg.eval.every_steps
         if self.heldout is None or not (self.step == 0 or self.step % every == 0 or self.step == total):
             return
-        self.metrics.log_eval(self.step, self.heldout.run(self.engine))
+        start = time.perf_counter()
+        scalars = self.heldout.run(self.engine)  # ends in an all-reduce read on the host: the GPU is done
+        self.metrics.log_eval(self.step, scalars, seconds=time.perf_counter() - start)
 
     def _global_tokens(self, micro_batches) -> float:
         local = sum(self.module.loss_tokens(b) for b in micro_batches)

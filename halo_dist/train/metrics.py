@@ -376,18 +376,25 @@ class MetricsLogger:
             tokens_per_s=scalars.get("perf/tokens_per_s"), mfu=scalars.get("perf/mfu"),
             mem_gib=mem, eta_s=self.eta_seconds(step, scalars.get("perf/step_time_s")))
 
-    def log_eval(self, step: int, scalars: dict[str, float]) -> None:
-        """Write already-reduced evaluation scalars (tags ``eval/...``) on rank 0."""
+    def log_eval(self, step: int, scalars: dict[str, float], seconds: Optional[float] = None) -> None:
+        """Write already-reduced evaluation scalars (tags ``eval/...``) on rank 0.
+
+        ``seconds`` (the evaluation's wall time, on every rank) is left out of the current interval's
+        training throughput and logged as ``perf/eval_seconds``."""
         for tag in scalars:
             if not tag.startswith("eval/"):
                 raise ValueError(f"log_eval takes eval/ tags, got {tag!r}")
+        if seconds is not None:
+            last_time, last_step, last_tokens = self._last
+            self._last = (last_time + seconds, last_step, last_tokens)
         if self.rank != 0:
             return
         scalars = {tag: float(value) for tag, value in scalars.items()}
         self.last_eval = scalars
-        self._record(step, scalars)
+        timing = {} if seconds is None else {"perf/eval_seconds": float(seconds)}
+        self._record(step, {**scalars, **timing})
         shown = " | ".join(f"{tag[len('eval/'):]} {value:.4f}" for tag, value in scalars.items())
-        self.emit(f"eval @ step {step} | {shown}")
+        self.emit(f"eval @ step {step} | {shown}" + ("" if seconds is None else f" | {seconds:.1f}s"))
 
     def close(self) -> None:
         if self._tb is not None:
