@@ -5,6 +5,7 @@ CPU, float64/float32 (bf16 for the precision test), V = 1000, N ~ 64: the whole 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -457,6 +458,53 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     # KL everywhere differs: the split is not a no-op
     everywhere = DistillModule(student, teacher, chunk_size=7)(**batch, normalizer=norm)[0]
     assert not torch.allclose(everywhere, loss)
+
+
+def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
+    """With document boundaries the teacher sees only each document's first ``kl_max_position`` tokens (packed
+    as one row): the same hidden states as the full teacher at those tokens, so the same loss and gradients,
+    while a document longer than the limit costs the teacher only the limit."""
+    from conftest import tiny_qwen3
+
+    from halo_dist.data.packing import pack_batch
+    from halo_dist.models.convert import convert_model
+    from halo_dist.stages.distill import DistillModule
+    from halo_dist.stages.teacher import as_exact_hypenet
+
+    torch.manual_seed(0)
+    hf = tiny_qwen3(vocab=64)
+    teacher = as_exact_hypenet(hf).double()
+    student = convert_model(hf, [1]).double()
+    P = 5
+    # rows of 12: documents of 7 + 5 tokens, then 3 + 9 (the row's cut makes the second row's first segment)
+    packed = pack_batch(torch.randint(0, 64, (24,)).numpy(), np.array([0, 7, 12, 15]), 2, 12)
+    batch = {k: torch.as_tensor(v) if k != "max_seqlen" else v for k, v in packed.items()}
+    cu, ids, pos = batch["cu_seqlens"], batch["input_ids"], batch["position_ids"]
+    module = DistillModule(student, teacher, kl_max_position=P, chunk_size=7)
+    calls = []
+    hook = teacher.register_forward_hook(lambda m, args, out: calls.append(args[0].numel()))
+    with torch.no_grad():
+        full = teacher(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=batch["max_seqlen"],
+                       return_hidden_only=True).flatten(0, 1)
+    inside = pos.flatten() < P
+    prefixes = module._teacher_prefixes(ids, pos, cu, batch["max_seqlen"])
+    assert calls == [24, 5 + 5 + 3 + 5] and prefixes.shape == (int(inside.sum()), full.shape[-1])
+    torch.testing.assert_close(prefixes, full[inside], rtol=1e-10, atol=1e-10)
+    loss, tracked, count = module(**batch, normalizer=11.0)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+    hook.remove()
+    # the reference: the full teacher's rows inside the limit, through the same split loss
+    h = student(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=batch["max_seqlen"], return_hidden_only=True)
+    ref, ref_tracked, ref_count = module._split_loss(h.flatten(0, 1), full[inside], teacher.lm_head.weight,
+                                                     batch["labels"].flatten(), pos.flatten(), 11.0)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    assert count == ref_count and torch.allclose(tracked, ref_tracked)
+    for n, p in student.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-8, atol=1e-12)
 
 
 def test_compiled_backend_matches_the_eager_chunked_path_and_refuses_what_it_does_not_fuse():

@@ -43,19 +43,25 @@ class DistillModule(nn.Module):
         self._zero3 = True
 
     def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, labels=None,
-                normalizer: float = 1.0, evaluate: bool = False, **unused):
+                normalizer: float = 1.0, evaluate: bool = False, sp_size: int = 1, **unused):
         """Returns ``(loss for backward, detached token-sum of the objective, token count)``; with
         ``evaluate`` (held-out evaluation, train/evaluation.py) ``{name: (sum, count)}`` instead."""
         kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_hidden_only=True)
         hidden = self.student(input_ids, **kw).flatten(0, 1)  # [B, T, d] -> [B*T, d]
         teacher_hidden = teacher_weight = None
+        split = self.kl_max_position is not None and not evaluate
         if self.teacher is not None:
             with torch.no_grad():
-                teacher_hidden = self.teacher(input_ids, **kw).flatten(0, 1)
+                if split and cu_seqlens is not None and sp_size == 1:  # SP ranks hold column slices: not prefixes
+                    teacher_hidden = self._teacher_prefixes(input_ids, position_ids, cu_seqlens, max_seqlen)
+                else:  # [B*T, d]; the split loss then keeps the rows inside the teacher's positions
+                    teacher_hidden = self.teacher(input_ids, **kw).flatten(0, 1)
+                    if split:
+                        teacher_hidden = teacher_hidden[position_ids.flatten() < self.kl_max_position]
             teacher_weight = self.teacher.lm_head.weight
         if evaluate:
             return self._evaluate(hidden, teacher_hidden, teacher_weight, labels.flatten())
-        if self.kl_max_position is not None:
+        if split:
             return self._split_loss(hidden, teacher_hidden, teacher_weight, labels.flatten(), position_ids.flatten(),
                                     normalizer)
         use_ce = self.objective == "ce" or self.ce_weight > 0
@@ -71,13 +77,31 @@ class DistillModule(nn.Module):
         count = out.num_ce_tokens if self.objective == "ce" else out.num_tokens
         return out.loss, tracked, count
 
+    def _teacher_prefixes(self, input_ids, position_ids, cu_seqlens, max_seqlen) -> torch.Tensor:
+        """The teacher's hidden states at the KL tokens only, ``[N_inside, d]`` in the batch's flattened order.
+
+        Positions restart at 0 in every document (``cu_seqlens``), so the tokens below ``kl_max_position``
+        are a prefix of each document, and under causal attention nothing after them is their context. The
+        teacher therefore runs on those prefixes alone, packed as one row: at twice its trained length
+        this halves its linear work and quarters its attention, with the same hidden states."""
+        limit = self.kl_max_position
+        inside = position_ids.flatten() < limit  # [B*T] bool
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).clamp(max=limit)  # [S] tokens kept per document
+        prefix_cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)  # [S+1]
+        ids = input_ids.flatten()[inside].unsqueeze(0)  # [B*T] -> [1, N_inside]
+        pos = position_ids.flatten()[inside].unsqueeze(0)
+        longest = limit if max_seqlen is None else min(int(max_seqlen), limit)
+        out = self.teacher(ids, position_ids=pos, cu_seqlens=prefix_cu, max_seqlen=longest, return_hidden_only=True)
+        return out.flatten(0, 1)  # [1, N_inside, d] -> [N_inside, d]
+
     def _split_loss(self, hidden, teacher_hidden, teacher_weight, labels, positions, normalizer):
         """``loss.kl_max_position``: forward KL on the rows whose document position is below it, next-token
-        CE on the rest; one normalizer (the loss tokens of both parts) keeps it a per-token mean."""
+        CE on the rest; one normalizer (the loss tokens of both parts) keeps it a per-token mean.
+        ``teacher_hidden`` holds the inside rows only."""
         inside = positions < self.kl_max_position  # [B*T] bool
         s_w = self.student.lm_head.weight
         with self._gathered_teacher_head():
-            kl = fused_distill_loss(hidden[inside], s_w, teacher_hidden[inside], teacher_weight,
+            kl = fused_distill_loss(hidden[inside], s_w, teacher_hidden, teacher_weight,
                                     labels=labels[inside] if self.ce_weight > 0 else None, direction=self.direction,
                                     temperature=self.temperature, ce_weight=self.ce_weight,
                                     chunk_size=self.chunk_size, normalizer=normalizer, backend=self.backend)
