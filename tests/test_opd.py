@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 from distributed import run_distributed
+from fault_injection import nan_at
 
 from halo_dist.config import ConfigError, load_config
 from halo_dist.models.convert import convert_model
@@ -516,17 +517,16 @@ def _opd_backends(root, common):
     torch.set_num_threads(1)
     rank, out = dist.get_rank(), {}
     ds = ["opd.backend=deepspeed", "parallel.zero_stage=3"]
-    runs = [("torch", ["opd.backend=torch"], {}), ("ds", ds, {}),
-            ("resumed", [*ds, "checkpoint.resume=auto"], {}),
-            ("skip", [*ds, "optim.nonfinite=skip", "checkpoint.every_steps=1", "checkpoint.keep_last=5"],
-             {"HALO_TEST_NAN_AT_STEP": "2"})]
-    for name, extra, env in runs:
+    runs = [("torch", ["opd.backend=torch"], ()), ("ds", ds, ()),
+            ("resumed", [*ds, "checkpoint.resume=auto"], ()),
+            ("skip", [*ds, "optim.nonfinite=skip", "checkpoint.every_steps=1", "checkpoint.keep_last=5"], (2,))]
+    for name, extra, nan_steps in runs:  # nan_steps: optimizer steps whose losses are made NaN
         if name == "resumed" and rank == 0:  # the ZeRO-3 run's step-2 checkpoint, as if it had stopped there
             shutil.copytree(root / "ds" / "checkpoints" / "step-00000002", root / name / "checkpoints" / "step-00000002")
         dist.barrier()
-        os.environ.update(env)
         t = OPDTrainer(tiny_cfg(root / name, *common, *extra, set0=dict(heldout=4)), hf_teacher=tiny_qwen3(vocab=VOCAB),
                        tokenizer=ByteTokenizer()).setup()
+        t.loss_hooks.append(nan_at(*nan_steps))
         rollouts, kls = _record(t)
         weights = []
         if name == "skip":
@@ -535,8 +535,6 @@ def _opd_backends(root, common):
         start = t.step
         t.train()
         t.finish()
-        for k in env:
-            os.environ.pop(k)
         out[name] = {"rollouts": rollouts, "kl": kls, "weights": _student_weights(t), "start": start,
                      "eval": t.eval_history, "per_step": weights, "skipped": t.nonfinite.total,
                      "zero3": t.engine is not None and hasattr(next(iter(t.module.student.parameters())), "ds_id")}
