@@ -13,7 +13,7 @@ from test_engine import TINY, run_launcher, shards  # noqa: F401  (shards: the m
 from test_opd import VOCAB, tiny_cfg
 
 from halo_dist.config import ConfigError, load_config
-from halo_dist.stages.opd_prompts import ByteTokenizer
+from halo_dist.eval.tokenizers import byte_tokenizer
 from halo_dist.train.metrics import read_metrics
 
 
@@ -81,7 +81,7 @@ def _opd(run_dir, *overrides, nan_steps=()):
 
     cfg = tiny_cfg(run_dir, "schedule.total_steps=5", "schedule.decay_steps=2", "opd.eval_every=0",
                    "opd.snapshot_every=0", "checkpoint.every_steps=0", *overrides, set0=dict(heldout=0))
-    t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=ByteTokenizer()).setup()
+    t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=byte_tokenizer()).setup()
     t.loss_hooks.append(nan_at(*nan_steps))
     weights, step = [], t.train_step
 

@@ -73,7 +73,7 @@ from ..config import fit_to_world
 from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
-from ..stages.opd_prompts import ByteTokenizer, Curriculum
+from ..stages.opd_prompts import Curriculum
 from .engine import (LossHook, NonFiniteLossError, NonFinitePolicy, StepHook, backward_and_step, finish_skipped_step,
                      nonfinite_agreed, record_run_start, run_loss_hooks)
 from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoints, latest_checkpoint, rng_state, \
@@ -93,7 +93,9 @@ def load_tokenizer(cfg: RunConfig):
     """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's; random teachers need one."""
     name = cfg.opd.tokenizer
     if name == "bytes":
-        return ByteTokenizer()
+        from ..eval.tokenizers import byte_tokenizer
+
+        return byte_tokenizer()
     if name is None and cfg.model.teacher == "random":
         raise ValueError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for tiny tests)")
     from transformers import AutoTokenizer
@@ -603,9 +605,8 @@ class OPDTrainer:
         student = self._generation_model()  # under ZeRO-3 the gathered replica (collective)
         if self.rank == 0:
             folder = Path(self.cfg.logging.run_dir) / "final"
-            tok = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
             record = run_record(self.cfg, self.step, self.tokens_seen, self.metrics, horizon=self.horizon.horizon)
-            out = export_hypenet(student.float(), folder, tokenizer=tok, extra=record,
+            out = export_hypenet(student.float(), folder, tokenizer=self.tokenizer, extra=record,
                                  generation_config=export_generation_config(self.cfg))
             (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
         self.metrics.close()
