@@ -7,8 +7,12 @@
 #   .xfer/c1  wheels the GPU image lacks, the natural text (bench/build_corpus.py pack), SmolLM2's
 #             tokenizer, and as much of the xz-compressed teacher GGUF as fits
 #   .xfer/c2  the rest of the GGUF and its sha256
-# Run from the repo root after `bash ../shared/tools/fetch_device_wheels.sh` (with EXTRA_WHEELS="gguf==0.19.0
-# lm-eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19") and `python bench/build_corpus.py pack`.
+# Run from the repo root after `python bench/build_corpus.py pack`, with .whl/ holding the packages the GPU image
+# lacks, downloaded for Python 3.12 (`pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 -d .whl ...`): fla-core==0.6.0 flash-linear-attention==0.6.0 liger-kernel==0.8.5
+# webdataset==1.0.2 braceexpand megatron-core==0.19.2 hjson pydantic pydantic-core annotated-types typing-inspection
+# gguf==0.19.0 lm-eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19, plus the deepspeed==0.19.8 sdist
+# (`pip download --no-deps --no-binary=:all:`); bench/device_run.sh installs them on the machine.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qxF /.xfer/ .git/info/exclude 2>/dev/null || echo /.xfer/ >> .git/info/exclude

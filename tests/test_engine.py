@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from data_fixtures import run_prep
+from fault_injection import launcher_args
 
 from halo_dist.train.metrics import read_metrics
 
@@ -26,12 +27,17 @@ def shards(tmp_path_factory):
     return out
 
 
-def run_launcher(stage, run_dir, *overrides, nproc=1, env=None, expect=0, timeout=600, config=None):
-    """Run a stage launcher (torchrun for nproc > 1); returns the completed process."""
-    cmd = [sys.executable, str(REPO / "launchers" / f"{stage}.py")]
+def run_launcher(stage, run_dir, *overrides, nproc=1, env=None, faults=None, expect=0, timeout=600, config=None):
+    """Run a stage launcher (torchrun for nproc > 1); returns the completed process. ``faults``: keyword
+    arguments of ``fault_injection.launcher_args`` (``crash_at=3``, ``sigterm_at=2``, ``nan_at=(2, 3)``); the
+    launcher then runs through tests/fault_injection.py, which installs those hooks in every rank."""
+    script = [str(REPO / "launchers" / f"{stage}.py")]
+    if faults:
+        script = [str(REPO / "tests" / "fault_injection.py"), *launcher_args(**faults), *script]
+    cmd = [sys.executable, *script]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--log-dir", str(Path(run_dir).parent / "torchrun_logs"), str(REPO / "launchers" / f"{stage}.py")]
+               "--log-dir", str(Path(run_dir).parent / "torchrun_logs"), *script]
     cmd += ["--config", str(config or TINY / f"{stage}.yaml"), f"logging.run_dir={run_dir}", "logging.log_every=1", *overrides]
     # in-process distributed runs earlier in the session (e.g. OPD tests) leave this process's
     # rendezvous variables set; the launcher must pick its own port
@@ -156,7 +162,7 @@ def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
               "eval.every_steps=2", "eval.rows=2"]
     run_launcher("stage2", tmp_path / "straight", *common)
     crashed = tmp_path / "crashed"
-    run_launcher("stage2", crashed, *common, env={"HALO_TEST_CRASH_AT_STEP": "3"}, expect=17)
+    run_launcher("stage2", crashed, *common, faults=dict(crash_at=3), expect=17)
     assert [p.name for p in (crashed / "checkpoints").glob("step-*")] == ["step-00000002"]
     res = run_launcher("stage2", crashed, *common)  # a restarted launcher resumes automatically
     assert "resumed from" in res.stdout and "step 2" in res.stdout
@@ -174,7 +180,7 @@ def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
 def test_sigterm_checkpoints_and_exits_cleanly(shards, tmp_path):
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=5", "checkpoint.every_steps=0"]
     run_dir = tmp_path / "sig"
-    res = run_launcher("stage2", run_dir, *common, env={"HALO_TEST_SIGTERM_AT_STEP": "2"}, expect=0)
+    res = run_launcher("stage2", run_dir, *common, faults=dict(sigterm_at=2), expect=0)
     assert "stopped by signal" in res.stderr
     assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == ["step-00000002"]
     assert (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").exists()
@@ -190,7 +196,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(shards, tmp_path):
 def test_nonfinite_loss_stops_with_last_good_checkpoint(shards, tmp_path):
     run_dir = tmp_path / "nan"
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
-                       "schedule.total_steps=5", env={"HALO_TEST_NAN_AT_STEP": "3"}, expect=2)
+                       "schedule.total_steps=5", faults=dict(nan_at=3), expect=2)
     assert "non-finite loss at step 3" in res.stderr
     saved = run_dir / "checkpoints" / "step-00000002"
     assert (saved / "COMPLETE").exists()
@@ -280,7 +286,7 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
 
     run_dir = tmp_path / "run"
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=3", "checkpoint.every_steps=1"]
-    run_launcher("stage2", run_dir, *common, env={"HALO_TEST_CRASH_AT_STEP": "2"}, expect=17)
+    run_launcher("stage2", run_dir, *common, faults=dict(crash_at=2), expect=17)
     step = run_dir / "checkpoints" / "step-00000001"
     pristine = tmp_path / "pristine"
     shutil.copytree(step, pristine)
@@ -339,7 +345,7 @@ def test_resume_on_another_number_of_ranks_continues_the_curve(shards, tmp_path,
     resumed = []
     if zero == 3:  # ZeRO-1 takes the same conversion path: one direction there keeps the suite short
         two_to_one = tmp_path / "two_to_one"
-        run_launcher("stage2", two_to_one, *common, nproc=2, env={"HALO_TEST_SIGTERM_AT_STEP": "2"})
+        run_launcher("stage2", two_to_one, *common, nproc=2, faults=dict(sigterm_at=2))
         res = run_launcher("stage2", two_to_one, *common)
         assert "2 ranks -> 1" in res.stdout and "resumed from" in res.stdout, res.stdout[-2000:]
         assert not (two_to_one / "checkpoints" / "universal").exists()  # the converted copy is removed once loaded
@@ -373,7 +379,7 @@ def test_a_resume_with_other_teacher_weights_under_the_same_path_is_refused(shar
     common = [f"data.train={shards}", f"model.teacher={teacher}", "model.random_teacher=null", "model.attn_layers=1",
               "model.stage1_weights=null", "schedule.total_steps=4", "checkpoint.every_steps=0", "eval.every_steps=0"]
     run = tmp_path / "run"
-    run_launcher("stage2", run, *common, env={"HALO_TEST_SIGTERM_AT_STEP": "2"})
+    run_launcher("stage2", run, *common, faults=dict(sigterm_at=2))
     state = json.loads((run / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
     assert set(state["teacher_files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
     weights = load_file(teacher / "model.safetensors")

@@ -1,18 +1,19 @@
 """Non-finite loss policy (issue 4, bad input): ``optim.nonfinite: stop | skip`` with
 ``optim.max_skipped_steps``, for the distillation engine (launcher subprocesses, DeepSpeed ZeRO-3 and
-ZeRO 0) and the OPD torch backend (in process). The ``HALO_TEST_NAN_AT_STEP`` hook ("3" or "2,3")
-makes those steps' losses NaN on every rank. The DeepSpeed OPD backend's skip is in test_opd.py."""
+ZeRO 0) and the OPD torch backend (in process). The ``fault_injection.nan_at`` loss hook (steps 3, or 2
+and 3) makes those steps' losses NaN on every rank. The DeepSpeed OPD backend's skip is in test_opd.py."""
 
 import math
 
 import pytest
 import torch
 from conftest import tiny_qwen3
+from fault_injection import nan_at
 from test_engine import TINY, run_launcher, shards  # noqa: F401  (shards: the module-scoped fixture)
 from test_opd import VOCAB, tiny_cfg
 
 from halo_dist.config import ConfigError, load_config
-from halo_dist.stages.opd_prompts import ByteTokenizer
+from halo_dist.eval.tokenizers import byte_tokenizer
 from halo_dist.train.metrics import read_metrics
 
 
@@ -51,7 +52,7 @@ def test_engine_skip_drops_the_step_and_finishes(shards, tmp_path, zero_stage, l
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
                        "schedule.total_steps=5", "checkpoint.every_steps=1", "checkpoint.keep_last=10",
                        f"parallel.zero_stage={zero_stage}", "optim.nonfinite=skip", "optim.max_skipped_steps=1",
-                       env={"HALO_TEST_NAN_AT_STEP": "3"})
+                       faults=dict(nan_at=3))
     assert "step 3: non-finite loss, step skipped" in res.stdout
     ckpts = run_dir / "checkpoints"
     w2, w3, w4 = (_weights(ckpts / f"step-0000000{s}", zero_stage) for s in (2, 3, 4))
@@ -68,19 +69,20 @@ def test_engine_too_many_skips_stop_with_the_last_good_checkpoint(shards, tmp_pa
     run_dir = tmp_path / "stop"
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
                        "schedule.total_steps=5", "checkpoint.every_steps=0", "optim.nonfinite=skip",
-                       "optim.max_skipped_steps=1", env={"HALO_TEST_NAN_AT_STEP": "2,3"}, expect=2)
+                       "optim.max_skipped_steps=1", faults=dict(nan_at=(2, 3)), expect=2)
     assert "non-finite loss at step 3 (2 non-finite steps in a row exceed optim.max_skipped_steps=1" in res.stderr
     assert "step 2: non-finite loss, step skipped" in res.stdout
     assert (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").exists()
 
 
 # ------------------------------------------------------------------------------------------------ OPD (torch)
-def _opd(run_dir, *overrides):
+def _opd(run_dir, *overrides, nan_steps=()):
     from halo_dist.train.opd_loop import OPDTrainer
 
     cfg = tiny_cfg(run_dir, "schedule.total_steps=5", "schedule.decay_steps=2", "opd.eval_every=0",
                    "opd.snapshot_every=0", "checkpoint.every_steps=0", *overrides, set0=dict(heldout=0))
-    t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=ByteTokenizer()).setup()
+    t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=byte_tokenizer()).setup()
+    t.loss_hooks.append(nan_at(*nan_steps))
     weights, step = [], t.train_step
 
     def recorded():
@@ -92,9 +94,8 @@ def _opd(run_dir, *overrides):
     return t, weights
 
 
-def test_opd_skip_drops_the_step(tmp_path, monkeypatch):
-    monkeypatch.setenv("HALO_TEST_NAN_AT_STEP", "3")
-    t, weights = _opd(tmp_path, "optim.nonfinite=skip")
+def test_opd_skip_drops_the_step(tmp_path):
+    t, weights = _opd(tmp_path, "optim.nonfinite=skip", nan_steps=(3,))
     t.train()
     t.finish()
     assert t.step == 5 and t.nonfinite.total == 1
@@ -106,11 +107,10 @@ def test_opd_skip_drops_the_step(tmp_path, monkeypatch):
     assert all(math.isfinite(v) for _, v in m["train/reverse_kl"])
 
 
-def test_opd_too_many_skips_stop_with_a_checkpoint(tmp_path, monkeypatch):
+def test_opd_too_many_skips_stop_with_a_checkpoint(tmp_path):
     from halo_dist.train.opd_loop import NonFiniteLossError
 
-    monkeypatch.setenv("HALO_TEST_NAN_AT_STEP", "2,3")
-    t, weights = _opd(tmp_path, "optim.nonfinite=skip", "optim.max_skipped_steps=1")
+    t, weights = _opd(tmp_path, "optim.nonfinite=skip", "optim.max_skipped_steps=1", nan_steps=(2, 3))
     with pytest.raises(NonFiniteLossError, match="2 non-finite steps in a row exceed optim.max_skipped_steps=1"):
         t.train()
     ckpt = tmp_path / "checkpoints" / "step-00000002"

@@ -12,12 +12,14 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 from distributed import run_distributed
+from fault_injection import nan_at
 
 from halo_dist.config import ConfigError, load_config
 from halo_dist.models.convert import convert_model
 from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, Rollout, check_tokenizers, check_vocab,
                                   on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
-from halo_dist.stages.opd_prompts import ByteTokenizer, Curriculum, PromptError, build_prompt_set
+from halo_dist.eval.tokenizers import byte_tokenizer
+from halo_dist.stages.opd_prompts import Curriculum, PromptError, build_prompt_set
 from halo_dist.stages.teacher import as_exact_hypenet
 from halo_dist.train.metrics import read_metrics
 
@@ -134,8 +136,6 @@ def test_sampled_rollouts_are_padding_independent_and_stop_at_eos():
     eos = alone[0][4]
     cut = sample_rollouts(student, [[5, 6, 7]], 12, eos_token_id=eos, generator=gen())[0]
     assert cut[-1] == eos and eos not in cut[:-1] and cut == alone[0][: len(cut)]
-    lockstep = sample_rollouts(student, [[5, 6, 7]], 12, eos_token_id=eos, lockstep=True, generator=gen())[0]
-    assert lockstep == cut
 
 
 def test_static_decode_rollouts_sample_the_same_tokens():
@@ -210,7 +210,7 @@ def test_curriculum_switches_sets_in_by_horizon_and_step(tmp_path):
 
     sets = list(cfg.opd.prompt_sets) + [PromptSetConfig(name="math", kind="jsonl", path=str(jl), text_field="q",
                                                         start_step=5, weight=100.0)]
-    cur = Curriculum(replace(cfg.opd, prompt_sets=sets), ByteTokenizer(), VOCAB)
+    cur = Curriculum(replace(cfg.opd, prompt_sets=sets), byte_tokenizer(), VOCAB)
     assert [s.name for s in cur.active(0, 16)] == ["synthetic"]
     assert [s.name for s in cur.active(0, 32)] == ["synthetic", "wiki"]
     assert [s.name for s in cur.active(5, 16)] == ["synthetic", "math"]
@@ -259,7 +259,7 @@ def run_trainer(cfg, hf=None, student=None):
     from halo_dist.train.opd_loop import OPDTrainer
 
     hf = hf if hf is not None else tiny_qwen3(vocab=VOCAB)
-    t = OPDTrainer(cfg, hf_teacher=hf, student=student, tokenizer=ByteTokenizer()).setup()
+    t = OPDTrainer(cfg, hf_teacher=hf, student=student, tokenizer=byte_tokenizer()).setup()
     t.train()
     t.finish()
     return t
@@ -320,7 +320,8 @@ def test_on_policy_steps_are_a_function_of_seed_and_step():
 def test_fixed_continuations_are_the_datasets_and_leave_the_prompts_alone(tmp_path):
     from halo_dist.config.schema import PromptSetConfig
 
-    tok, eos = ByteTokenizer(), ByteTokenizer.eos_token_id
+    tok = byte_tokenizer()
+    eos = tok.eos_token_id
     docs = tmp_path / "docs.txt"
     docs.write_text("the quick brown fox jumps over the lazy dog\n\nshort doc here\n\n" + "x" * 80)
     text = PromptSetConfig(name="t", kind="text_file", path=str(docs), prompt_tokens=[5, 9], num_prompts=3)
@@ -380,7 +381,7 @@ def test_gkd_run_mixes_fixed_and_on_policy_steps_and_resumes_exactly(tmp_path):
             shutil.copytree(tmp_path / "full" / "checkpoints" / "step-00000004",
                             tmp_path / name / "checkpoints" / "step-00000004")
         cfg = tiny_cfg(tmp_path / name, *common, "checkpoint.resume=auto", set0=dict(heldout=4))
-        t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=ByteTokenizer()).setup()
+        t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=byte_tokenizer()).setup()
         kinds, fixed = _record_steps(t)
         t.train()
         runs[name] = (t, kinds, fixed)
@@ -427,17 +428,17 @@ def test_bad_prompt_sets_have_clear_errors(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     with pytest.raises(PromptError, match="'e' .*is empty"):
-        build_prompt_set(PromptSetConfig(name="e", kind="text_file", path=str(empty)), ByteTokenizer(), VOCAB)
+        build_prompt_set(PromptSetConfig(name="e", kind="text_file", path=str(empty)), byte_tokenizer(), VOCAB)
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "x" * 200}) + "\n")
-    s = build_prompt_set(PromptSetConfig(name="long", kind="jsonl", path=str(long)), ByteTokenizer(), VOCAB)
+    s = build_prompt_set(PromptSetConfig(name="long", kind="jsonl", path=str(long)), byte_tokenizer(), VOCAB)
     with pytest.raises(PromptError, match="200 tokens, longer than the 112 tokens left .* horizon 16"):
-        Curriculum(opd, ByteTokenizer(), VOCAB, prebuilt={"synthetic": s}).active(0, 16)
+        Curriculum(opd, byte_tokenizer(), VOCAB, prebuilt={"synthetic": s}).active(0, 16)
     with pytest.raises(PromptError, match="max_prompt_tokens=50"):
         build_prompt_set(PromptSetConfig(name="l", kind="jsonl", path=str(long), max_prompt_tokens=50),
-                         ByteTokenizer(), VOCAB)
+                         byte_tokenizer(), VOCAB)
     with pytest.raises(PromptError, match="outside the model vocabulary"):
-        build_prompt_set(PromptSetConfig(name="v", kind="jsonl", path=str(long)), ByteTokenizer(), 100)
+        build_prompt_set(PromptSetConfig(name="v", kind="jsonl", path=str(long)), byte_tokenizer(), 100)
     with pytest.raises(ConfigError, match="prompt_sets: empty"):
         tiny_cfg(tmp_path, "opd.prompt_sets=[]")
     with pytest.raises(ConfigError, match="opd: set exactly when"):
@@ -452,17 +453,13 @@ def test_tokenizer_and_vocab_mismatch_are_refused():
     with pytest.raises(ValueError, match="student vocabulary 256 != teacher vocabulary 320"):
         check_vocab(other, teacher)
 
-    class Tok(ByteTokenizer):
-        vocab_size = 400
-
-        def get_vocab(self):
-            return {**super().get_vocab(), "<extra>": 399}
-
+    bigger = byte_tokenizer()
+    bigger.add_tokens([f"<extra{i}>" for i in range(400 - len(bigger))])
     with pytest.raises(ValueError, match="tokenizer has 400 tokens but the models' vocabulary is 320"):
-        check_vocab(student, teacher, Tok())
+        check_vocab(student, teacher, bigger)
     with pytest.raises(ValueError, match="teacher and student tokenizers differ"):
-        check_tokenizers(ByteTokenizer(), Tok())
-    check_tokenizers(ByteTokenizer(), ByteTokenizer())
+        check_tokenizers(byte_tokenizer(), bigger)
+    check_tokenizers(byte_tokenizer(), byte_tokenizer())
 
 
 def test_launcher_reports_bad_input_in_one_line(tmp_path):
@@ -516,17 +513,16 @@ def _opd_backends(root, common):
     torch.set_num_threads(1)
     rank, out = dist.get_rank(), {}
     ds = ["opd.backend=deepspeed", "parallel.zero_stage=3"]
-    runs = [("torch", ["opd.backend=torch"], {}), ("ds", ds, {}),
-            ("resumed", [*ds, "checkpoint.resume=auto"], {}),
-            ("skip", [*ds, "optim.nonfinite=skip", "checkpoint.every_steps=1", "checkpoint.keep_last=5"],
-             {"HALO_TEST_NAN_AT_STEP": "2"})]
-    for name, extra, env in runs:
+    runs = [("torch", ["opd.backend=torch"], ()), ("ds", ds, ()),
+            ("resumed", [*ds, "checkpoint.resume=auto"], ()),
+            ("skip", [*ds, "optim.nonfinite=skip", "checkpoint.every_steps=1", "checkpoint.keep_last=5"], (2,))]
+    for name, extra, nan_steps in runs:  # nan_steps: optimizer steps whose losses are made NaN
         if name == "resumed" and rank == 0:  # the ZeRO-3 run's step-2 checkpoint, as if it had stopped there
             shutil.copytree(root / "ds" / "checkpoints" / "step-00000002", root / name / "checkpoints" / "step-00000002")
         dist.barrier()
-        os.environ.update(env)
         t = OPDTrainer(tiny_cfg(root / name, *common, *extra, set0=dict(heldout=4)), hf_teacher=tiny_qwen3(vocab=VOCAB),
-                       tokenizer=ByteTokenizer()).setup()
+                       tokenizer=byte_tokenizer()).setup()
+        t.loss_hooks.append(nan_at(*nan_steps))
         rollouts, kls = _record(t)
         weights = []
         if name == "skip":
@@ -535,8 +531,6 @@ def _opd_backends(root, common):
         start = t.step
         t.train()
         t.finish()
-        for k in env:
-            os.environ.pop(k)
         out[name] = {"rollouts": rollouts, "kl": kls, "weights": _student_weights(t), "start": start,
                      "eval": t.eval_history, "per_step": weights, "skipped": t.nonfinite.total,
                      "zero3": t.engine is not None and hasattr(next(iter(t.module.student.parameters())), "ds_id")}

@@ -70,7 +70,7 @@ def test_hypenet_trains_and_resumes_exactly_after_a_crash(shards, tmp_path):
     straight = losses(tmp_path / "straight")
     assert len(straight) == 6 and straight[-1] < straight[0] - 0.3, straight
     crashed = tmp_path / "crashed"  # a hard crash after step 3 (no cleanup): step 2 is the last checkpoint
-    pretrain(crashed, "hypenet", *common, env={"HALO_TEST_CRASH_AT_STEP": "3"}, expect=17)
+    pretrain(crashed, "hypenet", *common, faults=dict(crash_at=3), expect=17)
     assert sorted(p.name for p in (crashed / "checkpoints").glob("step-*")) == ["step-00000002"]
     res = pretrain(crashed, "hypenet", *common)  # the restarted launcher resumes by itself
     assert "resumed from" in res.stdout and "step 2" in res.stdout

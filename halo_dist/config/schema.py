@@ -146,7 +146,7 @@ class ModelConfig(Section):
     stage1_weights: Optional[str] = None  # stage-1 output (aligned RNN layers) that stage 2 reads
     rnn_mixer: Literal["lightning", "gdn", "gla", "rwkv7", "mamba2"] = "lightning"
     logits_scaling_a: Optional[float] = None  # a of s_t = log_a(t + a); null disables
-    logits_scaling_in_training: bool = True  # the reference code only scaled at inference (§6.6)
+    logits_scaling_in_training: bool = True  # also scale in training (the public reference code scales at inference only)
     attn_output_gate: bool = True  # sigmoid gate on attention output, initialised as identity
     attn_output_norm: bool = False  # appendix RMSNorm on attention output; changes the teacher fn
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # float32 for CPU tests
@@ -326,7 +326,7 @@ class LossConfig(Section):
 
     objective: Objective = "kl"  # see STAGE_OBJECTIVES for what each stage allows
     temperature: float = 1.0  # softmax temperature of both models in KL
-    ce_weight: float = 0.0  # extra next-token CE term added to a KL objective (0 = off, §6.2)
+    ce_weight: float = 0.0  # extra next-token CE term added to a KL objective (0 = off: not computed at all)
     chunk_size: int = 4096  # tokens per chunk of the fused loss (memory vs kernel launches)
     # KL to the teacher only at document positions below this (the teacher's trained context); beyond
     # it next-token CE on the text. A teacher past its positions is a wrong target: a long-context stage
@@ -503,7 +503,7 @@ class OPDConfig(Section):
     top_p: float = 1.0  # nucleus sampling of the rollouts (1.0 = full distribution)
     stop_at_eos: bool = True  # a rollout ends at EOS (the EOS token itself is trained)
     static_decode: bool = False  # rollouts through StaticDecoder (CUDA-graph steps; same tokens as dynamic)
-    tokenizer: Optional[str] = None  # default: the teacher's; "bytes" = UTF-8 bytes (tiny tests)
+    tokenizer: Optional[str] = None  # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
     eos_token_id: Optional[int] = None  # default: the tokenizer's
     prompt_sets: list[PromptSetConfig] = field(default_factory=list)
     train_attention: bool = True  # OPAL trains the retained attention layers jointly

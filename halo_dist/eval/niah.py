@@ -435,7 +435,3 @@ def write_reports(report: dict, out_dir: str | Path, name: str = "niah") -> dict
     paths["markdown"] = out_dir / f"{name}.md"
     paths["heatmap"] = heatmap(report["summary"], out_dir / f"{name}_heatmap.png", title=str(report.get("model", name)))
     return paths
-
-
-def report_from_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())

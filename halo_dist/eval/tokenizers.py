@@ -1,4 +1,4 @@
-"""A byte-level Hugging Face tokenizer for tokenizer-less tiny models (tests, ``--cpu-smoke`` runs).
+"""A byte-level Hugging Face tokenizer for tokenizer-less tiny models (``opd.tokenizer: bytes``, the tests).
 
 Ids 0..255 are the raw UTF-8 bytes; ``<eos>`` = 256 and ``<pad>`` = 257, so a model with a
 vocabulary of at least 258 entries accepts every id. Text round-trips exactly and one byte is one

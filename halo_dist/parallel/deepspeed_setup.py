@@ -1,6 +1,6 @@
 """DeepSpeed start-up that works the same on CPU (gloo, tests, CI) and GPU (NCCL).
 
-CPU pitfalls handled here (see shared STACK_NOTES): ``DS_ACCELERATOR=cpu`` must be set before
+CPU pitfalls handled here: ``DS_ACCELERATOR=cpu`` must be set before
 DeepSpeed is imported; DeepSpeed's ``TorchBackend`` JIT-compiles a shared-memory op (~75 s) on
 first ``init_distributed`` unless ``build_shm_op`` is replaced by a no-op on the *module object*
 ``sys.modules["deepspeed.comm.torch"]`` (``import deepspeed.comm.torch as m`` binds the

@@ -60,12 +60,10 @@ class ParallelLayout:
     Args:
         world_size: number of ranks.
         sp_size: Ulysses sequence-parallel degree (ranks sharing one sequence).
-        ranks_per_node: if given, checked so that no SP group spans two nodes.
     """
 
     world_size: int
     sp_size: int = 1
-    ranks_per_node: Optional[int] = None
 
     def __post_init__(self):
         for name in ("world_size", "sp_size"):
@@ -75,9 +73,6 @@ class ParallelLayout:
         if self.world_size % self.sp_size:
             raise LayoutError(f"world_size={self.world_size} is not divisible by sp_size={self.sp_size}; "
                               f"world = dp * sp needs sp to divide the number of ranks")
-        if self.ranks_per_node is not None and self.ranks_per_node % self.sp_size:
-            raise LayoutError(f"sp_size={self.sp_size} does not divide ranks_per_node={self.ranks_per_node}: "
-                              f"an SP group would span two nodes (its all-to-alls would leave NVLink)")
 
     @property
     def dp_size(self) -> int:
@@ -113,29 +108,6 @@ class ParallelLayout:
     def all_dp_groups(self) -> list[list[int]]:
         return [self.dp_group_ranks(s) for s in range(self.sp_size)]
 
-    def check_seq_len(self, seq_len: int) -> int:
-        """Return the per-rank sequence length ``seq_len / sp``; error if not divisible."""
-        if seq_len % self.sp_size:
-            raise LayoutError(f"sequence length {seq_len} is not divisible by sp_size={self.sp_size}; "
-                              f"pad or choose a context length that is a multiple of sp")
-        return seq_len // self.sp_size
-
-    def check_heads(self, num_heads: int, num_kv_heads: Optional[int] = None) -> None:
-        """Error unless ``sp`` divides the query heads (KV heads may be replicated, see ulysses)."""
-        if num_heads % self.sp_size:
-            raise LayoutError(f"num_heads={num_heads} is not divisible by sp_size={self.sp_size}: "
-                              f"Ulysses splits heads across the SP ranks")
-        if num_kv_heads is not None and num_heads % num_kv_heads:
-            raise LayoutError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-
-    def grad_accum_steps(self, global_batch: int, micro_batch: int) -> int:
-        """``global_batch = micro_batch * grad_accum * dp``; return grad_accum or raise."""
-        per_step = micro_batch * self.dp_size
-        if micro_batch < 1 or global_batch % per_step:
-            raise LayoutError(f"global batch {global_batch} is not a multiple of micro_batch {micro_batch} "
-                              f"x dp_size {self.dp_size} = {per_step}")
-        return global_batch // per_step
-
 
 def _new_groups(rank_lists: list[list[int]], rank: int, timeout: Optional[timedelta]):
     """Create every group in ``rank_lists`` (all ranks must call this in the same order); return ours."""
@@ -164,12 +136,11 @@ class ProcessGroups:
         self.sdp_group, self.self_group = sdp_group, self_group
 
     @classmethod
-    def build(cls, sp_size: int = 1, ranks_per_node: Optional[int] = None,
-              timeout: Optional[timedelta] = None) -> "ProcessGroups":
+    def build(cls, sp_size: int = 1, timeout: Optional[timedelta] = None) -> "ProcessGroups":
         """Validate the layout against the running world and create all groups (collective)."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
-        layout = ParallelLayout(dist.get_world_size(), sp_size, ranks_per_node)
+        layout = ParallelLayout(dist.get_world_size(), sp_size)
         rank = dist.get_rank()
         sp_group = _new_groups(layout.all_sp_groups(), rank, timeout)
         dp_group = _new_groups(layout.all_dp_groups(), rank, timeout)

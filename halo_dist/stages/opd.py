@@ -6,8 +6,7 @@ One optimizer step:
    top-p 1.0 by default) with HypeNet's cached batched ``generate`` (left padding is exact:
    padded keys masked, positions from the mask). A rollout ends at EOS (trained) or after
    ``horizon`` new tokens. Under DeepSpeed ZeRO-3 the loop samples from a gathered replica of
-   the student (no collectives while decoding; ``train.opd_loop`` explains why); ``lockstep=True``
-   is for decoding through ZeRO-3's hooks, where every forward is a collective.
+   the student (no collectives while decoding; ``train.opd_loop`` explains why).
 2. **Packing.** Each rollout becomes one document ``prompt + continuation`` (no padding) in a
    packed ``[1, L]`` row with ``cu_seqlens`` and per-document positions: the student and the
    teacher run their varlen kernels, as in stages 2/3.
@@ -182,13 +181,11 @@ class Rollout:
 @torch.no_grad()
 def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0, top_p: float = 1.0,
                     eos_token_id: int | None = None, pad_token_id: int = 0, stop_at_eos: bool = True,
-                    lockstep: bool = False, generator: torch.Generator | None = None,
-                    static_cache: bool = False) -> list[list[int]]:
+                    generator: torch.Generator | None = None, static_cache: bool = False) -> list[list[int]]:
     """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the student's own
     distribution under ``temperature`` / ``top_p`` only: the model's generation defaults stay out (an export
     carries its teacher's chat defaults, e.g. a top-k or a repetition penalty).
 
-    ``lockstep``: never stop early (every rank runs ``horizon`` decode steps; ZeRO-3 needs that).
     ``generator``: the draws come from a seed taken from it (see ``_sampling_seeded_by``).
     ``static_cache``: decode through ``StaticDecoder`` (a CUDA-graph replay per token on CUDA).
     """
@@ -203,7 +200,7 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     for b, p in enumerate(prompts):
         ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[b, width - len(p):] = 1
-    early = stop_at_eos and not lockstep and eos_token_id is not None
+    early = stop_at_eos and eos_token_id is not None
     was_training, defaults = model.training, model.generation_config
     model.eval()
     model.generation_config = GenerationConfig()

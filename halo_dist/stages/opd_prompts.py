@@ -36,38 +36,6 @@ class PromptError(ValueError):
     """A prompt set that cannot be used (message names the set and the problem)."""
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (tiny CPU tests): pad 0, eos 1, bos 2, byte b -> b + 3 (vocab 259).
-
-    Implements the slice of the HF tokenizer API that the OPD stage and the NIAH builder use.
-    """
-
-    pad_token_id, eos_token_id, bos_token_id, offset = 0, 1, 2, 3
-    vocab_size = 259
-    name_or_path = "bytes"
-
-    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False):
-        ids, offsets = [], []
-        for i, ch in enumerate(text):
-            for b in ch.encode("utf-8"):
-                ids.append(b + self.offset)
-                offsets.append((i, i + 1))
-        out = {"input_ids": ids}
-        if return_offsets_mapping:
-            out["offset_mapping"] = offsets
-        return out
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        return bytes(i - self.offset for i in ids if i >= self.offset).decode("utf-8", errors="replace")
-
-    def get_vocab(self) -> dict[str, int]:
-        return {**{f"<byte{b}>": b + self.offset for b in range(256)}, "<pad>": 0, "<eos>": 1, "<bos>": 2}
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-
 @dataclass
 class PromptSet:
     """Token-id prompts of one configured set; ``heldout`` never trains."""

@@ -35,6 +35,7 @@ import socket
 import time
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -96,23 +97,27 @@ class NonFinitePolicy:
         self.consecutive, self.total = int(state.get("consecutive", 0)), int(state.get("total", 0))
 
 
-def nonfinite_agreed(loss: torch.Tensor, step: int, device: torch.device) -> bool:
-    """True on every rank when ``loss`` is NaN/inf on any rank (one all-reduce of a flag).
-
-    ``step``: the 1-based optimizer step this loss belongs to; the test hook ``HALO_TEST_NAN_AT_STEP``
-    (``"3"`` or ``"3,4,5"``) makes that step's loss NaN on every rank.
-    """
-    bad = 0.0 if torch.isfinite(loss).all() else 1.0
-    if step in _test_nan_steps():
-        bad = 1.0  # test hook: exercise the non-finite path deterministically
-    flag = torch.tensor([bad], device=device)
+def nonfinite_agreed(loss: torch.Tensor, device: torch.device) -> bool:
+    """True on every rank when ``loss`` is NaN/inf on any rank (one all-reduce of a flag)."""
+    flag = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
 
-def _test_nan_steps() -> set[int]:
-    raw = os.environ.get("HALO_TEST_NAN_AT_STEP", "")
-    return {int(s) for s in raw.split(",") if s.strip()}
+StepHook = Callable[[Any, int], None]
+"""``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just taken),
+before that step's checkpoint; in :class:`Trainer` also before its metrics, evaluation and stop-signal check."""
+
+LossHook = Callable[[Any, int, torch.Tensor], torch.Tensor]
+"""``hook(trainer, step, loss) -> loss``: every micro-batch's loss passes through it before the non-finite
+check and the backward (``step``: the 1-based optimizer step the loss belongs to)."""
+
+
+def run_loss_hooks(trainer, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` through the trainer's ``loss_hooks`` in order (none in a launched run: the list starts empty)."""
+    for hook in trainer.loss_hooks:
+        loss = hook(trainer, trainer.step + 1, loss)
+    return loss
 
 
 def backward_and_step(engine, loss: torch.Tensor, drop: bool = False) -> None:
@@ -186,6 +191,10 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
+        # extension points for callers that build the trainer themselves (the tests inject faults here);
+        # a launched run leaves both empty
+        self.step_hooks: list[StepHook] = []
+        self.loss_hooks: list[LossHook] = []
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> "Trainer":
@@ -455,6 +464,7 @@ class Trainer:
             for batch in micro_batches:
                 self._track_attended_keys(batch)
                 loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
+                loss = run_loss_hooks(self, loss)
                 if not skipping:
                     skipping = self._nonfinite(loss)
                 if not skipping:
@@ -463,7 +473,8 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.layout.tokens_per_step
             profiler.after_step(self.step)
-            _test_fault_hook(self.step)
+            for hook in self.step_hooks:
+                hook(self, self.step)
             if skipping:
                 finish_skipped_step(self.engine, self.scheduler)
             else:
@@ -519,7 +530,7 @@ class Trainer:
     def _nonfinite(self, loss: torch.Tensor) -> bool:
         """Agree across ranks on a non-finite loss: False (finite), True (skip this step, ``optim.nonfinite
         =skip``), or checkpoint the last good state and raise :class:`NonFiniteLossError`."""
-        if not nonfinite_agreed(loss, self.step + 1, self.device):
+        if not nonfinite_agreed(loss, self.device):
             return False
         if self.nonfinite.should_skip():
             if self.rank == 0:
@@ -557,14 +568,6 @@ def record_run_start(cfg: RunConfig, layout, metrics: MetricsLogger, rank: int, 
     metrics.log_config(path.read_text(), run_hparams(cfg, layout))
     print(format_config(cfg), flush=True)
     print(layout.describe(), flush=True)
-
-
-def _test_fault_hook(step: int) -> None:
-    """Test hooks (never set in production): a hard crash or a SIGTERM to ourselves after ``step``."""
-    if os.environ.get("HALO_TEST_CRASH_AT_STEP") == str(step):
-        os._exit(17)  # like a node failure: no cleanup, no checkpoint
-    if os.environ.get("HALO_TEST_SIGTERM_AT_STEP") == str(step):
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_stage(cfg: RunConfig, argv: list[str] | None = None, trainer_cls: type | None = None,

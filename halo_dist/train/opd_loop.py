@@ -73,9 +73,9 @@ from ..config import fit_to_world
 from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
-from ..stages.opd_prompts import ByteTokenizer, Curriculum
-from .engine import (NonFiniteLossError, NonFinitePolicy, backward_and_step, finish_skipped_step, nonfinite_agreed,
-                     record_run_start)
+from ..stages.opd_prompts import Curriculum
+from .engine import (LossHook, NonFiniteLossError, NonFinitePolicy, StepHook, backward_and_step, finish_skipped_step,
+                     nonfinite_agreed, record_run_start, run_loss_hooks)
 from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoints, latest_checkpoint, rng_state, \
     set_rng_state, step_dir_name
 from ..parallel.safe_load import safe_load
@@ -93,7 +93,9 @@ def load_tokenizer(cfg: RunConfig):
     """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's; random teachers need one."""
     name = cfg.opd.tokenizer
     if name == "bytes":
-        return ByteTokenizer()
+        from ..eval.tokenizers import byte_tokenizer
+
+        return byte_tokenizer()
     if name is None and cfg.model.teacher == "random":
         raise ValueError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for tiny tests)")
     from transformers import AutoTokenizer
@@ -170,6 +172,8 @@ class OPDTrainer:
         self.tokens_seen = 0  # generated (trained) tokens, all ranks
         self.eval_history: list[tuple[int, float]] = []
         self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
+        self.step_hooks: list[StepHook] = []  # as the distillation Trainer's (engine.py); empty in a launched run
+        self.loss_hooks: list[LossHook] = []
         self.engine = None  # the DeepSpeed engine (backend deepspeed)
         self.rollout_student = None  # ZeRO-3: the gathered copy that generates (module doc)
         self._replica_step = None  # optimizer step the rollout replica was last refreshed at
@@ -439,6 +443,7 @@ class OPDTrainer:
             loss, kl, count, per_bucket = (self.engine or self.module)(
                 batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, batch.loss_mask,
                 batch.gen_index, normalizer=normalizer, horizon=horizon)
+            loss = run_loss_hooks(self, loss)
             if not skipping:
                 skipping = self._nonfinite(loss)
             if self.ds:
@@ -523,7 +528,7 @@ class OPDTrainer:
     def _nonfinite(self, loss: torch.Tensor) -> bool:
         """Ranks agree on a non-finite loss: False (finite), True (skip the step), or checkpoint the last
         good state and raise :class:`NonFiniteLossError` (``optim.nonfinite``)."""
-        if not nonfinite_agreed(loss, self.step + 1, self.device):
+        if not nonfinite_agreed(loss, self.device):
             return False
         if self.nonfinite.should_skip():
             if self.rank == 0:
@@ -579,6 +584,8 @@ class OPDTrainer:
             self.evaluate()
         while self.step < total:
             last = self.train_step()
+            for hook in self.step_hooks:
+                hook(self, self.step)
             every = cfg.checkpoint.every_steps
             if every and self.step % every == 0 and self.step < total:
                 self.save(keep_last=cfg.checkpoint.keep_last)
@@ -598,9 +605,8 @@ class OPDTrainer:
         student = self._generation_model()  # under ZeRO-3 the gathered replica (collective)
         if self.rank == 0:
             folder = Path(self.cfg.logging.run_dir) / "final"
-            tok = None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer
             record = run_record(self.cfg, self.step, self.tokens_seen, self.metrics, horizon=self.horizon.horizon)
-            out = export_hypenet(student.float(), folder, tokenizer=tok, extra=record,
+            out = export_hypenet(student.float(), folder, tokenizer=self.tokenizer, extra=record,
                                  generation_config=export_generation_config(self.cfg))
             (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
         self.metrics.close()

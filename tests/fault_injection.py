@@ -1,0 +1,112 @@
+"""Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses.
+
+The trainers (``halo_dist.train.engine.Trainer`` and its subclasses, ``halo_dist.train.opd_loop.OPDTrainer``)
+expose ``step_hooks`` and ``loss_hooks`` lists that product code leaves empty. A test that builds a trainer
+itself appends the hooks below; a test that runs a launcher in a subprocess runs it through this file::
+
+    python tests/fault_injection.py [--crash-at N] [--sigterm-at N] [--nan-at N[,M...]] launchers/stage2.py ARGS...
+
+which makes every trainer built in that process (every rank under torchrun) carry the hooks, then runs the
+launcher as ``__main__`` with ``ARGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # the checkout's halo_dist (as the launchers arrange), and not tests/'s modules
+    sys.path[0] = str(REPO)
+
+CRASH_EXIT = 17
+
+
+def crash_at(step: int):
+    """Step hook: exit with 17 right after optimizer step ``step``, like a node failure (no cleanup, no
+    checkpoint of that step)."""
+
+    def hook(trainer, done: int) -> None:
+        if done == step:
+            os._exit(CRASH_EXIT)
+
+    return hook
+
+
+def sigterm_at(step: int):
+    """Step hook: send this process SIGTERM right after optimizer step ``step`` (the trainer's handler
+    records it; the ranks agree on it at the end of that step)."""
+
+    def hook(trainer, done: int) -> None:
+        if done == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
+def nan_at(*steps: int):
+    """Loss hook: every micro-batch loss of the optimizer steps ``steps`` becomes NaN (the graph is kept,
+    so the backward of a skipped step runs as it would on a real NaN)."""
+    bad = set(steps)
+
+    def hook(trainer, step: int, loss):
+        return loss * float("nan") if step in bad else loss
+
+    return hook
+
+
+def install(step_hooks=(), loss_hooks=()) -> None:
+    """Every trainer constructed after this call in this process gets ``step_hooks`` and ``loss_hooks``."""
+    from halo_dist.train.engine import Trainer
+    from halo_dist.train.opd_loop import OPDTrainer
+
+    for cls in (Trainer, OPDTrainer):
+        init = cls.__init__
+
+        def hooked_init(self, *args, _init=init, **kwargs):
+            _init(self, *args, **kwargs)
+            self.step_hooks.extend(step_hooks)
+            self.loss_hooks.extend(loss_hooks)
+
+        cls.__init__ = hooked_init
+
+
+def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None, nan_at=None) -> list[str]:
+    """The options of this script for the given faults (``nan_at``: a step or a list of steps)."""
+    args = []
+    if crash_at is not None:
+        args += ["--crash-at", str(crash_at)]
+    if sigterm_at is not None:
+        args += ["--sigterm-at", str(sigterm_at)]
+    if nan_at is not None:
+        steps = [nan_at] if isinstance(nan_at, int) else list(nan_at)
+        args += ["--nan-at", ",".join(map(str, steps))]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--crash-at", type=int, help="exit 17 right after this optimizer step")
+    parser.add_argument("--sigterm-at", type=int, help="SIGTERM to this process right after this optimizer step")
+    parser.add_argument("--nan-at", help="comma-separated optimizer steps whose losses are NaN")
+    parser.add_argument("launcher", help="the launcher script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the launcher's arguments")
+    a = parser.parse_args(argv)
+    step_hooks, loss_hooks = [], []
+    if a.crash_at is not None:
+        step_hooks.append(crash_at(a.crash_at))
+    if a.sigterm_at is not None:
+        step_hooks.append(sigterm_at(a.sigterm_at))
+    if a.nan_at:
+        loss_hooks.append(nan_at(*(int(s) for s in a.nan_at.split(",") if s.strip())))
+    install(step_hooks, loss_hooks)
+    sys.argv = [a.launcher, *a.args]
+    runpy.run_path(a.launcher, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
