@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 
 if os.environ.get("HALO_TEST_SKIP_FLA") == "1":
-    # Spawned CPU ranks only: fla's Triton kernels never run on CPU (ops_hypenet.use_fla needs CUDA),
-    # but importing fla costs ~3.5 s per rank; a None entry makes ops_hypenet's guarded import fail fast.
+    # Spawned CPU ranks only: fla's Triton kernels never run on CPU (ops_rnn.use_fla needs CUDA),
+    # but importing fla costs ~3.5 s per rank; a None entry makes ops_rnn's guarded import fail fast.
     sys.modules.setdefault("fla", None)
 
 import pytest
@@ -28,7 +28,10 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from halo_dist.models.hypenet import HypeNetConfig
-from halo_dist.models.hypenet.modeling_hypenet import HypeNetAttention, LightningMixer, SequenceInfo, kv_expand_factor
+from halo_dist.models.hypenet.attention_hypenet import HypeNetAttention
+from halo_dist.models.hypenet.layers_hypenet import SequenceInfo
+from halo_dist.models.hypenet.rnn_hypenet import LightningMixer
+from halo_dist.models.hypenet.sequence_parallel_hypenet import kv_expand_factor
 from halo_dist.parallel import (
     SequenceParallel,
     SequenceParallelError,
@@ -171,7 +174,7 @@ def _out_dim(module) -> int:
 
 
 def _set_mixer_sp(mixer, sp):
-    mixer.sp = sp
+    mixer.apply_sp(sp)
 
 
 def _apply_to_model(model, sp):
