@@ -37,8 +37,9 @@ except ImportError:  # pragma: no cover
 class RNNMixerBase(SequenceParallelMixer, nn.Module):
     """What every RNN mixer shares, shaped like the teacher's attention so its weights transfer: q/k/v/o
     of H heads x d_h, QK-norm (``rnn_qk_norm``), RoPE (``rnn_rope``), the per-head output RMSNorm's
-    weight, the sigmoid output gate (``rnn_output_gate``), GQA k/v kept or cloned to H heads (repeated
-    to H heads in ``project``, so sequence parallelism splits q, k and v alike)."""
+    weight, the sigmoid output gate (``rnn_output_gate``), and k/v of H heads: cloned per head at conversion
+    (``rnn_gqa_to_mha``) or kept as the teacher's GQA heads and repeated to H in ``project`` (so sequence
+    parallelism splits q, k and v alike)."""
 
     def __init__(self, config: HypeNetConfig, layer_idx: int):
         super().__init__()
