@@ -51,7 +51,7 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         B, T, _ = x.shape
         D, cfg = self.head_dim, self.config
         q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
-        k = self.k_proj(x).view(B, T, -1, D)
+        k = self.k_proj(x).view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
         v = self.v_proj(x).view(B, T, -1, D)
         if cfg.attn_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

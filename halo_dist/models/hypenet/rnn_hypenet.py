@@ -63,7 +63,7 @@ class RNNMixerBase(SequenceParallelMixer, nn.Module):
         B, T, _ = x.shape
         D, cfg = self.head_dim, self.config
         q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
-        k = self.k_proj(x).view(B, T, -1, D)
+        k = self.k_proj(x).view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
         v = self.v_proj(x).view(B, T, -1, D)
         if cfg.rnn_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -321,9 +321,10 @@ class RWKV7Mixer(GatedRNNMixer):
     def gates(self, x, q, k, v):
         acc = _acc_dtype(x)
         shape = q.shape  # [B, T, H, K]
-        w = RWKV7_LOG_DECAY_MIN * torch.sigmoid(self.w_up(torch.tanh(self.w_down(x))).to(acc)).view(shape)
-        a = torch.sigmoid(self.a_up(self.a_down(x))).view(shape)
-        kk = F.normalize((k * self.k_k.view(shape[2:])).to(acc), dim=-1).to(k.dtype)  # κ̂ per head
-        k = k * (1 + (a - 1) * self.k_a.view(shape[2:]))
+        w_logit = self.w_up(torch.tanh(self.w_down(x))).to(acc)  # [B, T, H*K]
+        w = RWKV7_LOG_DECAY_MIN * torch.sigmoid(w_logit).view(shape)  # [B, T, H*K] -> [B, T, H, K]
+        a = torch.sigmoid(self.a_up(self.a_down(x))).view(shape)  # [B, T, H*K] -> [B, T, H, K]
+        kk = F.normalize((k * self.k_k.view(shape[2:])).to(acc), dim=-1).to(k.dtype)  # κ̂ per head (k_k [H*K] -> [H, K])
+        k = k * (1 + (a - 1) * self.k_a.view(shape[2:]))  # k_a [H*K] -> [H, K]
         bonus = (q * k * self.r_k.to(q.dtype)).sum(-1, keepdim=True) * self.head_dim**-0.5  # [B, T, H, 1]
         return q, k, v, {"w": w, "a": -kk, "b": kk * a}, (None, bonus * v)

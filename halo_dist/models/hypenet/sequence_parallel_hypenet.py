@@ -60,7 +60,7 @@ class SequenceParallelMixer:
 
     def sp_gather(self, o: torch.Tensor) -> torch.Tensor:
         """The kernel's output back to this rank's tokens: ``[B, T, H/sp, D] -> [B, T/sp, H, D]``."""
-        return o if self.sp is None else self.sp.head_to_seq(o)
+        return o if self.sp is None else self.sp.head_to_seq(o)  # [B, T, H/sp, D] -> [B, T/sp, H, D]
 
     def sp_local_heads(self, per_head: torch.Tensor) -> torch.Tensor:
         """The entries ``[H, ...] -> [H/sp, ...]`` of the heads this rank holds after :meth:`sp_scatter`
