@@ -1,7 +1,7 @@
 """Building blocks shared by HypeNet's mixers and model: RMSNorm, the SwiGLU MLP, RoPE, logits scaling,
 output gates and norms, and ``SequenceInfo``, the token layout of one forward.
 
-Exported with every checkpoint: torch and transformers only.
+Exported with every checkpoint: torch only.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_hypenet import HypeNetConfig
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 and rounded once to x's dtype

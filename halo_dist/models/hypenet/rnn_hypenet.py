@@ -113,6 +113,7 @@ class LightningMixer(RNNMixerBase):
             o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
         return self.o_proj(o)
 
+
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for gates (decays are cumulated), fp64 kept for the exactness tests."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
