@@ -51,7 +51,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import ATTN_2B, RESULTS, SHAPE_2B, SHAPE_TINY, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
-from halo_dist.models.hypenet.modeling_hypenet import HypeNetCache, HypeNetForCausalLM  # noqa: E402
+from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
+from halo_dist.models.hypenet.modeling_hypenet import HypeNetForCausalLM  # noqa: E402
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
 
 GiB = 1 << 30

@@ -25,8 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
 from halo_dist.models.hypenet import HypeNetConfig, HypeNetForCausalLM  # noqa: E402
-from halo_dist.models.hypenet import ops_hypenet as ops  # noqa: E402
-from halo_dist.models.hypenet.modeling_hypenet import HypeNetAttention, LightningMixer, SequenceInfo  # noqa: E402
+from halo_dist.models.hypenet import ops_rnn as ops  # noqa: E402
+from halo_dist.models.hypenet.attention_hypenet import HypeNetAttention  # noqa: E402
+from halo_dist.models.hypenet.layers_hypenet import SequenceInfo  # noqa: E402
+from halo_dist.models.hypenet.rnn_hypenet import LightningMixer  # noqa: E402
 
 
 def make_qkv(T, H, D, device, seed=0, B=1):

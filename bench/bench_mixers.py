@@ -4,7 +4,7 @@
     python bench/bench_mixers.py --smoke      # tiny shapes on CPU (torch paths only): checks the script
 
 Part 1 (correctness, H=16 heads x d_h=128, bf16 inputs, fp32 gates): for GDN, GLA, RWKV-7 and Mamba2
-the dispatcher ops_hypenet.<mixer>_attention as training calls it (fla, or the Hopper fallback: the
+the dispatcher ops_rnn.<mixer>_attention as training calls it (fla, or the Hopper fallback: the
 ``path`` column says which ran) vs the fp32 torch reference: relative error of the output, the final
 state and the gradients of q, k, v and the gates; then forward-only (inference always runs fla), a
 packed batch (cu_seqlens) and 32 decode steps (fla fused_recurrent). Cases whose fla training path is
@@ -29,8 +29,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
 from halo_dist.models.hypenet import HypeNetConfig  # noqa: E402
-from halo_dist.models.hypenet import ops_hypenet as ops  # noqa: E402
-from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES, SequenceInfo  # noqa: E402
+from halo_dist.models.hypenet import ops_rnn as ops  # noqa: E402
+from halo_dist.models.hypenet import ops_rnn_torch as ref  # noqa: E402
+from halo_dist.models.hypenet.layers_hypenet import SequenceInfo  # noqa: E402
+from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES  # noqa: E402
 
 KINDS = ("gdn", "gla", "rwkv7", "mamba2")
 DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention, "gdn": ops.gated_delta_attention,
@@ -65,13 +67,13 @@ def make_inputs(kind: str, T: int, H: int, D: int, device, seed: int = 0):
 def reference(kind, xs, scale, cu=None, init=None):
     """The fp32 torch reference for one mixer (chunked where a chunked form exists)."""
     if kind == "gla":
-        return ops.gla_chunk_torch(*xs, scale, init, cu, chunk_size=16)
+        return ref.gla_chunk_torch(*xs, scale, init, cu, chunk_size=16)
     if kind == "mamba2":
-        return ops.lightning_chunk_torch(*xs, scale, init, cu, chunk_size=64)
+        return ref.lightning_chunk_torch(*xs, scale, init, cu, chunk_size=64)
     if kind == "gdn":
-        return ops.gdn_chunk_torch(*xs, scale, init, cu, chunk_size=64)
+        return ref.gdn_chunk_torch(*xs, scale, init, cu, chunk_size=64)
     q, k, v, w, a, b = xs
-    return ops.dplr_torch(q, k, v, a, b, w, scale, init, cu)
+    return ref.dplr_torch(q, k, v, a, b, w, scale, init, cu)
 
 
 def fast_inputs(kind, xs, dtype):

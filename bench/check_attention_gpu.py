@@ -1,4 +1,4 @@
-"""Device check: the CUDA attention paths of ops_hypenet against the reference (explicit-mask SDPA in fp32).
+"""Device check: the CUDA attention paths of ops_attention against the reference (explicit-mask SDPA in fp32).
 
 * packed_causal_attention on CUDA (FlexAttention block-sparse document mask, GQA in place), with and
   without a sliding window, forward and backward;
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
-from halo_dist.models.hypenet import ops_hypenet as ops  # noqa: E402
+from halo_dist.models.hypenet import ops_attention as ops  # noqa: E402
 
 
 def reference_packed(q, k, v, cu, scale, window=None):

@@ -107,7 +107,7 @@ def test_heads_that_cannot_divide_are_refused():
 
 
 def test_kv_expand_factor_for_sequence_parallel():
-    from halo_dist.models.hypenet.modeling_hypenet import kv_expand_factor
+    from halo_dist.models.hypenet.sequence_parallel_hypenet import kv_expand_factor
 
     assert kv_expand_factor(16, 8, 4) == 1
     assert kv_expand_factor(16, 8, 16) == 2

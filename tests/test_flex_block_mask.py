@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from halo_dist.models.hypenet.ops_hypenet import document_block_mask, segment_ids_from_cu_seqlens
+from halo_dist.models.hypenet.ops_attention import document_block_mask, segment_ids_from_cu_seqlens
 
 
 def _boundaries(B, T, n_cuts, seed):

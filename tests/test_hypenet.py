@@ -4,13 +4,15 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_left_padded_generate_matches_alone, tiny_qwen3
 
+from halo_dist.models import hypenet as hypenet_package
 from halo_dist.models.convert import convert_model
-from halo_dist.models.export import export_hypenet
+from halo_dist.models.export import MODEL_FILES, export_hypenet
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
 
 EXACT = dict(attn_rope=True, attn_logits_scale_base=None)
@@ -146,7 +148,7 @@ def test_hype_switches_are_configs(name):
 
 
 def test_logits_scaling_is_one_at_document_start():
-    from halo_dist.models.hypenet.modeling_hypenet import logits_scale
+    from halo_dist.models.hypenet.layers_hypenet import logits_scale
 
     s = logits_scale(torch.tensor([[0, 1, 499, 0]]), 500.0).flatten()
     assert s[0].item() == pytest.approx(1.0) and s[3].item() == pytest.approx(1.0)
@@ -180,8 +182,9 @@ def test_config_rejects_bad_settings():
 def test_export_loads_in_fresh_process_without_halo_dist(tmp_path):
     student = convert_model(tiny_qwen3(tie=True), [0, 3])
     out = export_hypenet(student, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir() if p.suffix == ".py") == [
-        "configuration_hypenet.py", "decode_attention.py", "modeling_hypenet.py", "ops_hypenet.py", "static_decode.py"]
+    package = Path(hypenet_package.__file__).parent
+    ours = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")  # every model module, exported
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".py") == ours == sorted(MODEL_FILES)
     x = torch.randint(0, 256, (2, 17))
     torch.save(x, tmp_path / "x.pt")
     expected = logits(student, x)
@@ -231,7 +234,7 @@ def test_rms_norm_is_bitwise_the_qwen3_reference(dtype):
     """HypeNetRMSNorm (F.rms_norm: one fused kernel on CUDA) reproduces transformers' Qwen3RMSNorm exactly on CPU."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from halo_dist.models.hypenet.modeling_hypenet import HypeNetRMSNorm, per_head_rms_norm
+    from halo_dist.models.hypenet.layers_hypenet import HypeNetRMSNorm, per_head_rms_norm
 
     torch.manual_seed(0)
     x = (torch.randn(3, 17, 256) * 5).to(dtype)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from halo_dist.models.hypenet import HypeNetConfig
-from halo_dist.models.hypenet.ops_hypenet import lightning_log_decay
+from halo_dist.models.hypenet.ops_rnn import lightning_log_decay
 from halo_dist.models.official import ImportOfficialError, import_official
 
 V, DM, F, H, HKV, D = 40, 24, 32, 6, 2, 4

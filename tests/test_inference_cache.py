@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
-from halo_dist.models.hypenet.ops_hypenet import chunk_prefill_attention, sdpa
+from halo_dist.models.hypenet.ops_attention import chunk_prefill_attention, sdpa
 
 REPO = Path(__file__).resolve().parents[1]
 

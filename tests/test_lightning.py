@@ -3,12 +3,8 @@
 import pytest
 import torch
 
-from halo_dist.models.hypenet.ops_hypenet import (
-    lightning_attention,
-    lightning_chunk_torch,
-    lightning_log_decay,
-    lightning_recurrent_torch,
-)
+from halo_dist.models.hypenet.ops_rnn import lightning_attention, lightning_log_decay
+from halo_dist.models.hypenet.ops_rnn_torch import lightning_chunk_torch, lightning_recurrent_torch
 
 
 def rand_qkv(B=2, T=50, H=4, D=8, seed=0, dtype=torch.float64):

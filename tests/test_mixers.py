@@ -24,8 +24,10 @@ import torch
 from conftest import assert_left_padded_generate_matches_alone
 from distributed import run_distributed
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
-from halo_dist.models.hypenet import ops_hypenet as ops
-from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES, SequenceInfo
+from halo_dist.models.hypenet import ops_rnn as ops
+from halo_dist.models.hypenet import ops_rnn_torch as ref
+from halo_dist.models.hypenet.layers_hypenet import SequenceInfo
+from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES
 
 F64 = torch.float64
 RNNS = ["gdn", "gla", "rwkv7", "mamba2"]
@@ -54,10 +56,10 @@ def inputs(kind: str, B=2, T=19, H=2, K=8, V=8, seed=0):
 
 
 NAIVE = {
-    "gla": lambda q, k, v, gk, s, init: ops.gla_recurrent_torch(q, k, v, gk, s, init),
-    "mamba2": lambda q, k, v, g, s, init: ops.lightning_recurrent_torch(q, k, v, g, s, init),
-    "gdn": lambda q, k, v, g, b, s, init: ops.gdn_recurrent_torch(q, k, v, g, b, s, init),
-    "rwkv7": lambda q, k, v, w, a, b, s, init: ops.dplr_recurrent_torch(q, k, v, a, b, w, s, init),
+    "gla": lambda q, k, v, gk, s, init: ref.gla_recurrent_torch(q, k, v, gk, s, init),
+    "mamba2": lambda q, k, v, g, s, init: ref.lightning_recurrent_torch(q, k, v, g, s, init),
+    "gdn": lambda q, k, v, g, b, s, init: ref.gdn_recurrent_torch(q, k, v, g, b, s, init),
+    "rwkv7": lambda q, k, v, w, a, b, s, init: ref.dplr_recurrent_torch(q, k, v, a, b, w, s, init),
 }
 DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention, "gdn": ops.gated_delta_attention,
             "rwkv7": ops.rwkv7_attention}
@@ -102,13 +104,13 @@ def test_chunked_gradients_match_naive(kind):
 def test_recurrences_agree_with_each_other():
     """Mamba2 = GLA with the decay broadcast over K; GDN = DPLR with k' = βk, a = k, b = -αβk."""
     q, k, v, g = inputs("mamba2", seed=7)
-    o1, s1 = ops.lightning_recurrent_torch(q, k, v, g, 0.4)
-    o2, s2 = ops.gla_recurrent_torch(q, k, v, g[..., None].expand_as(q), 0.4)
+    o1, s1 = ref.lightning_recurrent_torch(q, k, v, g, 0.4)
+    o2, s2 = ref.gla_recurrent_torch(q, k, v, g[..., None].expand_as(q), 0.4)
     assert (o1 - o2).abs().max() <= 1e-12 and (s1 - s2).abs().max() <= 1e-12
     q, k, v, g, beta = inputs("gdn", seed=8)
-    o1, s1 = ops.gdn_recurrent_torch(q, k, v, g, beta, 0.4)
+    o1, s1 = ref.gdn_recurrent_torch(q, k, v, g, beta, 0.4)
     alpha = g.exp()[..., None]
-    o2, s2 = ops.dplr_recurrent_torch(q, beta[..., None] * k, v, k, -alpha * beta[..., None] * k,
+    o2, s2 = ref.dplr_recurrent_torch(q, beta[..., None] * k, v, k, -alpha * beta[..., None] * k,
                                       g[..., None].expand_as(k), 0.4)
     assert (o1 - o2).abs().max() <= 1e-12 and (s1 - s2).abs().max() <= 1e-12
 
@@ -116,8 +118,8 @@ def test_recurrences_agree_with_each_other():
 def test_long_gla_chunk_does_not_overflow():
     q, k, v, gk = inputs("gla", B=1, T=200, seed=9)
     gk = gk * 8  # strong decays: exp(-G) alone would overflow a 200-token chunk
-    o, _ = ops.gla_chunk_torch(q.float(), k.float(), v.float(), gk.float(), 1.0, chunk_size=200)
-    o_ref, _ = ops.gla_recurrent_torch(q, k, v, gk, 1.0)
+    o, _ = ref.gla_chunk_torch(q.float(), k.float(), v.float(), gk.float(), 1.0, chunk_size=200)
+    o_ref, _ = ref.gla_recurrent_torch(q, k, v, gk, 1.0)
     assert torch.isfinite(o).all()
     torch.testing.assert_close(o.double(), o_ref, atol=1e-4, rtol=1e-4)
 

@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 
 if os.environ.get("HALO_TEST_SKIP_FLA") == "1":
-    # Spawned CPU ranks only: fla's Triton kernels never run on CPU (ops_hypenet.use_fla needs CUDA),
-    # but importing fla costs ~3.5 s per rank; a None entry makes ops_hypenet's guarded import fail fast.
+    # Spawned CPU ranks only: fla's Triton kernels never run on CPU (ops_rnn.use_fla needs CUDA),
+    # but importing fla costs ~3.5 s per rank; a None entry makes ops_rnn's guarded import fail fast.
     sys.modules.setdefault("fla", None)
 
 import pytest
@@ -27,8 +27,11 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from halo_dist.models.hypenet import HypeNetConfig
-from halo_dist.models.hypenet.modeling_hypenet import HypeNetAttention, LightningMixer, SequenceInfo, kv_expand_factor
+from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig
+from halo_dist.models.hypenet.attention_hypenet import HypeNetAttention
+from halo_dist.models.hypenet.layers_hypenet import SequenceInfo
+from halo_dist.models.hypenet.rnn_hypenet import LightningMixer
+from halo_dist.models.hypenet.sequence_parallel_hypenet import kv_expand_factor
 from halo_dist.parallel import (
     SequenceParallel,
     SequenceParallelError,
@@ -171,7 +174,7 @@ def _out_dim(module) -> int:
 
 
 def _set_mixer_sp(mixer, sp):
-    mixer.sp = sp
+    mixer.apply_sp(sp)
 
 
 def _apply_to_model(model, sp):
@@ -358,6 +361,27 @@ def test_indivisible_heads_raise_without_communication():
         mixer.sp = _NoCommSP()
         with pytest.raises(ValueError, match="sp_size=2"):
             mixer(torch.randn(1, 2, 32, dtype=F64), SequenceInfo(torch.arange(2)[None]))
+
+
+def test_apply_sp_is_each_mixers_one_entry_point():
+    """apply_sp validates the heads when it injects, None or a group of one removes SP, and the SP forward
+    refuses a decoding cache (each rank would hold a slice of the prompt) before any communication."""
+    model = build_model(heads=4, kv_heads=2)
+    for layer in model.model.layers:
+        mixer = layer.mixer
+        mixer.apply_sp(_NoCommSP())
+        assert isinstance(mixer.sp, _NoCommSP)
+        with pytest.raises(ValueError, match="decoding cache"):
+            x = torch.randn(1, 2, model.config.hidden_size, dtype=F64)
+            mixer(x, SequenceInfo(torch.arange(2)[None]), cache=HypeNetCache(4))
+        mixer.apply_sp(SequenceParallel(None))
+        assert mixer.sp is None
+        mixer.apply_sp(_NoCommSP())
+        mixer.apply_sp(None)
+        assert mixer.sp is None
+    for kind in ("attention", "lightning"):
+        with pytest.raises(ValueError, match=r"sp_size=2 does not divide num_attention_heads=3"):
+            build_mixer(kind, 3, 1, seed=0).apply_sp(_NoCommSP())
 
 
 def test_mixer_without_sp_support_is_named():

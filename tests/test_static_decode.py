@@ -14,7 +14,7 @@ import torch
 
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
 from halo_dist.models.hypenet.decode_attention import decode_attention_torch, split_plan
-from halo_dist.models.hypenet.ops_hypenet import sdpa
+from halo_dist.models.hypenet.ops_attention import sdpa
 from halo_dist.models.hypenet.static_decode import StaticDecoder
 
 CUDA = torch.cuda.is_available()

@@ -25,7 +25,8 @@ from typing import Callable, Iterator
 import torch
 
 from ..models.convert import convert_model, transfer_state_dict
-from ..models.hypenet.modeling_hypenet import LightningMixer, sequence_info
+from ..models.hypenet.layers_hypenet import sequence_info
+from ..models.hypenet.rnn_hypenet import LightningMixer
 from .errors import EvalError
 from .selection import load_results, save_results
 

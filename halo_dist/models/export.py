@@ -19,8 +19,23 @@ from pathlib import Path
 from .hypenet import HypeNetForCausalLM
 from .model_card import model_card
 
-MODEL_FILES = ("configuration_hypenet.py", "modeling_hypenet.py", "ops_hypenet.py", "static_decode.py",
-               "decode_attention.py")
+# Every module of models/hypenet/ but its __init__.py (tests/test_hypenet.py checks that none is missing): the
+# model code an export carries, importing only torch, transformers and these files.
+MODEL_FILES = (
+    "configuration_hypenet.py",  # HypeNetConfig (AutoConfig)
+    "modeling_hypenet.py",  # decoder layer, HypeNetModel, HypeNetForCausalLM (AutoModel*)
+    "layers_hypenet.py",  # norms, MLP, RoPE, gates, SequenceInfo
+    "attention_hypenet.py",  # softmax-attention mixers
+    "rnn_hypenet.py",  # RNN mixers
+    "sequence_parallel_hypenet.py",  # the mixers' Ulysses wrapping
+    "cache_hypenet.py",  # HypeNetCache
+    "generation_hypenet.py",  # generate over HypeNetCache
+    "ops_attention.py",  # attention kernel dispatch
+    "ops_rnn.py",  # RNN kernel dispatch (fla on CUDA)
+    "ops_rnn_torch.py",  # exact torch recurrences
+    "static_decode.py",  # CUDA-graph decoding
+    "decode_attention.py",  # its split-KV attention kernel
+)
 AUTO_MAP = {
     "AutoConfig": "configuration_hypenet.HypeNetConfig",
     "AutoModel": "modeling_hypenet.HypeNetModel",

@@ -1,6 +1,6 @@
 """Parallel layer: DP x Ulysses-SP process groups (DeepSpeed's mpu), Ulysses all-to-alls,
 DeepSpeed start-up. Model code never imports this package; mixers receive a
-:class:`SequenceParallel` object by injection (``mixer.sp = SequenceParallel(groups.sp_group)``).
+:class:`SequenceParallel` object by injection (``mixer.apply_sp(SequenceParallel(groups.sp_group))``).
 
 ``deepspeed_setup`` is not imported here so that importing this package never imports DeepSpeed
 (``DS_ACCELERATOR`` must be set before that happens).

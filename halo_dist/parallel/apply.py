@@ -1,16 +1,16 @@
 """Apply Ulysses sequence parallelism to a HypeNet: validate every mixer's heads, then inject ``sp``.
 
-Each mixer owns its Ulysses logic (``HypeNetAttention._attend_sequence_parallel``,
-``LightningMixer._recur_sequence_parallel``); this module only checks, up front and
-without any communication, that every mixer's heads can be split over the SP group, and then sets
-``layer.mixer.sp``. Checking first means a bad layout fails identically on every rank with one
+Each mixer owns its Ulysses logic (models/hypenet/sequence_parallel_hypenet.py: its one forward wraps
+q/k/v in all-to-alls before the kernel and the output after it); this module only checks, up front and
+without any communication, that every mixer's heads can be split over the SP group, and then calls
+``layer.mixer.apply_sp(sp)``. Checking first means a bad layout fails identically on every rank with one
 clear message, instead of inside the first forward's all-to-all (where one rank may raise while the
 others wait in the collective).
 
 Head counts come from the mixers' integer attributes (``num_heads``, ``num_kv_heads``), never from
 parameter shapes, so this works on a ZeRO-3-partitioned model (whose parameters are empty) and on
 a DeepSpeed engine (``engine.module`` is walked like any module). No model import: any module with
-``.layers[i].mixer`` objects carrying an ``sp`` attribute is accepted.
+``.layers[i].mixer`` objects that have an ``apply_sp`` method is accepted.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def _mixers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 def _check_mixer(layer: int, mixer: nn.Module, sp_size: int) -> str | None:
     """Why this mixer cannot run with ``sp_size`` (None if it can)."""
     kind = type(mixer).__name__
-    if not hasattr(mixer, "sp"):
-        return f"layer {layer} ({kind}) has no sequence-parallel implementation (no `sp` attribute)"
+    if not callable(getattr(mixer, "apply_sp", None)):
+        return f"layer {layer} ({kind}) has no sequence-parallel implementation (no `apply_sp` method)"
     heads = int(mixer.num_heads)
     kv_heads = int(getattr(mixer, "num_kv_heads", heads))
     if heads % sp_size:
@@ -50,7 +50,7 @@ def _check_mixer(layer: int, mixer: nn.Module, sp_size: int) -> str | None:
 
 
 def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel | None) -> nn.Module:
-    """Validate all mixers for ``sp.world_size`` and set ``layer.mixer.sp = sp`` in every layer.
+    """Validate all mixers for ``sp.world_size``, then ``layer.mixer.apply_sp(sp)`` in every layer.
 
     Each SP rank then passes its contiguous ``T/sp`` tokens with the matching slice of the GLOBAL
     per-document ``position_ids`` and the FULL sequence's ``cu_seqlens`` / ``max_seqlen``.
@@ -68,14 +68,14 @@ def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel | None) -> nn
         raise SequenceParallelError(f"cannot apply sequence parallelism of size {sp.world_size}:\n  "
                                     + "\n  ".join(problems))
     for _, mixer in mixers:
-        mixer.sp = sp
+        mixer.apply_sp(sp)
     return model
 
 
 def remove_sequence_parallel(model: nn.Module) -> nn.Module:
-    """Back to single-process mixers (``mixer.sp = None``), e.g. before generation or export."""
+    """Back to single-process mixers (``mixer.apply_sp(None)``), e.g. before generation or export."""
     for module in model.modules():
         mixer = getattr(module, "mixer", None)
-        if isinstance(mixer, nn.Module) and hasattr(mixer, "sp"):
-            mixer.sp = None
+        if isinstance(mixer, nn.Module) and callable(getattr(mixer, "apply_sp", None)):
+            mixer.apply_sp(None)
     return model

@@ -174,7 +174,7 @@ class _GatherSeq(torch.autograd.Function):
 
 
 class SequenceParallel:
-    """The SP context a mixer receives (``mixer.sp = SequenceParallel(group)``).
+    """The SP context a mixer receives (``mixer.apply_sp(SequenceParallel(group))``).
 
     ``group=None`` means *no* sequence parallelism (size 1; every method is the identity), not
     the world group. Token layout: rank ``r`` holds the contiguous tokens

@@ -110,7 +110,8 @@ def pretrain_config(m: ModelConfig) -> HypeNetConfig:
 @torch.no_grad()
 def init_pretrain_weights(model: HypeNetForCausalLM, std: float) -> None:
     """Scaled init of the residual outputs and unit gates on top of the model's own N(0, std²) init."""
-    from ..models.hypenet.modeling_hypenet import HypeNetAttention, LightningMixer
+    from ..models.hypenet.attention_hypenet import HypeNetAttention
+    from ..models.hypenet.rnn_hypenet import LightningMixer
 
     out_std = std / math.sqrt(2 * model.config.num_hidden_layers)
     for name, module in model.named_modules():

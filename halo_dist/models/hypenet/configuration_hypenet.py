@@ -11,11 +11,11 @@ import math
 
 from transformers import PretrainedConfig
 
-# Every name here is a class in modeling_hypenet.MIXER_CLASSES. "swa" is softmax attention over a
+# Every name here is a key of modeling_hypenet.MIXER_CLASSES. "swa" is softmax attention over a
 # sliding window (SWAN-GPT's local layers); the others besides "attention" are RNNs.
 IMPLEMENTED_MIXERS = ("attention", "lightning", "gdn", "gla", "rwkv7", "mamba2", "swa")
 RNN_OUTPUT_NORMS = ("per_head", "all_heads")
-LIGHTNING_DECAYS = ("hype", "alibi")  # ops_hypenet.lightning_log_decay
+LIGHTNING_DECAYS = ("hype", "alibi")  # ops_rnn.lightning_log_decay
 PLANNED_MIXERS: tuple[str, ...] = ()
 RNN_MIXERS = ("lightning", "gdn", "gla", "rwkv7", "mamba2")
 
