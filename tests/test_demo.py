@@ -234,12 +234,15 @@ def test_a_step_that_finished_as_the_deadline_came_counts_as_done(tmp_path, monk
 
 
 def test_split_student_evaluation_runs_niah_and_csr_as_two_suites_with_their_own_markers(tmp_path):
-    """h200: the student's NIAH and its CSR + perplexity run as two processes into one folder; each part
-    is asked of exactly one of them and each writes its own marker (the teacher ran alongside the stages)."""
+    """split_student_eval: the student's NIAH and its CSR + perplexity run as two processes into one folder;
+    each part is asked of exactly one of them and each writes its own marker. The h200 preset (the teacher ran
+    alongside the stages) keeps one suite: on one GPU NIAH's decode beside CSR's batches is slow."""
     from halo_dist.demo import Demo, DemoSettings
 
-    demo = Demo(DemoSettings.h200(str(tmp_path)))
-    steps = demo.final_evals("TEACHER", "STUDENT", "DATA")
+    settings = DemoSettings.h200(str(tmp_path))
+    assert [name for name, _, _ in Demo(settings).final_evals("TEACHER", "STUDENT", "DATA")] == ["eval-student"]
+    settings.split_student_eval = True
+    steps = Demo(settings).final_evals("TEACHER", "STUDENT", "DATA")
     assert [name for name, _, _ in steps] == ["eval-student-niah", "eval-student-csr"]
 
     def flag(cmd, name):
