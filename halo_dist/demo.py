@@ -333,10 +333,13 @@ class Demo:
             pe.append("model.logits_scaling_a=null")
         if s.loss_backend and stage != "stage1":  # stage 1 aligns hidden states: no vocabulary loss
             pe.append(f"loss.backend={s.loss_backend}")
+        # the checkpoints go once the stage's export is written (prune_checkpoints): a final one (seconds of
+        # GPU time and GBs of optimizer state) would be deleted unread
+        final = [] if s.keep_checkpoints else ["checkpoint.save_final=false"]
         return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
                 f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
                 f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",
-                f"logging.log_every={self.log_every(stage)}", *compile_, *pe, *overrides]
+                f"logging.log_every={self.log_every(stage)}", *compile_, *pe, *final, *overrides]
 
     def log_every(self, stage: str) -> int:
         """About ten points per loss curve (at most every 10 steps)."""

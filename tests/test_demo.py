@@ -196,6 +196,16 @@ def test_loss_backend_setting_reaches_the_kl_stages_only(tmp_path):
     assert load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:]).loss.backend == "compiled"
 
 
+def test_stages_skip_the_final_checkpoint_the_demo_would_delete(tmp_path):
+    """Checkpoints are pruned once a stage's export exists, so the stages write no final one unless kept."""
+    from halo_dist.config import load_config
+    from halo_dist.demo import Demo, DemoSettings
+
+    for keep, expected in ((False, False), (True, True)):
+        cmd = Demo(DemoSettings(out=str(tmp_path), keep_checkpoints=keep)).launcher("stage2")
+        assert load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:]).checkpoint.save_final is expected
+
+
 def test_teacher_eval_none_evaluates_only_the_student(tmp_path):
     from halo_dist.demo import Demo, DemoSettings
 
