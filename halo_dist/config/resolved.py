@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from .coerce import ConfigError, from_dict, to_dict
-from .loader import RESOLVED_KEYS, read_yaml
+from .loader import RESOLVED_KEYS, read_yaml, with_overrides
 from .schema import RunConfig
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,8 +51,10 @@ def _fit_note(cfg: RunConfig, fitted: RunConfig, world_size: int) -> str:
 
 
 def fit_to_world(cfg: RunConfig, world_size: int, announce: bool = False) -> RunConfig:
-    """``cfg`` with its micro batch fitted to ``world_size`` (``data.fit_micro_batch``); says so if ``announce``."""
-    fitted = cfg.fitted_to_world(world_size)
+    """``cfg`` with its micro batch fitted to ``world_size`` (``data.fit_micro_batch``; ``cfg`` itself when it
+    already fits); says so if ``announce``."""
+    micro = cfg.fitted_micro_batch(world_size)
+    fitted = cfg if micro == cfg.data.micro_batch_size else with_overrides(cfg, {"data.micro_batch_size": micro})
     if announce and fitted is not cfg:
         print(_fit_note(cfg, fitted, world_size), flush=True)
     return fitted
@@ -66,7 +68,7 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
              f"({cfg.total_steps * cfg.tokens_per_step:,} tokens)",
              f"#   checkpoint dir:  {cfg.checkpoint_dir}"]
     if world_size is not None:
-        fitted = cfg.fitted_to_world(world_size)
+        fitted = fit_to_world(cfg, world_size)
         if fitted is not cfg:
             lines.append(f"#   {_fit_note(cfg, fitted, world_size)}")
         layout = fitted.validate_against_world(world_size)

@@ -703,15 +703,6 @@ class RunConfig(Section):
         fits = [m for m in range(data.micro_batch_size, 0, -1) if data.global_batch_size % (m * dp) == 0]
         return fits[0] if fits else data.micro_batch_size  # none: validate_against_world explains
 
-    def fitted_to_world(self, world_size: int) -> "RunConfig":
-        """This config with ``data.micro_batch_size`` fitted to ``world_size`` (itself when it already fits)."""
-        micro = self.fitted_micro_batch(world_size)
-        if micro == self.data.micro_batch_size:
-            return self
-        from .loader import with_overrides
-
-        return with_overrides(self, {"data.micro_batch_size": micro})
-
     def validate_against_world(self, world_size: int) -> BatchLayout:
         """Check the batch and SP layout for ``world_size`` ranks; return the derived layout."""
         dp = self.parallel.dp_size(world_size)

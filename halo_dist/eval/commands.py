@@ -151,7 +151,7 @@ def _layer_count(args) -> int:
 
 
 def _teacher_config(teacher: str):
-    from ..cli import resolve_model_arg
+    from ..assets.teacher import resolve_model_arg
     from ..models.convert import load_teacher_config, resolve_teacher
 
     return load_teacher_config(resolve_teacher(resolve_model_arg(teacher)))
@@ -183,7 +183,7 @@ def _evaluate_and_select(args) -> dict:
 
 def _load_base(teacher: str, device: str, dtype: str, trust_remote_code: bool = False):
     """The teacher as an exact all-attention HypeNet (the HF copy is freed) and its tokenizer (or None)."""
-    from ..cli import resolve_model_arg
+    from ..assets.teacher import resolve_model_arg
     from ..models.convert import load_teacher, resolve_teacher
     from .layerwise import teacher_as_hypenet
 
@@ -369,7 +369,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "fp32", convert_attn
 
     With ``convert_attn_layers`` the (teacher) model is converted to an untrained HypeNet first.
     """
-    from ..cli import resolve_model_arg
+    from ..assets.teacher import resolve_model_arg
     from ..models.convert import resolve_teacher
 
     source = resolve_teacher(resolve_model_arg(name))
