@@ -75,8 +75,8 @@ def strip_wrapper_prefixes(state: dict, prefixes: tuple[str, ...] = WRAPPER_PREF
 
 
 def model_from_state(state: dict, config, source: str = "state dict") -> HypeNetForCausalLM:
-    """A HypeNet built on the meta device, holding ``state``'s weights as fp32 CPU tensors (no random init,
-    no copy of the model's size beyond the weights themselves).
+    """A HypeNet built on the meta device (no random initialisation, no memory but the weights') that holds
+    ``state``'s weights as fp32 CPU tensors.
 
     Wrapper prefixes are stripped; keys the model does not have are ignored. Tied weights are re-tied
     (a state dict may hold ``lm_head.weight`` or not). Any weight still on the meta device afterwards is
