@@ -115,6 +115,12 @@ def test_write_hf_folder_strips_wrapper_prefixes_reties_and_writes_done_last(tmp
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+    # and it stands alone: a fresh process where halo_dist cannot be imported loads it, tied
+    code = ("import sys; sys.modules['halo_dist'] = None; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True); "
+            "assert m.lm_head.weight is m.model.embed_tokens.weight; print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
 
 
 def test_write_hf_folder_names_a_missing_weight_and_writes_nothing(tmp_path):
