@@ -114,6 +114,13 @@ def test_unknown_architecture_and_missing_weights(tmp_path, monkeypatch):
         conv.convert(str(tmp_path / "nope"), [0], tmp_path / "o")
 
 
+def test_a_transfer_missing_a_weight_is_refused_naming_it():
+    student = conv.convert_model(tiny_qwen3(layers=2), [0])
+    sd = {k: v for k, v in student.state_dict().items() if k != "model.norm.weight"}
+    with pytest.raises(conv.ConversionError, match=r"teacher weights: missing 1 weight\(s\) of the model: model\.norm"):
+        conv.build_student(student.config, sd)
+
+
 def test_heads_that_cannot_divide_are_refused():
     from transformers import LlamaConfig
 

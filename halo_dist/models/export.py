@@ -75,17 +75,22 @@ def strip_wrapper_prefixes(state: dict, prefixes: tuple[str, ...] = WRAPPER_PREF
 
 
 def model_from_state(state: dict, config, source: str = "state dict") -> HypeNetForCausalLM:
-    """A HypeNet built on the meta device (no random initialisation, no memory but the weights') that holds
-    ``state``'s weights as fp32 CPU tensors.
+    """``state`` (under any wrapper prefixes; keys the model does not have are ignored) as a HypeNet of fp32
+    CPU tensors, built by :func:`meta_model_with`."""
+    weights = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
+               for k, v in strip_wrapper_prefixes(state).items()}
+    return meta_model_with(weights, config, source)
 
-    Wrapper prefixes are stripped; keys the model does not have are ignored. Tied weights are re-tied
-    (a state dict may hold ``lm_head.weight`` or not). Any weight still on the meta device afterwards is
-    missing from ``state``: :class:`ExportError` names them.
+
+def meta_model_with(weights: dict, config, source: str = "state dict") -> HypeNetForCausalLM:
+    """A HypeNet built on the meta device (no random initialisation, no memory but the weights') that holds
+    ``weights`` themselves (``assign``: same tensors, dtypes and devices).
+
+    Tied weights are re-tied (``weights`` may hold ``lm_head.weight`` or not). Any weight still on the meta
+    device afterwards is missing from ``weights``: :class:`ExportError` names them (``source`` says whose).
     """
     from .hypenet import HypeNetForCausalLM
 
-    weights = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
-               for k, v in strip_wrapper_prefixes(state).items()}
     with torch.device("meta"):
         model = HypeNetForCausalLM(config)
     model.load_state_dict(weights, strict=False, assign=True)
@@ -94,7 +99,7 @@ def model_from_state(state: dict, config, source: str = "state dict") -> HypeNet
     missing = [k for k, v in model.state_dict().items() if v.is_meta]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ExportError(f"{source} lacks {len(missing)} weight(s) of the model: {', '.join(missing[:5])}{more}")
+        raise ExportError(f"{source}: missing {len(missing)} weight(s) of the model: {', '.join(missing[:5])}{more}")
     return model
 
 
