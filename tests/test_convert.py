@@ -51,6 +51,23 @@ def test_stage1_weights_replace_rnn_layers(qwen3_folder, tmp_path):
     assert torch.equal(sd["model.layers.3.mixer.q_proj.weight"], base.state_dict()["model.layers.3.mixer.q_proj.weight"])
 
 
+def test_a_stage1_aligner_state_under_wrapper_prefixes_becomes_the_file_conversion_reads(qwen3_folder, tmp_path):
+    """The stage-1 naming (``mixers.i.*`` -> ``model.layers.i.mixer.*``) of the stage's output and of
+    ``halo-dist export``: a DeepSpeed-wrapped aligner state round-trips into a stage-2 student."""
+    from halo_dist.stages.stage1 import save_stage1_weights, stage1_state_dict
+
+    _, teacher = qwen3_folder
+    all_rnn = conv.convert_model(teacher, [])
+    state = {f"module.mixers.{i}.{k}": torch.randn_like(v) for i, layer in enumerate(all_rnn.model.layers)
+             for k, v in layer.mixer.state_dict().items()}
+    weights = stage1_state_dict(state)
+    assert set(weights) == {k for k in all_rnn.state_dict() if ".mixer." in k}
+    path = save_stage1_weights(weights, tmp_path, 4, "tiny", rnn_rope=all_rnn.config.rnn_rope)
+    sd = conv.convert_model(teacher, [0, 2], stage1_weights=path).state_dict()
+    for i in (1, 3):
+        assert torch.equal(sd[f"model.layers.{i}.mixer.q_proj.weight"], state[f"module.mixers.{i}.q_proj.weight"])
+
+
 def test_stage1_weights_that_do_not_fit_are_refused(qwen3_folder, tmp_path):
     from safetensors.torch import save_file
 
@@ -95,6 +112,13 @@ def test_unknown_architecture_and_missing_weights(tmp_path, monkeypatch):
         conv.convert(str(empty), [0], tmp_path / "o")
     with pytest.raises(conv.ConversionError, match="does not exist"):
         conv.convert(str(tmp_path / "nope"), [0], tmp_path / "o")
+
+
+def test_a_transfer_missing_a_weight_is_refused_naming_it():
+    student = conv.convert_model(tiny_qwen3(layers=2), [0])
+    sd = {k: v for k, v in student.state_dict().items() if k != "model.norm.weight"}
+    with pytest.raises(conv.ConversionError, match=r"teacher weights: missing 1 weight\(s\) of the model: model\.norm"):
+        conv.build_student(student.config, sd)
 
 
 def test_heads_that_cannot_divide_are_refused():

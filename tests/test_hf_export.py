@@ -87,3 +87,54 @@ def test_model_card_lists_each_stage_with_its_tokens_and_evaluation():
     assert "| 50 | 3,200 | 64 |" in card and "all stages: 6,200." in card
     assert "| stage1 | eval/mse | 0.5000 |" in card and "| stage3 | eval/kl | 0.2500 |" in card
     assert "it has no chat template" in card
+
+
+def test_write_hf_folder_strips_wrapper_prefixes_reties_and_writes_done_last(tmp_path):
+    """Trained weights under DeepSpeed's and our stage module's prefixes, without the tied lm_head (as a
+    consolidated checkpoint may hold them), become a folder that loads to the same model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from halo_dist.models.export import strip_wrapper_prefixes, write_hf_folder
+
+    assert strip_wrapper_prefixes({"module.student.a": 1, "_orig_mod.b": 2, "student.module.c": 3, "d": 4}) == \
+        {"a": 1, "b": 2, "c": 3, "d": 4}
+    student = convert_model(tiny_qwen3(tie=True, layers=2, vocab=BYTE_VOCAB), [0])
+    assert student.config.tie_word_embeddings
+    state = {f"module.student.{k}": v.to(torch.bfloat16) for k, v in student.state_dict().items()
+             if k != "lm_head.weight"}
+    record = {"stage": "stage2", "step": 7, "tokens": 100}
+    out = write_hf_folder(state, student.config, tmp_path / "final", tokenizer=byte_tokenizer(), record=record,
+                          run_config={"stage": {"name": "stage2"}})
+    assert json.loads((out / "DONE").read_text()) == record == read_record(out)
+    assert json.loads((out / "run_config.json").read_text()) == {"stage": {"name": "stage2"}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no temp folder left beside it
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    want = {k: v.to(torch.bfloat16).float() for k, v in student.state_dict().items()}
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], value), key
+    # and it stands alone: a fresh process where halo_dist cannot be imported loads it, tied
+    code = ("import sys; sys.modules['halo_dist'] = None; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True); "
+            "assert m.lm_head.weight is m.model.embed_tokens.weight; print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def test_write_hf_folder_names_a_missing_weight_and_writes_nothing(tmp_path):
+    from halo_dist.models.export import ExportError, write_hf_folder
+
+    student = convert_model(tiny_qwen3(layers=2), [0])
+    state = {f"student.{k}": v for k, v in student.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
+    previous = export_hypenet(student, tmp_path / "final", files={"DONE": "{}"})  # an older complete output
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in previous.iterdir())
+    missing = r"checkpoint X: missing 1 weight\(s\) of the model: model\.layers\.1\.mlp\.down_proj\.weight"
+    with pytest.raises(ExportError, match=missing):
+        write_hf_folder(state, student.config, tmp_path / "final", record={"stage": "stage2"}, source="checkpoint X")
+    with pytest.raises(ExportError, match="model.layers.1.mlp.down_proj.weight"):
+        write_hf_folder(state, student.config, tmp_path / "fresh", record={"stage": "stage2"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no new folder, no temp folder
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in previous.iterdir()) == before

@@ -282,15 +282,13 @@ def load_stage1_weights(
 
 
 def build_student(cfg: HypeNetConfig, state_dict: dict[str, torch.Tensor], dtype=None) -> HypeNetForCausalLM:
-    """Instantiate without random init (meta device) and load ``state_dict`` strictly."""
-    with torch.device("meta"):
-        model = HypeNetForCausalLM(cfg)
-    missing = set(model.state_dict()) - set(state_dict) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    if missing:
-        raise ConversionError(f"teacher weights lack {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
-    model.load_state_dict(state_dict, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    """Instantiate without random init (meta device) holding ``state_dict``'s tensors; every weight must be there."""
+    from .export import ExportError, meta_model_with
+
+    try:
+        model = meta_model_with(state_dict, cfg, source="teacher weights")
+    except ExportError as err:
+        raise ConversionError(str(err)) from None
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

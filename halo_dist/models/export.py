@@ -5,6 +5,9 @@ teacher's when given), the tokenizer (if given, with its chat template), exactly
 card (``README.md``) and the run record (``halo_dist.json``), so
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works in a fresh process without
 halo_dist installed. Nothing else (no teacher, no training code) is written.
+
+:func:`write_hf_folder` is the one path from trained weights (a state dict from a stage's module, a DeepSpeed
+checkpoint or a live student) to such a folder; :func:`export_hypenet` writes one from a built model.
 """
 
 from __future__ import annotations
@@ -15,9 +18,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .hypenet import HypeNetForCausalLM
+import torch
+
 from .model_card import model_card
+
+if TYPE_CHECKING:  # the model classes import transformers: loaded when a model is built, not with this module
+    from .hypenet import HypeNetForCausalLM
 
 # Every module of models/hypenet/ but its __init__.py (tests/test_hypenet.py checks that none is missing): the
 # model code an export carries, importing only torch, transformers and these files.
@@ -42,15 +50,83 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_hypenet.HypeNetForCausalLM",
 }
 RECORD_FILE = "halo_dist.json"
+DONE_FILE = "DONE"  # written last: a folder holding it is complete
+# Key prefixes of the modules that wrap the model while training: DeepSpeed's engine, torch.compile, and our
+# stage modules (DistillModule / OPDModule hold the model as ``student``).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "student.")
+
+
+class ExportError(ValueError):
+    """Weights that cannot be exported (the message names the source and what is wrong)."""
+
+
+def strip_wrapper_prefixes(state: dict, prefixes: tuple[str, ...] = WRAPPER_PREFIXES) -> dict:
+    """``state`` with the model's own key names: leading wrapper prefixes (in any order, repeated) removed."""
+    out = {}
+    for key, value in state.items():
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in prefixes:
+                if key.startswith(prefix):
+                    key, stripped = key[len(prefix):], True
+        out[key] = value
+    return out
+
+
+def model_from_state(state: dict, config, source: str = "state dict") -> HypeNetForCausalLM:
+    """``state`` (under any wrapper prefixes; keys the model does not have are ignored) as a HypeNet of fp32
+    CPU tensors, built by :func:`meta_model_with`."""
+    weights = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
+               for k, v in strip_wrapper_prefixes(state).items()}
+    return meta_model_with(weights, config, source)
+
+
+def meta_model_with(weights: dict, config, source: str = "state dict") -> HypeNetForCausalLM:
+    """A HypeNet built on the meta device (no random initialisation, no memory but the weights') that holds
+    ``weights`` themselves (``assign``: same tensors, dtypes and devices).
+
+    Tied weights are re-tied (``weights`` may hold ``lm_head.weight`` or not). Any weight still on the meta
+    device afterwards is missing from ``weights``: :class:`ExportError` names them (``source`` says whose).
+    """
+    from .hypenet import HypeNetForCausalLM
+
+    with torch.device("meta"):
+        model = HypeNetForCausalLM(config)
+    model.load_state_dict(weights, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ExportError(f"{source}: missing {len(missing)} weight(s) of the model: {', '.join(missing[:5])}{more}")
+    return model
+
+
+def write_hf_folder(state: dict, config, output: str | os.PathLike, tokenizer=None, record: dict | None = None,
+                    generation_config=None, run_config: dict | None = None, source: str = "state dict") -> Path:
+    """Trained weights -> a complete HF HypeNet folder at ``output``, atomically, ``DONE`` written last.
+
+    ``state``: the model's weights under any wrapper prefixes; ``config``: its HypeNetConfig. ``record``: the
+    run record (halo_dist.json, the model card, and the content of ``DONE``); ``run_config``: the resolved
+    run config for ``run_config.json``; ``tokenizer`` / ``generation_config`` as in :func:`export_hypenet`.
+    Nothing is written when a weight is missing (:class:`ExportError`).
+    """
+    model = model_from_state(state, config, source)
+    files = {} if run_config is None else {"run_config.json": json.dumps(run_config, indent=2, default=str)}
+    files[DONE_FILE] = json.dumps(record or {}, indent=2, default=str)
+    return export_hypenet(model, output, tokenizer=tokenizer, extra=record, generation_config=generation_config,
+                          files=files)
 
 
 def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokenizer=None, extra: dict | None = None,
-                   generation_config=None) -> Path:
+                   generation_config=None, files: dict[str, str] | None = None) -> Path:
     """Write the folder atomically: build it in a sibling temp dir, then rename into place.
 
     ``extra``: the run record (stage, teacher, steps, tokens, held-out evaluation, ``history`` of the stages
     before) for halo_dist.json and the model card. ``generation_config``: the teacher's GenerationConfig, the
-    export's generation defaults (default: the special tokens of the model's config).
+    export's generation defaults (default: the special tokens of the model's config). ``files``: name -> text,
+    written last, in order, before the folder is renamed into place (e.g. a ``DONE`` marker).
     An existing ``output`` is replaced only after the new folder is complete.
     """
     output = Path(output)
@@ -74,6 +150,8 @@ def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokeniz
                           tokenizer=tokenizer is not None, chat_template=bool(getattr(tokenizer, "chat_template", None)),
                           generation=model.generation_config.to_diff_dict())
         (tmp / "README.md").write_text(card)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         _replace_dir(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -221,7 +221,7 @@ def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
 
 def write_stage_output(trainer, folder: Path) -> Path | None:
     """stage 1: the RNN-layer file; stages 2/3 and pretrain: an HF HypeNet folder. Rank 0 writes; all ranks call."""
-    from ..models.export import export_hypenet
+    from ..models.export import write_hf_folder
 
     if trainer.cfg.stage.name == "pretrain":
         from .pretrain import write_pretrain_output
@@ -234,23 +234,11 @@ def write_stage_output(trainer, folder: Path) -> Path | None:
     module = trainer.module
     record = run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics, seq_len=cfg.data.seq_len,
                         **({} if cfg.model.student_init else {"attn_layers": list(cfg.model.attn_layers)}))
-    if cfg.stage.name == "stage1":
-        weights = stage1_state_dict(module, state)
-        path = save_stage1_weights(weights, folder, len(module.mixers), cfg.model.teacher,
-                                   rnn_rope=module.student_config.rnn_rope)
-    else:
-        student = module.student
-        prefix = "student."
-        cpu_state = {k[len(prefix):]: v.detach().float().cpu() for k, v in state.items() if k.startswith(prefix)}
-        from ..models.hypenet import HypeNetForCausalLM
-
-        with torch.device("meta"):
-            clean = HypeNetForCausalLM(student.config)
-        clean.load_state_dict(cpu_state, strict=False, assign=True)
-        if student.config.tie_word_embeddings:
-            clean.lm_head.weight = clean.model.embed_tokens.weight
-        path = export_hypenet(clean, folder, tokenizer=_teacher_tokenizer(cfg), extra=record,
-                              generation_config=export_generation_config(cfg))
+    if cfg.stage.name != "stage1":
+        return write_hf_folder(state, module.student.config, folder, tokenizer=_teacher_tokenizer(cfg), record=record,
+                               generation_config=export_generation_config(cfg), run_config=to_dict(cfg))
+    path = save_stage1_weights(stage1_state_dict(state), folder, len(module.mixers), cfg.model.teacher,
+                               rnn_rope=module.student_config.rnn_rope)
     (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
     return path

@@ -34,7 +34,6 @@ them pulls gains toward 0 and rare-token embeddings toward the origin without re
 from __future__ import annotations
 
 import copy
-import json
 import math
 import sys
 from pathlib import Path
@@ -237,31 +236,21 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
     The exported config always carries ``model.logits_scaling_a``, also when it was off in training
     (``logits_scaling_in_training=false``: the reference code's inference-only scaling).
     """
-    from ..models.export import export_hypenet
+    from ..models.export import write_hf_folder
     from . import gathered_state_dict, run_record
 
     state = gathered_state_dict(trainer)
     if trainer.rank != 0:
         return None
-    cfg, student = trainer.cfg, trainer.module.student
-    prefix = "student."
-    cpu_state = {k[len(prefix):]: v.detach().float().cpu() for k, v in state.items() if k.startswith(prefix)}
-    config = copy.deepcopy(student.config)
+    cfg = trainer.cfg
+    config = copy.deepcopy(trainer.module.student.config)
     config.attn_logits_scale_base = cfg.model.logits_scaling_a
     tokenizer = load_tokenizer(cfg)
     if tokenizer is not None and config.eos_token_id is None:
         config.eos_token_id = tokenizer.eos_token_id
-    with torch.device("meta"):
-        clean = HypeNetForCausalLM(config)
-    clean.load_state_dict(cpu_state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        clean.lm_head.weight = clean.model.embed_tokens.weight
     record = run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics, seq_len=cfg.data.seq_len,
                         arch=cfg.model.arch, pe=cfg.model.pe, rnn_mixer=cfg.model.rnn_mixer)
-    path = export_hypenet(clean, folder, tokenizer=tokenizer, extra=record)
-    (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
-    (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
-    return path
+    return write_hf_folder(state, config, folder, tokenizer=tokenizer, record=record, run_config=to_dict(cfg))
 
 
 # ---------------------------------------------------------------------------------------- launcher

@@ -84,11 +84,14 @@ class Stage1Aligner(nn.Module):
         return total / normalizer, total.detach(), count
 
 
-def stage1_state_dict(aligner: Stage1Aligner, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Aligner parameters renamed to student keys: ``mixers.3.q_proj.weight`` -> ``model.layers.3.mixer.q_proj.weight``."""
-    state = aligner.state_dict() if state is None else state
+def stage1_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The aligner's weights (a :class:`Stage1Aligner` state dict, under any wrapper prefixes) renamed to the
+    student's keys, as CPU tensors: ``mixers.3.q_proj.weight`` -> ``model.layers.3.mixer.q_proj.weight``.
+    The one naming of the stage-1 file, for the stage's output and ``halo-dist export`` alike."""
+    from ..models.export import strip_wrapper_prefixes
+
     out = {}
-    for key, value in state.items():
+    for key, value in strip_wrapper_prefixes(state).items():
         if key.startswith("mixers."):
             _, idx, rest = key.split(".", 2)
             out[f"model.layers.{idx}.mixer.{rest}"] = value.detach().to("cpu").contiguous()

@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..models.export import ExportError  # the CLI reports it as a user error
+
 EXAMPLE = """examples:
   halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints/step-00020000 --output out/hypenet-2b-s2
   halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints --output out/latest   # newest complete one
 """
-
-
-class ExportError(ValueError):
-    """A checkpoint that cannot be exported (message names the file)."""
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -42,11 +40,10 @@ def consolidated_state(ckpt: Path) -> dict:
 
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
-    import torch
-
-    from ..models.export import export_hypenet
-    from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
-    from ..stages.stage1 import save_stage1_weights
+    """The checkpoint's trained weights -> ``output`` (stage 1: the RNN-layer file; else an HF folder)."""
+    from ..models.export import write_hf_folder
+    from ..models.hypenet import HypeNetConfig
+    from ..stages.stage1 import save_stage1_weights, stage1_state_dict
     from .checkpoint import TRAINER_STATE
 
     ckpt = resolve_checkpoint(checkpoint)
@@ -57,23 +54,13 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     weights = consolidated_state(ckpt)
     cfg_dict = dict(meta["student_config"])
     if meta["stage"] == "stage1":
-        rnn = _stage1_weights(weights)
-        return save_stage1_weights(rnn, output, cfg_dict["num_hidden_layers"], meta.get("teacher", "?"),
-                                   rnn_rope=cfg_dict.get("rnn_rope", True))
+        return save_stage1_weights(stage1_state_dict(weights), output, cfg_dict["num_hidden_layers"],
+                                   meta.get("teacher", "?"), rnn_rope=cfg_dict.get("rnn_rope", True))
     config = HypeNetConfig(**{k: v for k, v in cfg_dict.items() if k not in ("auto_map", "architectures")})
-    student = {k[len("student."):]: v for k, v in weights.items() if k.startswith("student.")}
-    with torch.device("meta"):
-        model = HypeNetForCausalLM(config)
-    model.load_state_dict(student, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    missing = [k for k, p in model.state_dict().items() if p.is_meta]
-    if missing:
-        raise ExportError(f"checkpoint {ckpt} lacks {missing[:3]} ...")
     record = {"stage": meta.get("stage", "checkpoint"), "step": meta["step"], "tokens": meta.get("tokens_seen"),
               "teacher": meta.get("teacher"), "checkpoint": str(ckpt)}
-    return export_hypenet(model, output, tokenizer=run_tokenizer(ckpt),
-                          extra={k: v for k, v in record.items() if v is not None})
+    return write_hf_folder(weights, config, output, tokenizer=run_tokenizer(ckpt),
+                           record={k: v for k, v in record.items() if v is not None}, source=f"checkpoint {ckpt}")
 
 
 def run_tokenizer(ckpt: Path):
@@ -87,15 +74,6 @@ def run_tokenizer(ckpt: Path):
     except (ConfigError, OSError, ValueError):
         return None
     return _teacher_tokenizer(cfg)
-
-
-def _stage1_weights(weights: dict) -> dict:
-    out = {}
-    for key, value in weights.items():
-        if key.startswith("mixers."):
-            _, idx, rest = key.split(".", 2)
-            out[f"model.layers.{idx}.mixer.{rest}"] = value.contiguous()
-    return out
 
 
 def cmd_export(args) -> int:

@@ -598,7 +598,7 @@ class OPDTrainer:
 
     def finish(self) -> Path | None:
         """Write the student as an HF HypeNet folder under ``<run_dir>/final`` (rank 0)."""
-        from ..models.export import export_hypenet
+        from ..models.export import write_hf_folder
         from ..stages import export_generation_config, run_record
 
         out = None
@@ -606,9 +606,8 @@ class OPDTrainer:
         if self.rank == 0:
             folder = Path(self.cfg.logging.run_dir) / "final"
             record = run_record(self.cfg, self.step, self.tokens_seen, self.metrics, horizon=self.horizon.horizon)
-            out = export_hypenet(student.float(), folder, tokenizer=self.tokenizer, extra=record,
-                                 generation_config=export_generation_config(self.cfg))
-            (folder / "DONE").write_text(json.dumps(record, indent=2, default=str))
+            out = write_hf_folder(student.state_dict(), student.config, folder, tokenizer=self.tokenizer, record=record,
+                                  generation_config=export_generation_config(self.cfg))
         self.metrics.close()
         _barrier()
         return out
