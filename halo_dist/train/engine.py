@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import socket
 import time
 from contextlib import closing, contextmanager
@@ -49,59 +48,8 @@ from .metrics import (ATTENDED, MetricsLogger, attended_context, attention_flops
                       flops_per_token, run_hparams)
 from .profiling import StepProfiler
 from .schedules import LRSchedule, make_lr_scheduler
+from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested, nonfinite_agreed  # noqa: F401
 from .teacher_identity import check_same_teacher, run_teacher_digests
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf; the last good state was checkpointed before raising."""
-
-
-class NonFinitePolicy:
-    """``optim.nonfinite``: stop at a non-finite loss, or skip up to ``max_skipped`` consecutive steps."""
-
-    def __init__(self, mode: str = "stop", max_skipped: int = 0):
-        self.mode, self.max_skipped = mode, max_skipped
-        self.consecutive = 0  # skipped steps in a row, up to the current one
-        self.total = 0  # skipped steps of the whole run (resumed runs continue the count)
-
-    @classmethod
-    def from_config(cls, optim) -> "NonFinitePolicy":
-        return cls(optim.nonfinite, optim.max_skipped_steps)
-
-    def should_skip(self) -> bool:
-        """A step had a non-finite loss: True = skip it (counted), False = stop the run."""
-        if self.mode != "skip" or self.consecutive >= self.max_skipped:
-            return False
-        self.consecutive += 1
-        self.total += 1
-        return True
-
-    def step_ok(self) -> None:
-        self.consecutive = 0
-
-    def stop_reason(self) -> str:
-        if self.mode == "skip":
-            return (f"{self.consecutive + 1} non-finite steps in a row exceed optim.max_skipped_steps="
-                    f"{self.max_skipped} ({self.total} skipped in this run)")
-        return "optim.nonfinite=stop"
-
-    def skip_message(self, step: int, what: str = "loss") -> str:
-        return (f"step {step}: non-finite {what}, step skipped (no update; {self.consecutive} in a row, "
-                f"{self.total} in this run, at most {self.max_skipped} in a row)")
-
-    def state_dict(self) -> dict:
-        return {"consecutive": self.consecutive, "total": self.total}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        state = state or {}
-        self.consecutive, self.total = int(state.get("consecutive", 0)), int(state.get("total", 0))
-
-
-def nonfinite_agreed(loss: torch.Tensor, device: torch.device) -> bool:
-    """True on every rank when ``loss`` is NaN/inf on any rank (one all-reduce of a flag)."""
-    flag = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
 
 
 StepHook = Callable[[Any, int], None]
@@ -165,10 +113,6 @@ def finish_skipped_step(engine, scheduler) -> None:
             scheduler.step()
 
 
-class StopRequested(Exception):
-    """A signal asked the run to stop; raised after the checkpoint was written."""
-
-
 def _free_port() -> int:
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
@@ -182,12 +126,11 @@ def ensure_distributed_env() -> None:
                           MASTER_PORT=str(_free_port()))
 
 
-class Trainer:
+class Trainer(StopControl):
     """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
 
     def __init__(self, cfg: RunConfig, argv: list[str] | None = None):
         self.cfg, self.argv = cfg, argv
-        self.stop_signal: int | None = None
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
@@ -429,21 +372,6 @@ class Trainer:
         cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
         return self.ckpt.save(self.engine, self.step, state, cfg_text)
 
-    # ------------------------------------------------------------------------------ signals
-    def _install_signal_handlers(self) -> None:
-        """The handler only records the signal; ranks agree at the next step boundary."""
-
-        def handler(signum, frame):
-            self.stop_signal = signum
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
-
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_signal is not None else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
-
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:
         """Run to ``total_steps`` (or a stop signal); returns the last logged scalars."""
@@ -487,9 +415,7 @@ class Trainer:
             self._maybe_evaluate(total)
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < total:
                 self.save()
-            if self._stop_agreed():
-                self.save()
-                raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; checkpoint saved")
+            self._stop_if_signalled()
         if cfg.checkpoint.save_final:
             self.save()
         return last
@@ -527,21 +453,14 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def _nonfinite(self, loss: torch.Tensor) -> bool:
-        """Agree across ranks on a non-finite loss: False (finite), True (skip this step, ``optim.nonfinite
-        =skip``), or checkpoint the last good state and raise :class:`NonFiniteLossError`."""
-        if not nonfinite_agreed(loss, self.device):
-            return False
-        if self.nonfinite.should_skip():
-            if self.rank == 0:
-                print(self.nonfinite.skip_message(self.step + 1), flush=True)
-            return True
+    def _nonfinite_stop(self) -> NonFiniteLossError:
+        """Checkpoint the last good state and return the error that names the step's batch."""
         # the last good state: parameters before this step's update, and the loader before its batches,
         # so a resume (after lowering the LR, say) trains step ``step + 1`` on the same batch
         start = self._step_start
         path = self.save(loader_state=start)
         rows = self.layout.grad_accum_steps * self.layout.dp_size * self.cfg.data.micro_batch_size
-        raise NonFiniteLossError(
+        return NonFiniteLossError(
             f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}) on the batch of epoch "
             f"{start['epoch']}, packed rows {start['rows_consumed']}..{start['rows_consumed'] + rows - 1} of that "
             f"epoch's order (data.seed={start['seed']}, {start['seq_len']} tokens per row, all data-parallel ranks); "

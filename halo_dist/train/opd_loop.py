@@ -47,6 +47,9 @@ sampling RNG states: a resumed run continues bit-exactly. Under ``deepspeed`` th
 and scheduler go through ``engine.save_checkpoint`` / ``load_checkpoint`` (ZeRO shards per rank); a
 checkpoint only loads into the backend that wrote it.
 
+SIGTERM/SIGUSR1 (``train.stopping``, as in ``engine.Trainer``): the ranks agree at the end of the step,
+checkpoint it and raise ``StopRequested``; the launcher exits 0 and a restarted one resumes exactly.
+
 Non-finite reverse KL: ``optim.nonfinite`` as in ``engine.Trainer`` (stop with the last good state
 checkpointed, or skip the step: no update, LR schedule advances, the step's KL is not fed to the
 plateau detector, ``train/skipped_steps`` counts skips; ``optim.max_skipped_steps`` in a row stop).
@@ -74,8 +77,8 @@ from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_prompts import Curriculum
-from .engine import (LossHook, NonFiniteLossError, NonFinitePolicy, StepHook, backward_and_step, finish_skipped_step,
-                     nonfinite_agreed, record_run_start, run_loss_hooks)
+from .engine import LossHook, StepHook, backward_and_step, finish_skipped_step, record_run_start, run_loss_hooks
+from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested  # noqa: F401
 from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoints, latest_checkpoint, rng_state, \
     set_rng_state, step_dir_name
 from ..parallel.safe_load import safe_load
@@ -158,7 +161,7 @@ def ensure_process_group(deepspeed: bool = False) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class OPDTrainer:
+class OPDTrainer(StopControl):
     """Builds everything from a validated RunConfig (stage ``opd``); ``train()`` runs the loop."""
 
     def __init__(self, cfg: RunConfig, argv=None, *, hf_teacher=None, student=None, tokenizer=None, prompt_sets=None):
@@ -203,6 +206,7 @@ class OPDTrainer:
                                 beta=opd.beta)
         self.objective = cfg.loss.objective  # names the divergence in metric tags
         self.divergence = {1.0: "reverse KL", 0.0: "forward KL"}.get(opd.beta, f"generalized JSD (beta {opd.beta})")
+        self.nonfinite_what = self.divergence
         self.module.train()
         o = cfg.optim
         self.groups = parameter_groups(student, lr=o.lr, rnn_lr=opd.rnn_lr, attn_lr=opd.attn_lr,
@@ -227,6 +231,7 @@ class OPDTrainer:
         self.snap_root = Path(cfg.logging.run_dir) / "snapshots"
         self._maybe_resume()
         self._start_metrics()
+        self._install_signal_handlers()
         return self
 
     def _init_deepspeed(self) -> None:
@@ -299,7 +304,10 @@ class OPDTrainer:
                 "nonfinite": self.nonfinite.state_dict()}
 
     def save(self, root: Path | None = None, keep_last: int | None = None) -> Path:
-        """Collective save to ``root/step-N`` (checkpoints by default); rank 0 writes model and optimizer."""
+        """Collective save to ``root/step-N``; rank 0 writes model and optimizer. By default into the
+        checkpoints, keeping ``checkpoint.keep_last``; other roots (snapshots) keep everything."""
+        if root is None and keep_last is None:
+            keep_last = self.cfg.checkpoint.keep_last
         root = Path(root or self.ckpt_root)
         path = root / step_dir_name(self.step)
         if self.rank == 0:
@@ -525,20 +533,14 @@ class OPDTrainer:
         add("perf/train_time_s", train_time)
         self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
 
-    def _nonfinite(self, loss: torch.Tensor) -> bool:
-        """Ranks agree on a non-finite loss: False (finite), True (skip the step), or checkpoint the last
-        good state and raise :class:`NonFiniteLossError` (``optim.nonfinite``)."""
-        if not nonfinite_agreed(loss, self.device):
-            return False
-        if self.nonfinite.should_skip():
-            if self.rank == 0:
-                print(self.nonfinite.skip_message(self.step + 1, self.divergence), flush=True)
-            return True
+    def _nonfinite_stop(self) -> NonFiniteLossError:
+        """Checkpoint the last good state (no gradient of this step kept) and return the error to raise."""
         if not self.ds:
             self.optimizer.zero_grad(set_to_none=True)
-        path = self.save(keep_last=self.cfg.checkpoint.keep_last)
-        raise NonFiniteLossError(f"non-finite {self.divergence} at step {self.step + 1} ({self.nonfinite.stop_reason()}); "
-                                 f"the last good state is saved in {path}. Lower optim.lr before resuming.")
+        path = self.save()
+        return NonFiniteLossError(f"non-finite {self.divergence} at step {self.step + 1} "
+                                  f"({self.nonfinite.stop_reason()}); the last good state is saved in {path}. "
+                                  "Lower optim.lr before resuming.")
 
     # ------------------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -588,12 +590,13 @@ class OPDTrainer:
                 hook(self, self.step)
             every = cfg.checkpoint.every_steps
             if every and self.step % every == 0 and self.step < total:
-                self.save(keep_last=cfg.checkpoint.keep_last)
+                self.save()
             self._maybe_snapshot()
             if cfg.opd.eval_every and self.step % cfg.opd.eval_every == 0 and self.step < total:
                 self.evaluate()
+            self._stop_if_signalled()
         self.evaluate()
-        self.save(keep_last=cfg.checkpoint.keep_last)
+        self.save()
         return last
 
     def finish(self) -> Path | None:
@@ -642,9 +645,3 @@ def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def run_opd(cfg: RunConfig, argv=None, **inject) -> Path | None:
-    """Entry point of ``launchers/opd.py``: build, train, write the student."""
-    from .engine import run_stage
-
-    return run_stage(cfg, argv, trainer_cls=OPDTrainer, **inject)
