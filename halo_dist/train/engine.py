@@ -28,7 +28,6 @@ More than ``optim.max_skipped_steps`` consecutive skips stop the run like ``stop
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import time

@@ -41,11 +41,13 @@ Backends (``opd.backend``):
   stays sharded). Held-out evaluation scores with the replica too (ranks hold different prompt counts).
   Under ZeRO 0-2 every rank holds the full weights and generates with the engine's module directly.
 
-Checkpoints (``<checkpoint.dir>/step-*``, ``COMPLETE`` marker, ``keep_last`` kept) hold the student,
+Checkpoints (``<checkpoint.dir>/step-*``) are written and pruned by ``checkpoint.CheckpointManager`` as
+the stages' are (space check, ``COMPLETE`` marker, ``keep_last`` kept). They hold the student,
 optimizer, LR-scheduler step, schedule description, horizon/detector state, per-rank curriculum and
 sampling RNG states: a resumed run continues bit-exactly. Under ``deepspeed`` the student, optimizer
-and scheduler go through ``engine.save_checkpoint`` / ``load_checkpoint`` (ZeRO shards per rank); a
-checkpoint only loads into the backend that wrote it.
+and scheduler go through ``engine.save_checkpoint`` / ``load_checkpoint`` (ZeRO shards per rank), under
+``torch`` through ``checkpoint.PlainEngine`` (one ``state.pt``); a checkpoint only loads into the backend
+that wrote it.
 
 SIGTERM/SIGUSR1 (``train.stopping``, as in ``engine.Trainer``): the ranks agree at the end of the step,
 checkpoint it and raise ``StopRequested``; the launcher exits 0 and a restarted one resumes exactly.
@@ -65,7 +67,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -79,8 +80,7 @@ from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check
 from ..stages.opd_prompts import Curriculum
 from .engine import LossHook, StepHook, backward_and_step, finish_skipped_step, record_run_start, run_loss_hooks
 from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested  # noqa: F401
-from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoints, latest_checkpoint, rng_state, \
-    set_rng_state, step_dir_name
+from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, PlainEngine, latest_checkpoint, rank_file
 from ..parallel.safe_load import safe_load
 from .metrics import MetricsLogger, check_wandb, flops_per_token
 from .teacher_identity import check_same_teacher, run_teacher_digests
@@ -227,7 +227,7 @@ class OPDTrainer(StopControl):
                                      eos_token_id=self.eos)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(opd.seed * 1000 + self.rank)
-        self.ckpt_root = Path(cfg.checkpoint_dir)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
         self.snap_root = Path(cfg.logging.run_dir) / "snapshots"
         self._maybe_resume()
         self._start_metrics()
@@ -303,38 +303,19 @@ class OPDTrainer(StopControl):
                 "student_config": self.module.student.config.to_dict(), "backend": self.cfg.opd.backend,
                 "nonfinite": self.nonfinite.state_dict()}
 
-    def save(self, root: Path | None = None, keep_last: int | None = None) -> Path:
-        """Collective save to ``root/step-N``; rank 0 writes model and optimizer. By default into the
-        checkpoints, keeping ``checkpoint.keep_last``; other roots (snapshots) keep everything."""
-        if root is None and keep_last is None:
-            keep_last = self.cfg.checkpoint.keep_last
-        root = Path(root or self.ckpt_root)
-        path = root / step_dir_name(self.step)
-        if self.rank == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        _barrier()
-        local = {"rng": rng_state(), "generator": self.generator.get_state(), "curriculum": self.curriculum.state_dict()}
-        torch.save(local, path / f"rng_rank{self.rank:05d}.pt")
-        if self.ds:  # model, optimizer and scheduler: ZeRO shards from every rank
-            self.engine.save_checkpoint(str(root), tag=path.name, save_latest=False)
-        if self.rank == 0:
-            if not self.ds:
-                torch.save({"model": self.module.student.state_dict(), "optimizer": self.optimizer.state_dict(),
-                            "scheduler": self.scheduler.state_dict()}, path / "state.pt")
-            _atomic_text(path / TRAINER_STATE, json.dumps(self._trainer_state(), indent=2))
-            cfg_file = Path(self.cfg.logging.run_dir) / "config.yaml"
-            _atomic_text(path / "config.yaml", cfg_file.read_text() if cfg_file.exists() else "")
-        _barrier()
-        if self.rank == 0:
-            _atomic_text(path / MARKER, json.dumps({"step": self.step}))
-            if keep_last:
-                done = complete_checkpoints(root)
-                for old in done[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
-        _barrier()
-        return path
+    def save(self, root: Path | None = None) -> Path:
+        """Collective save to ``root/step-N`` through :class:`CheckpointManager`: into the checkpoints by
+        default, keeping ``checkpoint.keep_last``; another root (the snapshots) keeps everything."""
+        manager = self.ckpt if root is None else CheckpointManager(root, keep_last=0)
+        cfg_file = Path(self.cfg.logging.run_dir) / "config.yaml"
+        cfg_text = cfg_file.read_text() if self.rank == 0 and cfg_file.exists() else ""
+        rank_state = {"generator": self.generator.get_state(), "curriculum": self.curriculum.state_dict()}
+        return manager.save(self._checkpoint_engine(), self.step, self._trainer_state(), cfg_text, rank_state)
+
+    def _checkpoint_engine(self):
+        """What writes and reads student, optimizer and scheduler: the DeepSpeed engine (ZeRO shards from
+        every rank) or, for the torch backend, one ``state.pt`` from rank 0."""
+        return self.engine or PlainEngine(self.module.student, self.optimizer, self.scheduler, self.device)
 
     def load(self, path: Path, rung: bool = False) -> None:
         """Restore everything saved by :meth:`save`; ``rung``: a snapshot continued with a new schedule."""
@@ -354,19 +335,9 @@ class OPDTrainer(StopControl):
         if state.get("backend", "torch") != self.cfg.opd.backend:
             raise ValueError(f"{path} was written by opd.backend={state.get('backend', 'torch')}; this run has "
                              f"opd.backend={self.cfg.opd.backend} (their checkpoint formats differ)")
-        if self.ds:
-            loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=True)
-            if loaded is None:
-                raise RuntimeError(f"DeepSpeed could not load checkpoint {path}")
-            self._replica_step = None
-        else:
-            blob = safe_load(path / "state.pt", map_location=self.device)
-            self.module.student.load_state_dict(blob["model"])
-            self.optimizer.load_state_dict(blob["optimizer"])
-            self.scheduler.load_state_dict(blob["scheduler"])
-        local = safe_load(path / f"rng_rank{self.rank:05d}.pt")  # tensors and plain values only
-        set_rng_state(local["rng"])
+        self.ckpt.load(self._checkpoint_engine(), path)  # student, optimizer, scheduler, this rank's RNG
+        self._replica_step = None
+        local = safe_load(rank_file(path, self.rank))  # tensors and plain values only
         self.generator.set_state(local["generator"])
         self.curriculum.load_state_dict(local["curriculum"])
         self.horizon.load_state_dict(state["horizon"])
@@ -378,7 +349,7 @@ class OPDTrainer(StopControl):
                   f"(horizon {self.horizon.horizon}, {self.tokens_seen} on-policy tokens)", flush=True)
 
     def _maybe_resume(self) -> None:
-        latest = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume == "auto" else None
+        latest = latest_checkpoint(self.ckpt.root) if self.cfg.checkpoint.resume == "auto" else None
         if latest is not None:
             from ..config import to_dict
             from .resume_check import check_resume_config
