@@ -48,12 +48,12 @@ from .metrics import (ATTENDED, MetricsLogger, attended_context, attention_flops
 from .profiling import StepProfiler
 from .schedules import LRSchedule, make_lr_scheduler
 from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested, nonfinite_agreed  # noqa: F401
-from .teacher_identity import check_same_teacher, run_teacher_digests
+from .teacher_identity import run_teacher_digests
 
 
 StepHook = Callable[[Any, int], None]
-"""``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just taken),
-before that step's checkpoint; in :class:`Trainer` also before its metrics, evaluation and stop-signal check."""
+"""``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just taken) and
+its metrics, before that step's evaluation, checkpoint and stop-signal check (``Trainer.train``)."""
 
 LossHook = Callable[[Any, int, torch.Tensor], torch.Tensor]
 """``hook(trainer, step, loss) -> loss``: every micro-batch's loss passes through it before the non-finite
@@ -125,6 +125,15 @@ def ensure_distributed_env() -> None:
                           MASTER_PORT=str(_free_port()))
 
 
+def local_device() -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``), made the current one; the CPU without GPUs."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    torch.cuda.set_device(device)
+    return device
+
+
 class Trainer(StopControl):
     """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
 
@@ -152,9 +161,7 @@ class Trainer(StopControl):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = local_device()
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         if self.device.type == "cpu":
             # Distillation gradients get tiny (student ≈ teacher); x86 denormal arithmetic then runs
@@ -196,14 +203,10 @@ class Trainer(StopControl):
 
     def _check_resume_config(self) -> None:
         """Before building anything: a resume continues the checkpoint's run or is refused (resume_check)."""
-        path = self.resume_path
-        if path is not None:
-            from ..config import to_dict
-            from .resume_check import check_resume_config
+        if self.resume_path is not None:
+            from .resume_check import check_same_run
 
-            check_resume_config(path, to_dict(self.cfg), announce=self.rank == 0)
-            saved = json.loads((path / TRAINER_STATE).read_text()).get("teacher_files")
-            check_same_teacher(saved, self.teacher_files, path)
+            check_same_run(self.resume_path, self.cfg, self.teacher_files, announce=self.rank == 0)
 
     def _verify_data(self) -> None:
         """``data.verify=full``: every rank fully checks its share of the training shards (and of the
@@ -373,51 +376,67 @@ class Trainer(StopControl):
 
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        """Run to ``total_steps`` (or a stop signal); returns the last logged scalars."""
-        cfg, total = self.cfg, self.cfg.total_steps
-        data = iter(self.loader)
+        """Run to ``total_steps`` (or a stop signal); returns the last logged scalars. The loop of every
+        trainer: subclasses change what a step is (:meth:`train_step`) and what surrounds it
+        (:meth:`_start_training`, :meth:`_after_step`, :meth:`_end_training`)."""
+        total, every = self.cfg.total_steps, self.cfg.checkpoint.every_steps
         last = {}
-        self.engine.train()
-        log = cfg.logging
-        profiler = StepProfiler(log.profile_at_step, log.profile_steps, log.run_dir, self.rank, self.device)
-        if self.step == 0:
-            self._maybe_evaluate(total)
+        self._start_training(total)
         while self.step < total:
-            profiler.before_step(self.step + 1)
-            self._step_start = self.loader.state_dict()  # the position of this step's first batch
-            micro_batches = [next(data) for _ in range(self.layout.grad_accum_steps)]
-            normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
-            skipping = False  # this step had a non-finite loss and is dropped (module doc)
-            for batch in micro_batches:
-                self._track_attended_keys(batch)
-                loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
-                loss = run_loss_hooks(self, loss)
-                if not skipping:
-                    skipping = self._nonfinite(loss)
-                if not skipping:
-                    self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
-                backward_and_step(self.engine, loss, drop=skipping)
-            self.step += 1
-            self.tokens_seen += self.layout.tokens_per_step
-            profiler.after_step(self.step)
+            last = self.train_step() or last
             for hook in self.step_hooks:
                 hook(self, self.step)
-            if skipping:
-                finish_skipped_step(self.engine, self.scheduler)
-            else:
-                self.nonfinite.step_ok()
-                self.metrics.add("optim/grad_norm", self._grad_norm())
-            if self.nonfinite.mode == "skip" and self.metrics.should_log(self.step):
-                self.metrics.add("train/skipped_steps", float(self.nonfinite.total))
-            out = self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
-            last = out or last
-            self._maybe_evaluate(total)
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < total:
+            self._after_step(total)
+            if every and self.step % every == 0 and self.step < total:
                 self.save()
             self._stop_if_signalled()
-        if cfg.checkpoint.save_final:
-            self.save()
+        self._end_training()
         return last
+
+    def _start_training(self, total: int) -> None:
+        self._data = iter(self.loader)
+        self.engine.train()
+        log = self.cfg.logging
+        self._profiler = StepProfiler(log.profile_at_step, log.profile_steps, log.run_dir, self.rank, self.device)
+        if self.step == 0:
+            self._maybe_evaluate(total)
+
+    def train_step(self) -> dict | None:
+        """One optimizer step on the next ``grad_accum`` micro-batches; returns the scalars logged at it
+        (None on a step that logs nothing)."""
+        self._profiler.before_step(self.step + 1)
+        self._step_start = self.loader.state_dict()  # the position of this step's first batch
+        micro_batches = [next(self._data) for _ in range(self.layout.grad_accum_steps)]
+        normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
+        skipping = False  # this step had a non-finite loss and is dropped (module doc)
+        for batch in micro_batches:
+            self._track_attended_keys(batch)
+            loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
+            loss = run_loss_hooks(self, loss)
+            if not skipping:
+                skipping = self._nonfinite(loss)
+            if not skipping:
+                self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
+            backward_and_step(self.engine, loss, drop=skipping)
+        self.step += 1
+        self.tokens_seen += self.layout.tokens_per_step
+        self._profiler.after_step(self.step)
+        if skipping:
+            finish_skipped_step(self.engine, self.scheduler)
+        else:
+            self.nonfinite.step_ok()
+            self.metrics.add("optim/grad_norm", self._grad_norm())
+        if self.nonfinite.mode == "skip" and self.metrics.should_log(self.step):
+            self.metrics.add("train/skipped_steps", float(self.nonfinite.total))
+        return self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
+
+    def _after_step(self, total: int) -> None:
+        """After a step's metrics and hooks, before its checkpoint."""
+        self._maybe_evaluate(total)
+
+    def _end_training(self) -> None:
+        if self.cfg.checkpoint.save_final:
+            self.save()
 
     def _maybe_evaluate(self, total: int) -> None:
         """Held-out ``eval/`` scalars before the first step, every ``eval.every_steps`` and after the last.

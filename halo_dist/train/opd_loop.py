@@ -1,4 +1,9 @@
-"""The on-policy distillation loop (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
+"""The on-policy distillation trainer (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
+
+``OPDTrainer`` is an ``engine.Trainer``: the loop (``Trainer.train``: step hooks, checkpoint cadence,
+stop signals), the non-finite policy and the checkpoint writer (``CheckpointManager``) are the
+Trainer's; this module supplies the setup, the step, the held-out evaluation, the checkpoint contents
+and the export.
 
 Per optimizer step on every rank: sample ``global_batch / dp`` prompts from the curriculum ->
 student rollouts at the current horizon -> pack into ``grad_accum`` micro-batches -> all-reduce the
@@ -66,7 +71,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from pathlib import Path
 
@@ -78,12 +82,13 @@ from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_prompts import Curriculum
-from .engine import LossHook, StepHook, backward_and_step, finish_skipped_step, record_run_start, run_loss_hooks
-from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested  # noqa: F401
+from .engine import Trainer, backward_and_step, finish_skipped_step, local_device, record_run_start, run_loss_hooks
+from .resume_check import check_same_run
+from .stopping import NonFiniteLossError, StopRequested  # noqa: F401
 from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, PlainEngine, latest_checkpoint, rank_file
 from ..parallel.safe_load import safe_load
 from .metrics import MetricsLogger, check_wandb, flops_per_token
-from .teacher_identity import check_same_teacher, run_teacher_digests
+from .teacher_identity import run_teacher_digests
 from .schedules import LRSchedule
 
 
@@ -161,22 +166,20 @@ def ensure_process_group(deepspeed: bool = False) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class OPDTrainer(StopControl):
-    """Builds everything from a validated RunConfig (stage ``opd``); ``train()`` runs the loop."""
+class OPDTrainer(Trainer):
+    """Builds everything from a validated RunConfig (stage ``opd``); ``train()`` (the Trainer's loop) runs
+    it. What differs from the distillation Trainer: the setup, a step (rollouts, then the update,
+    :meth:`train_step`), the held-out evaluation, the checkpoint contents and the final export."""
 
     def __init__(self, cfg: RunConfig, argv=None, *, hf_teacher=None, student=None, tokenizer=None, prompt_sets=None):
         if cfg.opd is None:
             raise ValueError("the OPD trainer needs an opd: section (stage.name: opd)")
-        self.cfg, self.argv = cfg, argv
+        super().__init__(cfg, argv)
         self.ds = cfg.opd.backend == "deepspeed"
         self._inject = dict(hf_teacher=hf_teacher, student=student, tokenizer=tokenizer)
         self._prebuilt = prompt_sets
-        self.step = 0
         self.tokens_seen = 0  # generated (trained) tokens, all ranks
         self.eval_history: list[tuple[int, float]] = []
-        self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
-        self.step_hooks: list[StepHook] = []  # as the distillation Trainer's (engine.py); empty in a launched run
-        self.loss_hooks: list[LossHook] = []
         self.engine = None  # the DeepSpeed engine (backend deepspeed)
         self.rollout_student = None  # ZeRO-3: the gathered copy that generates (module doc)
         self._replica_step = None  # optimizer step the rollout replica was last refreshed at
@@ -189,9 +192,7 @@ class OPDTrainer(StopControl):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = local_device()
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # the teacher's identity by content
         student, teacher, self.tokenizer = build_models(cfg, **self._inject)
@@ -350,14 +351,8 @@ class OPDTrainer(StopControl):
 
     def _maybe_resume(self) -> None:
         latest = latest_checkpoint(self.ckpt.root) if self.cfg.checkpoint.resume == "auto" else None
-        if latest is not None:
-            from ..config import to_dict
-            from .resume_check import check_resume_config
-
-            # the same run or refused, as for the stages (a rung, opd.resume_from, starts a new run)
-            check_resume_config(latest, to_dict(self.cfg), announce=self.rank == 0)
-            saved = json.loads((latest / TRAINER_STATE).read_text()).get("teacher_files")
-            check_same_teacher(saved, self.teacher_files, latest)
+        if latest is not None:  # the same run or refused, as for the stages (a rung, opd.resume_from, starts a new run)
+            check_same_run(latest, self.cfg, self.teacher_files, announce=self.rank == 0)
             self.load(latest)
         elif self.cfg.opd.resume_from:
             self.load(Path(self.cfg.opd.resume_from), rung=True)
@@ -549,26 +544,20 @@ class OPDTrainer(StopControl):
         self.metrics.log_eval(self.step, {f"eval/{self.objective}": value})
         return value
 
-    # ------------------------------------------------------------------------------ the loop
-    def train(self) -> dict:
-        cfg, total = self.cfg, self.cfg.total_steps
-        last = {}
+    # ------------------------------------------------------------------------------ around the steps (Trainer.train)
+    def _start_training(self, total: int) -> None:
         if self.step == 0:
             self.evaluate()
-        while self.step < total:
-            last = self.train_step()
-            for hook in self.step_hooks:
-                hook(self, self.step)
-            every = cfg.checkpoint.every_steps
-            if every and self.step % every == 0 and self.step < total:
-                self.save()
-            self._maybe_snapshot()
-            if cfg.opd.eval_every and self.step % cfg.opd.eval_every == 0 and self.step < total:
-                self.evaluate()
-            self._stop_if_signalled()
+
+    def _after_step(self, total: int) -> None:
+        self._maybe_snapshot()
+        every = self.cfg.opd.eval_every
+        if every and self.step % every == 0 and self.step < total:
+            self.evaluate()
+
+    def _end_training(self) -> None:
         self.evaluate()
         self.save()
-        return last
 
     def finish(self) -> Path | None:
         """Write the student as an HF HypeNet folder under ``<run_dir>/final`` (rank 0)."""
