@@ -1,7 +1,7 @@
 """Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses.
 
-The trainers (``halo_dist.train.engine.Trainer`` and its subclasses, ``halo_dist.train.opd_loop.OPDTrainer``)
-expose ``step_hooks`` and ``loss_hooks`` lists that product code leaves empty. A test that builds a trainer
+The trainers (``halo_dist.train.engine.Trainer`` and its subclasses, ``halo_dist.train.opd_loop.OPDTrainer``
+among them) expose ``step_hooks`` and ``loss_hooks`` lists that product code leaves empty. A test that builds a trainer
 itself appends the hooks below; a test that runs a launcher in a subprocess runs it through this file::
 
     python tests/fault_injection.py [--crash-at N] [--sigterm-at N] [--nan-at N[,M...]] launchers/stage2.py ARGS...
@@ -62,17 +62,15 @@ def nan_at(*steps: int):
 def install(step_hooks=(), loss_hooks=()) -> None:
     """Every trainer constructed after this call in this process gets ``step_hooks`` and ``loss_hooks``."""
     from halo_dist.train.engine import Trainer
-    from halo_dist.train.opd_loop import OPDTrainer
 
-    for cls in (Trainer, OPDTrainer):
-        init = cls.__init__
+    init = Trainer.__init__  # every trainer (stages, pretrain, OPD) is a Trainer and runs it
 
-        def hooked_init(self, *args, _init=init, **kwargs):
-            _init(self, *args, **kwargs)
-            self.step_hooks.extend(step_hooks)
-            self.loss_hooks.extend(loss_hooks)
+    def hooked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.step_hooks.extend(step_hooks)
+        self.loss_hooks.extend(loss_hooks)
 
-        cls.__init__ = hooked_init
+    Trainer.__init__ = hooked_init
 
 
 def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None, nan_at=None) -> list[str]:

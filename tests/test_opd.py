@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 from distributed import run_distributed
-from fault_injection import nan_at
+from fault_injection import launcher_args, nan_at
 
 from halo_dist.config import ConfigError, load_config
 from halo_dist.models.convert import convert_model
@@ -473,6 +473,53 @@ def test_launcher_reports_bad_input_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 2, res.stderr[-2000:]
     assert "error: prompt set 's' has a prompt of 30 tokens" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------ stop signals
+def run_opd_launcher(run_dir, *overrides, faults=None, expect=0):
+    """``launchers/opd.py`` on configs/opd/tiny.yaml in a subprocess; ``faults``: as tests/test_engine.py's
+    ``run_launcher`` (the launcher then runs through tests/fault_injection.py)."""
+    script = [str(REPO / "launchers" / "opd.py")]
+    if faults:
+        script = [str(REPO / "tests" / "fault_injection.py"), *launcher_args(**faults), *script]
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # in-process runs set these
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    cmd = [sys.executable, *script, "--config", str(TINY), f"logging.run_dir={run_dir}", "logging.tensorboard=false",
+           "logging.log_every=1", *overrides]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == expect, f"exit {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    return res
+
+
+def _final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    files = sorted((run_dir / "final").glob("*.safetensors"))
+    assert files, list((run_dir / "final").iterdir())
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def test_sigterm_checkpoints_exits_0_and_the_restarted_run_ends_bitwise_equal(tmp_path):
+    """SIGTERM after step 3 of 6: the launcher checkpoints step 3 and exits 0 without writing final/; the
+    restarted launcher resumes there and ends with the uninterrupted run's weights, bit for bit, and the
+    same held-out and training curves (the horizon doubles on the way, so the detector state resumes too)."""
+    common = ["schedule.total_steps=6", "schedule.decay_steps=2", "checkpoint.every_steps=0", "opd.snapshot_every=0",
+              "opd.eval_every=2", "opd.plateau_window=1", "opd.plateau_patience=1",
+              "opd.plateau_min_rel_improvement=0.5"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_opd_launcher(straight, *common)
+    res = run_opd_launcher(stopped, *common, faults=dict(sigterm_at=3))
+    assert "stopped by signal" in res.stderr and "at step 3" in res.stderr
+    assert [p.name for p in (stopped / "checkpoints").glob("step-*")] == ["step-00000003"]
+    assert (stopped / "checkpoints" / "step-00000003" / "COMPLETE").exists() and not (stopped / "final").exists()
+    res = run_opd_launcher(stopped, *common)
+    assert "resumed from" in res.stdout and "at step 3" in res.stdout
+    a, b = _final_weights(straight), _final_weights(stopped)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ma, mb = read_metrics(straight), read_metrics(stopped)
+    assert [s for s, _ in mb["eval/reverse_kl"]] == [0, 2, 4, 6] and mb["eval/reverse_kl"] == ma["eval/reverse_kl"]
+    assert mb["train/loss"] == ma["train/loss"] and len(ma["train/loss"]) == 6
+    assert ma["progress/horizon"] == mb["progress/horizon"] and ma["progress/horizon"][-1][1] == 32
 
 
 # ------------------------------------------------------------------------------------------------ DeepSpeed backend

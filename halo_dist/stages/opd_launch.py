@@ -1,33 +1,21 @@
-"""What ``launchers/opd.py`` does (the style of ``halo_dist.launch``): parse, check the stage, run.
+"""What ``launchers/opd.py`` does: :func:`halo_dist.launch.launch` with the OPD trainer.
 
 User mistakes (config errors, bad prompt sets, tokenizer/vocabulary mismatches, missing files) end
-with one ``error:`` line and exit 2.
+with one ``error:`` line and exit 2 (``PromptError`` and ``ConversionError`` are ``ValueError``s); a
+stop signal checkpoints and exits 0.
 """
 
 from __future__ import annotations
-
-import sys
 
 
 def launch_opd(doc: str | None = None, argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
-    from ..config import parse_run_args
-    from ..models.convert import ConversionError
-    from ..train.opd_loop import NonFiniteLossError, run_opd
-    from .opd_prompts import PromptError
+    from ..launch import launch
+    from ..train.opd_loop import OPDTrainer
 
-    argv = sys.argv[1:] if argv is None else argv
-    cfg, _ = parse_run_args(argv, description=doc, prog="launchers/opd.py")
-    if cfg.stage.name != "opd":
-        print(f"error: this is the opd launcher but the config says stage.name={cfg.stage.name}", file=sys.stderr)
-        return 2
     try:
-        run_opd(cfg, argv=["launchers/opd.py", *argv])
-    except (PromptError, ConversionError, FileNotFoundError, NonFiniteLossError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return launch("opd", doc, argv, trainer_cls=OPDTrainer)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0

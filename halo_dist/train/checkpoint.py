@@ -65,6 +65,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    state = state.get("rng", state)  # OPD rank files that nest the RNG states beside generator and curriculum
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
@@ -126,8 +127,10 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def save(self, engine, step: int, trainer_state: dict, config_text: str) -> Path:
-        """Collective save of everything needed to continue exactly at ``step``."""
+    def save(self, engine, step: int, trainer_state: dict, config_text: str, rank_state: dict | None = None) -> Path:
+        """Collective save of everything needed to continue exactly at ``step``. ``engine``: a DeepSpeed
+        engine or a :class:`PlainEngine`; ``rank_state``: more of this rank's state (tensors and plain
+        values), stored in its RNG file beside the RNG states."""
         tag = step_dir_name(step)
         path = self.root / tag
         if self.rank == 0 and path.exists():
@@ -136,7 +139,7 @@ class CheckpointManager:
         need = self._check_space(engine)
         try:
             engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
-            torch.save(rng_state(), path / f"rng_rank{self.rank:05d}.pt")
+            torch.save({**rng_state(), **(rank_state or {})}, rank_file(path, self.rank))
             if self.rank == 0:
                 _atomic_text(path / TRAINER_STATE, json.dumps(trainer_state, indent=2))
                 _atomic_text(path / "config.yaml", config_text)
@@ -194,10 +197,39 @@ class CheckpointManager:
             _barrier()
             if self.rank == 0:
                 shutil.rmtree(source.parent)  # a converted copy, as large as the checkpoint
-        rng_file = path / f"rng_rank{self.rank:05d}.pt"
+        rng_file = rank_file(path, self.rank)
         if rng_file.exists():  # a rank the checkpoint did not have starts from its seeded state
             set_rng_state(safe_load(rng_file, map_location="cpu"))
         return json.loads((path / TRAINER_STATE).read_text())
+
+
+def rank_file(path: Path, rank: int) -> Path:
+    """A checkpoint's file of one rank's RNG states (and the trainer's ``rank_state``)."""
+    return path / f"rng_rank{rank:05d}.pt"
+
+
+class PlainEngine:
+    """The checkpoint side of a DeepSpeed engine for a model trained without one (every rank holds the
+    same full weights and optimizer state): rank 0 writes ``<tag>/state.pt``, every rank reads it."""
+
+    def __init__(self, module: torch.nn.Module, optimizer, scheduler, device: torch.device):
+        self.module, self.optimizer, self.scheduler, self.device = module, optimizer, scheduler, device
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = False) -> None:
+        path = Path(save_dir) / tag
+        path.mkdir(parents=True, exist_ok=True)  # every rank writes its RNG file here next
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict()}, path / "state.pt")
+
+    def load_checkpoint(self, load_dir: str, tag: str, **_) -> tuple[str, dict]:
+        """Model, optimizer and scheduler (always all three, whatever DeepSpeed's flags would ask)."""
+        path = Path(load_dir) / tag
+        blob = safe_load(path / "state.pt", map_location=self.device)
+        self.module.load_state_dict(blob["model"])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        return str(path), {}
 
 
 def to_universal(path: Path) -> Path:

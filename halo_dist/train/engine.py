@@ -28,9 +28,7 @@ More than ``optim.max_skipped_steps`` consecutive skips stop the run like ``stop
 from __future__ import annotations
 
 import json
-import math
 import os
-import signal
 import socket
 import time
 from contextlib import closing, contextmanager
@@ -49,64 +47,13 @@ from .metrics import (ATTENDED, MetricsLogger, attended_context, attention_flops
                       flops_per_token, run_hparams)
 from .profiling import StepProfiler
 from .schedules import LRSchedule, make_lr_scheduler
-from .teacher_identity import check_same_teacher, run_teacher_digests
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf; the last good state was checkpointed before raising."""
-
-
-class NonFinitePolicy:
-    """``optim.nonfinite``: stop at a non-finite loss, or skip up to ``max_skipped`` consecutive steps."""
-
-    def __init__(self, mode: str = "stop", max_skipped: int = 0):
-        self.mode, self.max_skipped = mode, max_skipped
-        self.consecutive = 0  # skipped steps in a row, up to the current one
-        self.total = 0  # skipped steps of the whole run (resumed runs continue the count)
-
-    @classmethod
-    def from_config(cls, optim) -> "NonFinitePolicy":
-        return cls(optim.nonfinite, optim.max_skipped_steps)
-
-    def should_skip(self) -> bool:
-        """A step had a non-finite loss: True = skip it (counted), False = stop the run."""
-        if self.mode != "skip" or self.consecutive >= self.max_skipped:
-            return False
-        self.consecutive += 1
-        self.total += 1
-        return True
-
-    def step_ok(self) -> None:
-        self.consecutive = 0
-
-    def stop_reason(self) -> str:
-        if self.mode == "skip":
-            return (f"{self.consecutive + 1} non-finite steps in a row exceed optim.max_skipped_steps="
-                    f"{self.max_skipped} ({self.total} skipped in this run)")
-        return "optim.nonfinite=stop"
-
-    def skip_message(self, step: int, what: str = "loss") -> str:
-        return (f"step {step}: non-finite {what}, step skipped (no update; {self.consecutive} in a row, "
-                f"{self.total} in this run, at most {self.max_skipped} in a row)")
-
-    def state_dict(self) -> dict:
-        return {"consecutive": self.consecutive, "total": self.total}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        state = state or {}
-        self.consecutive, self.total = int(state.get("consecutive", 0)), int(state.get("total", 0))
-
-
-def nonfinite_agreed(loss: torch.Tensor, device: torch.device) -> bool:
-    """True on every rank when ``loss`` is NaN/inf on any rank (one all-reduce of a flag)."""
-    flag = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested, nonfinite_agreed  # noqa: F401
+from .teacher_identity import run_teacher_digests
 
 
 StepHook = Callable[[Any, int], None]
-"""``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just taken),
-before that step's checkpoint; in :class:`Trainer` also before its metrics, evaluation and stop-signal check."""
+"""``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just taken) and
+its metrics, before that step's evaluation, checkpoint and stop-signal check (``Trainer.train``)."""
 
 LossHook = Callable[[Any, int, torch.Tensor], torch.Tensor]
 """``hook(trainer, step, loss) -> loss``: every micro-batch's loss passes through it before the non-finite
@@ -165,10 +112,6 @@ def finish_skipped_step(engine, scheduler) -> None:
             scheduler.step()
 
 
-class StopRequested(Exception):
-    """A signal asked the run to stop; raised after the checkpoint was written."""
-
-
 def _free_port() -> int:
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
@@ -182,12 +125,20 @@ def ensure_distributed_env() -> None:
                           MASTER_PORT=str(_free_port()))
 
 
-class Trainer:
+def local_device() -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``), made the current one; the CPU without GPUs."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    torch.cuda.set_device(device)
+    return device
+
+
+class Trainer(StopControl):
     """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
 
     def __init__(self, cfg: RunConfig, argv: list[str] | None = None):
         self.cfg, self.argv = cfg, argv
-        self.stop_signal: int | None = None
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
@@ -210,9 +161,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = local_device()
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         if self.device.type == "cpu":
             # Distillation gradients get tiny (student ≈ teacher); x86 denormal arithmetic then runs
@@ -254,14 +203,10 @@ class Trainer:
 
     def _check_resume_config(self) -> None:
         """Before building anything: a resume continues the checkpoint's run or is refused (resume_check)."""
-        path = self.resume_path
-        if path is not None:
-            from ..config import to_dict
-            from .resume_check import check_resume_config
+        if self.resume_path is not None:
+            from .resume_check import check_same_run
 
-            check_resume_config(path, to_dict(self.cfg), announce=self.rank == 0)
-            saved = json.loads((path / TRAINER_STATE).read_text()).get("teacher_files")
-            check_same_teacher(saved, self.teacher_files, path)
+            check_same_run(self.resume_path, self.cfg, self.teacher_files, announce=self.rank == 0)
 
     def _verify_data(self) -> None:
         """``data.verify=full``: every rank fully checks its share of the training shards (and of the
@@ -429,70 +374,69 @@ class Trainer:
         cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
         return self.ckpt.save(self.engine, self.step, state, cfg_text)
 
-    # ------------------------------------------------------------------------------ signals
-    def _install_signal_handlers(self) -> None:
-        """The handler only records the signal; ranks agree at the next step boundary."""
-
-        def handler(signum, frame):
-            self.stop_signal = signum
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
-
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_signal is not None else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
-
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        """Run to ``total_steps`` (or a stop signal); returns the last logged scalars."""
-        cfg, total = self.cfg, self.cfg.total_steps
-        data = iter(self.loader)
+        """Run to ``total_steps`` (or a stop signal); returns the last logged scalars. The loop of every
+        trainer: subclasses change what a step is (:meth:`train_step`) and what surrounds it
+        (:meth:`_start_training`, :meth:`_after_step`, :meth:`_end_training`)."""
+        total, every = self.cfg.total_steps, self.cfg.checkpoint.every_steps
         last = {}
-        self.engine.train()
-        log = cfg.logging
-        profiler = StepProfiler(log.profile_at_step, log.profile_steps, log.run_dir, self.rank, self.device)
-        if self.step == 0:
-            self._maybe_evaluate(total)
+        self._start_training(total)
         while self.step < total:
-            profiler.before_step(self.step + 1)
-            self._step_start = self.loader.state_dict()  # the position of this step's first batch
-            micro_batches = [next(data) for _ in range(self.layout.grad_accum_steps)]
-            normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
-            skipping = False  # this step had a non-finite loss and is dropped (module doc)
-            for batch in micro_batches:
-                self._track_attended_keys(batch)
-                loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
-                loss = run_loss_hooks(self, loss)
-                if not skipping:
-                    skipping = self._nonfinite(loss)
-                if not skipping:
-                    self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
-                backward_and_step(self.engine, loss, drop=skipping)
-            self.step += 1
-            self.tokens_seen += self.layout.tokens_per_step
-            profiler.after_step(self.step)
+            last = self.train_step() or last
             for hook in self.step_hooks:
                 hook(self, self.step)
-            if skipping:
-                finish_skipped_step(self.engine, self.scheduler)
-            else:
-                self.nonfinite.step_ok()
-                self.metrics.add("optim/grad_norm", self._grad_norm())
-            if self.nonfinite.mode == "skip" and self.metrics.should_log(self.step):
-                self.metrics.add("train/skipped_steps", float(self.nonfinite.total))
-            out = self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
-            last = out or last
-            self._maybe_evaluate(total)
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < total:
+            self._after_step(total)
+            if every and self.step % every == 0 and self.step < total:
                 self.save()
-            if self._stop_agreed():
-                self.save()
-                raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; checkpoint saved")
-        if cfg.checkpoint.save_final:
-            self.save()
+            self._stop_if_signalled()
+        self._end_training()
         return last
+
+    def _start_training(self, total: int) -> None:
+        self._data = iter(self.loader)
+        self.engine.train()
+        log = self.cfg.logging
+        self._profiler = StepProfiler(log.profile_at_step, log.profile_steps, log.run_dir, self.rank, self.device)
+        if self.step == 0:
+            self._maybe_evaluate(total)
+
+    def train_step(self) -> dict | None:
+        """One optimizer step on the next ``grad_accum`` micro-batches; returns the scalars logged at it
+        (None on a step that logs nothing)."""
+        self._profiler.before_step(self.step + 1)
+        self._step_start = self.loader.state_dict()  # the position of this step's first batch
+        micro_batches = [next(self._data) for _ in range(self.layout.grad_accum_steps)]
+        normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
+        skipping = False  # this step had a non-finite loss and is dropped (module doc)
+        for batch in micro_batches:
+            self._track_attended_keys(batch)
+            loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
+            loss = run_loss_hooks(self, loss)
+            if not skipping:
+                skipping = self._nonfinite(loss)
+            if not skipping:
+                self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
+            backward_and_step(self.engine, loss, drop=skipping)
+        self.step += 1
+        self.tokens_seen += self.layout.tokens_per_step
+        self._profiler.after_step(self.step)
+        if skipping:
+            finish_skipped_step(self.engine, self.scheduler)
+        else:
+            self.nonfinite.step_ok()
+            self.metrics.add("optim/grad_norm", self._grad_norm())
+        if self.nonfinite.mode == "skip" and self.metrics.should_log(self.step):
+            self.metrics.add("train/skipped_steps", float(self.nonfinite.total))
+        return self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
+
+    def _after_step(self, total: int) -> None:
+        """After a step's metrics and hooks, before its checkpoint."""
+        self._maybe_evaluate(total)
+
+    def _end_training(self) -> None:
+        if self.cfg.checkpoint.save_final:
+            self.save()
 
     def _maybe_evaluate(self, total: int) -> None:
         """Held-out ``eval/`` scalars before the first step, every ``eval.every_steps`` and after the last.
@@ -527,21 +471,14 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def _nonfinite(self, loss: torch.Tensor) -> bool:
-        """Agree across ranks on a non-finite loss: False (finite), True (skip this step, ``optim.nonfinite
-        =skip``), or checkpoint the last good state and raise :class:`NonFiniteLossError`."""
-        if not nonfinite_agreed(loss, self.device):
-            return False
-        if self.nonfinite.should_skip():
-            if self.rank == 0:
-                print(self.nonfinite.skip_message(self.step + 1), flush=True)
-            return True
+    def _nonfinite_stop(self) -> NonFiniteLossError:
+        """Checkpoint the last good state and return the error that names the step's batch."""
         # the last good state: parameters before this step's update, and the loader before its batches,
         # so a resume (after lowering the LR, say) trains step ``step + 1`` on the same batch
         start = self._step_start
         path = self.save(loader_state=start)
         rows = self.layout.grad_accum_steps * self.layout.dp_size * self.cfg.data.micro_batch_size
-        raise NonFiniteLossError(
+        return NonFiniteLossError(
             f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}) on the batch of epoch "
             f"{start['epoch']}, packed rows {start['rows_consumed']}..{start['rows_consumed'] + rows - 1} of that "
             f"epoch's order (data.seed={start['seed']}, {start['seq_len']} tokens per row, all data-parallel ranks); "

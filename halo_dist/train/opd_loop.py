@@ -1,4 +1,9 @@
-"""The on-policy distillation loop (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
+"""The on-policy distillation trainer (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
+
+``OPDTrainer`` is an ``engine.Trainer``: the loop (``Trainer.train``: step hooks, checkpoint cadence,
+stop signals), the non-finite policy and the checkpoint writer (``CheckpointManager``) are the
+Trainer's; this module supplies the setup, the step, the held-out evaluation, the checkpoint contents
+and the export.
 
 Per optimizer step on every rank: sample ``global_batch / dp`` prompts from the curriculum ->
 student rollouts at the current horizon -> pack into ``grad_accum`` micro-batches -> all-reduce the
@@ -41,11 +46,16 @@ Backends (``opd.backend``):
   stays sharded). Held-out evaluation scores with the replica too (ranks hold different prompt counts).
   Under ZeRO 0-2 every rank holds the full weights and generates with the engine's module directly.
 
-Checkpoints (``<checkpoint.dir>/step-*``, ``COMPLETE`` marker, ``keep_last`` kept) hold the student,
+Checkpoints (``<checkpoint.dir>/step-*``) are written and pruned by ``checkpoint.CheckpointManager`` as
+the stages' are (space check, ``COMPLETE`` marker, ``keep_last`` kept). They hold the student,
 optimizer, LR-scheduler step, schedule description, horizon/detector state, per-rank curriculum and
 sampling RNG states: a resumed run continues bit-exactly. Under ``deepspeed`` the student, optimizer
-and scheduler go through ``engine.save_checkpoint`` / ``load_checkpoint`` (ZeRO shards per rank); a
-checkpoint only loads into the backend that wrote it.
+and scheduler go through ``engine.save_checkpoint`` / ``load_checkpoint`` (ZeRO shards per rank), under
+``torch`` through ``checkpoint.PlainEngine`` (one ``state.pt``); a checkpoint only loads into the backend
+that wrote it.
+
+SIGTERM/SIGUSR1 (``train.stopping``, as in ``engine.Trainer``): the ranks agree at the end of the step,
+checkpoint it and raise ``StopRequested``; the launcher exits 0 and a restarted one resumes exactly.
 
 Non-finite reverse KL: ``optim.nonfinite`` as in ``engine.Trainer`` (stop with the last good state
 checkpointed, or skip the step: no update, LR schedule advances, the step's KL is not fed to the
@@ -61,8 +71,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -74,13 +82,13 @@ from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_prompts import Curriculum
-from .engine import (LossHook, NonFiniteLossError, NonFinitePolicy, StepHook, backward_and_step, finish_skipped_step,
-                     nonfinite_agreed, record_run_start, run_loss_hooks)
-from .checkpoint import MARKER, TRAINER_STATE, _atomic_text, complete_checkpoints, latest_checkpoint, rng_state, \
-    set_rng_state, step_dir_name
+from .engine import Trainer, backward_and_step, finish_skipped_step, local_device, record_run_start, run_loss_hooks
+from .resume_check import check_same_run
+from .stopping import NonFiniteLossError, StopRequested  # noqa: F401
+from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, PlainEngine, latest_checkpoint, rank_file
 from ..parallel.safe_load import safe_load
 from .metrics import MetricsLogger, check_wandb, flops_per_token
-from .teacher_identity import check_same_teacher, run_teacher_digests
+from .teacher_identity import run_teacher_digests
 from .schedules import LRSchedule
 
 
@@ -158,22 +166,20 @@ def ensure_process_group(deepspeed: bool = False) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class OPDTrainer:
-    """Builds everything from a validated RunConfig (stage ``opd``); ``train()`` runs the loop."""
+class OPDTrainer(Trainer):
+    """Builds everything from a validated RunConfig (stage ``opd``); ``train()`` (the Trainer's loop) runs
+    it. What differs from the distillation Trainer: the setup, a step (rollouts, then the update,
+    :meth:`train_step`), the held-out evaluation, the checkpoint contents and the final export."""
 
     def __init__(self, cfg: RunConfig, argv=None, *, hf_teacher=None, student=None, tokenizer=None, prompt_sets=None):
         if cfg.opd is None:
             raise ValueError("the OPD trainer needs an opd: section (stage.name: opd)")
-        self.cfg, self.argv = cfg, argv
+        super().__init__(cfg, argv)
         self.ds = cfg.opd.backend == "deepspeed"
         self._inject = dict(hf_teacher=hf_teacher, student=student, tokenizer=tokenizer)
         self._prebuilt = prompt_sets
-        self.step = 0
         self.tokens_seen = 0  # generated (trained) tokens, all ranks
         self.eval_history: list[tuple[int, float]] = []
-        self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
-        self.step_hooks: list[StepHook] = []  # as the distillation Trainer's (engine.py); empty in a launched run
-        self.loss_hooks: list[LossHook] = []
         self.engine = None  # the DeepSpeed engine (backend deepspeed)
         self.rollout_student = None  # ZeRO-3: the gathered copy that generates (module doc)
         self._replica_step = None  # optimizer step the rollout replica was last refreshed at
@@ -186,9 +192,7 @@ class OPDTrainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = local_device()
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # the teacher's identity by content
         student, teacher, self.tokenizer = build_models(cfg, **self._inject)
@@ -203,6 +207,7 @@ class OPDTrainer:
                                 beta=opd.beta)
         self.objective = cfg.loss.objective  # names the divergence in metric tags
         self.divergence = {1.0: "reverse KL", 0.0: "forward KL"}.get(opd.beta, f"generalized JSD (beta {opd.beta})")
+        self.nonfinite_what = self.divergence
         self.module.train()
         o = cfg.optim
         self.groups = parameter_groups(student, lr=o.lr, rnn_lr=opd.rnn_lr, attn_lr=opd.attn_lr,
@@ -223,10 +228,11 @@ class OPDTrainer:
                                      eos_token_id=self.eos)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(opd.seed * 1000 + self.rank)
-        self.ckpt_root = Path(cfg.checkpoint_dir)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
         self.snap_root = Path(cfg.logging.run_dir) / "snapshots"
         self._maybe_resume()
         self._start_metrics()
+        self._install_signal_handlers()
         return self
 
     def _init_deepspeed(self) -> None:
@@ -298,35 +304,19 @@ class OPDTrainer:
                 "student_config": self.module.student.config.to_dict(), "backend": self.cfg.opd.backend,
                 "nonfinite": self.nonfinite.state_dict()}
 
-    def save(self, root: Path | None = None, keep_last: int | None = None) -> Path:
-        """Collective save to ``root/step-N`` (checkpoints by default); rank 0 writes model and optimizer."""
-        root = Path(root or self.ckpt_root)
-        path = root / step_dir_name(self.step)
-        if self.rank == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        _barrier()
-        local = {"rng": rng_state(), "generator": self.generator.get_state(), "curriculum": self.curriculum.state_dict()}
-        torch.save(local, path / f"rng_rank{self.rank:05d}.pt")
-        if self.ds:  # model, optimizer and scheduler: ZeRO shards from every rank
-            self.engine.save_checkpoint(str(root), tag=path.name, save_latest=False)
-        if self.rank == 0:
-            if not self.ds:
-                torch.save({"model": self.module.student.state_dict(), "optimizer": self.optimizer.state_dict(),
-                            "scheduler": self.scheduler.state_dict()}, path / "state.pt")
-            _atomic_text(path / TRAINER_STATE, json.dumps(self._trainer_state(), indent=2))
-            cfg_file = Path(self.cfg.logging.run_dir) / "config.yaml"
-            _atomic_text(path / "config.yaml", cfg_file.read_text() if cfg_file.exists() else "")
-        _barrier()
-        if self.rank == 0:
-            _atomic_text(path / MARKER, json.dumps({"step": self.step}))
-            if keep_last:
-                done = complete_checkpoints(root)
-                for old in done[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
-        _barrier()
-        return path
+    def save(self, root: Path | None = None) -> Path:
+        """Collective save to ``root/step-N`` through :class:`CheckpointManager`: into the checkpoints by
+        default, keeping ``checkpoint.keep_last``; another root (the snapshots) keeps everything."""
+        manager = self.ckpt if root is None else CheckpointManager(root, keep_last=0)
+        cfg_file = Path(self.cfg.logging.run_dir) / "config.yaml"
+        cfg_text = cfg_file.read_text() if self.rank == 0 and cfg_file.exists() else ""
+        rank_state = {"generator": self.generator.get_state(), "curriculum": self.curriculum.state_dict()}
+        return manager.save(self._checkpoint_engine(), self.step, self._trainer_state(), cfg_text, rank_state)
+
+    def _checkpoint_engine(self):
+        """What writes and reads student, optimizer and scheduler: the DeepSpeed engine (ZeRO shards from
+        every rank) or, for the torch backend, one ``state.pt`` from rank 0."""
+        return self.engine or PlainEngine(self.module.student, self.optimizer, self.scheduler, self.device)
 
     def load(self, path: Path, rung: bool = False) -> None:
         """Restore everything saved by :meth:`save`; ``rung``: a snapshot continued with a new schedule."""
@@ -346,19 +336,9 @@ class OPDTrainer:
         if state.get("backend", "torch") != self.cfg.opd.backend:
             raise ValueError(f"{path} was written by opd.backend={state.get('backend', 'torch')}; this run has "
                              f"opd.backend={self.cfg.opd.backend} (their checkpoint formats differ)")
-        if self.ds:
-            loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=True)
-            if loaded is None:
-                raise RuntimeError(f"DeepSpeed could not load checkpoint {path}")
-            self._replica_step = None
-        else:
-            blob = safe_load(path / "state.pt", map_location=self.device)
-            self.module.student.load_state_dict(blob["model"])
-            self.optimizer.load_state_dict(blob["optimizer"])
-            self.scheduler.load_state_dict(blob["scheduler"])
-        local = safe_load(path / f"rng_rank{self.rank:05d}.pt")  # tensors and plain values only
-        set_rng_state(local["rng"])
+        self.ckpt.load(self._checkpoint_engine(), path)  # student, optimizer, scheduler, this rank's RNG
+        self._replica_step = None
+        local = safe_load(rank_file(path, self.rank))  # tensors and plain values only
         self.generator.set_state(local["generator"])
         self.curriculum.load_state_dict(local["curriculum"])
         self.horizon.load_state_dict(state["horizon"])
@@ -370,15 +350,9 @@ class OPDTrainer:
                   f"(horizon {self.horizon.horizon}, {self.tokens_seen} on-policy tokens)", flush=True)
 
     def _maybe_resume(self) -> None:
-        latest = latest_checkpoint(self.ckpt_root) if self.cfg.checkpoint.resume == "auto" else None
-        if latest is not None:
-            from ..config import to_dict
-            from .resume_check import check_resume_config
-
-            # the same run or refused, as for the stages (a rung, opd.resume_from, starts a new run)
-            check_resume_config(latest, to_dict(self.cfg), announce=self.rank == 0)
-            saved = json.loads((latest / TRAINER_STATE).read_text()).get("teacher_files")
-            check_same_teacher(saved, self.teacher_files, latest)
+        latest = latest_checkpoint(self.ckpt.root) if self.cfg.checkpoint.resume == "auto" else None
+        if latest is not None:  # the same run or refused, as for the stages (a rung, opd.resume_from, starts a new run)
+            check_same_run(latest, self.cfg, self.teacher_files, announce=self.rank == 0)
             self.load(latest)
         elif self.cfg.opd.resume_from:
             self.load(Path(self.cfg.opd.resume_from), rung=True)
@@ -525,20 +499,14 @@ class OPDTrainer:
         add("perf/train_time_s", train_time)
         self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
 
-    def _nonfinite(self, loss: torch.Tensor) -> bool:
-        """Ranks agree on a non-finite loss: False (finite), True (skip the step), or checkpoint the last
-        good state and raise :class:`NonFiniteLossError` (``optim.nonfinite``)."""
-        if not nonfinite_agreed(loss, self.device):
-            return False
-        if self.nonfinite.should_skip():
-            if self.rank == 0:
-                print(self.nonfinite.skip_message(self.step + 1, self.divergence), flush=True)
-            return True
+    def _nonfinite_stop(self) -> NonFiniteLossError:
+        """Checkpoint the last good state (no gradient of this step kept) and return the error to raise."""
         if not self.ds:
             self.optimizer.zero_grad(set_to_none=True)
-        path = self.save(keep_last=self.cfg.checkpoint.keep_last)
-        raise NonFiniteLossError(f"non-finite {self.divergence} at step {self.step + 1} ({self.nonfinite.stop_reason()}); "
-                                 f"the last good state is saved in {path}. Lower optim.lr before resuming.")
+        path = self.save()
+        return NonFiniteLossError(f"non-finite {self.divergence} at step {self.step + 1} "
+                                  f"({self.nonfinite.stop_reason()}); the last good state is saved in {path}. "
+                                  "Lower optim.lr before resuming.")
 
     # ------------------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -576,25 +544,20 @@ class OPDTrainer:
         self.metrics.log_eval(self.step, {f"eval/{self.objective}": value})
         return value
 
-    # ------------------------------------------------------------------------------ the loop
-    def train(self) -> dict:
-        cfg, total = self.cfg, self.cfg.total_steps
-        last = {}
+    # ------------------------------------------------------------------------------ around the steps (Trainer.train)
+    def _start_training(self, total: int) -> None:
         if self.step == 0:
             self.evaluate()
-        while self.step < total:
-            last = self.train_step()
-            for hook in self.step_hooks:
-                hook(self, self.step)
-            every = cfg.checkpoint.every_steps
-            if every and self.step % every == 0 and self.step < total:
-                self.save(keep_last=cfg.checkpoint.keep_last)
-            self._maybe_snapshot()
-            if cfg.opd.eval_every and self.step % cfg.opd.eval_every == 0 and self.step < total:
-                self.evaluate()
+
+    def _after_step(self, total: int) -> None:
+        self._maybe_snapshot()
+        every = self.cfg.opd.eval_every
+        if every and self.step % every == 0 and self.step < total:
+            self.evaluate()
+
+    def _end_training(self) -> None:
         self.evaluate()
-        self.save(keep_last=cfg.checkpoint.keep_last)
-        return last
+        self.save()
 
     def finish(self) -> Path | None:
         """Write the student as an HF HypeNet folder under ``<run_dir>/final`` (rank 0)."""
@@ -641,9 +604,3 @@ def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def run_opd(cfg: RunConfig, argv=None, **inject) -> Path | None:
-    """Entry point of ``launchers/opd.py``: build, train, write the student."""
-    from .engine import run_stage
-
-    return run_stage(cfg, argv, trainer_cls=OPDTrainer, **inject)

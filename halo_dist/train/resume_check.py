@@ -10,6 +10,7 @@ cadence, micro batch and workers, parallel layout, compilation and activation ch
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +66,15 @@ def check_resume_config(checkpoint: Path, current: dict, announce: bool = True) 
     if allowed and announce:
         print(f"resuming {checkpoint.name} with changed settings:\n  " + "\n  ".join(allowed), flush=True)
     return allowed
+
+
+def check_same_run(checkpoint: Path, cfg, teacher_files: dict, announce: bool = True) -> None:
+    """Before anything is built: resuming ``checkpoint`` continues its run, or is refused: the config
+    (:func:`check_resume_config`) and the teacher's weights by content (``teacher_identity``)."""
+    from ..config import to_dict
+    from .checkpoint import TRAINER_STATE
+    from .teacher_identity import check_same_teacher
+
+    check_resume_config(checkpoint, to_dict(cfg), announce=announce)
+    saved = json.loads((checkpoint / TRAINER_STATE).read_text()).get("teacher_files")
+    check_same_teacher(saved, teacher_files, checkpoint)

@@ -1,0 +1,122 @@
+"""Stopping a run at a step boundary, shared by every trainer (``engine.Trainer``, ``opd_loop.OPDTrainer``).
+
+Two causes, both agreed by all ranks with one all-reduce so every rank takes the same branch:
+
+- a signal (SIGTERM: Slurm preemption or ``scancel``; SIGUSR1: Slurm's ``--signal`` warning). The
+  handler only records it; at the end of the step the ranks agree, the trainer checkpoints and
+  :class:`StopRequested` is raised (the launchers exit 0; a restarted job resumes from that checkpoint).
+- a non-finite loss (``optim.nonfinite``, :class:`NonFinitePolicy`): skip the step, or let the trainer
+  checkpoint its last good state and raise :class:`NonFiniteLossError`.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequested(Exception):
+    """A signal asked the run to stop; raised after the checkpoint was written."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN/inf; the last good state was checkpointed before raising."""
+
+
+class NonFinitePolicy:
+    """``optim.nonfinite``: stop at a non-finite loss, or skip up to ``max_skipped`` consecutive steps."""
+
+    def __init__(self, mode: str = "stop", max_skipped: int = 0):
+        self.mode, self.max_skipped = mode, max_skipped
+        self.consecutive = 0  # skipped steps in a row, up to the current one
+        self.total = 0  # skipped steps of the whole run (resumed runs continue the count)
+
+    @classmethod
+    def from_config(cls, optim) -> "NonFinitePolicy":
+        return cls(optim.nonfinite, optim.max_skipped_steps)
+
+    def should_skip(self) -> bool:
+        """A step had a non-finite loss: True = skip it (counted), False = stop the run."""
+        if self.mode != "skip" or self.consecutive >= self.max_skipped:
+            return False
+        self.consecutive += 1
+        self.total += 1
+        return True
+
+    def step_ok(self) -> None:
+        self.consecutive = 0
+
+    def stop_reason(self) -> str:
+        if self.mode == "skip":
+            return (f"{self.consecutive + 1} non-finite steps in a row exceed optim.max_skipped_steps="
+                    f"{self.max_skipped} ({self.total} skipped in this run)")
+        return "optim.nonfinite=stop"
+
+    def skip_message(self, step: int, what: str = "loss") -> str:
+        return (f"step {step}: non-finite {what}, step skipped (no update; {self.consecutive} in a row, "
+                f"{self.total} in this run, at most {self.max_skipped} in a row)")
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "total": self.total}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}
+        self.consecutive, self.total = int(state.get("consecutive", 0)), int(state.get("total", 0))
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is True on any rank (one all-reduce)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def nonfinite_agreed(loss: torch.Tensor, device: torch.device) -> bool:
+    """True on every rank when ``loss`` is NaN/inf on any rank (one all-reduce of a flag)."""
+    return any_rank(not bool(torch.isfinite(loss).all()), device)
+
+
+class StopControl:
+    """The trainers' stop handling. The trainer provides ``rank``, ``device``, ``step``, ``nonfinite``
+    (a :class:`NonFinitePolicy`), ``save()`` (a collective checkpoint of the state after ``step`` steps)
+    and ``_nonfinite_stop()`` (checkpoint the last good state, return the :class:`NonFiniteLossError` to raise)."""
+
+    stop_signal: int | None = None
+    nonfinite_what = "loss"  # names the loss in the skip message
+
+    def _install_signal_handlers(self) -> None:
+        """The handler only records the signal; ranks agree at the next step boundary."""
+
+        def handler(signum, frame):
+            self.stop_signal = signum
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handler)
+
+    def _stop_agreed(self) -> bool:
+        return any_rank(self.stop_signal is not None, self.device)
+
+    def _stop_if_signalled(self) -> None:
+        """At a step boundary: if any rank got a stop signal, checkpoint and raise :class:`StopRequested`."""
+        if self._stop_agreed():
+            path: Path = self.save()
+            raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; checkpoint saved in {path}")
+
+    def _nonfinite(self, loss: torch.Tensor) -> bool:
+        """Agree across ranks on a non-finite loss: False (finite), True (skip this step, ``optim.nonfinite
+        =skip``), or checkpoint the last good state and raise :class:`NonFiniteLossError`."""
+        if not nonfinite_agreed(loss, self.device):
+            return False
+        if self.nonfinite.should_skip():
+            if self.rank == 0:
+                print(self.nonfinite.skip_message(self.step + 1, self.nonfinite_what), flush=True)
+            return True
+        raise self._nonfinite_stop()
+
+    def _nonfinite_stop(self) -> NonFiniteLossError:
+        raise NotImplementedError
