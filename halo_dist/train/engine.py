@@ -512,14 +512,19 @@ def run_stage(cfg: RunConfig, argv: list[str] | None = None, trainer_cls: type |
     """Entry point of every stage launcher: build, train, write the output, always clean up.
     ``trainer_cls``: the stage's trainer (pretrain's and OPD's; default Trainer), built with
     ``(cfg, argv, **trainer_kwargs)``."""
+    start = time.time()
     trainer = (trainer_cls or Trainer)(cfg, argv, **trainer_kwargs)
     try:
         trainer.setup()
         t0 = time.time()
+        if trainer.rank == 0:  # the time to the first step (models, DeepSpeed, data) is what short jobs pay
+            print(f"setup: {t0 - start:.1f}s", flush=True)
         trainer.train()
+        t1 = time.time()
         out = trainer.finish()
         if trainer.rank == 0:
-            print(f"{cfg.stage.name} finished in {time.time() - t0:.1f}s -> {out}", flush=True)
+            print(f"{cfg.stage.name} finished in {time.time() - t0:.1f}s (training {t1 - t0:.1f}s, output "
+                  f"{time.time() - t1:.1f}s) -> {out}", flush=True)
         return out
     finally:
         if dist.is_initialized():
