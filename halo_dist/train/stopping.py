@@ -119,4 +119,5 @@ class StopControl:
         raise self._nonfinite_stop()
 
     def _nonfinite_stop(self) -> NonFiniteLossError:
-        raise NotImplementedError
+        """Each trainer (Trainer, OPDTrainer) checkpoints its own last good state and returns the error."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it stops on a non-finite loss")
