@@ -157,9 +157,10 @@ def test_two_rank_reduction_is_token_weighted(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    # fork: the children reuse the imported torch instead of re-importing it (seconds on CI).
+    # fork: the children reuse the imported torch instead of re-importing it (seconds on CI); spawn when an
+    # in-process test before this one left this process's default group up, which forked children would inherit
     mp.start_processes(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+                       start_method="spawn" if dist.is_initialized() else "fork")
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == pytest.approx(2.0)
 
 
