@@ -321,9 +321,10 @@ def test_liger_backend_jsd_matches_torch_backend(beta):
 def test_liger_and_torch_backends_agree_on_cuda(beta):
     """On CUDA (tensor-core matmuls, Liger's Triton-era code paths): the generalized JSD (0 < beta < 1) and both
     KL endpoints, fp32, masked, against our torch backend."""
-    s_h, s_w, t_h, t_w, mask, _ = (x.detach().float().cuda() for x in make())
+    *floats, mask, _ = make()
+    s_h, s_w, t_h, t_w = (x.detach().float().cuda() for x in floats)
     s_h.requires_grad_(), s_w.requires_grad_()
-    kw = dict(beta=beta, temperature=1.5, token_mask=mask, chunk_size=8, normalizer=9.0)
+    kw = dict(beta=beta, temperature=1.5, token_mask=mask.cuda(), chunk_size=8, normalizer=9.0)  # the mask stays bool
     ours, g_ours = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="torch", **kw)
     lig, g_lig = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="liger", **kw)
     assert_rel(lig.loss, ours.loss, 1e-4)  # fp32 on tensor cores (TF32 off by default for matmuls)

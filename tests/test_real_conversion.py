@@ -30,7 +30,7 @@ def test_summary_and_pictures_from_the_h200_run(tmp_path):
     shutil.copyfile(RESULTS / "real_csr_teacher.json", run / "eval" / "teacher" / "csr.json")
     shutil.copyfile(RESULTS / "real_background.json", run / "background.json")
     out = rc.summarize(tmp_path)
-    recorded = json.loads((RESULTS / "real_conversion.json").read_text())
+    recorded = json.loads((RESULTS / "real_conversion_s8.json").read_text())
     for key in ("kl_heldout_stage1", "kl_heldout_stage2", "kl_heldout_stage3", "tokens_stage1", "tokens_stage2",
                 "tokens_stage3", "niah_s1_teacher_16k", "niah_s1_student_16k", "niah_s1_student_32k", "csr_teacher"):
         assert out[key] == recorded[key], key
