@@ -226,30 +226,15 @@ def fused_distill_loss(
             0-dim tensor; clamp an all-reduced count with ``clamp_min(1)``); None -> 1.
         chunk_size: token rows per chunk (torch and CPU-Liger backends); None -> from budget.
         memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None.
-        backend: "auto" | "torch" | "liger".
+        backend: "auto" | "torch" | "compiled" (torch.compile per chunk, forward KL only) | "liger".
     Returns:
         DistillLossOutput (``loss`` differentiable; sums and counts for cross-rank reduction).
     """
-    s_h, t_h = _flat(student_hidden, "student_hidden"), _flat(teacher_hidden, "teacher_hidden")
-    mask, labels = _flat(token_mask, "token_mask", False), _flat(labels, "labels", False)
     opts = dict(beta=resolve_beta(direction, beta), temperature=float(temperature), kl_weight=float(kl_weight),
                 ce_weight=float(ce_weight), ignore_index=ignore_index)
-    _validate(s_h, student_weight, t_h, teacher_weight, mask, labels, opts)
-    if not opts["kl_weight"]:
-        t_h, teacher_weight = None, None  # CE only: never touch the teacher
-    if labels is not None:
-        labels = labels.long()
-        _check_labels(labels if mask is None else labels[mask], student_weight.shape[0], ignore_index)
-    s_h, t_h, labels = _compact(mask, s_h, t_h, labels)
-    n = s_h.shape[0]
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(student_weight.shape[0], memory_budget_bytes)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    which = _pick_backend(backend, s_h.device, n)
-    if which == "compiled" and opts["beta"] != 0.0:
-        raise ValueError(f"backend='compiled' computes forward KL only (beta 0); got beta={opts['beta']}")
-    cfg = ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), compiled=which == "compiled", **opts)
+    s_h, t_h, teacher_weight, labels = _prepare(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                                token_mask, labels, opts)
+    which, cfg = _chunk_config(s_h, student_weight.shape[0], chunk_size, memory_budget_bytes, backend, opts)
     norm = 1.0 if normalizer is None else normalizer
     if not torch.is_tensor(norm) and not norm > 0:  # tensors are not checked (no host sync)
         raise ValueError(f"normalizer must be > 0; got {normalizer}")
@@ -264,6 +249,34 @@ def fused_distill_loss(
     counts = _counts(s_h, labels, ignore_index)
     return DistillLossOutput(loss.float() if loss.dtype != torch.float64 else loss,
                              kl_sum.float(), ce_sum.float(), *counts, normalizer=norm)
+
+
+def _prepare(student_hidden, student_weight, teacher_hidden, teacher_weight, token_mask, labels, opts):
+    """Flattened, validated inputs with the masked-out tokens dropped: ``(s_h, t_h, teacher_weight, labels)``
+    (no teacher when the KL weight is 0: CE only never touches it)."""
+    s_h, t_h = _flat(student_hidden, "student_hidden"), _flat(teacher_hidden, "teacher_hidden")
+    mask, labels = _flat(token_mask, "token_mask", False), _flat(labels, "labels", False)
+    _validate(s_h, student_weight, t_h, teacher_weight, mask, labels, opts)
+    if not opts["kl_weight"]:
+        t_h, teacher_weight = None, None
+    if labels is not None:
+        labels = labels.long()
+        _check_labels(labels if mask is None else labels[mask], student_weight.shape[0], opts["ignore_index"])
+    s_h, t_h, labels = _compact(mask, s_h, t_h, labels)
+    return s_h, t_h, teacher_weight, labels
+
+
+def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend: str, opts) -> tuple[str, ChunkConfig]:
+    """The backend that runs (``auto`` resolved) and the per-chunk settings."""
+    n = s_h.shape[0]
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(vocab, memory_budget_bytes)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    which = _pick_backend(backend, s_h.device, n)
+    if which == "compiled" and opts["beta"] != 0.0:
+        raise ValueError(f"backend='compiled' computes forward KL only (beta 0); got beta={opts['beta']}")
+    return which, ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), compiled=which == "compiled", **opts)
 
 
 def _counts(s_h, labels, ignore_index):

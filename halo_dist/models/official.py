@@ -49,26 +49,15 @@ def _get(theirs: dict, key: str, default=None):
     return default if value is None and default is not None else value
 
 
-def official_config(theirs: dict) -> HypeNetConfig:
-    """Our config for their ``config.json`` contents (every unsupported setting refused, key named)."""
-    if theirs.get("model_type") != "hypenet" or "mixer_types" not in theirs:
-        raise ImportOfficialError(f"config.json has model_type={theirs.get('model_type')!r} and "
-                                  f"{'a' if 'mixer_types' in theirs else 'no'} mixer_types: not a HypeNet checkpoint")
-    if "rnn_output_norm" in theirs or "attn_logits_scale_base" in theirs:
-        raise ImportOfficialError("config.json is already a halo_dist HypeNet (it has our keys): load it directly")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "num_key_value_heads") if k not in theirs]
-    if missing:
-        raise ImportOfficialError(f"config.json lacks {missing}")
-    H, Hkv = theirs["num_attention_heads"], theirs["num_key_value_heads"]
-    D = _get(theirs, "head_dim", theirs["hidden_size"] // H)
+def _checked_scaling_base(theirs: dict, mixers: list, H: int, Hkv: int, D: int) -> float | None:
+    """Refuses every setting of theirs that HypeNet cannot express (all of them listed at once); returns
+    the logits-scaling base ``a`` their ``attn_logits_scaling`` names (None: no scaling)."""
     problems = []
 
     def need(key: str, ok: bool, why: str) -> None:
         if not ok:
             problems.append(f"{key}={theirs.get(key)!r}: {why}")
 
-    mixers = [MIXERS.get(m) for m in theirs["mixer_types"]]
     bad = sorted({m for m, ours in zip(theirs["mixer_types"], mixers) if ours is None})
     need("mixer_types", not bad, f"{bad} have no HypeNet counterpart (attn and lightning-attn do)")
     lightning = "lightning" in mixers
@@ -99,6 +88,24 @@ def official_config(theirs: dict) -> HypeNetConfig:
             problems.append(f"attn_logits_scaling={scaling!r}: its second word must be the base a")
     if problems:
         raise ImportOfficialError("cannot import this checkpoint:\n  " + "\n  ".join(problems))
+    return base
+
+
+def official_config(theirs: dict) -> HypeNetConfig:
+    """Our config for their ``config.json`` contents (every unsupported setting refused, key named)."""
+    if theirs.get("model_type") != "hypenet" or "mixer_types" not in theirs:
+        raise ImportOfficialError(f"config.json has model_type={theirs.get('model_type')!r} and "
+                                  f"{'a' if 'mixer_types' in theirs else 'no'} mixer_types: not a HypeNet checkpoint")
+    if "rnn_output_norm" in theirs or "attn_logits_scale_base" in theirs:
+        raise ImportOfficialError("config.json is already a halo_dist HypeNet (it has our keys): load it directly")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads") if k not in theirs]
+    if missing:
+        raise ImportOfficialError(f"config.json lacks {missing}")
+    H, Hkv = theirs["num_attention_heads"], theirs["num_key_value_heads"]
+    D = _get(theirs, "head_dim", theirs["hidden_size"] // H)
+    mixers = [MIXERS.get(m) for m in theirs["mixer_types"]]
+    base = _checked_scaling_base(theirs, mixers, H, Hkv, D)
 
     kwargs = {k: theirs[k] for k in SAME_KEYS if theirs.get(k) is not None}
     kwargs.update(
