@@ -75,7 +75,7 @@ def test_length_and_depth_parsing():
 
 def test_scoring_summary_reports_and_heatmap(tmp_path, monkeypatch):
     """An oracle 'model' answers every prompt correctly except those at depth 0: table and heatmap follow."""
-    def oracle(model, tokenizer, rows, max_new_tokens):
+    def oracle(model, tokenizer, rows, max_new_tokens, static=False):
         texts = []
         for r in rows:
             text = tokenizer.decode(r)
@@ -107,6 +107,28 @@ def test_batched_greedy_decoding_on_a_tiny_hypenet():
     together = niah.greedy_generate(model, tok, rows, 4)
     alone = [niah.greedy_generate(model, tok, [r], 4)[0] for r in rows]
     assert together == alone and all(isinstance(t, str) for t in together)
+
+
+def test_static_decode_gives_the_dynamic_answers_and_runs_only_for_hypenet(monkeypatch):
+    """NIAH through HypeNet's static cache answers exactly as with the dynamic one (every record), and the
+    option is passed to HypeNet's generate only: another model's generate never sees it."""
+    from halo_dist.models.convert import convert_model
+
+    model = convert_model(tiny_qwen3(vocab=BYTE_VOCAB), [1, 3])
+    cfg = dict(tasks=["niah_single_1", "niah_single_3"], lengths=[512, 1024], depths=[0.0, 1.0], samples_per_cell=2,
+               batch_size=2, max_new_tokens=6)
+    run = lambda static: niah.run_niah(model, byte_tokenizer(), niah.NiahConfig(**cfg, static_decode=static),  # noqa: E731
+                                       log=lambda m: None)["records"]
+    seen = []
+    generate = type(model).generate
+    monkeypatch.setattr(type(model), "generate", lambda self, *a, **kw: seen.append(kw.get("cache_implementation"))
+                        or generate(self, *a, **kw))
+    dynamic, static = run(False), run(True)
+    assert static == dynamic and len(static) == 16
+    assert set(seen[: len(seen) // 2]) == {None} and set(seen[len(seen) // 2:]) == {"static"}
+    assert niah.supports_static_decode(model)
+    model.config.model_type = "llama"  # any other model: its own cache
+    assert not niah.supports_static_decode(model)
 
 
 def test_eval_niah_cli_on_the_real_teacher(tmp_path, capsys):

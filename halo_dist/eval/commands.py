@@ -252,6 +252,8 @@ def _add_niah(sub) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: answer length + 8")
     p.add_argument("--name", default="niah", help="file stem of the reports")
+    p.add_argument("--static-decode", action="store_true",
+                   help="decode a HypeNet model through its static cache (CUDA graphs on a GPU); others unchanged")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--convert-attn-layers", help="evaluate a converted, untrained HypeNet of --model with these attention layers")
     _add_device(p)
@@ -268,7 +270,7 @@ def cmd_eval_niah(args) -> int:
     if args.samples < 1 or args.batch_size < 1:
         raise EvalError("--samples and --batch-size must be >= 1")
     cfg = NiahConfig(tasks, parse_lengths(args.lengths), parse_depths(args.depths), args.samples, args.batch_size,
-                     args.max_new_tokens, args.seed)
+                     args.max_new_tokens, args.seed, static_decode=args.static_decode)
     model, tokenizer, label = load_model(args.model, args.device, args.dtype, args.convert_attn_layers,
                                          args.trust_remote_code)
     report = {"model": label, **run_niah(model, tokenizer, cfg)}
