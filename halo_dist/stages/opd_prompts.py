@@ -1,7 +1,7 @@
 """Prompt sets and the prompt curriculum of on-policy distillation (OPAL).
 
 A :class:`PromptSet` is a list of token-id prompts built once from its config (``opd.prompt_sets``
-entry, :class:`halo_dist.config.schema.PromptSetConfig`); its last ``heldout`` prompts never train
+entry, :class:`halo_dist.config.opd_schema.PromptSetConfig`); its last ``heldout`` prompts never train
 and make the held-out reverse-KL eval. The :class:`Curriculum` decides which sets are active at a
 (step, horizon) -- a set switches in once ``step >= start_step`` and ``horizon >= min_horizon`` and
 out at ``stop_step`` -- and samples prompts from the active sets with probability proportional to
@@ -11,7 +11,7 @@ state goes into checkpoints.
 
 With ``opd.lmbda < 1`` (TRL GKD's on-policy fraction) some steps train on fixed data instead of
 rollouts: every training prompt then also carries a fixed continuation of up to ``opd.horizon_max``
-tokens (``FIXED_CONTINUATION`` in the schema says which for each kind; a continuation that ends
+tokens (``FIXED_CONTINUATION`` in config/opd_schema.py says which for each kind; a continuation that ends
 before the cap ends with EOS, as a rollout would), cut to the current horizon when it trains.
 Building them uses its own RNG, so the prompts are the same whatever ``lmbda`` is.
 
