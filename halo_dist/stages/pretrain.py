@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..config import PE_ROPE, ModelConfig, RunConfig, to_dict
+from ..config.coerce import ConfigError
 from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
 from ..train.engine import Trainer
 from ..train.metrics import flops_per_token
@@ -70,8 +71,8 @@ def check_mixers_available(types: list[str]) -> None:
     missing = sorted(set(types) - set(MIXER_CLASSES))
     if missing:
         key = "model.arch=swan (mixer 'swa')" if missing == ["swa"] else f"model.rnn_mixer={'/'.join(missing)}"
-        raise ValueError(f"{key}: no implementation of mixer {', '.join(map(repr, missing))} in this checkout "
-                         f"(HypeNet mixers available: {', '.join(MIXER_CLASSES)})")
+        raise ConfigError(f"{key}: no implementation of mixer {', '.join(map(repr, missing))} in this checkout "
+                          f"(HypeNet mixers available: {', '.join(MIXER_CLASSES)})")
 
 
 def hypenet_kwargs(m: ModelConfig) -> dict:
@@ -210,8 +211,8 @@ class PretrainTrainer(Trainer):
         """model.scratch.tokenizer, if it loads: shards made with another tokenizer are refused."""
         tok = load_tokenizer(self.cfg)
         if tok is not None and len(tok) > self.cfg.model.scratch.vocab_size:
-            raise ValueError(f"model.scratch.vocab_size={self.cfg.model.scratch.vocab_size} is smaller than the "
-                             f"tokenizer's {len(tok)} tokens ({self.cfg.model.scratch.tokenizer})")
+            raise ConfigError(f"model.scratch.vocab_size={self.cfg.model.scratch.vocab_size} is smaller than the "
+                              f"tokenizer's {len(tok)} tokens ({self.cfg.model.scratch.tokenizer})")
         return tok
 
 
@@ -268,7 +269,7 @@ def describe_plan(cfg: RunConfig) -> str:
 
 def describe_size(cfg: RunConfig) -> str:
     """Parameters and training FLOPs of the variant, from a meta-device model (nothing allocated).
-    Raises ValueError for a mixer without implementation."""
+    Raises ConfigError (a ValueError) for a mixer without implementation."""
     config = pretrain_config(cfg.model)
     with torch.device("meta"):
         model = HypeNetForCausalLM(config)
@@ -287,7 +288,7 @@ def _check_flag(parser) -> None:
 
 def print_check(cfg: RunConfig, args) -> None:
     """``--check``: the resolved config and layout, the layer plan, then parameters and FLOPs (the last
-    builds the model on the meta device and raises ValueError for a mixer without implementation)."""
+    builds the model on the meta device and raises ConfigError for a mixer without implementation)."""
     from ..config import describe
 
     sys.stdout.write(describe(cfg, args.world_size) + describe_plan(cfg))

@@ -78,6 +78,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import fit_to_world
+from ..config.coerce import ConfigError
+from ..errors import IncompatibleInputError, MissingInputError
 from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
@@ -105,7 +107,7 @@ def load_tokenizer(cfg: RunConfig):
 
         return byte_tokenizer()
     if name is None and cfg.model.teacher == "random":
-        raise ValueError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for tiny tests)")
+        raise ConfigError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for tiny tests)")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name or cfg.model.teacher)
@@ -322,19 +324,19 @@ class OPDTrainer(Trainer):
         """Restore everything saved by :meth:`save`; ``rung``: a snapshot continued with a new schedule."""
         path = Path(path)
         if not (path / MARKER).exists():
-            raise FileNotFoundError(f"{path} is not a complete OPD checkpoint/snapshot (no {MARKER} marker)")
+            raise MissingInputError(f"{path} is not a complete OPD checkpoint/snapshot (no {MARKER} marker)")
         state = json.loads((path / TRAINER_STATE).read_text())
         if state.get("stage") != "opd":
-            raise ValueError(f"{path} is a {state.get('stage')} checkpoint, not an OPD one")
+            raise IncompatibleInputError(f"{path} is a {state.get('stage')} checkpoint, not an OPD one")
         saved = LRSchedule.from_state_dict(state["schedule"])
         if rung and not saved.is_pre_decay(state["step"]):
-            raise ValueError(f"{path} was taken at step {state['step']}, after its schedule's decay started "
+            raise IncompatibleInputError(f"{path} was taken at step {state['step']}, after its schedule's decay started "
                              f"(step {saved.decay_start}): only pre-decay snapshots can start a rung")
         self.schedule.check_resume(state["schedule"], state["step"])
         if state["world_size"] != self.world:
-            raise ValueError(f"{path} was written by {state['world_size']} ranks; this run has {self.world}")
+            raise IncompatibleInputError(f"{path} was written by {state['world_size']} ranks; this run has {self.world}")
         if state.get("backend", "torch") != self.cfg.opd.backend:
-            raise ValueError(f"{path} was written by opd.backend={state.get('backend', 'torch')}; this run has "
+            raise IncompatibleInputError(f"{path} was written by opd.backend={state.get('backend', 'torch')}; this run has "
                              f"opd.backend={self.cfg.opd.backend} (their checkpoint formats differ)")
         self.ckpt.load(self._checkpoint_engine(), path)  # student, optimizer, scheduler, this rank's RNG
         self._replica_step = None
