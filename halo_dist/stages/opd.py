@@ -47,6 +47,7 @@ from transformers import GenerationConfig
 from ..config.coerce import ConfigError
 from ..errors import IncompatibleInputError
 from ..losses import fused_distill_loss
+from .build import check_same_vocab
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,18 +383,20 @@ def check_tokenizers(teacher_tok, student_tok) -> None:
     a, b = tokenizer_fingerprint(teacher_tok), tokenizer_fingerprint(student_tok)
     if a["vocab"] != b["vocab"]:
         only_t = len(set(a["vocab"].items()) - set(b["vocab"].items()))
-        raise IncompatibleInputError(f"teacher and student tokenizers differ ({len(a['vocab'])} vs {len(b['vocab'])} tokens, "
-                         f"{only_t} teacher entries missing or re-numbered in the student's): on-policy "
-                         "distillation scores the student's tokens with the teacher, so both need one tokenizer")
+        raise IncompatibleInputError(
+            f"teacher and student tokenizers differ ({len(a['vocab'])} vs {len(b['vocab'])} tokens, {only_t} teacher "
+            "entries missing or re-numbered in the student's): on-policy distillation scores the student's tokens "
+            "with the teacher, so both need one tokenizer")
     if a["eos"] != b["eos"]:
         raise IncompatibleInputError(f"teacher EOS id {a['eos']} != student EOS id {b['eos']}")
 
 
 def check_vocab(student, teacher, tokenizer=None) -> None:
-    vs, vt = student.config.vocab_size, teacher.config.vocab_size
-    if vs != vt:
-        raise IncompatibleInputError(f"student vocabulary {vs} != teacher vocabulary {vt}: distillation needs one tokenizer")
+    """One vocabulary for both models, and a tokenizer whose ids fit it."""
+    check_same_vocab(student, teacher)
+    vs = student.config.vocab_size
     if tokenizer is not None:
         n = len(tokenizer)
         if n > vs:
-            raise IncompatibleInputError(f"the tokenizer has {n} tokens but the models' vocabulary is {vs}: wrong tokenizer")
+            raise IncompatibleInputError(f"the tokenizer has {n} tokens but the models' vocabulary is {vs}: "
+                                         "wrong tokenizer")
