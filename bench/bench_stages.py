@@ -177,7 +177,7 @@ def naive_stage2(a, shape: dict = QWEN3_1P7B, attn_layers=ATTN_2B, device: str =
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from halo_dist.models.convert import convert_model
-    from halo_dist.train.metrics import flops_per_token
+    from halo_dist.models.flops import flops_per_token
 
     dev = torch.device(device)
     cfg = Qwen3Config(**shape, attn_implementation="sdpa")

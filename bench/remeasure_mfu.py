@@ -23,7 +23,8 @@ from bench.bench_stages import PEAK  # noqa: E402
 from bench.common import ATTN_2B, SHAPE_2B  # noqa: E402
 from halo_dist.config.loader import load_config  # noqa: E402
 from halo_dist.data import build_loader  # noqa: E402
-from halo_dist.train.metrics import attended_context, attention_flops_coefficient, flops_per_token  # noqa: E402
+from halo_dist.models.flops import attention_flops_coefficient, flops_per_token  # noqa: E402
+from halo_dist.train.metrics import attended_context  # noqa: E402
 
 
 def param_counts(shape: dict, attn_layers: list[int]) -> tuple[float, float]:

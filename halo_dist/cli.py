@@ -10,6 +10,8 @@ import argparse
 import sys
 import time
 
+from .errors import HaloUserError
+
 EXAMPLES = {
     "convert": """examples:
   halo-dist convert --teacher Qwen/Qwen3-1.7B --attn-layers 2,3,6,8,9,21,25 --output out/hypenet-2b-init
@@ -27,7 +29,7 @@ EXAMPLES = {
 }
 
 
-class UserError(Exception):
+class UserError(HaloUserError):
     """A mistake in what the user asked for; printed as one line."""
 
 

@@ -1,6 +1,9 @@
-"""What every stage launcher does: parse the run config, check it is this launcher's stage, run.
+"""What every stage launcher does: parse the run config, check it is this launcher's stage, run it with
+the stage's row of ``train.registry``.
 
-User mistakes (config errors, missing files, data errors) end with one ``error:`` line and exit 2.
+User mistakes (:class:`~halo_dist.errors.HaloUserError`: config errors, missing files, data errors, ...)
+end with one ``error:`` line and exit 2; a stop signal checkpoints and exits 0; anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -8,18 +11,24 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from .errors import HaloUserError
 
-def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *, trainer_cls: type | None = None,
+
+def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
            extra_args: Callable | None = None, on_check: Callable | None = None) -> int:
-    """``trainer_cls``: a Trainer subclass for this stage; ``extra_args(parser)`` adds launcher flags;
-    ``on_check(cfg, args)`` runs instead of training when the launcher's ``--check`` flag is given."""
-    from .config import ConfigError, parse_run_args
-    from .data import DataError
-    from .models.convert import ConversionError
-    from .train.checkpoint import CheckpointWriteError
-    from .train.engine import NonFiniteLossError, StopRequested, run_stage
+    """``extra_args(parser)`` adds launcher flags; ``on_check(cfg, args)`` runs instead of training when
+    the launcher's ``--check`` flag is given."""
+    from .config import parse_run_args
+    from .train.engine import run_stage
+    from .train.registry import stage_spec
+    from .train.stopping import StopRequested
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        spec = stage_spec(stage)
+    except HaloUserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cfg, args = parse_run_args(argv, description=doc, prog=f"launchers/{stage}.py", extra_args=extra_args)
     if cfg.stage.name != stage:
         print(f"error: this is the {stage} launcher but the config says stage.name={cfg.stage.name}", file=sys.stderr)
@@ -28,12 +37,30 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
         if on_check is not None and getattr(args, "check", False):
             on_check(cfg, args)
             return 0
-        run_stage(cfg, argv=[f"launchers/{stage}.py", *argv], trainer_cls=trainer_cls)
+        run_stage(cfg, spec, argv=[f"launchers/{stage}.py", *argv])
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 0
-    except (CheckpointWriteError, ConfigError, DataError, ConversionError, FileNotFoundError, NonFiniteLossError,
-            ValueError) as e:
+    except HaloUserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def launch_pretrain(doc: str | None = None, argv: list[str] | None = None) -> int:
+    """``launchers/pretrain.py``: parse, [--check: print the plan, exit], run."""
+    from .stages.pretrain import check_flag, print_check
+
+    return launch("pretrain", doc, argv, extra_args=check_flag, on_check=print_check)
+
+
+def launch_opd(doc: str | None = None, argv: list[str] | None = None) -> int:
+    """``launchers/opd.py``: :func:`launch` for stage opd, then the process group is torn down (the OPD
+    trainer creates its own when none exists)."""
+    import torch.distributed as dist
+
+    try:
+        return launch("opd", doc, argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

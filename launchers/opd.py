@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from halo_dist.stages.opd_launch import launch_opd  # noqa: E402
+from halo_dist.launch import launch_opd  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(launch_opd(__doc__))

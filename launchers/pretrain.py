@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from halo_dist.stages.pretrain import launch_pretrain  # noqa: E402
+from halo_dist.launch import launch_pretrain  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(launch_pretrain(__doc__))

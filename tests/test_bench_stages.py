@@ -11,7 +11,7 @@ from data_fixtures import run_prep
 
 from halo_dist.models.hypenet import HypeNetConfig
 from halo_dist.train.engine import Trainer
-from halo_dist.train.metrics import attention_flops_coefficient, flops_per_token
+from halo_dist.models.flops import attention_flops_coefficient, flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,8 @@ def test_remeasure_mfu_replays_the_steps_rows_with_attended_keys(shards, tmp_pat
     from bench.remeasure_mfu import main as remeasure
     from bench.remeasure_mfu import param_counts
     from halo_dist.data import build_loader
-    from halo_dist.train.metrics import attended_context, attention_flops_coefficient
+    from halo_dist.models.flops import attention_flops_coefficient
+    from halo_dist.train.metrics import attended_context
 
     metrics = tmp_path / "metrics.jsonl"  # log_every 2: records at steps 2 and 4
     metrics.write_text("".join(json.dumps({"step": s, "perf/tokens_per_s": 1000.0 * s}) + "\n" for s in (2, 4)))

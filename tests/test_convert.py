@@ -172,10 +172,10 @@ def test_random_teacher_family_and_its_exact_hypenet(architecture):
 def _distilled_student_config(*overrides):
     """The student stage 2 builds from the tiny random teacher (the launcher's path), without stage-1 weights."""
     from halo_dist.config import load_config
-    from halo_dist.stages import build_stage_module
+    from halo_dist.stages import build_distill_module
 
     cfg = load_config("configs/tiny/stage2.yaml", ["model.stage1_weights=null", *overrides])
-    module, _ = build_stage_module(cfg)
+    module, _ = build_distill_module(cfg)
     return module.student.config.to_dict()
 
 
@@ -206,17 +206,18 @@ def test_stage1_weights_aligned_with_another_rnn_rope_are_refused(qwen3_folder, 
 def test_stage3_refuses_a_model_pe_that_its_student_init_folder_does_not_have(tmp_path, monkeypatch):
     """The folder's config.json decides the encoding; a disagreeing model.pe stops before the teacher loads."""
     import halo_dist.stages as stages
+    import halo_dist.stages.build as build
     from halo_dist.config import ConfigError, load_config
     from halo_dist.models.hypenet import HypeNetConfig
     from halo_dist.train.opd_loop import build_models
 
     HypeNetConfig(num_hidden_layers=2, mixer_types=["attention", "lightning"]).save_pretrained(tmp_path)  # hype
-    monkeypatch.setattr(stages, "load_hf_teacher", lambda m: pytest.fail("the teacher was loaded"))
+    monkeypatch.setattr(build, "load_hf_teacher", lambda m: pytest.fail("the teacher was loaded"))
     cfg = load_config("configs/tiny/stage3.yaml", [f"model.student_init={tmp_path}", "model.pe=all_rope"])
     with pytest.raises(ConfigError, match=r"model.pe: all_rope \(attn_rope=True, rnn_rope=True\) disagrees with "
                                           rf"model.student_init={tmp_path}, whose config.json has attn_rope=False, "
                                           r"rnn_rope=True \(pe hype\): set model.pe=null"):
-        stages.build_stage_module(cfg)
+        stages.build_distill_module(cfg)
     opd = load_config("configs/opd/tiny.yaml", [f"model.student_init={tmp_path}", "model.pe=all_nope"])
     monkeypatch.setattr("halo_dist.stages.teacher.load_hf_teacher", lambda m: pytest.fail("the teacher was loaded"))
     with pytest.raises(ConfigError, match="model.pe: all_nope .* disagrees with model.student_init"):

@@ -437,7 +437,6 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     from conftest import tiny_qwen3
 
     from halo_dist.models.convert import convert_model
-    from halo_dist.stages import _split_tokens
     from halo_dist.stages.distill import DistillModule
     from halo_dist.stages.teacher import as_exact_hypenet
 
@@ -467,7 +466,7 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     ref = (kl[inside].sum() + ce[~inside].sum()) / norm
     ref.backward()
     assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-9), (loss, ref)
-    assert count == int(inside.sum() + ((labels.flatten() != -100) & ~inside).sum()) == _split_tokens(P)(batch) == 22
+    assert count == int(inside.sum() + ((labels.flatten() != -100) & ~inside).sum()) == module.loss_tokens(batch) == 22
     assert torch.allclose(tracked.double(), ref.detach() * norm, rtol=1e-6)
     for n, p in student.named_parameters():
         if p.grad is not None:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from halo_dist.train.metrics import (MetricsLogger, check_tag, device_peak_flops, flops_per_token,
+from halo_dist.models.flops import flops_per_token
+from halo_dist.train.metrics import (MetricsLogger, check_tag, device_peak_flops,
                                      format_duration, format_progress, format_si, peak_flops_for,
                                      plot_loss_curves, read_metrics)
 

@@ -16,10 +16,11 @@ from data_fixtures import run_prep
 from test_engine import losses, run_launcher
 
 from halo_dist.config import load_config
+from halo_dist.launch import launch_pretrain
 from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES
-from halo_dist.stages import build_stage_module
-from halo_dist.stages.pretrain import (build_pretrain_model, hypenet_kwargs, launch_pretrain, param_groups,
-                                       train_flops_per_token, unique_numel)
+from halo_dist.stages.pretrain import (build_pretrain_model, hypenet_kwargs, param_groups, train_flops_per_token,
+                                       unique_numel)
+from halo_dist.train.registry import stage_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny"
@@ -105,8 +106,10 @@ def test_init_and_weight_decay_groups():
     assert torch.equal(weight["model.norm.weight"], torch.ones(256))
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
 
-    module, teacher = build_stage_module(cfg)  # the registered stage: CE module, no teacher
+    module, teacher = stage_spec(cfg.stage.name).build(cfg)  # the registered stage: CE module, no teacher
     assert teacher is None and module.objective == "ce"
+    batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": torch.tensor([[1, 2, -100, 3, -100]] * 2)}
+    assert module.loss_tokens(batch) == 6 and module.student_config is module.student.config  # labelled tokens
     decay, no_decay = param_groups(module, 0.1)
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     names = {id(p): n for n, p in module.named_parameters()}

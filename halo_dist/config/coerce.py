@@ -17,6 +17,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from ..errors import HaloUserError
+
 UNKNOWN_KEY = "unknown key"
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
@@ -25,7 +27,7 @@ _NONE = {"none", "null", "~"}
 _INT_SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
-class ConfigError(ValueError):
+class ConfigError(HaloUserError, ValueError):
     """One or more config problems, each a ``(dotted_key, message)`` pair."""
 
     def __init__(self, problems: list[tuple[str, str]] | str):

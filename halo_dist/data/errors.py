@@ -1,8 +1,10 @@
 """The one exception type of the data pipeline."""
 from __future__ import annotations
 
+from ..errors import HaloUserError
 
-class DataError(Exception):
+
+class DataError(HaloUserError):
     """Bad data input; the message names the offending file and, where known, the key.
 
     Attributes:

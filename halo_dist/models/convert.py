@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import HaloUserError
 from .hypenet import HypeNetConfig, HypeNetForCausalLM
 from .hypenet.configuration_hypenet import RNN_MIXERS
 from .hypenet.modeling_hypenet import MIXER_CLASSES
@@ -42,7 +43,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-class ConversionError(ValueError):
+class ConversionError(HaloUserError, ValueError):
     """A teacher, layer list or weights file that cannot be converted (message names the problem)."""
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import HaloUserError
 from .model_card import model_card
 
 if TYPE_CHECKING:  # the model classes import transformers: loaded when a model is built, not with this module
@@ -56,7 +57,7 @@ DONE_FILE = "DONE"  # written last: a folder holding it is complete
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "student.")
 
 
-class ExportError(ValueError):
+class ExportError(HaloUserError, ValueError):
     """Weights that cannot be exported (the message names the source and what is wrong)."""
 
 

@@ -15,13 +15,14 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from ..errors import HaloUserError
 from .export import AUTO_MAP, MODEL_FILES
 
 SOURCE = Path(__file__).parent / "hypenet"
 CONFIG_FILES = ("config.json", "tokenizer_config.json")
 
 
-class UntrustedCodeError(ValueError):
+class UntrustedCodeError(HaloUserError, ValueError):
     """A folder carries code that halo_dist did not write, and the user did not allow remote code."""
 
 

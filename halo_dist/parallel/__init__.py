@@ -6,7 +6,7 @@ DeepSpeed start-up. Model code never imports this package; mixers receive a
 (``DS_ACCELERATOR`` must be set before that happens).
 """
 
-from .apply import apply_sequence_parallel, remove_sequence_parallel
+from .apply import apply_sequence_parallel, apply_sequence_parallel_to_mixers, remove_sequence_parallel
 from .groups import LayoutError, ParallelLayout, ProcessGroups
 from .ulysses import (
     SequenceParallel,
@@ -24,6 +24,7 @@ __all__ = [
     "SequenceParallel",
     "SequenceParallelError",
     "apply_sequence_parallel",
+    "apply_sequence_parallel_to_mixers",
     "head_to_seq",
     "kv_replication_factor",
     "remove_sequence_parallel",

@@ -10,10 +10,13 @@ others wait in the collective).
 Head counts come from the mixers' integer attributes (``num_heads``, ``num_kv_heads``), never from
 parameter shapes, so this works on a ZeRO-3-partitioned model (whose parameters are empty) and on
 a DeepSpeed engine (``engine.module`` is walked like any module). No model import: any module with
-``.layers[i].mixer`` objects that have an ``apply_sp`` method is accepted.
+``.layers[i].mixer`` objects that have an ``apply_sp`` method is accepted, and so is a plain list of
+mixers (:func:`apply_sequence_parallel_to_mixers`).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from torch import nn
 
@@ -62,14 +65,26 @@ def apply_sequence_parallel(model: nn.Module, sp: SequenceParallel | None) -> nn
     """
     if sp is None or sp.world_size == 1:
         return remove_sequence_parallel(model)
-    mixers = _mixers(model)
+    _inject(_mixers(model), sp)
+    return model
+
+
+def apply_sequence_parallel_to_mixers(mixers: Sequence[nn.Module], sp: SequenceParallel) -> None:
+    """:func:`apply_sequence_parallel` for mixers that are not a model's layers (stage 1 trains them
+    alone), in layer order; the same check first, the same errors. ``sp`` must span more than one rank."""
+    if not mixers:
+        raise SequenceParallelError("no mixers to parallelise")
+    _inject([(getattr(m, "layer_idx", i), m) for i, m in enumerate(mixers)], sp)
+
+
+def _inject(mixers: list[tuple[int, nn.Module]], sp: SequenceParallel) -> None:
+    """Check every ``(layer index, mixer)`` for ``sp.world_size``, then ``mixer.apply_sp(sp)`` in each."""
     problems = [p for layer, m in mixers if (p := _check_mixer(layer, m, sp.world_size))]
     if problems:
         raise SequenceParallelError(f"cannot apply sequence parallelism of size {sp.world_size}:\n  "
                                     + "\n  ".join(problems))
     for _, mixer in mixers:
         mixer.apply_sp(sp)
-    return model
 
 
 def remove_sequence_parallel(model: nn.Module) -> nn.Module:

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..config.coerce import ConfigError
 from .groups import ProcessGroups
 from .safe_load import install_safe_loading
 
@@ -128,9 +129,9 @@ def sp_loss_factor(ds_config: dict, groups: ProcessGroups) -> int:
     if sp == 1 or zero_stage(ds_config) != 3:
         return 1
     if not ds_config.get("zero_optimization", {}).get("reduce_scatter", True):
-        raise ValueError("ZeRO-3 with sequence parallelism needs zero_optimization.reduce_scatter=true: "
-                         "with false, DeepSpeed 0.19.8 sums or averages gradients over SP ranks depending "
-                         "on bucket size")
+        raise ConfigError("ZeRO-3 with sequence parallelism needs zero_optimization.reduce_scatter=true: "
+                          "with false, DeepSpeed 0.19.8 sums or averages gradients over SP ranks depending "
+                          "on bucket size")
     return sp
 
 

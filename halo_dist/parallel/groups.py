@@ -48,8 +48,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ..errors import HaloUserError
 
-class LayoutError(ValueError):
+
+class LayoutError(HaloUserError, ValueError):
     """A parallel layout that cannot work (sizes not divisible, rank out of range, ...)."""
 
 

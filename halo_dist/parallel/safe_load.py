@@ -21,8 +21,10 @@ import re
 
 import torch
 
+from ..errors import HaloUserError
 
-class UnsafeCheckpointError(ValueError):
+
+class UnsafeCheckpointError(HaloUserError, ValueError):
     """A checkpoint file holds pickled objects beyond tensors and the allowed DeepSpeed types."""
 
 

@@ -28,8 +28,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import HaloUserError
 
-class SequenceParallelError(ValueError):
+
+class SequenceParallelError(HaloUserError, ValueError):
     """Shapes that cannot be split across the sequence-parallel ranks."""
 
 

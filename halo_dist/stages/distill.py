@@ -18,7 +18,8 @@ from ..models.hypenet import HypeNetForCausalLM
 
 
 class DistillModule(nn.Module):
-    """Student + loss in one module, so DeepSpeed sees one forward (and ZeRO-3 gathers the lm_head)."""
+    """Student + loss in one module, so DeepSpeed sees one forward (and ZeRO-3 gathers the lm_head).
+    A :class:`~halo_dist.stages.protocol.StageModule` of stages 2, 3 and pretrain."""
 
     def __init__(self, student: HypeNetForCausalLM, teacher: HypeNetForCausalLM | None, objective: str = "kl",
                  temperature: float = 1.0, ce_weight: float = 0.0, chunk_size: int | None = None,
@@ -34,6 +35,24 @@ class DistillModule(nn.Module):
     @property
     def teacher(self):
         return self._teacher[0]
+
+    @property
+    def student_config(self):
+        return self.student.config
+
+    def sp_mixers(self) -> list[nn.Module]:
+        """Every decoder layer's mixer, in layer order."""
+        return [layer.mixer for layer in self.student.model.layers]
+
+    def loss_tokens(self, batch: dict) -> int:
+        """Tokens the loss averages over: the labelled ones for CE; with ``kl_max_position`` the KL tokens
+        before it and the labelled ones from it on; else (KL) every token."""
+        if self.objective == "ce":
+            return int((batch["labels"] != -100).sum())
+        if self.kl_max_position:
+            inside = batch["position_ids"] < self.kl_max_position
+            return int(inside.sum() + ((batch["labels"] != -100) & ~inside).sum())
+        return int(batch["input_ids"].numel())
 
     def enable_zero3(self) -> None:
         """The loss reads ``lm_head.weight`` outside lm_head's own forward: tell ZeRO-3 to gather it."""

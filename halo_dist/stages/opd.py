@@ -44,7 +44,10 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from ..config.coerce import ConfigError
+from ..errors import IncompatibleInputError
 from ..losses import fused_distill_loss
+from .build import check_same_vocab
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,7 +367,7 @@ def parameter_groups(student, *, lr: float, rnn_lr=None, attn_lr=None, other_lr=
             groups[kind].append(p)
     out = [{"params": ps, "lr": lrs[k], "name": k} for k, ps in groups.items() if ps]
     if not out:
-        raise ValueError("every parameter group is frozen (train_attention false and rnn_lr/other_lr 0)")
+        raise ConfigError("every parameter group is frozen (opd.train_attention false and opd.rnn_lr/other_lr 0)")
     return out
 
 
@@ -380,18 +383,20 @@ def check_tokenizers(teacher_tok, student_tok) -> None:
     a, b = tokenizer_fingerprint(teacher_tok), tokenizer_fingerprint(student_tok)
     if a["vocab"] != b["vocab"]:
         only_t = len(set(a["vocab"].items()) - set(b["vocab"].items()))
-        raise ValueError(f"teacher and student tokenizers differ ({len(a['vocab'])} vs {len(b['vocab'])} tokens, "
-                         f"{only_t} teacher entries missing or re-numbered in the student's): on-policy "
-                         "distillation scores the student's tokens with the teacher, so both need one tokenizer")
+        raise IncompatibleInputError(
+            f"teacher and student tokenizers differ ({len(a['vocab'])} vs {len(b['vocab'])} tokens, {only_t} teacher "
+            "entries missing or re-numbered in the student's): on-policy distillation scores the student's tokens "
+            "with the teacher, so both need one tokenizer")
     if a["eos"] != b["eos"]:
-        raise ValueError(f"teacher EOS id {a['eos']} != student EOS id {b['eos']}")
+        raise IncompatibleInputError(f"teacher EOS id {a['eos']} != student EOS id {b['eos']}")
 
 
 def check_vocab(student, teacher, tokenizer=None) -> None:
-    vs, vt = student.config.vocab_size, teacher.config.vocab_size
-    if vs != vt:
-        raise ValueError(f"student vocabulary {vs} != teacher vocabulary {vt}: distillation needs one tokenizer")
+    """One vocabulary for both models, and a tokenizer whose ids fit it."""
+    check_same_vocab(student, teacher)
+    vs = student.config.vocab_size
     if tokenizer is not None:
         n = len(tokenizer)
         if n > vs:
-            raise ValueError(f"the tokenizer has {n} tokens but the models' vocabulary is {vs}: wrong tokenizer")
+            raise IncompatibleInputError(f"the tokenizer has {n} tokens but the models' vocabulary is {vs}: "
+                                         "wrong tokenizer")

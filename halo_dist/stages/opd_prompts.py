@@ -31,8 +31,10 @@ from pathlib import Path
 
 from ..config.schema import OPDConfig, PromptSetConfig
 
+from ..errors import HaloUserError
 
-class PromptError(ValueError):
+
+class PromptError(HaloUserError, ValueError):
     """A prompt set that cannot be used (message names the set and the problem)."""
 
 

@@ -15,8 +15,9 @@ Logits scaling (model.logits_scaling_a) applies to the full-attention layers as 
 What is reused: the loop, checkpoints, exact resume, metrics and DeepSpeed set-up are the engine's
 (``halo_dist.train.engine.Trainer``); the loss is the fused chunked CE of ``halo_dist.losses`` via
 ``DistillModule(objective="ce", teacher=None)``, which never materialises ``[tokens x vocab]``
-logits. :class:`PretrainTrainer` changes only what from-scratch training needs: parameter groups
-(weight decay on matrices only), model FLOPs with attention terms for MFU, the tokenizer check.
+logits. ``halo_dist.train.pretrain_trainer.PretrainTrainer`` changes only what from-scratch training needs:
+parameter groups (weight decay on matrices only), model FLOPs with attention terms for MFU, the tokenizer
+check.
 
 Initialisation (GPT-2 / Megatron practice): embeddings and every linear weight ~ N(0, σ²) with
 σ = model.scratch.init_std (0.02), the residual-branch output projections (mixer ``o_proj``, MLP
@@ -42,9 +43,9 @@ import torch
 from torch import nn
 
 from ..config import PE_ROPE, ModelConfig, RunConfig, to_dict
+from ..config.coerce import ConfigError
+from ..models.flops import flops_per_token
 from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
-from ..train.engine import Trainer
-from ..train.metrics import flops_per_token
 from .distill import DistillModule
 
 DEFAULT_SLIDING_WINDOW = 512  # SWAN-GPT's window (paper Table 13)
@@ -70,8 +71,8 @@ def check_mixers_available(types: list[str]) -> None:
     missing = sorted(set(types) - set(MIXER_CLASSES))
     if missing:
         key = "model.arch=swan (mixer 'swa')" if missing == ["swa"] else f"model.rnn_mixer={'/'.join(missing)}"
-        raise ValueError(f"{key}: no implementation of mixer {', '.join(map(repr, missing))} in this checkout "
-                         f"(HypeNet mixers available: {', '.join(MIXER_CLASSES)})")
+        raise ConfigError(f"{key}: no implementation of mixer {', '.join(map(repr, missing))} in this checkout "
+                          f"(HypeNet mixers available: {', '.join(MIXER_CLASSES)})")
 
 
 def hypenet_kwargs(m: ModelConfig) -> dict:
@@ -133,12 +134,9 @@ def build_pretrain_model(cfg: RunConfig) -> HypeNetForCausalLM:
 
 
 def build_pretrain_module(cfg: RunConfig):
-    """``(DistillModule with the CE objective and no teacher, None)`` for the engine."""
+    """``(DistillModule with the CE objective and no teacher, None)``: stage pretrain's build."""
     model = build_pretrain_model(cfg)
-    module = DistillModule(model, None, objective="ce", chunk_size=cfg.loss.chunk_size)
-    module.loss_tokens = lambda batch: int((batch["labels"] != -100).sum())
-    module.student_model = lambda: module.student
-    return module, None
+    return DistillModule(model, None, objective="ce", chunk_size=cfg.loss.chunk_size), None
 
 
 # ---------------------------------------------------------------------------------------- optimizer
@@ -182,39 +180,7 @@ def unique_numel(module: nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
 
 
-# ---------------------------------------------------------------------------------------- trainer
-class PretrainTrainer(Trainer):
-    """The engine's Trainer with the three from-scratch differences (module docstring)."""
-
-    def _optimizer(self):
-        from ..train.schedules import LRSchedule, make_lr_scheduler
-
-        o = self.cfg.optim
-        groups = param_groups(self.module, o.weight_decay)
-        fused = self.device.type == "cuda"
-        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                fused=fused or None, foreach=None if fused else True)
-        self.schedule = LRSchedule.from_config(self.cfg)
-        return opt, make_lr_scheduler(opt, self.schedule)
-
-    def _start_metrics(self) -> None:
-        super()._start_metrics()
-        student = self.module.student_model()
-        # Per trained token, not divided by the world size: MetricsLogger already divides tokens/s.
-        # full attention is counted per attended key of each batch's documents by the Trainer (its
-        # attn_flops_per_key covers the student's attention layers): 0 keys here
-        self.metrics.flops_per_token = train_flops_per_token(student.config, unique_numel(student),
-                                                             self.cfg.data.seq_len, full_attention_keys=0)
-
-    def _tokenizer_for_check(self):
-        """model.scratch.tokenizer, if it loads: shards made with another tokenizer are refused."""
-        tok = load_tokenizer(self.cfg)
-        if tok is not None and len(tok) > self.cfg.model.scratch.vocab_size:
-            raise ValueError(f"model.scratch.vocab_size={self.cfg.model.scratch.vocab_size} is smaller than the "
-                             f"tokenizer's {len(tok)} tokens ({self.cfg.model.scratch.tokenizer})")
-        return tok
-
-
+# ---------------------------------------------------------------------------------------- tokenizer, output
 def load_tokenizer(cfg: RunConfig):
     """The configured tokenizer, or None (not set, or not loadable here: a warning, no failure)."""
     name = cfg.model.scratch.tokenizer
@@ -230,6 +196,15 @@ def load_tokenizer(cfg: RunConfig):
         return None
 
 
+def checked_tokenizer(cfg: RunConfig):
+    """model.scratch.tokenizer, if it loads, refused when the model cannot embed its ids."""
+    tok = load_tokenizer(cfg)
+    if tok is not None and len(tok) > cfg.model.scratch.vocab_size:
+        raise ConfigError(f"model.scratch.vocab_size={cfg.model.scratch.vocab_size} is smaller than the "
+                          f"tokenizer's {len(tok)} tokens ({cfg.model.scratch.tokenizer})")
+    return tok
+
+
 def write_pretrain_output(trainer, folder: Path) -> Path | None:
     """An HF HypeNet folder (+ tokenizer) under ``folder``. Rank 0 writes; all ranks call.
 
@@ -237,7 +212,7 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
     (``logits_scaling_in_training=false``: the reference code's inference-only scaling).
     """
     from ..models.export import write_hf_folder
-    from . import gathered_state_dict, run_record
+    from .output import gathered_state_dict, run_record
 
     state = gathered_state_dict(trainer)
     if trainer.rank != 0:
@@ -253,7 +228,7 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
     return write_hf_folder(state, config, folder, tokenizer=tokenizer, record=record, run_config=to_dict(cfg))
 
 
-# ---------------------------------------------------------------------------------------- launcher
+# ---------------------------------------------------------------------------------------- --check
 def describe_plan(cfg: RunConfig) -> str:
     """The layer plan and position encodings of the variant (no model needed)."""
     kw = hypenet_kwargs(cfg.model)
@@ -268,7 +243,7 @@ def describe_plan(cfg: RunConfig) -> str:
 
 def describe_size(cfg: RunConfig) -> str:
     """Parameters and training FLOPs of the variant, from a meta-device model (nothing allocated).
-    Raises ValueError for a mixer without implementation."""
+    Raises ConfigError (a ValueError) for a mixer without implementation."""
     config = pretrain_config(cfg.model)
     with torch.device("meta"):
         model = HypeNetForCausalLM(config)
@@ -279,7 +254,7 @@ def describe_size(cfg: RunConfig) -> str:
             f"whole run {fpt * cfg.tokens_per_step * cfg.total_steps:.3g}\n")
 
 
-def _check_flag(parser) -> None:
+def check_flag(parser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="validate the config and the variant (mixers implemented, layout with --world-size), "
                              "print the resolved config, layer plan, parameters and FLOPs; allocate nothing")
@@ -287,16 +262,9 @@ def _check_flag(parser) -> None:
 
 def print_check(cfg: RunConfig, args) -> None:
     """``--check``: the resolved config and layout, the layer plan, then parameters and FLOPs (the last
-    builds the model on the meta device and raises ValueError for a mixer without implementation)."""
+    builds the model on the meta device and raises ConfigError for a mixer without implementation)."""
     from ..config import describe
 
     sys.stdout.write(describe(cfg, args.world_size) + describe_plan(cfg))
     sys.stdout.flush()
     sys.stdout.write(describe_size(cfg))
-
-
-def launch_pretrain(doc: str | None = None, argv: list[str] | None = None) -> int:
-    """``launchers/pretrain.py``: parse, [--check: print the plan, exit], run. User errors: one line, exit 2."""
-    from ..launch import launch
-
-    return launch("pretrain", doc, argv, trainer_cls=PretrainTrainer, extra_args=_check_flag, on_check=print_check)

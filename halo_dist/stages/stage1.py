@@ -50,7 +50,8 @@ class TeacherTaps:
 
 
 class Stage1Aligner(nn.Module):
-    """The trainable part of stage 1: one RNN mixer per teacher layer, initialised by weight transfer."""
+    """The trainable part of stage 1: one RNN mixer per teacher layer, initialised by weight transfer.
+    A :class:`~halo_dist.stages.protocol.StageModule`; ``student_config`` is the all-RNN student's config."""
 
     def __init__(self, hf_teacher, teacher: HypeNetForCausalLM, **student_overrides):
         super().__init__()
@@ -64,6 +65,14 @@ class Stage1Aligner(nn.Module):
     @property
     def teacher(self) -> HypeNetForCausalLM:
         return self._teacher[0]
+
+    def loss_tokens(self, batch: dict) -> int:
+        """Every input token: each one's MSE counts, summed over layers."""
+        return int(batch["input_ids"].numel())
+
+    def sp_mixers(self) -> list[nn.Module]:
+        """The RNN mixers (all layers): sequence parallelism is injected into them directly."""
+        return list(self.mixers)
 
     def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, normalizer: float = 1.0,
                 evaluate: bool = False, **unused):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import HaloUserError
 from ..parallel.safe_load import forced_weights_only, safe_load
 
 MARKER = "COMPLETE"
@@ -91,7 +92,7 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(HaloUserError, RuntimeError):
     """A checkpoint could not be written (too little space, or the write failed); the previous one is intact."""
 
 

@@ -67,13 +67,13 @@ def run_tokenizer(ckpt: Path):
     """The tokenizer the stage puts into its own final folder (the initial student's, else the teacher's),
     read through the checkpoint's config; None for a random teacher or one that no longer loads here."""
     from ..config import ConfigError, load_resolved
-    from ..stages import _teacher_tokenizer
+    from ..stages import teacher_tokenizer
 
     try:
         cfg = load_resolved(ckpt / "config.yaml")
     except (ConfigError, OSError, ValueError):
         return None
-    return _teacher_tokenizer(cfg)
+    return teacher_tokenizer(cfg)
 
 
 def cmd_export(args) -> int:

@@ -40,11 +40,12 @@ import torch.distributed as dist
 
 from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, save_resolved
 from ..data import build_loader
+from ..models.flops import attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
+from ..stages.protocol import StageModule, StageSpec
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
-from .metrics import (ATTENDED, MetricsLogger, attended_context, attention_flops_coefficient, check_wandb,
-                      flops_per_token, run_hparams)
+from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb, run_hparams
 from .profiling import StepProfiler
 from .schedules import LRSchedule, make_lr_scheduler
 from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested, nonfinite_agreed  # noqa: F401
@@ -137,8 +138,9 @@ def local_device() -> torch.device:
 class Trainer(StopControl):
     """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
 
-    def __init__(self, cfg: RunConfig, argv: list[str] | None = None):
-        self.cfg, self.argv = cfg, argv
+    def __init__(self, cfg: RunConfig, argv: list[str] | None = None, *, stage: StageSpec | None = None):
+        """``stage``: the stage's row of ``train.registry`` (its build and output); ``run_stage`` passes it."""
+        self.cfg, self.argv, self.stage = cfg, argv, stage
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
@@ -252,10 +254,10 @@ class Trainer(StopControl):
                             f"only {vocab:,} (ids >= {vocab:,} would fail at step 1): tokenize with the teacher's "
                             f"tokenizer or fix the model's vocab_size", manifest.path, "tokenizer.vocab_size")
 
-    def _build_stage(self):
-        from ..stages import build_stage_module
-
-        module, teacher = build_stage_module(self.cfg)
+    def _build_stage(self) -> tuple[StageModule, torch.nn.Module | None]:
+        if self.stage is None or self.stage.build is None:
+            raise TypeError(f"{type(self).__name__} needs a StageSpec with a build function (train.registry)")
+        module, teacher = self.stage.build(self.cfg)
         module.to(self.device, self.dtype)
         if teacher is not None:
             teacher.to(self.device, self.dtype)
@@ -276,12 +278,12 @@ class Trainer(StopControl):
     def _apply_sequence_parallel(self) -> None:
         if self.cfg.parallel.sp_size == 1:
             return
-        from ..parallel.apply import apply_sequence_parallel
+        from ..parallel.apply import apply_sequence_parallel, apply_sequence_parallel_to_mixers
 
         sp = SequenceParallel(self.groups.sp_group)
-        for model in (self.module.student_model(), self.teacher):
-            if model is not None:
-                apply_sequence_parallel(model, sp)
+        apply_sequence_parallel_to_mixers(self.module.sp_mixers(), sp)
+        if self.teacher is not None:
+            apply_sequence_parallel(self.teacher, sp)
 
     def _optimizer(self):
         o = self.cfg.optim
@@ -369,7 +371,7 @@ class Trainer(StopControl):
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": loader_state or self.loader.state_dict(),
                  "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout),
                  "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher, "teacher_files": self.teacher_files,
-                 "student_config": self.module.student_model().config.to_dict(),
+                 "student_config": self.module.student_config.to_dict(),
                  "nonfinite": self.nonfinite.state_dict()}
         cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
         return self.ckpt.save(self.engine, self.step, state, cfg_text)
@@ -489,9 +491,7 @@ class Trainer(StopControl):
     # ------------------------------------------------------------------------------ outputs
     def finish(self) -> Path | None:
         """Write the stage's output under ``<run_dir>/final`` (rank 0) and close the metrics."""
-        from ..stages import write_stage_output
-
-        out = write_stage_output(self, Path(self.cfg.logging.run_dir) / "final")
+        out = self.stage.write_output(self, Path(self.cfg.logging.run_dir) / "final")
         self.metrics.close()
         return out
 
@@ -507,13 +507,11 @@ def record_run_start(cfg: RunConfig, layout, metrics: MetricsLogger, rank: int, 
     print(layout.describe(), flush=True)
 
 
-def run_stage(cfg: RunConfig, argv: list[str] | None = None, trainer_cls: type | None = None,
-              **trainer_kwargs) -> Path | None:
-    """Entry point of every stage launcher: build, train, write the output, always clean up.
-    ``trainer_cls``: the stage's trainer (pretrain's and OPD's; default Trainer), built with
-    ``(cfg, argv, **trainer_kwargs)``."""
+def run_stage(cfg: RunConfig, stage: StageSpec, argv: list[str] | None = None, **trainer_kwargs) -> Path | None:
+    """Entry point of every stage launcher: build, train, write the output, always clean up. ``stage``: the
+    stage's row of ``train.registry``; its trainer is built with ``(cfg, argv, stage=stage, **trainer_kwargs)``."""
     start = time.time()
-    trainer = (trainer_cls or Trainer)(cfg, argv, **trainer_kwargs)
+    trainer = stage.trainer_cls(cfg, argv, stage=stage, **trainer_kwargs)
     try:
         trainer.setup()
         t0 = time.time()

@@ -78,6 +78,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import fit_to_world
+from ..config.coerce import ConfigError
+from ..errors import IncompatibleInputError, MissingInputError
 from ..config.schema import RunConfig
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, check_tokenizers, check_vocab,
                           on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
@@ -87,7 +89,8 @@ from .resume_check import check_same_run
 from .stopping import NonFiniteLossError, StopRequested  # noqa: F401
 from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, PlainEngine, latest_checkpoint, rank_file
 from ..parallel.safe_load import safe_load
-from .metrics import MetricsLogger, check_wandb, flops_per_token
+from ..models.flops import flops_per_token
+from .metrics import MetricsLogger, check_wandb
 from .teacher_identity import run_teacher_digests
 from .schedules import LRSchedule
 
@@ -105,7 +108,7 @@ def load_tokenizer(cfg: RunConfig):
 
         return byte_tokenizer()
     if name is None and cfg.model.teacher == "random":
-        raise ValueError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for tiny tests)")
+        raise ConfigError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for tiny tests)")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name or cfg.model.teacher)
@@ -171,10 +174,11 @@ class OPDTrainer(Trainer):
     it. What differs from the distillation Trainer: the setup, a step (rollouts, then the update,
     :meth:`train_step`), the held-out evaluation, the checkpoint contents and the final export."""
 
-    def __init__(self, cfg: RunConfig, argv=None, *, hf_teacher=None, student=None, tokenizer=None, prompt_sets=None):
+    def __init__(self, cfg: RunConfig, argv=None, *, stage=None, hf_teacher=None, student=None, tokenizer=None,
+                 prompt_sets=None):
         if cfg.opd is None:
             raise ValueError("the OPD trainer needs an opd: section (stage.name: opd)")
-        super().__init__(cfg, argv)
+        super().__init__(cfg, argv, stage=stage)
         self.ds = cfg.opd.backend == "deepspeed"
         self._inject = dict(hf_teacher=hf_teacher, student=student, tokenizer=tokenizer)
         self._prebuilt = prompt_sets
@@ -322,20 +326,21 @@ class OPDTrainer(Trainer):
         """Restore everything saved by :meth:`save`; ``rung``: a snapshot continued with a new schedule."""
         path = Path(path)
         if not (path / MARKER).exists():
-            raise FileNotFoundError(f"{path} is not a complete OPD checkpoint/snapshot (no {MARKER} marker)")
+            raise MissingInputError(f"{path} is not a complete OPD checkpoint/snapshot (no {MARKER} marker)")
         state = json.loads((path / TRAINER_STATE).read_text())
         if state.get("stage") != "opd":
-            raise ValueError(f"{path} is a {state.get('stage')} checkpoint, not an OPD one")
+            raise IncompatibleInputError(f"{path} is a {state.get('stage')} checkpoint, not an OPD one")
         saved = LRSchedule.from_state_dict(state["schedule"])
         if rung and not saved.is_pre_decay(state["step"]):
-            raise ValueError(f"{path} was taken at step {state['step']}, after its schedule's decay started "
-                             f"(step {saved.decay_start}): only pre-decay snapshots can start a rung")
+            raise IncompatibleInputError(f"{path} was taken at step {state['step']}, after its schedule's decay "
+                                         f"started (step {saved.decay_start}): only pre-decay snapshots can start a rung")
         self.schedule.check_resume(state["schedule"], state["step"])
         if state["world_size"] != self.world:
-            raise ValueError(f"{path} was written by {state['world_size']} ranks; this run has {self.world}")
+            raise IncompatibleInputError(f"{path} was written by {state['world_size']} ranks; this run has "
+                                         f"{self.world}")
         if state.get("backend", "torch") != self.cfg.opd.backend:
-            raise ValueError(f"{path} was written by opd.backend={state.get('backend', 'torch')}; this run has "
-                             f"opd.backend={self.cfg.opd.backend} (their checkpoint formats differ)")
+            raise IncompatibleInputError(f"{path} was written by opd.backend={state.get('backend', 'torch')}; this "
+                                         f"run has opd.backend={self.cfg.opd.backend} (their checkpoint formats differ)")
         self.ckpt.load(self._checkpoint_engine(), path)  # student, optimizer, scheduler, this rank's RNG
         self._replica_step = None
         local = safe_load(rank_file(path, self.rank))  # tensors and plain values only

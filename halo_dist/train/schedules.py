@@ -28,6 +28,8 @@ from typing import Any, Optional
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from ..errors import IncompatibleInputError
+
 KINDS = ("cosine", "constant", "wsd", "linear")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
@@ -133,7 +135,7 @@ class LRSchedule:
             return
         for s in range(step + 1):
             if not math.isclose(old.lr_at(s), self.lr_at(s), rel_tol=1e-9, abs_tol=0.0):
-                raise ValueError(
+                raise IncompatibleInputError(
                     f"cannot resume at step {step}: the new LR schedule differs from the "
                     f"checkpoint's at step {s} ({self.lr_at(s):.3e} vs {old.lr_at(s):.3e}). "
                     f"Only the same schedule, or a longer WSD run resumed from a pre-decay "

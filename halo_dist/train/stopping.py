@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..errors import HaloUserError
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -24,8 +26,9 @@ class StopRequested(Exception):
     """A signal asked the run to stop; raised after the checkpoint was written."""
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN/inf; the last good state was checkpointed before raising."""
+class NonFiniteLossError(HaloUserError, RuntimeError):
+    """The loss became NaN/inf; the last good state was checkpointed before raising. A user-facing stop
+    (the message says what to change before resuming), not a bug."""
 
 
 class NonFinitePolicy:
