@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import ATTN_2B, RESULTS, SHAPE_2B, print_table, write_result  # noqa: E402
+from bench.common import ATTN_2B, SHAPE_2B, print_table, write_result  # noqa: E402
 
 PEAK = 779e12
 

@@ -1,7 +1,6 @@
 """Conversion: real offline teacher (issue 2, 4f), stage-1 weights, bad input, CLI."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ from conftest import assert_left_padded_generate_matches_alone, tiny_qwen3
 from halo_dist.models import hypenet as hypenet_package
 from halo_dist.models.convert import convert_model
 from halo_dist.models.export import MODEL_FILES, export_hypenet
-from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
+from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig
 
 EXACT = dict(attn_rope=True, attn_logits_scale_base=None)
 
