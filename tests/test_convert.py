@@ -208,7 +208,7 @@ def test_stage3_refuses_a_model_pe_that_its_student_init_folder_does_not_have(tm
     import halo_dist.stages.build as build
     from halo_dist.config import ConfigError, load_config
     from halo_dist.models.hypenet import HypeNetConfig
-    from halo_dist.train.opd_loop import build_models
+    from halo_dist.stages.opd_build import build_models
 
     HypeNetConfig(num_hidden_layers=2, mixer_types=["attention", "lightning"]).save_pretrained(tmp_path)  # hype
     monkeypatch.setattr(build, "load_hf_teacher", lambda m: pytest.fail("the teacher was loaded"))

@@ -226,7 +226,7 @@ def test_curriculum_switches_sets_in_by_horizon_and_step(tmp_path):
 def _dp_grads(batches, world):
     import torch.distributed as dist
 
-    from halo_dist.train.opd_loop import allreduce_mean_grads
+    from halo_dist.parallel.grads import allreduce_mean_grads
 
     torch.set_num_threads(1)
     _, student, teacher = models()
