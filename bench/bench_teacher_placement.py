@@ -219,7 +219,7 @@ def run_placement(placement: str, cfg, a, groups: ProcessGroups, device, dtype, 
 def main(argv=None) -> None:
     a = parse_args(argv)
     if "RANK" not in os.environ:  # plain `python bench/...`: a 1-rank job
-        from halo_dist.train.engine import ensure_distributed_env
+        from halo_dist.parallel.env import ensure_distributed_env
 
         ensure_distributed_env()
     init_distributed(cpu=a.cpu_smoke)

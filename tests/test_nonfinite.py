@@ -108,7 +108,7 @@ def test_opd_skip_drops_the_step(tmp_path):
 
 
 def test_opd_too_many_skips_stop_with_a_checkpoint(tmp_path):
-    from halo_dist.train.opd_loop import NonFiniteLossError
+    from halo_dist.train.stopping import NonFiniteLossError
 
     t, weights = _opd(tmp_path, "optim.nonfinite=skip", "optim.max_skipped_steps=1", nan_steps=(2, 3))
     with pytest.raises(NonFiniteLossError, match="2 non-finite steps in a row exceed optim.max_skipped_steps=1"):

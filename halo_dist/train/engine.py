@@ -11,27 +11,13 @@ token sum divided by ``N / (grad_accum * D)``, D being the number of ranks DeepS
 gradients over (dp, times sp under ZeRO-3; see parallel/deepspeed_setup.py). The resulting gradient
 is exactly that of the global token mean.
 
-Non-finite losses (``optim.nonfinite``, :class:`NonFinitePolicy`): every micro-batch's loss is checked
-before its backward and the ranks agree (one all-reduce of a flag), so every rank takes the same
-branch. ``stop`` checkpoints the last good state and raises :class:`NonFiniteLossError`. ``skip``
-drops the whole optimizer step: the flagged micro-batch (and the rest of the step) is back-propagated
-with a NaN-poisoned loss, so DeepSpeed's own overflow path (the fp16 loss-scaler machinery; in 0.19.8
-ZeRO-1/2/3 and the bf16 optimizer treat a non-finite global gradient norm as an overflow) clears every
-gradient buffer and applies no update; the plain torch optimizer that ZeRO stage 0 in fp32 uses has
-no such path, so its ``step`` is a no-op during that boundary ``engine.step()`` (DeepSpeed's own
-clipping, gradient reset and bookkeeping still run). A skipped step still counts as a step: the batch is
-consumed, ``step`` and the LR schedule advance (the LR stays a function of the step, so WSD snapshots,
-rungs and resume checks keep their meaning), Adam's moments and step count do not.
-More than ``optim.max_skipped_steps`` consecutive skips stop the run like ``stop``.
+Non-finite losses (``optim.nonfinite``): ``train/stopping.py`` says how a step is stopped or skipped.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
-from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,15 +28,15 @@ from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, s
 from ..data import build_loader
 from ..models.flops import attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
+from ..parallel.env import ensure_distributed_env, local_device
 from ..stages.protocol import StageModule, StageSpec
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
 from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb, run_hparams
 from .profiling import StepProfiler
 from .schedules import LRSchedule, make_lr_scheduler
-from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, StopRequested, nonfinite_agreed  # noqa: F401
+from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step, finish_skipped_step
 from .teacher_identity import run_teacher_digests
-
 
 StepHook = Callable[[Any, int], None]
 """``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just taken) and
@@ -66,73 +52,6 @@ def run_loss_hooks(trainer, loss: torch.Tensor) -> torch.Tensor:
     for hook in trainer.loss_hooks:
         loss = hook(trainer, trainer.step + 1, loss)
     return loss
-
-
-def backward_and_step(engine, loss: torch.Tensor, drop: bool = False) -> None:
-    """``engine.backward(loss); engine.step()``; ``drop``: the micro-batch belongs to a skipped step.
-
-    Where DeepSpeed's optimizer has an overflow path the loss is poisoned with NaN (the boundary step
-    then drops every gradient buffer and applies nothing); a plain torch optimizer (ZeRO 0, fp32) has
-    its ``step`` replaced by a no-op for the boundary ``engine.step()`` instead, which DeepSpeed then
-    follows with its usual gradient reset and scheduler step (module doc). Every rank must pass the
-    same ``drop``: the backward is collective under ZeRO.
-    """
-    overflow_path = hasattr(engine.optimizer, "overflow")
-    if drop and overflow_path:
-        loss = loss * float("nan")
-    engine.backward(loss)
-    if drop and not overflow_path and engine.is_gradient_accumulation_boundary():
-        with _no_update(engine.optimizer):
-            engine.step()
-    else:
-        engine.step()
-
-
-@contextmanager
-def _no_update(optimizer):
-    """``optimizer.step()`` does nothing inside (parameters, moments and step counts untouched)."""
-    saved = optimizer.__dict__.get("step")
-    optimizer.step = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        if saved is None:
-            del optimizer.step
-        else:
-            optimizer.step = saved
-
-
-def finish_skipped_step(engine, scheduler) -> None:
-    """After the boundary ``engine.step()`` of a skipped step: check no update was applied and keep
-    the LR schedule a function of the step (DeepSpeed's overflow path does not step the scheduler;
-    the plain-optimizer path of :func:`backward_and_step` went through DeepSpeed's, which does)."""
-    if hasattr(engine.optimizer, "overflow"):
-        if engine.was_step_applied():
-            raise RuntimeError("DeepSpeed applied an update with non-finite gradients; refusing to continue")
-        if scheduler is not None:
-            scheduler.step()
-
-
-def _free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_distributed_env() -> None:
-    """Let a plain ``python launchers/stageN.py`` run as a 1-rank job (torchrun/deepspeed/srun set these)."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-
-
-def local_device() -> torch.device:
-    """This rank's GPU (``LOCAL_RANK``), made the current one; the CPU without GPUs."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    torch.cuda.set_device(device)
-    return device
 
 
 class Trainer(StopControl):

@@ -26,29 +26,28 @@ import torch
 import torch.distributed as dist
 
 from ..config import fit_to_world
-from ..errors import IncompatibleInputError, MissingInputError
 from ..config.schema import RunConfig
-from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag,
-                          on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
+from ..errors import IncompatibleInputError, MissingInputError
+from ..models.flops import flops_per_token
+from ..parallel.env import ensure_distributed_env, local_device
+from ..parallel.grads import allreduce_mean_grads
+from ..parallel.safe_load import safe_load
+from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step, pack_rollouts,
+                          parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
-from .engine import Trainer, backward_and_step, finish_skipped_step, local_device, record_run_start, run_loss_hooks
-from .resume_check import check_same_run
-from .stopping import NonFiniteLossError, StopRequested  # noqa: F401
 from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, PlainEngine, latest_checkpoint, rank_file
-from ..parallel.safe_load import safe_load
-from ..models.flops import flops_per_token
-from ..parallel.grads import allreduce_mean_grads
+from .engine import Trainer, record_run_start, run_loss_hooks
 from .metrics import MetricsLogger, check_wandb
-from .teacher_identity import run_teacher_digests
+from .resume_check import check_same_run
 from .schedules import LRSchedule
+from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step
+from .teacher_identity import run_teacher_digests
 
 
 def ensure_process_group(deepspeed: bool = False) -> None:
     """A 1-rank group for a plain ``python launchers/opd.py``; torchrun's env otherwise. ``deepspeed``:
     also DeepSpeed's comm layer (on an existing torch group too)."""
-    from .engine import ensure_distributed_env
-
     if dist.is_initialized() and not deepspeed:
         return
     ensure_distributed_env()

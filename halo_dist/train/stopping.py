@@ -7,11 +7,25 @@ Two causes, both agreed by all ranks with one all-reduce so every rank takes the
   :class:`StopRequested` is raised (the launchers exit 0; a restarted job resumes from that checkpoint).
 - a non-finite loss (``optim.nonfinite``, :class:`NonFinitePolicy`): skip the step, or let the trainer
   checkpoint its last good state and raise :class:`NonFiniteLossError`.
+
+Non-finite losses (``optim.nonfinite``, :class:`NonFinitePolicy`): every micro-batch's loss is checked
+before its backward and the ranks agree (one all-reduce of a flag), so every rank takes the same
+branch. ``stop`` checkpoints the last good state and raises :class:`NonFiniteLossError`. ``skip``
+drops the whole optimizer step: the flagged micro-batch (and the rest of the step) is back-propagated
+with a NaN-poisoned loss, so DeepSpeed's own overflow path (the fp16 loss-scaler machinery; in 0.19.8
+ZeRO-1/2/3 and the bf16 optimizer treat a non-finite global gradient norm as an overflow) clears every
+gradient buffer and applies no update; the plain torch optimizer that ZeRO stage 0 in fp32 uses has
+no such path, so its ``step`` is a no-op during that boundary ``engine.step()`` (DeepSpeed's own
+clipping, gradient reset and bookkeeping still run). A skipped step still counts as a step: the batch is
+consumed, ``step`` and the LR schedule advance (the LR stays a function of the step, so WSD snapshots,
+rungs and resume checks keep their meaning), Adam's moments and step count do not.
+More than ``optim.max_skipped_steps`` consecutive skips stop the run like ``stop``.
 """
 
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -124,3 +138,48 @@ class StopControl:
     def _nonfinite_stop(self) -> NonFiniteLossError:
         """Each trainer (Trainer, OPDTrainer) checkpoints its own last good state and returns the error."""
         raise NotImplementedError(f"{type(self).__name__} does not say how it stops on a non-finite loss")
+
+
+def backward_and_step(engine, loss: torch.Tensor, drop: bool = False) -> None:
+    """``engine.backward(loss); engine.step()``; ``drop``: the micro-batch belongs to a skipped step.
+
+    Where DeepSpeed's optimizer has an overflow path the loss is poisoned with NaN (the boundary step
+    then drops every gradient buffer and applies nothing); a plain torch optimizer (ZeRO 0, fp32) has
+    its ``step`` replaced by a no-op for the boundary ``engine.step()`` instead, which DeepSpeed then
+    follows with its usual gradient reset and scheduler step (module doc). Every rank must pass the
+    same ``drop``: the backward is collective under ZeRO.
+    """
+    overflow_path = hasattr(engine.optimizer, "overflow")
+    if drop and overflow_path:
+        loss = loss * float("nan")
+    engine.backward(loss)
+    if drop and not overflow_path and engine.is_gradient_accumulation_boundary():
+        with _no_update(engine.optimizer):
+            engine.step()
+    else:
+        engine.step()
+
+
+@contextmanager
+def _no_update(optimizer):
+    """``optimizer.step()`` does nothing inside (parameters, moments and step counts untouched)."""
+    saved = optimizer.__dict__.get("step")
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if saved is None:
+            del optimizer.step
+        else:
+            optimizer.step = saved
+
+
+def finish_skipped_step(engine, scheduler) -> None:
+    """After the boundary ``engine.step()`` of a skipped step: check no update was applied and keep
+    the LR schedule a function of the step (DeepSpeed's overflow path does not step the scheduler;
+    the plain-optimizer path of :func:`backward_and_step` went through DeepSpeed's, which does)."""
+    if hasattr(engine.optimizer, "overflow"):
+        if engine.was_step_applied():
+            raise RuntimeError("DeepSpeed applied an update with non-finite gradients; refusing to continue")
+        if scheduler is not None:
+            scheduler.step()
