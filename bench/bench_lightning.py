@@ -128,7 +128,7 @@ def layer_timings(device, lengths, d=2048, H=16, Hkv=8, D=128):
             x = torch.randn(1, T, d, device=device, dtype=next(layer.parameters()).dtype, requires_grad=True)
             info = SequenceInfo(position_ids=torch.arange(T, device=device)[None])
 
-            def step():
+            def step(layer=layer, x=x):  # bound now: the loop deletes both before the next size
                 layer(x, info).sum().backward()
 
             row[f"{name}_ms"] = time_cuda(step, warmup=2, iters=5)

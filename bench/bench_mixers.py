@@ -161,7 +161,7 @@ def layer_timings(device, T, d, H, Hkv, D, dtype, kinds):
         x = torch.randn(1, T, d, device=device, dtype=dtype, requires_grad=True)
         info = SequenceInfo(position_ids=torch.arange(T, device=device)[None])
 
-        def step():
+        def step(layer=layer, x=x):  # bound now: both are deleted after this size
             layer(x, info).float().sum().backward()
 
         try:

@@ -105,7 +105,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     batches = [pack_rollouts(rollouts[i:i + micro]).to(device) for i in range(0, len(rollouts), micro)]
     n_gen = sum(b.num_generated for b in batches)
 
-    def step():
+    def step(opt=opt):  # bound now: opt is deleted after the timing
         for b in batches:
             loss, *_ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask, b.gen_index,
                            normalizer=float(n_gen), horizon=horizon)

@@ -178,7 +178,10 @@ def test_local_slurm_up_and_down_are_idempotent(slurm_scenario):
     conf = Path(env["SLURM_CONF"])
     if conf != Path(slurm_real.local_conf()) or os.geteuid() != 0:
         pytest.skip(f"Slurm at {conf} is not scripts/local_slurm.sh's: not stopped by a test")
-    run = lambda cmd: subprocess.run(["bash", str(LOCAL_SLURM), cmd], capture_output=True, text=True, timeout=300)
+
+    def run(cmd):
+        return subprocess.run(["bash", str(LOCAL_SLURM), cmd], capture_output=True, text=True, timeout=300)
+
     t0 = time.time()
     res = run("up")
     assert res.returncode == 0 and "already up" in res.stdout and time.time() - t0 < 10, res.stdout + res.stderr
