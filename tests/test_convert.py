@@ -158,7 +158,8 @@ def test_random_teacher_family_and_its_exact_hypenet(architecture):
 
     from halo_dist.config import load_config
     from halo_dist.config.loader import with_overrides
-    from halo_dist.stages.teacher import as_exact_hypenet, load_hf_teacher
+    from halo_dist.models.convert import as_exact_hypenet
+    from halo_dist.stages.teacher import load_hf_teacher
 
     cfg = with_overrides(load_config("configs/tiny/stage2.yaml"), {"model.random_teacher.architecture": architecture})
     hf = load_hf_teacher(cfg.model)

@@ -438,7 +438,7 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
 
     from halo_dist.models.convert import convert_model
     from halo_dist.stages.distill import DistillModule
-    from halo_dist.stages.teacher import as_exact_hypenet
+    from halo_dist.models.convert import as_exact_hypenet
 
     torch.manual_seed(0)
     hf = tiny_qwen3(vocab=64)
@@ -485,7 +485,7 @@ def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
     from halo_dist.data.packing import pack_batch
     from halo_dist.models.convert import convert_model
     from halo_dist.stages.distill import DistillModule
-    from halo_dist.stages.teacher import as_exact_hypenet
+    from halo_dist.models.convert import as_exact_hypenet
 
     torch.manual_seed(0)
     hf = tiny_qwen3(vocab=64)

@@ -20,7 +20,7 @@ from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, R
                                   on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
 from halo_dist.eval.tokenizers import byte_tokenizer
 from halo_dist.stages.opd_prompts import Curriculum, PromptError, build_prompt_set
-from halo_dist.stages.teacher import as_exact_hypenet
+from halo_dist.models.convert import as_exact_hypenet
 from halo_dist.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]

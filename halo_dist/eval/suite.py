@@ -148,7 +148,7 @@ def _with_document_masks(model):
 
     if isinstance(model, HypeNetForCausalLM):
         return model
-    from ..stages.teacher import as_exact_hypenet
+    from ..models.convert import as_exact_hypenet
 
     param = next(model.parameters())
     return as_exact_hypenet(model).to(device=param.device, dtype=param.dtype)

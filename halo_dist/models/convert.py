@@ -318,6 +318,18 @@ def convert_model(
     return build_student(cfg, sd)
 
 
+# the teacher's own function as a HypeNet: every layer attention, RoPE on, no logits scaling, no gates
+EXACT_TEACHER = dict(attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False, rnn_output_gate=False)
+
+
+def as_exact_hypenet(hf_teacher) -> HypeNetForCausalLM:
+    """All-attention HypeNet computing exactly the teacher's function, frozen."""
+    layers = list(range(hf_teacher.config.num_hidden_layers))
+    teacher = convert_model(hf_teacher, layers, **EXACT_TEACHER)
+    teacher.requires_grad_(False)
+    return teacher.eval()
+
+
 def _layer_of(key: str) -> int | None:
     """``model.layers.7.mixer.q_proj.weight`` -> 7."""
     parts = key.split(".")

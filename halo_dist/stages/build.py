@@ -11,7 +11,8 @@ from ..config.coerce import fail
 from ..errors import IncompatibleInputError, MissingInputError
 from .distill import DistillModule
 from .stage1 import Stage1Aligner, resolve_stage1_file
-from .teacher import as_exact_hypenet, load_hf_teacher
+from ..models.convert import as_exact_hypenet
+from .teacher import load_hf_teacher
 
 
 def student_overrides(cfg: RunConfig) -> dict:

@@ -42,7 +42,8 @@ def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
     from ..models.hypenet import HypeNetForCausalLM
     from .build import check_student_init_pe, student_overrides
     from .stage1 import resolve_stage1_file
-    from .teacher import as_exact_hypenet, load_hf_teacher
+    from ..models.convert import as_exact_hypenet
+    from .teacher import load_hf_teacher
 
     if student is None:
         check_student_init_pe(cfg.model)

@@ -1,6 +1,6 @@
 """The frozen teacher.
 
-The HF teacher is re-expressed as an all-attention HypeNet with RoPE on, no logits scaling and no
+The HF teacher is re-expressed (models.convert.as_exact_hypenet) as an all-attention HypeNet with RoPE on, no logits scaling and no
 gates: tests/test_hypenet.py proves that reproduces the HF logits exactly, and it gives the teacher
 the same packed-document kernels (cu_seqlens), Ulysses sequence parallelism and per-layer hooks as
 the student. HF's SDPA path would silently attend across packed documents.
@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..models.convert import convert_model, load_teacher, load_teacher_config, resolve_teacher
-from ..models.hypenet import HypeNetForCausalLM
+from ..models.convert import load_teacher, load_teacher_config, resolve_teacher
 
-EXACT_TEACHER = dict(attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False, rnn_output_gate=False)
 
 
 def random_teacher(model_cfg: ModelConfig):
@@ -72,11 +70,3 @@ def load_hf_teacher(model_cfg: ModelConfig):
     source = resolve_teacher(teacher_path(model_cfg.teacher))
     load_teacher_config(source)  # fails fast on a bad path / architecture
     return load_teacher(source, torch.float32)
-
-
-def as_exact_hypenet(hf_teacher) -> HypeNetForCausalLM:
-    """All-attention HypeNet computing exactly the teacher's function, frozen."""
-    layers = list(range(hf_teacher.config.num_hidden_layers))
-    teacher = convert_model(hf_teacher, layers, **EXACT_TEACHER)
-    teacher.requires_grad_(False)
-    return teacher.eval()
