@@ -1,7 +1,7 @@
 """The frozen teacher.
 
-The HF teacher is re-expressed (models.convert.as_exact_hypenet) as an all-attention HypeNet with RoPE on, no logits scaling and no
-gates: tests/test_hypenet.py proves that reproduces the HF logits exactly, and it gives the teacher
+The HF teacher is re-expressed (models.convert.as_exact_hypenet) as an all-attention HypeNet with RoPE on,
+no logits scaling and no gates: tests/test_hypenet.py proves that reproduces the HF logits exactly, and it gives the teacher
 the same packed-document kernels (cu_seqlens), Ulysses sequence parallelism and per-layer hooks as
 the student. HF's SDPA path would silently attend across packed documents.
 """
