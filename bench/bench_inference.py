@@ -389,7 +389,8 @@ def load_real_pair(teacher_dir: str, student_dir: str) -> tuple[HypeNetForCausal
     """``(teacher, student)`` in fp32 on the CPU: the HF teacher folder (or ``smollm2``) as the exact
     all-attention HypeNet that distillation runs (the HF copy is freed), and the exported HypeNet student."""
     from halo_dist.models.convert import load_teacher, load_teacher_config, resolve_teacher
-    from halo_dist.stages.teacher import as_exact_hypenet, teacher_path
+    from halo_dist.models.convert import as_exact_hypenet
+    from halo_dist.stages.teacher import teacher_path
 
     source = resolve_teacher(teacher_path(str(teacher_dir)))
     load_teacher_config(source)  # fails fast on a bad path / architecture

@@ -56,7 +56,7 @@ def build(shape: dict, attn_layers: list[int], device, dtype):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from halo_dist.models.convert import convert_model
-    from halo_dist.stages.teacher import as_exact_hypenet
+    from halo_dist.models.convert import as_exact_hypenet
 
     torch.manual_seed(0)
     cfg = Qwen3Config(**shape, rope_theta=1_000_000.0, max_position_embeddings=65_536)

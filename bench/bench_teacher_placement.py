@@ -59,7 +59,7 @@ from halo_dist.parallel.deepspeed_setup import (  # noqa: E402
     init_distributed,
     initialize_engine,
 )
-from halo_dist.stages.teacher import EXACT_TEACHER  # noqa: E402
+from halo_dist.models.convert import EXACT_TEACHER  # noqa: E402
 
 PLACEMENTS = ("replicated", "zero3")
 GIB = 2**30

@@ -18,7 +18,7 @@ from halo_dist.errors import HaloUserError, MissingInputError
 from halo_dist.launch import launch
 from halo_dist.parallel import SequenceParallelError, apply_sequence_parallel_to_mixers
 from halo_dist.stages import DistillModule, Stage1Aligner, StageModule
-from halo_dist.stages.teacher import as_exact_hypenet
+from halo_dist.models.convert import as_exact_hypenet
 from halo_dist.train import registry
 
 REPO = Path(__file__).resolve().parents[1]
