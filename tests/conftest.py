@@ -1,4 +1,4 @@
-"""Shared test set-up: single-threaded torch, a repo-local asset cache, tiny model factories."""
+"""Shared test set-up: single-threaded torch, a repo-local asset cache, tiny model factories, shared fixtures."""
 
 import os
 from pathlib import Path
@@ -43,6 +43,16 @@ def smollm2_dir():
     from halo_dist.assets.teacher import smollm2_teacher_dir
 
     return smollm2_teacher_dir()
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Real Qwen-tokenized Wikipedia shards (300 documents, 5% held out), built once per test module."""
+    from data_fixtures import run_prep
+
+    out = tmp_path_factory.mktemp("wiki") / "data"
+    run_prep(out, max_docs=300, shard_tokens=8000, heldout_fraction=0.05)
+    return out
 
 
 def assert_left_padded_generate_matches_alone(model, prompts, new_tokens: int, pad_token_id: int) -> None:

@@ -284,7 +284,7 @@ SP_KINDS["swa_kv1"] = ("swa", {"num_key_value_heads": 1, "sliding_window": 3})
 def _sp_scenarios() -> dict:
     import torch.distributed as dist
 
-    from test_sp_mixers import CAUSAL, PACKED, _apply_to_model, _set_mixer_sp, golden, mixer_forward, model_forward
+    from sp_golden import CAUSAL, PACKED, apply_sp_to_model, golden, mixer_forward, model_forward, set_mixer_sp
     from halo_dist.parallel import SequenceParallel
 
     torch.set_num_threads(1)
@@ -293,10 +293,10 @@ def _sp_scenarios() -> dict:
     for i, (name, (kind, over)) in enumerate(SP_KINDS.items()):
         mixer = build_mixer(kind, seed=100 + i, **over)
         for j, (lname, layout) in enumerate((("causal", CAUSAL), ("packed", PACKED))):
-            res[f"{name}/{lname}"] = golden(sp, mixer, mixer_forward, layout, seed=10 * i + j, inject=_set_mixer_sp)
+            res[f"{name}/{lname}"] = golden(sp, mixer, mixer_forward, layout, seed=10 * i + j, inject=set_mixer_sp)
     model = tiny_model("gdn", num_hidden_layers=6, mixer_types=["attention", "gdn", "gla", "rwkv7", "mamba2", "swa"])
     for j, (lname, layout) in enumerate((("causal", CAUSAL), ("packed", PACKED))):
-        res[f"model/{lname}"] = golden(sp, model, model_forward, layout, seed=90 + j, inject=_apply_to_model)
+        res[f"model/{lname}"] = golden(sp, model, model_forward, layout, seed=90 + j, inject=apply_sp_to_model)
     return res
 
 

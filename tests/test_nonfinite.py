@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 from fault_injection import nan_at
-from test_engine import TINY, run_launcher, shards  # noqa: F401  (shards: the module-scoped fixture)
-from test_opd import VOCAB, tiny_cfg
+from opd_configs import VOCAB, tiny_cfg
+from stage_runs import TINY, run_launcher
 
 from halo_dist.config import ConfigError, load_config
 from halo_dist.eval.tokenizers import byte_tokenizer
@@ -47,7 +47,7 @@ def _weights(ckpt, zero_stage):
 
 
 @pytest.mark.parametrize("zero_stage", [3, 0])  # 3: DeepSpeed's overflow path; 0 (fp32): a plain torch AdamW
-def test_engine_skip_drops_the_step_and_finishes(shards, tmp_path, zero_stage, launcher_env):  # noqa: F811
+def test_engine_skip_drops_the_step_and_finishes(shards, tmp_path, zero_stage, launcher_env):
     run_dir = tmp_path / "skip"
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
                        "schedule.total_steps=5", "checkpoint.every_steps=1", "checkpoint.keep_last=10",
@@ -65,7 +65,7 @@ def test_engine_skip_drops_the_step_and_finishes(shards, tmp_path, zero_stage, l
     assert lrs[3] > lrs[4] > lrs[5]  # the schedule advanced through the skipped step (cosine decay)
 
 
-def test_engine_too_many_skips_stop_with_the_last_good_checkpoint(shards, tmp_path, launcher_env):  # noqa: F811
+def test_engine_too_many_skips_stop_with_the_last_good_checkpoint(shards, tmp_path, launcher_env):
     run_dir = tmp_path / "stop"
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
                        "schedule.total_steps=5", "checkpoint.every_steps=0", "optim.nonfinite=skip",

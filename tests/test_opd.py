@@ -13,8 +13,9 @@ import torch
 from conftest import tiny_qwen3
 from distributed import run_distributed
 from fault_injection import launcher_args, nan_at
+from opd_configs import TINY, VOCAB, tiny_cfg
 
-from halo_dist.config import ConfigError, load_config
+from halo_dist.config import ConfigError
 from halo_dist.models.convert import convert_model
 from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, Rollout, check_tokenizers, check_vocab,
                                   on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
@@ -24,20 +25,6 @@ from halo_dist.models.convert import as_exact_hypenet
 from halo_dist.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "configs" / "opd" / "tiny.yaml"
-VOCAB = 320
-
-
-def tiny_cfg(run_dir, *overrides, set0=None):
-    """configs/opd/tiny.yaml with dotlist overrides; ``set0``: field changes of the first prompt set."""
-    from dataclasses import replace
-
-    cfg = load_config(TINY, [f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.log_every=1",
-                             "checkpoint.resume=never", *overrides])
-    if set0:
-        sets = list(cfg.opd.prompt_sets)
-        cfg = replace(cfg, opd=replace(cfg.opd, prompt_sets=[replace(sets[0], **set0), *sets[1:]]))
-    return cfg
 
 
 def models(attn_layers=(1,), seed=0):
@@ -477,7 +464,7 @@ def test_launcher_reports_bad_input_in_one_line(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ stop signals
 def run_opd_launcher(run_dir, *overrides, faults=None, expect=0):
-    """``launchers/opd.py`` on configs/opd/tiny.yaml in a subprocess; ``faults``: as tests/test_engine.py's
+    """``launchers/opd.py`` on configs/opd/tiny.yaml in a subprocess; ``faults``: as tests/stage_runs.py's
     ``run_launcher`` (the launcher then runs through tests/fault_injection.py)."""
     script = [str(REPO / "launchers" / "opd.py")]
     if faults:

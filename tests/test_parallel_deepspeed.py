@@ -12,7 +12,7 @@ from torch import nn
 
 from halo_dist.parallel import ParallelLayout, ProcessGroups, SequenceParallel
 from distributed import run_distributed
-from test_parallel_ulysses import attention
+from ulysses_golden import attention
 
 BATCH, SEQ, DIM, HEADS, STEPS, LR = 2, 8, 8, 2, 2, 1e-2
 CLIP = 0.05  # active, so DeepSpeed's gradient norm over the layout matters

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from halo_dist.parallel import LayoutError, ParallelLayout, ProcessGroups, SequenceParallel
 from distributed import run_distributed
-from test_parallel_ulysses import attention_golden
+from ulysses_golden import attention_golden
 
 # --- pure arithmetic ---------------------------------------------------------------------------
 

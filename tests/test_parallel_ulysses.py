@@ -3,8 +3,6 @@ scenarios are golden comparisons against single-process full-sequence attention.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,53 +16,7 @@ from halo_dist.parallel import (
     seq_to_head,
 )
 from distributed import run_distributed
-
-F64 = torch.float64
-
-
-# --- toy model used by the golden tests (also imported by the groups / DeepSpeed tests) -------
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax attention with GQA: q [B,T,H,D], k/v [B,T,Hkv,D] -> [B,T,H,D];
-    query head i uses KV head i // (H/Hkv)."""
-    h, t = q.shape[2], q.shape[1]
-    k = k.repeat_interleave(h // k.shape[2], dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
-    v = v.repeat_interleave(h // v.shape[2], dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
-    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
-    causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-    return torch.einsum("bhts,bshd->bthd", probs, v)
-
-
-def sp_attention(sp: SequenceParallel, q, k, v) -> torch.Tensor:
-    """Ulysses attention: local q [B,T/sp,H,D], k/v [B,T/sp,Hkv,D] -> [B,T/sp,H,D]."""
-    num_heads = q.shape[2]
-    q = sp.seq_to_head(q)  # [B, T, H/sp, D]
-    k = sp.kv_seq_to_head(k, num_heads)  # [B, T, lcm(Hkv,sp)/sp, D]
-    v = sp.kv_seq_to_head(v, num_heads)
-    return sp.head_to_seq(attention(q, k, v))  # [B, T, H/sp, D] -> [B, T/sp, H, D]
-
-
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
-
-def attention_golden(sp: SequenceParallel, num_heads: int, num_kv_heads: int, seed: int,
-                     batch: int = 2, seq_len: int = 8, head_dim: int = 4) -> dict[str, float]:
-    """Max |error| of Ulysses vs full attention: output and input gradients (q, k, v)."""
-    gen = torch.Generator().manual_seed(seed)  # same full tensors on every rank of the SP group
-    shapes = [(batch, seq_len, h, head_dim) for h in (num_heads, num_kv_heads, num_kv_heads, num_heads)]
-    q, k, v, w = (torch.randn(s, generator=gen, dtype=F64) for s in shapes)
-    full = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = attention(*full)
-    (ref * w).sum().backward()
-    local = [sp.shard_seq(x).clone().requires_grad_() for x in (q, k, v)]
-    out = sp_attention(sp, *local)
-    (out * sp.shard_seq(w)).sum().backward()  # rank losses sum to the reference loss
-    errors = {"out": _max_err(out, sp.shard_seq(ref))}
-    for name, f, loc in zip("qkv", full, local):
-        errors[f"grad_{name}"] = _max_err(loc.grad, sp.shard_seq(f.grad))
-    return errors
+from ulysses_golden import F64, attention_golden, max_err
 
 
 # --- 2-rank scenarios --------------------------------------------------------------------------
@@ -75,17 +27,17 @@ def _layout_and_adjoint(sp: SequenceParallel) -> dict:
     full = torch.randn(2, 6, 4, 3, 2, generator=gen, dtype=F64)  # [B, T, H, *rest], rest = [3, 2]
     x = sp.shard_seq(full).clone().requires_grad_()
     y = sp.seq_to_head(x)
-    res = {"layout": _max_err(y, full[:, :, sp.head_slice(4)]),
-           "roundtrip": _max_err(sp.head_to_seq(y), x)}
+    res = {"layout": max_err(y, full[:, :, sp.head_slice(4)]),
+           "roundtrip": max_err(sp.head_to_seq(y), x)}
     upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + sp.rank), dtype=F64)
     (y * upstream).sum().backward()
-    res["grad_is_head_to_seq"] = _max_err(x.grad, sp.head_to_seq(upstream))
+    res["grad_is_head_to_seq"] = max_err(x.grad, sp.head_to_seq(upstream))
     dots = torch.stack([(y * upstream).sum(), (x * x.grad).sum()]).detach()
     dist.all_reduce(dots)
     res["adjoint"] = abs(dots[0] - dots[1]).item()
     no_rest = torch.randn(2, 3, 4, generator=gen, dtype=F64)  # [B, T/sp, H]: no trailing dims
     res["no_rest_shape"] = tuple(sp.seq_to_head(no_rest).shape)
-    res["no_rest_roundtrip"] = _max_err(sp.head_to_seq(sp.seq_to_head(no_rest)), no_rest)
+    res["no_rest_roundtrip"] = max_err(sp.head_to_seq(sp.seq_to_head(no_rest)), no_rest)
     return res
 
 
@@ -98,8 +50,8 @@ def _gather_seq(sp: SequenceParallel) -> dict:
         x = sp.shard_seq(full).clone().requires_grad_()
         gathered = sp.gather_seq(x, dim=1, grad=mode)
         (gathered * weights[sp.rank]).sum().backward()
-        res[f"{mode}_fwd"] = _max_err(gathered, full)
-        res[f"{mode}_grad"] = _max_err(x.grad, sp.shard_seq(expected))
+        res[f"{mode}_fwd"] = max_err(gathered, full)
+        res[f"{mode}_grad"] = max_err(x.grad, sp.shard_seq(expected))
     return res
 
 
@@ -123,7 +75,7 @@ def _bad_inputs(sp: SequenceParallel) -> dict:
         "ndim": _error_message(lambda: sp.seq_to_head(torch.zeros(2, 4))),
         "grad_mode": _error_message(lambda: sp.gather_seq(torch.zeros(1, 2), grad="mean")),
         # the group is still usable after all of the above
-        "after": _max_err(checked.head_to_seq(checked.seq_to_head(torch.ones(1, 2, 2, 1))), torch.ones(1, 2, 2, 1)),
+        "after": max_err(checked.head_to_seq(checked.seq_to_head(torch.ones(1, 2, 2, 1))), torch.ones(1, 2, 2, 1)),
     }
 
 

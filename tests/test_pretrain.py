@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_fixtures import run_prep
-from test_engine import losses, run_launcher
+from stage_runs import losses, run_launcher
 
 from halo_dist.config import load_config
 from halo_dist.launch import launch_pretrain
@@ -34,13 +33,6 @@ TINY_SHAPE = ["model.scratch.vocab_size=97", "model.scratch.num_hidden_layers=8"
               "model.scratch.intermediate_size=64", "model.scratch.num_attention_heads=4",
               "model.scratch.num_key_value_heads=2", "model.scratch.head_dim=8", "model.dtype=float32",
               "model.activation_checkpointing=false", "model.scratch.tokenizer=null"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wiki") / "data"
-    run_prep(out, max_docs=300, shard_tokens=8000, heldout_fraction=0.05)
-    return out
 
 
 def pretrain(run_dir, config, *overrides, **kw):
