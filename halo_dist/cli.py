@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from .eval.commands import register_eval_commands  # select-layers, eval-niah, calibrate-scaling, eval-lm
-    from .train.commands import register_train_commands  # export
+    from .train.export_checkpoint import register_export_command  # export
 
     from .demo import add_demo_command
 
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.suite import add_suite_command
 
     add_suite_command(sub)
-    register_train_commands(sub)
+    register_export_command(sub)
     add_demo_command(sub)
     return p
 
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    torch.set_flush_denormal(True)  # CPU evaluation: denormal arithmetic is 10-100x slower (see train/engine.py)
+    torch.set_flush_denormal(True)  # CPU evaluation: denormal arithmetic is 10-100x slower (see train/trainer.py)
     from .models.convert import ConversionError
-    from .train.commands import ExportError
+    from .train.export_checkpoint import ExportError
 
     from .eval.errors import EvalError
     from .models.trust import UntrustedCodeError

@@ -19,7 +19,7 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
     """``extra_args(parser)`` adds launcher flags; ``on_check(cfg, args)`` runs instead of training when
     the launcher's ``--check`` flag is given."""
     from .config import parse_run_args
-    from .train.engine import run_stage
+    from .train.trainer import run_stage
     from .train.registry import stage_spec
     from .train.stopping import StopRequested
 

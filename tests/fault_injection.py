@@ -1,6 +1,6 @@
 """Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses.
 
-The trainers (``halo_dist.train.engine.Trainer`` and its subclasses, ``halo_dist.train.opd_loop.OPDTrainer``
+The trainers (``halo_dist.train.trainer.Trainer`` and its subclasses, ``halo_dist.train.opd_loop.OPDTrainer``
 among them) expose ``step_hooks`` and ``loss_hooks`` lists that product code leaves empty. A test that builds a trainer
 itself appends the hooks below; a test that runs a launcher in a subprocess runs it through this file::
 
@@ -61,7 +61,7 @@ def nan_at(*steps: int):
 
 def install(step_hooks=(), loss_hooks=()) -> None:
     """Every trainer constructed after this call in this process gets ``step_hooks`` and ``loss_hooks``."""
-    from halo_dist.train.engine import Trainer
+    from halo_dist.train.trainer import Trainer
 
     init = Trainer.__init__  # every trainer (stages, pretrain, OPD) is a Trainer and runs it
 

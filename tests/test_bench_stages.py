@@ -10,7 +10,7 @@ import pytest
 from data_fixtures import run_prep
 
 from halo_dist.models.hypenet import HypeNetConfig
-from halo_dist.train.engine import Trainer
+from halo_dist.train.trainer import Trainer
 from halo_dist.models.flops import attention_flops_coefficient, flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]

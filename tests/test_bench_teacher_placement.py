@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from halo_dist.parallel.deepspeed_setup import frozen_teacher_zero3_config, zero_stage
-from halo_dist.train.engine import Trainer
+from halo_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -64,7 +64,7 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
     out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3)
     assert out.shape == (1, 6)
     # stage-2 checkpoints export to the same model the stage wrote (ZeRO-3 shards consolidated)
-    from halo_dist.train.commands import export_checkpoint
+    from halo_dist.train.export_checkpoint import export_checkpoint
 
     exported = export_checkpoint(s2 / "checkpoints", tmp_path / "exported")
     a = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)

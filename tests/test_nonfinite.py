@@ -41,7 +41,7 @@ def _weights(ckpt, zero_stage):
     if zero_stage == 0:
         module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
         return {k: v.float() for k, v in module.items()}
-    from halo_dist.train.commands import consolidated_state
+    from halo_dist.train.export_checkpoint import consolidated_state
 
     return consolidated_state(ckpt)
 

@@ -13,7 +13,7 @@ HypeNet model so one set of kernels, SP, checkpoints and exports serves them:
 Logits scaling (model.logits_scaling_a) applies to the full-attention layers as in every stage.
 
 What is reused: the loop, checkpoints, exact resume, metrics and DeepSpeed set-up are the engine's
-(``halo_dist.train.engine.Trainer``); the loss is the fused chunked CE of ``halo_dist.losses`` via
+(``halo_dist.train.trainer.Trainer``); the loss is the fused chunked CE of ``halo_dist.losses`` via
 ``DistillModule(objective="ce", teacher=None)``, which never materialises ``[tokens x vocab]``
 logits. ``halo_dist.train.pretrain_trainer.PretrainTrainer`` changes only what from-scratch training needs:
 parameter groups (weight decay on matrices only), model FLOPs with attention terms for MFU, the tokenizer

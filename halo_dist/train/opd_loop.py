@@ -1,6 +1,6 @@
 """The on-policy distillation trainer (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
 
-``OPDTrainer`` is an ``engine.Trainer``: the loop (step hooks, checkpoint cadence, stop signals), the
+``OPDTrainer`` is a ``trainer.Trainer``: the loop (step hooks, checkpoint cadence, stop signals), the
 non-finite policy and the checkpoint writer are the Trainer's; this module supplies the setup, the step
 (rollouts before the update), the held-out evaluation, the checkpoint contents and the export.
 
@@ -37,7 +37,7 @@ from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_po
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
 from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, PlainEngine, latest_checkpoint, rank_file
-from .engine import Trainer, record_run_start, run_loss_hooks
+from .trainer import Trainer, record_run_start, run_loss_hooks
 from .metrics import MetricsLogger, check_wandb
 from .resume_check import check_same_run
 from .schedules import LRSchedule
@@ -376,7 +376,7 @@ class OPDTrainer(Trainer):
         return float(norm)
 
     def _finish_skipped_step(self) -> float:
-        """No update; the LR schedule advances (a skipped step is a step, see engine's module doc)."""
+        """No update; the LR schedule advances (a skipped step is a step, see stopping.py's module doc)."""
         if self.ds:
             finish_skipped_step(self.engine, self.scheduler)
         else:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..stages.pretrain import checked_tokenizer, param_groups, train_flops_per_token, unique_numel
-from .engine import Trainer
+from .trainer import Trainer
 from .schedules import LRSchedule, make_lr_scheduler
 
 
 class PretrainTrainer(Trainer):
-    """The engine's Trainer with the from-scratch differences: weight decay on matrices only, model FLOPs
+    """The Trainer with the from-scratch differences: weight decay on matrices only, model FLOPs
     with attention terms for MFU, the scratch tokenizer's check of the shards."""
 
     def _optimizer(self):

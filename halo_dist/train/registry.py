@@ -1,6 +1,6 @@
 """The table of stages: every dispatch on ``stage.name`` (what to build, what to write, which trainer
 runs it) goes through :func:`stage_spec`. The launchers look the stage up here and hand its row to
-:func:`halo_dist.train.engine.run_stage`; the engine itself never imports this table."""
+:func:`halo_dist.train.trainer.run_stage`; the Trainer itself never imports this table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from ..config.coerce import ConfigError
 from ..stages import build_distill_module, build_stage1_module, write_distill_output, write_stage1_output
 from ..stages.pretrain import build_pretrain_module, write_pretrain_output
 from ..stages.protocol import StageSpec
-from .engine import Trainer
+from .trainer import Trainer
 from .opd_loop import OPDTrainer
 from .pretrain_trainer import PretrainTrainer
 

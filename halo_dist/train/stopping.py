@@ -1,4 +1,4 @@
-"""Stopping a run at a step boundary, shared by every trainer (``engine.Trainer``, ``opd_loop.OPDTrainer``).
+"""Stopping a run at a step boundary, shared by every trainer (``trainer.Trainer``, ``opd_loop.OPDTrainer``).
 
 Two causes, both agreed by all ranks with one all-reduce so every rank takes the same branch:
 

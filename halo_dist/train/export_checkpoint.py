@@ -85,7 +85,7 @@ def cmd_export(args) -> int:
     return 0
 
 
-def register_train_commands(sub) -> None:
+def register_export_command(sub) -> None:
     """Add `export` to the `halo-dist` parser."""
     import argparse
 
