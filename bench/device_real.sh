@@ -10,8 +10,8 @@
 # Phases:
 #   R0  stash call 0's carry in /tmp/halo/stash (seconds)
 #   R1  install into /tmp/halo/site; build the corpus (CPU: the carried text + this machine's Python
-#       sources) while the GPU warms up (fla autotuning, compiled layers) on a random SmolLM2-shape
-#       teacher; stash the GGUF part
+#       sources) and the NIAH prompts while the GPU warms up (fla autotuning, compiled layers) on a random
+#       SmolLM2-shape teacher and runs the GPU-only tests; stash the GGUF part (KL_BENCH=1: also the loss bench)
 #   R2  join and check the GGUF; run the pipeline until its deadline (it checkpoints and pauses)
 #   R3  continue the pipeline (run again until `complete` in real_conversion.json)
 # Every phase ends by bundling results and logs into $OUT/real_<phase>.tgz.
@@ -53,7 +53,7 @@ bundle() {
   cp bench/results/real_conversion*.json bench/results/real_conversion*.png "$W/" 2>/dev/null
   (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
      --exclude='checkpoints' --exclude='stash' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
-     --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' --exclude='trace.json' . 2>/dev/null)
+     --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' --exclude='trace.json' --exclude='niah_prompts' . 2>/dev/null)
   # Triton's autotuning results (fla caches them on disk): a later session carries them back (.xfer/c1),
   # and its fresh machine skips most of the 3-4 minutes of autotuning
   (cd $W && find triton -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/triton_autotune.tgz" -T - 2>/dev/null)
@@ -77,11 +77,14 @@ R1)
   python3 -m data_prep.tokenize --input $W/warmup_wiki.jsonl --tokenizer $W/tokenizer_src --out $W/warmup_data \
     --heldout-fraction 0.2 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
   ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
+  # the evaluations' NIAH prompts (CPU, one process): teacher and student read them in the timed run
+  ($R prompts $CPU --work $W --tokenizer $W/tokenizer_src > $W/prompts.log 2>&1; echo "prompts rc $?"; tail -2 $W/prompts.log) &
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
-  # the fused loss of one stage-2 step of this pair (128 x 512 tokens, SmolLM2's vocabulary), eager vs compiled
-  KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
-  timeout 150 python3 bench/bench_kl.py $KL_SHAPE --backends torch,compiled --out $W/kl_smollm2.json > $W/kl_smollm2.log 2>&1
-  echo "kl bench rc $?"; grep -A6 "^backend\|fwd+bwd" $W/kl_smollm2.log | head -12
+  if [ -n "${KL_BENCH:-}" ]; then  # the fused loss of one stage-2 step of this pair, eager vs compiled (sessions 10-11)
+    KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
+    timeout 150 python3 bench/bench_kl.py $KL_SHAPE --backends torch,compiled --out $W/kl_smollm2.json > $W/kl_smollm2.log 2>&1
+    echo "kl bench rc $?"; grep -A6 "^backend\|fwd+bwd" $W/kl_smollm2.log | head -12
+  fi
   # the GPU-only paths the CPU suite skips: CUDA-graph generate (cache_implementation="static") and the split-KV
   # decode kernel, Liger's JSD against ours on CUDA; the GPU is otherwise idle while the corpus builds
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_losses.py -k "cuda" \

@@ -52,7 +52,7 @@ PAUSED = 3
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("corpus", "warmup", "run", "collect", "compare"):
+    for name in ("corpus", "prompts", "warmup", "run", "collect", "compare"):
         c = sub.add_parser(name)
         c.add_argument("--work", type=Path, required=True, help="work folder: corpus/, run/, warmup.json")
         c.add_argument("--cpu-rehearsal", action="store_true", help="the demo's tiny sizes on CPU (checks the script)")
@@ -63,6 +63,8 @@ def parse_args(argv=None):
     c.add_argument("--text", type=Path, required=True, help="carried natural text (bench/build_corpus.py pack --out)")
     c.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer folder (copied to WORK/tokenizer)")
     c.add_argument("--num-proc", type=int, default=os.cpu_count() or 2, help="tokenizer processes")
+    c = sub.choices["prompts"]
+    c.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer folder (the corpus's)")
     r = sub.choices["run"]
     r.add_argument("--deadline-s", type=float, default=0.0, help="pause after this many seconds (0: none)")
     r.add_argument("--pause-after", default="", help="end this piece once that step has run (e.g. select-layers)")
@@ -105,6 +107,18 @@ def cmd_corpus(a) -> int:
 
 def corpus_done(work: Path) -> bool:
     return (work / "corpus" / "corpus_report.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def cmd_prompts(a) -> int:
+    """The run's NIAH prompts (every task, length, depth and sample of the preset), built on the CPU beside the
+    corpus: teacher and student read them instead of tokenizing ~7M haystack tokens each inside the timed run.
+    The teacher folder later takes this tokenizer's files if it serialises differently
+    (``align_teacher_tokenizer``), so the prompts' tokenizer key matches it."""
+    s = DemoSettings.tiny(str(a.work / "run")) if a.cpu_rehearsal else DemoSettings.h200(str(a.work / "run"))
+    cmd = Demo(s).niah_prompts_cmd(str(a.tokenizer))
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=ROOT).returncode
 
 
 # ---------------------------------------------------------------------------------------------- warmup
@@ -203,17 +217,22 @@ def record_piece(work: Path, t0: float, code: int) -> None:
 def align_teacher_tokenizer(work: Path) -> None:
     """The corpus was tokenized before the teacher's GGUF was complete on this machine, with SmolLM2's
     tokenizer as saved elsewhere (another transformers version) from the same GGUF. The stages refuse
-    shards whose vocabulary hash differs from the teacher's; if the folder built here disagrees, it
-    takes the corpus's tokenizer files (the same GGUF's tokenizer), and the check runs again."""
+    shards whose vocabulary hash differs from the teacher's, and the prebuilt NIAH prompts are keyed by the
+    tokenizer's whole serialisation; if the folder built here differs in either, it takes the corpus's
+    tokenizer files (the same GGUF's tokenizer), and the check runs again."""
     from transformers import AutoTokenizer
 
     from halo_dist.assets.teacher import smollm2_teacher_dir
     from halo_dist.data.errors import DataError
     from halo_dist.data.manifest import check_tokenizer
+    from halo_dist.eval.niah import tokenizer_identity
 
     teacher, corpus = smollm2_teacher_dir(), work / "corpus" / "all"
     try:
         check_tokenizer(corpus, AutoTokenizer.from_pretrained(teacher))
+        if tokenizer_identity(AutoTokenizer.from_pretrained(teacher)) != tokenizer_identity(
+                AutoTokenizer.from_pretrained(work / "tokenizer")):
+            raise DataError("the same vocabulary, serialised differently (another transformers version)")
     except DataError as e:
         print(f"[real] {e}: the teacher folder takes the corpus's tokenizer files from {work / 'tokenizer'}", flush=True)
         for f in (work / "tokenizer").iterdir():
@@ -576,7 +595,7 @@ def main(argv=None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     if a.cpu_rehearsal and a.results == RESULTS:
         a.results = a.work / "results"  # a rehearsal's figures are not results
-    commands = {"corpus": cmd_corpus, "warmup": cmd_warmup, "run": cmd_run, "collect": cmd_collect, "compare": cmd_compare}
+    commands = {"corpus": cmd_corpus, "prompts": cmd_prompts, "warmup": cmd_warmup, "run": cmd_run, "collect": cmd_collect, "compare": cmd_compare}
     return commands[a.command](a)
 
 

@@ -359,6 +359,19 @@ class Demo:
             steps.append(("eval-teacher", self.suite_args("teacher", teacher, data), self.out / "eval" / "teacher" / "DONE"))
         return [(name, self.halo(*args), done) for name, args, done in steps]
 
+    @property
+    def niah_prompt_cache(self) -> Path:
+        """The NIAH prompts, built once for teacher and student (one tokenizer)."""
+        return self.out / "eval" / "niah_prompts"
+
+    def niah_prompts_cmd(self, tokenizer: str) -> list[str]:
+        """Build this run's NIAH prompts ahead, from a tokenizer folder alone (CPU, no model): the evaluations
+        then read them from :attr:`niah_prompt_cache`."""
+        s = self.s
+        return self.halo("eval-niah", "--prompts-only", "--model", tokenizer, "--prompt-cache", str(self.niah_prompt_cache),
+                         "--lengths", s.niah_lengths, "--depths", s.niah_depths, "--samples", str(s.niah_samples),
+                         "--output-dir", str(self.niah_prompt_cache))
+
     def suite_args(self, who: str, model: str, data: str, parts: tuple[str, ...] = ("niah", "csr", "ppl"),
                    marker: str = "DONE") -> list[str]:
         """``halo-dist eval-suite`` of one model for ``parts``; ``marker`` is written once they all are."""
@@ -369,7 +382,7 @@ class Demo:
                 "--niah-lengths", niah, "--niah-depths", s.niah_depths, "--niah-samples", str(s.niah_samples),
                 "--niah-batch-size", str(s.niah_batch), "--niah-batch-tokens", str(s.niah_batch_tokens),
                 "--csr-tasks", csr, "--csr-limit", str(s.csr_limit), "--csr-batch-size", str(s.csr_batch),
-                "--done-marker", marker, *self.eval_args()]
+                "--niah-prompt-cache", str(self.niah_prompt_cache), "--done-marker", marker, *self.eval_args()]
         if s.niah_static_decode:
             args.append("--niah-static-decode")
         if s.ppl_seq_len and "ppl" in parts:

@@ -147,3 +147,55 @@ def test_batch_by_tokens_sends_long_prompts_alone():
     cfg = niah.NiahConfig(["niah_single_1"], [2048, 65536], [0.5], batch_size=16, batch_tokens=65536)
     assert [cfg.batch_for(n) for n in (2048, 16384, 65536, 131072)] == [16, 4, 1, 1]
     assert niah.NiahConfig(["niah_single_1"], [2048], [0.5], batch_size=3).batch_for(65536) == 3  # off: fixed
+
+
+def test_prompt_cache_returns_the_built_prompts_and_keys_on_everything_they_depend_on(tmp_path, smol_tokenizer):
+    """A cached cell equals a freshly built one; the second read comes from disk; another tokenizer, seed,
+    depth list or sample count is another file (never a wrong hit); a half-written file is never left."""
+    cfg = niah.NiahConfig(["niah_single_2"], [512], [0.0, 1.0], samples_per_cell=2, prompt_cache=str(tmp_path / "p"))
+    first, src = niah.PromptCache(cfg.prompt_cache, niah.NiahBuilder(smol_tokenizer)).cell("niah_single_2", 512, cfg)
+    again, src2 = niah.PromptCache(cfg.prompt_cache, niah.NiahBuilder(smol_tokenizer)).cell("niah_single_2", 512, cfg)
+    assert (src, src2) == ("built", "cached") and again == first
+    assert first == niah.build_cell(niah.NiahBuilder(smol_tokenizer), "niah_single_2", 512, cfg)
+    files = lambda: sorted(p.name for p in (tmp_path / "p").iterdir())  # noqa: E731
+    assert len(files()) == 1 and not [f for f in files() if f.endswith(".tmp")]
+    variants = [(byte_tokenizer(), cfg, 0), (smol_tokenizer, cfg, 1),
+                (smol_tokenizer, niah.NiahConfig(**{**vars(cfg), "depths": [0.0, 0.5]}), 0),
+                (smol_tokenizer, niah.NiahConfig(**{**vars(cfg), "samples_per_cell": 1}), 0)]
+    for tok, c, seed in variants:
+        _, source = niah.PromptCache(cfg.prompt_cache, niah.NiahBuilder(tok, seed=seed)).cell("niah_single_2", 512, c)
+        assert source == "built"
+    assert len(files()) == 5
+    # transformers sets padding/truncation on the backend per call: not part of the identity
+    key = niah.tokenizer_identity(smol_tokenizer)
+    smol_tokenizer("a b", padding="max_length", max_length=8, truncation=True)
+    assert niah.tokenizer_identity(smol_tokenizer) == key
+
+
+def test_prompts_only_builds_the_cache_that_eval_niah_then_reads(tmp_path, capsys):
+    """`eval-niah --prompts-only` needs no model; the evaluation with the same settings reads every cell and
+    scores exactly as one that builds its own prompts."""
+    import shutil
+
+    from halo_dist.assets.teacher import smollm2_teacher_dir
+
+    tokenizer_only = tmp_path / "tokenizer"  # what the GPU machine has before the teacher's GGUF arrives
+    tokenizer_only.mkdir()
+    for f in smollm2_teacher_dir().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tokenizer_only / f.name)
+    common = ["--tasks", "niah_single_1,niah_single_3", "--lengths", "512", "--depths", "0.5", "--samples", "2"]
+    cache = str(tmp_path / "prompts")
+    assert cli.main(["eval-niah", "--model", "smollm2", "--prompts-only", *common, "--output-dir", str(tmp_path)]) == 2
+    assert "--prompts-only needs --prompt-cache" in capsys.readouterr().err
+    assert cli.main(["eval-niah", "--model", str(tokenizer_only), "--prompts-only", "--prompt-cache", cache, *common,
+                     "--output-dir", str(tmp_path / "unused")]) == 0
+    assert "2 prompts built" in capsys.readouterr().out and len(list((tmp_path / "prompts").iterdir())) == 2
+    assert not (tmp_path / "unused").exists()
+    for name, extra in (("cached", ["--prompt-cache", cache]), ("fresh", [])):
+        assert cli.main(["eval-niah", "--model", "smollm2", *common, *extra, "--max-new-tokens", "4",
+                         "--output-dir", str(tmp_path / "out"), "--name", name]) == 0
+    out = capsys.readouterr().out
+    assert out.count("prompts cached") == 2 and out.count("prompts built") == 2
+    records = {n: json.loads((tmp_path / "out" / f"{n}.json").read_text())["records"] for n in ("cached", "fresh")}
+    assert records["cached"] == records["fresh"] and len(records["cached"]) == 4

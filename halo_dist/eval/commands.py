@@ -255,6 +255,10 @@ def _add_niah(sub) -> None:
     p.add_argument("--static-decode", action="store_true",
                    help="decode a HypeNet model through its static cache (CUDA graphs on a GPU); others unchanged")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-cache", help="folder of built prompt cells: read when present, written when not (keyed by "
+                   "tokenizer, haystack texts and settings, so teacher and student share them)")
+    p.add_argument("--prompts-only", action="store_true",
+                   help="build the prompts into --prompt-cache and stop (--model may be a tokenizer folder; no model loaded)")
     p.add_argument("--convert-attn-layers", help="evaluate a converted, untrained HypeNet of --model with these attention layers")
     _add_device(p)
     p.set_defaults(func=cmd_eval_niah)
@@ -269,8 +273,15 @@ def cmd_eval_niah(args) -> int:
         raise EvalError(f"unknown NIAH tasks {bad}; choose from {', '.join(TASKS)}")
     if args.samples < 1 or args.batch_size < 1:
         raise EvalError("--samples and --batch-size must be >= 1")
+    if args.prompts_only and not args.prompt_cache:
+        raise EvalError("--prompts-only needs --prompt-cache (the folder the prompts go to)")
     cfg = NiahConfig(tasks, parse_lengths(args.lengths), parse_depths(args.depths), args.samples, args.batch_size,
-                     args.max_new_tokens, args.seed, static_decode=args.static_decode)
+                     args.max_new_tokens, args.seed, static_decode=args.static_decode, prompt_cache=args.prompt_cache)
+    if args.prompts_only:
+        from .niah import build_prompt_cache
+
+        build_prompt_cache(load_tokenizer(args.model, args.trust_remote_code), cfg)
+        return 0
     model, tokenizer, label = load_model(args.model, args.device, args.dtype, args.convert_attn_layers,
                                          args.trust_remote_code)
     report = {"model": label, **run_niah(model, tokenizer, cfg)}
@@ -388,6 +399,22 @@ def load_model(name: str, device: str = "cpu", dtype: str = "fp32", convert_attn
         model = convert_model(model, layers)
         label = f"{name} -> HypeNet (untrained, attention {layers})"
     return model.to(device=device, dtype=torch_dtype).eval(), tokenizer, label
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """The tokenizer of a model or tokenizer folder (or 'smollm2'), without loading a model."""
+    from ..assets.teacher import resolve_model_arg
+    from ..models.convert import resolve_teacher
+
+    path = Path(resolve_model_arg(name))
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = _try_tokenizer(str(path), {}, trust_remote_code)  # a tokenizer folder needs no weights
+    else:
+        source = resolve_teacher(str(path))
+        tokenizer = _try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
+    if tokenizer is None:
+        raise EvalError(f"{name} has no tokenizer files")
+    return tokenizer
 
 
 def _load_causal_lm(source, dtype):

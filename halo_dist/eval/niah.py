@@ -15,6 +15,9 @@ appears in the generated text as a whole token sequence (not inside a longer num
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
 import re
 import time
@@ -327,6 +330,9 @@ class NiahConfig:
     # dynamic cache, a 64K cell of 20 prompts took 16 s for short answers and 33 s for UUIDs on an H200: about
     # 0.25 s per extra batched step, far above what reading a 64K cache costs
     static_decode: bool = False
+    # a folder of built prompt cells (see PromptCache): teacher and student, or a re-run, tokenize the
+    # haystacks once (about 0.35 s of CPU per 64K prompt)
+    prompt_cache: str | None = None
 
     def batch_for(self, length: int) -> int:
         if self.batch_tokens <= 0:
@@ -337,15 +343,88 @@ class NiahConfig:
 def run_niah(model, tokenizer, cfg: NiahConfig, corpus: list[str] | None = None, log=print) -> dict:
     """Generate every (task, length, depth, sample) prompt, decode greedily, score; return the report dict."""
     builder = NiahBuilder(tokenizer, corpus, cfg.seed)
+    cache = PromptCache(cfg.prompt_cache, builder) if cfg.prompt_cache else None
     records = []
     for task in cfg.tasks:
         for length in cfg.lengths:
             t0 = time.time()
-            samples = [builder.sample(task, length, d, k) for d in cfg.depths for k in range(cfg.samples_per_cell)]
+            samples, source = cache.cell(task, length, cfg) if cache else (build_cell(builder, task, length, cfg), "built")
+            t1 = time.time()
             records += _decode_and_score(model, tokenizer, samples, cfg)
             acc = sum(r["correct"] for r in records[-len(samples):]) / len(samples)
-            log(f"{task} @ {length}: accuracy {acc:.3f} over {len(samples)} prompts ({time.time() - t0:.1f}s)")
+            log(f"{task} @ {length}: accuracy {acc:.3f} over {len(samples)} prompts ({time.time() - t0:.1f}s; "
+                f"prompts {source} in {t1 - t0:.1f}s)")
     return {"config": asdict(cfg), "records": records, "summary": summarize(records)}
+
+
+def build_prompt_cache(tokenizer, cfg: NiahConfig, corpus: list[str] | None = None, log=print) -> None:
+    """Build every cell of ``cfg`` into ``cfg.prompt_cache`` without a model (CPU only): a later evaluation with
+    the same tokenizer and settings reads them instead of tokenizing the haystacks again."""
+    if not cfg.prompt_cache:
+        raise EvalError("building prompts needs a prompt cache folder")
+    cache = PromptCache(cfg.prompt_cache, NiahBuilder(tokenizer, corpus, cfg.seed))
+    for task in cfg.tasks:
+        for length in cfg.lengths:
+            t0 = time.time()
+            samples, source = cache.cell(task, length, cfg)
+            log(f"{task} @ {length}: {len(samples)} prompts {source} ({time.time() - t0:.1f}s)")
+
+
+def build_cell(builder: "NiahBuilder", task: str, length: int, cfg: NiahConfig) -> list[NiahSample]:
+    """The prompts of one (task, length) cell: every depth x ``samples_per_cell``."""
+    return [builder.sample(task, length, d, k) for d in cfg.depths for k in range(cfg.samples_per_cell)]
+
+
+class PromptCache:
+    """Built prompt cells on disk, one JSON file per (task, length) cell, named by a hash of everything the
+    prompts depend on: the tokenizer (its full serialisation), the haystack texts, the seed, the depths, the
+    sample count and the templates. A different tokenizer or corpus is a different file, never a wrong hit;
+    files are written atomically, so a killed run leaves none half-written."""
+
+    VERSION = 1
+
+    def __init__(self, folder: str | os.PathLike, builder: "NiahBuilder"):
+        self.folder, self.builder = Path(folder), builder
+        self._base: str | None = None
+
+    def cell(self, task: str, length: int, cfg: NiahConfig) -> tuple[list[NiahSample], str]:
+        """The cell's prompts and where they came from ("cached" or "built", then saved)."""
+        path = self.folder / f"{task}_{length}_{self._key(task, length, cfg)[:16]}.json"
+        if path.exists():
+            return [NiahSample(**r) for r in json.loads(path.read_text())["samples"]], "cached"
+        samples = build_cell(self.builder, task, length, cfg)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"task": task, "length": length, "samples": [asdict(x) for x in samples]}))
+        os.replace(tmp, path)
+        return samples, "built"
+
+    def _key(self, task: str, length: int, cfg: NiahConfig) -> str:
+        cell = [self._base_key(), task, length, list(cfg.depths), cfg.samples_per_cell, self.builder.seed]
+        return hashlib.sha256(json.dumps(cell).encode()).hexdigest()
+
+    def _base_key(self) -> str:
+        if self._base is None:
+            hay = self.builder.haystacks["essay"]
+            h = hashlib.sha256(json.dumps([self.VERSION, TEMPLATE, NEEDLE, FILLER, tokenizer_identity(self.builder.tokenizer)]).encode())
+            for doc in hay._docs():
+                h.update(hashlib.sha256(doc.encode()).digest())
+            self._base = h.hexdigest()
+        return self._base
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 of what turns text into ids: a fast tokenizer's serialisation (normaliser, pre-tokeniser,
+    vocabulary, merges, added tokens) without its padding and truncation state, which transformers changes
+    per call; else the vocabulary and the tokenizer's class."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("padding", None), spec.pop("truncation", None)
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    from ..data.manifest import vocab_sha256
+
+    return f"{type(tokenizer).__name__}:{vocab_sha256(tokenizer)}"
 
 
 def _decode_and_score(model, tokenizer, samples: list[NiahSample], cfg: NiahConfig) -> list[dict]:

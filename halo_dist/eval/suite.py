@@ -50,6 +50,7 @@ def add_suite_command(sub) -> None:
                    help="> 0: prompts per call = tokens // length (long prompts alone: no padding mask)")
     p.add_argument("--niah-static-decode", action="store_true",
                    help="decode a HypeNet model through its static cache (CUDA graphs on a GPU); others unchanged")
+    p.add_argument("--niah-prompt-cache", help="folder of built NIAH prompt cells (eval-niah --prompt-cache)")
     p.add_argument("--csr-tasks", default="hellaswag,arc_easy,arc_challenge", help="lm-eval tasks ('' skips)")
     p.add_argument("--csr-limit", type=int, default=0, help="items per task (0: every item)")
     p.add_argument("--csr-batch-size", type=int, default=8)
@@ -108,7 +109,7 @@ def _niah(model, tokenizer, label, args, path: Path) -> None:
 
     cfg = NiahConfig(list(TASKS), parse_lengths(args.niah_lengths), parse_depths(args.niah_depths),
                      args.niah_samples, args.niah_batch_size, batch_tokens=args.niah_batch_tokens,
-                     static_decode=args.niah_static_decode)
+                     static_decode=args.niah_static_decode, prompt_cache=args.niah_prompt_cache)
     report = {"model": label, **run_niah(model, tokenizer, cfg)}
     paths = write_reports(report, path.parent, args.name)
     print(paths["markdown"].read_text())

@@ -33,7 +33,7 @@ from ..stages.protocol import StageModule, StageSpec
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
 from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb, run_hparams
-from .profiling import StepProfiler
+from .profiling import StepProfiler, process_age_s
 from .schedules import LRSchedule, make_lr_scheduler
 from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step, finish_skipped_step
 from .teacher_identity import run_teacher_digests
@@ -435,13 +435,15 @@ def run_stage(cfg: RunConfig, stage: StageSpec, argv: list[str] | None = None, *
         trainer.setup()
         t0 = time.time()
         if trainer.rank == 0:  # the time to the first step (models, DeepSpeed, data) is what short jobs pay
-            print(f"setup: {t0 - start:.1f}s", flush=True)
+            age = process_age_s()
+            before = "" if age is None else f" (the process started {age - (t0 - start):.1f}s before it: imports, config)"
+            print(f"setup: {t0 - start:.1f}s{before}", flush=True)
         trainer.train()
         t1 = time.time()
         out = trainer.finish()
         if trainer.rank == 0:
             print(f"{cfg.stage.name} finished in {time.time() - t0:.1f}s (training {t1 - t0:.1f}s, output "
-                  f"{time.time() - t1:.1f}s) -> {out}", flush=True)
+                  f"{time.time() - t1:.1f}s) -> {out}; process age {process_age_s() or 0:.1f}s", flush=True)
         return out
     finally:
         if dist.is_initialized():
