@@ -79,6 +79,9 @@ R1)
   ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
   # the evaluations' NIAH prompts (CPU, one process): teacher and student read them in the timed run
   ($R prompts $CPU --work $W --tokenizer $W/tokenizer_src > $W/prompts.log 2>&1; echo "prompts rc $?"; tail -2 $W/prompts.log) &
+  # where a stage process's ~20 s before its trainer go on this machine (imports; 4 s on a 2-core CPU machine)
+  python3 -X importtime -c "import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed" 2> $W/importtime.log
+  sort -t'|' -k2 -n -r $W/importtime.log | head -25
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
   if [ -n "${KL_BENCH:-}" ]; then  # the fused loss of one stage-2 step of this pair, eager vs compiled (sessions 10-11)
     KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
