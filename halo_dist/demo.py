@@ -95,7 +95,8 @@ class Demo:
         self.logs.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         print(f"[demo] {names:<16} ...", end="", flush=True)
-        running = [(name, self._start(name, cmd)) for name, cmd in todo]
+        threads = self.cpu_threads(len(todo))
+        running = [(name, self._start(name, cmd, threads)) for name, cmd in todo]
         done_of = {name: done for name, _, done in steps}
         results = []
         for name, (proc, log) in running:
@@ -127,7 +128,7 @@ class Demo:
             print(f"[demo] {name:<16} already done ({done.relative_to(self.out)})", flush=True)
             return
         self.logs.mkdir(parents=True, exist_ok=True)
-        proc, log = self._start(name, cmd)
+        proc, log = self._start(name, cmd, self.cpu_threads(2))  # itself and the foreground step beside it
         self.background[name] = (proc, log, time.time())
         print(f"[demo] {name:<16} started alongside the next steps (log {log.relative_to(self.out)})", flush=True)
 
@@ -179,13 +180,25 @@ class Demo:
         tmp.write_text(json.dumps(windows, indent=2))
         os.replace(tmp, path)
 
-    def _start(self, name: str, cmd: list[str]) -> tuple[subprocess.Popen, Path]:
+    def _start(self, name: str, cmd: list[str], threads: int | None = None) -> tuple[subprocess.Popen, Path]:
         log = self.logs / f"{name}.log"
         with open(log, "a") as f:
-            f.write("$ " + " ".join(cmd) + "\n")
+            f.write("$ " + " ".join(cmd) + (f"  # OMP_NUM_THREADS={threads}" if threads else "") + "\n")
             f.flush()
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env(), start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env(threads),
+                                    start_new_session=True)
         return proc, log
+
+    def cpu_threads(self, starting: int) -> int | None:
+        """CPU threads for each of ``starting`` steps about to start beside the background steps still running,
+        on a CPU-only demo (None on a GPU: the settings' device is not "cpu"): they share OMP_NUM_THREADS (else
+        the core count). OpenMP threads that outnumber the cores spin against each other: on 2 cores, each with
+        2 threads, the teacher's NIAH ran ~50x slower beside stage 1 than alone."""
+        if self.s.device != "cpu":
+            return None
+        live = sum(proc.poll() is None for proc, _, _ in self.background.values())
+        budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        return max(1, budget // (starting + live))
 
     def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
         """Wait for the step; at the deadline (or a signal to the demo) SIGTERM it, then SIGKILL after the grace.
@@ -410,10 +423,12 @@ def _step_failed(name: str, rc: int, log: Path) -> DemoStepError:
     return DemoStepError(f"step {name} failed (exit {rc}); log: {log}\n{tail}")
 
 
-def _env() -> dict:
-    import os
-
+def _env(threads: int | None = None) -> dict:
+    """A step's environment: this repository importable, OMP_NUM_THREADS = ``threads`` when given (else the
+    user's, else the core count), no tokenizer thread pools beside our processes."""
     env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2))))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}"

@@ -288,3 +288,23 @@ def test_pause_after_a_step_ends_the_piece_there_and_names_are_checked(tmp_path)
     assert slow.exists() and not demo.background
     with pytest.raises(DemoStepError, match="--pause-after 'select'"):
         Demo(DemoSettings(out=str(tmp_path), pause_after="select"))
+
+
+def test_cpu_steps_that_run_at_once_share_the_threads(tmp_path, monkeypatch):
+    """On a CPU demo, steps running at the same time split OMP_NUM_THREADS (oversubscribed OpenMP threads spin
+    against each other); a background step counts until it exits; on a GPU the user's setting stays."""
+    from halo_dist.demo import Demo, DemoSettings
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    demo = Demo(DemoSettings(out=str(tmp_path), device="cpu"))
+    assert demo.cpu_threads(1) == 4 and demo.cpu_threads(2) == 2 and demo.cpu_threads(8) == 1
+    show = [sys.executable, "-c", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"]
+    demo.start_background("bg", [sys.executable, "-c", "import os, time; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); "
+                                  "time.sleep(30)"], tmp_path / "never")
+    assert demo.cpu_threads(1) == 2  # the background step is still running
+    demo.run_together([("a", show, tmp_path / "a.done"), ("b", show, tmp_path / "b.done")])
+    demo.stop_background()
+    assert demo.cpu_threads(1) == 4
+    logs = {n: (tmp_path / "logs" / f"{n}.log").read_text() for n in ("bg", "a", "b")}
+    assert "threads 2" in logs["bg"] and "threads 1" in logs["a"] and "threads 1" in logs["b"], logs
+    assert Demo(DemoSettings(out=str(tmp_path), device="cuda")).cpu_threads(2) is None
