@@ -82,6 +82,8 @@ R1)
   # where a stage process's ~20 s before its trainer go on this machine (imports; 4 s on a 2-core CPU machine)
   python3 -X importtime -c "import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed" 2> $W/importtime.log
   sort -t'|' -k2 -n -r $W/importtime.log | head -25
+  # compiled bytecode present where Python looks for it? (missing .pyc in a read-only tree means compiling per process)
+  for m in torch transformers deepspeed fla; do python3 -c "import importlib.util as u, pathlib as p; s = u.find_spec('$m'); d = p.Path(s.origin).parent / '__pycache__'; print('$m', s.origin, 'pyc files:', len(list(d.glob('*.pyc'))) if d.is_dir() else 'none')"; done
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
   if [ -n "${KL_BENCH:-}" ]; then  # the fused loss of one stage-2 step of this pair, eager vs compiled (sessions 10-11)
     KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
