@@ -109,13 +109,18 @@ def corpus_done(work: Path) -> bool:
     return (work / "corpus" / "corpus_report.json").exists()
 
 
+def preset(a, out: str) -> DemoSettings:
+    """The demo preset this script runs: h200, or tiny for a CPU rehearsal."""
+    return DemoSettings.tiny(out) if a.cpu_rehearsal else DemoSettings.h200(out)
+
+
 # ---------------------------------------------------------------------------------------------- prompts
 def cmd_prompts(a) -> int:
     """The run's NIAH prompts (every task, length, depth and sample of the preset), built on the CPU beside the
     corpus: teacher and student read them instead of tokenizing ~7M haystack tokens each inside the timed run.
     The teacher folder later takes this tokenizer's files if it serialises differently
     (``align_teacher_tokenizer``), so the prompts' tokenizer key matches it."""
-    s = DemoSettings.tiny(str(a.work / "run")) if a.cpu_rehearsal else DemoSettings.h200(str(a.work / "run"))
+    s = preset(a, str(a.work / "run"))
     cmd = Demo(s).niah_prompts_cmd(str(a.tokenizer))
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT).returncode
@@ -133,7 +138,7 @@ def cmd_warmup(a) -> int:
         return 0
     # the stage-2 config compiles its layers (model.compile=layer); the tiny CPU one does not
     pattern = "configs/tiny/stage{stage}.yaml" if a.cpu_rehearsal else "configs/bench/stage{stage}_smollm2.yaml"
-    s = DemoSettings.tiny("") if a.cpu_rehearsal else DemoSettings.h200("")
+    s = preset(a, "")
     cmd = [sys.executable, str(ROOT / "bench" / "bench_stages.py"), "--data", str(a.data), "--no-naive", "--stages", "2",
            "--config-pattern", pattern, "--steps", "1", str(a.steps), "1", "--runs", str(a.work / "warmup_runs"),
            "--stage2-micro", str(s.micro_batch), "--stage2-batch", str(s.global_batch), "--checkpointing", "off",
@@ -157,7 +162,7 @@ def cmd_warmup(a) -> int:
 # ---------------------------------------------------------------------------------------------- run
 def settings_for(a) -> DemoSettings:
     run = str(a.work / "run")
-    s = DemoSettings.tiny(run) if a.cpu_rehearsal else DemoSettings.h200(run)
+    s = preset(a, run)
     s.data, s.data_long = str(a.work / "corpus" / "all"), str(a.work / "corpus" / "long")
     if a.cpu_rehearsal:
         s.config_dir = "configs/demo"
@@ -229,9 +234,9 @@ def align_teacher_tokenizer(work: Path) -> None:
 
     teacher, corpus = smollm2_teacher_dir(), work / "corpus" / "all"
     try:
-        check_tokenizer(corpus, AutoTokenizer.from_pretrained(teacher))
-        if tokenizer_identity(AutoTokenizer.from_pretrained(teacher)) != tokenizer_identity(
-                AutoTokenizer.from_pretrained(work / "tokenizer")):
+        teacher_tok = AutoTokenizer.from_pretrained(teacher)
+        check_tokenizer(corpus, teacher_tok)
+        if tokenizer_identity(teacher_tok) != tokenizer_identity(AutoTokenizer.from_pretrained(work / "tokenizer")):
             raise DataError("the same vocabulary, serialised differently (another transformers version)")
     except DataError as e:
         print(f"[real] {e}: the teacher folder takes the corpus's tokenizer files from {work / 'tokenizer'}", flush=True)

@@ -426,6 +426,12 @@ def record_run_start(cfg: RunConfig, layout, metrics: MetricsLogger, rank: int, 
     print(layout.describe(), flush=True)
 
 
+def _age_note() -> str:
+    """``; process age Ns`` where the platform tells it (the wall time after this line is the exit)."""
+    age = process_age_s()
+    return "" if age is None else f"; process age {age:.1f}s"
+
+
 def run_stage(cfg: RunConfig, stage: StageSpec, argv: list[str] | None = None, **trainer_kwargs) -> Path | None:
     """Entry point of every stage launcher: build, train, write the output, always clean up. ``stage``: the
     stage's row of ``train.registry``; its trainer is built with ``(cfg, argv, stage=stage, **trainer_kwargs)``."""
@@ -443,7 +449,7 @@ def run_stage(cfg: RunConfig, stage: StageSpec, argv: list[str] | None = None, *
         out = trainer.finish()
         if trainer.rank == 0:
             print(f"{cfg.stage.name} finished in {time.time() - t0:.1f}s (training {t1 - t0:.1f}s, output "
-                  f"{time.time() - t1:.1f}s) -> {out}; process age {process_age_s() or 0:.1f}s", flush=True)
+                  f"{time.time() - t1:.1f}s) -> {out}{_age_note()}", flush=True)
         return out
     finally:
         if dist.is_initialized():
