@@ -99,7 +99,6 @@ class OPDConfig(Section):
     rnn_lr: Optional[float] = None  # peak LR of RNN mixers (default optim.lr)
     attn_lr: Optional[float] = None  # peak LR of attention mixers (default optim.lr)
     other_lr: Optional[float] = None  # peak LR of embeddings, MLPs, norms, lm_head (default optim.lr)
-    backend: Literal["torch", "deepspeed"] = "torch"  # torch: AdamW + DP all-reduce; deepspeed: ZeRO
     snapshot_every: int = 0  # pre-decay snapshots every N steps (kept forever); 0: only at decay start
     resume_from: Optional[str] = None  # a snapshot folder to continue from (a rung: larger total_steps)
     eval_every: int = 0  # held-out reverse KL every N steps (0: only at start and end)

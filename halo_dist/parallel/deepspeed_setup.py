@@ -171,4 +171,20 @@ def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGr
         check_zero3_partitioning(model, groups)
     out = deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)
     install_safe_loading(out[0])  # checkpoints are read with weights_only=True (safe_load.py)
+    keep_fp32_clip_norm(out[0])
     return out
+
+
+def keep_fp32_clip_norm(engine) -> None:
+    """Make ``engine.get_global_grad_norm()`` answer on DeepSpeed's plain fp32 path (ZeRO 0, neither
+    bf16 nor fp16, a torch optimizer): there ``clip_fp32_gradients`` computes the clipped norm with
+    ``deepspeed.runtime.utils.clip_grad_norm_`` and drops it, so ``optim/grad_norm`` would read NaN.
+    The replacement makes the same call and keeps the result where the mixed-precision optimizers
+    keep theirs."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_keep() -> None:
+        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_and_keep

@@ -56,7 +56,7 @@ class StageSpec:
     """One row of the stage table: how the stage builds, what it writes and which trainer runs it.
 
     ``build`` / ``write_output`` are None for a trainer that builds its models in ``setup`` and writes its
-    export in ``finish`` itself (OPD: rollouts need the tokenizer and a per-backend module).
+    export in ``finish`` itself (OPD: rollouts need the tokenizer, and under ZeRO-3 a gathered replica of the student).
     ``trainer_cls``: a ``halo_dist.train`` Trainer class, constructed as ``trainer_cls(cfg, argv, stage=spec)``
     (typed loosely: stages sit below train and do not import it)."""
 

@@ -130,7 +130,7 @@ class CheckpointManager:
 
     def save(self, engine, step: int, trainer_state: dict, config_text: str, rank_state: dict | None = None) -> Path:
         """Collective save of everything needed to continue exactly at ``step``. ``engine``: a DeepSpeed
-        engine or a :class:`PlainEngine`; ``rank_state``: more of this rank's state (tensors and plain
+        engine; ``rank_state``: more of this rank's state (tensors and plain
         values), stored in its RNG file beside the RNG states."""
         tag = step_dir_name(step)
         path = self.root / tag
@@ -207,30 +207,6 @@ class CheckpointManager:
 def rank_file(path: Path, rank: int) -> Path:
     """A checkpoint's file of one rank's RNG states (and the trainer's ``rank_state``)."""
     return path / f"rng_rank{rank:05d}.pt"
-
-
-class PlainEngine:
-    """The checkpoint side of a DeepSpeed engine for a model trained without one (every rank holds the
-    same full weights and optimizer state): rank 0 writes ``<tag>/state.pt``, every rank reads it."""
-
-    def __init__(self, module: torch.nn.Module, optimizer, scheduler, device: torch.device):
-        self.module, self.optimizer, self.scheduler, self.device = module, optimizer, scheduler, device
-
-    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = False) -> None:
-        path = Path(save_dir) / tag
-        path.mkdir(parents=True, exist_ok=True)  # every rank writes its RNG file here next
-        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict()}, path / "state.pt")
-
-    def load_checkpoint(self, load_dir: str, tag: str, **_) -> tuple[str, dict]:
-        """Model, optimizer and scheduler (always all three, whatever DeepSpeed's flags would ask)."""
-        path = Path(load_dir) / tag
-        blob = safe_load(path / "state.pt", map_location=self.device)
-        self.module.load_state_dict(blob["model"])
-        self.optimizer.load_state_dict(blob["optimizer"])
-        self.scheduler.load_state_dict(blob["scheduler"])
-        return str(path), {}
 
 
 def to_universal(path: Path) -> Path:

@@ -6,13 +6,13 @@ non-finite policy and the checkpoint writer are the Trainer's; this module suppl
 
 Per optimizer step on every rank: sample ``global_batch / dp`` prompts from the curriculum -> student
 rollouts at the current horizon -> pack into ``grad_accum`` micro-batches -> all-reduce the
-generated-token count N -> per micro-batch: teacher scores, fused reverse KL / normaliser, backward ->
-gradients averaged over ranks, clip, AdamW step on the run's schedule -> all-reduce the step's KL sum
--> the plateau detector may double the horizon.
+generated-token count N -> per micro-batch: teacher scores, fused reverse KL / normaliser, the DeepSpeed
+engine's backward -> at the last micro-batch the engine averages gradients over ranks, clips and steps
+AdamW on the run's schedule -> all-reduce the step's KL sum -> the plateau detector may double the horizon.
 
 ``docs/design.md`` ("On-policy distillation") explains the rest: TRL GKD's ``opd.beta``/``opd.lmbda``,
-the two backends (``torch``: a replica per rank; ``deepspeed``: ZeRO with a rollout replica under
-ZeRO-3, and why), what a checkpoint holds, signals, the non-finite policy and pre-decay snapshots.
+why the student trains under DeepSpeed at every ZeRO stage (and samples from a rollout replica under
+ZeRO-3), what a checkpoint holds, signals, the non-finite policy and pre-decay snapshots.
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
 from ..models.flops import flops_per_token
 from ..parallel.env import ensure_distributed_env, local_device
-from ..parallel.grads import allreduce_mean_grads
 from ..parallel.safe_load import safe_load
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step, pack_rollouts,
                           parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
-from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, PlainEngine, latest_checkpoint, rank_file
+from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, latest_checkpoint, rank_file
 from .trainer import Trainer, record_run_start, run_loss_hooks
 from .metrics import MetricsLogger, check_wandb
 from .resume_check import check_same_run
@@ -45,18 +44,13 @@ from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step
 from .teacher_identity import run_teacher_digests
 
 
-def ensure_process_group(deepspeed: bool = False) -> None:
-    """A 1-rank group for a plain ``python launchers/opd.py``; torchrun's env otherwise. ``deepspeed``:
-    also DeepSpeed's comm layer (on an existing torch group too)."""
-    if dist.is_initialized() and not deepspeed:
-        return
-    ensure_distributed_env()
-    if deepspeed:
-        from ..parallel.deepspeed_setup import init_distributed
+def ensure_process_group() -> None:
+    """torch.distributed and DeepSpeed's comm layer (on an existing torch group too): a 1-rank group for
+    a plain ``python launchers/opd.py``, torchrun's environment otherwise."""
+    from ..parallel.deepspeed_setup import init_distributed
 
-        init_distributed()
-    else:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    ensure_distributed_env()
+    init_distributed()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,12 +68,11 @@ class OPDTrainer(Trainer):
         if cfg.opd is None:
             raise ValueError("the OPD trainer needs an opd: section (stage.name: opd)")
         super().__init__(cfg, argv, stage=stage)
-        self.ds = cfg.opd.backend == "deepspeed"
         self._inject = dict(hf_teacher=hf_teacher, student=student, tokenizer=tokenizer)
         self._prebuilt = prompt_sets
         self.tokens_seen = 0  # generated (trained) tokens, all ranks
         self.eval_history: list[tuple[int, float]] = []
-        self.engine = None  # the DeepSpeed engine (backend deepspeed)
+        self.engine = None  # the DeepSpeed engine around the OPDModule (setup)
         self.rollout_student = None  # ZeRO-3: the gathered copy that generates (module doc)
         self._replica_step = None  # optimizer step the rollout replica was last refreshed at
 
@@ -87,7 +80,7 @@ class OPDTrainer(Trainer):
     def setup(self) -> "OPDTrainer":
         cfg, opd = self.cfg, self.cfg.opd
         check_wandb(cfg.logging.wandb)
-        ensure_process_group(self.ds)
+        ensure_process_group()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
@@ -111,16 +104,14 @@ class OPDTrainer(Trainer):
         o = cfg.optim
         self.groups = parameter_groups(student, lr=o.lr, rnn_lr=opd.rnn_lr, attn_lr=opd.attn_lr,
                                        other_lr=opd.other_lr, train_attention=opd.train_attention)
-        self.params = [p for g in self.groups for p in g["params"]]
-        self.n_trainable = sum(p.numel() for p in self.params)  # before ZeRO-3 partitions them
+        self.n_trainable = sum(p.numel() for g in self.groups for p in g["params"])  # before ZeRO-3 partitions
         self.optimizer = torch.optim.AdamW(self.groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, fused=self.device.type == "cuda")
         self.torch_optimizer = self.optimizer  # its param_groups carry the group names and peak LRs
         self.schedule = LRSchedule.from_config(cfg)
         # Every group's LR = its peak x the schedule's multiplier (shape shared, peaks per group).
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.multiplier)
-        if self.ds:
-            self._init_deepspeed()
+        self._init_deepspeed()
         self.horizon = HorizonSchedule.from_config(opd)
         vocab = student.config.vocab_size
         self.curriculum = Curriculum(opd, self.tokenizer, vocab, rank=self.rank, prebuilt=self._prebuilt,
@@ -200,7 +191,7 @@ class OPDTrainer(Trainer):
         return {"step": self.step, "tokens_seen": self.tokens_seen, "schedule": self.schedule.state_dict(),
                 "horizon": self.horizon.state_dict(), "world_size": self.world, "stage": "opd",
                 "teacher": self.cfg.model.teacher, "teacher_files": self.teacher_files, "eval_history": self.eval_history,
-                "student_config": self.module.student.config.to_dict(), "backend": self.cfg.opd.backend,
+                "student_config": self.module.student.config.to_dict(), "backend": "deepspeed",
                 "nonfinite": self.nonfinite.state_dict()}
 
     def save(self, root: Path | None = None) -> Path:
@@ -210,12 +201,8 @@ class OPDTrainer(Trainer):
         cfg_file = Path(self.cfg.logging.run_dir) / "config.yaml"
         cfg_text = cfg_file.read_text() if self.rank == 0 and cfg_file.exists() else ""
         rank_state = {"generator": self.generator.get_state(), "curriculum": self.curriculum.state_dict()}
-        return manager.save(self._checkpoint_engine(), self.step, self._trainer_state(), cfg_text, rank_state)
+        return manager.save(self.engine, self.step, self._trainer_state(), cfg_text, rank_state)
 
-    def _checkpoint_engine(self):
-        """What writes and reads student, optimizer and scheduler: the DeepSpeed engine (ZeRO shards from
-        every rank) or, for the torch backend, one ``state.pt`` from rank 0."""
-        return self.engine or PlainEngine(self.module.student, self.optimizer, self.scheduler, self.device)
 
     def load(self, path: Path, rung: bool = False) -> None:
         """Restore everything saved by :meth:`save`; ``rung``: a snapshot continued with a new schedule."""
@@ -233,10 +220,10 @@ class OPDTrainer(Trainer):
         if state["world_size"] != self.world:
             raise IncompatibleInputError(f"{path} was written by {state['world_size']} ranks; this run has "
                                          f"{self.world}")
-        if state.get("backend", "torch") != self.cfg.opd.backend:
-            raise IncompatibleInputError(f"{path} was written by opd.backend={state.get('backend', 'torch')}; this "
-                                         f"run has opd.backend={self.cfg.opd.backend} (their checkpoint formats differ)")
-        self.ckpt.load(self._checkpoint_engine(), path)  # student, optimizer, scheduler, this rank's RNG
+        if state.get("backend", "torch") != "deepspeed":
+            raise IncompatibleInputError(f"{path} holds a plain-torch OPD checkpoint (one state.pt); OPD trains "
+                                         "under DeepSpeed and reads DeepSpeed checkpoints only: start the run again")
+        self.ckpt.load(self.engine, path)  # student, optimizer, scheduler, this rank's RNG
         self._replica_step = None
         local = safe_load(rank_file(path, self.rank))  # tensors and plain values only
         self.generator.set_state(local["generator"])
@@ -338,22 +325,19 @@ class OPDTrainer(Trainer):
         """Forward and backward of every micro-batch: ``(kl_sum, [[bucket sum, count]], tokens, skipping)``;
         after a non-finite loss (``optim.nonfinite=skip``) the rest of the step runs without accumulating."""
         layout = self.layout
-        # torch: gradients summed over micro-batches, averaged over the world by allreduce_mean_grads;
-        # deepspeed: the engine divides by grad_accum and averages over the dp ranks
-        normalizer = n_global / (self.world if not self.ds else layout.grad_accum_steps * layout.dp_size)
+        # every rank's loss is (its KL sum) / normalizer; the engine divides by grad_accum and averages over
+        # the dp ranks, so the gradient is that of (the step's KL sum over all ranks) / n_global
+        normalizer = n_global / (layout.grad_accum_steps * layout.dp_size)
         kl_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         bucket_sums = [[torch.zeros((), device=self.device, dtype=torch.float64), 0] for _ in self.buckets]
         train_tokens, skipping = 0, False
         for batch in micro:
-            loss, kl, count, per_bucket = (self.engine or self.module)(
+            loss, kl, count, per_bucket = self.engine(
                 batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, batch.loss_mask,
                 batch.gen_index, normalizer=normalizer, horizon=horizon)
             loss = run_loss_hooks(self, loss)
             skipping = skipping or self._nonfinite(loss)
-            if self.ds:
-                backward_and_step(self.engine, loss, drop=skipping)
-            elif not skipping:
-                loss.backward()
+            backward_and_step(self.engine, loss, drop=skipping)
             if skipping:
                 continue
             kl_sum += kl.double()
@@ -364,24 +348,14 @@ class OPDTrainer(Trainer):
         return kl_sum, bucket_sums, train_tokens, skipping
 
     def _reduce_and_step(self) -> float:
-        if self.ds:  # the engine already reduced, clipped and stepped at the last micro-batch's boundary
-            norm = self.engine.get_global_grad_norm()
-            return float(norm) if norm is not None else float("nan")
-        allreduce_mean_grads(self.params, self.world)
-        clip = self.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip is not None else float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        """The step's gradient norm: the engine already reduced, clipped and stepped at the last
+        micro-batch's boundary."""
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
 
     def _finish_skipped_step(self) -> float:
         """No update; the LR schedule advances (a skipped step is a step, see stopping.py's module doc)."""
-        if self.ds:
-            finish_skipped_step(self.engine, self.scheduler)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+        finish_skipped_step(self.engine, self.scheduler)
         return float("nan")
 
     def _log_step(self, out: dict, gen_tokens: int, gen_time: float, train_tokens: int, train_time: float) -> None:
@@ -409,8 +383,6 @@ class OPDTrainer(Trainer):
 
     def _nonfinite_stop(self) -> NonFiniteLossError:
         """Checkpoint the last good state (no gradient of this step kept) and return the error to raise."""
-        if not self.ds:
-            self.optimizer.zero_grad(set_to_none=True)
         path = self.save()
         return NonFiniteLossError(f"non-finite {self.divergence} at step {self.step + 1} "
                                   f"({self.nonfinite.stop_reason()}); the last good state is saved in {path}. "
