@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, write_result  # noqa: E402
-from halo_dist.eval.niah import TASKS, NiahConfig, heatmap, markdown_table, parse_depths, parse_lengths, run_niah  # noqa: E402
+from halo_dist.eval.niah import TASKS, NiahConfig, parse_depths, parse_lengths, run_niah  # noqa: E402
+from halo_dist.eval.niah_report import heatmap, markdown_table  # noqa: E402
 
 
 def parse_args(argv=None):

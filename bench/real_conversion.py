@@ -453,7 +453,7 @@ def cmd_compare(a) -> int:
 
 
 def ablation_table(out: dict) -> str:
-    from halo_dist.eval.niah import format_length
+    from halo_dist.eval.niah_report import format_length
 
     lengths, names = out["lengths"], list(out["niah"])
     head = "| model | " + " | ".join(f"S{t[-1]} {format_length(L)}" for t in NIAH_TASKS for L in lengths)
@@ -466,7 +466,7 @@ def ablation_table(out: dict) -> str:
 
 def _ablation_png(out: dict, path: Path) -> Path:
     """NIAH accuracy by context length, one panel per task: teacher, HyPE student, ablation student."""
-    from halo_dist.eval.niah import format_length
+    from halo_dist.eval.niah_report import format_length
 
     lengths = out["lengths"]
     fig = _figure(4.2 * len(NIAH_TASKS), 3.4)
@@ -545,7 +545,7 @@ def _niah_png(run: Path, path: Path) -> Path | None:
     """Teacher and student NIAH heatmaps (accuracy by depth x length) side by side, one row per task."""
     import numpy as np
 
-    from halo_dist.eval.niah import format_length
+    from halo_dist.eval.niah_report import format_length
 
     reports = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
     if not all(reports.values()):

@@ -6,7 +6,7 @@ import pytest
 from conftest import tiny_qwen3
 
 from halo_dist import cli
-from halo_dist.eval import niah
+from halo_dist.eval import niah, niah_report
 from halo_dist.eval.errors import EvalError
 from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer
 
@@ -88,7 +88,7 @@ def test_scoring_summary_reports_and_heatmap(tmp_path, monkeypatch):
     report = {"model": "oracle", **niah.run_niah(None, byte_tokenizer(), cfg, log=lambda m: None)}
     s = report["summary"]["niah_single_1"]
     assert s["by_cell"][1024] == {0.0: 0.0, 1.0: 1.0} and s["mean"] == 0.5
-    paths = niah.write_reports(report, tmp_path, "oracle")
+    paths = niah_report.write_reports(report, tmp_path, "oracle")
     assert paths["heatmap"].stat().st_size > 1000 and paths["heatmap"].read_bytes()[:4] == b"\x89PNG"
     table = paths["markdown"].read_text()
     assert "| niah_single_1 | 50.0 | 50.0 | 50.0 |" in table and "1K" in table and "2K" in table

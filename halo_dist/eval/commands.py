@@ -265,7 +265,8 @@ def _add_niah(sub) -> None:
 
 
 def cmd_eval_niah(args) -> int:
-    from .niah import TASKS, NiahConfig, parse_depths, parse_lengths, run_niah, write_reports
+    from .niah import TASKS, NiahConfig, parse_depths, parse_lengths, run_niah
+    from .niah_report import write_reports
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in tasks if t not in TASKS]

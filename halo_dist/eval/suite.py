@@ -105,7 +105,8 @@ def cmd_eval_suite(args) -> int:
 
 
 def _niah(model, tokenizer, label, args, path: Path) -> None:
-    from .niah import TASKS, NiahConfig, parse_depths, parse_lengths, run_niah, write_reports
+    from .niah import TASKS, NiahConfig, parse_depths, parse_lengths, run_niah
+    from .niah_report import write_reports
 
     cfg = NiahConfig(list(TASKS), parse_lengths(args.niah_lengths), parse_depths(args.niah_depths),
                      args.niah_samples, args.niah_batch_size, batch_tokens=args.niah_batch_tokens,

@@ -189,23 +189,14 @@ def _pick_backend(backend: str, device: torch.device, n_rows: int) -> str:
 
 
 def fused_distill_loss(
-    student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
-    teacher_hidden: torch.Tensor | None,
-    teacher_weight: torch.Tensor | None,
+    student_hidden: torch.Tensor, student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | None, teacher_weight: torch.Tensor | None,
     *,
-    token_mask: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    direction: str | None = None,
-    beta: float | None = None,
-    temperature: float = 1.0,
-    kl_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    ignore_index: int = -100,
+    token_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+    direction: str | None = None, beta: float | None = None, temperature: float = 1.0,
+    kl_weight: float = 1.0, ce_weight: float = 0.0, ignore_index: int = -100,
     normalizer: float | torch.Tensor | None = None,
-    chunk_size: int | None = None,
-    memory_budget_bytes: int = 2 << 30,
-    backend: str = "auto",
+    chunk_size: int | None = None, memory_budget_bytes: int = 2 << 30, backend: str = "auto",
 ) -> DistillLossOutput:
     """Token-level KL (+ optional CE) between student and teacher over the full vocabulary.
 
