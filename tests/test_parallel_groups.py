@@ -1,6 +1,10 @@
-"""ParallelLayout arithmetic (no processes) and ProcessGroups on 4 gloo ranks (one launch)."""
+"""ParallelLayout arithmetic (no processes) and ProcessGroups on 4 gloo ranks (one launch): the mpu
+methods, live collectives, and that the groups are megatron-core's parallel_state groups."""
 
 from __future__ import annotations
+
+import sys
+import warnings
 
 import pytest
 import torch
@@ -75,11 +79,60 @@ def _describe(groups: ProcessGroups) -> dict:
     return res
 
 
+def _megatron_facts(groups: ProcessGroups) -> dict:
+    """Whether ``groups`` holds the groups megatron's parallel_state holds now, and what megatron says."""
+    from megatron.core import parallel_state as ps
+
+    return {"same": {"sp": groups.sp_group is ps.get_context_parallel_group(),
+                     "dp": groups.dp_group is ps.get_data_parallel_group(),
+                     "sdp": groups.sdp_group is ps.get_data_parallel_group(with_context_parallel=True),
+                     "self": groups.self_group is ps.get_model_parallel_group()},
+            "cp_global_ranks": ps.get_context_parallel_global_ranks(),
+            "dp_ranks": dist.get_process_group_ranks(ps.get_data_parallel_group()),
+            "cp": (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()),
+            "dp": (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())}
+
+
+def _megatron_lifecycle() -> dict:
+    """On a fresh rank (megatron-core not imported yet): the import, then repeated builds."""
+    res = {"imported_before": "megatron.core" in sys.modules}
+    safe_before = list(torch.serialization.get_safe_globals())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        two = ProcessGroups.build(sp_size=2)
+    res["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
+    from megatron.core import parallel_state as ps
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    allowed = torch.serialization.get_safe_globals()
+    res["megatron_safe_globals"] = [repr(g) for g in SAFE_GLOBALS if g in allowed and g not in safe_before]
+    res["sp2"] = _megatron_facts(two)
+    res["same_layout_reused"] = ProcessGroups.build(sp_size=2).sp_group is two.sp_group
+    four = ProcessGroups.build(sp_size=4)
+    res["sp4"], res["sp2_after_sp4"] = _megatron_facts(four), _megatron_facts(two)
+    t = torch.tensor([float(two.rank)])
+    dist.all_reduce(t, group=two.sp_group)  # a ProcessGroups built before still works
+    res["old_sp_sum"] = t.item()
+    with pytest.raises(LayoutError):
+        ProcessGroups.build(sp_size=3)
+    res["cp_size_after_bad"] = ps.get_context_parallel_world_size()  # refused before megatron was called
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(context_parallel_size=2, create_gloo_process_groups=False)
+    try:
+        ProcessGroups.build(sp_size=2)
+        res["foreign"] = "no error"
+    except RuntimeError as e:
+        res["foreign"] = str(e)
+    ps.destroy_model_parallel()
+    return res
+
+
 def _four_rank_scenarios() -> dict:
-    out = {}
+    out = {"megatron": _megatron_lifecycle()}
     for sp in (1, 2, 4):
         groups = ProcessGroups.build(sp_size=sp)
         out[sp] = _describe(groups)
+        out[sp]["megatron"] = _megatron_facts(groups)
         if sp > 1:  # Ulysses inside an SP group that is not the world; replicas get different data
             sp_ctx = SequenceParallel(groups.sp_group)
             out[sp]["golden"] = max(max(attention_golden(sp_ctx, 8, kv, seed=100 * groups.dp_rank + kv).values())
@@ -125,3 +178,41 @@ def test_process_groups_on_four_ranks(four_ranks, sp):
 @pytest.mark.slow
 def test_build_rejects_bad_sp_on_live_world(four_ranks):
     assert all("world_size=4 is not divisible by sp_size=3" in res["bad"] for res in four_ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_groups_are_megatron_parallel_state_groups(four_ranks, sp):
+    """SP = megatron's context-parallel group, DP = its data-parallel group, DP x SP = its DP-with-CP group."""
+    layout = ParallelLayout(4, sp)
+    for rank, res in enumerate(four_ranks):
+        got, (dp_rank, sp_rank) = res[sp]["megatron"], layout.coords(rank)
+        assert got["same"] == {"sp": True, "dp": True, "sdp": True, "self": True}
+        ranks = res[sp]["ranks"]  # what ProcessGroups' own groups hold
+        assert got["cp_global_ranks"] == layout.sp_group_ranks(dp_rank) == ranks["get_sequence_parallel_group"]
+        assert got["dp_ranks"] == layout.dp_group_ranks(sp_rank) == ranks["get_data_parallel_group"]
+        assert got["cp"] == (sp, sp_rank) and got["dp"] == (4 // sp, dp_rank)
+
+
+@pytest.mark.slow
+def test_repeated_builds_reuse_or_replace_megatron_state(four_ranks):
+    for rank, res in enumerate(four_ranks):
+        m = res["megatron"]
+        assert m["same_layout_reused"]
+        assert m["sp4"]["same"] == {"sp": True, "dp": True, "sdp": True, "self": True}
+        assert m["sp4"]["cp_global_ranks"] == [0, 1, 2, 3]
+        assert not any(m["sp2_after_sp4"]["same"].values())  # megatron holds the sp=4 groups now
+        assert m["old_sp_sum"] == sum(ParallelLayout(4, 2).sp_group_ranks(rank // 2))
+        assert m["cp_size_after_bad"] == 4
+        assert "initialised by other code" in m["foreign"] and "destroy_model_parallel" in m["foreign"]
+
+
+@pytest.mark.slow
+def test_megatron_import_is_quiet_and_leaves_the_weights_only_allowlist(four_ranks):
+    for res in four_ranks:
+        m = res["megatron"]
+        assert not m["imported_before"]  # else the import below was not ProcessGroups.build's
+        # the four UserWarnings megatron.core's import gives without Transformer Engine and Apex
+        assert not [msg for cat, msg in m["warnings"]
+                    if cat == "UserWarning" and msg.startswith("Transformer Engine and Apex are not installed")]
+        assert m["megatron_safe_globals"] == []  # safe_load.py's allowlist stays tensors + DeepSpeed types
