@@ -19,6 +19,9 @@
 #   N (next session): GPU0 stage 2 compiled (2B config: compile=layer, ZeRO-1) with the naive baseline in the same
 #      run | GPU1 decode-step profile (kernel time vs graph time), then the GLA/RWKV-7/Mamba2 checks
 #   N1 (next session, one GPU): N's same-run compiled-vs-naive stage 2 alone (the stage2_speedup_vs_naive key)
+#   R17a (one GPU): stage 2 (2B config, compile=layer, ZeRO-1) and stage 3 at 16K after the one-engine refactor
+#   R17b (one GPU, same warm machine): decode at 512K (both shapes, CUDA graphs), then the tiny OPD run under
+#      DeepSpeed on the GPU (carry .whl .bench_data)
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -165,6 +168,16 @@ N)
    timeout $((570 - SECONDS)) python3 bench/bench_mixers.py --mixers gla,rwkv7,mamba2 --out bench/results/mixers_rest.json \
      > "$OUT/mixers_rest.log" 2>&1; echo "mixers rc=$?") &
   wait
+  ;;
+R17a)
+  timeout 540 python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 3 --steps 1 8 4 \
+    --tag r17 > "$OUT/stages_r17.log" 2>&1; echo "stages rc=$?"
+  ;;
+R17b)
+  timeout 300 python3 bench/bench_inference.py --contexts --decode-only 524288 --teacher-decode-only 524288 \
+    --out bench/results/inference_decode_r17.json > "$OUT/decode_r17.log" 2>&1; echo "decode rc=$?"
+  timeout 200 python3 launchers/opd.py --config configs/opd/tiny.yaml logging.run_dir=runs/bench/opd_tiny \
+    logging.tensorboard=false schedule.total_steps=6 > "$OUT/opd_tiny_gpu.log" 2>&1; echo "opd tiny rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
