@@ -250,6 +250,32 @@ def test_model_pe_is_still_refused_where_the_encoding_is_fixed():
 TINY_PRETRAIN = CONFIGS / "tiny" / "pretrain_hypenet.yaml"
 
 
+def old_layout(tree: dict) -> dict:
+    """``tree`` (a pretrain config) with its pretrain section written into model: (arch, sliding_window, scratch)."""
+    tree = json.loads(json.dumps(tree))
+    section = tree.pop("pretrain")
+    tree["model"].update(arch=section["arch"], sliding_window=section.get("sliding_window"),
+                         scratch=section["model"])
+    return tree
+
+
+def test_a_config_with_the_pretrain_keys_under_model_says_where_they_moved(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old_layout(load_tree(TINY_PRETRAIN))))
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path)
+    found = problems_of(excinfo)
+    assert found["model.arch"] == "unknown key: model.arch moved to pretrain.arch"
+    assert found["model.sliding_window"] == "unknown key: model.sliding_window moved to pretrain.sliding_window"
+    assert found["model.scratch"] == "unknown key: model.scratch moved to pretrain.model"
+    assert set(found) == {"model.arch", "model.sliding_window", "model.scratch"}, found
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"scratch": {"hidden_size": 8}}}))
+    with pytest.raises(ConfigError, match=r"model\.scratch: unknown key: model\.scratch moved to pretrain\.model"):
+        validate_file(tmp_path / "base.yaml")  # a partial (base) file
+    with pytest.raises(ConfigError, match=r"model\.arch: unknown key: model\.arch moved to pretrain\.arch"):
+        load_config(TINY_PRETRAIN, ["model.arch=swan"])  # an override that names the model: key
+
+
 def test_the_pretrain_section_is_required_by_stage_pretrain_and_refused_elsewhere():
     tree = load_tree(TINY_PRETRAIN)
     del tree["pretrain"]

@@ -169,6 +169,8 @@ def test_every_grid_variant_is_a_hypenet(name, overrides):
     (["pretrain.arch=null", "model.pe=null"], "pretrain.arch: must be one of transformer|swan|hypenet, got 'null'"),
     (["pretrain.model=null"], "pretrain.model: expected a mapping of PretrainModelConfig keys"),
     (["pretrain=null"], "pretrain: stage pretrain needs this section"),
+    (["model.arch=swan"], "model.arch: unknown key: model.arch moved to pretrain.arch"),
+    (["model.scratch.hidden_size=8"], "model.scratch: unknown key: model.scratch moved to pretrain.model"),
     (["loss.objective=kl"], "loss.objective: pretrain trains with ce"),
     (["parallel.sp_size=8"], "parallel.sp_size: 8 does not divide num_attention_heads=4"),
     (["pretrain.model.hidden_sise=8"], "did you mean 'pretrain.model.hidden_size'"),

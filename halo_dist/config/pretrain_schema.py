@@ -29,6 +29,12 @@ from .section import Section, _positive
 
 PretrainArch = Literal["transformer", "swan", "hypenet"]
 
+# Keys of the pretrain section that a config may still place under model:. Such a key is unknown
+# there; the error names where it belongs (halo_dist.config.coerce.with_suggestions).
+MOVED_KEYS: dict[str, str] = {"model.arch": "pretrain.arch", "model.sliding_window": "pretrain.sliding_window",
+                              "model.scratch": "pretrain.model"}
+
+
 @dataclass(kw_only=True, frozen=True)
 class PretrainModelConfig(Section):
     """Shape and initialisation of the randomly initialised model that stage ``pretrain`` trains.

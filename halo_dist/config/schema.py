@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from .coerce import ConfigError, fail
 from .model_schema import ModelConfig, RandomTeacherConfig
 from .opd_schema import OPDConfig, PromptSetConfig
-from .pretrain_schema import PretrainConfig, PretrainModelConfig
+from .pretrain_schema import MOVED_KEYS, PretrainConfig, PretrainModelConfig
 from .section import Section, _non_negative, _positive
 
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
@@ -297,6 +297,8 @@ class RunConfig(Section):
     eval: EvalConfig = field(default_factory=EvalConfig)
     opd: Optional[OPDConfig] = None  # on-policy distillation settings (stage opd only)
     pretrain: Optional[PretrainConfig] = None  # the from-scratch variant and its shape (stage pretrain only)
+    # keys that belong to another section, to where: an unknown-key error says where (coerce.with_suggestions)
+    MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
 
     def validate(self) -> None:
         self._validate_opd()
