@@ -44,14 +44,14 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "sweeps" / "base_500m.yaml"
 PEAK_FLOPS = {"H200": 779e12}  # measured bf16 matmul ceiling; other GPUs: --peak-tflops
 VARIANTS = {  # the grid's overrides (configs/sweeps/grid.yaml)
-    "hypenet-lightning-hype": ["model.arch=hypenet", "model.rnn_mixer=lightning", "model.pe=hype",
+    "hypenet-lightning-hype": ["pretrain.arch=hypenet", "model.rnn_mixer=lightning", "model.pe=hype",
                                "model.attn_layers=0,4,8,12,16,20,24", "model.logits_scaling_a=300"],
-    "transformer": ["model.arch=transformer", "model.logits_scaling_a=null", "model.attn_output_gate=false"],
+    "transformer": ["pretrain.arch=transformer", "model.logits_scaling_a=null", "model.attn_output_gate=false"],
 }
-SMOKE_SHAPE = ["model.scratch.vocab_size=512", "model.scratch.num_hidden_layers=4", "model.scratch.hidden_size=64",
-               "model.scratch.intermediate_size=128", "model.scratch.num_attention_heads=4",
-               "model.scratch.num_key_value_heads=2", "model.scratch.head_dim=16", "model.dtype=float32",
-               "model.activation_checkpointing=false", "model.scratch.tokenizer=null", "model.attn_layers=[]"]
+SMOKE_SHAPE = ["pretrain.model.vocab_size=512", "pretrain.model.num_hidden_layers=4", "pretrain.model.hidden_size=64",
+               "pretrain.model.intermediate_size=128", "pretrain.model.num_attention_heads=4",
+               "pretrain.model.num_key_value_heads=2", "pretrain.model.head_dim=16", "model.dtype=float32",
+               "model.activation_checkpointing=false", "pretrain.model.tokenizer=null", "model.attn_layers=[]"]
 
 
 def parse_args(argv=None):
@@ -130,7 +130,7 @@ def recount(path: Path) -> int:
         if "error" in row or row["variant"] not in VARIANTS:
             print(f"skipped {row['variant']}: {'no measurement' if 'error' in row else 'no longer a variant here'}")
             continue
-        config = pretrain_config(variant_config(row["variant"], a).model)
+        config = pretrain_config(variant_config(row["variant"], a))
         fpt = flops_per_trained_token(config, round(row["params_M"] * 1e6), a)
         old = row["mfu"]
         row.setdefault("mfu_by_row_length", old)
@@ -165,7 +165,7 @@ def bench_variant(name: str, a, device, dtype, peak: float | None) -> dict:
         if step == a.warmup:
             sync(device)
             t_start = time.perf_counter()
-        batch = random_batch(a, cfg.model.scratch.vocab_size, device, gen)
+        batch = random_batch(a, cfg.pretrain.model.vocab_size, device, gen)
         n_tok = float((batch["labels"] != -100).sum())
         loss, tracked, count = module(**batch, normalizer=n_tok)
         loss.backward()

@@ -1,7 +1,7 @@
 """From-scratch pretraining launcher (sweeps; thin: parse config, build, run).
 
     torchrun --nproc_per_node 8 launchers/pretrain.py --config configs/sweeps/base_500m.yaml data.train=/data/fwe-gpt2
-    deepspeed launchers/pretrain.py --config configs/sweeps/base_500m.yaml model.arch=transformer \
+    deepspeed launchers/pretrain.py --config configs/sweeps/base_500m.yaml pretrain.arch=transformer \
         model.logits_scaling_a=null model.attn_output_gate=false
     python launchers/pretrain.py --config configs/tiny/pretrain_hypenet.yaml          # CPU, one rank
     python launchers/pretrain.py --config configs/sweeps/base_500m.yaml --check --world-size 8   # allocate nothing

@@ -53,7 +53,7 @@ sweep_task_cmd() {  # sweep_task_cmd NAME BASE "OVERRIDES": the training command
     halo_split "${HALO_SWEEP_ARGS:-}"
     # the model exports (and checks the shards against) the tokenizer data prep used
     halo_torchrun_cmd "$HALO_PRETRAIN_LAUNCHER" --config "$base" "${overrides[@]}" \
-        "model.scratch.tokenizer=$HALO_SWEEP_TOKENIZER" "data.train=$HALO_DATA" "logging.run_dir=$HALO_RUNS/$name" \
+        "pretrain.model.tokenizer=$HALO_SWEEP_TOKENIZER" "data.train=$HALO_DATA" "logging.run_dir=$HALO_RUNS/$name" \
         "${HALO_WORDS[@]}"
 }
 

@@ -14,7 +14,7 @@ Stdlib + PyYAML only (runs on a login node). Grid format::
     base: configs/sweeps/base_500m.yaml
     variants:
       - name: transformer
-        overrides: [model.arch=transformer, model.logits_scaling_a=null]
+        overrides: [pretrain.arch=transformer, model.logits_scaling_a=null]
 """
 from __future__ import annotations
 

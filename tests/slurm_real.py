@@ -206,8 +206,8 @@ class Driver:
 def tiny_grid(sc: Scenario) -> Path:
     grid = sc.root / "grid.yaml"
     grid.write_text(json.dumps({"base": str(REPO / "configs" / "tiny" / "pretrain_hypenet.yaml"), "variants": [
-        {"name": "transformer", "overrides": ["model.arch=transformer", "model.pe=null", "model.logits_scaling_a=null",
-                                              "model.attn_output_gate=false"]},
+        {"name": "transformer", "overrides": ["pretrain.arch=transformer", "model.pe=null",
+                                              "model.logits_scaling_a=null", "model.attn_output_gate=false"]},
         {"name": "hypenet", "overrides": []}]}))
     return grid
 

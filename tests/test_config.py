@@ -59,11 +59,11 @@ def test_every_sweep_variant_validates(grid, name, overrides, monkeypatch):
     monkeypatch.chdir(REPO)  # the grid's base path is relative to the repo root
     base = yaml.safe_load(grid.read_text())["base"]
     cfg = load_config(base, overrides)
-    assert cfg.stage.name == "pretrain" and cfg.loss.objective == "ce" and cfg.model.arch in name
+    assert cfg.stage.name == "pretrain" and cfg.loss.objective == "ce" and cfg.pretrain.arch in name
     assert (cfg.data.seq_len, cfg.data.global_batch_size, cfg.total_steps) == (4096, 128, 40_000)
     assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.weight_decay) == (5e-4, 5e-5, 0.1)
     assert (cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.schedule.decay_steps) == ("wsd", 1000, 8000)
-    s = cfg.model.scratch
+    s = cfg.pretrain.model
     assert (s.num_hidden_layers, s.hidden_size, s.intermediate_size, s.head_dim, s.num_attention_heads,
             s.num_key_value_heads, s.vocab_size, s.rope_theta) == (28, 1024, 3072, 128, 16, 8, 50304, 50_000.0)
     for world in (8, 16, 32):
@@ -241,8 +241,77 @@ def test_model_pe_is_accepted_by_the_distillation_stages(path):
 
 
 def test_model_pe_is_still_refused_where_the_encoding_is_fixed():
-    with pytest.raises(ConfigError, match="model.pe: only arch=hypenet chooses a position encoding"):
+    with pytest.raises(ConfigError, match="model.pe: only pretrain.arch=hypenet chooses a position encoding"):
         load_config(CONFIGS / "tiny" / "pretrain_transformer.yaml", ["model.pe=all_rope"])
+
+
+# --- the pretrain section ------------------------------------------------------------------
+
+TINY_PRETRAIN = CONFIGS / "tiny" / "pretrain_hypenet.yaml"
+
+
+def old_layout(tree: dict) -> dict:
+    """``tree`` (a pretrain config) with its pretrain section written into model: (arch, sliding_window, scratch)."""
+    tree = json.loads(json.dumps(tree))
+    section = tree.pop("pretrain")
+    tree["model"].update(arch=section["arch"], sliding_window=section.get("sliding_window"),
+                         scratch=section["model"])
+    return tree
+
+
+def test_a_config_with_the_pretrain_keys_under_model_says_where_they_moved(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old_layout(load_tree(TINY_PRETRAIN))))
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path)
+    found = problems_of(excinfo)
+    assert found["model.arch"] == "unknown key: model.arch moved to pretrain.arch"
+    assert found["model.sliding_window"] == "unknown key: model.sliding_window moved to pretrain.sliding_window"
+    assert found["model.scratch"] == "unknown key: model.scratch moved to pretrain.model"
+    assert set(found) == {"model.arch", "model.sliding_window", "model.scratch"}, found
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"scratch": {"hidden_size": 8}}}))
+    with pytest.raises(ConfigError, match=r"model\.scratch: unknown key: model\.scratch moved to pretrain\.model"):
+        validate_file(tmp_path / "base.yaml")  # a partial (base) file
+    with pytest.raises(ConfigError, match=r"model\.arch: unknown key: model\.arch moved to pretrain\.arch"):
+        load_config(TINY_PRETRAIN, ["model.arch=swan"])  # an override that names the model: key
+
+
+def test_the_pretrain_section_is_required_by_stage_pretrain_and_refused_elsewhere():
+    tree = load_tree(TINY_PRETRAIN)
+    del tree["pretrain"]
+    with pytest.raises(ConfigError) as excinfo:
+        config_from_dict(tree)
+    assert problems_of(excinfo) == {"pretrain": "stage pretrain needs this section: pretrain.arch (transformer "
+                                    "| swan | hypenet) and pretrain.model (the shape: vocab_size, "
+                                    "num_hidden_layers, ...)"}
+    pretrain = load_tree(TINY_PRETRAIN)["pretrain"]
+    for path in ("tiny/stage1.yaml", "tiny/stage2.yaml", "tiny/stage3.yaml", "opd/tiny.yaml"):
+        tree = load_tree(CONFIGS / path)
+        with pytest.raises(ConfigError) as excinfo:
+            config_from_dict({**tree, "pretrain": pretrain})
+        stage = tree["stage"]["name"]
+        assert problems_of(excinfo) == {"pretrain": f"only used by stage pretrain (from scratch), not {stage}: "
+                                        "remove the section"}, path
+
+
+def test_the_pretrain_section_is_checked_against_the_model_section():
+    cfg = load_config(TINY_PRETRAIN)
+    p = cfg.pretrain
+    assert (p.arch, p.sliding_window, p.model.num_hidden_layers) == ("hypenet", None, 4)
+    for overrides, key, text in [
+        (["model.attn_layers=4"], "model.attn_layers", "layer 4 outside 0..3 (pretrain.model.num_hidden_layers=4)"),
+        (["pretrain.arch=swan", "model.pe=all_nope"], "model.pe", "only pretrain.arch=hypenet chooses"),
+        (["pretrain.sliding_window=0", "pretrain.arch=swan", "model.pe=null"], "pretrain.sliding_window",
+         "must be > 0"),
+        (["pretrain.model.num_attention_heads=3"], "pretrain.model.num_key_value_heads", "does not divide"),
+        (["parallel.sp_size=8"], "parallel.sp_size", "does not divide num_attention_heads=4"),
+    ]:
+        with pytest.raises(ConfigError) as excinfo:
+            load_config(TINY_PRETRAIN, overrides)
+        found = problems_of(excinfo)
+        assert key in found and text in found[key], (overrides, found)
+    swan = load_config(TINY_PRETRAIN, ["pretrain.arch=swan", "pretrain.sliding_window=16", "model.pe=null"])
+    assert swan.pretrain.sliding_window == 16
 
 
 def test_sp_must_divide_random_teacher_heads():

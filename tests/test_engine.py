@@ -228,6 +228,37 @@ def test_resume_check_sorts_settings_into_refused_and_allowed():
     assert compare(saved, saved) == ([], [])
 
 
+def test_resume_check_covers_the_pretrain_section_and_reads_moved_keys_at_their_place():
+    """A pretrain run's variant and shape must match on resume; a checkpoint config that holds them under
+    model: (arch, sliding_window, scratch) is compared at pretrain.*, and a null key the other side lacks
+    (model.arch: null in a distillation checkpoint's config, pretrain: null in the current one) is no difference."""
+    from halo_dist.config import load_config, to_dict
+    from halo_dist.train.resume_check import compare
+
+    current = to_dict(load_config(TINY / "pretrain_hypenet.yaml"))
+    assert current["pretrain"]["arch"] == "hypenet" and "arch" not in current["model"]
+    changed = to_dict(load_config(TINY / "pretrain_hypenet.yaml", ["pretrain.model.hidden_size=32",
+                                                                   "pretrain.model.init_seed=1"]))
+    refused, allowed = compare(current, changed)
+    assert refused == ["pretrain.model.hidden_size: 64 -> 32", "pretrain.model.init_seed: 0 -> 1"] and allowed == []
+    swan = to_dict(load_config(TINY / "pretrain_hypenet.yaml", ["pretrain.arch=swan", "model.pe=null"]))
+    assert "pretrain.arch: 'hypenet' -> 'swan'" in compare(current, swan)[0]
+
+    saved = json.loads(json.dumps(current))
+    section = saved.pop("pretrain")
+    saved["model"].update(arch=section["arch"], sliding_window=section["sliding_window"], scratch=section["model"])
+    assert compare(saved, current) == ([], [])
+    saved["model"]["scratch"]["num_hidden_layers"] = 8
+    assert compare(saved, current)[0] == ["pretrain.model.num_hidden_layers: 8 -> 4"]
+
+    distill = to_dict(load_config(TINY / "stage2.yaml"))
+    assert distill["pretrain"] is None
+    saved = json.loads(json.dumps(distill))
+    del saved["pretrain"]
+    saved["model"].update(arch=None, sliding_window=None, scratch=None)
+    assert compare(saved, distill) == ([], [])
+
+
 class _Payload:
     """What an attacker would plant in a run folder: unpickling it runs a shell command."""
 

@@ -29,10 +29,10 @@ import sweep_variants  # noqa: E402
 
 GRID = sweep_variants.load_grid(SWEEPS / "grid.yaml")[1]
 # shrink the 500M base to a CPU shape, keeping every variant's own overrides
-TINY_SHAPE = ["model.scratch.vocab_size=97", "model.scratch.num_hidden_layers=8", "model.scratch.hidden_size=32",
-              "model.scratch.intermediate_size=64", "model.scratch.num_attention_heads=4",
-              "model.scratch.num_key_value_heads=2", "model.scratch.head_dim=8", "model.dtype=float32",
-              "model.activation_checkpointing=false", "model.scratch.tokenizer=null"]
+TINY_SHAPE = ["pretrain.model.vocab_size=97", "pretrain.model.num_hidden_layers=8", "pretrain.model.hidden_size=32",
+              "pretrain.model.intermediate_size=64", "pretrain.model.num_attention_heads=4",
+              "pretrain.model.num_key_value_heads=2", "pretrain.model.head_dim=8", "model.dtype=float32",
+              "model.activation_checkpointing=false", "pretrain.model.tokenizer=null"]
 
 
 def pretrain(run_dir, config, *overrides, **kw):
@@ -78,9 +78,9 @@ def test_hypenet_trains_and_resumes_exactly_after_a_crash(shards, tmp_path):
 
 # ------------------------------------------------------------------------------------------ model
 def test_init_and_weight_decay_groups():
-    cfg = load_config(TINY / "pretrain_hypenet.yaml", ["model.scratch.hidden_size=256", "model.scratch.head_dim=64",
-                                                       "model.scratch.intermediate_size=512",
-                                                       "model.scratch.vocab_size=4096"])
+    cfg = load_config(TINY / "pretrain_hypenet.yaml", ["pretrain.model.hidden_size=256", "pretrain.model.head_dim=64",
+                                                       "pretrain.model.intermediate_size=512",
+                                                       "pretrain.model.vocab_size=4096"])
     before = torch.random.get_rng_state()
     model = build_pretrain_model(cfg)
     assert torch.equal(before, torch.random.get_rng_state()), "init must not consume the global RNG"
@@ -116,7 +116,7 @@ def test_init_and_weight_decay_groups():
 
 def test_untied_lm_head_is_decayed_and_flops_count_attention():
     cfg = load_config(TINY / "pretrain_hypenet.yaml",
-                      ["model.scratch.tie_word_embeddings=false", "model.scratch.vocab_size=500"])
+                      ["pretrain.model.tie_word_embeddings=false", "pretrain.model.vocab_size=500"])
     model = build_pretrain_model(cfg)
     decay, no_decay = param_groups(model, 0.1)
     assert any(p is model.lm_head.weight for p in decay["params"])
@@ -132,14 +132,14 @@ def test_untied_lm_head_is_decayed_and_flops_count_attention():
 def test_every_grid_variant_is_a_hypenet(name, overrides):
     """Every sweep variant maps to the intended HypeNet config; a tiny copy of it trains one step on CPU."""
     cfg = load_config(SWEEPS / "base_500m.yaml", [*overrides, *TINY_SHAPE, "model.attn_layers=[]"])
-    kw = hypenet_kwargs(cfg.model)
-    types, m = kw["mixer_types"], cfg.model
+    kw = hypenet_kwargs(cfg)
+    types, m, arch = kw["mixer_types"], cfg.model, cfg.pretrain.arch
     attn = [i for i, t in enumerate(types) if t == "attention"]
-    if m.arch == "transformer":
+    if arch == "transformer":
         assert attn == list(range(8)) and kw["attn_rope"] and kw["attn_logits_scale_base"] is None
     else:
-        assert attn == [0, 4] and set(types) - {"attention"} == {"swa" if m.arch == "swan" else m.rnn_mixer}
-        if m.arch == "swan":
+        assert attn == [0, 4] and set(types) - {"attention"} == {"swa" if arch == "swan" else m.rnn_mixer}
+        if arch == "swan":
             assert kw["sliding_window"] == 512 and kw["swa_rope"] and not kw["attn_rope"]
         else:
             assert (kw["attn_rope"], kw["rnn_rope"]) == {"hype": (False, True), "all_rope": (True, True),
@@ -155,20 +155,25 @@ def test_every_grid_variant_is_a_hypenet(name, overrides):
 
 # ------------------------------------------------------------------------------------------ errors, --check
 @pytest.mark.parametrize("overrides,text", [
-    (["model.arch=rnn"], "model.arch: must be one of transformer|swan|hypenet"),
+    (["pretrain.arch=rnn"], "pretrain.arch: must be one of transformer|swan|hypenet"),
     (["model.pe=rope"], "model.pe: must be one of hype|all_rope|all_nope|attn_rope_rnn_nope"),
     (["model.rnn_mixer=lstm"], "model.rnn_mixer: must be one of lightning|gdn|gla|rwkv7|mamba2"),
     (["model.attn_layers=0,4"], "model.attn_layers: layer 4 outside 0..3"),
-    (["model.scratch.num_key_value_heads=3"], "model.scratch.num_key_value_heads: 3 does not divide num_attention_heads=4"),
-    (["model.scratch.head_dim=15"], "model.scratch.head_dim: 15 must be even"),
-    (["model.arch=transformer", "model.pe=null", "model.attn_layers=0"], "arch=transformer has attention in every layer"),
-    (["model.sliding_window=64"], "model.sliding_window: only used by arch=swan"),
+    (["pretrain.model.num_key_value_heads=3"],
+     "pretrain.model.num_key_value_heads: 3 does not divide num_attention_heads=4"),
+    (["pretrain.model.head_dim=15"], "pretrain.model.head_dim: 15 must be even"),
+    (["pretrain.arch=transformer", "model.pe=null", "model.attn_layers=0"],
+     "model.attn_layers: pretrain.arch=transformer has attention in every layer"),
+    (["pretrain.sliding_window=64"], "pretrain.sliding_window: only used by arch=swan"),
     (["model.teacher=Qwen/Qwen3-1.7B"], "model.teacher: stage pretrain trains from scratch"),
-    (["model.arch=null", "model.pe=null"], "model.arch: stage pretrain needs the architecture"),
-    (["model.scratch=null"], "model.scratch: arch=hypenet needs the model shape"),
+    (["pretrain.arch=null", "model.pe=null"], "pretrain.arch: must be one of transformer|swan|hypenet, got 'null'"),
+    (["pretrain.model=null"], "pretrain.model: expected a mapping of PretrainModelConfig keys"),
+    (["pretrain=null"], "pretrain: stage pretrain needs this section"),
+    (["model.arch=swan"], "model.arch: unknown key: model.arch moved to pretrain.arch"),
+    (["model.scratch.hidden_size=8"], "model.scratch: unknown key: model.scratch moved to pretrain.model"),
     (["loss.objective=kl"], "loss.objective: pretrain trains with ce"),
     (["parallel.sp_size=8"], "parallel.sp_size: 8 does not divide num_attention_heads=4"),
-    (["model.scratch.hidden_sise=8"], "did you mean 'model.scratch.hidden_size'"),
+    (["pretrain.model.hidden_sise=8"], "did you mean 'pretrain.model.hidden_size'"),
 ])
 def test_bad_configs_give_clear_errors(overrides, text, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -214,7 +219,7 @@ def test_bench_counts_attended_keys_and_recounts_a_finished_run(tmp_path):
     from halo_dist.stages.pretrain import train_flops_per_token
 
     a = bench.parse_args(["--smoke"])
-    config = bench.pretrain_config(bench.variant_config("transformer", a).model)
+    config = bench.pretrain_config(bench.variant_config("transformer", a))
     n = 1_000_000
     assert bench.flops_per_trained_token(config, n, a) == train_flops_per_token(config, n, a.doc_len)
     assert bench.flops_per_trained_token(config, n, a) < train_flops_per_token(config, n, a.seq_len)

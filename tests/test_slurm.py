@@ -406,7 +406,7 @@ def test_sweep_dry_run_commands_are_valid_pretrain_runs(slurm_env, tmp_path):
         args = argv[script + 1:]
         assert args[:2] == ["--config", "configs/sweeps/base_500m.yaml"]
         assert args[2:2 + len(overrides)] == overrides
-        assert args[2 + len(overrides):] == ["model.scratch.tokenizer=openai-community/gpt2",
+        assert args[2 + len(overrides):] == ["pretrain.model.tokenizer=openai-community/gpt2",
                                              f"data.train={env['HALO_DATA']}", f"logging.run_dir={env['HALO_RUNS']}/{name}"]
         cfg = load_config(REPO / args[1], args[2:])
         assert cfg.stage.name == "pretrain" and cfg.logging.run_dir.endswith(name)
@@ -484,8 +484,8 @@ def test_sweep_array_task_trains_its_variant(slurm_env, tmp_path, index):
     (argv,) = calls(log, "srun")
     name = names[index]
     assert f"logging.run_dir={env['HALO_RUNS']}/{name}" in argv
-    tokenizer = "model.scratch.tokenizer=openai-community/gpt2"  # the one data prep used
-    assert [a for a in argv if a.startswith("model.")] == dict(GRID)[name] + [tokenizer]
+    tokenizer = "pretrain.model.tokenizer=openai-community/gpt2"  # the one data prep used
+    assert [a for a in argv if a.startswith(("model.", "pretrain."))] == dict(GRID)[name] + [tokenizer]
     assert argv[argv.index("--config") + 1] == "configs/sweeps/base_500m.yaml"
     assert f"variant {name}" in res.stdout
 

@@ -12,13 +12,13 @@ from .loader import apply_overrides, config_from_dict, deep_merge, load_config, 
 from .resolved import describe, fit_to_world, format_config, git_info, load_resolved, read_resolved_meta, \
     save_resolved
 from .schema import (PE_ROPE, STAGE_OBJECTIVES, BatchLayout, CheckpointConfig, DataConfig, LoggingConfig,
-                     LossConfig, ModelConfig, OptimConfig, ParallelConfig, RandomTeacherConfig,
-                     RunConfig, ScheduleConfig, ScratchModelConfig, StageConfig)
+                     LossConfig, ModelConfig, OptimConfig, ParallelConfig, PretrainConfig, PretrainModelConfig,
+                     RandomTeacherConfig, RunConfig, ScheduleConfig, StageConfig)
 
 __all__ = [
-    "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "LossConfig",
-    "ModelConfig", "OptimConfig", "PE_ROPE", "ParallelConfig", "RandomTeacherConfig", "RunConfig",
-    "STAGE_OBJECTIVES", "ScheduleConfig", "ScratchModelConfig", "StageConfig", "add_config_args", "apply_overrides",
+    "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+    "OptimConfig", "PE_ROPE", "ParallelConfig", "PretrainConfig", "PretrainModelConfig", "RandomTeacherConfig",
+    "RunConfig", "STAGE_OBJECTIVES", "ScheduleConfig", "StageConfig", "add_config_args", "apply_overrides",
     "config_from_dict", "deep_merge", "deepspeed_config", "describe", "fit_to_world", "format_config", "from_dict",
     "git_info", "load_config", "load_resolved", "load_tree", "parse_run_args", "read_deepspeed_json",
     "read_resolved_meta", "save_resolved", "to_dict", "validate_file", "with_overrides",

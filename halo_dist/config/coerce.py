@@ -274,14 +274,28 @@ def suggest(bad_key: str, known: list[str]) -> str | None:
     return match[0] if match else None
 
 
+def moved_to(key: str, moved: Mapping[str, str]) -> str | None:
+    """Where ``key`` belongs when it, or a section above it, is in ``moved`` (old dotted key -> new)."""
+    for old, new in moved.items():
+        if key == old or key.startswith(old + "."):
+            return new + key[len(old):]
+    return None
+
+
 def with_suggestions(err: ConfigError, root: type) -> ConfigError:
-    """Add "did you mean" hints to the unknown-key problems of ``err``."""
+    """Add "did you mean" hints to the unknown-key problems of ``err``; a key that ``root.MOVED_KEYS``
+    places in another section is answered with its place there."""
     known = dotted_paths(root)
+    moved = getattr(root, "MOVED_KEYS", {})
     problems = []
     for key, message in err.problems:
         if message == UNKNOWN_KEY:
-            hint = suggest(key, known)
-            message = f"{UNKNOWN_KEY} (did you mean {hint!r}?)" if hint else message
+            new = moved_to(key, moved)
+            hint = None if new else suggest(key, known)
+            if new:
+                message = f"{UNKNOWN_KEY}: {key} moved to {new}"
+            elif hint:
+                message = f"{UNKNOWN_KEY} (did you mean {hint!r}?)"
         problems.append((key, message))
     return ConfigError(problems)
 

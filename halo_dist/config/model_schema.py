@@ -1,5 +1,8 @@
-"""The ``model:`` section: teacher, student initialisation, HypeNet switches, and the from-scratch shape of
-stage ``pretrain`` (``model.scratch``)."""
+"""The ``model:`` section: teacher, student initialisation and the HypeNet switches.
+
+Stage ``pretrain`` has no teacher; its variant and shape are the ``pretrain:`` section
+(halo_dist/config/pretrain_schema.py). It reads the HypeNet switches here that the distilled students
+read too (``pe``, ``rnn_mixer``, ``attn_layers``, logits scaling, output gate/norm, ``dtype``, ...)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,8 @@ from typing import Literal, Optional
 from .coerce import fail
 from .section import Section, _positive
 
-# From-scratch architectures of the sweeps and HypeNet position encodings (sweeps and distilled students).
-ScratchArch = Literal["transformer", "swan", "hypenet"]
-ScratchPE = Literal["hype", "all_rope", "all_nope", "attn_rope_rnn_nope"]
+# HypeNet position encodings (from-scratch models and distilled students).
+PositionEncoding = Literal["hype", "all_rope", "all_nope", "attn_rope_rnn_nope"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -47,44 +49,6 @@ class RandomTeacherConfig(Section):
 
 
 @dataclass(kw_only=True, frozen=True)
-class ScratchModelConfig(Section):
-    """Shape and initialisation of the randomly initialised model that stage ``pretrain`` trains.
-
-    Field names are ``HypeNetConfig``'s. RNN layers have ``num_attention_heads`` heads of
-    ``head_dim`` (HypeNet's RNN heads are the attention's query heads; paper Table 13: 16 and 16).
-    Init (halo_dist/stages/pretrain.py): every matrix and the embedding ~ N(0, init_std²), output
-    projections (mixer ``o_proj``, MLP ``down_proj``) ~ N(0, init_std² / (2 · num_hidden_layers)),
-    norms 1, output-gate weights 0 (gate = 1 at the start).
-    """
-
-    vocab_size: int  # GPT-2's 50,257 padded to 50,304 for the sweeps
-    num_hidden_layers: int
-    hidden_size: int  # model width d
-    intermediate_size: int  # SwiGLU FFN width
-    num_attention_heads: int  # query heads (attention) = heads (RNN layers)
-    num_key_value_heads: int  # KV heads of the attention layers (GQA); must divide the query heads
-    head_dim: int  # d_h; even (RoPE)
-    tie_word_embeddings: bool = True
-    rope_theta: float = 50_000.0  # paper Table 13 (every variant)
-    qk_norm: bool = True  # RMSNorm on q/k of attention and Lightning layers (Table 13: yes)
-    max_position_embeddings: int = 1_048_576  # only recorded in the exported config
-    tokenizer: Optional[str] = None  # HF id/folder: exported with the model and checked against the shards
-    init_std: float = 0.02
-    init_seed: int = 0  # every rank (and a resumed run's first build) draws the same weights
-
-    def validate(self) -> None:
-        for name in ("vocab_size", "num_hidden_layers", "hidden_size", "intermediate_size",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "rope_theta", "init_std"):
-            _positive(name, getattr(self, name))
-        if self.num_attention_heads % self.num_key_value_heads:
-            fail("num_key_value_heads", f"{self.num_key_value_heads} does not divide "
-                 f"num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            fail("head_dim", f"{self.head_dim} must be even (rotary embeddings)")
-
-
-@dataclass(kw_only=True, frozen=True)
 class ModelConfig(Section):
     """Teacher, student initialisation and HypeNet hyperparameters."""
 
@@ -107,15 +71,11 @@ class ModelConfig(Section):
     compile: Literal["none", "mlp", "layer"] = "none"  # torch.compile per decoder layer (student + teacher)
     # HypeNet position encoding, null = hype: RoPE in the RNN layers, NoPE in the attention layers (HyPE) |
     # all_rope (attention keeps the teacher's RoPE: the HyPE ablation) | all_nope | attn_rope_rnn_nope.
-    # Read by stage pretrain (arch=hypenet) and by the students converted from the teacher (stages 1, 2, OPD;
+    # Read by stage pretrain (pretrain.arch=hypenet) and by the students converted from the teacher (stages 1, 2, OPD;
     # stage 2 refuses stage-1 weights aligned with another RNN RoPE). An all_rope run normally sets
     # logits_scaling_a null (when set, it still scales the attention logits). A student loaded from
     # student_init (stage 3, OPD) keeps its folder's encoding: pe must then be null or the folder's.
-    pe: Optional[ScratchPE] = None
-    # stage pretrain only (from-scratch sweeps): the variant and the model's shape
-    arch: Optional[ScratchArch] = None  # transformer (all attention, RoPE) | swan | hypenet
-    sliding_window: Optional[int] = None  # arch=swan: window of the SWA RoPE layers; null = 512
-    scratch: Optional[ScratchModelConfig] = None  # shape + init of the randomly initialised model
+    pe: Optional[PositionEncoding] = None
 
     def validate(self) -> None:
         if self.teacher is not None and not self.teacher:
@@ -125,22 +85,6 @@ class ModelConfig(Section):
         self._validate_attn_layers()
         if self.logits_scaling_a is not None and self.logits_scaling_a <= 1:
             fail("logits_scaling_a", f"must be > 1 (log base), got {self.logits_scaling_a}")
-        self._validate_scratch()
-
-    def _validate_scratch(self) -> None:
-        if self.pe is not None and self.arch in ("transformer", "swan"):
-            fail("pe", f"only arch=hypenet chooses a position encoding (arch={self.arch} has a fixed one); "
-                 "remove model.pe")
-        if self.sliding_window is not None:
-            if self.arch != "swan":
-                fail("sliding_window", f"only used by arch=swan, not arch={self.arch}")
-            _positive("sliding_window", self.sliding_window)
-        if self.arch == "transformer" and self.attn_layers and self.depth is not None \
-                and sorted(self.attn_layers) != list(range(self.depth)):
-            fail("attn_layers", "arch=transformer has attention in every layer: leave model.attn_layers empty")
-        if self.arch is not None and self.scratch is None:
-            fail("scratch", f"arch={self.arch} needs the model shape "
-                 "(model.scratch: vocab_size, num_hidden_layers, ...)")
 
     def _validate_attn_layers(self) -> None:
         if len(set(self.attn_layers)) != len(self.attn_layers):
@@ -152,9 +96,7 @@ class ModelConfig(Section):
 
     @property
     def depth(self) -> Optional[int]:
-        """Teacher layer count if the config knows it."""
+        """Teacher layer count if this section knows it (stage pretrain's depth is pretrain.model's)."""
         if self.random_teacher is not None:
             return self.random_teacher.num_hidden_layers
-        if self.scratch is not None:
-            return self.scratch.num_hidden_layers
         return self.num_layers

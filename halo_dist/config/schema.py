@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from .coerce import ConfigError, fail
-from .model_schema import ModelConfig, RandomTeacherConfig, ScratchModelConfig
+from .model_schema import ModelConfig, RandomTeacherConfig
 from .opd_schema import OPDConfig, PromptSetConfig
+from .pretrain_schema import MOVED_KEYS, PretrainConfig, PretrainModelConfig
 from .section import Section, _non_negative, _positive
 
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
@@ -295,6 +296,9 @@ class RunConfig(Section):
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     opd: Optional[OPDConfig] = None  # on-policy distillation settings (stage opd only)
+    pretrain: Optional[PretrainConfig] = None  # the from-scratch variant and its shape (stage pretrain only)
+    # keys that belong to another section, to where: an unknown-key error says where (coerce.with_suggestions)
+    MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
 
     def validate(self) -> None:
         self._validate_opd()
@@ -334,26 +338,41 @@ class RunConfig(Section):
                  "the horizon): set schedule.total_steps")
 
     def _validate_pretrain(self) -> None:
-        """Stage pretrain trains a random model of ``model.arch`` / ``model.scratch``, nothing else."""
-        m = self.model
-        if self.stage.name != "pretrain":
+        """Stage pretrain trains a random model of the ``pretrain`` section, nothing else."""
+        m, stage = self.model, self.stage.name
+        if stage != "pretrain":
+            if self.pretrain is not None:
+                fail("pretrain", f"only used by stage pretrain (from scratch), not {stage}: remove the section")
             if m.teacher is None:
-                fail("model.teacher", f"{self.stage.name} distills from a teacher: set a hub id, a folder or 'random'")
-            for name in ("arch", "sliding_window", "scratch"):
-                if getattr(m, name) is not None:
-                    fail(f"model.{name}", f"only used by stage pretrain (from scratch), not {self.stage.name}")
+                fail("model.teacher", f"{stage} distills from a teacher: set a hub id, a folder or 'random'")
             return
-        if m.arch is None:
-            fail("model.arch", "stage pretrain needs the architecture: transformer | swan | hypenet")
+        if self.pretrain is None:
+            fail("pretrain", "stage pretrain needs this section: pretrain.arch (transformer | swan | hypenet) "
+                 "and pretrain.model (the shape: vocab_size, num_hidden_layers, ...)")
         for name in ("teacher", "random_teacher", "student_init", "stage1_weights"):
             if getattr(m, name) is not None:
                 fail(f"model.{name}", "stage pretrain trains from scratch: no teacher or initial weights "
                      "(a restarted run resumes from its checkpoints)")
+        self._validate_pretrain_variant()
+
+    def _validate_pretrain_variant(self) -> None:
+        """The ``model:`` switches that stage pretrain reads, against ``pretrain.arch`` and its depth."""
+        m, arch, depth = self.model, self.pretrain.arch, self.pretrain.model.num_hidden_layers
+        if m.pe is not None and arch in ("transformer", "swan"):
+            fail("model.pe", f"only pretrain.arch=hypenet chooses a position encoding (arch={arch} has a fixed "
+                 "one); remove model.pe")
+        for layer in m.attn_layers:
+            if layer >= depth:
+                fail("model.attn_layers", f"layer {layer} outside 0..{depth - 1} "
+                     f"(pretrain.model.num_hidden_layers={depth})")
+        if arch == "transformer" and m.attn_layers and sorted(m.attn_layers) != list(range(depth)):
+            fail("model.attn_layers", "pretrain.arch=transformer has attention in every layer: leave "
+                 "model.attn_layers empty")
 
     def _validate_sp_heads(self) -> None:
         # Only a random teacher's (or a from-scratch model's) head count is known before loading;
         # real teachers are checked by the parallel layer once their HF config is read.
-        shape = self.model.random_teacher or self.model.scratch
+        shape = self.model.random_teacher or (self.pretrain.model if self.pretrain is not None else None)
         if shape is not None and shape.num_attention_heads % self.parallel.sp_size:
             fail("parallel.sp_size", f"{self.parallel.sp_size} does not divide "
                  f"num_attention_heads={shape.num_attention_heads}")
@@ -423,6 +442,7 @@ def _batch_hint(global_batch: int, micro: int, dp: int, fit: bool = False) -> st
 
 __all__ = [
     "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "LossConfig",
-    "ModelConfig", "OPDConfig", "OptimConfig", "PE_ROPE", "ParallelConfig", "PromptSetConfig", "RandomTeacherConfig",
-    "RunConfig", "ScheduleConfig", "ScratchModelConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
+    "ModelConfig", "OPDConfig", "OptimConfig", "PE_ROPE", "ParallelConfig", "PretrainConfig", "PretrainModelConfig",
+    "PromptSetConfig", "RandomTeacherConfig", "RunConfig", "ScheduleConfig", "Section", "StageConfig",
+    "STAGE_OBJECTIVES",
 ]

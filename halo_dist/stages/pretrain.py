@@ -3,13 +3,15 @@
 The from-scratch sweeps (paper §6.3, App. H) are three architectures, all expressed as the
 HypeNet model so one set of kernels, SP, checkpoints and exports serves them:
 
-  transformer  every layer softmax attention with RoPE (θ = model.scratch.rope_theta)
-  swan         SWAN-GPT: sliding-window attention (model.sliding_window, RoPE) in every layer except
+  transformer  every layer softmax attention with RoPE (θ = pretrain.model.rope_theta)
+  swan         SWAN-GPT: sliding-window attention (pretrain.sliding_window, RoPE) in every layer except
                model.attn_layers, which are full attention without RoPE (NoPE)
   hypenet      attention at model.attn_layers (default every 4th from 0: Attn->RNN->RNN->RNN), the
                RNN mixer model.rnn_mixer elsewhere, position encoding model.pe:
                hype = RNN RoPE + attention NoPE | all_rope | all_nope | attn_rope_rnn_nope
 
+The variant is ``pretrain.arch``, the shape ``pretrain.model``; the HypeNet switches (mixer, position
+encoding, attention layers, gates) are ``model:``'s, as for the distilled students.
 Logits scaling (model.logits_scaling_a) applies to the full-attention layers as in every stage.
 
 What is reused: the loop, checkpoints, exact resume, metrics and DeepSpeed set-up are the engine's
@@ -20,7 +22,7 @@ parameter groups (weight decay on matrices only), model FLOPs with attention ter
 check.
 
 Initialisation (GPT-2 / Megatron practice): embeddings and every linear weight ~ N(0, σ²) with
-σ = model.scratch.init_std (0.02), the residual-branch output projections (mixer ``o_proj``, MLP
+σ = pretrain.model.init_std (0.02), the residual-branch output projections (mixer ``o_proj``, MLP
 ``down_proj``) ~ N(0, σ² / 2L) so the residual stream's variance does not grow with depth L, biases
 0, RMSNorm weights 1, and the 2·sigmoid output gates of attention / Lightning layers W_z = 0 (gate
 exactly 1 at step 0, as in conversion). Mixers with their own parameters (decays, low-rank gates)
@@ -42,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import PE_ROPE, ModelConfig, RunConfig, to_dict
+from ..config import PE_ROPE, RunConfig, to_dict
 from ..config.coerce import ConfigError
 from ..models.flops import flops_per_token
 from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
@@ -54,13 +56,13 @@ OUTPUT_PROJECTIONS = ("mixer.o_proj", "mlp.down_proj")
 
 
 # ---------------------------------------------------------------------------------------- model
-def mixer_types(m: ModelConfig) -> list[str]:
+def mixer_types(cfg: RunConfig) -> list[str]:
     """Per-layer mixer names (``HypeNetConfig.mixer_types``) of the configured variant."""
-    depth = m.scratch.num_hidden_layers
-    if m.arch == "transformer":
+    m, arch, depth = cfg.model, cfg.pretrain.arch, cfg.pretrain.model.num_hidden_layers
+    if arch == "transformer":
         return ["attention"] * depth
     attn = set(m.attn_layers) if m.attn_layers else set(range(0, depth, DEFAULT_ATTN_EVERY))
-    other = "swa" if m.arch == "swan" else m.rnn_mixer
+    other = "swa" if arch == "swan" else m.rnn_mixer
     return ["attention" if i in attn else other for i in range(depth)]
 
 
@@ -70,17 +72,17 @@ def check_mixers_available(types: list[str]) -> None:
 
     missing = sorted(set(types) - set(MIXER_CLASSES))
     if missing:
-        key = "model.arch=swan (mixer 'swa')" if missing == ["swa"] else f"model.rnn_mixer={'/'.join(missing)}"
+        key = "pretrain.arch=swan (mixer 'swa')" if missing == ["swa"] else f"model.rnn_mixer={'/'.join(missing)}"
         raise ConfigError(f"{key}: no implementation of mixer {', '.join(map(repr, missing))} in this checkout "
                           f"(HypeNet mixers available: {', '.join(MIXER_CLASSES)})")
 
 
-def hypenet_kwargs(m: ModelConfig) -> dict:
+def hypenet_kwargs(cfg: RunConfig) -> dict:
     """``HypeNetConfig`` keyword arguments of the configured from-scratch variant."""
-    s = m.scratch
-    if m.arch == "transformer":
+    m, p, s = cfg.model, cfg.pretrain, cfg.pretrain.model
+    if p.arch == "transformer":
         attn_rope, rnn_rope = True, True
-    elif m.arch == "swan":
+    elif p.arch == "swan":
         attn_rope, rnn_rope = False, True  # full layers NoPE; the SWA layers' RoPE is swa_rope
     else:
         attn_rope, rnn_rope = PE_ROPE[m.pe or "hype"]
@@ -89,20 +91,20 @@ def hypenet_kwargs(m: ModelConfig) -> dict:
         num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
         num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim, rope_theta=s.rope_theta,
         max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=s.tie_word_embeddings,
-        mixer_types=mixer_types(m), attn_rope=attn_rope, rnn_rope=rnn_rope,
+        mixer_types=mixer_types(cfg), attn_rope=attn_rope, rnn_rope=rnn_rope,
         attn_logits_scale_base=m.logits_scaling_a if m.logits_scaling_in_training else None,
         attn_qk_norm=s.qk_norm, rnn_qk_norm=s.qk_norm, attn_output_gate=m.attn_output_gate,
         attn_output_norm=m.attn_output_norm, rnn_output_gate=True, rnn_gqa_to_mha=True,
         initializer_range=s.init_std,
     )
-    if m.arch == "swan":
-        kw.update(sliding_window=m.sliding_window or DEFAULT_SLIDING_WINDOW, swa_rope=True)
+    if p.arch == "swan":
+        kw.update(sliding_window=p.sliding_window or DEFAULT_SLIDING_WINDOW, swa_rope=True)
     return kw
 
 
-def pretrain_config(m: ModelConfig) -> HypeNetConfig:
+def pretrain_config(cfg: RunConfig) -> HypeNetConfig:
     """The HypeNet config of the variant; a mixer without implementation is a clear error."""
-    kw = hypenet_kwargs(m)
+    kw = hypenet_kwargs(cfg)
     check_mixers_available(kw["mixer_types"])
     return HypeNetConfig(**kw)
 
@@ -123,11 +125,11 @@ def init_pretrain_weights(model: HypeNetForCausalLM, std: float) -> None:
 
 def build_pretrain_model(cfg: RunConfig) -> HypeNetForCausalLM:
     """A randomly initialised model; the same weights on every rank (seeded, global RNG untouched)."""
-    config = pretrain_config(cfg.model)
+    config = pretrain_config(cfg)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.model.scratch.init_seed)
+        torch.manual_seed(cfg.pretrain.model.init_seed)
         model = HypeNetForCausalLM(config)
-        init_pretrain_weights(model, cfg.model.scratch.init_std)
+        init_pretrain_weights(model, cfg.pretrain.model.init_std)
     if cfg.model.activation_checkpointing:
         model.model.gradient_checkpointing = True
     return model
@@ -183,7 +185,7 @@ def unique_numel(module: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------- tokenizer, output
 def load_tokenizer(cfg: RunConfig):
     """The configured tokenizer, or None (not set, or not loadable here: a warning, no failure)."""
-    name = cfg.model.scratch.tokenizer
+    name = cfg.pretrain.model.tokenizer
     if not name:
         return None
     from transformers import AutoTokenizer
@@ -197,11 +199,11 @@ def load_tokenizer(cfg: RunConfig):
 
 
 def checked_tokenizer(cfg: RunConfig):
-    """model.scratch.tokenizer, if it loads, refused when the model cannot embed its ids."""
-    tok = load_tokenizer(cfg)
-    if tok is not None and len(tok) > cfg.model.scratch.vocab_size:
-        raise ConfigError(f"model.scratch.vocab_size={cfg.model.scratch.vocab_size} is smaller than the "
-                          f"tokenizer's {len(tok)} tokens ({cfg.model.scratch.tokenizer})")
+    """pretrain.model.tokenizer, if it loads, refused when the model cannot embed its ids."""
+    tok, shape = load_tokenizer(cfg), cfg.pretrain.model
+    if tok is not None and len(tok) > shape.vocab_size:
+        raise ConfigError(f"pretrain.model.vocab_size={shape.vocab_size} is smaller than the "
+                          f"tokenizer's {len(tok)} tokens ({shape.tokenizer})")
     return tok
 
 
@@ -224,18 +226,18 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
     if tokenizer is not None and config.eos_token_id is None:
         config.eos_token_id = tokenizer.eos_token_id
     record = run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics, seq_len=cfg.data.seq_len,
-                        arch=cfg.model.arch, pe=cfg.model.pe, rnn_mixer=cfg.model.rnn_mixer)
+                        arch=cfg.pretrain.arch, pe=cfg.model.pe, rnn_mixer=cfg.model.rnn_mixer)
     return write_hf_folder(state, config, folder, tokenizer=tokenizer, record=record, run_config=to_dict(cfg))
 
 
 # ---------------------------------------------------------------------------------------- --check
 def describe_plan(cfg: RunConfig) -> str:
     """The layer plan and position encodings of the variant (no model needed)."""
-    kw = hypenet_kwargs(cfg.model)
+    kw = hypenet_kwargs(cfg)
     plan = " ".join({"attention": "A", "swa": "S"}.get(t, "R") for t in kw["mixer_types"])
-    rnn = f", R {cfg.model.rnn_mixer}" if cfg.model.arch == "hypenet" else ""
+    rnn = f", R {cfg.model.rnn_mixer}" if cfg.pretrain.arch == "hypenet" else ""
     extra = f" sliding_window={kw['sliding_window']}" if "sliding_window" in kw else ""
-    return (f"# model: arch={cfg.model.arch}; layers (A attention, S sliding-window attention{rnn}): {plan}\n"
+    return (f"# model: arch={cfg.pretrain.arch}; layers (A attention, S sliding-window attention{rnn}): {plan}\n"
             f"#   attn_rope={kw['attn_rope']} rnn_rope={kw['rnn_rope']} "
             f"logits_scaling_a={kw['attn_logits_scale_base']} "
             f"attn_output_gate={kw['attn_output_gate']}{extra}\n")
@@ -244,7 +246,7 @@ def describe_plan(cfg: RunConfig) -> str:
 def describe_size(cfg: RunConfig) -> str:
     """Parameters and training FLOPs of the variant, from a meta-device model (nothing allocated).
     Raises ConfigError (a ValueError) for a mixer without implementation."""
-    config = pretrain_config(cfg.model)
+    config = pretrain_config(cfg)
     with torch.device("meta"):
         model = HypeNetForCausalLM(config)
     n = unique_numel(model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RunConfig
 from ..models.convert import load_teacher, load_teacher_config, resolve_teacher
 
 
@@ -45,12 +45,13 @@ def teacher_path(name: str) -> str:
     return name
 
 
-def model_vocab_size(model_cfg: ModelConfig) -> int | None:
-    """Rows of the embedding the run will build, read from configs alone (no weights): the scratch
+def model_vocab_size(cfg: RunConfig) -> int | None:
+    """Rows of the embedding the run will build, read from configs alone (no weights): stage pretrain's
     shape, the random teacher's, or the teacher folder's config.json; None when it cannot be read
     here (building the model then reports the real problem)."""
-    if model_cfg.scratch is not None:
-        return int(model_cfg.scratch.vocab_size)
+    if cfg.pretrain is not None:
+        return int(cfg.pretrain.model.vocab_size)
+    model_cfg = cfg.model
     if model_cfg.teacher == "random":
         return int(model_cfg.random_teacher.vocab_size)
     if not model_cfg.teacher:

@@ -32,5 +32,5 @@ class PretrainTrainer(Trainer):
                                                              self.cfg.data.seq_len, full_attention_keys=0)
 
     def _tokenizer_for_check(self):
-        """model.scratch.tokenizer, if it loads: shards made with another tokenizer are refused."""
+        """pretrain.model.tokenizer, if it loads: shards made with another tokenizer are refused."""
         return checked_tokenizer(self.cfg)

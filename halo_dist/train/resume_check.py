@@ -1,11 +1,16 @@
 """Is a resume the same run? The checkpoint's resolved config against the one about to run.
 
 What defines the run must match, or the resume is refused with the list of differences: the stage, the
-model (teacher, shape, attention layers, mixers, scaling, dtype, initial weights), the data (shards,
+model (teacher, shape, attention layers, mixers, scaling, dtype, initial weights), stage pretrain's variant,
+shape and init (the whole ``pretrain`` section), on-policy distillation's ``opd`` section, the data (shards,
 sequence length, global batch, seed, shuffling, held-out split) and the objective. What only changes how
 the run proceeds may differ and is printed: step counts and schedule (checked on its own against the saved
 LR), optimizer settings (e.g. a lower LR after a non-finite stop), logging, checkpoint and evaluation
 cadence, micro batch and workers, parallel layout, compilation and activation checkpointing.
+
+A checkpoint's config is read at today's layout: a key that ``RunConfig.MOVED_KEYS`` places in another
+section is compared there, and a key that is null on one side and absent on the other (an optional
+section or field the other side's code does not write) is the same setting.
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, RunConfig
+from ..config.coerce import moved_to
+
+UNSET = "<unset>"
 
 MUST_MATCH = ("stage", "model", "data.train", "data.eval", "data.seq_len", "data.global_batch_size", "data.seed",
-              "data.shuffle", "loss.objective", "loss.temperature", "loss.ce_weight", "eval.split", "opd")
+              "data.shuffle", "loss.objective", "loss.temperature", "loss.ce_weight", "eval.split", "opd",
+              "pretrain")
 # performance settings inside the sections above: they change speed and memory, not the trained function
 MAY_CHANGE = ("model.compile", "model.activation_checkpointing")
 
@@ -38,11 +47,12 @@ def _covered(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def compare(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: one ``key: saved -> current`` line per differing setting."""
-    a, b = flatten(saved), flatten(current)
+    a = {moved_to(key, RunConfig.MOVED_KEYS) or key: value for key, value in flatten(saved).items()}
+    b = flatten(current)
     refused, allowed = [], []
     for key in sorted(set(a) | set(b)):
-        old, new = a.get(key, "<unset>"), b.get(key, "<unset>")
-        if old == new:
+        old, new = a.get(key, UNSET), b.get(key, UNSET)
+        if old == new or (old is None and key not in b) or (new is None and key not in a):
             continue
         line = f"{key}: {old!r} -> {new!r}"
         (refused if _covered(key, MUST_MATCH) and not _covered(key, MAY_CHANGE) else allowed).append(line)

@@ -163,7 +163,7 @@ class Trainer(StopControl):
         from ..stages.teacher import model_vocab_size
 
         source = Path(str(self.cfg.data.train))
-        vocab = model_vocab_size(self.cfg.model) if source.suffix == ".json" or source.is_dir() else None
+        vocab = model_vocab_size(self.cfg) if source.suffix == ".json" or source.is_dir() else None
         if vocab is None:
             return
         manifest = load_manifest(source, "train")
