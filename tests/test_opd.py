@@ -631,3 +631,8 @@ def test_an_automatic_resume_of_another_run_is_refused(tmp_path):
     run_trainer(tiny_cfg(tmp_path, "schedule.total_steps=4", *common, set0=dict(heldout=0)))
     with pytest.raises(ConfigError, match="model.attn_layers"):
         run_trainer(tiny_cfg(tmp_path, "schedule.total_steps=6", "model.attn_layers=2", *common, set0=dict(heldout=0)))
+
+
+def test_the_removed_backend_key_says_what_to_do(tmp_path):
+    with pytest.raises(ConfigError, match=r"opd.backend was removed; OPD always trains under DeepSpeed"):
+        tiny_cfg(tmp_path, "opd.backend=torch")

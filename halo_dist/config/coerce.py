@@ -284,12 +284,16 @@ def moved_to(key: str, moved: Mapping[str, str]) -> str | None:
 
 def with_suggestions(err: ConfigError, root: type) -> ConfigError:
     """Add "did you mean" hints to the unknown-key problems of ``err``; a key that ``root.MOVED_KEYS``
-    places in another section is answered with its place there."""
+    places in another section is answered with its place there, one in ``root.REMOVED_KEYS`` with what
+    to do instead."""
     known = dotted_paths(root)
     moved = getattr(root, "MOVED_KEYS", {})
+    removed = getattr(root, "REMOVED_KEYS", {})
     problems = []
     for key, message in err.problems:
-        if message == UNKNOWN_KEY:
+        if message == UNKNOWN_KEY and key in removed:
+            message = f"{UNKNOWN_KEY}: {key} was removed; {removed[key]}"
+        elif message == UNKNOWN_KEY:
             new = moved_to(key, moved)
             hint = None if new else suggest(key, known)
             if new:

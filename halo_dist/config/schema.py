@@ -299,6 +299,8 @@ class RunConfig(Section):
     pretrain: Optional[PretrainConfig] = None  # the from-scratch variant and its shape (stage pretrain only)
     # keys that belong to another section, to where: an unknown-key error says where (coerce.with_suggestions)
     MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "opd.backend": "OPD always trains under DeepSpeed (parallel.zero_stage 0: plain data parallelism, 1-3: ZeRO)"}
 
     def validate(self) -> None:
         self._validate_opd()
