@@ -3,7 +3,7 @@
 For each variant (default: HypeNet-Lightning with HyPE and the Transformer baseline of
 configs/sweeps/grid.yaml, shape configs/sweeps/base_500m.yaml) it builds the model exactly as stage
 ``pretrain`` does (``halo_dist.stages.pretrain``: init, parameter groups, fused chunked CE through
-``DistillModule``), trains ``--steps`` optimizer steps on random-token batches (bf16 weights,
+``StudentWithLoss``), trains ``--steps`` optimizer steps on random-token batches (bf16 weights,
 fused AdamW, 4K context, ``--micro`` sequences per step, documents packed with boundaries every
 ``--doc-len`` tokens), and reports tokens/s, MFU (6N + attention FLOPs per token,
 ``stages.pretrain.train_flops_per_token``, with each token attending the ``--doc-len`` keys of its own

@@ -114,7 +114,7 @@ def packed_batch(cfg: HypeNetConfig, a, rank: int, device: torch.device) -> dict
 
 
 def forward(model, batch: dict) -> torch.Tensor:
-    """The teacher call of ``DistillModule.forward``: final hidden states ``[micro, seq, d]``."""
+    """The teacher call of ``StudentWithLoss.forward``: final hidden states ``[micro, seq, d]``."""
     with torch.no_grad():
         return model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
                      max_seqlen=batch["max_seqlen"], return_hidden_only=True)

@@ -17,7 +17,7 @@ from halo_dist.config.schema import StageName
 from halo_dist.errors import HaloUserError, MissingInputError
 from halo_dist.launch import launch
 from halo_dist.parallel import SequenceParallelError, apply_sequence_parallel_to_mixers
-from halo_dist.stages import DistillModule, Stage1Aligner, StageModule
+from halo_dist.stages import StudentWithLoss, Stage1Aligner, StageModule
 from halo_dist.models.convert import as_exact_hypenet
 from halo_dist.train import registry
 
@@ -90,7 +90,7 @@ def test_stage_modules_implement_the_protocol_and_stage1_mixers_take_sp_directly
     hf = tiny_qwen3(heads=6, kv_heads=2)
     teacher = as_exact_hypenet(hf)
     aligner = Stage1Aligner(hf, teacher)
-    distill = DistillModule(as_exact_hypenet(hf), teacher)
+    distill = StudentWithLoss(as_exact_hypenet(hf), teacher)
     assert isinstance(aligner, StageModule) and isinstance(distill, StageModule)
     mixers = aligner.sp_mixers()
     assert mixers == list(aligner.mixers) and len(mixers) == hf.config.num_hidden_layers

@@ -437,7 +437,7 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     from conftest import tiny_qwen3
 
     from halo_dist.models.convert import convert_model
-    from halo_dist.stages.distill import DistillModule
+    from halo_dist.stages.distill import StudentWithLoss
     from halo_dist.models.convert import as_exact_hypenet
 
     torch.manual_seed(0)
@@ -450,7 +450,7 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     labels[1, 6] = -100  # no target across the document boundary
     batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
     P, norm = 5, 17.0
-    module = DistillModule(student, teacher, kl_max_position=P, chunk_size=7)
+    module = StudentWithLoss(student, teacher, kl_max_position=P, chunk_size=7)
     loss, tracked, count = module(**batch, normalizer=norm)
     loss.backward()
     got = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
@@ -472,7 +472,7 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
         if p.grad is not None:
             assert torch.allclose(got[n], p.grad, rtol=1e-5, atol=1e-9), n
     # KL everywhere differs: the split is not a no-op
-    everywhere = DistillModule(student, teacher, chunk_size=7)(**batch, normalizer=norm)[0]
+    everywhere = StudentWithLoss(student, teacher, chunk_size=7)(**batch, normalizer=norm)[0]
     assert not torch.allclose(everywhere, loss)
 
 
@@ -484,7 +484,7 @@ def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
 
     from halo_dist.data.packing import pack_batch
     from halo_dist.models.convert import convert_model
-    from halo_dist.stages.distill import DistillModule
+    from halo_dist.stages.distill import StudentWithLoss
     from halo_dist.models.convert import as_exact_hypenet
 
     torch.manual_seed(0)
@@ -496,7 +496,7 @@ def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
     packed = pack_batch(torch.randint(0, 64, (24,)).numpy(), np.array([0, 7, 12, 15]), 2, 12)
     batch = {k: torch.as_tensor(v) if k != "max_seqlen" else v for k, v in packed.items()}
     cu, ids, pos = batch["cu_seqlens"], batch["input_ids"], batch["position_ids"]
-    module = DistillModule(student, teacher, kl_max_position=P, chunk_size=7)
+    module = StudentWithLoss(student, teacher, kl_max_position=P, chunk_size=7)
     calls = []
     hook = teacher.register_forward_hook(lambda m, args, out: calls.append(args[0].numel()))
     with torch.no_grad():

@@ -53,7 +53,7 @@ AUTO_MAP = {
 RECORD_FILE = "halo_dist.json"
 DONE_FILE = "DONE"  # written last: a folder holding it is complete
 # Key prefixes of the modules that wrap the model while training: DeepSpeed's engine, torch.compile, and our
-# stage modules (DistillModule / OPDModule hold the model as ``student``).
+# stage modules (StudentWithLoss / OPDModule hold the model as ``student``).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "student.")
 
 

@@ -9,7 +9,7 @@ import torch
 from ..config import PE_ROPE, ModelConfig, RunConfig
 from ..config.coerce import fail
 from ..errors import IncompatibleInputError, MissingInputError
-from .distill import DistillModule
+from .distill import StudentWithLoss
 from .stage1 import Stage1Aligner, resolve_stage1_file
 from ..models.convert import as_exact_hypenet
 from .teacher import load_hf_teacher
@@ -54,8 +54,8 @@ def build_stage1_module(cfg: RunConfig) -> tuple[Stage1Aligner, torch.nn.Module]
     return Stage1Aligner(hf_teacher, teacher, **student_overrides(cfg)), teacher
 
 
-def build_distill_module(cfg: RunConfig) -> tuple[DistillModule, torch.nn.Module | None]:
-    """``(DistillModule, frozen teacher or None for the CE objective)`` of stages 2 and 3: the student from
+def build_distill_module(cfg: RunConfig) -> tuple[StudentWithLoss, torch.nn.Module | None]:
+    """``(StudentWithLoss, frozen teacher or None for the CE objective)`` of stages 2 and 3: the student from
     ``model.student_init``, else converted from the teacher with the stage-1 RNN layers."""
     from ..models.convert import convert_model
     from ..models.hypenet import HypeNetForCausalLM
@@ -79,7 +79,7 @@ def build_distill_module(cfg: RunConfig) -> tuple[DistillModule, torch.nn.Module
     compile_decoder_layers(teacher, cfg.model.compile)
     objective = cfg.loss.objective
     kept = teacher if objective != "ce" else None
-    module = DistillModule(student, kept, objective=objective, temperature=cfg.loss.temperature,
+    module = StudentWithLoss(student, kept, objective=objective, temperature=cfg.loss.temperature,
                            ce_weight=cfg.loss.ce_weight, chunk_size=cfg.loss.chunk_size,
                            kl_max_position=cfg.loss.kl_max_position, backend=cfg.loss.backend)
     return module, kept

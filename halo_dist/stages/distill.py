@@ -1,4 +1,5 @@
-"""HALO stages 2 and 3: forward KL(teacher ‖ student) over the full vocabulary.
+"""The student and its loss in one module: HALO stages 2 and 3 (forward KL(teacher ‖ student) over the
+full vocabulary) and stage pretrain (cross-entropy, no teacher).
 
 The loss is fused and chunked (``halo_dist.losses``): neither model's ``[tokens × vocab]`` logits
 exist at once. The student returns final hidden states only; the vocabulary projection happens
@@ -17,7 +18,7 @@ from ..losses import fused_distill_loss
 from ..models.hypenet import HypeNetForCausalLM
 
 
-class DistillModule(nn.Module):
+class StudentWithLoss(nn.Module):
     """Student + loss in one module, so DeepSpeed sees one forward (and ZeRO-3 gathers the lm_head).
     A :class:`~halo_dist.stages.protocol.StageModule` of stages 2, 3 and pretrain."""
 

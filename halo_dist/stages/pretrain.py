@@ -16,7 +16,7 @@ Logits scaling (model.logits_scaling_a) applies to the full-attention layers as 
 
 What is reused: the loop, checkpoints, exact resume, metrics and DeepSpeed set-up are the engine's
 (``halo_dist.train.trainer.Trainer``); the loss is the fused chunked CE of ``halo_dist.losses`` via
-``DistillModule(objective="ce", teacher=None)``, which never materialises ``[tokens x vocab]``
+``StudentWithLoss(objective="ce", teacher=None)``, which never materialises ``[tokens x vocab]``
 logits. ``halo_dist.train.pretrain_trainer.PretrainTrainer`` changes only what from-scratch training needs:
 parameter groups (weight decay on matrices only), model FLOPs with attention terms for MFU, the tokenizer
 check.
@@ -48,7 +48,7 @@ from ..config import PE_ROPE, RunConfig, to_dict
 from ..config.coerce import ConfigError
 from ..models.flops import flops_per_token
 from ..models.hypenet import HypeNetConfig, HypeNetForCausalLM
-from .distill import DistillModule
+from .distill import StudentWithLoss
 
 DEFAULT_SLIDING_WINDOW = 512  # SWAN-GPT's window (paper Table 13)
 DEFAULT_ATTN_EVERY = 4  # Attn -> RNN -> RNN -> RNN (paper App. H.2)
@@ -136,9 +136,9 @@ def build_pretrain_model(cfg: RunConfig) -> HypeNetForCausalLM:
 
 
 def build_pretrain_module(cfg: RunConfig):
-    """``(DistillModule with the CE objective and no teacher, None)``: stage pretrain's build."""
+    """``(StudentWithLoss with the CE objective and no teacher, None)``: stage pretrain's build."""
     model = build_pretrain_model(cfg)
-    return DistillModule(model, None, objective="ce", chunk_size=cfg.loss.chunk_size), None
+    return StudentWithLoss(model, None, objective="ce", chunk_size=cfg.loss.chunk_size), None
 
 
 # ---------------------------------------------------------------------------------------- optimizer
