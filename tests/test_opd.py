@@ -636,3 +636,16 @@ def test_an_automatic_resume_of_another_run_is_refused(tmp_path):
 def test_the_removed_backend_key_says_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match=r"opd.backend was removed; OPD always trains under DeepSpeed"):
         tiny_cfg(tmp_path, "opd.backend=torch")
+
+
+def test_a_checkpoint_config_with_the_removed_backend_key_is_the_same_run(tmp_path):
+    """A run saved while OPD still had ``opd.backend`` resumes (the key no longer chooses anything)."""
+    from halo_dist.config import to_dict
+    from halo_dist.train.resume_check import compare
+
+    current = to_dict(tiny_cfg(tmp_path))
+    saved = json.loads(json.dumps(current))
+    saved["opd"]["backend"] = "deepspeed"
+    assert compare(saved, current) == ([], [])
+    saved["opd"]["horizon_max"] = 64
+    assert compare(saved, current)[0] == ["opd.horizon_max: 64 -> 32"]

@@ -84,6 +84,17 @@ def use_current_collectives() -> None:
         cdb.all_gather_function, cdb.reduce_scatter_function = dist.all_gather_single, dist.reduce_scatter_single
 
 
+def start_distributed() -> None:
+    """What every trainer's setup starts with: a 1-rank environment for a plain ``python launchers/X.py``
+    (torchrun's, deepspeed's or srun's otherwise), then torch.distributed and DeepSpeed's comm layer
+    unless a process group exists (in-process tests; ``initialize_engine`` adopts it)."""
+    from .env import ensure_distributed_env
+
+    ensure_distributed_env()
+    if not dist.is_initialized():
+        init_distributed()
+
+
 def init_distributed(timeout: timedelta = timedelta(minutes=10), cpu: Optional[bool] = None) -> None:
     """Initialise torch.distributed and DeepSpeed's comm layer (gloo on CPU, NCCL on GPU)
     from the launcher's environment (torchrun / deepspeed / srun-exported RANK, WORLD_SIZE...)."""

@@ -29,7 +29,7 @@ from ..config import fit_to_world
 from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
 from ..models.flops import flops_per_token
-from ..parallel.env import ensure_distributed_env, local_device
+from ..parallel.env import local_device
 from ..parallel.safe_load import safe_load
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step, pack_rollouts,
                           parameter_groups, position_buckets, sample_rollouts)
@@ -42,15 +42,6 @@ from .resume_check import check_same_run
 from .schedules import LRSchedule
 from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step
 from .teacher_identity import run_teacher_digests
-
-
-def ensure_process_group() -> None:
-    """torch.distributed and DeepSpeed's comm layer (on an existing torch group too): a 1-rank group for
-    a plain ``python launchers/opd.py``, torchrun's environment otherwise."""
-    from ..parallel.deepspeed_setup import init_distributed
-
-    ensure_distributed_env()
-    init_distributed()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,7 +71,9 @@ class OPDTrainer(Trainer):
     def setup(self) -> "OPDTrainer":
         cfg, opd = self.cfg, self.cfg.opd
         check_wandb(cfg.logging.wandb)
-        ensure_process_group()
+        from ..parallel.deepspeed_setup import start_distributed
+
+        start_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)

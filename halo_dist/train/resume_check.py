@@ -9,7 +9,8 @@ LR), optimizer settings (e.g. a lower LR after a non-finite stop), logging, chec
 cadence, micro batch and workers, parallel layout, compilation and activation checkpointing.
 
 A checkpoint's config is read at today's layout: a key that ``RunConfig.MOVED_KEYS`` places in another
-section is compared there, and a key that is null on one side and absent on the other (an optional
+section is compared there, one in ``RunConfig.REMOVED_KEYS`` is left out (what it chose, the trainer
+checks where it matters, e.g. OPD refuses a checkpoint of its removed torch backend), and a key that is null on one side and absent on the other (an optional
 section or field the other side's code does not write) is the same setting.
 """
 
@@ -47,7 +48,8 @@ def _covered(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def compare(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: one ``key: saved -> current`` line per differing setting."""
-    a = {moved_to(key, RunConfig.MOVED_KEYS) or key: value for key, value in flatten(saved).items()}
+    a = {moved_to(key, RunConfig.MOVED_KEYS) or key: value for key, value in flatten(saved).items()
+         if key not in RunConfig.REMOVED_KEYS}  # a removed setting no longer changes the run
     b = flatten(current)
     refused, allowed = [], []
     for key in sorted(set(a) | set(b)):

@@ -28,7 +28,7 @@ from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, s
 from ..data import build_loader
 from ..models.flops import attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
-from ..parallel.env import ensure_distributed_env, local_device
+from ..parallel.env import local_device
 from ..stages.protocol import StageModule, StageSpec
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .evaluation import HeldoutEval
@@ -70,14 +70,12 @@ class Trainer(StopControl):
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> "Trainer":
-        from ..parallel.deepspeed_setup import init_distributed, initialize_engine, sp_loss_factor
+        from ..parallel.deepspeed_setup import initialize_engine, sp_loss_factor, start_distributed
 
         cfg = self.cfg
         HeldoutEval.check_config(cfg)
         check_wandb(cfg.logging.wandb)
-        ensure_distributed_env()
-        if not dist.is_initialized():
-            init_distributed()
+        start_distributed()
         self.groups = ProcessGroups.build(sp_size=cfg.parallel.sp_size)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
