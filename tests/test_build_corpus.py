@@ -370,3 +370,38 @@ def test_build_fails_when_no_natural_text_is_held_out(tmp_path):
     assert not any(is_heldout(i, 0.1, 0) for i in range(3)) and any(is_heldout(i, 0.1, 0) for i in range(3, 43))
     with pytest.raises(SystemExit, match="held-out split holds no natural-language document"):
         _build(tmp_path, text, tmp_path / "sp", "--heldout-fraction", "0.1")
+
+
+def test_repeat_natural_copies_only_training_documents_to_indices_data_prep_trains_on():
+    from data_prep.tokenize import is_heldout
+
+    natural = [("wiki", [f"w{k}" for k in range(40)]), ("bible", [f"b{k}" for k in range(25)])]
+    first = 65 + 30  # 30 code documents sit between the natural text and the copies
+    sets = B.repeat_natural(natural, first, repeats=3, heldout=0.2)
+    assert [s for s, _ in sets] == ["wiki:repeat1", "bible:repeat1", "wiki:repeat2", "bible:repeat2"]
+    held = {d for k, d in enumerate(natural[0][1] + natural[1][1]) if is_heldout(k, 0.2, 0)}
+    assert held  # the check below is not vacuous
+    copies = [(i, d) for i, d in enumerate((d for _, docs in sets for d in docs), first)]
+    assert all(not is_heldout(i, 0.2, 0) for i, d in copies if d)  # every copy lands in train
+    assert all(is_heldout(i, 0.2, 0) for i, d in copies if not d)  # a placeholder only where data_prep holds out
+    texts = [d for _, d in copies if d]
+    assert not held & set(texts) and len(texts) == 2 * (65 - len(held))  # each training document twice, no held-out one
+    assert B.repeat_natural(natural, first, repeats=1, heldout=0.2) == []
+
+
+def test_build_with_natural_repeats_keeps_the_heldout_split_and_weighs_the_text(tmp_path):
+    text, code = _pack(tmp_path, 12), _site_packages(tmp_path / "sp")
+    assert _build(tmp_path, text, code, "--heldout-fraction", "0.25") == 0
+    once = json.loads((tmp_path / "corpus" / "all" / "manifest.json").read_text())
+    shutil.rmtree(tmp_path / "corpus")
+    assert _build(tmp_path, text, code, "--heldout-fraction", "0.25", "--natural-repeats", "3") == 0
+    out = tmp_path / "corpus"
+    thrice = json.loads((out / "all" / "manifest.json").read_text())
+    assert thrice["splits"]["heldout"]["tokens"] == once["splits"]["heldout"]["tokens"] > 0
+    assert thrice["splits"]["heldout"]["sources"] == once["splits"]["heldout"]["sources"]  # the same files, docs, tokens
+    rows = {r["source"]: r for r in json.loads((out / "corpus_report.json").read_text())["sets"]["all"]["sources"]}
+    for r in (1, 2):
+        assert rows[f"wiki:repeat{r}"]["train_tokens"] == rows["wiki"]["train_tokens"]
+        assert rows[f"wiki:repeat{r}"]["heldout_docs"] == 0
+    with pytest.raises(SystemExit, match="gathered with --natural-repeats 3, not 2"):
+        _build(tmp_path, text, code, "--heldout-fraction", "0.25", "--natural-repeats", "2")
