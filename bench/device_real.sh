@@ -67,14 +67,14 @@ bundle() {
 }
 
 # What a stage process imports before its trainer exists, timed in fresh interpreters: without the bytecode
-# prefix (as sessions 8-12 ran) and with it, twice each (a first import may write bytecode); and whether the image's own
+# prefix (as sessions 8-12 ran), then twice with it (the first one writes it); and whether the image's own
 # packages carry .pyc files beside their sources
 import_probe() {
   local imports="import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed, megatron.core"
   for m in torch transformers deepspeed fla megatron.core; do
     python3 -c "import importlib.util as u, pathlib as p; s = u.find_spec('$m'); d = p.Path(s.origin).parent / '__pycache__'; print('$m', s.origin, 'pyc files:', len(list(d.glob('*.pyc'))) if d.is_dir() else 'none')" 2>&1 | tail -1
   done
-  for run in "no prefix, first" "no prefix, second" "prefix, first" "prefix, second"; do
+  for run in "no prefix" "prefix, first" "prefix, second"; do
     local t0; t0=$(date +%s.%N)
     if [ "${run#no prefix}" != "$run" ]; then env -u PYTHONPYCACHEPREFIX python3 -c "$imports" > /dev/null 2>&1
     else python3 -c "$imports" > /dev/null 2>&1; fi
