@@ -2,8 +2,8 @@
 
 ``OPDTrainer`` is a ``trainer.Trainer``: the setup (distributed start, layout, teacher identity, resume
 checks, the engine, checkpoint manager, metrics), the loop (step hooks, checkpoint cadence, stop
-signals), the non-finite policy and checkpoint save/resume (also onto another number of ranks) are the
-Trainer's; this module supplies what is built (models, rollout machinery), the step (rollouts before
+signals), the non-finite policy and checkpoint save/resume (onto another number of ranks at ZeRO 0-2)
+are the Trainer's; this module supplies what is built (models, rollout machinery), the step (rollouts before
 the update), the held-out evaluation, what a checkpoint holds beyond the shared state and the export.
 
 Per optimizer step on every rank: sample ``global_batch / dp`` prompts from the curriculum -> student
@@ -163,7 +163,8 @@ class OPDTrainer(Trainer):
     # ------------------------------------------------------------------------------ checkpoint contents
     def _check_saved_state(self, path: Path) -> None:
         """Before anything is built: ``path`` is a complete DeepSpeed OPD checkpoint whose schedule this
-        run continues; a rung starts only from a snapshot taken before its schedule's decay."""
+        run continues, written on this number of ranks unless ZeRO 0-2 can re-partition it; a rung starts
+        only from a snapshot taken before its schedule's decay."""
         if not (path / MARKER).exists():
             raise MissingInputError(f"{path} is not a complete OPD checkpoint/snapshot (no {MARKER} marker)")
         state = json.loads((path / TRAINER_STATE).read_text())
@@ -177,6 +178,14 @@ class OPDTrainer(Trainer):
         if state.get("backend", "torch") != "deepspeed":
             raise IncompatibleInputError(f"{path} holds a plain-torch OPD checkpoint (one state.pt); OPD trains "
                                          "under DeepSpeed and reads DeepSpeed checkpoints only: start the run again")
+        saved_world = state.get("world_size", self.world)
+        if saved_world != self.world and self.cfg.parallel.zero_stage == 3:
+            # DeepSpeed 0.19.8's ZeRO-3 universal load copies the first parameter group's settings (LR, name)
+            # into every group and gives all groups one Adam step tensor, which then advances once per group
+            raise IncompatibleInputError(
+                f"{path} was written on {saved_world} rank(s); this run has {self.world}: OPD under ZeRO-3 resumes "
+                f"only on the same number of ranks (DeepSpeed's ZeRO-3 re-partitioning mixes up its parameter "
+                f"groups; ZeRO 0-2 resume on any number). Resume on {saved_world} rank(s)")
 
     def _extra_state(self) -> dict:
         """The horizon and its plateau detector, the held-out curve, and the backend that wrote it."""
