@@ -81,6 +81,8 @@ class OPDTrainer(Trainer):
             self._check_saved_state(self.resume_path)
 
     def _build(self) -> None:
+        """The models, the engine around the OPDModule (under ZeRO-3 the rollout replica is copied first)
+        and the rollout machinery: horizon schedule, prompt curriculum, this rank's sampling generator."""
         self._build_models()
         if self.cfg.parallel.zero_stage == 3:  # copied before the engine partitions the student's weights
             self.rollout_student = copy.deepcopy(self.module.student).requires_grad_(False).eval()
