@@ -621,6 +621,79 @@ def test_zero3_skips_a_nonfinite_step(ds_runs):
         assert any(not torch.equal(w2[k], w3[k]) for k in w2)  # step 3 did
 
 
+# ------------------------------------------------------------------------------------------------ another number of ranks
+def _fixed_batch_run(run_dir, zero, batches, *overrides):
+    """The tiny run (4 steps, a checkpoint every 2, resumed automatically) with every step training on
+    ``batches`` (rank r takes every world-th one): the same global batches on any number of ranks. The
+    RNN group trains at its own LR, which a re-partitioned optimizer must keep."""
+    import torch.distributed as dist
+
+    from halo_dist.train.opd_loop import OPDTrainer
+
+    cfg = tiny_cfg(run_dir, "schedule.total_steps=4", "schedule.decay_steps=2", "opd.eval_every=0",
+                   "opd.snapshot_every=0", "checkpoint.every_steps=2", "checkpoint.resume=auto",
+                   "data.global_batch_size=2", "data.micro_batch_size=1", "opd.rnn_lr=1e-3",
+                   f"parallel.zero_stage={zero}", *overrides, set0=dict(heldout=0))
+    t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=byte_tokenizer()).setup()
+    mine = [b.to(t.device) for b in batches[dist.get_rank()::dist.get_world_size()]]
+    t._micro_batches = lambda horizon, on_policy: (mine, 0.0)
+    start, reshard = t.step, t.reshard
+    t.train()
+    return {"start": start, "reshard": reshard, "tokens": t.tokens_seen, "horizon": t.horizon.horizon,
+            "weights": _student_weights(t)}
+
+
+def _resumed_on(run_dir, source, zero, batches, *overrides):
+    """``_fixed_batch_run`` in ``run_dir`` after copying ``source``'s step-2 checkpoint into it (rank 0)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.copytree(source / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000002")
+    if dist.is_initialized():
+        dist.barrier()
+    return _fixed_batch_run(run_dir, zero, batches, *overrides)
+
+
+def _two_rank_runs(root, batches):
+    """On 2 ranks, for ZeRO 0 and 1: the run from scratch, and the 1-rank run's step 2 resumed."""
+    return {zero: (_fixed_batch_run(root / f"two{zero}", zero, batches),
+                   _resumed_on(root / f"one_to_two{zero}", root / f"one{zero}", zero, batches)) for zero in (0, 1)}
+
+
+def test_resume_on_another_number_of_ranks_continues_the_run(tmp_path, capsys):
+    """OPD checkpoints written on 1 rank resume on 2 and those of 2 ranks on 1 (a requeue onto another
+    number of GPUs), through the Trainer's path: ZeRO 0's whole states load as they are, ZeRO-1's
+    partitions are re-made from DeepSpeed's universal checkpoint. On the same global batches every run
+    ends where the 1-rank run does, within the 1-vs-2-rank round-off. ZeRO-3 is refused with both
+    numbers of ranks: DeepSpeed's ZeRO-3 re-partitioning loses OPD's per-group LRs and Adam step."""
+    from halo_dist.errors import IncompatibleInputError
+
+    batches = [pack_rollouts([Rollout([5, 6], [7, 8, 9, 10])]), pack_rollouts([Rollout([15, 16, 17], [18, 19])])]
+    one = {zero: _fixed_batch_run(tmp_path / f"one{zero}", zero, batches) for zero in (0, 1)}
+    two = run_distributed(_two_rank_runs, world_size=2, args=(tmp_path, batches), timeout=600, collective_timeout=120,
+                          env={"DS_ACCELERATOR": "cpu"})
+    capsys.readouterr()
+    for zero in (0, 1):
+        two_to_one = _resumed_on(tmp_path / f"two_to_one{zero}", tmp_path / f"two{zero}", zero, batches)
+        out = capsys.readouterr().out
+        assert "step-00000002 was written on 2 ranks -> 1 now" in out and "resumed from" in out, out[-2000:]
+        assert not (tmp_path / f"two_to_one{zero}" / "checkpoints" / "universal").exists()  # the converted copy
+        # per rank of the 2-rank spawn: (its run from scratch, its resume of the 1-rank checkpoint)
+        runs = [two_to_one, *(by_rank[zero][1] for by_rank in two), *(by_rank[zero][0] for by_rank in two)]
+        assert [r["start"] for r in runs] == [2, 2, 2, 0, 0]
+        assert [r["reshard"] for r in runs[:3]] == [zero > 0] * 3  # ZeRO 0 needs no conversion
+        ref = one[zero]
+        for run in runs:
+            assert (run["tokens"], run["horizon"]) == (ref["tokens"], ref["horizon"])
+            for k, v in ref["weights"].items():
+                assert torch.allclose(run["weights"][k], v, rtol=1e-5, atol=1e-6), (zero, k)
+    with pytest.raises(IncompatibleInputError, match=r"written on 2 rank\(s\); this run has 1: OPD under ZeRO-3"):
+        _resumed_on(tmp_path / "zero3", tmp_path / "two1", 1, batches, "parallel.zero_stage=3")
+
+
 def test_an_automatic_resume_of_another_run_is_refused(tmp_path):
     """OPD's auto-resume compares the checkpoint's config like the stages do: another student (attention
     layers) in the same run folder is refused with the difference; a longer schedule is allowed."""

@@ -305,6 +305,11 @@ class OPDModule(nn.Module):
     def student_model(self):
         return self.student
 
+    @property
+    def student_config(self):
+        """The student's config (recorded in checkpoints, as the stage modules' ``student_config``)."""
+        return self.student.config
+
     def enable_zero3(self) -> None:
         import deepspeed
 

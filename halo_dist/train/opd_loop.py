@@ -1,8 +1,10 @@
 """The on-policy distillation trainer (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
 
-``OPDTrainer`` is a ``trainer.Trainer``: the loop (step hooks, checkpoint cadence, stop signals), the
-non-finite policy and the checkpoint writer are the Trainer's; this module supplies the setup, the step
-(rollouts before the update), the held-out evaluation, the checkpoint contents and the export.
+``OPDTrainer`` is a ``trainer.Trainer``: the setup (distributed start, layout, teacher identity, resume
+checks, the engine, checkpoint manager, metrics), the loop (step hooks, checkpoint cadence, stop
+signals), the non-finite policy and checkpoint save/resume (onto another number of ranks at ZeRO 0-2)
+are the Trainer's; this module supplies what is built (models, rollout machinery), the step (rollouts before
+the update), the held-out evaluation, what a checkpoint holds beyond the shared state and the export.
 
 Per optimizer step on every rank: sample ``global_batch / dp`` prompts from the curriculum -> student
 rollouts at the current horizon -> pack into ``grad_accum`` micro-batches -> all-reduce the
@@ -25,23 +27,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import fit_to_world
 from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
-from ..models.flops import flops_per_token
-from ..parallel.env import local_device
 from ..parallel.safe_load import safe_load
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step, pack_rollouts,
                           parameter_groups, position_buckets, sample_rollouts)
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
-from .checkpoint import MARKER, TRAINER_STATE, CheckpointManager, latest_checkpoint, rank_file
-from .trainer import Trainer, record_run_start, run_loss_hooks
-from .metrics import MetricsLogger, check_wandb
-from .resume_check import check_same_run
+from .checkpoint import MARKER, TRAINER_STATE, rank_file
 from .schedules import LRSchedule
 from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step
-from .teacher_identity import run_teacher_digests
+from .trainer import Trainer, run_loss_hooks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -50,9 +46,13 @@ from .teacher_identity import run_teacher_digests
 
 
 class OPDTrainer(Trainer):
-    """Builds everything from a validated RunConfig (stage ``opd``); ``train()`` (the Trainer's loop) runs
-    it. What differs from the distillation Trainer: the setup, a step (rollouts, then the update,
-    :meth:`train_step`), the held-out evaluation, the checkpoint contents and the final export."""
+    """Builds everything from a validated RunConfig (stage ``opd``); the Trainer's ``setup`` and ``train``
+    run it. What differs from the distillation Trainer: what it builds (:meth:`_build`: models, the
+    rollout machinery), a step (rollouts, then the update, :meth:`train_step`), the held-out
+    evaluation, the checkpoint's extra contents and the final export."""
+
+    # its CPU runs (the tests' tiny ones) keep x86 denormal arithmetic, which their tolerances were set with
+    flush_denormals_on_cpu = False
 
     def __init__(self, cfg: RunConfig, argv=None, *, stage=None, hf_teacher=None, student=None, tokenizer=None,
                  prompt_sets=None):
@@ -63,23 +63,45 @@ class OPDTrainer(Trainer):
         self._prebuilt = prompt_sets
         self.tokens_seen = 0  # generated (trained) tokens, all ranks
         self.eval_history: list[tuple[int, float]] = []
+        self.rung = False  # the run continues a snapshot of another run (opd.resume_from)
         self.engine = None  # the DeepSpeed engine around the OPDModule (setup)
         self.rollout_student = None  # ZeRO-3: the gathered copy that generates (module doc)
         self._replica_step = None  # optimizer step the rollout replica was last refreshed at
 
-    # ------------------------------------------------------------------------------ setup
-    def setup(self) -> "OPDTrainer":
-        cfg, opd = self.cfg, self.cfg.opd
-        check_wandb(cfg.logging.wandb)
-        from ..parallel.deepspeed_setup import start_distributed
+    # ------------------------------------------------------------------------------ setup (Trainer.setup)
+    def _check_data(self) -> None:
+        """No shards to check: the prompt sets are checked as the curriculum builds them."""
 
-        start_distributed()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
-        self.layout = cfg.validate_against_world(self.world)
-        self.device = local_device()
-        self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # the teacher's identity by content
+    def _find_resume(self) -> None:
+        """The run's own latest checkpoint (checked like the stages'), else ``opd.resume_from``: a
+        pre-decay snapshot continued as the next rung, a new run that is not compared with the old."""
+        super()._find_resume()
+        if self.resume_path is None and self.cfg.opd.resume_from:
+            self.rung, self.resume_path = True, Path(self.cfg.opd.resume_from)
+            self._check_saved_state(self.resume_path)
+
+    def _build(self) -> None:
+        """The models, the engine around the OPDModule (under ZeRO-3 the rollout replica is copied first)
+        and the rollout machinery: horizon schedule, prompt curriculum, this rank's sampling generator."""
+        self._build_models()
+        if self.cfg.parallel.zero_stage == 3:  # copied before the engine partitions the student's weights
+            self.rollout_student = copy.deepcopy(self.module.student).requires_grad_(False).eval()
+            self.rollout_module = OPDModule(self.rollout_student, self.teacher, self.module.temperature,
+                                            self.module.chunk_size, self.module.buckets, self.module.beta)
+        self._init_engine()
+        self.engine.train()
+        opd = self.cfg.opd
+        self.horizon = HorizonSchedule.from_config(opd)
+        self.curriculum = Curriculum(opd, self.tokenizer, self.module.student.config.vocab_size, rank=self.rank,
+                                     prebuilt=self._prebuilt, eos_token_id=self.eos)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(opd.seed * 1000 + self.rank)
+        self.snap_root = Path(self.cfg.logging.run_dir) / "snapshots"
+
+    def _build_models(self) -> None:
+        """Student and teacher (built, or the injected ones), the tokenizer's special ids and the
+        ``OPDModule`` (student + loss) that the engine trains."""
+        cfg, opd = self.cfg, self.cfg.opd
         student, teacher, self.tokenizer = build_models(cfg, **self._inject)
         if cfg.model.activation_checkpointing:
             student.model.gradient_checkpointing = True
@@ -90,53 +112,22 @@ class OPDTrainer(Trainer):
         self.module = OPDModule(student.to(self.device, self.dtype), teacher.to(self.device, self.dtype),
                                 temperature=cfg.loss.temperature, chunk_size=cfg.loss.chunk_size, buckets=self.buckets,
                                 beta=opd.beta)
+        self.teacher = self.module.teacher
         self.objective = cfg.loss.objective  # names the divergence in metric tags
         self.divergence = {1.0: "reverse KL", 0.0: "forward KL"}.get(opd.beta, f"generalized JSD (beta {opd.beta})")
         self.nonfinite_what = self.divergence
         self.module.train()
-        o = cfg.optim
-        self.groups = parameter_groups(student, lr=o.lr, rnn_lr=opd.rnn_lr, attn_lr=opd.attn_lr,
-                                       other_lr=opd.other_lr, train_attention=opd.train_attention)
-        self.n_trainable = sum(p.numel() for g in self.groups for p in g["params"])  # before ZeRO-3 partitions
-        self.optimizer = torch.optim.AdamW(self.groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay, fused=self.device.type == "cuda")
-        self.torch_optimizer = self.optimizer  # its param_groups carry the group names and peak LRs
-        self.schedule = LRSchedule.from_config(cfg)
-        # Every group's LR = its peak x the schedule's multiplier (shape shared, peaks per group).
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.schedule.multiplier)
-        self._init_deepspeed()
-        self.horizon = HorizonSchedule.from_config(opd)
-        vocab = student.config.vocab_size
-        self.curriculum = Curriculum(opd, self.tokenizer, vocab, rank=self.rank, prebuilt=self._prebuilt,
-                                     eos_token_id=self.eos)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(opd.seed * 1000 + self.rank)
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
-        self.snap_root = Path(cfg.logging.run_dir) / "snapshots"
-        self._maybe_resume()
-        self._start_metrics()
-        self._install_signal_handlers()
-        return self
 
-    def _init_deepspeed(self) -> None:
-        """Wrap ``OPDModule`` in a DeepSpeed engine (module doc); ZeRO-3 also gets the rollout replica."""
-        from ..config import deepspeed_config
-        from ..parallel import ProcessGroups
-        from ..parallel.deepspeed_setup import initialize_engine
-
-        self.process_groups = ProcessGroups.build(sp_size=1)
-        ds_config = deepspeed_config(self.cfg, self.layout)
-        ds_config.setdefault("zero_allow_untested_optimizer", True)
-        self.zero3 = self.cfg.parallel.zero_stage == 3
-        if self.zero3:  # copied before initialize partitions the student's weights
-            self.rollout_student = copy.deepcopy(self.module.student).requires_grad_(False).eval()
-            self.rollout_module = OPDModule(self.rollout_student, self.module.teacher, self.module.temperature,
-                                            self.module.chunk_size, self.module.buckets, self.module.beta)
-        self.engine, self.optimizer, _, self.scheduler = initialize_engine(
-            self.module, ds_config, self.process_groups, optimizer=self.optimizer, lr_scheduler=self.scheduler)
-        if self.zero3:
-            self.module.enable_zero3()
-        self.engine.train()
+    def _optimizer(self):
+        """AdamW over the student's parameter groups (rnn / attn / other, each with its peak LR); every
+        group's LR is its peak times the schedule's multiplier (shape shared, peaks per group)."""
+        o, opd = self.cfg.optim, self.cfg.opd
+        groups = parameter_groups(self.module.student, lr=o.lr, rnn_lr=opd.rnn_lr, attn_lr=opd.attn_lr,
+                                  other_lr=opd.other_lr, train_attention=opd.train_attention)
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                fused=self.device.type == "cuda")
+        self.torch_optimizer = opt  # its param_groups carry the group names and peak LRs
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, self.schedule.multiplier)
 
     def _generation_model(self):
         """The student that samples rollouts: the refreshed replica under ZeRO-3, else the student itself."""
@@ -171,71 +162,57 @@ class OPDTrainer(Trainer):
                     dst[name].copy_(p)
         self._replica_step = self.step
 
-    def _start_metrics(self) -> None:
-        n_train = self.n_trainable
-        n_teacher = sum(p.numel() for p in self.module.teacher.parameters())
-        self.metrics = MetricsLogger.from_config(
-            self.cfg, rank=self.rank, world_size=self.world, device=self.device,
-            flops_per_token=flops_per_token(n_train, n_teacher), start_step=self.step, start_tokens=self.tokens_seen)
-        record_run_start(self.cfg, self.layout, self.metrics, self.rank, self.argv)
-
-    # ------------------------------------------------------------------------------ state
-    def _trainer_state(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "schedule": self.schedule.state_dict(),
-                "horizon": self.horizon.state_dict(), "world_size": self.world, "stage": "opd",
-                "teacher": self.cfg.model.teacher, "teacher_files": self.teacher_files, "eval_history": self.eval_history,
-                "student_config": self.module.student.config.to_dict(), "backend": "deepspeed",
-                "nonfinite": self.nonfinite.state_dict()}
-
-    def save(self, root: Path | None = None) -> Path:
-        """Collective save to ``root/step-N`` through :class:`CheckpointManager`: into the checkpoints by
-        default, keeping ``checkpoint.keep_last``; another root (the snapshots) keeps everything."""
-        manager = self.ckpt if root is None else CheckpointManager(root, keep_last=0)
-        cfg_file = Path(self.cfg.logging.run_dir) / "config.yaml"
-        cfg_text = cfg_file.read_text() if self.rank == 0 and cfg_file.exists() else ""
-        rank_state = {"generator": self.generator.get_state(), "curriculum": self.curriculum.state_dict()}
-        return manager.save(self.engine, self.step, self._trainer_state(), cfg_text, rank_state)
-
-
-    def load(self, path: Path, rung: bool = False) -> None:
-        """Restore everything saved by :meth:`save`; ``rung``: a snapshot continued with a new schedule."""
-        path = Path(path)
+    # ------------------------------------------------------------------------------ checkpoint contents
+    def _check_saved_state(self, path: Path) -> None:
+        """Before anything is built: ``path`` is a complete DeepSpeed OPD checkpoint whose schedule this
+        run continues, written on this number of ranks unless ZeRO 0-2 can re-partition it; a rung starts
+        only from a snapshot taken before its schedule's decay."""
         if not (path / MARKER).exists():
             raise MissingInputError(f"{path} is not a complete OPD checkpoint/snapshot (no {MARKER} marker)")
         state = json.loads((path / TRAINER_STATE).read_text())
         if state.get("stage") != "opd":
             raise IncompatibleInputError(f"{path} is a {state.get('stage')} checkpoint, not an OPD one")
         saved = LRSchedule.from_state_dict(state["schedule"])
-        if rung and not saved.is_pre_decay(state["step"]):
+        if self.rung and not saved.is_pre_decay(state["step"]):
             raise IncompatibleInputError(f"{path} was taken at step {state['step']}, after its schedule's decay "
                                          f"started (step {saved.decay_start}): only pre-decay snapshots can start a rung")
-        self.schedule.check_resume(state["schedule"], state["step"])
-        if state["world_size"] != self.world:
-            raise IncompatibleInputError(f"{path} was written by {state['world_size']} ranks; this run has "
-                                         f"{self.world}")
+        super()._check_saved_state(path)
         if state.get("backend", "torch") != "deepspeed":
             raise IncompatibleInputError(f"{path} holds a plain-torch OPD checkpoint (one state.pt); OPD trains "
                                          "under DeepSpeed and reads DeepSpeed checkpoints only: start the run again")
-        self.ckpt.load(self.engine, path)  # student, optimizer, scheduler, this rank's RNG
-        self._replica_step = None
-        local = safe_load(rank_file(path, self.rank))  # tensors and plain values only
-        self.generator.set_state(local["generator"])
-        self.curriculum.load_state_dict(local["curriculum"])
-        self.horizon.load_state_dict(state["horizon"])
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.nonfinite.load_state_dict(None if rung else state.get("nonfinite"))
-        self.eval_history = [tuple(e) for e in state.get("eval_history", [])]
-        if self.rank == 0:
-            print(f"{'rung from' if rung else 'resumed from'} {path} at step {self.step} "
-                  f"(horizon {self.horizon.horizon}, {self.tokens_seen} on-policy tokens)", flush=True)
+        saved_world = state.get("world_size", self.world)
+        if saved_world != self.world and self.cfg.parallel.zero_stage == 3:
+            # DeepSpeed 0.19.8's ZeRO-3 universal load copies the first parameter group's settings (LR, name)
+            # into every group and gives all groups one Adam step tensor, which then advances once per group
+            raise IncompatibleInputError(
+                f"{path} was written on {saved_world} rank(s); this run has {self.world}: OPD under ZeRO-3 resumes "
+                f"only on the same number of ranks (DeepSpeed's ZeRO-3 re-partitioning mixes up its parameter "
+                f"groups; ZeRO 0-2 resume on any number). Resume on {saved_world} rank(s)")
 
-    def _maybe_resume(self) -> None:
-        latest = latest_checkpoint(self.ckpt.root) if self.cfg.checkpoint.resume == "auto" else None
-        if latest is not None:  # the same run or refused, as for the stages (a rung, opd.resume_from, starts a new run)
-            check_same_run(latest, self.cfg, self.teacher_files, announce=self.rank == 0)
-            self.load(latest)
-        elif self.cfg.opd.resume_from:
-            self.load(Path(self.cfg.opd.resume_from), rung=True)
+    def _extra_state(self) -> dict:
+        """The horizon and its plateau detector, the held-out curve, and the backend that wrote it."""
+        return {"horizon": self.horizon.state_dict(), "eval_history": self.eval_history, "backend": "deepspeed"}
+
+    def _rank_state(self) -> dict:
+        """This rank's rollout sampling: the generator and the curriculum's prompt RNG."""
+        return {"generator": self.generator.get_state(), "curriculum": self.curriculum.state_dict()}
+
+    def _load_extra_state(self, state: dict, path: Path) -> None:
+        """What :meth:`_extra_state` and :meth:`_rank_state` saved; the rollout replica is stale."""
+        if self.rung:  # a new run: its non-finite count starts at 0
+            self.nonfinite.load_state_dict(None)
+        self.horizon.load_state_dict(state["horizon"])
+        self.eval_history = [tuple(e) for e in state.get("eval_history", [])]
+        self._replica_step = None
+        local = rank_file(path, self.rank)
+        if local.exists():  # a rank the checkpoint did not have (written on fewer ranks) keeps its seeded streams
+            local = safe_load(local)  # tensors and plain values only
+            self.generator.set_state(local["generator"])
+            self.curriculum.load_state_dict(local["curriculum"])
+
+    def _resumed_message(self, path: Path) -> str:
+        return (f"{'rung from' if self.rung else 'resumed from'} {path} at step {self.step} "
+                f"(horizon {self.horizon.horizon}, {self.tokens_seen} on-policy tokens)")
 
     def _maybe_snapshot(self) -> None:
         s, opd = self.step, self.cfg.opd

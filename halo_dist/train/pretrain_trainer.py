@@ -6,7 +6,7 @@ import torch
 
 from ..stages.pretrain import checked_tokenizer, param_groups, train_flops_per_token, unique_numel
 from .trainer import Trainer
-from .schedules import LRSchedule, make_lr_scheduler
+from .schedules import make_lr_scheduler
 
 
 class PretrainTrainer(Trainer):
@@ -19,7 +19,6 @@ class PretrainTrainer(Trainer):
         fused = self.device.type == "cuda"
         opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                 fused=fused or None, foreach=None if fused else True)
-        self.schedule = LRSchedule.from_config(self.cfg)
         return opt, make_lr_scheduler(opt, self.schedule)
 
     def _start_metrics(self) -> None:

@@ -1,9 +1,12 @@
 """The teacher-student engine: one Trainer runs HALO stages 1, 2 and 3 on DeepSpeed.
 
 Order of construction (fixed, see ``Trainer.setup``): distributed + process groups -> validate the
-batch layout -> teacher (frozen, replicated) -> stage module (student + loss) -> sequence
-parallelism injected into every mixer -> activation checkpointing -> DeepSpeed engine (ZeRO stage
-from the config, partitioned over all dp*sp ranks) -> loader -> resume -> metrics.
+batch layout -> check the shards -> the teacher's identity and the checkpoint to resume, refused if it
+belongs to another run (nothing is built yet) -> teacher (frozen, replicated) -> stage module (student
++ loss) -> sequence parallelism injected into every mixer -> activation checkpointing -> DeepSpeed
+engine (ZeRO stage from the config, partitioned over all dp*sp ranks) -> loader -> checkpoint manager
+-> resume -> metrics -> signal handlers. A subclass replaces what is built (``_build``) and what a
+checkpoint holds beyond the shared state (``_extra_state``, ``_rank_state``); ``opd_loop.OPDTrainer`` does.
 
 Loss normalisation (token-weighted over micro-batches, SP and DP ranks): each optimizer step first
 counts the global number of loss tokens N (one all-reduce), then every micro-batch's loss is its
@@ -31,9 +34,11 @@ from ..parallel import ProcessGroups, SequenceParallel
 from ..parallel.env import local_device
 from ..stages.protocol import StageModule, StageSpec
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
+from .data_checks import check_training_data
 from .evaluation import HeldoutEval
 from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb, run_hparams
 from .profiling import StepProfiler, process_age_s
+from .resume_check import check_same_run
 from .schedules import LRSchedule, make_lr_scheduler
 from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step, finish_skipped_step
 from .teacher_identity import run_teacher_digests
@@ -57,6 +62,8 @@ def run_loss_hooks(trainer, loss: torch.Tensor) -> torch.Tensor:
 class Trainer(StopControl):
     """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
 
+    flush_denormals_on_cpu = True  # see _start
+
     def __init__(self, cfg: RunConfig, argv: list[str] | None = None, *, stage: StageSpec | None = None):
         """``stage``: the stage's row of ``train.registry`` (its build and output); ``run_stage`` passes it."""
         self.cfg, self.argv, self.stage = cfg, argv, stage
@@ -70,31 +77,84 @@ class Trainer(StopControl):
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> "Trainer":
-        from ..parallel.deepspeed_setup import initialize_engine, sp_loss_factor, start_distributed
+        """Build everything, in the order of the module doc. Subclasses change what is built
+        (:meth:`_build`), which inputs are checked (:meth:`_check_data`) and what a checkpoint holds
+        (:meth:`_extra_state`, :meth:`_rank_state`, :meth:`_check_saved_state`); the rest is shared."""
+        self._start()
+        self._check_data()
+        self._find_resume()
+        self._build()
+        self.ckpt = CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
+        self._maybe_resume()
+        self._start_metrics()
+        self._install_signal_handlers()
+        return self
 
-        cfg = self.cfg
-        HeldoutEval.check_config(cfg)
-        check_wandb(cfg.logging.wandb)
+    def _start(self) -> None:
+        """Distributed start and process groups, the config fitted to this world and its batch layout,
+        the device, dtype and LR schedule."""
+        from ..parallel.deepspeed_setup import start_distributed
+
+        check_wandb(self.cfg.logging.wandb)
         start_distributed()
-        self.groups = ProcessGroups.build(sp_size=cfg.parallel.sp_size)
+        self.groups = ProcessGroups.build(sp_size=self.cfg.parallel.sp_size)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.cfg = cfg = fit_to_world(cfg, self.world, announce=self.rank == 0)
+        self.cfg = cfg = fit_to_world(self.cfg, self.world, announce=self.rank == 0)
         self.layout = cfg.validate_against_world(self.world)
         self.device = local_device()
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.flush_denormals_on_cpu:
             # Distillation gradients get tiny (student ≈ teacher); x86 denormal arithmetic then runs
             # ~10-100x slower (measured: 47 s vs 4 s per demo step). GPUs flush denormals anyway.
             torch.set_flush_denormal(True)
-        self._check_data_vocabulary()
-        self._verify_data()
+        self.schedule = LRSchedule.from_config(cfg)
+
+    def _check_data(self) -> None:
+        """Before anything is built: the held-out split exists, the shards fit the model's vocabulary
+        and (``data.verify=full``) are intact."""
+        check_training_data(self.cfg, self.rank, self.world)
+
+    def _find_resume(self) -> None:
+        """Before anything is built: the teacher's identity by content, and the checkpoint this run
+        continues (``resume_path``; None: a new run), refused if it belongs to another run or holds a
+        state this run cannot continue (resume_check, :meth:`_check_saved_state`)."""
+        cfg = self.cfg
         self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # resume check, checkpoints
-        # the checkpoint this run continues (None: a new run), read once and checked before anything is built
         self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume == "auto" else None
-        self._check_resume_config()
+        if self.resume_path is not None:
+            check_same_run(self.resume_path, cfg, self.teacher_files, announce=self.rank == 0)
+            self._check_saved_state(self.resume_path)
+
+    def _check_saved_state(self, path: Path) -> None:
+        """Refuse a checkpoint whose saved state this run cannot continue: here, one whose LR schedule
+        the current config would change in the past (``LRSchedule.check_resume``)."""
+        state = json.loads((path / TRAINER_STATE).read_text())
+        self.schedule.check_resume(state["schedule"], state["step"])
+
+    def _build(self) -> None:
+        """The stage's module and teacher, sequence parallelism, the engine, the teacher's placement and
+        the loaders."""
+        from ..parallel.deepspeed_setup import initialize_engine
+
+        cfg = self.cfg
         self.module, self.teacher = self._build_stage()
         self._apply_sequence_parallel()
-        self.ds_config = deepspeed_config(cfg, self.layout)
+        self._init_engine()
+        self._place_teacher(initialize_engine)
+        self.loader = build_loader(
+            cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size, self.groups.dp_rank, self.layout.dp_size,
+            self.groups.sp_rank, cfg.parallel.sp_size, seed=cfg.data.seed, num_workers=cfg.data.num_workers,
+            shuffle=cfg.data.shuffle, tokenizer=self._tokenizer_for_check(),
+            verify="size" if cfg.data.verify == "full" else "sha256",  # full: already checked (check_training_data)
+        )
+        self.heldout = HeldoutEval.from_trainer(self)
+
+    def _init_engine(self) -> None:
+        """``self.module`` and the optimizer (:meth:`_optimizer`) in a DeepSpeed engine (ZeRO stage from the
+        config, partitioned over all dp*sp ranks), set to load a checkpoint written on another number of ranks."""
+        from ..parallel.deepspeed_setup import initialize_engine, sp_loss_factor
+
+        self.ds_config = deepspeed_config(self.cfg, self.layout)
         self.ds_config.setdefault("zero_allow_untested_optimizer", True)
         self.reshard = self._needs_reshard()
         if self.reshard:  # ZeRO partitions came from another number of ranks: re-partition (checkpoint.py)
@@ -104,72 +164,8 @@ class Trainer(StopControl):
         self.engine, self.optimizer, _, self.scheduler = initialize_engine(
             self.module, self.ds_config, self.groups, optimizer=optimizer, lr_scheduler=scheduler
         )
-        if cfg.parallel.zero_stage == 3 and hasattr(self.module, "enable_zero3"):
+        if self.cfg.parallel.zero_stage == 3 and hasattr(self.module, "enable_zero3"):
             self.module.enable_zero3()
-        self._place_teacher(initialize_engine)
-        self.loader = build_loader(
-            cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size, self.groups.dp_rank, self.layout.dp_size,
-            self.groups.sp_rank, cfg.parallel.sp_size, seed=cfg.data.seed, num_workers=cfg.data.num_workers,
-            shuffle=cfg.data.shuffle, tokenizer=self._tokenizer_for_check(),
-            verify="size" if cfg.data.verify == "full" else "sha256",  # full: already checked in _verify_data
-        )
-        self.heldout = HeldoutEval.from_trainer(self)
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
-        self._maybe_resume()
-        self._start_metrics()
-        self._install_signal_handlers()
-        return self
-
-    def _check_resume_config(self) -> None:
-        """Before building anything: a resume continues the checkpoint's run or is refused (resume_check)."""
-        if self.resume_path is not None:
-            from .resume_check import check_same_run
-
-            check_same_run(self.resume_path, self.cfg, self.teacher_files, announce=self.rank == 0)
-
-    def _verify_data(self) -> None:
-        """``data.verify=full``: every rank fully checks its share of the training shards (and of the
-        held-out ones) before anything is built; a bad shard anywhere stops every rank with its name."""
-        if self.cfg.data.verify != "full":
-            return
-        from ..data import verify_share
-        from ..data.errors import DataError
-
-        t0 = time.time()
-        sources = [(self.cfg.data.train, "train")]
-        if self.cfg.eval.every_steps:
-            sources.append((self.cfg.data.eval or self.cfg.data.train, self.cfg.eval.split))
-        bad = [msg for data, split in sources for msg in verify_share(data, split, self.rank, self.world)]
-        everyone: list[list[str]] = [[] for _ in range(self.world)]
-        dist.all_gather_object(everyone, bad)
-        bad = [msg for rank_bad in everyone for msg in rank_bad]
-        if bad:
-            more = f" (and {len(bad) - 1} more: {'; '.join(bad[1:4])})" if len(bad) > 1 else ""
-            raise DataError(f"data.verify=full found {len(bad)} bad shard(s): {bad[0]}{more}; re-create them, "
-                            "or drop them from the manifest")
-        if self.rank == 0:
-            print(f"data: shards verified (sizes, counts, sha256) in {time.time() - t0:.1f}s over {self.world} "
-                  "rank(s)", flush=True)
-
-    def _check_data_vocabulary(self) -> None:
-        """Refuse shards whose token ids the model cannot embed before any model is built (otherwise an
-        IndexError in the embedding at step 1). Compares the manifest's tokenizer size with the model's
-        vocabulary; bare shards without a manifest carry no size and are not checked here (nor scanned:
-        the loader reads them once, later)."""
-        from ..data import load_manifest
-        from ..data.errors import DataError
-        from ..stages.teacher import model_vocab_size
-
-        source = Path(str(self.cfg.data.train))
-        vocab = model_vocab_size(self.cfg) if source.suffix == ".json" or source.is_dir() else None
-        if vocab is None:
-            return
-        manifest = load_manifest(source, "train")
-        size = (manifest.tokenizer or {}).get("vocab_size")
-        if size is not None and int(size) > vocab:
-            raise DataError(f"the shards were tokenized with a {int(size):,}-token vocabulary, but the model embeds "
-                            f"only {vocab:,} (ids >= {vocab:,} would fail at step 1): tokenize with the teacher's "
-                            f"tokenizer or fix the model's vocab_size", manifest.path, "tokenizer.vocab_size")
 
     def _build_stage(self) -> tuple[StageModule, torch.nn.Module | None]:
         if self.stage is None or self.stage.build is None:
@@ -208,7 +204,6 @@ class Trainer(StopControl):
         fused = self.device.type == "cuda"
         opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                 fused=fused or None, foreach=None if fused else True)
-        self.schedule = LRSchedule.from_config(self.cfg)
         return opt, make_lr_scheduler(opt, self.schedule)
 
     def _tokenizer_for_check(self):
@@ -271,27 +266,54 @@ class Trainer(StopControl):
         return self.cfg.parallel.zero_stage > 0
 
     def _maybe_resume(self) -> None:
+        """Continue ``resume_path``: the engine (model, optimizer, LR scheduler, this rank's RNG) through
+        the checkpoint manager, then the trainer's own state (:meth:`_load_state`)."""
         path = self.resume_path
         if path is None:
             return
         state = self.ckpt.load(self.engine, path, universal=self.reshard)
-        self.schedule.check_resume(state["schedule"], state["step"])
-        self.loader.load_state_dict(state["loader"])
+        self._load_state(state, path)
+        if self.rank == 0:
+            print(self._resumed_message(path), flush=True)
+
+    def _load_state(self, state: dict, path: Path) -> None:
+        """The run's position and non-finite count from ``state`` (trainer_state.json), then what
+        :meth:`_extra_state` saved."""
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.nonfinite.load_state_dict(state.get("nonfinite"))
-        if self.rank == 0:
-            print(f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)", flush=True)
+        self._load_extra_state(state, path)
 
-    def save(self, loader_state: dict | None = None) -> Path:
-        """Checkpoint the state after ``self.step`` steps; ``loader_state``: the loader position to record
-        (default: where it is now)."""
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": loader_state or self.loader.state_dict(),
-                 "schedule": self.schedule.state_dict(), "world_size": self.world, "layout": vars(self.layout),
-                 "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher, "teacher_files": self.teacher_files,
-                 "student_config": self.module.student_config.to_dict(),
-                 "nonfinite": self.nonfinite.state_dict()}
+    def _load_extra_state(self, state: dict, path: Path) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+    def _resumed_message(self, path: Path) -> str:
+        return f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)"
+
+    def save(self, root: Path | None = None, **replace) -> Path:
+        """Checkpoint the state after ``self.step`` steps (collective) into ``root/step-N``: the run's
+        checkpoints by default (pruned to ``checkpoint.keep_last``); another root keeps every save.
+        ``replace``: trainer-state entries to record instead of the live ones (the non-finite stop
+        records the loader position before its step)."""
+        manager = self.ckpt if root is None else CheckpointManager(root, keep_last=0)
+        state = {**self._trainer_state(), **replace}
         cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
-        return self.ckpt.save(self.engine, self.step, state, cfg_text)
+        return manager.save(self.engine, self.step, state, cfg_text, self._rank_state())
+
+    def _trainer_state(self) -> dict:
+        """trainer_state.json: the run's position and identity, which every resume reads and checks
+        (``_needs_reshard``, resume_check), and the trainer's own entries (:meth:`_extra_state`)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "schedule": self.schedule.state_dict(),
+                "world_size": self.world, "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher,
+                "teacher_files": self.teacher_files, "student_config": self.module.student_config.to_dict(),
+                "nonfinite": self.nonfinite.state_dict(), **self._extra_state()}
+
+    def _extra_state(self) -> dict:
+        """The trainer's entries of trainer_state.json (plain JSON): here the loader position and layout."""
+        return {"loader": self.loader.state_dict(), "layout": vars(self.layout)}
+
+    def _rank_state(self) -> dict | None:
+        """This rank's state beyond its RNGs (tensors and plain values, read back weights-only); none here."""
+        return None
 
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -395,7 +417,7 @@ class Trainer(StopControl):
         # the last good state: parameters before this step's update, and the loader before its batches,
         # so a resume (after lowering the LR, say) trains step ``step + 1`` on the same batch
         start = self._step_start
-        path = self.save(loader_state=start)
+        path = self.save(loader=start)
         rows = self.layout.grad_accum_steps * self.layout.dp_size * self.cfg.data.micro_batch_size
         return NonFiniteLossError(
             f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}) on the batch of epoch "
