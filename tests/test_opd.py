@@ -690,7 +690,7 @@ def test_resume_on_another_number_of_ranks_continues_the_run(tmp_path, capsys):
             assert (run["tokens"], run["horizon"]) == (ref["tokens"], ref["horizon"])
             for k, v in ref["weights"].items():
                 assert torch.allclose(run["weights"][k], v, rtol=1e-5, atol=1e-6), (zero, k)
-    with pytest.raises(IncompatibleInputError, match=r"written on 2 rank\(s\); this run has 1: OPD under ZeRO-3"):
+    with pytest.raises(IncompatibleInputError, match=r"written on 2 rank\(s\); this run has 1: stage opd under ZeRO-3"):
         _resumed_on(tmp_path / "zero3", tmp_path / "two1", 1, batches, "parallel.zero_stage=3")
 
 

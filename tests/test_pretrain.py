@@ -76,6 +76,21 @@ def test_hypenet_trains_and_resumes_exactly_after_a_crash(shards, tmp_path):
     assert exported["attn_logits_scale_base"] == 300.0 and exported["rnn_rope"] and not exported["attn_rope"]
 
 
+def test_zero3_resume_on_another_number_of_ranks_is_refused(shards, tmp_path):
+    """Pretraining's AdamW has two groups (decay / no_decay): DeepSpeed's ZeRO-3 re-partitioning would give
+    both the first one's weight decay and one shared Adam step, so a ZeRO-3 checkpoint of another number of
+    ranks is refused before anything is built, naming both numbers (ZeRO 0-2 re-partition exactly)."""
+    common = [f"data.train={shards}", "schedule.total_steps=6", "checkpoint.every_steps=2", "parallel.zero_stage=3"]
+    pretrain(tmp_path, "hypenet", *common, faults=dict(crash_at=3), expect=17)  # step 2 is the last checkpoint
+    state_file = tmp_path / "checkpoints" / "step-00000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["world_size"] == 1
+    state_file.write_text(json.dumps({**state, "world_size": 2}))  # as if written by a 2-rank job
+    res = pretrain(tmp_path, "hypenet", *common, expect=2)
+    assert "written on 2 rank(s); this run has 1: stage pretrain under ZeRO-3" in res.stderr, res.stderr[-2000:]
+    assert "Resume on 2 rank(s)" in res.stderr
+
+
 # ------------------------------------------------------------------------------------------ model
 def test_init_and_weight_decay_groups():
     cfg = load_config(TINY / "pretrain_hypenet.yaml", ["pretrain.model.hidden_size=256", "pretrain.model.head_dim=64",

@@ -53,6 +53,7 @@ class OPDTrainer(Trainer):
 
     # its CPU runs (the tests' tiny ones) keep x86 denormal arithmetic, which their tolerances were set with
     flush_denormals_on_cpu = False
+    several_param_groups = True  # rnn / attn / other, each with its own peak LR
 
     def __init__(self, cfg: RunConfig, argv=None, *, stage=None, hf_teacher=None, student=None, tokenizer=None,
                  prompt_sets=None):
@@ -180,14 +181,6 @@ class OPDTrainer(Trainer):
         if state.get("backend", "torch") != "deepspeed":
             raise IncompatibleInputError(f"{path} holds a plain-torch OPD checkpoint (one state.pt); OPD trains "
                                          "under DeepSpeed and reads DeepSpeed checkpoints only: start the run again")
-        saved_world = state.get("world_size", self.world)
-        if saved_world != self.world and self.cfg.parallel.zero_stage == 3:
-            # DeepSpeed 0.19.8's ZeRO-3 universal load copies the first parameter group's settings (LR, name)
-            # into every group and gives all groups one Adam step tensor, which then advances once per group
-            raise IncompatibleInputError(
-                f"{path} was written on {saved_world} rank(s); this run has {self.world}: OPD under ZeRO-3 resumes "
-                f"only on the same number of ranks (DeepSpeed's ZeRO-3 re-partitioning mixes up its parameter "
-                f"groups; ZeRO 0-2 resume on any number). Resume on {saved_world} rank(s)")
 
     def _extra_state(self) -> dict:
         """The horizon and its plateau detector, the held-out curve, and the backend that wrote it."""

@@ -13,6 +13,8 @@ class PretrainTrainer(Trainer):
     """The Trainer with the from-scratch differences: weight decay on matrices only, model FLOPs
     with attention terms for MFU, the scratch tokenizer's check of the shards."""
 
+    several_param_groups = True  # decay / no_decay
+
     def _optimizer(self):
         o = self.cfg.optim
         groups = param_groups(self.module, o.weight_decay)

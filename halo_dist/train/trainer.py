@@ -33,6 +33,7 @@ from ..models.flops import attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
 from ..parallel.env import local_device
 from ..stages.protocol import StageModule, StageSpec
+from ..errors import IncompatibleInputError
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .data_checks import check_training_data
 from .evaluation import HeldoutEval
@@ -63,6 +64,7 @@ class Trainer(StopControl):
     """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
 
     flush_denormals_on_cpu = True  # see _start
+    several_param_groups = False  # the optimizer has groups of different settings (see _check_saved_state)
 
     def __init__(self, cfg: RunConfig, argv: list[str] | None = None, *, stage: StageSpec | None = None):
         """``stage``: the stage's row of ``train.registry`` (its build and output); ``run_stage`` passes it."""
@@ -126,10 +128,20 @@ class Trainer(StopControl):
             self._check_saved_state(self.resume_path)
 
     def _check_saved_state(self, path: Path) -> None:
-        """Refuse a checkpoint whose saved state this run cannot continue: here, one whose LR schedule
-        the current config would change in the past (``LRSchedule.check_resume``)."""
+        """Refuse a checkpoint whose saved state this run cannot continue: one whose LR schedule the
+        current config would change in the past (``LRSchedule.check_resume``), or, for an optimizer of
+        several parameter groups, a ZeRO-3 one written on another number of ranks: DeepSpeed 0.19.8's
+        ZeRO-3 re-partitioning gives every group the first group's settings (LR, weight decay) and one
+        shared Adam step that advances once per group, so such a run would continue silently wrong."""
         state = json.loads((path / TRAINER_STATE).read_text())
         self.schedule.check_resume(state["schedule"], state["step"])
+        saved_world = state.get("world_size", self.world)
+        if saved_world != self.world and self.cfg.parallel.zero_stage == 3 and self.several_param_groups:
+            raise IncompatibleInputError(
+                f"{path} was written on {saved_world} rank(s); this run has {self.world}: stage "
+                f"{self.cfg.stage.name} under ZeRO-3 resumes only on the same number of ranks (DeepSpeed's ZeRO-3 "
+                f"re-partitioning mixes up its optimizer's parameter groups; ZeRO 0-2 resume on any number). "
+                f"Resume on {saved_world} rank(s)")
 
     def _build(self) -> None:
         """The stage's module and teacher, sequence parallelism, the engine, the teacher's placement and
