@@ -91,6 +91,14 @@ def test_zero3_resume_on_another_number_of_ranks_is_refused(shards, tmp_path):
     assert "Resume on 2 rank(s)" in res.stderr
 
 
+def test_shards_beyond_the_model_vocabulary_are_refused_before_training(shards, tmp_path):
+    """Qwen-tokenized shards (151,643-token vocabulary) for a 97-token scratch model: one error line naming both
+    sizes, before any model or optimizer exists (not an IndexError at step 1)."""
+    res = pretrain(tmp_path, "hypenet", f"data.train={shards}", "pretrain.model.vocab_size=97", expect=2)
+    assert "error:" in res.stderr and "vocabulary" in res.stderr and "97" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not (tmp_path / "checkpoints").exists()
+
+
 # ------------------------------------------------------------------------------------------ model
 def test_init_and_weight_decay_groups():
     cfg = load_config(TINY / "pretrain_hypenet.yaml", ["pretrain.model.hidden_size=256", "pretrain.model.head_dim=64",
