@@ -4,7 +4,8 @@ Builds a random Qwen3-1.7B-shaped teacher (28 layers, d 2048, FFN 6144, 16 heads
 dim 128, vocab 151,936, tied) and its HypeNet-2B student (attention layers 2,3,6,8,9,21,25, Lightning
 elsewhere), in bf16, and measures on one device:
 
-* rollout tokens/s: ``sample_rollouts`` (HypeNet's cached batched generate, T = 1.0, top-p 1.0, no
+* rollout tokens/s (after an untimed 4-token rollout of the same batch: compilation, autotuning and
+  the first graph capture stay out of the figure): ``sample_rollouts`` (HypeNet's cached batched generate, T = 1.0, top-p 1.0, no
   early EOS so every row runs the full horizon) for ``--rollouts`` prompts of ``--prompt-len`` tokens
   and ``--horizon`` new tokens; sampled tokens / wall time;
 * training tokens/s: one OPD micro-step on the packed rollouts -- teacher forward (no grad), student
@@ -85,6 +86,8 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     g = torch.Generator(device=device).manual_seed(horizon)
     prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len), generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
+    # untimed: Triton compilation/autotuning and the first graph capture of this batch shape
+    sample_rollouts(student, prompts, 4, eos_token_id=None, generator=g, static_cache=args.static_decode)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call = one phase (the device tool runs `bash bench/device_run.sh PHASE`). Installs the
-# carried wheels once per machine (.site/ survives while the machine stays warm), then runs the phase's
+# carried wheels once per machine (/tmp/halo/site survives while the machine stays warm), then runs the phase's
 # benchmarks, two GPUs in parallel where the phase has independent single-GPU work. Logs land in $OUT.
 #   A: GPU0 stages 1-3 + naive stage 2 (bench_stages) | GPU1 attention check, inference, OPD
 #   B: 2 GPUs: stage 2 DP=2, stage 3 SP=2 at 16K and 64K, all-to-all timing (issue 9)
@@ -22,29 +22,40 @@
 #   R17a (one GPU): stage 2 (2B config, compile=layer, ZeRO-1) and stage 3 at 16K after the one-engine refactor
 #   R17b (one GPU, same warm machine): decode at 512K (both shapes, CUDA graphs), then the tiny OPD run under
 #      DeepSpeed on the GPU (carry .whl .bench_data)
+#   P20a (one GPU): decode-step kernel profiles (512K, 32K; plain and compiled graph), the batch-256 rollout step,
+#      the OPD baseline at horizon 2048 | P20b: R17a with a profile of stage 2 steps 6-7 (carry .whl .bench_data)
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
 set -uo pipefail
 phase=${1:?phase}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TRITON_CACHE_DIR=$PWD/.triton_cache TOKENIZERS_PARALLELISM=false
+# /tmp survives between calls on a warm machine (the tree does not): packages, compiled bytecode (the image
+# sets PYTHONDONTWRITEBYTECODE and ships torch without .pyc: every process would compile it again) and the
+# Triton cache (seeded with the committed fla autotune results) live there
+H=/tmp/halo; mkdir -p $H
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=$H/pycache
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TRITON_CACHE_DIR=$H/triton TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 HALO_CACHE=$PWD/.cache/halo_dist
-if [ ! -f .site/.installed ]; then
+if [ ! -f $H/site/.installed ]; then
   t0=$SECONDS
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl \
-    && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target .site .whl/deepspeed-*.tar.gz \
-    && touch .site/.installed
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $H/site .whl/*.whl \
+    && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target $H/site .whl/deepspeed-*.tar.gz \
+    && touch $H/site/.installed
   echo "install: $((SECONDS - t0)) s"
 fi
-export PYTHONPATH=$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-[ -d .triton_seed ] && mkdir -p .triton_cache && tar -xzf .triton_seed/autotune.tgz -C .triton_cache 2>/dev/null
+export PYTHONPATH=$H/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ ! -d $H/triton ]; then
+  [ -f bench/cache/triton_autotune_h200.tgz ] && tar -xzf bench/cache/triton_autotune_h200.tgz -C $H
+  [ -d .triton_seed ] && mkdir -p $H/triton && tar -xzf .triton_seed/autotune.tgz -C $H/triton 2>/dev/null
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 gather_parts() {  # the SmolLM2 GGUF travels in 3 parts over chained calls on one warm machine
   mkdir -p .gguf; for p in .xfer/*/smol.part* .xfer/*/smol.sha256; do [ -f "$p" ] && cp "$p" .gguf/; done; ls .gguf
 }
 save_autotune() {
-  (cd .triton_cache 2>/dev/null && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
+  (cd $H && find triton -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
 }
 case $phase in
 A)
@@ -178,6 +189,26 @@ R17b)
     --out bench/results/inference_decode_r17.json > "$OUT/decode_r17.log" 2>&1; echo "decode rc=$?"
   timeout 200 python3 launchers/opd.py --config configs/opd/tiny.yaml logging.run_dir=runs/bench/opd_tiny \
     logging.tensorboard=false schedule.total_steps=6 > "$OUT/opd_tiny_gpu.log" 2>&1; echo "opd tiny rc=$?"
+  ;;
+P20a)
+  # issue 20 item 1: where the graph decode step's time goes (kernel profile), both shapes: 512K with the plain and
+  # the compiled graph step, 32K plain; the OPD rollout step (HypeNet-2B, 256 rows at a 2K context); then the OPD
+  # baseline in whatever time the call has left
+  timeout 300 python3 bench/profile_decode.py --contexts 524288 --variants graph compiled \
+    > "$OUT/profile_decode.log" 2>&1; echo "decode profile rc=$?"
+  timeout 100 python3 bench/profile_decode.py --models hypenet-2b --batch 256 --contexts 2304 \
+    --out bench/results/decode_profile_b256.json > "$OUT/profile_decode_b256.log" 2>&1; echo "b256 profile rc=$?"
+  timeout 80 python3 bench/profile_decode.py --contexts 32768 --out bench/results/decode_profile_32k.json \
+    > "$OUT/profile_decode_32k.log" 2>&1; echo "32K profile rc=$?"
+  timeout $((575 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode \
+    --out bench/results/opd_p20a.json > "$OUT/opd_p20a.log" 2>&1; echo "opd rc=$?"
+  ;;
+P20b)
+  # issue 17's re-measure (R17a) with a profile of stage 2's steps 6-7 (issue 20 item 2's starting point)
+  timeout 560 python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 3 --steps 1 8 3 \
+    --tag p20b --extra logging.profile_at_step=6 logging.profile_steps=2 > "$OUT/stages_p20b.log" 2>&1
+  echo "stages rc=$?"
+  for d in runs/bench/*/profile; do [ -f $d/summary.txt ] && cp $d/summary.txt "$OUT/$(basename $(dirname $d)).profile.txt"; done
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
