@@ -24,6 +24,8 @@
 #      DeepSpeed on the GPU (carry .whl .bench_data)
 #   P20a (one GPU): decode-step kernel profiles (512K, 32K; plain and compiled graph), the batch-256 rollout step,
 #      the OPD baseline at horizon 2048 | P20b: R17a with a profile of stage 2 steps 6-7 (carry .whl .bench_data)
+#   P20c (one GPU): the decode step after packing and the in-place Lightning update: CUDA tests, HypeNet 512K
+#      prefilled (baseline/graph/compiled vs eager), teacher 512K, batch 256, OPD h2048 (carry .whl)
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -209,6 +211,23 @@ P20b)
     --tag p20b --extra logging.profile_at_step=6 logging.profile_steps=2 > "$OUT/stages_p20b.log" 2>&1
   echo "stages rc=$?"
   for d in runs/bench/*/profile; do [ -f $d/summary.txt ] && cp $d/summary.txt "$OUT/$(basename $(dirname $d)).profile.txt"; done
+  ;;
+P20c)
+  # issue 20 item 1 after the change (packed input projections, Lightning's state updated in place): the new CUDA
+  # kernel's tests; HypeNet-2B at 512K on a prefilled cache (every variant vs the eager step); the teacher shape at
+  # 512K (its best path, packed too); the batch-256 rollout step; then OPD at horizon 2048 in the time left
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k cuda > "$OUT/static_decode_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"
+  timeout 170 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants baseline graph compiled --out bench/results/decode_profile_hypenet_512k.json \
+    > "$OUT/profile_hypenet_512k.log" 2>&1; echo "hypenet 512K rc=$?"
+  timeout 150 python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
+    --variants graph compiled --out bench/results/decode_profile_teacher_512k.json \
+    > "$OUT/profile_teacher_512k.log" 2>&1; echo "teacher 512K rc=$?"
+  timeout 80 python3 bench/profile_decode.py --models hypenet-2b --batch 256 --contexts 2304 --variants baseline graph \
+    --out bench/results/decode_profile_b256_after.json > "$OUT/profile_b256_after.log" 2>&1; echo "b256 rc=$?"
+  timeout $((560 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode \
+    --out bench/results/opd_p20c.json > "$OUT/opd_p20c.log" 2>&1; echo "opd rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -13,13 +13,17 @@ size, not its values):
 4. the bytes the step must read (weights + KV cache + RNN states, once each) and the time they take at
    ``--bandwidth`` (the bytes bound), so the table says how far each model is from its bound.
 
-``--variants`` times alternative decode paths in the same process (same weights, same cache):
-``graph`` (the default StaticDecoder) and ``compiled`` (the step through ``torch.compile`` first).
+``--variants`` times alternative decode paths in the same process (same weights, same cache size):
+``graph`` (the default StaticDecoder: packed input projections, Lightning's state updated in place),
+``baseline`` (both off: a GEMM per projection, fla's recurrent kernel and a state copy), ``separate`` (packing
+off only), ``fla`` (in-place update off only), and ``compiled`` / ``compiled-baseline`` (the same, with the step
+through ``torch.compile`` before capture).
 Writes ``bench/results/decode_profile.json``.
 
   python bench/profile_decode.py                              # H200, 512K and 32K
   python bench/profile_decode.py --contexts 524288 --variants graph compiled
   python bench/profile_decode.py --models hypenet-2b --batch 256 --contexts 2304 --out bench/results/decode_profile_b256.json
+  python bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill --variants baseline graph compiled
   python bench/profile_decode.py --cpu-smoke                  # tiny shapes on CPU (the script runs)
 """
 
@@ -37,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_inference import build, model_configs, sync  # noqa: E402
+from bench.bench_inference import build, model_configs, prefill, rewind, rnn_states, sync  # noqa: E402
 from bench.common import print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
@@ -54,21 +58,38 @@ GROUPS = [
 ]
 
 
+# variant -> StaticDecoder options
+VARIANTS = {
+    "graph": {},
+    "baseline": dict(pack_projections=False, lightning_in_place=False),
+    "separate": dict(pack_projections=False),
+    "fla": dict(lightning_in_place=False),
+    "compiled": dict(compile=True),
+    "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
+}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[524288, 32768])
     p.add_argument("--models", nargs="+", default=["qwen3-1.7b-shape", "hypenet-2b"])
-    p.add_argument("--variants", nargs="+", default=["graph"], choices=["graph", "compiled"])
+    p.add_argument("--variants", nargs="+", default=["graph"], choices=list(VARIANTS))
     p.add_argument("--batch", type=int, default=1,
                    help="rows decoded together (e.g. 256 at a 2K context: an OPD rollout step)")
+    p.add_argument("--prefill", action="store_true",
+                   help="prefill random token ids (batch 1) instead of a random cache, and compare each variant's "
+                        "first logits with the eager dynamic-cache step (rel_err_vs_eager)")
+    p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
     p.add_argument("--steps", type=int, default=32, help="timed replays per variant")
     p.add_argument("--profiled", type=int, default=4, help="profiled replays per variant")
     p.add_argument("--bandwidth", type=float, default=4.4e12, help="bytes/s for the bytes bound (H200 ~4.4 TB/s)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    if a.prefill and a.batch != 1:
+        p.error("--prefill runs at batch 1")
     if a.cpu_smoke:
-        a.contexts, a.steps, a.profiled = [64], 3, 1
+        a.contexts, a.steps, a.profiled, a.chunk = [64], 3, 1, 48
         a.out = a.out or Path("/tmp/halo_dist_decode_profile_smoke.json")
     return a
 
@@ -178,30 +199,53 @@ def profile_steps(dec: StaticDecoder, steps: int, device) -> dict:
     }
 
 
+@torch.inference_mode()
+def prefilled(model, context: int, args, device, room: int):
+    """``(cache, next token [1], eager next-step logits [1, V] fp32, saved RNN states)`` after a chunked prefill of
+    random ids; the cache is rewound to ``context`` tokens."""
+    _, cache, token, _ = prefill(model, context, args.chunk, device, room)
+    saved = [s.clone() for s in rnn_states(cache)]
+    ref = model(token.view(1, 1), cache=cache, use_cache=True).logits[:, -1].float()
+    rewind(cache, context, saved)
+    return cache, token.view(1), ref, saved
+
+
 def measure(name, model, context, args, device) -> list[dict]:
     rows = []
     bound = step_bytes(model, context, args.batch)
     bound_ms = bound["total_GB"] * 1e9 / args.bandwidth * 1e3
+    room = args.steps + args.profiled + 12
+    dtype = next(model.parameters()).dtype
+    token = torch.zeros(args.batch, dtype=torch.long, device=device)
+    if args.prefill:
+        cache, token, ref, saved = prefilled(model, context, args, device, room)
     for variant in args.variants:
-        cache = random_cache(model, args.batch, context, device, next(model.parameters()).dtype,
-                             args.steps + args.profiled + 8)
+        if args.prefill:
+            with torch.inference_mode():  # the prefill's tensors are inference tensors
+                rewind(cache, context, saved)
+        else:
+            cache = random_cache(model, args.batch, context, device, dtype, room)
         t0 = time.perf_counter()
-        dec = StaticDecoder(model, cache, compile=variant == "compiled")
+        dec = StaticDecoder(model, cache, **VARIANTS[variant])
         setup_s = time.perf_counter() - t0
+        first = dec.step(token).float().clone()  # the step right after the prompt (after a prefill: vs eager)
+        err = float((first - ref).norm() / ref.norm()) if args.prefill else None
         ms = timed(dec, args.steps, device)
         prof = profile_steps(dec, args.profiled, device)
         rows.append({"model": name, "batch": args.batch, "context": context, "variant": variant, "step_ms": ms,
                      "bound_ms": bound_ms, "vs_bound": ms / bound_ms, "setup_s": round(setup_s, 1),
                      "graph": dec.graph is not None, "error": dec.graph_error or dec.compile_error,
-                     **bound, **prof})
-        del dec, cache
+                     "rel_err_vs_eager": err, **bound, **prof})
+        del dec
+        if not args.prefill:
+            del cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
 def report(rows: list[dict]) -> None:
-    print_table([{k: r.get(k) for k in ("model", "batch", "context", "variant", "step_ms", "bound_ms", "vs_bound",
+    print_table([{k: r.get(k) for k in ("model", "batch", "context", "variant", "step_ms", "bound_ms", "vs_bound", "rel_err_vs_eager",
                                         "kernels_per_step", "busy_ms", "span_ms", "gaps_ms", "total_GB")}
                  for r in rows], "decode step: wall, bytes bound, kernels (per token)")
     for r in rows:

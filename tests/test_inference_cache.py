@@ -2,6 +2,7 @@
 benchmark's smoke mode (the CUDA kernels behind the same functions are checked on the device by
 bench/check_attention_gpu.py)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -144,3 +145,24 @@ def test_real_pair_benchmark_smoke(real_pair_folders, tmp_path):
     assert out.with_suffix(".png").exists()
     with pytest.raises(SystemExit):  # shape-mode options are refused, not ignored
         bench.parse_args(["--real", str(teacher_dir), str(student_dir), "--decode-only", "256"])
+
+
+def test_decode_profile_smoke_compares_every_variant_with_the_eager_step(tmp_path):
+    """bench/profile_decode.py end to end on CPU: every StaticDecoder variant after a real prefill gives the eager
+    dynamic step's logits (fp32), and the bytes bound counts KV and states per row."""
+    out = tmp_path / "decode_profile.json"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "profile_decode.py"), "--cpu-smoke", "--prefill",
+                          "--variants", "graph", "baseline", "separate", "fla", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 8 and all(r["rel_err_vs_eager"] < 1e-5 and r["step_ms"] > 0 for r in rows)
+    bench = importlib.util.spec_from_file_location("profile_decode", REPO / "bench" / "profile_decode.py")
+    module = importlib.util.module_from_spec(bench)
+    bench.loader.exec_module(module)
+    model = HypeNetForCausalLM(HypeNetConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                             head_dim=8, mixer_types=["attention", "lightning"]))
+    one, four = module.step_bytes(model, 100, 1), module.step_bytes(model, 100, 4)
+    assert one["kv_GB"] * 1e9 == 2 * 100 * 1 * 8 * 4 and four["kv_GB"] == 4 * one["kv_GB"]
+    assert four["rnn_state_GB"] * 1e9 == 4 * 2 * 8 * 8 * 4 * 2 and four["weights_GB"] == one["weights_GB"]

@@ -221,7 +221,7 @@ def test_tiny_hypenet_trains_and_generates_padded_batches(kind):
 
 def reference_swa(mixer, x, pos, doc, window):
     """Explicit masked softmax: query i sees key j iff same document, j <= i and i - j < window."""
-    q, k, v = mixer.project(x, SequenceInfo(pos))
+    q, k, v, _ = mixer.project(x, SequenceInfo(pos))
     g = mixer.num_heads // mixer.num_kv_heads
     k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * mixer.head_dim**-0.5
@@ -254,7 +254,7 @@ def test_swa_rope_switch_and_no_logits_scaling():
     x, pos = rand(1, 9, 32, seed=6), torch.arange(9)[None]
     with torch.no_grad():
         assert not torch.allclose(a(x, SequenceInfo(pos)), b(x, SequenceInfo(pos)))
-        q, _, _ = b.project(x, SequenceInfo(pos))
+        q, *_ = b.project(x, SequenceInfo(pos))
         q_ref = b.q_norm(b.q_proj(x).view(1, 9, 4, 8))
         assert torch.equal(q, q_ref)  # no RoPE and no logits scaling on q
 

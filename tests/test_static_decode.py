@@ -61,16 +61,20 @@ def test_split_plan_covers_the_buffer_in_block_multiples():
         assert split_len % 64 == 0 and splits * split_len >= room > (splits - 1) * split_len
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "separate"])
 @pytest.mark.parametrize("mixers,kw", [
     (("attention",) * 3, dict(attn_rope=True, attn_logits_scale_base=None)),  # the teacher shape
     (("attention", "lightning", "attention", "lightning"), dict(attn_output_gate=True)),  # HypeNet
     (("lightning", "gdn", "attention", "gla", "mamba2", "rwkv7"), {}),  # every RNN mixer's state update
+    # biases on q/k/v only (packed with zeros for the gate), GQA kept in the RNN layers (k/v narrower than q)
+    (("attention", "lightning"), dict(qkv_bias=True, attn_output_gate=True, rnn_gqa_to_mha=False)),
 ])
-def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw):
+def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw, pack):
     model = tiny(mixers, **kw)
     cache, first = prefilled(model)
     dynamic = copy.deepcopy(cache)
-    dec = StaticDecoder(model, cache, use_cuda_graph=False)
+    dec = StaticDecoder(model, cache, use_cuda_graph=False, pack_projections=pack)
+    assert (dec.cache.packed is not None) == pack
     nxt_s = nxt_d = first
     with torch.inference_mode():
         for _ in range(8):  # the whole reserve
@@ -81,6 +85,19 @@ def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw):
     assert dec.room_left == 0
     with pytest.raises(RuntimeError, match="KV buffers are full"):
         dec.step(nxt_s)
+
+
+def test_packed_linears_equal_the_separate_linears():
+    from halo_dist.models.hypenet.layers_hypenet import PackedLinears
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(8, 5, bias=True), torch.nn.Linear(8, 3, bias=False), torch.nn.Linear(8, 6)]
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    linears = [lin.double() for lin in linears]
+    packed = PackedLinears(linears)
+    assert packed.weight.shape == (14, 8) and packed.sizes == [5, 3, 6]
+    for got, lin in zip(packed(x), linears):
+        torch.testing.assert_close(got, lin(x), rtol=0, atol=1e-14)
 
 
 def test_compiled_static_step_equals_eager_and_compiles_once():
@@ -184,6 +201,55 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
     assert worst < 1e-5, out.stdout
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference():
+    """The in-place Lightning decode kernel on CPU (TRITON_INTERPRET=1, fp32): output and updated state equal
+    the torch reference for strided q/k/v (views of one packed projection), a value dim that is not a multiple
+    of the block, and three consecutive steps on the same buffer."""
+    script = textwrap.dedent("""
+        import torch
+        from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch, lightning_decode_triton
+
+        torch.manual_seed(0)
+        worst = 0.0
+        for B, H, K, V in ((1, 4, 16, 16), (3, 2, 32, 48)):
+            qkv = torch.randn(B, 1, H * (2 * K + V) + 5)  # packed outputs: q, k, v are strided views
+            q = qkv[..., :H * K].view(B, 1, H, K)
+            k = qkv[..., H * K:2 * H * K].view(B, 1, H, K)
+            v = qkv[..., 2 * H * K:2 * H * K + H * V].view(B, 1, H, V)
+            log_decay = -torch.rand(H)
+            s_got = torch.randn(B, H, K, V)
+            s_want = s_got.clone()
+            for _ in range(3):  # consecutive steps on the same buffer
+                got = lightning_decode_triton(q, k, v, log_decay, 0.3, s_got, block_v=16)
+                want = lightning_decode_torch(q, k, v, log_decay, 0.3, s_want)
+                worst = max(worst, float((got - want).norm() / want.norm()),
+                            float((s_got - s_want).norm() / s_want.norm()))
+        print("worst", worst)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst = float(out.stdout.split("worst")[-1])
+    assert worst < 1e-5, out.stdout
+
+
+def test_lightning_decode_reference_updates_the_state_in_place():
+    from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch
+    from halo_dist.models.hypenet.ops_rnn_torch import lightning_recurrent_torch
+
+    torch.manual_seed(0)
+    B, H, K, V = 2, 3, 8, 8
+    q, k, v = (torch.randn(B, 1, H, K, dtype=torch.float64) for _ in range(3))
+    log_decay = -torch.rand(H, dtype=torch.float64)
+    state = torch.randn(B, H, K, V, dtype=torch.float64)
+    want_o, want_state = lightning_recurrent_torch(q, k, v, log_decay[None, None].expand(B, 1, H), 0.5, state)
+    buffer = state.clone()
+    got_o = lightning_decode_torch(q, k, v, log_decay, 0.5, buffer)
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(buffer, want_state, rtol=0, atol=1e-12)
+
+
 def test_static_decode_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="sliding-window"):
         StaticDecoder(tiny(("swa", "attention")), prefilled(tiny(("attention", "attention")))[0])
@@ -246,3 +312,21 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
     mask[1, :7] = 0  # left-padded rollouts through the graph: same greedy tokens as the dynamic loop
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, cache_implementation="static"),
                        model.generate(ids, attention_mask=mask, max_new_tokens=12))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+def test_lightning_decode_kernel_matches_the_reference_on_cuda():
+    """bf16 q/k/v, fp32 state, the 2B shape's heads, batch 1 and 256 (the graph step through it is compared
+    with the dynamic cache in test_triton_split_kv_and_graph_match_the_references_on_cuda)."""
+    from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch, lightning_decode_triton
+
+    torch.manual_seed(0)
+    for B in (1, 256):
+        q, k, v = (torch.randn(B, 1, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        log_decay = -torch.rand(16, device="cuda")
+        s_got = torch.randn(B, 16, 128, 128, device="cuda")
+        s_want = s_got.clone()
+        got = lightning_decode_triton(q, k, v, log_decay, 128**-0.5, s_got).float()
+        want = lightning_decode_torch(q, k, v, log_decay, 128**-0.5, s_want).float()
+        assert (got - want).norm() / want.norm() < 1e-2
+        assert (s_got - s_want).norm() / s_want.norm() < 1e-5

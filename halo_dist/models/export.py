@@ -44,6 +44,7 @@ MODEL_FILES = (
     "ops_rnn_torch.py",  # exact torch recurrences
     "static_decode.py",  # CUDA-graph decoding
     "decode_attention.py",  # its split-KV attention kernel
+    "decode_lightning.py",  # its in-place Lightning state update
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_hypenet.HypeNetConfig",

@@ -11,7 +11,16 @@ import torch
 from torch import nn
 
 from .configuration_hypenet import HypeNetConfig
-from .layers_hypenet import HypeNetRMSNorm, SequenceInfo, apply_rope, output_gate, per_head_rms_norm
+from .layers_hypenet import (
+    HypeNetRMSNorm,
+    PackedLinears,
+    SequenceInfo,
+    apply_rope,
+    linear_outputs,
+    output_gate,
+    packed_for,
+    per_head_rms_norm,
+)
 from .ops_attention import chunk_prefill_attention, local_causal_mask, packed_causal_attention, rows_cu_seqlens, sdpa
 from .sequence_parallel_hypenet import SequenceParallelMixer
 
@@ -46,13 +55,21 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
     def logits_scale_base(self) -> float | None:
         return self.config.attn_logits_scale_base
 
-    def project(self, x: torch.Tensor, info: SequenceInfo):
-        """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with norms, RoPE and scaling."""
+    def input_linears(self) -> list[nn.Linear]:
+        """q, k, v (and the output gate's) projections, which all read the mixer's input."""
+        gate = [self.g_proj] if self.config.attn_output_gate else []
+        return [self.q_proj, self.k_proj, self.v_proj, *gate]
+
+    def project(self, x: torch.Tensor, info: SequenceInfo, packed: PackedLinears | None = None):
+        """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with norms, RoPE and scaling, and the
+        output gate's logits ``[B, T, H*D]`` when ``packed`` computed them in the same GEMM (else None)."""
         B, T, _ = x.shape
         D, cfg = self.head_dim, self.config
-        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
-        k = self.k_proj(x).view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, -1, D)
+        linears = self.input_linears()  # q, k, v (+ the gate, computed here only in the packed GEMM)
+        q, k, v, *g = linear_outputs(x, linears if packed is not None else linears[:3], packed)
+        q = q.view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
+        k = k.view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
+        v = v.view(B, T, -1, D)
         if cfg.attn_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
@@ -60,12 +77,12 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.logits_scale_base is not None:
             q = (q.float() * info.logits_scale(self.logits_scale_base)).to(v.dtype)
-        return q, k, v
+        return q, k, v, (g[0] if g else None)
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache=None):
         """x ``[B, T, d]`` -> ``[B, T, d]``. ``cache``: a HypeNetCache (decoding) or a StaticDecodeCache. Under
         sequence parallelism T is this rank's T/sp tokens and the kernel attends over all T tokens of H/sp heads."""
-        q, k, v = self.project(x, info)  # q [B, T, H, D], k/v [B, T, Hkv, D]
+        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))  # q [B, T, H, D], k/v [B, T, Hkv, D]
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
         k, v = self.sp_replicate_kv(k, v)  # SP: [B, T/sp, Hkv, D] -> [B, T/sp, Hkv*f, D], sp | Hkv*f
         q, k, v = self.sp_scatter(q, k, v)  # SP: [B, T/sp, heads, D] -> [B, T, heads/sp, D]
@@ -74,7 +91,7 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
             o = self._attend_with_cache(q, k, v, info, cache, scale)
         else:
             o = self._attend(q, k, v, info, scale)
-        return self.finish(self.sp_gather(o), x)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
+        return self.finish(self.sp_gather(o), x, g)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
 
     def _attend(self, q, k, v, info: SequenceInfo, scale: float):
         if info.cu_seqlens is not None:
@@ -105,7 +122,7 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         mask = mask | ~info.key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows
         return sdpa(q, k, v, mask=mask, scale=scale)
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def finish(self, o: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Optional per-head norm and output gate, then W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
         B, T, H, D = o.shape
         if self.config.attn_output_norm:
@@ -113,7 +130,7 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         else:
             o = o.reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
         if self.config.attn_output_gate:
-            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
+            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
         return self.o_proj(o)
 
 

@@ -39,6 +39,39 @@ class HypeNetRMSNorm(nn.Module):
         return self.weight * rms_normalize(x, self.eps)
 
 
+class PackedLinears:
+    """Linears that read the same input, as one GEMM: their weights (and biases) concatenated along the output
+    dim, the result split back. Decoding uses it (``StaticDecoder``): at batch 1 a step reads every weight
+    once either way, but a lone 2048 x 2048 GEMV keeps only a fraction of a GPU's SMs busy, and one launch
+    replaces three or four. The concatenation is a copy: it does not follow later updates of the weights."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        weights = [lin.weight.detach() for lin in linears]
+        self.sizes = [w.shape[0] for w in weights]
+        self.weight = torch.cat(weights)  # [sum N_i, d]
+        if all(lin.bias is None for lin in linears):
+            self.bias = None
+        else:
+            self.bias = torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(w.shape[0])
+                                   for lin, w in zip(linears, weights)])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x ``[..., d]`` -> one ``[..., N_i]`` output per linear."""
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def linear_outputs(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | None):
+    """The outputs of ``linears`` on the shared input x: one GEMM through ``packed`` if given, else one each."""
+    return packed(x) if packed is not None else tuple(lin(x) for lin in linears)
+
+
+def packed_for(cache, layer_idx: int, block: str) -> PackedLinears | None:
+    """The packed input projections a StaticDecodeCache holds for ``block`` ("mixer" or "mlp") of layer
+    ``layer_idx``; None for any other cache, or when the decoder packs none."""
+    packs = getattr(cache, "packed", None)
+    return None if packs is None else packs.get((layer_idx, block))
+
+
 class HypeNetMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
@@ -49,8 +82,13 @@ class HypeNetMLP(nn.Module):
         self.up_proj = nn.Linear(d, f, bias=b)
         self.down_proj = nn.Linear(f, d, bias=b)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def input_linears(self) -> list[nn.Linear]:
+        """The linears reading the block's input (``PackedLinears`` packs them for decoding)."""
+        return [self.gate_proj, self.up_proj]
+
+    def forward(self, x, packed: PackedLinears | None = None):
+        gate, up = linear_outputs(x, self.input_linears(), packed)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +110,9 @@ def logits_scale(position_ids: torch.Tensor, base: float) -> torch.Tensor:
     return (torch.log(position_ids.float() + base) / math.log(base))[..., None, None]
 
 
-def output_gate(x: torch.Tensor, proj: nn.Linear, scale: float) -> torch.Tensor:
-    """gate = scale * sigmoid(x W_z). With W_z = 0 and scale 2 it is exactly 1."""
-    return scale * torch.sigmoid(proj(x))
+def output_gate(x: torch.Tensor, proj: nn.Linear, scale: float, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """gate = scale * sigmoid(x W_z) (``logits``: x W_z computed already). With W_z = 0 and scale 2 it is exactly 1."""
+    return scale * torch.sigmoid(proj(x) if logits is None else logits)
 
 
 def per_head_rms_norm(o: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .attention_hypenet import HypeNetAttention, SlidingWindowAttention
 from .cache_hypenet import HypeNetCache
 from .configuration_hypenet import HypeNetConfig
 from .generation_hypenet import HypeNetGenerationMixin
-from .layers_hypenet import HypeNetMLP, HypeNetRMSNorm, SequenceInfo, sequence_info
+from .layers_hypenet import HypeNetMLP, HypeNetRMSNorm, SequenceInfo, packed_for, sequence_info
 from .rnn_hypenet import GatedDeltaNetMixer, GatedRNNMixer, GLAMixer, LightningMixer, Mamba2Mixer, RWKV7Mixer
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
@@ -58,7 +58,7 @@ class HypeNetDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None) -> torch.Tensor:
         h = x + self.mixer(self.input_layernorm(x), info, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), packed_for(cache, self.mixer.layer_idx, "mlp"))
 
 
 def compile_decoder_layers(model: nn.Module, scope: str) -> nn.Module:

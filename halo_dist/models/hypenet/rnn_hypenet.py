@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_hypenet import HypeNetConfig
-from .layers_hypenet import HypeNetRMSNorm, SequenceInfo, apply_rope, output_gate, rnn_output_rms_norm
+from .layers_hypenet import (
+    HypeNetRMSNorm,
+    PackedLinears,
+    SequenceInfo,
+    apply_rope,
+    linear_outputs,
+    output_gate,
+    packed_for,
+    rnn_output_rms_norm,
+)
 from .ops_rnn import (
     RWKV7_LOG_DECAY_MIN,
     gated_delta_attention,
@@ -58,22 +67,30 @@ class RNNMixerBase(SequenceParallelMixer, nn.Module):
         if config.rnn_output_gate:
             self.g_proj = nn.Linear(d, H * D, bias=False)
 
-    def project(self, x: torch.Tensor, info: SequenceInfo):
-        """x ``[B, T, d]`` -> q, k, v ``[B, T, H, D]`` (k/v repeated to H heads if GQA is kept)."""
+    def input_linears(self) -> list[nn.Linear]:
+        """q, k, v (and the output gate's) projections, which all read the mixer's input."""
+        gate = [self.g_proj] if self.config.rnn_output_gate else []
+        return [self.q_proj, self.k_proj, self.v_proj, *gate]
+
+    def project(self, x: torch.Tensor, info: SequenceInfo, packed: PackedLinears | None = None):
+        """x ``[B, T, d]`` -> q, k, v ``[B, T, H, D]`` (k/v repeated to H heads if GQA is kept), and the output
+        gate's logits ``[B, T, H*D]`` when ``packed`` computed them in the same GEMM (else None)."""
         B, T, _ = x.shape
         D, cfg = self.head_dim, self.config
-        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
-        k = self.k_proj(x).view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, -1, D)
+        linears = self.input_linears()  # q, k, v (+ the gate, computed here only in the packed GEMM)
+        q, k, v, *g = linear_outputs(x, linears if packed is not None else linears[:3], packed)
+        q = q.view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
+        k = k.view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
+        v = v.view(B, T, -1, D)
         if cfg.rnn_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.rnn_rope:
             cos, sin = info.rope(D, cfg.rope_theta, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.num_kv_heads != self.num_heads:
-            g = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
-        return q, k, v
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
+        return q, k, v, (g[0] if g else None)
 
 
 class LightningMixer(RNNMixerBase):
@@ -84,7 +101,7 @@ class LightningMixer(RNNMixerBase):
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache=None):
         """x ``[B, T, d]`` -> ``[B, T, d]``; ``cache`` (decoding) holds the state ``[B, H, K, V]``. Under sequence
         parallelism T is this rank's T/sp tokens and the recurrence runs over all T tokens of H/sp heads."""
-        q, k, v = self.project(x, info)  # [B, T, H, D]
+        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))  # [B, T, H, D]
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
         q, k, v = self.sp_scatter(q, k, v)  # SP: [B, T/sp, H, D] -> [B, T, H/sp, D]
         scale = self.head_dim**-0.5  # == dividing k by sqrt(d_h)
@@ -92,9 +109,13 @@ class LightningMixer(RNNMixerBase):
         # leave it uninitialised); under SP the decays of this rank's heads
         log_decay = self.sp_local_heads(
             lightning_log_decay(self.num_heads, device=x.device, decay=self.config.lightning_decay))  # [H(/sp)]
+        B, T = q.shape[:2]
+        if getattr(cache, "lightning_in_place", False) and T == 1 and info.token_mask is None:
+            # static decode: the state is updated in place in the cache's fixed buffer (decode_lightning.py)
+            o = cache.lightning_step(self.layer_idx, q, k, v, log_decay, scale)
+            return self.finish(o, x, g)
         state = None if cache is None else cache.layers[self.layer_idx]
         decode = state is not None and q.shape[1] <= 16
-        B, T = q.shape[:2]
         if info.cu_seqlens is not None:  # varlen kernels want the batch flattened: [B, T, h, D] -> [1, B*T, h, D]
             q, k, v = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v))
         o, final = lightning_attention(
@@ -104,13 +125,13 @@ class LightningMixer(RNNMixerBase):
         o = o.reshape(B, T, *o.shape[2:])  # [1, B*T, h, D] -> [B, T, h, D] (no-op without cu_seqlens)
         if cache is not None:
             cache.set_state(self.layer_idx, final)
-        return self.finish(self.sp_gather(o), x)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
+        return self.finish(self.sp_gather(o), x, g)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def finish(self, o: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm (per head by default), gate, W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
         o = rnn_output_rms_norm(o.to(x.dtype), self.o_norm.weight, self.config)
         if self.config.rnn_output_gate:
-            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
+            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
         return self.o_proj(o)
 
 
@@ -180,7 +201,7 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
         """x ``[B, T, d]`` -> ``[B, T, d]``; ``cache`` (decoding) holds the state. Under sequence parallelism
         the gates, per token and per head, travel with q/k/v (one all-to-all per dtype); ``pre``/``post`` stay
         on this rank's tokens, where ``finish`` adds them."""
-        q, k, v = self.project(x, info)  # [B, T, H, D]
+        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))  # [B, T, H, D]
         q, k, v, gates, (pre, post) = self.gates(x, q, k, v)
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
         names = list(self.gate_names)
@@ -196,9 +217,9 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
         o, final = self._kernel(q, k, v, gates, scale, info.cu_seqlens, state, decode, need_state=cache is not None)
         if cache is not None:
             cache.set_state(self.layer_idx, final)
-        return self.finish(self.sp_gather(o), x, pre, post)  # SP: [B, T, H/sp, V] -> [B, T/sp, H, V]
+        return self.finish(self.sp_gather(o), x, pre, post, g)  # SP: [B, T, H/sp, V] -> [B, T/sp, H, V]
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None) -> torch.Tensor:
+    def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None, gate_logits=None) -> torch.Tensor:
         """(+pre) RMSNorm (per head by default) (+post), gate, W_o. o ``[B, T, H, V]`` -> ``[B, T, d]``."""
         o = o.to(x.dtype)
         if pre is not None:
@@ -207,7 +228,7 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
         if post is not None:
             o = o + post.to(x.dtype).flatten(2)  # [B, T, H, V] -> [B, T, H*V]
         if self.config.rnn_output_gate:
-            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale)
+            o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
         return self.o_proj(o)
 
 

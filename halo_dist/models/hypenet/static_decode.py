@@ -9,8 +9,9 @@ shapes and no host syncs, captures it once as a CUDA graph and replays it per to
 
 The step is the model's own forward: ``StaticDecodeCache`` stands in for ``HypeNetCache``; attention
 layers call ``cache.decode_attention`` (write the new key/value at the device position, then the
-split-KV kernel of ``decode_attention.py`` over the valid prefix) and RNN layers ``cache.set_state``
-(copy into the fixed state buffer). On CPU (or with ``use_cuda_graph=False``) the same static step runs
+split-KV kernel of ``decode_attention.py`` over the valid prefix), Lightning layers ``cache.lightning_step``
+(the state updated in place, ``decode_lightning.py``) and the other RNN layers ``cache.set_state`` (copy into
+the fixed state buffer). Each layer's input projections run as one GEMM (``pack_input_projections``). On CPU (or with ``use_cuda_graph=False``) the same static step runs
 eagerly; tests compare it token by token with the dynamic cache.
 
 Left-padded batches (``generate``'s layout) work: row b's first ``pad[b]`` keys are skipped by the
@@ -30,12 +31,17 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import decode_attention
+from .decode_lightning import lightning_decode_
+from .layers_hypenet import PackedLinears
 
 
 class StaticDecodeCache:
     """Fixed buffers of one decode batch; the model's mixers duck-type it like ``HypeNetCache``."""
 
     is_static = True
+    # {(layer, "mixer" | "mlp"): PackedLinears}: input projections as one GEMM each (``pack_input_projections``)
+    packed: dict | None = None
+    lightning_in_place = True  # Lightning layers call ``lightning_step`` (else fla's kernel + ``set_state``)
 
     def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None):
         kinds = model_config.mixer_types
@@ -118,11 +124,30 @@ class StaticDecodeCache:
         vbuf.index_copy_(1, self.pos, v)
         return decode_attention(q, kbuf, vbuf, self.pos + 1, scale, self.pad)
 
+    def lightning_step(self, layer_idx: int, q, k, v, log_decay, scale: float) -> torch.Tensor:
+        """Lightning's state update in the fixed buffer, in place; q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]`` ->
+        o ``[B, 1, H, V]``."""
+        return lightning_decode_(q, k, v, log_decay, scale, self.layers[layer_idx])
+
     def set_state(self, layer_idx: int, state: torch.Tensor) -> None:
         self.layers[layer_idx].copy_(state)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
+
+
+def pack_input_projections(model) -> dict:
+    """Every decoder layer's input projections packed: the mixer's q/k/v (and output gate) and the MLP's
+    gate/up, each group one GEMM (``PackedLinears``). A decode step at batch 1 is a chain of GEMVs, and cuBLAS
+    runs a 2048 x 2048 one at a third of the GPU's bandwidth (a 2B-shape profile measured ~0.8 TB/s for the
+    4-8 MB q/k/v/o weights, 2.3 TB/s for the 25 MB MLP ones). Costs one more copy of those weights while the
+    decoder lives."""
+    packs = {}
+    for layer in model.model.layers:
+        idx = layer.mixer.layer_idx
+        packs[(idx, "mixer")] = PackedLinears(layer.mixer.input_linears())
+        packs[(idx, "mlp")] = PackedLinears(layer.mlp.input_linears())
+    return packs
 
 
 def _room_for_more_compilations(at_least: int = 256):
@@ -142,15 +167,23 @@ class StaticDecoder:
     """
 
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
-                 attention_mask: torch.Tensor | None = None, compile: bool = False):
+                 attention_mask: torch.Tensor | None = None, compile: bool = False, pack_projections: bool = True,
+                 lightning_in_place: bool = True):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``: fuse the step
         with ``torch.compile`` (compiles during the warm-up; a compiler failure falls back to the eager step
-        and is kept in ``compile_error``)."""
+        and is kept in ``compile_error``). ``pack_projections``: each layer's input projections as one GEMM
+        (``pack_input_projections``; a copy of those weights, taken now: build a new decoder after the weights
+        change). ``lightning_in_place``: Lightning's state updated in place by ``decode_lightning.py`` (False: fla's
+        kernel, then a copy into the buffer). The two switches exist to measure what each buys
+        (bench/profile_decode.py); the defaults are the fast path."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
         self._step_fn = torch.compile(self._step_body, dynamic=False) if compile else self._step_body
         self.cache = StaticDecodeCache(cache, model.config, attention_mask)
+        if pack_projections:
+            self.cache.packed = pack_input_projections(model)
+        self.cache.lightning_in_place = lightning_in_place
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
