@@ -10,8 +10,7 @@ import pytest
 from data_fixtures import run_prep
 
 from halo_dist.models.hypenet import HypeNetConfig
-from halo_dist.train.trainer import Trainer
-from halo_dist.models.flops import attention_flops_coefficient, flops_per_token
+from halo_dist.models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,14 +37,13 @@ def test_stage2_benchmark_runs_the_launcher_without_checkpoints(shards, tmp_path
 
 
 def test_mfu_counts_attention_of_student_and_teacher_once_per_rank():
-    student = SimpleNamespace(config=HypeNetConfig(num_hidden_layers=4, mixer_types=["attention", "lightning"] * 2,
-                                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                   hidden_size=64))
-    teacher = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                   hidden_size=64))
-    fake = SimpleNamespace(module=SimpleNamespace(student=student), teacher=teacher,
-                           cfg=SimpleNamespace(data=SimpleNamespace(seq_len=512)))
-    terms = Trainer._attention_flop_terms(fake)
+    student = HypeNetConfig(num_hidden_layers=4, mixer_types=["attention", "lightning"] * 2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, hidden_size=64)
+    teacher = SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              hidden_size=64)
+    terms = attention_flop_terms(student, teacher)
+    assert attention_flop_terms(None, teacher) == {**terms, "attn_layers": 0}  # stage 1: no trained attention
+    assert attention_flop_terms(None, None) == {}
     assert terms == {"attn_layers": 2, "frozen_attn_layers": 4, "attn_dim": 64}
     # PaLM: 12 L d T for the 2 trained attention layers, 4 L d T for the 4 forward-only ones
     assert flops_per_token(10, 5, **terms, context=512) == 6 * 10 + 2 * 5 + (12 * 2 + 4 * 4) * 64 * 512

@@ -6,13 +6,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from halo_dist.parallel.deepspeed_setup import frozen_teacher_zero3_config, zero_stage
-from halo_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,35 +24,17 @@ def test_frozen_teacher_zero3_config_is_stage3_without_optimizer(micro, accum, d
     assert ds["bf16"] == {"enabled": bf16}
 
 
-def test_engine_places_a_zero3_teacher_with_that_config():
-    """``Trainer._place_teacher`` passes exactly the config it built inline before the refactor."""
-    calls = []
-
-    class FakeEngine:
-        def eval(self):
-            calls.append("eval")
-
-    def fake_initialize(model, ds, groups):
-        calls.append((model, ds, groups))
-        return FakeEngine(), None, None, None
-
-    teacher = object()
-    fake = SimpleNamespace(teacher=teacher, cfg=SimpleNamespace(parallel=SimpleNamespace(teacher_placement="zero3")),
-                           layout=SimpleNamespace(micro_batch_size=2, grad_accum_steps=3, global_batch_size=12),
-                           dtype=torch.bfloat16, groups="groups")
-    Trainer._place_teacher(fake, fake_initialize)
-    assert calls[0] == (teacher, {
+def test_zero3_teacher_engine_config():
+    """The config ``Trainer._place_teacher`` gives DeepSpeed for a ZeRO-3-sharded frozen teacher: the student's
+    batch layout (DeepSpeed checks it), no optimizer, every parameter partitioned (threshold 0)."""
+    assert frozen_teacher_zero3_config(2, 3, 12, bf16=True) == {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 3,
         "train_batch_size": 12,
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    }, "groups")
-    assert calls[1] == "eval" and isinstance(fake.teacher_engine, FakeEngine)
-    replicated = SimpleNamespace(**{k: v for k, v in vars(fake).items() if k != "teacher_engine"})
-    replicated.cfg = SimpleNamespace(parallel=SimpleNamespace(teacher_placement="replicated"))
-    Trainer._place_teacher(replicated, fake_initialize)
-    assert len(calls) == 2 and not hasattr(replicated, "teacher_engine")
+    }
+    assert frozen_teacher_zero3_config(1, 1, 1, bf16=False)["bf16"] == {"enabled": False}
 
 
 def test_teacher_placement_benchmark_on_two_cpu_ranks(tmp_path):

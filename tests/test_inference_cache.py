@@ -166,3 +166,18 @@ def test_decode_profile_smoke_compares_every_variant_with_the_eager_step(tmp_pat
     one, four = module.step_bytes(model, 100, 1), module.step_bytes(model, 100, 4)
     assert one["kv_GB"] * 1e9 == 2 * 100 * 1 * 8 * 4 and four["kv_GB"] == 4 * one["kv_GB"]
     assert four["rnn_state_GB"] * 1e9 == 4 * 2 * 8 * 8 * 4 * 2 and four["weights_GB"] == one["weights_GB"]
+
+
+def test_speed_summary_reads_each_figure_from_its_result_file():
+    """bench/speed_summary.py on the committed results: the decode ratio is the teacher shape's best 512K step over
+    HypeNet's best, both read from their profile files."""
+    spec = importlib.util.spec_from_file_location("speed_summary", REPO / "bench" / "speed_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.summary()
+    teacher = json.loads((REPO / "bench/results/decode_profile_teacher_512k.json").read_text())["rows"]
+    hypenet = json.loads((REPO / "bench/results/decode_profile_hypenet_512k.json").read_text())["rows"]
+    want = min(r["step_ms"] for r in teacher) / min(r["step_ms"] for r in hypenet)
+    assert out["decode_speedup_512k"] == pytest.approx(want)
+    assert out["decode_speedup_512k"] > 1 and 1 < out["decode_bytes_bound_ratio_512k"] < 3
+    assert set(module.SOURCES) >= {"teacher_decode", "hypenet_decode", "opd"}

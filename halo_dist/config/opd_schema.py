@@ -91,7 +91,7 @@ class OPDConfig(Section):
     temperature: float = 1.0  # sampling temperature of the student's rollouts
     top_p: float = 1.0  # nucleus sampling of the rollouts (1.0 = full distribution)
     stop_at_eos: bool = True  # a rollout ends at EOS (the EOS token itself is trained)
-    static_decode: bool = False  # rollouts through StaticDecoder (CUDA-graph steps; same tokens as dynamic)
+    static_decode: bool = True  # rollouts through StaticDecoder (CUDA-graph steps; same tokens as dynamic)
     tokenizer: Optional[str] = None  # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
     eos_token_id: Optional[int] = None  # default: the tokenizer's
     prompt_sets: list[PromptSetConfig] = field(default_factory=list)

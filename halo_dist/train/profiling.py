@@ -87,7 +87,9 @@ def summarize(prof, wall_s: float, steps: int, first: int) -> dict:
     events = prof.key_averages()
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
                and e.device_type.name in ("CUDA", "PRIVATEUSE1") and _device_us(e) > 0]
-    busy_us = sum(_device_us(e) for e in events)
+    # the kernels themselves: an operator's row (aten::mm) carries its kernels' time too, so summing the averaged
+    # rows would count every GEMM twice
+    busy_us = sum(_device_us(e) for e in kernels)
 
     def top(key) -> list[dict]:
         rows = sorted(events, key=key, reverse=True)[:TOP]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, save_resolved
 from ..data import build_loader
-from ..models.flops import attention_flops_coefficient, flops_per_token
+from ..models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
 from ..parallel.env import local_device
 from ..stages.protocol import StageModule, StageSpec
@@ -231,31 +231,18 @@ class Trainer(StopControl):
         except (OSError, ValueError):
             return None
 
-    def _attention_flop_terms(self) -> dict:
-        """Softmax-attention layers of the trained student and the forward-only teacher, for MFU
-        (metrics.attention_flops_coefficient: PaLM's 12·L·d / 4·L·d per attended key; the keys per token
-        come from each batch's documents, ``attended_context``; stage 1 trains only RNN layers, so its
-        student attention count is 0)."""
-        student = getattr(self.module, "student", None)
-        trained = sum(m == "attention" for m in student.config.mixer_types) if student is not None else 0
-        cfg = getattr(self.teacher, "config", None)
-        frozen = getattr(cfg, "num_hidden_layers", 0) if cfg is not None else 0
-        if cfg is None and student is None:
-            return {}
-        ref = cfg if cfg is not None else student.config
-        return {"attn_layers": trained, "frozen_attn_layers": frozen,
-                "attn_dim": ref.num_attention_heads * getattr(ref, "head_dim", ref.hidden_size // ref.num_attention_heads)}
-
     def _start_metrics(self) -> None:
         def numel(p) -> int:  # ZeRO-3 leaves partitioned parameters empty; ds_numel is the full size
             return int(getattr(p, "ds_numel", p.numel()))
 
         n_train = sum(numel(p) for p in self.module.parameters() if p.requires_grad)
         n_teacher = sum(numel(p) for p in self.teacher.parameters()) if self.teacher is not None else 0
+        student = getattr(self.module, "student", None)  # stage 1 trains RNN layers only: no trained attention
+        terms = attention_flop_terms(getattr(student, "config", None), getattr(self.teacher, "config", None))
         self.metrics = MetricsLogger.from_config(
             self.cfg, rank=self.rank, world_size=self.world, device=self.device,
             flops_per_token=flops_per_token(n_train, n_teacher),
-            attn_flops_per_key=attention_flops_coefficient(**self._attention_flop_terms()),
+            attn_flops_per_key=attention_flops_coefficient(**terms),
             start_step=self.step, start_tokens=self.tokens_seen,
         )
         record_run_start(self.cfg, self.layout, self.metrics, self.rank, self.argv)

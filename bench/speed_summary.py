@@ -1,0 +1,80 @@
+"""The speed figures of issue 20 as one file of top-level keys, each read from the result file that measured it.
+
+Reads (bench/results/): the decode profiles of the two shapes at 512K (``profile_decode.py``: each model's best
+variant, i.e. the lowest step time, and HypeNet's distance to its bytes bound), the stage benchmark's logged
+steps (``bench_stages.py`` metrics: the median MFU of the steps outside warm-up and the profiler window), the OPD
+benchmark (``bench_opd.py``) and the older prefill/pretrain results. A key whose source is missing is null.
+Writes ``bench/results/speed_summary.json`` and prints the table.
+
+  python bench/speed_summary.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import RESULTS, print_table  # noqa: E402
+
+SOURCES = {
+    "teacher_decode": RESULTS / "decode_profile_teacher_512k.json",
+    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k.json",
+    "stage2_metrics": RESULTS / "logs" / "p20b_stage2.metrics.jsonl",
+    "stages": RESULTS / "stages_p20b.json",
+    "opd": RESULTS / "opd_p20c.json",
+    "inference": RESULTS / "inference.json",
+    "pretrain": RESULTS / "pretrain.json",
+}
+STAGE2_STEADY_STEPS = (4, 5)  # after compilation (steps 1-3), before the profiler window (steps 6-7)
+
+
+def load(path: Path):
+    if not path.exists():
+        return None
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(path.read_text())
+
+
+def best_row(payload, model: str, context: int = 524288) -> dict | None:
+    rows = [r for r in (payload or {}).get("rows", []) if r["model"] == model and r["context"] == context]
+    return min(rows, key=lambda r: r["step_ms"]) if rows else None
+
+
+def summary() -> dict:
+    src = {k: load(p) for k, p in SOURCES.items()}
+    teacher, hypenet = best_row(src["teacher_decode"], "qwen3-1.7b-shape"), best_row(src["hypenet_decode"], "hypenet-2b")
+    out: dict = {"sources": {k: str(p.relative_to(RESULTS)) for k, p in SOURCES.items() if p.exists()}}
+    out["decode_speedup_512k"] = teacher["step_ms"] / hypenet["step_ms"] if teacher and hypenet else None
+    out["decode_bytes_bound_ratio_512k"] = hypenet["vs_bound"] if hypenet else None
+    out["decode_best_variants_512k"] = {r["model"]: (r["variant"], r["step_ms"], r["bound_ms"])
+                                        for r in (teacher, hypenet) if r}
+    steady = [m["perf/mfu"] for m in src["stage2_metrics"] or [] if m.get("step") in STAGE2_STEADY_STEPS]
+    out["stage2_mfu"] = statistics.median(steady) if steady else None
+    out["stage2_speedup_vs_naive"] = None  # needs the naive baseline in the same run (bench_stages.py --stages 2)
+    out["stage3_mfu"] = (src["stages"] or {}).get("stage3_mfu")
+    opd = next((r for r in (src["opd"] or {}).get("results", []) if r.get("horizon") == 2048), None)
+    out["opd_rollout_tokens_per_s_h2048"] = opd and opd["rollout_tokens_per_s"]
+    out["opd_step_tokens_per_s_h2048"] = opd and opd["opd_tokens_per_s"]
+    out["prefill_speedup_512k"] = (src["inference"] or {}).get("prefill_speedup_512k")
+    out["pretrain_mfu_transformer_500m"] = (src["pretrain"] or {}).get("transformer_mfu")
+    out["pretrain_mfu_hypenet_500m"] = (src["pretrain"] or {}).get("hypenet_lightning_hype_mfu")
+    return out
+
+
+def main() -> dict:
+    out = summary()
+    print_table([{"key": k, "value": v} for k, v in out.items() if k not in ("sources", "decode_best_variants_512k")],
+                "issue 20 figures (bench/results/speed_summary.json)")
+    path = RESULTS / "speed_summary.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
