@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from halo_dist.models.hypenet.layers_hypenet import SequenceInfo
 from halo_dist.parallel import SequenceParallel, apply_sequence_parallel, remove_sequence_parallel
+from sp_testing import shard_seq
 
 F64 = torch.float64
 
@@ -76,9 +77,9 @@ def golden(sp: SequenceParallel, module, forward, layout: Layout, seed: int, inj
     out_ref, grad_x_ref, grads_ref = _reference(module, forward, x, w, pos, cu, max_seqlen)
 
     inject(module, sp)
-    x_local = sp.shard_seq(x).clone().requires_grad_()  # [B, T/sp, d]: this rank's tokens
-    out = forward(module, x_local, sp.shard_seq(pos), cu, max_seqlen)  # global positions' slice
-    (out * sp.shard_seq(w)).sum().backward()  # the ranks' losses sum to the reference loss
+    x_local = shard_seq(sp, x).clone().requires_grad_()  # [B, T/sp, d]: this rank's tokens
+    out = forward(module, x_local, shard_seq(sp, pos), cu, max_seqlen)  # global positions' slice
+    (out * shard_seq(sp, w)).sum().backward()  # the ranks' losses sum to the reference loss
     inject(module, None)
     res = {"out": _max_err(sp.gather_seq(out.detach(), dim=1), out_ref),
            "grad_x": _max_err(sp.gather_seq(x_local.grad, dim=1), grad_x_ref),

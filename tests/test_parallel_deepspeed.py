@@ -13,6 +13,7 @@ from torch import nn
 from halo_dist.parallel import ParallelLayout, ProcessGroups, SequenceParallel
 from distributed import run_distributed
 from ulysses_golden import attention
+from sp_testing import shard_seq
 
 BATCH, SEQ, DIM, HEADS, STEPS, LR = 2, 8, 8, 2, 2, 1e-2
 CLIP = 0.05  # active, so DeepSpeed's gradient norm over the layout matters
@@ -82,7 +83,7 @@ def _train(engine, groups: ProcessGroups, loss_factor: int) -> tuple[list[float]
     dp, sp = groups.layout.dp_size, SequenceParallel(groups.sp_group)
     losses, norms = [], []
     for x in _data():
-        x = sp.shard_seq(x.chunk(dp)[groups.dp_rank])  # [B/dp, T/sp, C]: this rank's block
+        x = shard_seq(sp, x.chunk(dp)[groups.dp_rank])  # [B/dp, T/sp, C]: this rank's block
         loss = _loss(engine(x), BATCH // dp * SEQ)  # this rank's share of its replica's loss
         engine.backward(loss * loss_factor)
         engine.step()

@@ -17,6 +17,7 @@ from halo_dist.parallel import (
 )
 from distributed import run_distributed
 from ulysses_golden import F64, attention_golden, max_err
+from sp_testing import head_slice, kv_seq_to_head, seq_slice, shard_seq
 
 
 # --- 2-rank scenarios --------------------------------------------------------------------------
@@ -25,9 +26,9 @@ def _layout_and_adjoint(sp: SequenceParallel) -> dict:
     """seq_to_head equals slicing the full tensor; round trips; <A x, y> = <x, A^T y> globally."""
     gen = torch.Generator().manual_seed(1)
     full = torch.randn(2, 6, 4, 3, 2, generator=gen, dtype=F64)  # [B, T, H, *rest], rest = [3, 2]
-    x = sp.shard_seq(full).clone().requires_grad_()
+    x = shard_seq(sp, full).clone().requires_grad_()
     y = sp.seq_to_head(x)
-    res = {"layout": max_err(y, full[:, :, sp.head_slice(4)]),
+    res = {"layout": max_err(y, full[:, :, head_slice(sp, 4)]),
            "roundtrip": max_err(sp.head_to_seq(y), x)}
     upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + sp.rank), dtype=F64)
     (y * upstream).sum().backward()
@@ -47,11 +48,11 @@ def _gather_seq(sp: SequenceParallel) -> dict:
     weights = [torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(20 + r), dtype=F64) for r in range(2)]
     res = {}
     for mode, expected in (("sum", weights[0] + weights[1]), ("slice", weights[sp.rank])):
-        x = sp.shard_seq(full).clone().requires_grad_()
+        x = shard_seq(sp, full).clone().requires_grad_()
         gathered = sp.gather_seq(x, dim=1, grad=mode)
         (gathered * weights[sp.rank]).sum().backward()
         res[f"{mode}_fwd"] = max_err(gathered, full)
-        res[f"{mode}_grad"] = max_err(x.grad, sp.shard_seq(expected))
+        res[f"{mode}_grad"] = max_err(x.grad, shard_seq(sp, expected))
     return res
 
 
@@ -70,7 +71,7 @@ def _bad_inputs(sp: SequenceParallel) -> dict:
     return {
         "heads": _error_message(lambda: sp.seq_to_head(torch.zeros(1, 2, 3, 4))),
         "seq": _error_message(lambda: sp.head_to_seq(torch.zeros(1, 3, 2, 4))),
-        "kv_heads": _error_message(lambda: sp.kv_seq_to_head(torch.zeros(1, 2, 2, 4), num_heads=5)),
+        "kv_heads": _error_message(lambda: kv_seq_to_head(sp, torch.zeros(1, 2, 2, 4), num_heads=5)),
         "uneven": _error_message(lambda: checked.seq_to_head(uneven)),
         "ndim": _error_message(lambda: sp.seq_to_head(torch.zeros(2, 4))),
         "grad_mode": _error_message(lambda: sp.gather_seq(torch.zeros(1, 2), grad="mean")),
@@ -167,7 +168,7 @@ def test_no_sequence_parallel_is_identity():
     sp = SequenceParallel(None)
     x = torch.randn(2, 5, 3, 4)
     assert (sp.world_size, sp.rank, sp.enabled) == (1, 0, False)
-    for out in (sp.seq_to_head(x), sp.head_to_seq(x), sp.gather_seq(x), sp.shard_seq(x),
-                sp.kv_seq_to_head(x, num_heads=3), seq_to_head(x, None), head_to_seq(x, None)):
+    for out in (sp.seq_to_head(x), sp.head_to_seq(x), sp.gather_seq(x), shard_seq(sp, x),
+                kv_seq_to_head(sp, x, num_heads=3), seq_to_head(x, None), head_to_seq(x, None)):
         assert out is x
-    assert sp.head_slice(3) == slice(0, 3) and sp.seq_slice(5) == slice(0, 5) and sp.local_heads(3) == 3
+    assert head_slice(sp, 3) == slice(0, 3) and seq_slice(sp, 5) == slice(0, 5) and sp.local_heads(3) == 3

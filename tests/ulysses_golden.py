@@ -8,6 +8,7 @@ import math
 import torch
 
 from halo_dist.parallel import SequenceParallel
+from sp_testing import kv_seq_to_head, shard_seq
 
 F64 = torch.float64
 
@@ -28,8 +29,8 @@ def sp_attention(sp: SequenceParallel, q, k, v) -> torch.Tensor:
     """Ulysses attention: local q [B,T/sp,H,D], k/v [B,T/sp,Hkv,D] -> [B,T/sp,H,D]."""
     num_heads = q.shape[2]
     q = sp.seq_to_head(q)  # [B, T, H/sp, D]
-    k = sp.kv_seq_to_head(k, num_heads)  # [B, T, lcm(Hkv,sp)/sp, D]
-    v = sp.kv_seq_to_head(v, num_heads)
+    k = kv_seq_to_head(sp, k, num_heads)  # [B, T, lcm(Hkv,sp)/sp, D]
+    v = kv_seq_to_head(sp, v, num_heads)
     return sp.head_to_seq(attention(q, k, v))  # [B, T, H/sp, D] -> [B, T/sp, H, D]
 
 
@@ -46,10 +47,10 @@ def attention_golden(sp: SequenceParallel, num_heads: int, num_kv_heads: int, se
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = attention(*full)
     (ref * w).sum().backward()
-    local = [sp.shard_seq(x).clone().requires_grad_() for x in (q, k, v)]
+    local = [shard_seq(sp, x).clone().requires_grad_() for x in (q, k, v)]
     out = sp_attention(sp, *local)
-    (out * sp.shard_seq(w)).sum().backward()  # rank losses sum to the reference loss
-    errors = {"out": max_err(out, sp.shard_seq(ref))}
+    (out * shard_seq(sp, w)).sum().backward()  # rank losses sum to the reference loss
+    errors = {"out": max_err(out, shard_seq(sp, ref))}
     for name, f, loc in zip("qkv", full, local):
-        errors[f"grad_{name}"] = max_err(loc.grad, sp.shard_seq(f.grad))
+        errors[f"grad_{name}"] = max_err(loc.grad, shard_seq(sp, f.grad))
     return errors

@@ -218,26 +218,6 @@ class SequenceParallel:
         _check_divisible(num_heads, self.world_size, "number of heads H")
         return num_heads // self.world_size
 
-    def head_slice(self, num_heads: int) -> slice:
-        """Global head indices this rank holds after :meth:`seq_to_head` (e.g. to slice per-head
-        parameters such as decay rates)."""
-        n = self.local_heads(num_heads)
-        return slice(self.rank * n, (self.rank + 1) * n)
-
-    def seq_slice(self, seq_len: int) -> slice:
-        """Global token indices this rank holds of a full sequence of ``seq_len`` tokens."""
-        _check_divisible(seq_len, self.world_size, "sequence length T")
-        n = seq_len // self.world_size
-        return slice(self.rank * n, (self.rank + 1) * n)
-
-    def shard_seq(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's contiguous block of a full-sequence tensor: ``[.., T, ..] -> [.., T/sp, ..]``
-        (no communication; for splitting inputs, labels and positions)."""
-        if not self.enabled:
-            return x
-        s = self.seq_slice(x.shape[dim])
-        return x.narrow(dim, s.start, s.stop - s.start)
-
     def seq_to_head(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T/sp, H, *rest] -> [B, T, H/sp, *rest]``; backward is :meth:`head_to_seq`."""
         self._validate(x, "seq_to_head")
@@ -247,14 +227,6 @@ class SequenceParallel:
         """``[B, T, H/sp, *rest] -> [B, T/sp, H, *rest]``; backward is :meth:`seq_to_head`."""
         self._validate(x, "head_to_seq")
         return head_to_seq(x, self.group)
-
-    def kv_seq_to_head(self, kv: torch.Tensor, num_heads: int) -> torch.Tensor:
-        """KV version of :meth:`seq_to_head` for GQA: ``[B, T/sp, Hkv, D] -> [B, T, lcm(Hkv,sp)/sp, D]``.
-
-        Replicates KV heads first when ``sp`` does not divide ``Hkv`` (module doc), so that local
-        query head ``q`` uses local KV head ``q // (H/lcm(Hkv, sp))``.
-        """
-        return self.seq_to_head(replicate_kv_heads(kv, num_heads, self.world_size))
 
     def gather_seq(self, x: torch.Tensor, dim: int = 1, grad: str = "sum") -> torch.Tensor:
         """All-gather the sequence dim: ``[.., T/sp, ..] -> [.., T, ..]`` in global token order.
