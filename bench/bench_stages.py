@@ -80,7 +80,7 @@ def parse_args(argv=None):
 def launcher_cmd(stage: int, nproc: int) -> list[str]:
     script = str(ROOT / "launchers" / f"stage{stage}.py")
     if nproc > 1:
-        return ["torchrun", "--standalone", f"--nproc_per_node={nproc}", script]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
     return [sys.executable, script]
 
 

@@ -26,6 +26,8 @@
 #      the OPD baseline at horizon 2048 | P20b: R17a with a profile of stage 2 steps 6-7 (carry .whl .bench_data)
 #   P20c (one GPU): the decode step after packing and the in-place Lightning update: CUDA tests, HypeNet 512K
 #      prefilled (baseline/graph/compiled vs eager), teacher 512K, batch 256, OPD h2048 (carry .whl)
+#   MG4a/MG4b (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py (carry .whl
+#      .bench_data): DP scaling, stage 3 at 1M / 2M under SP, the 9B conversion step under ZeRO-3
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -228,6 +230,26 @@ P20c)
     --out bench/results/decode_profile_b256_after.json > "$OUT/profile_b256_after.log" 2>&1; echo "b256 rc=$?"
   timeout $((560 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode \
     --out bench/results/opd_p20c.json > "$OUT/opd_p20c.log" 2>&1; echo "opd rc=$?"
+  ;;
+MG4a)  # nvidia-h200-x4: stage-2 DP scaling 1 -> 4 GPUs, same global batch (issue 21 item 1)
+  timeout 560 python3 bench/multigpu.py scaling --gpus 1 4 --steps 8 --timeout 260 --data .bench_data/long \
+    > "$OUT/mg_scaling4.log" 2>&1; echo "scaling rc=$?"
+  ;;
+MG4b)  # nvidia-h200-x4: stage 3 at 1M with SP = 4, reference losses of SP = 1/2/4 at 32K (issue 21 item 2)
+  timeout 570 python3 bench/multigpu.py sp --gpus 4 --seq 1048576 --ref-seq 32768 --steps 3 --timeout 200 \
+    --data .bench_data/long > "$OUT/mg_sp4.log" 2>&1; echo "sp rc=$?"
+  ;;
+MG8a)  # nvidia-h200-x8: DP scaling 1 -> 4 -> 8 GPUs (issue 21 item 1)
+  timeout 570 python3 bench/multigpu.py scaling --gpus 1 4 8 --steps 8 --timeout 180 --data .bench_data/long \
+    > "$OUT/mg_scaling8.log" 2>&1; echo "scaling rc=$?"
+  ;;
+MG8b)  # nvidia-h200-x8: HypeNet-9B stage 2 under ZeRO-3, teacher replicated vs sharded (issue 21 item 3)
+  timeout 570 python3 bench/multigpu.py 9b --gpus 8 --micro 4 --steps 6 --timeout 280 --data .bench_data/long \
+    > "$OUT/mg_9b.log" 2>&1; echo "9b rc=$?"
+  ;;
+MG8c)  # nvidia-h200-x8: stage 3 at 2M with SP = 8 (issue 21 item 2)
+  timeout 570 python3 bench/multigpu.py sp --gpus 8 --seq 2097152 --ref-seq 32768 --steps 2 --timeout 300 \
+    --data .bench_data/long > "$OUT/mg_sp8.log" 2>&1; echo "sp rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -78,3 +78,17 @@ def test_remeasure_mfu_replays_the_steps_rows_with_attended_keys(shards, tmp_pat
         assert row["mfu"] == pytest.approx(row["tokens_per_s"] / 2 * (6 * n_s + 2 * n_t + coef * keys) / PEAK,
                                            rel=1e-5)
     assert all(0 < k <= 256 for k in per_step) and len(set(per_step)) > 1  # documents really vary the keys
+
+
+def test_multigpu_scaling_driver_on_two_cpu_ranks(shards, tmp_path):
+    """bench/multigpu.py scaling (issue 21's DP scaling, the device runs it at 1/4/8 GPUs): 1 and 2 gloo ranks at
+    the same global batch give the same per-step losses, and the efficiency key is written."""
+    out = tmp_path / "scaling.json"
+    cmd = [sys.executable, str(REPO / "bench" / "multigpu.py"), "scaling", "--gpus", "1", "2", "--cpu-smoke",
+           "--data", str(shards), "--runs", str(tmp_path / "runs"), "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["runs"]["1"]["status"] == payload["runs"]["2"]["status"] == "ok"
+    assert payload["loss_max_abs_diff_2gpu"] < 1e-5 and 0 < payload["dp_scaling_2gpu"]
+    assert len(payload["runs"]["2"]["losses"]) == 4
