@@ -26,8 +26,9 @@
 #      the OPD baseline at horizon 2048 | P20b: R17a with a profile of stage 2 steps 6-7 (carry .whl .bench_data)
 #   P20c (one GPU): the decode step after packing and the in-place Lightning update: CUDA tests, HypeNet 512K
 #      prefilled (baseline/graph/compiled vs eager), teacher 512K, batch 256, OPD h2048 (carry .whl)
-#   MG4a/MG4b (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py (carry .whl
-#      .bench_data): DP scaling, stage 3 at 1M / 2M under SP, the 9B conversion step under ZeRO-3
+#   P20d (one GPU): stage 2 (2B) with loss.backend=compiled, against P20b's torch backend (carry .whl .bench_data)
+#   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
+#      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
 # The GGUF (98 MB) exceeds one call's carry with the wheels: E carries .xfer/q0, F .xfer/q1, on one
 # warm machine (issue the calls back to back: it is given back 30 s after a call).
@@ -239,6 +240,14 @@ MG4b)  # nvidia-h200-x4: stage 3 at 1M with SP = 4, reference losses of SP = 1/2
   timeout 570 python3 bench/multigpu.py sp --gpus 4 --seq 1048576 --ref-seq 32768 --steps 3 --timeout 200 \
     --data .bench_data/long > "$OUT/mg_sp4.log" 2>&1; echo "sp rc=$?"
   ;;
+MG4c)  # nvidia-h200-x4: OPD of HypeNet-2B on 4 GPUs, horizon 2048 then 8K (issue 21 item 4; perf/rollout_* and
+  # perf/train_* per GPU in the runs' metrics.jsonl)
+  R="python3 -m torch.distributed.run --standalone --nproc_per_node 4 launchers/opd.py --config configs/bench/opd_2b.yaml"
+  timeout 300 $R > "$OUT/mg_opd_h2048.log" 2>&1; echo "opd h2048 rc=$?"
+  timeout $((570 - SECONDS)) $R opd.horizon_start=8192 opd.horizon_max=8192 opd.rollout_batch_size=128 \
+    data.global_batch_size=512 data.micro_batch_size=4 logging.run_dir=runs/bench/opd_2b_h8k \
+    > "$OUT/mg_opd_h8k.log" 2>&1; echo "opd h8k rc=$?"
+  ;;
 MG8a)  # nvidia-h200-x8: DP scaling 1 -> 4 -> 8 GPUs (issue 21 item 1)
   timeout 570 python3 bench/multigpu.py scaling --gpus 1 4 8 --steps 8 --timeout 180 --data .bench_data/long \
     > "$OUT/mg_scaling8.log" 2>&1; echo "scaling rc=$?"
@@ -250,6 +259,12 @@ MG8b)  # nvidia-h200-x8: HypeNet-9B stage 2 under ZeRO-3, teacher replicated vs 
 MG8c)  # nvidia-h200-x8: stage 3 at 2M with SP = 8 (issue 21 item 2)
   timeout 570 python3 bench/multigpu.py sp --gpus 8 --seq 2097152 --ref-seq 32768 --steps 2 --timeout 300 \
     --data .bench_data/long > "$OUT/mg_sp8.log" 2>&1; echo "sp rc=$?"
+  ;;
+P20d)
+  # issue 20 item 2: stage 2 on the 2B shape with the compiled chunked KL (loss.backend=compiled: each chunk's
+  # forward KL and gradient in a few fused passes); compare with P20b (the torch backend, same code otherwise)
+  timeout 200 python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 --steps 1 5 1 \
+    --tag p20d --timeout 190 --extra loss.backend=compiled > "$OUT/stages_p20d.log" 2>&1; echo "stages rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
