@@ -91,15 +91,22 @@ def scaling(a) -> dict:
         args = ["--stages", "2", "--steps", "1", str(a.steps), "1", "--nproc", str(n), "--stage2-batch", str(a.batch)]
         result = stages(a, f"dp{n}", *args, *([] if a.cpu_smoke else ["--stage2-micro", str(micro)]))
         runs[n] = result.get("stage2", result)
-    ref = runs[a.gpus[0]]
-    out: dict = {"reference_gpus": a.gpus[0], "global_batch": a.batch}
+    return {"reference_gpus": a.gpus[0], "global_batch": a.batch, **scaling_summary(runs, a.gpus[0]),
+            "runs": {str(n): run for n, run in runs.items()}}
+
+
+def scaling_summary(runs: dict[int, dict], reference: int) -> dict:
+    """``dp_scaling_<n>gpu`` (tokens/s per GPU against the reference's) and ``loss_max_abs_diff_<n>gpu`` (over the
+    first steps) for every run that finished, as is the reference."""
+    ref, out = runs[reference], {}
+    if ref.get("status") != "ok":
+        return out
     for n, run in runs.items():
-        if n == a.gpus[0] or run.get("status") != "ok" or ref.get("status") != "ok":
+        if n == reference or run.get("status") != "ok":
             continue
         out[f"dp_scaling_{n}gpu"] = run["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
         pairs = zip(first_losses(run), first_losses(ref))
         out[f"loss_max_abs_diff_{n}gpu"] = max((abs(x - y) for x, y in pairs), default=None)
-    out["runs"] = {str(n): run for n, run in runs.items()}
     return out
 
 
