@@ -19,6 +19,7 @@ should fall from ~10.9 toward it, not lower. Each variant's ``wall_s`` includes 
 
   python bench/bench_pretrain.py                          # on the GPU (< 5 min incl. autotune)
   python bench/bench_pretrain.py --steps 300 --micro 8     # longer / larger micro-batch
+  python bench/bench_pretrain.py --runs eager:4 compiled:4 compiled:8   # compiled layers + loss vs eager, same run
   python bench/bench_pretrain.py --smoke                   # tiny shapes on CPU (tests)
   python bench/bench_pretrain.py --recount bench/results/pretrain.json   # recount FLOPs of a finished run
 """
@@ -61,6 +62,10 @@ def parse_args(argv=None):
                    help="timed optimizer steps per variant (80 keeps both variants + autotune under ~5 min)")
     p.add_argument("--warmup", type=int, default=5, help="untimed first steps (kernel compilation, autotune)")
     p.add_argument("--micro", type=int, default=4, help="sequences per step (one micro-batch, no accumulation)")
+    p.add_argument("--runs", nargs="+", default=["eager"], metavar="MODE[:MICRO]",
+                   help="settings to time per variant, in one process: eager (model.compile=none, loss.backend=auto), "
+                        "compiled (model.compile=layer, loss.backend=compiled); :MICRO overrides --micro "
+                        "(e.g. --runs eager:4 compiled:4 compiled:8)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--doc-len", type=int, default=1024, help="packed document length (positions restart)")
     p.add_argument("--lr", type=float, default=5e-4)
@@ -79,9 +84,21 @@ def parse_args(argv=None):
     return a
 
 
-def variant_config(name: str, a):
+MODES = {"eager": ["model.compile=none", "loss.backend=auto"],
+         "compiled": ["model.compile=layer", "loss.backend=compiled"]}
+
+
+def parse_run(text: str, default_micro: int) -> tuple[str, int]:
+    """``"compiled:8"`` -> ``("compiled", 8)``; ``"eager"`` -> ``("eager", --micro)``."""
+    mode, _, micro = text.partition(":")
+    if mode not in MODES or (micro and not micro.isdigit()):
+        raise SystemExit(f"error: --runs {text!r}: expected MODE[:MICRO] with MODE one of {', '.join(MODES)}")
+    return mode, int(micro) if micro else default_micro
+
+
+def variant_config(name: str, a, mode: str = "eager"):
     over = list(VARIANTS[name]) + [f"data.seq_len={a.seq_len}", f"data.micro_batch_size={a.micro}",
-                                   f"data.global_batch_size={a.micro}", f"optim.lr={a.lr}"]
+                                   f"data.global_batch_size={a.micro}", f"optim.lr={a.lr}"] + MODES[mode]
     if a.smoke:
         over += SMOKE_SHAPE
     if a.no_checkpointing:
@@ -147,8 +164,8 @@ def recount(path: Path) -> int:
     return 0
 
 
-def bench_variant(name: str, a, device, dtype, peak: float | None) -> dict:
-    cfg = variant_config(name, a)
+def bench_variant(name: str, a, device, dtype, peak: float | None, mode: str = "eager") -> dict:
+    cfg = variant_config(name, a, mode)
     module, _ = build_pretrain_module(cfg)
     module.to(device, dtype)
     student = module.student
@@ -179,7 +196,7 @@ def bench_variant(name: str, a, device, dtype, peak: float | None) -> dict:
     tok_s = a.steps * a.micro * a.seq_len / seconds
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     mixers = student.config.mixer_types
-    row = {"variant": name, "params_M": n_params / 1e6, "attn_layers": mixers.count("attention"),
+    row = {"variant": name, "mode": mode, "params_M": n_params / 1e6, "attn_layers": mixers.count("attention"),
            "micro": a.micro, "seq_len": a.seq_len, "steps": a.steps, "step_s": seconds / a.steps,
            "tokens_per_s": tok_s, "gflop_per_token": fpt / 1e9,
            "mfu": tok_s * fpt / peak if peak else None, "peak_mem_gib": peak_gib,
@@ -188,6 +205,20 @@ def bench_variant(name: str, a, device, dtype, peak: float | None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def best_mfu_keys(rows: list[dict]) -> dict:
+    """``<variant>_mfu`` (the best run of the variant: what a sweep would be configured to run) and
+    ``<variant>_mfu_eager`` (its first eager run, the baseline of the same process)."""
+    keys = {}
+    for r in rows:
+        if "error" in r or r.get("mfu") is None:
+            continue
+        stem = r["variant"].replace("-", "_")
+        keys[f"{stem}_mfu"] = max(keys.get(f"{stem}_mfu", 0.0), r["mfu"])
+        if r["mode"] == "eager":
+            keys.setdefault(f"{stem}_mfu_eager", r["mfu"])
+    return keys
 
 
 def main(argv=None) -> int:
@@ -209,21 +240,23 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
+    runs = [parse_run(r, a.micro) for r in a.runs]
     rows = []
     for n in names:
-        t0 = time.perf_counter()
-        try:
-            rows.append(bench_variant(n, a, device, dtype, peak))
-        except torch.OutOfMemoryError as e:  # record and go on: try a smaller --micro
-            rows.append({"variant": n, "error": f"OOM at micro {a.micro}: {str(e)[:160]}"})
-            torch.cuda.empty_cache()
-        rows[-1]["wall_s"] = time.perf_counter() - t0
-        print(rows[-1], flush=True)
-    print_table(rows, f"from-scratch training, {name}, {'fp32' if a.smoke else 'bf16'}, "
-                      f"{a.micro} x {a.seq_len} tokens per step")
+        for mode, micro in runs:
+            t0 = time.perf_counter()
+            a.micro = micro
+            try:
+                rows.append(bench_variant(n, a, device, dtype, peak, mode))
+            except torch.OutOfMemoryError as e:  # record and go on: try a smaller micro-batch
+                rows.append({"variant": n, "mode": mode, "micro": micro, "error": f"OOM: {str(e)[:160]}"})
+                torch.cuda.empty_cache()
+            rows[-1]["wall_s"] = time.perf_counter() - t0
+            print(rows[-1], flush=True)
+    print_table(rows, f"from-scratch training, {name}, {'fp32' if a.smoke else 'bf16'}, micro x {a.seq_len} tokens per step")
     ok = all("error" not in r and math.isfinite(r["loss_last"]) for r in rows)
     path = write_result("pretrain", {"peak_flops": peak, "args": {k: str(v) for k, v in vars(a).items()},
-                                     "results": rows}, out=str(a.out))
+                                     **best_mfu_keys(rows), "results": rows}, out=str(a.out))
     print(f"wrote {path}")
     return 0 if ok else 1
 

@@ -226,12 +226,16 @@ def test_bench_smoke(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "pretrain.json"
-    assert bench.main(["--smoke", "--steps", "2", "--out", str(out)]) == 0
+    assert bench.main(["--smoke", "--steps", "2", "--peak-tflops", "0.001", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert {r["variant"] for r in data["results"]} == {"hypenet-lightning-hype", "transformer"}
     for r in data["results"]:
         assert r["tokens_per_s"] > 0 and r["gflop_per_token"] > 0 and math.isfinite(r["loss_last"])
     assert "device" in data["env"] and "date" in data["env"]
+    assert data["transformer_mfu"] == data["transformer_mfu_eager"] > 0  # one eager run: it is also the best
+    assert bench.parse_run("compiled:8", 4) == ("compiled", 8) and bench.parse_run("eager", 4) == ("eager", 4)
+    with pytest.raises(SystemExit, match="MODE"):
+        bench.parse_run("fast:8", 4)
 
 
 def test_bench_counts_attended_keys_and_recounts_a_finished_run(tmp_path):
@@ -257,3 +261,22 @@ def test_bench_counts_attended_keys_and_recounts_a_finished_run(tmp_path):
     want = 5e4 * train_flops_per_token(config, n, a.doc_len) / 1e12
     assert row["mfu"] == pytest.approx(want) and row["mfu_by_row_length"] == pytest.approx(5e4 * stale / 1e12)
     assert json.loads(path.read_text())["transformer_mfu"] == pytest.approx(want)
+
+
+def test_the_training_build_compiles_the_layers_and_uses_the_loss_backend_it_is_given():
+    """``model.compile`` and ``loss.backend`` reach stage pretrain's module (the sweeps' MFU depends on both), and
+    the compiled module's loss equals the eager one's."""
+    from halo_dist.stages.pretrain import build_pretrain_module
+
+    base = ["pretrain.model.vocab_size=97", "pretrain.model.hidden_size=32", "pretrain.model.intermediate_size=64",
+            "pretrain.model.head_dim=8", "model.dtype=float32", "model.activation_checkpointing=false"]
+    eager, _ = build_pretrain_module(load_config(TINY / "pretrain_hypenet.yaml", base))
+    fast, _ = build_pretrain_module(load_config(TINY / "pretrain_hypenet.yaml",
+                                                base + ["model.compile=layer", "loss.backend=compiled"]))
+    assert eager.backend == "auto" and fast.backend == "compiled"
+    assert all(layer._compiled_call_impl is None for layer in eager.student.model.layers)
+    assert all(layer._compiled_call_impl is not None for layer in fast.student.model.layers)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1), "position_ids": torch.arange(16).expand(2, -1)}
+    ref, got = eager(**batch, normalizer=32.0)[0], fast(**batch, normalizer=32.0)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -322,8 +322,8 @@ class RunConfig(Section):
         if self.parallel.zero_stage == 3:
             fail("model.compile", f"{self.model.compile} needs parallel.zero_stage <= 2: ZeRO-3 gathers each "
                  "layer's parameters in hooks that a compiled layer does not run (it would see empty shards)")
-        if self.stage.name not in ("stage2", "stage3"):
-            fail("model.compile", f"is applied by the distillation stages 2/3, not {self.stage.name}: set none")
+        if self.stage.name not in ("stage2", "stage3", "pretrain"):
+            fail("model.compile", f"is applied by stages 2/3 and pretrain, not {self.stage.name}: set none")
 
     def _validate_opd(self) -> None:
         if (self.stage.name == "opd") != (self.opd is not None):

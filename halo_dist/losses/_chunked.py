@@ -35,7 +35,7 @@ class ChunkConfig:
     ce_weight: float
     ignore_index: int
     chunk_size: int
-    compiled: bool = False  # forward KL through the torch.compile'd ``_forward_kl_logits`` (backend "compiled")
+    compiled: bool = False  # the chunk's KL/CE and gradient through the compiled ``_fused_chunk_grad``
 
 
 def auto_chunk_size(vocab_size: int, memory_budget_bytes: int = 2 << 30, multiple: int = 128) -> int:
@@ -102,29 +102,54 @@ def _forward_kl_(logq: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, 
     return kl, logq.exp_().sub_(p)
 
 
-def _forward_kl_logits(z: torch.Tensor, tz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row KL(p || q) and q - p from the (temperature-scaled) student and teacher logits.
+def _fused_chunk_grad(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Tensor | None,
+                      kl_factor: torch.Tensor, ce_factor: torch.Tensor, inv_t: float, ignore_index: int,
+                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's per-row forward KL and CE and the weighted gradient w.r.t. the raw student logits, out of
+    place so that torch.compile fuses it (backend "compiled").
 
-    The math of ``_log_softmax_`` + ``_forward_kl_`` written out of place, for torch.compile: it fuses
-    them into the two row log-sum-exps and one pointwise pass with the KL's row sum, so each [c, V]
-    chunk is read about four times and the gradient written once, where the eager in-place sequence
-    makes some twenty passes (for a small model the loss is a quarter of a stage-2 step on the H200).
+    Eager, the same math (``_ce_`` + ``_log_softmax_`` + ``_forward_kl_``, then the weighting and the cast for the
+    matmuls) makes some twenty passes over the [c, V] fp32 chunk; compiled, it is the row log-sum-exps and one
+    pointwise pass that writes the gradient once, already scaled and in the matmul dtype.
+
+    Args:
+        z: [c, V] raw student logits; tz: [c, V] raw teacher logits or None (no KL term).
+        labels: [c] int64 targets or None (no CE term); ``ignore_index`` rows get no CE.
+        kl_factor, ce_factor: 0-dim tensors, each term's weight / normalizer (tensors, so that a new
+            normalizer every step does not recompile); the KL's also carries the 1 / T of the chain rule.
+        inv_t: 1 / temperature of the KL's softmaxes (CE is always at temperature 1).
+    Returns:
+        kl [c], ce [c] (zeros for an absent term) and grad [c, V] in ``out_dtype``.
     """
-    logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
-    logp = tz - torch.logsumexp(tz, dim=-1, keepdim=True)
-    p = logp.exp()
-    return (p * (logp - logq)).sum(dim=-1), logq.exp() - p
+    kl = ce = z.new_zeros(z.shape[0])
+    grad = None
+    if labels is not None:
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        valid = labels != ignore_index
+        safe = torch.where(valid, labels, 0).unsqueeze(-1)  # [c, 1]
+        ce = (lse - z.gather(-1, safe)).squeeze(-1) * valid
+        one_hot = torch.arange(z.shape[-1], device=z.device) == safe  # [c, V], never materialised when fused
+        grad = ((z - lse).exp() - one_hot.to(z.dtype)) * (valid.unsqueeze(-1) * ce_factor)
+    if tz is not None:
+        zs, ts = z * inv_t, tz * inv_t
+        logq = zs - torch.logsumexp(zs, dim=-1, keepdim=True)
+        logp = ts - torch.logsumexp(ts, dim=-1, keepdim=True)
+        p = logp.exp()
+        kl = (p * (logp - logq)).sum(dim=-1)
+        g_kl = (logq.exp() - p) * kl_factor
+        grad = g_kl if grad is None else grad + g_kl
+    return kl, ce, None if grad is None else grad.to(out_dtype)
 
 
 _COMPILED: dict[str, object] = {}
 
 
-def compiled_forward_kl(z: torch.Tensor, tz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_forward_kl_logits`` compiled once per process; dynamic rows, since the last chunk is shorter."""
-    fn = _COMPILED.get("forward_kl")
+def compiled_chunk_grad(*args):
+    """``_fused_chunk_grad`` compiled once per process; dynamic rows, since the last chunk is shorter."""
+    fn = _COMPILED.get("chunk_grad")
     if fn is None:
-        fn = _COMPILED["forward_kl"] = torch.compile(_forward_kl_logits, dynamic=True)
-    return fn(z, tz)
+        fn = _COMPILED["chunk_grad"] = torch.compile(_fused_chunk_grad, dynamic=True)
+    return fn(*args)
 
 
 def _reverse_kl_(logq: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,26 +217,31 @@ def _chunk(s_h, s_w, t_h, t_w, labels, cfg: ChunkConfig, scale):
         labels: [c] or None; scale: 1 / normalizer (float or 0-dim tensor).
     Returns:
         kl_sum, ce_sum: 0-dim fp32/fp64 sums over the chunk (unweighted, unnormalised);
-        grad: [c, V] d(loss)/d(raw student logits), already weighted and divided by normalizer.
+        grad: [c, V] d(loss)/d(raw student logits), already weighted and divided by normalizer
+        (in the matmul dtype on the compiled path, fp32/fp64 otherwise).
     """
     z = _mm_fp32(s_h, s_w.t())  # [c, V]
+    with_ce = bool(cfg.ce_weight) and labels is not None
+    tz = _mm_fp32(t_h, t_w.t()) if cfg.kl_weight else None  # [c, V] teacher logits, no grad
+    if cfg.compiled:  # forward KL and CE (kl.py refuses reverse KL and JSD)
+        # 0-dim device tensors built by kernels (a host-to-device copy would make the host wait for the GPU).
+        # d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
+        scale_t = scale if torch.is_tensor(scale) else z.new_full((), scale)
+        kl, ce, grad = compiled_chunk_grad(z, tz, labels if with_ce else None, scale_t * (cfg.kl_weight / cfg.temperature),
+                                           scale_t * cfg.ce_weight, 1.0 / cfg.temperature, cfg.ignore_index, s_h.dtype)
+        return kl.sum(), ce.sum(), grad
     zero = z.new_zeros(())
     grad, ce_sum = None, zero
-    if cfg.ce_weight and labels is not None:
+    if with_ce:
         ce, grad = _ce_(z, labels, cfg.ignore_index)  # CE always at temperature 1 (hard labels)
         ce_sum = ce.sum()
         grad.mul_(cfg.ce_weight * scale)
-    if not cfg.kl_weight:
+    if tz is None:
         return zero, ce_sum, grad
-    tz = _mm_fp32(t_h, t_w.t())  # [c, V] teacher logits, no grad
     if cfg.temperature != 1.0:
         z.div_(cfg.temperature), tz.div_(cfg.temperature)
-    if cfg.compiled:  # forward KL only (kl.py checks)
-        kl, g_kl = compiled_forward_kl(z, tz)
-    else:
-        kl, g_kl = _divergence_(_log_softmax_(z), _log_softmax_(tz), cfg.beta)
-    # d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
-    g_kl.mul_(cfg.kl_weight * scale / cfg.temperature)
+    kl, g_kl = _divergence_(_log_softmax_(z), _log_softmax_(tz), cfg.beta)
+    g_kl.mul_(cfg.kl_weight * scale / cfg.temperature)  # no T^2 factor, as above
     return kl.sum(), ce_sum, g_kl if grad is None else g_kl.add_(grad)
 
 

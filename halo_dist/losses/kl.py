@@ -35,8 +35,8 @@ NaN), which costs one host sync for the count.
 Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Triton
 ``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
 CPU, used by the tests as an independent cross-check), ``"auto"`` (torch everywhere: faster and smaller
-than Liger on the H200, BENCHMARKS.md), ``"compiled"`` (the torch path with each chunk's forward KL and
-its gradient compiled by torch.compile into a few fused passes over the chunk; forward KL only). All
+than Liger on the H200, BENCHMARKS.md), ``"compiled"`` (the torch path with each chunk's forward KL, CE and
+their gradient compiled by torch.compile into a few fused passes over the chunk; forward KL only). All
 return identical quantities (see ``_liger.py`` for the conventions we adapt).
 
 ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
@@ -217,7 +217,7 @@ def fused_distill_loss(
             0-dim tensor; clamp an all-reduced count with ``clamp_min(1)``); None -> 1.
         chunk_size: token rows per chunk (torch and CPU-Liger backends); None -> from budget.
         memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None.
-        backend: "auto" | "torch" | "compiled" (torch.compile per chunk, forward KL only) | "liger".
+        backend: "auto" | "torch" | "compiled" (torch.compile per chunk: forward KL and CE) | "liger".
     Returns:
         DistillLossOutput (``loss`` differentiable; sums and counts for cross-rank reduction).
     """

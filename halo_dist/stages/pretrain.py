@@ -136,9 +136,13 @@ def build_pretrain_model(cfg: RunConfig) -> HypeNetForCausalLM:
 
 
 def build_pretrain_module(cfg: RunConfig):
-    """``(StudentWithLoss with the CE objective and no teacher, None)``: stage pretrain's build."""
-    model = build_pretrain_model(cfg)
-    return StudentWithLoss(model, None, objective="ce", chunk_size=cfg.loss.chunk_size), None
+    """``(StudentWithLoss with the CE objective and no teacher, None)``: stage pretrain's build, with the decoder
+    layers compiled as ``model.compile`` says and the loss on ``loss.backend``."""
+    from ..models.hypenet.modeling_hypenet import compile_decoder_layers
+
+    model = compile_decoder_layers(build_pretrain_model(cfg), cfg.model.compile)
+    module = StudentWithLoss(model, None, objective="ce", chunk_size=cfg.loss.chunk_size, backend=cfg.loss.backend)
+    return module, None
 
 
 # ---------------------------------------------------------------------------------------- optimizer

@@ -17,12 +17,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 import torch
 
 TOP = 15
+# Kernel groups of a training step, by kernel name (the first match wins): where a step's device time goes at a
+# glance. "fused (inductor)" is torch.compile's Triton code (norms, RoPE, gates, the compiled loss); "eager
+# elementwise" is what no compiler fused.
+KERNEL_GROUPS = [
+    ("attention", r"flash|fmha|attention|flex|sdpa|_attn"),
+    ("fla rnn", r"chunk_|fused_recurrent|recurrent|gla|lightning|delta"),
+    ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|cublas|sm90_|splitK|dot_kernel"),
+    ("nccl", r"nccl"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("fused (inductor)", r"^triton_"),
+    ("copy/cast", r"copy|Memcpy|memcpy|Memset|memset|cast|index|scatter|gather|cat_|fill"),
+    ("reduce", r"reduce|softmax|logsumexp|max_kernel|sum_kernel|norm"),
+    ("eager elementwise", r"elementwise|vectorized|unrolled"),
+]
 
 
 def process_age_s() -> float | None:
@@ -83,6 +98,11 @@ def _device_us(event) -> float:
     return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
 
 
+def kernel_group(name: str) -> str:
+    """The ``KERNEL_GROUPS`` entry of a kernel name, else "other"."""
+    return next((group for group, pattern in KERNEL_GROUPS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
 def summarize(prof, wall_s: float, steps: int, first: int) -> dict:
     events = prof.key_averages()
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
@@ -90,6 +110,10 @@ def summarize(prof, wall_s: float, steps: int, first: int) -> dict:
     # the kernels themselves: an operator's row (aten::mm) carries its kernels' time too, so summing the averaged
     # rows would count every GEMM twice
     busy_us = sum(_device_us(e) for e in kernels)
+    groups: dict[str, float] = {}
+    for e in kernels:
+        group = kernel_group(e.name)
+        groups[group] = groups.get(group, 0.0) + _device_us(e) / 1e3 / steps
 
     def top(key) -> list[dict]:
         rows = sorted(events, key=key, reverse=True)[:TOP]
@@ -101,6 +125,7 @@ def summarize(prof, wall_s: float, steps: int, first: int) -> dict:
             "device_busy_ms_per_step": busy_us / 1e3 / steps,
             "device_busy_fraction": busy_us / 1e3 / steps / wall_ms if wall_ms > 0 else None,
             "kernels_per_step": len(kernels) / steps,
+            "kernel_groups_ms_per_step": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top_device": top(_device_us) if busy_us > 0 else [],
             "top_host": top(lambda e: e.self_cpu_time_total)}
 
@@ -110,6 +135,10 @@ def format_summary(s: dict) -> str:
     lines = [f"profile of steps {s['steps'][0]}-{s['steps'][1]}: {s['wall_ms_per_step']:.1f} ms per step, device busy "
              f"{s['device_busy_ms_per_step']:.1f} ms" + (f" ({busy:.0%})" if busy is not None else "")
              + f", {s['kernels_per_step']:.0f} kernels per step"]
+    groups = s.get("kernel_groups_ms_per_step") or {}
+    if groups:
+        lines.append("  kernel groups (device ms per step): "
+                     + ", ".join(f"{g} {ms:.1f}" for g, ms in groups.items()))
     for title, rows in (("most device time", s["top_device"]), ("most host time", s["top_host"])):
         if not rows:
             continue
