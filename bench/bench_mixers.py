@@ -233,6 +233,7 @@ def main():
             checks.append(("train, fla forced", lambda: refused_check(kind, Tc, H, D, device, dtype)))
         for case, check in checks:
             training = case.startswith(("train", "packed train"))
+            log(f"checking {kind} {case} (the first call of a kernel autotunes it)")
             try:
                 row = {"mixer": kind, "case": case, "path": path_of(kind, device, training), **check()}
             except Exception as e:  # noqa: BLE001

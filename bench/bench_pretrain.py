@@ -242,6 +242,11 @@ def main(argv=None) -> int:
         return 2
     runs = [parse_run(r, a.micro) for r in a.runs]
     rows = []
+
+    def save():  # after every run, so a run cut short by its time limit keeps the finished ones
+        return write_result("pretrain", {"peak_flops": peak, "args": {k: str(v) for k, v in vars(a).items()},
+                                         **best_mfu_keys(rows), "results": rows}, out=str(a.out))
+
     for n in names:
         for mode, micro in runs:
             t0 = time.perf_counter()
@@ -253,11 +258,10 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             rows[-1]["wall_s"] = time.perf_counter() - t0
             print(rows[-1], flush=True)
+            save()
     print_table(rows, f"from-scratch training, {name}, {'fp32' if a.smoke else 'bf16'}, micro x {a.seq_len} tokens per step")
     ok = all("error" not in r and math.isfinite(r["loss_last"]) for r in rows)
-    path = write_result("pretrain", {"peak_flops": peak, "args": {k: str(v) for k, v in vars(a).items()},
-                                     **best_mfu_keys(rows), "results": rows}, out=str(a.out))
-    print(f"wrote {path}")
+    print(f"wrote {save()}")
     return 0 if ok else 1
 
 

@@ -115,13 +115,30 @@ def stage_overrides(stage: int, a, run_dir: Path, ckpt: bool) -> list[str]:
     return o + list(a.extra)
 
 
-def summarize_metrics(path: Path) -> dict:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def profile_start(a) -> int | None:
+    """The first profiled step, when ``--extra`` turns the profiler on (``logging.profile_at_step=N``)."""
+    for item in a.extra:
+        key, _, value = item.partition("=")
+        if key == "logging.profile_at_step" and value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def summarize_metrics(path: Path, steady: bool = False, before_step: int | None = None) -> dict:
     """Median over the logged intervals after the first (compile/autotune): robust to the one or two
-    recompiles that torch.compile (model.compile) makes when a batch's document count first changes."""
-    timed = [r for r in rows if "perf/tokens_per_s" in r][1:]  # first interval: compile/autotune
-    if not timed:
-        timed = [r for r in rows if "perf/tokens_per_s" in r]
+    recompiles that torch.compile (model.compile) makes when a batch's document count first changes.
+
+    ``before_step`` leaves out the profiler's window (steps from it on run under the profiler and export
+    its trace). ``steady`` also leaves out warm-up intervals: those slower than 1.5x the fastest one. A
+    short benchmark run spends its first two or three steps compiling, which a median of five steps does
+    not outvote; a long run amortises that time and is summarised without it."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    logged = [r for r in rows if "perf/tokens_per_s" in r
+              and (before_step is None or int(r.get("step", 0)) < before_step)]
+    timed = logged[1:] or logged  # first interval: compile/autotune
+    if steady and timed:
+        fastest = min(r["perf/step_time_s"] for r in timed)
+        timed = [r for r in timed if r["perf/step_time_s"] <= 1.5 * fastest]
 
     def median(key):
         vals = [r[key] for r in timed if r.get(key) is not None]
@@ -160,7 +177,7 @@ def run_launcher(stage: int, a) -> dict:
         metrics = run_dir / "metrics.jsonl"
         if rc == 0 and metrics.exists():
             return {"stage": stage, "status": "ok", "activation_checkpointing": ckpt, "wall_s": round(wall, 1),
-                    "nproc": a.nproc, **summarize_metrics(metrics)}
+                    "nproc": a.nproc, **summarize_metrics(metrics, steady=True, before_step=profile_start(a))}
         print(f"stage {stage} failed (rc={rc}, checkpointing={ckpt}):\n{out[-2500:]}", flush=True)
     return {"stage": stage, "status": f"failed rc={rc}", "nproc": a.nproc}
 

@@ -28,7 +28,9 @@
 #      prefilled (baseline/graph/compiled vs eager), teacher 512K, batch 256, OPD h2048 (carry .whl)
 #   P20d (one GPU): stage 2 (2B) with loss.backend=compiled, against P20b's torch backend (carry .whl .bench_data)
 #   P21a (one GPU): stage 2 (2B) and stage 3 (16K) with the fused compiled loss + the same run's naive baseline, a
-#      stage-2 profile with kernel groups, stage 3 with compiled layers, the loss alone (carry .whl .bench_data)
+#      stage-2 profile with kernel groups, the loss alone (carry .whl .bench_data)
+#   P21d (one GPU): the GLA/RWKV-7/Mamba2 kernel checks alone (carry .whl)
+#   P21c (one GPU): stage 3 (16K) with compiled layers and the compiled loss (carry .whl .bench_data)
 #   P21b (one GPU): pretraining 500M eager vs compiled (micro 4/8), then the GLA/RWKV-7/Mamba2 checks (carry .whl)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
@@ -272,14 +274,11 @@ P20d)
 P21a)
   # issue 20 item 2: stage 2 (2B) and stage 3 (16K) with the compiled loss (each chunk's KL/CE, gradient scale and
   # bf16 cast in one fused pass), the naive baseline of the same run, a profile of stage 2's steps 6-7 with kernel
-  # groups; then stage 3 with its layers compiled too; then the loss alone, torch vs compiled, at the 2B shape
+  # groups; then the loss alone, torch vs compiled, at the 2B shape
   timeout 440 python3 bench/bench_stages.py --data .bench_data/long --stages 2 3 --steps 1 7 3 --naive-steps 6 \
     --tag p21a --timeout 200 --extra loss.backend=compiled logging.profile_at_step=6 logging.profile_steps=2 \
     > "$OUT/stages_p21a.log" 2>&1; echo "stages rc=$?"
   for d in runs/bench/*/profile; do [ -f $d/summary.txt ] && cp $d/summary.txt "$OUT/$(basename $(dirname $d)).profile.txt"; done
-  timeout $((540 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 3 --steps 1 1 4 \
-    --tag p21a_s3c --timeout 150 --extra loss.backend=compiled model.compile=layer > "$OUT/stage3_p21a_compiled.log" 2>&1
-  echo "stage 3 compiled rc=$?"
   timeout $((585 - SECONDS)) python3 bench/bench_kl.py --tokens 24576 --backends torch,compiled \
     --out bench/results/kl_2b_p21a.json > "$OUT/kl_2b_p21a.log" 2>&1; echo "kl rc=$?"
   ;;
@@ -290,6 +289,19 @@ P21b)
     --out bench/results/pretrain_p21b.json > "$OUT/pretrain_p21b.log" 2>&1; echo "pretrain rc=$?"
   timeout $((580 - SECONDS)) python3 bench/bench_mixers.py --mixers gla,rwkv7,mamba2 \
     --out bench/results/mixers_p21b.json > "$OUT/mixers_p21b.log" 2>&1; echo "mixers rc=$?"
+  ;;
+P21d)
+  # issue 20 item 3: the sweep's GLA/RWKV-7/Mamba2 fla kernels against their torch references, in a call of their
+  # own (three earlier runs were cut during fla's autotuning); TRITON_PRINT_AUTOTUNING shows where the time goes
+  TRITON_PRINT_AUTOTUNING=1 timeout 560 python3 bench/bench_mixers.py --mixers gla,rwkv7,mamba2 \
+    --out bench/results/mixers_p21d.json > "$OUT/mixers_p21d.log" 2>&1; echo "mixers rc=$?"
+  grep -c "best config" "$OUT/mixers_p21d.log"
+  ;;
+P21c)
+  # stage 3 (16K) with its decoder layers compiled as well as the loss (P21a's run of it timed out while compiling)
+  timeout 560 python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 3 --steps 1 1 4 \
+    --tag p21c_s3c --timeout 540 --extra loss.backend=compiled model.compile=layer > "$OUT/stage3_p21c_compiled.log" 2>&1
+  echo "stage 3 compiled rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

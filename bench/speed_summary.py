@@ -2,8 +2,10 @@
 
 Reads (bench/results/): the decode profiles of the two shapes at 512K (``profile_decode.py``: each model's best
 variant, i.e. the lowest step time, and HypeNet's distance to its bytes bound), the stage benchmark's logged
-steps (``bench_stages.py`` metrics: the median MFU of the steps outside warm-up and the profiler window), the OPD
-benchmark (``bench_opd.py``) and the older prefill/pretrain results. A key whose source is missing is null.
+run (``bench_stages.py``: stage 2 and 3 MFU over the steady steps, outside warm-up and the profiler window, and
+stage 2's speed-up over the naive baseline of the same run), the from-scratch runs (``bench_pretrain.py``: each
+variant's best mode), the OPD benchmark (``bench_opd.py``) and the prefill result. A key whose source is missing
+is null.
 Writes ``bench/results/speed_summary.json`` and prints the table.
 
   python bench/speed_summary.py
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,13 +24,11 @@ from bench.common import RESULTS, print_table  # noqa: E402
 SOURCES = {
     "teacher_decode": RESULTS / "decode_profile_teacher_512k.json",
     "hypenet_decode": RESULTS / "decode_profile_hypenet_512k.json",
-    "stage2_metrics": RESULTS / "logs" / "p20b_stage2.metrics.jsonl",
-    "stages": RESULTS / "stages_p20b.json",
+    "stages": RESULTS / "stages_p21a.json",
     "opd": RESULTS / "opd_p20c.json",
     "inference": RESULTS / "inference.json",
-    "pretrain": RESULTS / "pretrain.json",
+    "pretrain": RESULTS / "pretrain_p21b.json",
 }
-STAGE2_STEADY_STEPS = (4, 5)  # after compilation (steps 1-3), before the profiler window (steps 6-7)
 
 
 def load(path: Path):
@@ -53,10 +52,8 @@ def summary() -> dict:
     out["decode_bytes_bound_ratio_512k"] = hypenet["vs_bound"] if hypenet else None
     out["decode_best_variants_512k"] = {r["model"]: (r["variant"], r["step_ms"], r["bound_ms"])
                                         for r in (teacher, hypenet) if r}
-    steady = [m["perf/mfu"] for m in src["stage2_metrics"] or [] if m.get("step") in STAGE2_STEADY_STEPS]
-    out["stage2_mfu"] = statistics.median(steady) if steady else None
-    out["stage2_speedup_vs_naive"] = None  # needs the naive baseline in the same run (bench_stages.py --stages 2)
-    out["stage3_mfu"] = (src["stages"] or {}).get("stage3_mfu")
+    for key in ("stage2_mfu", "stage2_speedup_vs_naive", "stage3_mfu"):
+        out[key] = (src["stages"] or {}).get(key)
     opd = next((r for r in (src["opd"] or {}).get("results", []) if r.get("horizon") == 2048), None)
     out["opd_rollout_tokens_per_s_h2048"] = opd and opd["rollout_tokens_per_s"]
     out["opd_step_tokens_per_s_h2048"] = opd and opd["opd_tokens_per_s"]

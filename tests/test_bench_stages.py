@@ -98,3 +98,20 @@ def test_multigpu_scaling_driver_runs_bench_stages_and_summarizes(shards, tmp_pa
     got = scaling_summary({1: one, 4: four, 8: {"status": "failed rc=1"}}, reference=1)
     assert got == {"dp_scaling_4gpu": 0.96, "loss_max_abs_diff_4gpu": pytest.approx(1e-4)}  # step 5 is not compared
     assert scaling_summary({1: {"status": "failed rc=1"}, 4: four}, reference=1) == {}
+
+
+def test_summary_leaves_out_warm_up_and_the_profiler_window(tmp_path):
+    """Stage 2's rows of a short GPU run (P21a): steps 1-3 compile, 6-7 run under the profiler. Its
+    steady MFU is that of steps 4-5; the plain median of steps 2-7 would report 0.42."""
+    from bench.bench_stages import profile_start, summarize_metrics
+
+    rows = [(1, 0.019, 50.4), (2, 0.082, 11.7), (3, 0.261, 3.68), (4, 0.626, 1.533), (5, 0.629, 1.525),
+            (6, 0.583, 1.646), (7, 0.067, 14.4)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "perf/tokens_per_s": 51200 * m, "perf/mfu": m,
+                                        "perf/step_time_s": t}) + "\n" for s, m, t in rows))
+    a = SimpleNamespace(extra=["loss.backend=compiled", "logging.profile_at_step=6", "logging.profile_steps=2"])
+    assert profile_start(a) == 6 and profile_start(SimpleNamespace(extra=[])) is None
+    steady = summarize_metrics(path, steady=True, before_step=profile_start(a))
+    assert steady["mfu"] == pytest.approx((0.626 + 0.629) / 2)
+    assert summarize_metrics(path)["mfu"] == pytest.approx((0.261 + 0.583) / 2)  # what a plain median reports
