@@ -406,7 +406,9 @@ def test_bad_beta(kw, match):
 def test_backend_selection(monkeypatch):
     assert kl_mod._pick_backend("auto", torch.device("cpu"), 10) == "torch"
     monkeypatch.setattr(kl_mod, "liger_available", lambda: False)
-    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10) == "torch"
+    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10) == "compiled"  # forward KL / CE
+    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10, beta=0.5) == "torch"  # JSD: not fused
+    assert kl_mod._pick_backend("auto", torch.device("cuda"), 0) == "torch"
     s_h, s_w, t_h, t_w, _, _ = make()
     with pytest.raises(RuntimeError, match="liger-kernel is not importable"):
         fused_distill_loss(s_h, s_w, t_h, t_w, backend="liger")

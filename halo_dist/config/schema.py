@@ -164,8 +164,9 @@ class LossConfig(Section):
     # it next-token CE on the text. A teacher past its positions is a wrong target: a long-context stage
     # would teach the student its failure. null = KL everywhere
     kl_max_position: Optional[int] = None
-    # fused-loss implementation: auto (= torch), torch (chunked, eager), compiled (torch with each chunk's
-    # forward KL fused by torch.compile: fewer passes over [chunk x vocab]), liger (needs liger-kernel)
+    # fused-loss implementation: auto (compiled on CUDA for forward KL / CE, else torch), torch (chunked,
+    # eager), compiled (each chunk's forward KL and CE fused by torch.compile: fewer passes over
+    # [chunk x vocab]), liger (needs liger-kernel)
     backend: Literal["auto", "torch", "compiled", "liger"] = "auto"
 
     def validate(self) -> None:
