@@ -1,11 +1,11 @@
 """Benchmark: the Ulysses all-to-all cost of a HypeNet-2B stage-3 step (issue 9 item 2).
 
-Times our ``SequenceParallel.seq_to_head`` / ``head_to_seq`` on the real per-layer shapes
-(q/k/v/o of 16 heads x 128, bf16, micro-batch 1) at 16K / 32K / 64K context on all ranks (NCCL), and
-counts the calls of one micro-step: every layer of the student does 4 exchanges forward (q, k, v in,
-o out; the RNN layers have 16 k/v heads after GQA->MHA, the attention layers 8) and 4 backward, plus 4
-more when activation checkpointing recomputes the forward; every teacher layer 4 forward. The total
-is set against the step time of the matching ``bench/results/stages_sp2*.json`` run, when present.
+Times our ``SequenceParallel.seq_to_head`` / ``head_to_seq`` on the real per-layer shapes (q/k/v/o
+of 16 heads x 128, bf16, micro-batch 1) at 16K / 32K / 64K context on all ranks (NCCL), and counts
+the calls of one micro-step: every layer of the student does 4 exchanges forward (q, k, v in, o out;
+the RNN layers have 16 k/v heads after GQA->MHA, the attention layers 8) and 4 backward, plus 4 more
+when activation checkpointing recomputes the forward; every teacher layer 4 forward. The total is
+set against the step time of the matching ``bench/results/stages_sp2*.json`` run, when present.
 
   torchrun --standalone --nproc_per_node 2 bench/bench_a2a.py
 """
@@ -43,18 +43,22 @@ def main() -> None:
         rnn_fwd, attn_fwd = 4 * full, 2 * full + 2 * kv
         student_fwd = (LAYERS - ATTN) * rnn_fwd + ATTN * attn_fwd
         teacher_fwd = LAYERS * (2 * full + 2 * kv)
-        per_micro = {"no_ckpt": 2 * student_fwd + teacher_fwd, "ckpt": 3 * student_fwd + teacher_fwd}
+        per_micro = {"no_ckpt": 2 * student_fwd + teacher_fwd,
+                     "ckpt": 3 * student_fwd + teacher_fwd}
         rows.append({"context": T, "sp": world, "a2a_16h_ms": full, "a2a_8h_ms": kv,
-                     "a2a_per_micro_ms": per_micro["no_ckpt"], "a2a_per_micro_ckpt_ms": per_micro["ckpt"]})
+                     "a2a_per_micro_ms": per_micro["no_ckpt"],
+                     "a2a_per_micro_ckpt_ms": per_micro["ckpt"]})
     for row in rows:
         tag = "sp2" if row["context"] == 16384 else f"sp2_{row['context'] // 1024}k"
         path = RESULTS / f"stages_{tag}.json"
         if path.exists():
             s3 = json.loads(path.read_text()).get("stage3", {})
             if s3.get("step_time_s"):
-                grad_accum = 2 if row["context"] == 16384 else 2  # bench_stages: stage3 batch 2, dp 1
+                # bench_stages: stage3 batch 2, dp 1
+                grad_accum = 2 if row["context"] == 16384 else 2
                 micro_s = s3["step_time_s"] / grad_accum
-                key = "a2a_per_micro_ckpt_ms" if s3.get("activation_checkpointing") else "a2a_per_micro_ms"
+                key = ("a2a_per_micro_ckpt_ms" if s3.get("activation_checkpointing")
+                       else "a2a_per_micro_ms")
                 row["step_share"] = row[key] / 1e3 / micro_s
     if rank == 0:
         print_table(rows, f"Ulysses all-to-all, {world} GPUs, bf16, micro-batch 1")

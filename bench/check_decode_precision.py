@@ -1,10 +1,12 @@
-"""Why ``graph_rel_err`` is large on random caches: a precision probe on CPU (issue 8, BENCHMARKS.md).
+"""Why ``graph_rel_err`` is large on random caches: a precision probe on CPU (issue 8,
+BENCHMARKS.md).
 
-bench_inference.py compares the first logits of the static (CUDA-graph) decode step with the eager step.
-On prefilled caches they agree to ~3% (bf16); on random caches (the decode-only rows) they differ by up to
-~50%. This script shows the random-cache configuration itself is ill-conditioned, not the static path:
-an 8-layer HypeNet of the 2B width with a random 4K cache, the first decode step's logits compared
-with an fp64 evaluation of the eager step.
+bench_inference.py compares the first logits of the static (CUDA-graph) decode step with the eager
+step.
+On prefilled caches they agree to ~3% (bf16); on random caches (the decode-only rows) they differ by
+up to ~50%. This script shows the random-cache configuration itself is ill-conditioned, not the
+static path: an 8-layer HypeNet of the 2B width with a random 4K cache, the first decode step's
+logits compared with an fp64 evaluation of the eager step.
 
   .venv/bin/python bench/check_decode_precision.py     # ~1 min on 2 CPU cores
 """
@@ -37,16 +39,20 @@ def first_logits(model, dtype, static: bool) -> torch.Tensor:
 
 def main() -> list[dict]:
     shape = dict(SHAPE_2B, num_hidden_layers=8, vocab_size=4096)
-    cfg = HypeNetConfig(**shape, mixer_types=["attention" if i in (2, 3, 6) else "lightning" for i in range(8)],
-                        attn_rope=False, attn_logits_scale_base=500.0, rope_theta=1e6)
+    cfg = HypeNetConfig(
+        **shape, mixer_types=["attention" if i in (2, 3, 6) else "lightning" for i in range(8)],
+        attn_rope=False, attn_logits_scale_base=500.0, rope_theta=1e6)
     model = build(cfg, torch.device("cpu"), torch.float64)
     ref = first_logits(model, torch.float64, static=False)
     rows = []
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         model = model.to(dtype)
-        rel = {s: float((first_logits(model, dtype, s) - ref).norm() / ref.norm()) for s in (False, True)}
-        rows.append({"dtype": str(dtype).split(".")[1], "eager_vs_fp64_eager": rel[False], "static_vs_fp64_eager": rel[True]})
-    print_table(rows, f"first decode logits on a random {T}-token cache (8 layers, 2B width), rel. error vs fp64")
+        rel = {s: float((first_logits(model, dtype, s) - ref).norm() / ref.norm())
+               for s in (False, True)}
+        rows.append({"dtype": str(dtype).split(".")[1], "eager_vs_fp64_eager": rel[False],
+                     "static_vs_fp64_eager": rel[True]})
+    print_table(rows, f"first decode logits on a random {T}-token cache (8 layers, 2B width), rel. "
+                      "error vs fp64")
     return rows
 
 

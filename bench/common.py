@@ -16,12 +16,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # Qwen3-1.7B's shape (HF Qwen3Config / HypeNetConfig names) and HypeNet-2B's attention layers (paper
 # Table 7), used by every GPU benchmark of the 2B student; a tiny shape for the CPU smoke modes.
-SHAPE_2B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
-                num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True)
+SHAPE_2B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151_936,
+                tie_word_embeddings=True)
 ATTN_2B = [2, 3, 6, 8, 9, 21, 25]
-# Qwen3-8B's shape (rope_theta 1e6 is passed where a config is built): bench_teacher_placement's teacher.
-SHAPE_8B = dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=False)
+# Qwen3-8B's shape (rope_theta 1e6 is passed where a config is built): bench_teacher_placement's
+# teacher.
+SHAPE_8B = dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151_936,
+                tie_word_embeddings=False)
 SHAPE_TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)
 
@@ -76,7 +79,8 @@ def write_result(name: str, payload: dict, out: str | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str))
     if os.environ.get("OUT") and not str(path).startswith(os.environ["OUT"]):
-        Path(os.environ["OUT"], f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
+        Path(os.environ["OUT"], f"{name}.json").write_text(
+            json.dumps(payload, indent=2, default=str))
     return path
 
 

@@ -1,12 +1,13 @@
 """Kernels per decode step: a CPU proxy for the fixed cost of a CUDA-graph decode step (issue 8).
 
-On an H200 a captured decode step costs ~7.4 ms at every context (BENCHMARKS.md): the time of ~2,000 tiny
-kernels, each a few µs as a graph node. This script counts them without a GPU. It profiles one static
-decode step of the teacher shape and of HypeNet-2B (28 layers, the real attention/RNN layout; tiny widths,
-bf16) on CPU, and counts the leaf ATen ops that launch a kernel on CUDA. Views, no-op casts, allocations
-CPU-only fills and 0-dim scalar copies are skipped; ops that are one fused kernel on CUDA (``_fused_rms_norm``) count once.
-The ratio between two code versions predicts the change of the fixed cost; the GPU time is measured by
-bench_inference.py.
+On an H200 a captured decode step costs ~7.4 ms at every context (BENCHMARKS.md): the time of ~2,000
+tiny kernels, each a few µs as a graph node. This script counts them without a GPU. It profiles one
+static decode step of the teacher shape and of HypeNet-2B (28 layers, the real attention/RNN layout;
+tiny widths, bf16) on CPU, and counts the leaf ATen ops that launch a kernel on CUDA. Views, no-op
+casts, allocations CPU-only fills and 0-dim scalar copies are skipped; ops that are one fused kernel
+on CUDA (``_fused_rms_norm``) count once.
+The ratio between two code versions predicts the change of the fixed cost; the GPU time is measured
+by bench_inference.py.
 
   .venv/bin/python bench/count_decode_kernels.py
 """
@@ -29,10 +30,11 @@ from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
 
 NO_KERNEL = {
     "aten::view", "aten::reshape", "aten::expand", "aten::transpose", "aten::slice", "aten::select",
-    "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::_unsafe_view", "aten::t", "aten::permute",
-    "aten::detach", "aten::detach_", "aten::alias", "aten::empty", "aten::empty_strided", "aten::split",
-    "aten::chunk", "aten::narrow", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg",
-    "aten::_reshape_alias", "aten::result_type", "aten::to", "aten::resize_", "aten::fill_", "aten::zero_",
+    "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::_unsafe_view", "aten::t",
+    "aten::permute", "aten::detach", "aten::detach_", "aten::alias", "aten::empty",
+    "aten::empty_strided", "aten::split", "aten::chunk", "aten::narrow", "aten::lift_fresh",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::_reshape_alias", "aten::result_type",
+    "aten::to", "aten::resize_", "aten::fill_", "aten::zero_",
     "aten::item", "aten::_local_scalar_dense", "aten::is_nonzero",
 }
 FUSED_ON_CUDA = {"aten::_fused_rms_norm"}
@@ -44,9 +46,11 @@ def configs() -> dict[str, HypeNetConfig]:
     L = SHAPE["num_hidden_layers"]
     return {
         "qwen3-1.7b-shape": HypeNetConfig(**SHAPE, mixer_types=["attention"] * L, attn_rope=True,
-                                          attn_logits_scale_base=None, attn_output_gate=False, rope_theta=1e6),
-        "hypenet-2b": HypeNetConfig(**SHAPE, mixer_types=["attention" if i in ATTN_2B else "lightning" for i in range(L)],
-                                    attn_rope=False, attn_logits_scale_base=500.0, rope_theta=1e6),
+                                          attn_logits_scale_base=None,
+                                          attn_output_gate=False, rope_theta=1e6),
+        "hypenet-2b": HypeNetConfig(
+            **SHAPE, mixer_types=["attention" if i in ATTN_2B else "lightning" for i in range(L)],
+            attn_rope=False, attn_logits_scale_base=500.0, rope_theta=1e6),
     }
 
 
@@ -62,13 +66,15 @@ def kernels(events) -> Counter:
         if not children:
             scalar_only = bool(e.input_shapes) and all(shape == [] for shape in e.input_shapes)
             if e.name.startswith("aten::") and e.name not in NO_KERNEL and not scalar_only:
-                counts[e.name] += 1  # (CPU wraps Python scalars in 0-dim copies; CUDA passes them as arguments)
+                # (CPU wraps Python scalars in 0-dim copies; CUDA passes them as arguments)
+                counts[e.name] += 1
             return
         for c in children:
             visit(c)
 
     for e in events:
-        if e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::")):
+        if e.name.startswith("aten::") and not (e.cpu_parent
+                                                and e.cpu_parent.name.startswith("aten::")):
             visit(e)
     return counts
 
@@ -92,7 +98,8 @@ def main() -> list[dict]:
         c = count(cfg)
         rows.append({"model": name, "kernels_per_step": sum(c.values()),
                      "per_layer": round(sum(c.values()) / cfg.num_hidden_layers, 1),
-                     "top": ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in c.most_common(6))})
+                     "top": ", ".join(f"{k.removeprefix('aten::')} {v}"
+                                      for k, v in c.most_common(6))})
     print_table(rows, "kernel launches per static decode step (CPU proxy, bf16, 28 layers)")
     return rows
 

@@ -1,29 +1,33 @@
-"""Kernel-level profile of the CUDA-graph decode step: where the time of one token goes (issue 20 item 1).
+"""Kernel-level profile of the CUDA-graph decode step: where the time of one token goes (issue 20
+item 1).
 
-For each model shape (the Qwen3-1.7B-shape teacher as the exact all-attention HypeNet, and HypeNet-2B),
-random bf16 weights, batch 1, a random cache of ``--context`` tokens (decode cost depends on the cache's
-size, not its values):
+For each model shape (the Qwen3-1.7B-shape teacher as the exact all-attention HypeNet, and
+HypeNet-2B), random bf16 weights, batch 1, a random cache of ``--context`` tokens (decode cost
+depends on the cache's size, not its values):
 
 1. the graph step's wall time per token (median of ``--steps`` replays, CUDA-synchronised);
-2. ``torch.profiler`` over ``--profiled`` replays of the same graph: every kernel the graph runs, with its
-   GPU duration. Per step: the kernels' summed time (``busy``), the span from the first kernel's start to
-   the last one's end, and the gaps between kernels (``span - busy``: the graph's per-node launch cost);
-3. the kernels grouped by what they do (GEMM/GEMV, split-KV attention, its merge, the RNN recurrence,
-   norms, copies, other elementwise work), and the 20 costliest kernels;
-4. the bytes the step must read (weights + KV cache + RNN states, once each) and the time they take at
-   ``--bandwidth`` (the bytes bound), so the table says how far each model is from its bound.
+2. ``torch.profiler`` over ``--profiled`` replays of the same graph: every kernel the graph runs,
+   with its GPU duration. Per step: the kernels' summed time (``busy``), the span from the first
+   kernel's start to the last one's end, and the gaps between kernels (``span - busy``: the graph's
+   per-node launch cost);
+3. the kernels grouped by what they do (GEMM/GEMV, split-KV attention, its merge, the RNN
+   recurrence, norms, copies, other elementwise work), and the 20 costliest kernels;
+4. the bytes the step must read (weights + KV cache + RNN states, once each) and the time they take
+   at ``--bandwidth`` (the bytes bound), so the table says how far each model is from its bound.
 
 ``--variants`` times alternative decode paths in the same process (same weights, same cache size):
 ``graph`` (the default StaticDecoder: packed input projections, Lightning's state updated in place),
-``baseline`` (both off: a GEMM per projection, fla's recurrent kernel and a state copy), ``separate`` (packing
-off only), ``fla`` (in-place update off only), and ``compiled`` / ``compiled-baseline`` (the same, with the step
-through ``torch.compile`` before capture).
+``baseline`` (both off: a GEMM per projection, fla's recurrent kernel and a state copy),
+``separate`` (packing off only), ``fla`` (in-place update off only), and ``compiled`` /
+``compiled-baseline`` (the same, with the step through ``torch.compile`` before capture).
 Writes ``bench/results/decode_profile.json``.
 
   python bench/profile_decode.py                              # H200, 512K and 32K
   python bench/profile_decode.py --contexts 524288 --variants graph compiled
-  python bench/profile_decode.py --models hypenet-2b --batch 256 --contexts 2304 --out bench/results/decode_profile_b256.json
-  python bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill --variants baseline graph compiled
+  python bench/profile_decode.py --models hypenet-2b --batch 256 --contexts 2304 \\
+      --out bench/results/decode_profile_b256.json
+  python bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \\
+      --variants baseline graph compiled
   python bench/profile_decode.py --cpu-smoke                  # tiny shapes on CPU (the script runs)
 """
 
@@ -41,7 +45,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_inference import build, model_configs, prefill, rewind, rnn_states, sync  # noqa: E402
+from bench.bench_inference import (build, model_configs, prefill, rewind, rnn_states,  # noqa: E402
+                                   sync)
 from bench.common import print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
@@ -70,19 +75,22 @@ VARIANTS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[524288, 32768])
     p.add_argument("--models", nargs="+", default=["qwen3-1.7b-shape", "hypenet-2b"])
     p.add_argument("--variants", nargs="+", default=["graph"], choices=list(VARIANTS))
     p.add_argument("--batch", type=int, default=1,
                    help="rows decoded together (e.g. 256 at a 2K context: an OPD rollout step)")
     p.add_argument("--prefill", action="store_true",
-                   help="prefill random token ids (batch 1) instead of a random cache, and compare each variant's "
-                        "first logits with the eager dynamic-cache step (rel_err_vs_eager)")
+                   help="prefill random token ids (batch 1) instead of a random cache, and "
+                        "compare each variant's first logits with the eager dynamic-cache step "
+                        "(rel_err_vs_eager)")
     p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
     p.add_argument("--steps", type=int, default=32, help="timed replays per variant")
     p.add_argument("--profiled", type=int, default=4, help="profiled replays per variant")
-    p.add_argument("--bandwidth", type=float, default=4.4e12, help="bytes/s for the bytes bound (H200 ~4.4 TB/s)")
+    p.add_argument("--bandwidth", type=float, default=4.4e12,
+                   help="bytes/s for the bytes bound (H200 ~4.4 TB/s)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -102,22 +110,23 @@ def group_of(name: str) -> str:
 
 
 def step_bytes(model, context: int, rows: int) -> dict:
-    """Bytes one decode step must read at least once: every weight (the tied lm_head once), the KV cache of
-    the attention layers and the fp32 states of the RNN layers (read and written)."""
+    """Bytes one decode step must read at least once: every weight (the tied lm_head once), the KV
+    cache of the attention layers and the fp32 states of the RNN layers (read and written)."""
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     attn = sum(m == "attention" for m in cfg.mixer_types)
     itemsize = next(model.parameters()).element_size()
     kv = rows * 2 * attn * context * cfg.num_key_value_heads * cfg.head_dim * itemsize
-    rnn = rows * (cfg.num_hidden_layers - attn) * cfg.num_attention_heads * cfg.head_dim ** 2 * 4 * 2
+    rnn = (rows * (cfg.num_hidden_layers - attn) * cfg.num_attention_heads * cfg.head_dim ** 2 * 4
+           * 2)
     return {"weights_GB": weights / 1e9, "kv_GB": kv / 1e9, "rnn_state_GB": rnn / 1e9,
             "total_GB": (weights + kv + rnn) / 1e9}
 
 
 @torch.inference_mode()
 def random_cache(model, rows: int, context: int, device, dtype, room: int) -> HypeNetCache:
-    """A cache of ``rows`` x ``context`` tokens with random keys/values/states (decode cost depends on the
-    cache's size, not its values)."""
+    """A cache of ``rows`` x ``context`` tokens with random keys/values/states (decode cost depends
+    on the cache's size, not its values)."""
     cfg = model.config
     cache = HypeNetCache(cfg.num_hidden_layers, reserve_tokens=room)
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -145,28 +154,32 @@ def timed(dec: StaticDecoder, steps: int, device) -> float:
 
 
 def device_kernels(prof) -> list[tuple[str, float, float]]:
-    """``(name, start_us, duration_us)`` of every GPU kernel/memcpy/memset in the trace, by start time."""
+    """``(name, start_us, duration_us)`` of every GPU kernel/memcpy/memset in the trace, by start
+    time."""
     out = []
     for e in prof.events():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
-        out.append((e.name, float(e.time_range.start), float(e.time_range.end - e.time_range.start)))
+        out.append((e.name, float(e.time_range.start),
+                    float(e.time_range.end - e.time_range.start)))
     return sorted(out, key=lambda k: k[1])
 
 
 def split_steps(kernels: list, steps: int) -> list[list]:
-    """The trace's kernels cut into ``steps`` replays at the ``steps - 1`` widest gaps (replays are separated
-    by a host synchronisation, far longer than any gap inside one graph)."""
+    """The trace's kernels cut into ``steps`` replays at the ``steps - 1`` widest gaps (replays are
+    separated by a host synchronisation, far longer than any gap inside one graph)."""
     if steps <= 1 or len(kernels) < steps:
         return [kernels]
-    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][1] - (kernels[i - 1][1] + kernels[i - 1][2]))
+    gaps = sorted(range(1, len(kernels)),
+                  key=lambda i: kernels[i][1] - (kernels[i - 1][1] + kernels[i - 1][2]))
     cuts = sorted(gaps[-(steps - 1):])
     bounds = [0, *cuts, len(kernels)]
     return [kernels[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def profile_steps(dec: StaticDecoder, steps: int, device) -> dict:
-    """Kernels of ``steps`` replays: per-step busy time, span, gaps, kernel count, and per group / kernel."""
+    """Kernels of ``steps`` replays: per-step busy time, span, gaps, kernel count, and per group /
+    kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -194,15 +207,16 @@ def profile_steps(dec: StaticDecoder, steps: int, device) -> dict:
         "gaps_ms": statistics.median(s - b for s, b in zip(span, busy)) / 1e3,
         "groups": {g: {"kernels": c / n, "ms": t / n / 1e3} for g, (c, t) in
                    sorted(groups.items(), key=lambda kv: -kv[1][1])},
-        "top": [{"kernel": k, "per_step": c / n, "us_total": round(t / n, 1), "us_mean": round(t / c, 2)}
+        "top": [{"kernel": k, "per_step": c / n,
+                 "us_total": round(t / n, 1), "us_mean": round(t / c, 2)}
                 for k, (c, t) in sorted(names.items(), key=lambda kv: -kv[1][1])[:20]],
     }
 
 
 @torch.inference_mode()
 def prefilled(model, context: int, args, device, room: int):
-    """``(cache, next token [1], eager next-step logits [1, V] fp32, saved RNN states)`` after a chunked prefill of
-    random ids; the cache is rewound to ``context`` tokens."""
+    """``(cache, next token [1], eager next-step logits [1, V] fp32, saved RNN states)`` after a
+    chunked prefill of random ids; the cache is rewound to ``context`` tokens."""
     _, cache, token, _ = prefill(model, context, args.chunk, device, room)
     saved = [s.clone() for s in rnn_states(cache)]
     ref = model(token.view(1, 1), cache=cache, use_cache=True).logits[:, -1].float()
@@ -228,14 +242,16 @@ def measure(name, model, context, args, device) -> list[dict]:
         t0 = time.perf_counter()
         dec = StaticDecoder(model, cache, **VARIANTS[variant])
         setup_s = time.perf_counter() - t0
-        first = dec.step(token).float().clone()  # the step right after the prompt (after a prefill: vs eager)
+        # the step right after the prompt (after a prefill: vs eager)
+        first = dec.step(token).float().clone()
         err = float((first - ref).norm() / ref.norm()) if args.prefill else None
         ms = timed(dec, args.steps, device)
         prof = profile_steps(dec, args.profiled, device)
-        rows.append({"model": name, "batch": args.batch, "context": context, "variant": variant, "step_ms": ms,
-                     "bound_ms": bound_ms, "vs_bound": ms / bound_ms, "setup_s": round(setup_s, 1),
-                     "graph": dec.graph is not None, "error": dec.graph_error or dec.compile_error,
-                     "rel_err_vs_eager": err, **bound, **prof})
+        rows.append({"model": name, "batch": args.batch, "context": context, "variant": variant,
+                     "step_ms": ms, "bound_ms": bound_ms, "vs_bound": ms / bound_ms,
+                     "setup_s": round(setup_s, 1), "graph": dec.graph is not None,
+                     "error": dec.graph_error or dec.compile_error, "rel_err_vs_eager": err,
+                     **bound, **prof})
         del dec
         if not args.prefill:
             del cache
@@ -245,14 +261,17 @@ def measure(name, model, context, args, device) -> list[dict]:
 
 
 def report(rows: list[dict]) -> None:
-    print_table([{k: r.get(k) for k in ("model", "batch", "context", "variant", "step_ms", "bound_ms", "vs_bound", "rel_err_vs_eager",
-                                        "kernels_per_step", "busy_ms", "span_ms", "gaps_ms", "total_GB")}
+    print_table([{k: r.get(k) for k in ("model", "batch", "context", "variant", "step_ms",
+                                        "bound_ms", "vs_bound", "rel_err_vs_eager",
+                                        "kernels_per_step", "busy_ms", "span_ms", "gaps_ms",
+                                        "total_GB")}
                  for r in rows], "decode step: wall, bytes bound, kernels (per token)")
     for r in rows:
         if not r.get("groups"):
             continue
         title = f"{r['model']} @ {r['context']} ({r['variant']}): kernel time by group, per token"
-        print_table([{"group": g, "kernels": v["kernels"], "ms": v["ms"]} for g, v in r["groups"].items()], title)
+        print_table([{"group": g, "kernels": v["kernels"], "ms": v["ms"]}
+                     for g, v in r["groups"].items()], title)
         print_table(r["top"], f"{r['model']} @ {r['context']} ({r['variant']}): costliest kernels")
 
 
@@ -264,7 +283,8 @@ def main(argv=None) -> dict:
     rows = []
     for name in args.models:
         model = build(configs[name], device, dtype)
-        warm = random_cache(model, args.batch, 256, device, dtype, 16)  # Triton compiles / autotunes untimed
+        # Triton compiles / autotunes untimed
+        warm = random_cache(model, args.batch, 256, device, dtype, 16)
         StaticDecoder(model, warm).step(torch.zeros(args.batch, dtype=torch.long, device=device))
         del warm
         for context in args.contexts:
@@ -273,8 +293,10 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report(rows)
-    tokens_per_s = {f"{r['model']}@{r['context']}/{r['variant']}": r["batch"] / r["step_ms"] * 1e3 for r in rows}
-    payload = {"rows": rows, "tokens_per_s": tokens_per_s, "bandwidth_Bps": args.bandwidth, "command": " ".join(sys.argv)}
+    tokens_per_s = {f"{r['model']}@{r['context']}/{r['variant']}": r["batch"] / r["step_ms"] * 1e3
+                    for r in rows}
+    payload = {"rows": rows, "tokens_per_s": tokens_per_s, "bandwidth_Bps": args.bandwidth,
+               "command": " ".join(sys.argv)}
     print(f"\nwrote {write_result('decode_profile', payload, args.out)}")
     return payload
 

@@ -3,10 +3,12 @@
 The whole HALO pipeline of ``halo-dist demo --preset h200`` on a >=100M-token offline corpus
 (``bench/build_corpus.py``), then the prefill/decode speed of the real pair, then one results file:
 
-  corpus   bench/build_corpus.py build: carried natural text + this machine's Python sources -> shards
-           (``all`` for stages 1-2, layer selection and perplexity; ``long`` for stage 3 and calibration)
-  demo     teacher -> stage 1 (20M tokens) -> layer selection -> stage 2 (60M) -> stage 3 at 16K (10M)
-           -> calibration of a -> export -> NIAH 2K-64K, the five CSR sets, held-out perplexity
+  corpus   bench/build_corpus.py build: carried natural text + this machine's Python sources
+           -> shards (``all`` for stages 1-2, layer selection and perplexity; ``long`` for stage 3
+           and calibration)
+  demo     teacher -> stage 1 (20M tokens) -> layer selection -> stage 2 (60M) -> stage 3 at 16K
+           (10M) -> calibration of a -> export -> NIAH 2K-64K, the five CSR sets, held-out
+           perplexity
   speed    bench/bench_inference.py --real: prefill and decode of teacher vs student at 8K-128K
   collect  bench/results/real_conversion.json + PNGs (curves, NIAH heatmaps side by side, CSR bars)
 
@@ -14,17 +16,19 @@ Every part skips what is done, so ``run`` resumes where it stopped. ``--deadline
 pieces (each GPU command here may run 10 minutes): at the deadline the running stage checkpoints,
 the script exits with code 3, and the same command continues in the next piece.
 
-``--pause-after STEP`` ends a piece between two steps instead (no stage then pays a resume), when the
-piece lengths are known from an earlier run.
+``--pause-after STEP`` ends a piece between two steps instead (no stage then pays a resume), when
+the piece lengths are known from an earlier run.
 
 ``warmup`` runs stage 2 for a few steps with a random teacher of SmolLM2's shape and family (it
 autotunes fla's kernels and fills the compile caches) before the real teacher is on the machine; it
 chooses ``model.compile`` for stage 2: ``layer``, unless the compiled warm-up failed.
 
   python bench/real_conversion.py warmup --data /tmp/halo/corpus/all --work /tmp/halo
-  python bench/real_conversion.py run --text .xfer/text --tokenizer .xfer/tokenizer --work /tmp/halo --deadline-s 560
+  python bench/real_conversion.py run --text .xfer/text --tokenizer .xfer/tokenizer \\
+      --work /tmp/halo --deadline-s 560
   python bench/real_conversion.py collect --work /tmp/halo
-  python bench/real_conversion.py run ... --cpu-rehearsal     # every part on CPU at the demo's tiny sizes
+  # every part on CPU at the demo's tiny sizes
+  python bench/real_conversion.py run ... --cpu-rehearsal
 """
 
 from __future__ import annotations
@@ -50,59 +54,78 @@ PAUSED = 3
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("corpus", "prompts", "warmup", "run", "collect", "compare"):
         c = sub.add_parser(name)
-        c.add_argument("--work", type=Path, required=True, help="work folder: corpus/, run/, warmup.json")
-        c.add_argument("--cpu-rehearsal", action="store_true", help="the demo's tiny sizes on CPU (checks the script)")
+        c.add_argument("--work", type=Path, required=True,
+                       help="work folder: corpus/, run/, warmup.json")
+        c.add_argument("--cpu-rehearsal", action="store_true",
+                       help="the demo's tiny sizes on CPU (checks the script)")
     w = sub.choices["warmup"]
-    w.add_argument("--data", type=Path, required=True, help="token shards made with SmolLM2's tokenizer")
+    w.add_argument("--data", type=Path, required=True,
+                   help="token shards made with SmolLM2's tokenizer")
     w.add_argument("--steps", type=int, default=6, help="stage-2 steps")
     c = sub.choices["corpus"]
-    c.add_argument("--text", type=Path, required=True, help="carried natural text (bench/build_corpus.py pack --out)")
-    c.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer folder (copied to WORK/tokenizer)")
+    c.add_argument("--text", type=Path, required=True,
+                   help="carried natural text (bench/build_corpus.py pack --out)")
+    c.add_argument("--tokenizer", type=Path, required=True,
+                   help="SmolLM2's tokenizer folder (copied to WORK/tokenizer)")
     c.add_argument("--num-proc", type=int, default=os.cpu_count() or 2, help="tokenizer processes")
     c.add_argument("--natural-repeats", type=int, default=1,
-                   help="weigh the natural text N times (build_corpus.py --natural-repeats). 3 was recipe v3 "
-                        "(session 14): worse than 1 on CSR, perplexity and NIAH, and it changed the selected layers")
+                   help="weigh the natural text N times (build_corpus.py --natural-repeats). 3 was "
+                        "recipe v3 (session 14): worse than 1 on CSR, perplexity and NIAH, and it "
+                        "changed the selected layers")
     c = sub.choices["prompts"]
-    c.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer folder (the corpus's)")
+    c.add_argument("--tokenizer", type=Path, required=True,
+                   help="SmolLM2's tokenizer folder (the corpus's)")
     r = sub.choices["run"]
-    r.add_argument("--deadline-s", type=float, default=0.0, help="pause after this many seconds (0: none)")
-    r.add_argument("--pause-after", default="", help="end this piece once that step has run (e.g. select-layers)")
+    r.add_argument("--deadline-s", type=float, default=0.0,
+                   help="pause after this many seconds (0: none)")
+    r.add_argument("--pause-after", default="",
+                   help="end this piece once that step has run (e.g. select-layers)")
     r.add_argument("--compile", choices=("auto", "none", "mlp", "layer"), default="auto",
                    help="model.compile of stage 2; auto: warmup.json's choice, else layer")
     r.add_argument("--pe", choices=("", *PE_ROPE), default="",
-                   help="model.pe of stages 1-2 (empty: hype); all_rope keeps the teacher's attention RoPE, the "
-                        "HyPE ablation. The results record it (pe) and go to real_conversion_<pe>.json / _*.png")
-    r.add_argument("--attn-layers", default="", help="keep these attention layers instead of selecting them (an "
-                                                      "ablation keeps the HyPE run's: only --pe then differs)")
+                   help="model.pe of stages 1-2 (empty: hype); all_rope keeps the teacher's "
+                        "attention RoPE, the HyPE ablation. The results record it (pe) and go to "
+                        "real_conversion_<pe>.json / _*.png")
+    r.add_argument("--attn-layers", default="",
+                   help="keep these attention layers instead of selecting them (an "
+                        "ablation keeps the HyPE run's: only --pe then differs)")
     r.add_argument("--loss-backend", choices=("", "auto", "torch", "compiled", "liger"), default="",
-                   help="loss.backend of stages 2-3 (empty: the configs'); see warmup's kl_smollm2.json")
+                   help="loss.backend of stages 2-3 (empty: the configs'); see warmup's "
+                        "kl_smollm2.json")
     r.add_argument("--teacher-eval", choices=("", *TEACHER_EVAL_CHOICES), default="",
-                   help="empty: the preset's (with-stages); none: the teacher's figures come from another run")
+                   help="empty: the preset's (with-stages); none: the teacher's figures come from "
+                        "another run")
     c = sub.choices["compare"]
     c.add_argument("--pe", choices=tuple(k for k in PE_ROPE if k != "hype"), default="all_rope",
-                   help="the ablation arm compared with the HyPE run (both results files must exist)")
+                   help="the ablation arm compared with the HyPE run (both results files must "
+                        "exist)")
     for c in sub.choices.values():
-        c.add_argument("--results", type=Path, default=RESULTS, help="where real_conversion.json and PNGs go")
+        c.add_argument("--results", type=Path, default=RESULTS,
+                       help="where real_conversion.json and PNGs go")
     return p.parse_args(argv)
 
 
-# ---------------------------------------------------------------------------------------------- corpus
+# ------------------------------------------------------------------------------------------- corpus
 def cmd_corpus(a) -> int:
-    """Shards from the carried text and this machine's Python sources, tokenized with SmolLM2's tokenizer
-    (kept in WORK/tokenizer: the teacher folder built later is checked against it)."""
+    """Shards from the carried text and this machine's Python sources, tokenized with SmolLM2's
+    tokenizer (kept in WORK/tokenizer: the teacher folder built later is checked against it)."""
     tok = a.work / "tokenizer"
     if not tok.exists():
         shutil.copytree(a.tokenizer, a.work / ".tokenizer.tmp", dirs_exist_ok=True)
         os.replace(a.work / ".tokenizer.tmp", tok)
-    cmd = [sys.executable, str(ROOT / "bench" / "build_corpus.py"), "build", "--text", str(a.text), "--tokenizer",
-           str(tok), "--out", str(a.work / "corpus"), "--num-proc", str(a.num_proc),
-           # 2% of the documents: enough natural-language text to evaluate on (a rehearsal's few need more)
-           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--natural-repeats", str(a.natural_repeats)]
-    # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's alone
+    cmd = [sys.executable, str(ROOT / "bench" / "build_corpus.py"), "build", "--text", str(a.text),
+           "--tokenizer", str(tok), "--out", str(a.work / "corpus"), "--num-proc", str(a.num_proc),
+           # 2% of the documents: enough natural-language text to evaluate on (a rehearsal's few
+           # need more)
+           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--natural-repeats",
+           str(a.natural_repeats)]
+    # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's
+    # alone
     cmd += ["--code-root", str(ROOT / "halo_dist")] if a.cpu_rehearsal else ["--code-from-python"]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT).returncode
@@ -117,10 +140,11 @@ def preset(a, out: str) -> DemoSettings:
     return DemoSettings.tiny(out) if a.cpu_rehearsal else DemoSettings.h200(out)
 
 
-# ---------------------------------------------------------------------------------------------- prompts
+# ------------------------------------------------------------------------------------------ prompts
 def cmd_prompts(a) -> int:
-    """The run's NIAH prompts (every task, length, depth and sample of the preset), built on the CPU beside the
-    corpus: teacher and student read them instead of tokenizing ~7M haystack tokens each inside the timed run.
+    """The run's NIAH prompts (every task, length, depth and sample of the preset), built on the CPU
+    beside the corpus: teacher and student read them instead of tokenizing ~7M haystack tokens each
+    inside the timed run.
     The teacher folder later takes this tokenizer's files if it serialises differently
     (``align_teacher_tokenizer``), so the prompts' tokenizer key matches it."""
     s = preset(a, str(a.work / "run"))
@@ -129,52 +153,58 @@ def cmd_prompts(a) -> int:
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
-# ---------------------------------------------------------------------------------------------- warmup
+# ------------------------------------------------------------------------------------------- warmup
 def cmd_warmup(a) -> int:
-    """Stage 2 through bench_stages on the real config with a random SmolLM2-shape (Llama) teacher: it
-    autotunes fla's forward and backward kernels (the RNN layers of every stage) and fills the compile
-    caches for the compiled stage-2 layers, training and held-out evaluation; profiles its last two
-    steps (warmup_runs/stage2_warmup/profile/); writes warmup.json."""
+    """Stage 2 through bench_stages on the real config with a random SmolLM2-shape (Llama) teacher:
+    it autotunes fla's forward and backward kernels (the RNN layers of every stage) and fills the
+    compile caches for the compiled stage-2 layers, training and held-out evaluation; profiles its
+    last two steps (warmup_runs/stage2_warmup/profile/); writes warmup.json."""
     out = a.work / "warmup.json"
     if out.exists():
         print(f"warmup: already done ({out})")
         return 0
     # the stage-2 config compiles its layers (model.compile=layer); the tiny CPU one does not
-    pattern = "configs/tiny/stage{stage}.yaml" if a.cpu_rehearsal else "configs/bench/stage{stage}_smollm2.yaml"
+    pattern = ("configs/tiny/stage{stage}.yaml" if a.cpu_rehearsal
+               else "configs/bench/stage{stage}_smollm2.yaml")
     s = preset(a, "")
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_stages.py"), "--data", str(a.data), "--no-naive", "--stages", "2",
-           "--config-pattern", pattern, "--steps", "1", str(a.steps), "1", "--runs", str(a.work / "warmup_runs"),
-           "--stage2-micro", str(s.micro_batch), "--stage2-batch", str(s.global_batch), "--checkpointing", "off",
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_stages.py"), "--data", str(a.data),
+           "--no-naive", "--stages", "2", "--config-pattern", pattern, "--steps", "1", str(a.steps),
+           "1", "--runs", str(a.work / "warmup_runs"), "--stage2-micro", str(s.micro_batch),
+           "--stage2-batch", str(s.global_batch), "--checkpointing", "off",
            "--log-every", "2", "--tag", "_warmup", "--out", str(a.work / "warmup_stages.json"),
-           # where a step of this small model spends its time (host launches vs GPU), after compilation
+           # where a step of this small model spends its time (host launches vs GPU), after
+           # compilation
            "--extra", f"logging.profile_at_step={max(1, a.steps - 1)}", "logging.profile_steps=2"]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=False)
-    stages = json.loads((a.work / "warmup_stages.json").read_text()) if (a.work / "warmup_stages.json").exists() else {}
+    stages = (json.loads((a.work / "warmup_stages.json").read_text())
+              if (a.work / "warmup_stages.json").exists() else {})
     ok = stages.get("stage2", {}).get("status") == "ok"
     if a.cpu_rehearsal:
         choice = {"compile": "none", "why": "CPU rehearsal: eager"}
     else:
         choice = {"compile": "layer" if ok else "none",
-                  "why": "the compiled stage 2 ran in the warm-up" if ok else "the compiled warm-up stage 2 failed: eager"}
+                  "why": "the compiled stage 2 ran in the warm-up" if ok
+                  else "the compiled warm-up stage 2 failed: eager"}
     try:  # a failure here costs the run only the autotuning it would have saved
         inference = warm_inference_kernels(small=a.cpu_rehearsal)
     except Exception as e:  # noqa: BLE001
         inference = {"error": repr(e)}
     print(f"inference kernels: {inference}", flush=True)
-    out.write_text(json.dumps({**choice, "stages": stages, "inference_kernels": inference, "environment": environment()},
-                              indent=2, default=str))
+    out.write_text(json.dumps({**choice, "stages": stages, "inference_kernels": inference,
+                               "environment": environment()}, indent=2, default=str))
     print(json.dumps(choice))
     return 0
 
 
 def warm_inference_kernels(small: bool = False) -> dict:
-    """The Lightning kernel variants that training does not run but the selection and the student's evaluation
-    do, called once each at SmolLM2's head shape so that fla autotunes them here rather than inside the timed
-    run (without a carried autotuning cache, the selection's first layer spent ~40 s on it in session 8):
-    forward-only chunks with a per-token gate (right-padded batches: lm-eval's CSR, the recall probe) and with
-    the head-constant decay (left padding from an empty state: NIAH prefill), and one decode step of each,
-    for the batch sizes those steps use (fla's cumulative-sum kernels autotune per batch size)."""
+    """The Lightning kernel variants that training does not run but the selection and the student's
+    evaluation do, called once each at SmolLM2's head shape so that fla autotunes them here rather
+    than inside the timed run (without a carried autotuning cache, the selection's first layer spent
+    ~40 s on it in session 8): forward-only chunks with a per-token gate (right-padded batches:
+    lm-eval's CSR, the recall probe) and with the head-constant decay (left padding from an empty
+    state: NIAH prefill), and one decode step of each, for the batch sizes those steps use (fla's
+    cumulative-sum kernels autotune per batch size)."""
     import torch
 
     from halo_dist.models.hypenet.ops_rnn import lightning_attention
@@ -194,8 +224,8 @@ def warm_inference_kernels(small: bool = False) -> dict:
             for mask in (right, left, None):
                 _, state = lightning_attention(q, k, v, log_decay, D ** -0.5, token_mask=mask)
                 step = None if mask is None else mask[:, -1:]
-                lightning_attention(q[:, -1:], k[:, -1:], v[:, -1:], log_decay, D ** -0.5, token_mask=step,
-                                    initial_state=state, decode=True)
+                lightning_attention(q[:, -1:], k[:, -1:], v[:, -1:], log_decay, D ** -0.5,
+                                    token_mask=step, initial_state=state, decode=True)
                 calls += 2
     if device == "cuda":
         torch.cuda.synchronize()
@@ -213,7 +243,8 @@ def settings_for(a) -> DemoSettings:
     compile_ = a.compile
     if compile_ == "auto":
         warm = a.work / "warmup.json"
-        compile_ = json.loads(warm.read_text())["compile"] if warm.exists() else ("none" if a.cpu_rehearsal else "layer")
+        compile_ = (json.loads(warm.read_text())["compile"] if warm.exists()
+                    else ("none" if a.cpu_rehearsal else "layer"))
     s.compile = compile_
     s.pe = a.pe
     s.attn_layers = a.attn_layers
@@ -225,7 +256,8 @@ def settings_for(a) -> DemoSettings:
 def cmd_run(a) -> int:
     t0 = time.time()
     if not corpus_done(a.work):
-        raise SystemExit(f"error: no corpus in {a.work / 'corpus'}: run `real_conversion.py corpus` first")
+        raise SystemExit(f"error: no corpus in {a.work / 'corpus'}: run `real_conversion.py "
+                         "corpus` first")
     s = settings_for(a)
     check_same_pe(a.work / "run", s.pe)
     s.deadline_s, s.pause_after = a.deadline_s, a.pause_after
@@ -245,29 +277,33 @@ def cmd_run(a) -> int:
 
 
 def check_same_pe(run: Path, pe: str) -> None:
-    """A continued run keeps the position encoding it started with: each piece rewrites settings.json,
-    which labels the results, and the steps already done would not be redone with the new one."""
-    started = (_read(run / "settings.json") or {"pe": pe}).get("pe") or "hype"  # settings before --pe: hype
+    """A continued run keeps the position encoding it started with: each piece rewrites
+    settings.json, which labels the results, and the steps already done would not be redone with the
+    new one."""
+    # settings before --pe: hype
+    started = (_read(run / "settings.json") or {"pe": pe}).get("pe") or "hype"
     if started != (pe or "hype"):
-        raise SystemExit(f"error: {run} was started with --pe {started}, not {pe or 'hype'}: continue it with "
-                         "the same --pe, or give another --work")
+        raise SystemExit(f"error: {run} was started with --pe {started}, not {pe or 'hype'}: "
+                         "continue it with the same --pe, or give another --work")
 
 
 def record_piece(work: Path, t0: float, code: int) -> None:
-    """Append this invocation's wall time to ``pieces.json`` (the run's GPU minutes add up over pieces)."""
+    """Append this invocation's wall time to ``pieces.json`` (the run's GPU minutes add up over
+    pieces)."""
     path = work / "pieces.json"
     pieces = _read(path) or []
-    pieces.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)), "seconds": round(time.time() - t0, 1),
-                   "exit": code})
+    pieces.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
+                   "seconds": round(time.time() - t0, 1), "exit": code})
     path.write_text(json.dumps(pieces, indent=2))
 
 
 def align_teacher_tokenizer(work: Path) -> None:
-    """The corpus was tokenized before the teacher's GGUF was complete on this machine, with SmolLM2's
-    tokenizer as saved elsewhere (another transformers version) from the same GGUF. The stages refuse
-    shards whose vocabulary hash differs from the teacher's, and the prebuilt NIAH prompts are keyed by the
-    tokenizer's whole serialisation; if the folder built here differs in either, it takes the corpus's
-    tokenizer files (the same GGUF's tokenizer), and the check runs again."""
+    """The corpus was tokenized before the teacher's GGUF was complete on this machine, with
+    SmolLM2's tokenizer as saved elsewhere (another transformers version) from the same GGUF. The
+    stages refuse shards whose vocabulary hash differs from the teacher's, and the prebuilt NIAH
+    prompts are keyed by the tokenizer's whole serialisation; if the folder built here differs in
+    either, it takes the corpus's tokenizer files (the same GGUF's tokenizer), and the check runs
+    again."""
     from transformers import AutoTokenizer
 
     from halo_dist.assets.teacher import smollm2_teacher_dir
@@ -279,46 +315,55 @@ def align_teacher_tokenizer(work: Path) -> None:
     try:
         teacher_tok = AutoTokenizer.from_pretrained(teacher)
         check_tokenizer(corpus, teacher_tok)
-        if tokenizer_identity(teacher_tok) != tokenizer_identity(AutoTokenizer.from_pretrained(work / "tokenizer")):
-            raise DataError("the same vocabulary, serialised differently (another transformers version)")
+        if (tokenizer_identity(teacher_tok)
+                != tokenizer_identity(AutoTokenizer.from_pretrained(work / "tokenizer"))):
+            raise DataError("the same vocabulary, serialised differently (another transformers "
+                            "version)")
     except DataError as e:
-        print(f"[real] {e}: the teacher folder takes the corpus's tokenizer files from {work / 'tokenizer'}", flush=True)
+        print(f"[real] {e}: the teacher folder takes the corpus's tokenizer files from "
+              f"{work / 'tokenizer'}", flush=True)
         for f in (work / "tokenizer").iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copyfile(f, teacher / f.name)
         check_tokenizer(corpus, AutoTokenizer.from_pretrained(teacher))
-    print(f"[real] teacher {teacher}: its tokenizer is the corpus's (vocabulary hash checked)", flush=True)
+    print(f"[real] teacher {teacher}: its tokenizer is the corpus's (vocabulary hash checked)",
+          flush=True)
 
 
 def speed(a, demo: Demo) -> None:
-    """Prefill and decode of teacher vs student at 8K-128K, alone on the GPU (after the evaluations)."""
+    """Prefill and decode of teacher vs student at 8K-128K, alone on the GPU (after the
+    evaluations)."""
     from halo_dist.assets.teacher import smollm2_teacher_dir
 
     run = a.work / "run"
     out = run / "speed.json"
-    student = run / "hypenet" if a.pe in ("", "hype") else hype_twin(run / "hypenet", run / "hypenet_hype_twin")
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_inference.py"), "--real", str(smollm2_teacher_dir()),
-           str(student), "--out", str(out)]
-    cmd += ["--cpu-smoke"] if a.cpu_rehearsal else ["--contexts", *SPEED_CONTEXTS.split(","), "--decode-steps", "8"]
+    student = run / "hypenet" if a.pe in ("", "hype") else hype_twin(run / "hypenet",
+                                                                     run / "hypenet_hype_twin")
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_inference.py"), "--real",
+           str(smollm2_teacher_dir()), str(student), "--out", str(out)]
+    cmd += ["--cpu-smoke"] if a.cpu_rehearsal else ["--contexts", *SPEED_CONTEXTS.split(","),
+                                                    "--decode-steps", "8"]
     demo.run("speed", cmd, out)
 
 
 def hype_twin(student: Path, twin: Path) -> Path:
-    """The ablation student's weights in the HyPE layout (attention without RoPE, logits scaling on): the
-    speed of the HyPE student, whose kernels and shapes these are (speed does not depend on weight values;
-    its outputs do, and this folder is used for nothing else). The base ``a`` only scales the logits."""
+    """The ablation student's weights in the HyPE layout (attention without RoPE, logits scaling
+    on): the speed of the HyPE student, whose kernels and shapes these are (speed does not depend on
+    weight values; its outputs do, and this folder is used for nothing else). The base ``a`` only
+    scales the logits."""
     if not (twin / "config.json").exists():
         tmp = twin.with_name(twin.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(student, tmp)
         config = json.loads((tmp / "config.json").read_text())
-        config.update(attn_rope=False, attn_logits_scale_base=config.get("attn_logits_scale_base") or 500.0)
+        config.update(attn_rope=False,
+                      attn_logits_scale_base=config.get("attn_logits_scale_base") or 500.0)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.replace(tmp, twin)
     return twin
 
 
-# ---------------------------------------------------------------------------------------------- collect
+# ------------------------------------------------------------------------------------------ collect
 def cmd_collect(a) -> int:
     collect(a)
     return 0
@@ -339,7 +384,8 @@ def collect(a, partial: bool = False) -> Path:
 
 
 def result_stem(pe: str) -> str:
-    """``real_conversion`` for the HyPE recipe, ``real_conversion_<pe>`` for an ablation (kept side by side)."""
+    """``real_conversion`` for the HyPE recipe, ``real_conversion_<pe>`` for an ablation (kept side
+    by side)."""
     return "real_conversion" if pe in ("", "hype") else f"real_conversion_{pe}"
 
 
@@ -348,9 +394,10 @@ def _read(path: Path):
 
 
 def stage_summary(run_dir: Path, windows: list[dict] | None = None) -> dict:
-    """Tokens, throughput and MFU (bench_stages' medians of the logged intervals after the first), memory,
-    and the held-out curves; with the background steps' ``windows`` (the demo's background.json) also
-    the rates of the intervals that shared the GPU with them and of those that had it alone."""
+    """Tokens, throughput and MFU (bench_stages' medians of the logged intervals after the first),
+    memory, and the held-out curves; with the background steps' ``windows`` (the demo's
+    background.json) also the rates of the intervals that shared the GPU with them and of those that
+    had it alone."""
     from bench.bench_stages import summarize_metrics
     from halo_dist.train.metrics import read_metrics
 
@@ -359,18 +406,22 @@ def stage_summary(run_dir: Path, windows: list[dict] | None = None) -> dict:
     rates = summarize_metrics(run_dir / "metrics.jsonl")
     series = read_metrics(run_dir)
     tokens = series.get("progress/tokens", [])
-    return {"tokens": int(tokens[-1][1]) if tokens else None, "steps": int(tokens[-1][0]) if tokens else None,
+    return {"tokens": int(tokens[-1][1]) if tokens else None,
+            "steps": int(tokens[-1][0]) if tokens else None,
             **{k: rates[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib")},
             "sharing": sharing_rates(run_dir / "metrics.jsonl", windows or []),
-            "loss_first_last": [series["train/loss"][0][1], series["train/loss"][-1][1]] if "train/loss" in series else None,
+            "loss_first_last": [series["train/loss"][0][1],
+                                series["train/loss"][-1][1]] if "train/loss" in series else None,
             "eval": {t: series[t] for t in series if t.startswith("eval/")}}
 
 
 def sharing_rates(path: Path, windows: list[dict]) -> dict:
-    """Median tokens/s and MFU of the logged intervals that overlapped a background window and of the rest.
+    """Median tokens/s and MFU of the logged intervals that overlapped a background window and of
+    the rest.
 
     An interval runs from the previous logged row's time to its own (rows of one resumed piece only:
-    the first interval of each piece, compile and autotuning, is left out as in summarize_metrics)."""
+    the first interval of each piece, compile and autotuning, is left out as in
+    summarize_metrics)."""
     import statistics
 
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -390,8 +441,8 @@ def sharing_rates(path: Path, windows: list[dict]) -> dict:
         vals = [x[key] for x in rs if x.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    return {name: {"intervals": len(rs), "tokens_per_s": med(rs, "perf/tokens_per_s"), "mfu": med(rs, "perf/mfu")}
-            for name, rs in groups.items()}
+    return {name: {"intervals": len(rs), "tokens_per_s": med(rs, "perf/tokens_per_s"),
+                   "mfu": med(rs, "perf/mfu")} for name, rs in groups.items()}
 
 
 def niah_cell(report: dict | None, task: str, length: int) -> float | None:
@@ -407,32 +458,37 @@ def summarize(work: Path) -> dict:
     run = work / "run"
     windows = _read(run / "background.json") or []
     stages = {s: stage_summary(run / s, windows) for s in ("stage1", "stage2", "stage3")}
-    kl = lambda s, i: (stages[s].get("eval", {}).get("eval/kl") or [[None, None]])[i][1]  # noqa: E731
+    kl = lambda s, i: (stages[s].get("eval", {}).get("eval/kl")  # noqa: E731
+                       or [[None, None]])[i][1]
     csr = {w: _read(run / "eval" / w / "csr.json") for w in ("teacher", "student")}
     niah = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
     ppl = {w: _read(run / "eval" / w / "ppl.json") for w in ("teacher", "student")}
     c_t, c_s = (csr[w]["csr"] if csr[w] else None for w in ("teacher", "student"))
     settings = _read(run / "settings.json")
     out = {
-        "pe": (settings or {}).get("pe") or "hype",  # model.pe of stages 1-2: hype, or an ablation (all_rope, ...)
-        "csr_teacher": c_t, "csr_student": c_s, "csr_ratio": c_s / c_t if c_t and c_s is not None else None,
+        # model.pe of stages 1-2: hype, or an ablation (all_rope, ...)
+        "pe": (settings or {}).get("pe") or "hype",
+        "csr_teacher": c_t, "csr_student": c_s,
+        "csr_ratio": c_s / c_t if c_t and c_s is not None else None,
         "niah_s1_student_16k": niah_cell(niah["student"], "niah_single_1", parse_length("16K")),
         "niah_s1_teacher_16k": niah_cell(niah["teacher"], "niah_single_1", parse_length("16K")),
         "niah_s1_student_32k": niah_cell(niah["student"], "niah_single_1", parse_length("32K")),
-        # "after stage 1" = the hybrid that stage 2 starts from: stage-1 RNN layers + the selected attention
-        "kl_heldout_stage1": kl("stage2", 0), "kl_heldout_stage2": kl("stage2", -1), "kl_heldout_stage3": kl("stage3", -1),
-        "tokens_stage1": stages["stage1"].get("tokens"), "tokens_stage2": stages["stage2"].get("tokens"),
-        "tokens_stage3": stages["stage3"].get("tokens"),
-        "gpu_minutes": gpu_minutes(work),
-        "goals": {"csr_ratio >= 0.95": None, "niah_s1_student_16k >= 0.9": None, "niah_s1_student_32k >= 0.9": None,
-                  "kl_heldout_stage2 < kl_heldout_stage1 / 2": None},
-        "stages": stages, "ppl": ppl, "csr": csr,
-        "niah_summary": {w: (r or {}).get("summary") for w, r in niah.items()},
-        "selection": _read(run / "select" / "selection.json"), "calibration": _read(run / "calibrate.json"),
-        "speed": _read(run / "speed.json"), "timings_s": _read(run / "timings.json"),
-        "background": windows,
-        "corpus": _read(work / "corpus" / "corpus_report.json"), "warmup": _read(work / "warmup.json"),
-        "settings": settings, "pieces": _read(work / "pieces.json"), "environment": environment(),
+        # "after stage 1" = the hybrid that stage 2 starts from: stage-1 RNN layers + the selected
+        # attention
+        "kl_heldout_stage1": kl("stage2", 0), "kl_heldout_stage2": kl("stage2", -1),
+        "kl_heldout_stage3": kl("stage3", -1), "tokens_stage1": stages["stage1"].get("tokens"),
+        "tokens_stage2": stages["stage2"].get("tokens"),
+        "tokens_stage3": stages["stage3"].get("tokens"), "gpu_minutes": gpu_minutes(work),
+        "goals": {"csr_ratio >= 0.95": None, "niah_s1_student_16k >= 0.9": None,
+                  "niah_s1_student_32k >= 0.9": None,
+                  "kl_heldout_stage2 < kl_heldout_stage1 / 2": None}, "stages": stages, "ppl": ppl,
+        "csr": csr, "niah_summary": {w: (r or {}).get("summary") for w, r in niah.items()},
+        "selection": _read(run / "select" / "selection.json"),
+        "calibration": _read(run / "calibrate.json"), "speed": _read(run / "speed.json"),
+        "timings_s": _read(run / "timings.json"), "background": windows,
+        "corpus": _read(work / "corpus" / "corpus_report.json"),
+        "warmup": _read(work / "warmup.json"), "settings": settings,
+        "pieces": _read(work / "pieces.json"), "environment": environment(),
     }
     g = out["goals"]
     if c_s is not None and c_t:
@@ -441,13 +497,14 @@ def summarize(work: Path) -> dict:
         if out[key] is not None:
             g[f"{key} >= 0.9"] = out[key] >= 0.9
     if out["kl_heldout_stage1"] is not None and out["kl_heldout_stage2"] is not None:
-        g["kl_heldout_stage2 < kl_heldout_stage1 / 2"] = out["kl_heldout_stage2"] < out["kl_heldout_stage1"] / 2
+        g["kl_heldout_stage2 < kl_heldout_stage1 / 2"] = (
+            out["kl_heldout_stage2"] < out["kl_heldout_stage1"] / 2)
     return out
 
 
 def gpu_minutes(work: Path) -> float | None:
-    """Wall minutes of the pipeline's pieces on the GPU machine (``pieces.json``, written by the device
-    script around each ``run``), else the sum of the demo's step timings."""
+    """Wall minutes of the pipeline's pieces on the GPU machine (``pieces.json``, written by the
+    device script around each ``run``), else the sum of the demo's step timings."""
     pieces = _read(work / "pieces.json")
     if pieces:
         return sum(p["seconds"] for p in pieces) / 60
@@ -455,38 +512,47 @@ def gpu_minutes(work: Path) -> float | None:
     return sum(timings.values()) / 60 if timings else None
 
 
-# ---------------------------------------------------------------------------------------------- compare
+# ------------------------------------------------------------------------------------------ compare
 NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
 
 
 def cmd_compare(a) -> int:
-    """The HyPE ablation: NIAH by length of the teacher, the HyPE student and the ablation student (the
-    same corpus, budgets and attention layers), with CSR, perplexity and held-out KL beside it; writes
-    ``real_ablation_<pe>.json`` and ``real_ablation_<pe>_niah.png`` and prints the table."""
-    hype_path, arm_path = a.results / "real_conversion.json", a.results / f"{result_stem(a.pe)}.json"
+    """The HyPE ablation: NIAH by length of the teacher, the HyPE student and the ablation student
+    (the same corpus, budgets and attention layers), with CSR, perplexity and held-out KL beside it;
+    writes ``real_ablation_<pe>.json`` and ``real_ablation_<pe>_niah.png`` and prints the table."""
+    hype_path, arm_path = (a.results / "real_conversion.json",
+                           a.results / f"{result_stem(a.pe)}.json")
     missing = [str(p) for p in (hype_path, arm_path) if not p.exists()]
     if missing:
         raise SystemExit(f"error: compare needs both runs' results; missing: {', '.join(missing)}")
     hype, arm = _read(hype_path), _read(arm_path)
-    if arm.get("pe") != a.pe or hype.get("pe", "hype") != "hype":  # results from before the pe field: HyPE
-        raise SystemExit(f"error: {arm_path} holds pe={arm.get('pe')!r} and {hype_path} pe={hype.get('pe')!r}; "
-                         f"expected {a.pe!r} and 'hype'")
+    # results from before the pe field: HyPE
+    if arm.get("pe") != a.pe or hype.get("pe", "hype") != "hype":
+        raise SystemExit(f"error: {arm_path} holds pe={arm.get('pe')!r} and {hype_path} "
+                         f"pe={hype.get('pe')!r}; expected {a.pe!r} and 'hype'")
     models = {"teacher": hype["niah_summary"]["teacher"], "hype": hype["niah_summary"]["student"],
               a.pe: arm["niah_summary"]["student"]}
-    lengths = sorted({int(L) for m in models.values() for t in NIAH_TASKS for L in (m or {}).get(t, {}).get("by_length", {})})
-    niah = {name: {t: {L: (m or {}).get(t, {}).get("by_length", {}).get(str(L)) for L in lengths} for t in NIAH_TASKS}
-            for name, m in models.items()}
-    layers = lambda r: (r.get("selection") or {}).get("attn_layers") or (r.get("settings") or {}).get("attn_layers")  # noqa: E731
+    lengths = sorted({int(L) for m in models.values() for t in NIAH_TASKS
+                      for L in (m or {}).get(t, {}).get("by_length", {})})
+    niah = {name: {t: {L: (m or {}).get(t, {}).get("by_length", {}).get(str(L)) for L in lengths}
+                   for t in NIAH_TASKS} for name, m in models.items()}
+    layers = (lambda r: (r.get("selection") or {}).get("attn_layers")  # noqa: E731
+              or (r.get("settings") or {}).get("attn_layers"))
     out = {"pe": a.pe, "lengths": lengths, "niah": niah,
-           "csr": {"teacher": hype.get("csr_teacher"), "hype": hype.get("csr_student"), a.pe: arm.get("csr_student")},
-           "ppl": {"teacher": (hype.get("ppl") or {}).get("teacher"), "hype": (hype.get("ppl") or {}).get("student"),
+           "csr": {"teacher": hype.get("csr_teacher"), "hype": hype.get("csr_student"),
+                   a.pe: arm.get("csr_student")},
+           "ppl": {"teacher": (hype.get("ppl") or {}).get("teacher"),
+                   "hype": (hype.get("ppl") or {}).get("student"),
                    a.pe: (arm.get("ppl") or {}).get("student")},
            "kl_heldout": {k: {"hype": hype.get(f"kl_heldout_{k}"), a.pe: arm.get(f"kl_heldout_{k}")}
                           for k in ("stage1", "stage2", "stage3")},
            "attn_layers": {"hype": layers(hype), a.pe: layers(arm)},
-           "tokens": {k: {"hype": hype.get(f"tokens_{k}"), a.pe: arm.get(f"tokens_{k}")} for k in ("stage1", "stage2", "stage3")},
-           "calibrated_a": {"hype": (hype.get("calibration") or {}).get("best_a"), a.pe: (arm.get("calibration") or {}).get("best_a")},
-           "sources": {"hype": str(hype_path.name), a.pe: str(arm_path.name)}, "environment": environment()}
+           "tokens": {k: {"hype": hype.get(f"tokens_{k}"), a.pe: arm.get(f"tokens_{k}")}
+                      for k in ("stage1", "stage2", "stage3")},
+           "calibrated_a": {"hype": (hype.get("calibration") or {}).get("best_a"),
+                            a.pe: (arm.get("calibration") or {}).get("best_a")},
+           "sources": {"hype": str(hype_path.name), a.pe: str(arm_path.name)},
+           "environment": environment()}
     path = a.results / f"real_ablation_{a.pe}.json"
     path.write_text(json.dumps(out, indent=2, default=str))
     print(ablation_table(out))
@@ -499,16 +565,19 @@ def ablation_table(out: dict) -> str:
     from halo_dist.eval.niah_report import format_length
 
     lengths, names = out["lengths"], list(out["niah"])
-    head = "| model | " + " | ".join(f"S{t[-1]} {format_length(L)}" for t in NIAH_TASKS for L in lengths)
+    head = "| model | " + " | ".join(f"S{t[-1]} {format_length(L)}" for t in NIAH_TASKS
+                                     for L in lengths)
     rows = [head + " |", "|---|" + "---|" * (len(NIAH_TASKS) * len(lengths))]
     for name in names:
         cells = [out["niah"][name][t][L] for t in NIAH_TASKS for L in lengths]
-        rows.append(f"| {name} | " + " | ".join("–" if v is None else f"{v:.0%}" for v in cells) + " |")
+        rows.append(f"| {name} | " + " | ".join("–" if v is None else f"{v:.0%}" for v in cells)
+                    + " |")
     return "\n".join(rows)
 
 
 def _ablation_png(out: dict, path: Path) -> Path:
-    """NIAH accuracy by context length, one panel per task: teacher, HyPE student, ablation student."""
+    """NIAH accuracy by context length, one panel per task: teacher, HyPE student, ablation
+    student."""
     from halo_dist.eval.niah_report import format_length
 
     lengths = out["lengths"]
@@ -517,18 +586,21 @@ def _ablation_png(out: dict, path: Path) -> Path:
         ax = fig.add_subplot(1, len(NIAH_TASKS), i + 1)
         for name, style in zip(out["niah"], ("k--", "o-", "s-")):
             vals = [out["niah"][name][task][L] for L in lengths]
-            ax.plot(range(len(lengths)), [float("nan") if v is None else v for v in vals], style, label=name)
-        ax.axvline(lengths.index(8192) + 0.5 if 8192 in lengths else -1, color="grey", lw=0.8, ls=":")
+            ax.plot(range(len(lengths)), [float("nan") if v is None else v for v in vals], style,
+                    label=name)
+        ax.axvline(lengths.index(8192) + 0.5 if 8192 in lengths else -1, color="grey", lw=0.8,
+                   ls=":")
         ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
         ax.set(title=task, xlabel="context (tokens)", ylabel="accuracy", ylim=(-0.03, 1.03))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"HyPE vs {out['pe']} (same data, budgets, layers); dotted: the teacher's 8K trained positions")
+    fig.suptitle(f"HyPE vs {out['pe']} (same data, budgets, layers); dotted: the teacher's 8K "
+                 "trained positions")
     fig.savefig(path, dpi=100)
     return path
 
 
-# ---------------------------------------------------------------------------------------------- pictures
+# ----------------------------------------------------------------------------------------- pictures
 def pictures(run: Path, results: Path, stem: str = "real_conversion") -> list[Path]:
     made = []
     for fn in (_curves_png, _niah_png, _csr_png):
@@ -552,7 +624,8 @@ def _figure(w, h):
 
 
 def _curves_png(run: Path, path: Path) -> Path | None:
-    """Per stage: training loss and the held-out curves (eval/mse or eval/kl, eval/ce vs the teacher's)."""
+    """Per stage: training loss and the held-out curves (eval/mse or eval/kl, eval/ce vs the
+    teacher's)."""
     from halo_dist.train.metrics import read_metrics
 
     stages = [s for s in ("stage1", "stage2", "stage3") if (run / s / "metrics.jsonl").exists()]
@@ -561,9 +634,11 @@ def _curves_png(run: Path, path: Path) -> Path | None:
     fig = _figure(5.0 * len(stages), 6.5)
     for col, stage in enumerate(stages):
         series = read_metrics(run / stage)
-        top, bottom = fig.add_subplot(2, len(stages), col + 1), fig.add_subplot(2, len(stages), len(stages) + col + 1)
+        top, bottom = (fig.add_subplot(2, len(stages), col + 1),
+                       fig.add_subplot(2, len(stages), len(stages) + col + 1))
         if "train/loss" in series:
-            top.plot(*zip(*series["train/loss"]), label="train " + ("MSE" if stage == "stage1" else "KL"))
+            top.plot(*zip(*series["train/loss"]),
+                     label="train " + ("MSE" if stage == "stage1" else "KL"))
         for tag, style in (("eval/mse", "o-"), ("eval/kl", "o-")):
             if tag in series:
                 top.plot(*zip(*series[tag]), style, label="held-out " + tag[5:].upper())
@@ -574,8 +649,8 @@ def _curves_png(run: Path, path: Path) -> Path | None:
                 bottom.plot(*zip(*series[tag]), "o-", label=f"{label} held-out CE")
         bottom.set(title=f"{stage}: held-out next-token CE (nats)", xlabel="step")
         if stage == "stage1":
-            bottom.text(0.5, 0.5, "stage 1 trains layer outputs (MSE):\nno next-token prediction yet",
-                        ha="center", va="center", transform=bottom.transAxes)
+            bottom.text(0.5, 0.5, "stage 1 trains layer outputs (MSE):\nno next-token prediction "
+                                  "yet", ha="center", va="center", transform=bottom.transAxes)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
             if ax.lines:
@@ -585,7 +660,8 @@ def _curves_png(run: Path, path: Path) -> Path | None:
 
 
 def _niah_png(run: Path, path: Path) -> Path | None:
-    """Teacher and student NIAH heatmaps (accuracy by depth x length) side by side, one row per task."""
+    """Teacher and student NIAH heatmaps (accuracy by depth x length) side by side, one row per
+    task."""
     import numpy as np
 
     from halo_dist.eval.niah_report import format_length
@@ -598,9 +674,11 @@ def _niah_png(run: Path, path: Path) -> Path | None:
     for i, task in enumerate(tasks):
         for j, who in enumerate(("teacher", "student")):
             recs = [r for r in reports[who]["records"] if r["task"] == task]
-            lengths, depths = sorted({r["length"] for r in recs}), sorted({r["depth"] for r in recs})
-            grid = np.array([[np.mean([r["correct"] for r in recs if r["length"] == L and r["depth"] == d])
-                              for L in lengths] for d in depths])
+            lengths, depths = (sorted({r["length"] for r in recs}),
+                               sorted({r["depth"] for r in recs}))
+            grid = np.array(
+                [[np.mean([r["correct"] for r in recs if r["length"] == L and r["depth"] == d])
+                  for L in lengths] for d in depths])
             ax = fig.add_subplot(len(tasks), 2, 2 * i + j + 1)
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
@@ -631,7 +709,8 @@ def _csr_png(run: Path, path: Path) -> Path | None:
         bars = ax.bar(x + (k - 0.5) * 0.38, vals, 0.38, label=who)
         ax.bar_label(bars, fmt="%.3f", fontsize=7)
     ax.set_xticks(x, tasks)
-    ax.set(ylabel="zero-shot acc_norm (WinoGrande: acc)", ylim=(0, 1), title="CSR: teacher vs student")
+    ax.set(ylabel="zero-shot acc_norm (WinoGrande: acc)", ylim=(0, 1),
+           title="CSR: teacher vs student")
     ax.legend()
     fig.savefig(path, dpi=100)
     return path
@@ -643,7 +722,8 @@ def main(argv=None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     if a.cpu_rehearsal and a.results == RESULTS:
         a.results = a.work / "results"  # a rehearsal's figures are not results
-    commands = {"corpus": cmd_corpus, "prompts": cmd_prompts, "warmup": cmd_warmup, "run": cmd_run, "collect": cmd_collect, "compare": cmd_compare}
+    commands = {"corpus": cmd_corpus, "prompts": cmd_prompts, "warmup": cmd_warmup, "run": cmd_run,
+                "collect": cmd_collect, "compare": cmd_compare}
     return commands[a.command](a)
 
 

@@ -1,11 +1,12 @@
-"""The speed figures of issue 20 as one file of top-level keys, each read from the result file that measured it.
+"""The speed figures of issue 20 as one file of top-level keys, each read from the result file that
+measured it.
 
-Reads (bench/results/): the decode profiles of the two shapes at 512K (``profile_decode.py``: each model's best
-variant, i.e. the lowest step time, and HypeNet's distance to its bytes bound), the stage benchmark's logged
-run (``bench_stages.py``: stage 2 and 3 MFU over the steady steps, outside warm-up and the profiler window, and
-stage 2's speed-up over the naive baseline of the same run), the from-scratch runs (``bench_pretrain.py``: each
-variant's best mode), the OPD benchmark (``bench_opd.py``) and the prefill result. A key whose source is missing
-is null.
+Reads (bench/results/): the decode profiles of the two shapes at 512K (``profile_decode.py``: each
+model's best variant, i.e. the lowest step time, and HypeNet's distance to its bytes bound), the
+stage benchmark's logged run (``bench_stages.py``: stage 2 and 3 MFU over the steady steps, outside
+warm-up and the profiler window, and stage 2's speed-up over the naive baseline of the same run),
+the from-scratch runs (``bench_pretrain.py``: each variant's best mode), the OPD benchmark
+(``bench_opd.py``) and the prefill result. A key whose source is missing is null.
 Writes ``bench/results/speed_summary.json`` and prints the table.
 
   python bench/speed_summary.py
@@ -40,15 +41,19 @@ def load(path: Path):
 
 
 def best_row(payload, model: str, context: int = 524288) -> dict | None:
-    rows = [r for r in (payload or {}).get("rows", []) if r["model"] == model and r["context"] == context]
+    rows = [r for r in (payload or {}).get("rows", []) if r["model"] == model and r["context"]
+            == context]
     return min(rows, key=lambda r: r["step_ms"]) if rows else None
 
 
 def summary() -> dict:
     src = {k: load(p) for k, p in SOURCES.items()}
-    teacher, hypenet = best_row(src["teacher_decode"], "qwen3-1.7b-shape"), best_row(src["hypenet_decode"], "hypenet-2b")
-    out: dict = {"sources": {k: str(p.relative_to(RESULTS)) for k, p in SOURCES.items() if p.exists()}}
-    out["decode_speedup_512k"] = teacher["step_ms"] / hypenet["step_ms"] if teacher and hypenet else None
+    teacher, hypenet = (best_row(src["teacher_decode"], "qwen3-1.7b-shape"),
+                        best_row(src["hypenet_decode"], "hypenet-2b"))
+    out: dict = {"sources": {k: str(p.relative_to(RESULTS))
+                             for k, p in SOURCES.items() if p.exists()}}
+    out["decode_speedup_512k"] = (teacher["step_ms"] / hypenet["step_ms"] if teacher and hypenet
+                                  else None)
     out["decode_bytes_bound_ratio_512k"] = hypenet["vs_bound"] if hypenet else None
     out["decode_best_variants_512k"] = {r["model"]: (r["variant"], r["step_ms"], r["bound_ms"])
                                         for r in (teacher, hypenet) if r}
@@ -65,7 +70,8 @@ def summary() -> dict:
 
 def main() -> dict:
     out = summary()
-    print_table([{"key": k, "value": v} for k, v in out.items() if k not in ("sources", "decode_best_variants_512k")],
+    print_table([{"key": k, "value": v}
+                 for k, v in out.items() if k not in ("sources", "decode_best_variants_512k")],
                 "issue 20 figures (bench/results/speed_summary.json)")
     path = RESULTS / "speed_summary.json"
     path.write_text(json.dumps(out, indent=2))

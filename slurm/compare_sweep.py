@@ -6,11 +6,11 @@
 
 Reads ``<runs>/<variant>/niah/niah.json`` (``--niah-file`` changes the relative path); without
 ``--variants`` every ``<runs>/*/niah/niah.json`` is used. The reader is tolerant: it accepts the
-``halo-dist eval-niah`` report (``{"summary": {task: {"by_length": {L: acc}}}}``, averaged over tasks),
-``{"by_length": {...}}``, ``{"accuracy"|"results"|"niah": {...}}``, a flat ``{length: acc}`` dict
-(lengths as 4096 / "4096" / "4K" / "niah_4k"; accuracies in [0, 1] or percent; values may be dicts with
-"acc"/"accuracy"/"mean"), or a list of records ``[{"length": L, "correct": bool}, ...]``. A variant whose
-file is missing or unreadable gets a row saying so; the table is always written.
+``halo-dist eval-niah`` report (``{"summary": {task: {"by_length": {L: acc}}}}``, averaged over
+tasks), ``{"by_length": {...}}``, ``{"accuracy"|"results"|"niah": {...}}``, a flat ``{length: acc}``
+dict (lengths as 4096 / "4096" / "4K" / "niah_4k"; accuracies in [0, 1] or percent; values may be
+dicts with "acc"/"accuracy"/"mean"), or a list of records ``[{"length": L, "correct": bool}, ...]``.
+A variant whose file is missing or unreadable gets a row saying so; the table is always written.
 """
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ import re
 import sys
 from pathlib import Path
 
-LENGTH_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9]*[_-])?(\d+(?:\.\d+)?)\s*([kKmM]?)$")  # 4096, 4K, niah_4k
+# 4096, 4K, niah_4k
+LENGTH_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9]*[_-])?(\d+(?:\.\d+)?)\s*([kKmM]?)$")
 MIN_LENGTH = 128  # smaller numbers are not NIAH context lengths (e.g. the "1" of niah_single_1)
-NESTED_KEYS = ("summary", "by_length", "accuracy", "accuracies", "results", "niah", "per_length", "lengths")
+NESTED_KEYS = ("summary", "by_length", "accuracy", "accuracies", "results", "niah", "per_length",
+               "lengths")
 VALUE_KEYS = ("mean", "accuracy", "acc", "score", "value")
 
 
@@ -65,7 +67,8 @@ def _flat(mapping: dict) -> dict[int, float]:
 
 def _mean_by_length(per_task: list[dict[int, float]]) -> dict[int, float]:
     lengths = sorted({L for d in per_task for L in d})
-    return {L: sum(d[L] for d in per_task if L in d) / sum(1 for d in per_task if L in d) for L in lengths}
+    return {L: sum(d[L] for d in per_task if L in d) / sum(1 for d in per_task if L in d)
+            for L in lengths}
 
 
 def _from_records(records: list) -> dict[int, float]:
@@ -98,7 +101,8 @@ def accuracy_by_length(data, depth: int = 0) -> dict[int, float]:
     if flat:
         return _normalise(flat)
     # {task: {...}} : one per-length dict per task, averaged
-    per_task = [accuracy_by_length(v, depth + 1) for v in data.values() if isinstance(v, (dict, list))]
+    per_task = [accuracy_by_length(v, depth + 1)
+                for v in data.values() if isinstance(v, (dict, list))]
     per_task = [d for d in per_task if d]
     if per_task:
         return _normalise(_mean_by_length(per_task))
@@ -134,7 +138,8 @@ def load_variant(path: Path) -> tuple[dict[int, float], str]:
 
 def markdown(results: dict[str, tuple[dict[int, float], str]], title: str) -> str:
     lengths = sorted({L for acc, _ in results.values() for L in acc})
-    lines = [f"## {title}", "", "NIAH accuracy (%) by context length; mean over the lengths evaluated.", ""]
+    lines = [f"## {title}", "",
+             "NIAH accuracy (%) by context length; mean over the lengths evaluated.", ""]
     lines.append("| variant | " + " | ".join(format_length(L) for L in lengths) + " | mean |")
     lines.append("|---|" + "---:|" * (len(lengths) + 1))
     for name, (acc, problem) in results.items():
@@ -162,7 +167,8 @@ def plot(results: dict[str, tuple[dict[int, float], str]], path: Path, title: st
         if problem or not acc:
             continue
         xs = sorted(acc)
-        ax.plot(xs, [100 * acc[x] for x in xs], marker="o", linestyle=styles[(i // 10) % len(styles)], label=name)
+        ax.plot(xs, [100 * acc[x] for x in xs], marker="o",
+                linestyle=styles[(i // 10) % len(styles)], label=name)
     ax.set_xscale("log", base=2)
     ticks = sorted({L for acc, _ in results.values() for L in acc})
     if ticks:
@@ -183,10 +189,13 @@ def plot(results: dict[str, tuple[dict[int, float], str]], path: Path, title: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", required=True, help="sweep run folder (one sub-folder per variant)")
-    p.add_argument("--variants", default="", help="comma list, in table order (default: every folder with results)")
-    p.add_argument("--niah-file", default="niah/niah.json", help="results path inside a variant folder")
+    p.add_argument("--variants", default="",
+                   help="comma list, in table order (default: every folder with results)")
+    p.add_argument("--niah-file", default="niah/niah.json",
+                   help="results path inside a variant folder")
     p.add_argument("--output", required=True, help="output prefix: writes PREFIX.md and PREFIX.png")
     p.add_argument("--title", default="From-scratch sweep: NIAH")
     args = p.parse_args(argv)
@@ -194,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = Path(args.runs)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     if not names:
-        names = sorted(f.parts[-1 - len(Path(args.niah_file).parts)] for f in runs.glob(f"*/{args.niah_file}"))
+        names = sorted(f.parts[-1 - len(Path(args.niah_file).parts)]
+                       for f in runs.glob(f"*/{args.niah_file}"))
     if not names:
         print(f"error: no variants given and no {runs}/*/{args.niah_file} found", file=sys.stderr)
         return 2

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Read the from-scratch sweep grid (configs/sweeps/grid.yaml): names, array index -> overrides.
 
-    python slurm/sweep_variants.py list                       # every variant, in array order
+    python slurm/sweep_variants.py list               # every variant, in array order
     python slurm/sweep_variants.py select transformer,swan-gpt   # check names (exit 2 on unknown)
-    python slurm/sweep_variants.py overrides 3                # overrides of array task 3, one per line
+    python slurm/sweep_variants.py overrides 3        # overrides of array task 3, one per line
     python slurm/sweep_variants.py overrides 1 --among transformer,swan-gpt   # task 1 of a subset
-    python slurm/sweep_variants.py name 0 --among ...         # the variant name of an array task
-    python slurm/sweep_variants.py base                       # the shared base config path
-    python slurm/sweep_variants.py dump --among a,b           # "name<TAB>override override ..." per variant
+    python slurm/sweep_variants.py name 0 --among ... # the variant name of an array task
+    python slurm/sweep_variants.py base               # the shared base config path
+    python slurm/sweep_variants.py dump --among a,b   # "name<TAB>override override ..." per variant
 
 Stdlib + PyYAML only (runs on a login node). Grid format::
 
@@ -42,7 +42,8 @@ def load_grid(path: str | Path) -> tuple[str, list[tuple[str, list[str]]]]:
         raise GridError(f"cannot read the sweep grid {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise GridError(f"{path} is not valid YAML: {err}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("variants"), list) or not data["variants"]:
+    if (not isinstance(data, dict) or not isinstance(data.get("variants"), list)
+            or not data["variants"]):
         raise GridError(f"{path}: expected a mapping with a non-empty 'variants' list")
     variants, seen = [], set()
     for i, entry in enumerate(data["variants"]):
@@ -56,7 +57,8 @@ def load_grid(path: str | Path) -> tuple[str, list[tuple[str, list[str]]]]:
             raise GridError(f"{where}: duplicate variant name {name!r}")
         seen.add(name)
         overrides = entry.get("overrides") or []
-        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o
+                                                      for o in overrides):
             raise GridError(f"{where} ({name}): 'overrides' must be a list of key=value strings")
         variants.append((name, [o.strip() for o in overrides]))
     return str(data.get("base") or "configs/sweeps/base_500m.yaml"), variants
@@ -70,7 +72,8 @@ def select(variants: list[tuple[str, list[str]]], names: str | None) -> list[tup
     by_name = dict(variants)
     unknown = [n for n in wanted if n not in by_name]
     if unknown:
-        raise GridError(f"unknown sweep variant(s) {', '.join(unknown)}; known: {', '.join(by_name)}")
+        raise GridError(f"unknown sweep variant(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(by_name)}")
     if len(set(wanted)) != len(wanted):
         raise GridError(f"a variant is named twice in {names!r}")
     return [(n, by_name[n]) for n in wanted]
@@ -81,7 +84,8 @@ def pick(variants: list[tuple[str, list[str]]], key: str) -> tuple[str, list[str
     if key.isdigit():
         index = int(key)
         if index >= len(variants):
-            raise GridError(f"array index {index} is out of range: {len(variants)} variant(s) (0..{len(variants) - 1})")
+            raise GridError(f"array index {index} is out of range: {len(variants)} variant(s) "
+                            f"(0..{len(variants) - 1})")
         return variants[index]
     return select(variants, key)[0]
 
@@ -89,10 +93,14 @@ def pick(variants: list[tuple[str, list[str]]], key: str) -> tuple[str, list[str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sweep_variants.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("list", "count", "base", "select", "overrides", "name", "dump"))
-    p.add_argument("arg", nargs="?", help="select: comma list of names; overrides/name: array index or name")
-    p.add_argument("--grid", default=str(DEFAULT_GRID), help="grid YAML (default: configs/sweeps/grid.yaml)")
-    p.add_argument("--among", help="comma list of names the array index counts over (a HALO_VARIANTS subset)")
+    p.add_argument("command",
+                   choices=("list", "count", "base", "select", "overrides", "name", "dump"))
+    p.add_argument("arg", nargs="?",
+                   help="select: comma list of names; overrides/name: array index or name")
+    p.add_argument("--grid", default=str(DEFAULT_GRID),
+                   help="grid YAML (default: configs/sweeps/grid.yaml)")
+    p.add_argument("--among",
+                   help="comma list of names the array index counts over (a HALO_VARIANTS subset)")
     args = p.parse_args(argv)
     try:
         base, variants = load_grid(args.grid)

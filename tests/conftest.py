@@ -1,4 +1,5 @@
-"""Shared test set-up: single-threaded torch, a repo-local asset cache, tiny model factories, shared fixtures."""
+"""Shared test set-up: single-threaded torch, a repo-local asset cache, tiny model factories, shared
+fixtures."""
 
 import os
 from pathlib import Path
@@ -13,7 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
-def tiny_qwen3(tie: bool = False, seed: int = 0, layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 256):
+def tiny_qwen3(tie: bool = False, seed: int = 0, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+               vocab: int = 256):
     """A random Qwen3 with weights large enough that layer differences show in the logits."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -47,7 +49,8 @@ def smollm2_dir():
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """Real Qwen-tokenized Wikipedia shards (300 documents, 5% held out), built once per test module."""
+    """Real Qwen-tokenized Wikipedia shards (300 documents, 5% held out), built once per test
+    module."""
     from data_fixtures import run_prep
 
     out = tmp_path_factory.mktemp("wiki") / "data"
@@ -55,8 +58,10 @@ def shards(tmp_path_factory):
     return out
 
 
-def assert_left_padded_generate_matches_alone(model, prompts, new_tokens: int, pad_token_id: int) -> None:
-    """Greedy ``generate`` of left-padded prompts equals each prompt generated alone (no EOS stop)."""
+def assert_left_padded_generate_matches_alone(model, prompts, new_tokens: int,
+                                              pad_token_id: int) -> None:
+    """Greedy ``generate`` of left-padded prompts equals each prompt generated alone (no EOS
+    stop)."""
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_token_id)
     mask = torch.zeros(len(prompts), T, dtype=torch.long)
@@ -70,8 +75,9 @@ def assert_left_padded_generate_matches_alone(model, prompts, new_tokens: int, p
 
 
 def pytest_collection_finish(session):
-    """The real-Slurm scenario (tests/slurm_real.py) starts in the background as soon as a collected test
-    needs it: its jobs get the CPU time the other tests leave unused (scripts/local_slurm.sh)."""
+    """The real-Slurm scenario (tests/slurm_real.py) starts in the background as soon as a collected
+    test needs it: its jobs get the CPU time the other tests leave unused
+    (scripts/local_slurm.sh)."""
     if session.config.option.collectonly:
         return
     if any("slurm_scenario" in getattr(item, "fixturenames", ()) for item in session.items):

@@ -124,7 +124,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
     with _environ(child_env):
         for rank in range(world_size):
             p = ctx.Process(target=_worker,
-                            args=(rank, world_size, fn, args, kwargs or {}, results, collective_timeout, init))
+                            args=(rank, world_size, fn, args, kwargs or {}, results,
+                                  collective_timeout, init))
             p.start()
             procs.append(p)
     outcomes = {}
@@ -141,7 +142,8 @@ def _unpack(outcomes, world_size, fn):
     if failures or missing:
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
         if missing:
-            parts.append(f"ranks {missing} did not report (timeout, crash or terminated after another rank failed)")
+            parts.append(f"ranks {missing} did not report (timeout, crash or terminated after "
+                         "another rank failed)")
         raise DistributedTestError(f"{getattr(fn, '__name__', fn)} failed on {world_size} ranks:\n"
                                    + "\n".join(parts), failures)
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

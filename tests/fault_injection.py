@@ -1,13 +1,15 @@
 """Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses.
 
-The trainers (``halo_dist.train.trainer.Trainer`` and its subclasses, ``halo_dist.train.opd_loop.OPDTrainer``
-among them) expose ``step_hooks`` and ``loss_hooks`` lists that product code leaves empty. A test that builds a trainer
-itself appends the hooks below; a test that runs a launcher in a subprocess runs it through this file::
+The trainers (``halo_dist.train.trainer.Trainer`` and its subclasses,
+``halo_dist.train.opd_loop.OPDTrainer`` among them) expose ``step_hooks`` and ``loss_hooks`` lists
+that product code leaves empty. A test that builds a trainer itself appends the hooks below; a test
+that runs a launcher in a subprocess runs it through this file::
 
-    python tests/fault_injection.py [--crash-at N] [--sigterm-at N] [--nan-at N[,M...]] launchers/stage2.py ARGS...
+    python tests/fault_injection.py [--crash-at N] [--sigterm-at N] [--nan-at N[,M...]] \\
+        launchers/stage2.py ARGS...
 
-which makes every trainer built in that process (every rank under torchrun) carry the hooks, then runs the
-launcher as ``__main__`` with ``ARGS``.
+which makes every trainer built in that process (every rank under torchrun) carry the hooks, then
+runs the launcher as ``__main__`` with ``ARGS``.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if __name__ == "__main__":  # the checkout's halo_dist (as the launchers arrange), and not tests/'s modules
+# the checkout's halo_dist (as the launchers arrange), and not tests/'s modules
+if __name__ == "__main__":
     sys.path[0] = str(REPO)
 
 CRASH_EXIT = 17
 
 
 def crash_at(step: int):
-    """Step hook: exit with 17 right after optimizer step ``step``, like a node failure (no cleanup, no
-    checkpoint of that step)."""
+    """Step hook: exit with 17 right after optimizer step ``step``, like a node failure (no cleanup,
+    no checkpoint of that step)."""
 
     def hook(trainer, done: int) -> None:
         if done == step:
@@ -38,8 +41,8 @@ def crash_at(step: int):
 
 
 def sigterm_at(step: int):
-    """Step hook: send this process SIGTERM right after optimizer step ``step`` (the trainer's handler
-    records it; the ranks agree on it at the end of that step)."""
+    """Step hook: send this process SIGTERM right after optimizer step ``step`` (the trainer's
+    handler records it; the ranks agree on it at the end of that step)."""
 
     def hook(trainer, done: int) -> None:
         if done == step:
@@ -49,8 +52,8 @@ def sigterm_at(step: int):
 
 
 def nan_at(*steps: int):
-    """Loss hook: every micro-batch loss of the optimizer steps ``steps`` becomes NaN (the graph is kept,
-    so the backward of a skipped step runs as it would on a real NaN)."""
+    """Loss hook: every micro-batch loss of the optimizer steps ``steps`` becomes NaN (the graph is
+    kept, so the backward of a skipped step runs as it would on a real NaN)."""
     bad = set(steps)
 
     def hook(trainer, step: int, loss):
@@ -60,7 +63,8 @@ def nan_at(*steps: int):
 
 
 def install(step_hooks=(), loss_hooks=()) -> None:
-    """Every trainer constructed after this call in this process gets ``step_hooks`` and ``loss_hooks``."""
+    """Every trainer constructed after this call in this process gets ``step_hooks`` and
+    ``loss_hooks``."""
     from halo_dist.train.trainer import Trainer
 
     init = Trainer.__init__  # every trainer (stages, pretrain, OPD) is a Trainer and runs it
@@ -73,7 +77,8 @@ def install(step_hooks=(), loss_hooks=()) -> None:
     Trainer.__init__ = hooked_init
 
 
-def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None, nan_at=None) -> list[str]:
+def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None,
+                  nan_at=None) -> list[str]:
     """The options of this script for the given faults (``nan_at``: a step or a list of steps)."""
     args = []
     if crash_at is not None:
@@ -87,9 +92,11 @@ def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None, na
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--crash-at", type=int, help="exit 17 right after this optimizer step")
-    parser.add_argument("--sigterm-at", type=int, help="SIGTERM to this process right after this optimizer step")
+    parser.add_argument("--sigterm-at", type=int,
+                        help="SIGTERM to this process right after this optimizer step")
     parser.add_argument("--nan-at", help="comma-separated optimizer steps whose losses are NaN")
     parser.add_argument("launcher", help="the launcher script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the launcher's arguments")

@@ -1,5 +1,5 @@
-"""The tiny OPD configuration of the OPD tests: ``TINY`` (configs/opd/tiny.yaml), ``VOCAB`` (the tiny teacher's
-vocabulary) and ``tiny_cfg`` (that config with overrides)."""
+"""The tiny OPD configuration of the OPD tests: ``TINY`` (configs/opd/tiny.yaml), ``VOCAB`` (the
+tiny teacher's vocabulary) and ``tiny_cfg`` (that config with overrides)."""
 
 from pathlib import Path
 
@@ -11,11 +11,12 @@ VOCAB = 320
 
 
 def tiny_cfg(run_dir, *overrides, set0=None):
-    """configs/opd/tiny.yaml with dotlist overrides; ``set0``: field changes of the first prompt set."""
+    """configs/opd/tiny.yaml with dotlist overrides; ``set0``: field changes of the first prompt
+    set."""
     from dataclasses import replace
 
-    cfg = load_config(TINY, [f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.log_every=1",
-                             "checkpoint.resume=never", *overrides])
+    cfg = load_config(TINY, [f"logging.run_dir={run_dir}", "logging.tensorboard=false",
+                             "logging.log_every=1", "checkpoint.resume=never", *overrides])
     if set0:
         sets = list(cfg.opd.prompt_sets)
         cfg = replace(cfg, opd=replace(cfg.opd, prompt_sets=[replace(sets[0], **set0), *sets[1:]]))

@@ -1,5 +1,6 @@
-"""The golden comparison of the sequence-parallel mixer tests: token ``Layout``s (``CAUSAL``, ``PACKED``), the
-mixer / model forwards, ``golden`` (SP vs single-process outputs and gradients) and the SP injectors."""
+"""The golden comparison of the sequence-parallel mixer tests: token ``Layout``s (``CAUSAL``,
+``PACKED``), the mixer / model forwards, ``golden`` (SP vs single-process outputs and gradients) and
+the SP injectors."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class Layout:
     docs: tuple[tuple[int, ...], ...] | None = None
 
     def tensors(self):
-        """position_ids ``[B, T]`` (restarting per document), cu_seqlens over B*T (or None), max_seqlen."""
+        """position_ids ``[B, T]`` (restarting per document), cu_seqlens over B*T (or None),
+        max_seqlen."""
         if self.docs is None:
             return torch.arange(self.seq_len).expand(self.batch, -1), None, None
         lengths = [n for row in self.docs for n in row]
@@ -42,7 +44,7 @@ CAUSAL = Layout()
 PACKED = Layout(docs=((3, 9, 4), (6, 10)))
 
 
-# --- forwards --------------------------------------------------------------------------------------
+# --- forwards -------------------------------------------------------------------------------------
 
 def mixer_forward(mixer, x, pos, cu, max_seqlen):
     return mixer(x, SequenceInfo(position_ids=pos, cu_seqlens=cu, max_seqlen=max_seqlen))
@@ -52,7 +54,7 @@ def model_forward(model, x, pos, cu, max_seqlen):
     return model(inputs_embeds=x, position_ids=pos, cu_seqlens=cu, max_seqlen=max_seqlen).logits
 
 
-# --- the golden comparison -------------------------------------------------------------------------
+# --- the golden comparison ------------------------------------------------------------------------
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
@@ -63,13 +65,15 @@ def _reference(module, forward, x, w, pos, cu, max_seqlen):
     x = x.clone().requires_grad_()
     out = forward(module, x, pos, cu, max_seqlen)
     (out * w).sum().backward()
-    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}  # not embed_tokens
+    # not embed_tokens
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     module.zero_grad(set_to_none=True)
     return out.detach(), x.grad, grads
 
 
 def golden(sp: SequenceParallel, module, forward, layout: Layout, seed: int, inject) -> dict:
-    """Max |SP - single-process| of the output, the input grad and the (SP-summed) parameter grads."""
+    """Max |SP - single-process| of the output, the input grad and the (SP-summed) parameter
+    grads."""
     pos, cu, max_seqlen = layout.tensors()
     gen = torch.Generator().manual_seed(seed)  # the same full tensors on every rank
     x = torch.randn(layout.batch, layout.seq_len, _in_dim(module), generator=gen, dtype=F64)
@@ -85,15 +89,18 @@ def golden(sp: SequenceParallel, module, forward, layout: Layout, seed: int, inj
            "grad_x": _max_err(sp.gather_seq(x_local.grad, dim=1), grad_x_ref),
            "grad_params": 0.0, "worst_param": ""}
     params = dict(module.named_parameters())
-    assert all(params[n].grad is None for n in params if n not in grads_ref)  # embed_tokens (inputs_embeds)
-    flat = torch.cat([params[n].grad.flatten() for n in grads_ref])  # one all-reduce, not one per parameter
+    # embed_tokens (inputs_embeds)
+    assert all(params[n].grad is None for n in params if n not in grads_ref)
+    # one all-reduce, not one per parameter
+    flat = torch.cat([params[n].grad.flatten() for n in grads_ref])
     dist.all_reduce(flat, group=sp.group)  # each rank's grads hold only its own tokens' share
     for name, g in zip(grads_ref, flat.split([grads_ref[n].numel() for n in grads_ref])):
         err = _max_err(g.view_as(grads_ref[name]), grads_ref[name])
         if err >= res["grad_params"]:
             res["grad_params"], res["worst_param"] = err, name
     res["n_params"] = len(grads_ref)
-    res["grad_scale"] = max(g.abs().max().item() for g in grads_ref.values())  # not a vacuous 0 == 0
+    # not a vacuous 0 == 0
+    res["grad_scale"] = max(g.abs().max().item() for g in grads_ref.values())
     module.zero_grad(set_to_none=True)
     return res
 

@@ -1,5 +1,6 @@
-"""Test-side helpers around ``SequenceParallel``: cut a full-sequence reference into this rank's share, as the
-data loader does for real runs, so golden tests can compare a rank's output with the single-process result."""
+"""Test-side helpers around ``SequenceParallel``: cut a full-sequence reference into this rank's
+share, as the data loader does for real runs, so golden tests can compare a rank's output with the
+single-process result."""
 
 from __future__ import annotations
 
@@ -31,6 +32,6 @@ def shard_seq(sp: SequenceParallel, x: torch.Tensor, dim: int = 1) -> torch.Tens
 
 
 def kv_seq_to_head(sp: SequenceParallel, kv: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """GQA keys/values ``[B, T/sp, Hkv, D] -> [B, T, lcm(Hkv, sp)/sp, D]``: KV heads replicated first when sp does
-    not divide Hkv, then exchanged like q."""
+    """GQA keys/values ``[B, T/sp, Hkv, D] -> [B, T, lcm(Hkv, sp)/sp, D]``: KV heads replicated
+    first when sp does not divide Hkv, then exchanged like q."""
     return sp.seq_to_head(replicate_kv_heads(kv, num_heads, sp.world_size))

@@ -1,4 +1,5 @@
-"""bench/bench_stages.py end to end on CPU (tiny configs), and the engine's MFU accounting it reports."""
+"""bench/bench_stages.py end to end on CPU (tiny configs), and the engine's MFU accounting it
+reports."""
 
 import json
 import subprocess
@@ -10,7 +11,8 @@ import pytest
 from data_fixtures import run_prep
 
 from halo_dist.models.hypenet import HypeNetConfig
-from halo_dist.models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
+from halo_dist.models.flops import (attention_flop_terms, attention_flops_coefficient,
+                                    flops_per_token)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,8 +26,8 @@ def shards(tmp_path_factory):
 
 def test_stage2_benchmark_runs_the_launcher_without_checkpoints(shards, tmp_path):
     runs = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "bench" / "bench_stages.py"), "--data", str(shards), "--cpu-smoke",
-           "--stages", "2", "--runs", str(runs)]
+    cmd = [sys.executable, str(REPO / "bench" / "bench_stages.py"), "--data", str(shards),
+           "--cpu-smoke", "--stages", "2", "--runs", str(runs)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     payload = json.loads(Path("/tmp/halo_dist_stages_cpu_smoke.json").read_text())
@@ -33,26 +35,31 @@ def test_stage2_benchmark_runs_the_launcher_without_checkpoints(shards, tmp_path
     assert s2["status"] == "ok" and s2["tokens_per_s"] > 0 and len(s2["losses"]) == 4
     run_dir = runs / "stage2cpu_smoke"
     assert (run_dir / "final" / "DONE").exists()
-    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())  # save_final=false
+    # save_final=false
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
 
 def test_mfu_counts_attention_of_student_and_teacher_once_per_rank():
-    student = HypeNetConfig(num_hidden_layers=4, mixer_types=["attention", "lightning"] * 2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, hidden_size=64)
-    teacher = SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              hidden_size=64)
+    student = HypeNetConfig(num_hidden_layers=4, mixer_types=["attention", "lightning"] * 2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            hidden_size=64)
+    teacher = SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, hidden_size=64)
     terms = attention_flop_terms(student, teacher)
-    assert attention_flop_terms(None, teacher) == {**terms, "attn_layers": 0}  # stage 1: no trained attention
+    # stage 1: no trained attention
+    assert attention_flop_terms(None, teacher) == {**terms, "attn_layers": 0}
     assert attention_flop_terms(None, None) == {}
     assert terms == {"attn_layers": 2, "frozen_attn_layers": 4, "attn_dim": 64}
     # PaLM: 12 L d T for the 2 trained attention layers, 4 L d T for the 4 forward-only ones
-    assert flops_per_token(10, 5, **terms, context=512) == 6 * 10 + 2 * 5 + (12 * 2 + 4 * 4) * 64 * 512
+    assert (flops_per_token(10, 5, **terms, context=512) == 6 * 10 + 2 * 5
+            + (12 * 2 + 4 * 4) * 64 * 512)
     assert attention_flops_coefficient(**terms) == (12 * 2 + 4 * 4) * 64
 
 
 def test_remeasure_mfu_replays_the_steps_rows_with_attended_keys(shards, tmp_path):
-    """bench/remeasure_mfu.py: a step's keys are the mean over its global batch's rows (every DP rank's), and a
-    logged interval averages its steps; MFU = tokens/s / world x (6 N_s + 2 N_t + coef x keys) / peak."""
+    """bench/remeasure_mfu.py: a step's keys are the mean over its global batch's rows (every DP
+    rank's), and a logged interval averages its steps; MFU = tokens/s / world x (6 N_s + 2 N_t +
+    coef x keys) / peak."""
     import statistics
 
     from bench.bench_stages import PEAK
@@ -64,39 +71,48 @@ def test_remeasure_mfu_replays_the_steps_rows_with_attended_keys(shards, tmp_pat
     from halo_dist.train.metrics import attended_context
 
     metrics = tmp_path / "metrics.jsonl"  # log_every 2: records at steps 2 and 4
-    metrics.write_text("".join(json.dumps({"step": s, "perf/tokens_per_s": 1000.0 * s}) + "\n" for s in (2, 4)))
-    out = remeasure(["--metrics", str(metrics), "--config", "configs/bench/stage3_2b.yaml", "--data", str(shards),
-                     "--world", "2", "--skip", "0", "data.seq_len=256", "data.micro_batch_size=1",
-                     "data.global_batch_size=2"])
-    loader = iter(build_loader(str(shards), 256, 1, seed=1234, shuffle=True))  # the config's data order
-    per_step = [statistics.mean(attended_context(next(loader)["cu_seqlens"]) for _ in range(2)) for _ in range(4)]
+    metrics.write_text("".join(json.dumps({"step": s, "perf/tokens_per_s": 1000.0 * s}) + "\n"
+                               for s in (2, 4)))
+    out = remeasure(["--metrics", str(metrics), "--config", "configs/bench/stage3_2b.yaml",
+                     "--data", str(shards), "--world", "2", "--skip", "0", "data.seq_len=256",
+                     "data.micro_batch_size=1", "data.global_batch_size=2"])
+    # the config's data order
+    loader = iter(build_loader(str(shards), 256, 1, seed=1234, shuffle=True))
+    per_step = [statistics.mean(attended_context(next(loader)["cu_seqlens"]) for _ in range(2))
+                for _ in range(4)]
     n_s, n_t = param_counts(SHAPE_2B, ATTN_2B)
     coef = attention_flops_coefficient(len(ATTN_2B), SHAPE_2B["num_hidden_layers"], 16 * 128)
     for row, steps in zip(out["steps"], ((0, 1), (2, 3))):
         keys = statistics.mean(per_step[i] for i in steps)
         assert row["attended_keys"] == pytest.approx(keys, abs=0.06)
-        assert row["mfu"] == pytest.approx(row["tokens_per_s"] / 2 * (6 * n_s + 2 * n_t + coef * keys) / PEAK,
-                                           rel=1e-5)
-    assert all(0 < k <= 256 for k in per_step) and len(set(per_step)) > 1  # documents really vary the keys
+        assert row["mfu"] == pytest.approx(
+            row["tokens_per_s"] / 2 * (6 * n_s + 2 * n_t + coef * keys) / PEAK, rel=1e-5)
+    # documents really vary the keys
+    assert all(0 < k <= 256 for k in per_step) and len(set(per_step)) > 1
 
 
 def test_multigpu_scaling_driver_runs_bench_stages_and_summarizes(shards, tmp_path):
-    """bench/multigpu.py scaling (issue 21's DP scaling, run at 1/4/8 GPUs on the device): the CPU run of its
-    reference part goes through bench_stages end to end; the summary compares per-GPU throughput and the first
-    steps' losses (DP = 2 against 1 gloo rank gives the same losses: tests/test_engine.py)."""
+    """bench/multigpu.py scaling (issue 21's DP scaling, run at 1/4/8 GPUs on the device): the CPU
+    run of its reference part goes through bench_stages end to end; the summary compares per-GPU
+    throughput and the first steps' losses (DP = 2 against 1 gloo rank gives the same losses:
+    tests/test_engine.py)."""
     out = tmp_path / "scaling.json"
-    cmd = [sys.executable, str(REPO / "bench" / "multigpu.py"), "scaling", "--gpus", "1", "--cpu-smoke",
-           "--data", str(shards), "--runs", str(tmp_path / "runs"), "--out", str(out)]
+    cmd = [sys.executable, str(REPO / "bench" / "multigpu.py"), "scaling", "--gpus", "1",
+           "--cpu-smoke", "--data", str(shards), "--runs", str(tmp_path / "runs"), "--out",
+           str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     payload = json.loads(out.read_text())
     assert payload["runs"]["1"]["status"] == "ok" and len(payload["runs"]["1"]["losses"]) == 4
     from bench.multigpu import scaling_summary
 
-    one = {"status": "ok", "tokens_per_s_per_gpu": 100.0, "losses": {"1": 2.0, "2": 1.5, "3": 1.2, "4": 1.0, "5": 0.1}}
-    four = {"status": "ok", "tokens_per_s_per_gpu": 96.0, "losses": {"1": 2.0, "2": 1.5001, "3": 1.2, "4": 1.0, "5": 9.0}}
+    one = {"status": "ok", "tokens_per_s_per_gpu": 100.0,
+           "losses": {"1": 2.0, "2": 1.5, "3": 1.2, "4": 1.0, "5": 0.1}}
+    four = {"status": "ok", "tokens_per_s_per_gpu": 96.0,
+            "losses": {"1": 2.0, "2": 1.5001, "3": 1.2, "4": 1.0, "5": 9.0}}
     got = scaling_summary({1: one, 4: four, 8: {"status": "failed rc=1"}}, reference=1)
-    assert got == {"dp_scaling_4gpu": 0.96, "loss_max_abs_diff_4gpu": pytest.approx(1e-4)}  # step 5 is not compared
+    # step 5 is not compared
+    assert got == {"dp_scaling_4gpu": 0.96, "loss_max_abs_diff_4gpu": pytest.approx(1e-4)}
     assert scaling_summary({1: {"status": "failed rc=1"}, 4: four}, reference=1) == {}
 
 
@@ -105,13 +121,15 @@ def test_summary_leaves_out_warm_up_and_the_profiler_window(tmp_path):
     steady MFU is that of steps 4-5; the plain median of steps 2-7 would report 0.42."""
     from bench.bench_stages import profile_start, summarize_metrics
 
-    rows = [(1, 0.019, 50.4), (2, 0.082, 11.7), (3, 0.261, 3.68), (4, 0.626, 1.533), (5, 0.629, 1.525),
-            (6, 0.583, 1.646), (7, 0.067, 14.4)]
+    rows = [(1, 0.019, 50.4), (2, 0.082, 11.7), (3, 0.261, 3.68), (4, 0.626, 1.533),
+            (5, 0.629, 1.525), (6, 0.583, 1.646), (7, 0.067, 14.4)]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "perf/tokens_per_s": 51200 * m, "perf/mfu": m,
                                         "perf/step_time_s": t}) + "\n" for s, m, t in rows))
-    a = SimpleNamespace(extra=["loss.backend=compiled", "logging.profile_at_step=6", "logging.profile_steps=2"])
+    a = SimpleNamespace(extra=["loss.backend=compiled", "logging.profile_at_step=6",
+                               "logging.profile_steps=2"])
     assert profile_start(a) == 6 and profile_start(SimpleNamespace(extra=[])) is None
     steady = summarize_metrics(path, steady=True, before_step=profile_start(a))
     assert steady["mfu"] == pytest.approx((0.626 + 0.629) / 2)
-    assert summarize_metrics(path)["mfu"] == pytest.approx((0.261 + 0.583) / 2)  # what a plain median reports
+    # what a plain median reports
+    assert summarize_metrics(path)["mfu"] == pytest.approx((0.261 + 0.583) / 2)

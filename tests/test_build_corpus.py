@@ -1,4 +1,5 @@
-"""bench/build_corpus.py: text extractors, grouping, dedupe, the size budget, code gathering, `build` end to end."""
+"""bench/build_corpus.py: text extractors, grouping, dedupe, the size budget, code gathering,
+`build` end to end."""
 from __future__ import annotations
 
 import gzip
@@ -43,16 +44,19 @@ QUOTE_ENTRY = """Jamboree \\Jam`bo*ree"\\, n. [Etym. uncertain.]
 
 def test_gcide_entry_becomes_plain_dictionary_text():
     assert B.clean_gcide(GCIDE_ENTRY) == (
-        "Alcohol, n. [Cf. F. alcool, formerly written alcohol, Sp. alcohol alcohol, antimony. Cf. Alquifou.]\n"
-        "1. An impalpable powder. [Obs.]\n"
+        "Alcohol, n. [Cf. F. alcool, formerly written alcohol, Sp. alcohol alcohol, antimony. Cf. "
+        "Alquifou.]\n1. An impalpable powder. [Obs.]\n"
         "2. The fluid essence or pure spirit obtained by distillation. [Obs.] --Boyle.\n"
-        'Note: As used in the U. S. "Pharmacopœia," alcohol contains 91 per cent by weight of ethyl alcohol '
+        'Note: As used in the U. S. "Pharmacopœia," alcohol contains 91 per cent by '
+        'weight of ethyl alcohol '
         "and 54.5 per cent of water.")
-    assert B.clean_gcide(QUOTE_ENTRY).splitlines() == [
-        "Jamboree, n. [Etym. uncertain.]",
-        "1. A noisy or unrestrained carousal or frolic; a spree. [Slang] --Kipling.",
-        "A Calcutta-made pony cart had been standing in front of the manager's bungalow. --W. A. Fraser."]
-    assert B.clean_gcide("Ab\\b\\ n. jamb[=u] caf['e] H[2]O [a^] r[^o]le [Obs.]") == "Ab n. jambū café H2O ă rôle [Obs.]"
+    assert (B.clean_gcide(QUOTE_ENTRY).splitlines()
+            == ["Jamboree, n. [Etym. uncertain.]",
+                "1. A noisy or unrestrained carousal or frolic; a spree. [Slang] --Kipling.",
+                "A Calcutta-made pony cart had been standing in front of the manager's bungalow. "
+                "--W. A. Fraser."])
+    assert (B.clean_gcide("Ab\\b\\ n. jamb[=u] caf['e] H[2]O [a^] r[^o]le [Obs.]")
+            == "Ab n. jambū café H2O ă rôle [Obs.]")
 
 
 def _dictd(tmp_path: Path, entries: dict[str, list[str]]) -> tuple[Path, Path]:
@@ -77,19 +81,23 @@ def _dictd(tmp_path: Path, entries: dict[str, list[str]]) -> tuple[Path, Path]:
 
 
 def test_dictd_entries_in_file_order_once_each_without_metadata(tmp_path):
-    index, data = _dictd(tmp_path, {"00-database-short\n   A test dictionary\n": ["00-database-short"],
-                                    "Law lords\n   Peers.\n": ["Law lords", "Law merchant"],
-                                    "Abbey\n   A monastery.\n": ["Abbey"]})
+    index, data = _dictd(tmp_path,
+                         {"00-database-short\n   A test dictionary\n": ["00-database-short"],
+                          "Law lords\n   Peers.\n": ["Law lords", "Law merchant"],
+                          "Abbey\n   A monastery.\n": ["Abbey"]})
     assert B.dictd_entries(index, data) == ["Law lords\n   Peers.\n", "Abbey\n   A monastery.\n"]
-    foldoc = "light pen\n\n   <hardware> An early {pointing device} which\n   the user pointed.\n\n   (2003-12-02)\n"
-    assert B.clean_dictd(foldoc) == "light pen\n<hardware> An early pointing device which the user pointed."
+    foldoc = ("light pen\n\n   <hardware> An early {pointing device} which\n"
+              "   the user pointed.\n\n   (2003-12-02)\n")
+    assert (B.clean_dictd(foldoc) == "light pen\n<hardware> An early pointing device which the "
+                                     "user pointed.")
 
 
 WORDNET_DATA = "".join(line + "  \n" for line in [  # real data lines end with two spaces
     "  1 This software and database is being provided to you, the LICENSEE, by",
     "  2 Princeton University under the following license.",
     "02083346 05 n 02 canine 0 canid 0 001 ~ 02084071 n 0000 | any of various fissiped mammals",
-    "02084071 05 n 03 dog 0 domestic_dog 0 Canis_familiaris 0 002 @ 02083346 n 0000 ~ 02085374 n 0000 | "
+    "02084071 05 n 03 dog 0 domestic_dog 0 Canis_familiaris 0 002 @ 02083346 n 0000 ~ "
+    "02085374 n 0000 | "
     'a member of the genus Canis; "the dog barked all night"'])
 
 
@@ -98,7 +106,8 @@ def test_wordnet_synsets_are_readable_lines_with_hypernyms(tmp_path):
     path.write_text(WORDNET_DATA)
     assert B.wordnet_synsets(path) == [
         "canine, canid (noun): any of various fissiped mammals.",
-        'dog, domestic dog, Canis familiaris (noun): a member of the genus Canis; "the dog barked all night". '
+        'dog, domestic dog, Canis familiaris (noun): a member of the genus Canis; "the '
+        'dog barked all night". '
         "Kind of: canine."]
     adj = tmp_path / "data.adj"
     adj.write_text("00001740 00 a 01 able 0 001 ! 00002098 a 0101 | having the means\n"
@@ -148,17 +157,22 @@ def test_render_man_with_man_db(tmp_path):
     assert "\b" not in text and "\x1b" not in text and "“pattern”" in text
 
 
-SPHINX_PAGE = """<html><head><title>t</title><link rel="next" title="n" href="b.html" /><style>x{}</style></head>
-<body><div class="sphinxsidebar">Table of contents</div>
-<div class="body" role="main"><h1>4. Control Flow<a class="headerlink" href="#x">\u00b6</a></h1>
-<p>Use the <code>if</code>
-   statement &amp; friends.</p>
-<ul><li><p>first item</p></li><li>second</li></ul>
-<div class="highlight"><pre><span class="k">if</span> <span class="n">x</span><span class="p">:</span>
-    <span class="k">pass</span>
-</pre></div>
-<table><tr><th>name</th><th>value</th></tr><tr><td><img src="i.png"/></td><td>one</td><td>1</td></tr></table>
-</div><div class="footer">Copyright</div></body></html>"""
+SPHINX_PAGE = (
+    '<html><head><title>t</title><link rel="next" title="n" href="b.html" />'
+    '<style>x{}</style></head>\n'
+    '<body><div class="sphinxsidebar">Table of contents</div>\n'
+    '<div class="body" role="main"><h1>4. Control Flow'
+    '<a class="headerlink" href="#x">\u00b6</a></h1>\n'
+    '<p>Use the <code>if</code>\n'
+    '   statement &amp; friends.</p>\n'
+    '<ul><li><p>first item</p></li><li>second</li></ul>\n'
+    '<div class="highlight"><pre><span class="k">if</span> <span class="n">x</span>'
+    '<span class="p">:</span>\n'
+    '    <span class="k">pass</span>\n'
+    '</pre></div>\n'
+    '<table><tr><th>name</th><th>value</th></tr><tr><td><img src="i.png"/></td><td>one</td>'
+    '<td>1</td></tr></table>\n'
+    '</div><div class="footer">Copyright</div></body></html>')
 
 
 def test_html_to_text_keeps_main_content_code_and_lists():
@@ -171,29 +185,34 @@ def test_html_to_text_keeps_main_content_code_and_lists():
 
 
 def test_reading_order_follows_next_links():
-    pages = {"index.html": '<link rel="next" href="ch1.html">', "ch1.html": '<a accesskey="n" href="sub/ch2.html">',
-             "sub/ch2.html": '<link rel="next" href="../apx.html#top">', "apx.html": "", "lone.html": ""}
-    assert B.reading_order(pages) == ["index.html", "ch1.html", "sub/ch2.html", "apx.html", "lone.html"]
+    pages = {"index.html": '<link rel="next" href="ch1.html">',
+             "ch1.html": '<a accesskey="n" href="sub/ch2.html">',
+             "sub/ch2.html": '<link rel="next" href="../apx.html#top">', "apx.html": "",
+             "lone.html": ""}
+    assert B.reading_order(pages) == ["index.html", "ch1.html", "sub/ch2.html", "apx.html",
+                                      "lone.html"]
 
 
 def test_info_text_drops_headers_indexes_and_licences():
-    info = ("This is x.info.\nINFO-DIR-SECTION Basics\n\x1f\nFile: x.info,  Node: Top,  Next: Intro\n\nX manual\n"
-            "\x1f\nFile: x.info,  Node: Intro,  Up: Top\n\n1 Intro\n=======\n\nSome text.\n"
-            "\x1f\nFile: x.info,  Node: GNU Free Documentation License\n\nLegal.\n"
+    info = ("This is x.info.\nINFO-DIR-SECTION Basics\n\x1f\nFile: x.info,  Node: Top,  Next: "
+            "Intro\n\nX manual\n\x1f\nFile: x.info,  Node: Intro,  Up: Top\n\n1 Intro\n=======\n\n"
+            "Some text.\n\x1f\nFile: x.info,  Node: GNU Free Documentation License\n\nLegal.\n"
             "\x1f\nFile: x.info,  Node: Concept Index\n\n* a: b.\n"
             "\x1f\nTag Table:\nNode: Top\x7f1\n\x1f\nEnd Tag Table\n")
     assert B.info_text(info) == "X manual\n\n1 Intro\n=======\n\nSome text."
 
 
 def test_bible_books_from_the_bible_program_output():
-    out = ("\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n  2 And the earth was\n"
-           "\nGenesis 2\n\n  1 Thus the heavens\n\n1 John 1\n\n  1 That which was from the beginning\n")
+    out = ("\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n  2 And the "
+           "earth was\n\nGenesis 2\n\n  1 Thus the heavens\n\n1 John 1\n\n  1 That which was from "
+           "the beginning\n")
     assert B.bible_books(out) == [
-        "Genesis\n\nChapter 1\n\n1 In the beginning God created the heaven and the earth.\n2 And the earth was\n\n"
-        "Chapter 2\n\n1 Thus the heavens", "1 John\n\nChapter 1\n\n1 That which was from the beginning"]
+        "Genesis\n\nChapter 1\n\n1 In the beginning God created the heaven and the earth.\n"
+        "2 And the earth was\n\nChapter 2\n\n1 Thus the heavens",
+        "1 John\n\nChapter 1\n\n1 That which was from the beginning"]
 
 
-# ----------------------------------------------------------------------------------- grouping, dedupe, budget
+# ------------------------------------------------------------------------- grouping, dedupe, budget
 def test_group_records_makes_long_documents_in_order():
     recs = [f"r{i:03d}" + "x" * 96 for i in range(25)]  # 100 chars each
     docs = B.group_records(recs, target=500, max_chars=700)
@@ -202,7 +221,8 @@ def test_group_records_makes_long_documents_in_order():
     big = B.group_records(["a" * 100, "b" * 2000, "c" * 100], target=500, max_chars=700)
     assert big == ["a" * 100, "b" * 2000, "c" * 100]  # a long record stays whole, never split
     tail = B.group_records(["a" * 300] * 4 + ["z" * 50], target=500, max_chars=700)
-    assert len(tail) == 2 and tail[-1].endswith("z" * 50)  # a short remainder joins the last document
+    # a short remainder joins the last document
+    assert len(tail) == 2 and tail[-1].endswith("z" * 50)
 
 
 def test_spread_keep_is_even():
@@ -217,10 +237,12 @@ def _src(name, records, group=False):
 def test_collect_dedupes_across_sources_after_whitespace_normalisation(capsys):
     a = "Alpha beta gamma. " * 20
     packed = B.collect([_src("high", [a, "unique one " * 30]),
-                        _src("low", [a.replace(" ", "\n  "), "unique two " * 30, "unique two " * 30, "tiny"])])
+                        _src("low", [a.replace(" ", "\n  "), "unique two " * 30, "unique two " * 30,
+                                     "tiny"])])
     high, low = packed
     assert (high.duplicates, low.duplicates) == (0, 2)
-    assert len(high.docs) == 2 and low.docs == [("unique two " * 30).strip()]  # "tiny" is under MIN_DOC_CHARS
+    # "tiny" is under MIN_DOC_CHARS
+    assert len(high.docs) == 2 and low.docs == [("unique two " * 30).strip()]
 
 
 def _noise(n: int, seed: int) -> str:
@@ -240,7 +262,8 @@ def test_budget_drops_lowest_priority_first_and_thins_evenly(tmp_path):
     assert third.docs == [] and third.dropped_docs == 10
     assert sum(len(p.blob) for p in packed) <= one * 1.5
     report = B.write_pack(packed, tmp_path)
-    assert [f.name for f in sorted(tmp_path.glob("*.jsonl.xz"))] == ["00-first.jsonl.xz", "01-second.jsonl.xz"]
+    assert [f.name for f in sorted(tmp_path.glob("*.jsonl.xz"))] == ["00-first.jsonl.xz",
+                                                                     "01-second.jsonl.xz"]
     rows = {r["source"]: r for r in report["sources"]}
     assert rows["third"]["budget_dropped_documents"] == 10 and rows["third"]["file"] is None
     recs = [json.loads(ln) for ln in lzma.open(tmp_path / "01-second.jsonl.xz", "rt")]
@@ -259,14 +282,16 @@ def test_pack_command_writes_within_budget(tmp_path, monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------------- code
 def _site_packages(root: Path) -> Path:
-    """A fake site-packages: two packages (one vendoring the other's file), a loose module, and junk."""
+    """A fake site-packages: two packages (one vendoring the other's file), a loose module, and
+    junk."""
     (root / "alpha" / "sub").mkdir(parents=True)
     (root / "alpha" / "__pycache__").mkdir()
     (root / "beta" / "_vendor").mkdir(parents=True)
     (root / "alpha-1.0.dist-info").mkdir()
     (root / "alpha" / "__init__.py").write_text("from .core import run\n")
     (root / "alpha" / "core.py").write_text("def run(x):\n    return x + 1\n")
-    (root / "alpha" / "sub" / "util.py").write_text("def helper():\n    '''Help.'''\n    return 2\n")
+    (root / "alpha" / "sub" / "util.py").write_text("def helper():\n    '''Help.'''\n"
+                                                    "    return 2\n")
     (root / "alpha" / "__pycache__" / "core.cpython-311.py").write_text("cached = 1\n")
     (root / "alpha" / "empty.py").write_text("\n")
     (root / "alpha" / "minified.py").write_text("x=" + "1+" * 800 + "1\n")
@@ -275,7 +300,8 @@ def _site_packages(root: Path) -> Path:
     (root / "alpha" / "latin1.py").write_bytes(b"s = '\xe9'\n")
     (root / "alpha" / "huge.py").write_text("# big\n" + "y = 1\n" * 60_000)
     (root / "beta" / "main.py").write_text("import alpha\n\n\nclass Beta:\n    pass\n")
-    (root / "beta" / "_vendor" / "core.py").write_text("def run(x):\n    return x + 1\n")  # same as alpha/core.py
+    # same as alpha/core.py
+    (root / "beta" / "_vendor" / "core.py").write_text("def run(x):\n    return x + 1\n")
     (root / "six.py").write_text("PY3 = True\n")
     (root / "alpha-1.0.dist-info" / "thing.py").write_text("meta = 1\n")
     return root
@@ -286,11 +312,13 @@ def test_gather_code_makes_repository_documents_per_package(tmp_path):
     assert sorted(code.docs) == ["code:alpha", "code:beta", "code:single-modules"]
     assert code.docs["code:alpha"] == ["# file: alpha/__init__.py\nfrom .core import run\n\n"
                                        "# file: alpha/core.py\ndef run(x):\n    return x + 1\n\n"
-                                       "# file: alpha/sub/util.py\ndef helper():\n    '''Help.'''\n    return 2\n"]
-    assert code.docs["code:beta"] == ["# file: beta/main.py\nimport alpha\n\n\nclass Beta:\n    pass\n"]
+                                       "# file: alpha/sub/util.py\ndef helper():\n    '''Help.'''\n"
+                                       "    return 2\n"]
+    assert code.docs["code:beta"] == ["# file: beta/main.py\nimport alpha\n\n\nclass Beta:\n"
+                                      "    pass\n"]
     assert code.docs["code:single-modules"] == ["# file: six.py\nPY3 = True\n"]
-    assert code.skipped == {"empty": 1, "too_big": 1, "long_lines": 1, "literal_data": 1, "not_utf8": 1,
-                            "duplicate": 1}
+    assert code.skipped == {"empty": 1, "too_big": 1, "long_lines": 1, "literal_data": 1,
+                            "not_utf8": 1, "duplicate": 1}
     assert code.files == {"code:alpha": 3, "code:beta": 1, "code:single-modules": 1}
 
 
@@ -312,10 +340,11 @@ def test_code_roots_of_this_interpreter():
     assert any(tag is None and "site-packages" in str(p) for p, tag in roots)
 
 
-# ----------------------------------------------------------------------------------- build end to end
+# --------------------------------------------------------------------------------- build end to end
 def _pack(tmp_path: Path, n_wiki: int) -> Path:
     docs = B.group_records(list(wiki_docs(400)), target=6000, max_chars=8000)[:n_wiki]
-    packed = [B.Packed("wiki", docs), B.Packed("bible", ["In the beginning God created the heaven. " * 10])]
+    packed = [B.Packed("wiki", docs),
+              B.Packed("bible", ["In the beginning God created the heaven. " * 10])]
     for p in packed:
         p.blob = B.compress(p.name, p.docs)
     B.write_pack(packed, tmp_path / "text")
@@ -323,8 +352,9 @@ def _pack(tmp_path: Path, n_wiki: int) -> Path:
 
 
 def _build(tmp_path, text, code_root, *extra):
-    argv = ["build", "--text", str(text), "--tokenizer", "offline-qwen3", "--out", str(tmp_path / "corpus"),
-            "--code-root", str(code_root), "--num-proc", "1", "--long-min-chars", "3000", *extra]
+    argv = ["build", "--text", str(text), "--tokenizer", "offline-qwen3", "--out",
+            str(tmp_path / "corpus"), "--code-root", str(code_root), "--num-proc", "1",
+            "--long-min-chars", "3000", *extra]
     return B.main(argv)
 
 
@@ -336,24 +366,32 @@ def test_build_end_to_end_reports_the_mix_and_is_idempotent(tmp_path, capsys):
     manifest = json.loads((out / "all" / "manifest.json").read_text())
     assert manifest["complete"] and report["heldout_natural_docs"] > 0
     rows = {r["source"]: r for r in report["sets"]["all"]["sources"]}
-    assert list(rows) == ["wiki", "bible", "code:alpha", "code:beta", "code:single-modules"]  # the fixed order
-    assert rows["wiki"]["train_docs"] + rows["wiki"]["heldout_docs"] == 12 and rows["wiki"]["heldout_docs"] > 0
+    # the fixed order
+    assert list(rows) == ["wiki", "bible", "code:alpha", "code:beta", "code:single-modules"]
+    assert (rows["wiki"]["train_docs"] + rows["wiki"]["heldout_docs"] == 12
+            and rows["wiki"]["heldout_docs"] > 0)
     for split in ("train", "heldout"):  # the report is read from data_prep's own per-input counts
         by_file = manifest["splits"][split]["sources"]
-        assert sum(r[f"{split}_tokens"] for r in rows.values()) == manifest["splits"][split]["tokens"]
+        assert (sum(r[f"{split}_tokens"] for r in rows.values())
+                == manifest["splits"][split]["tokens"])
         assert by_file[rows["wiki"]["file"]]["tokens"] == rows["wiki"][f"{split}_tokens"]
     long_rows = {r["source"]: r for r in report["sets"]["long"]["sources"]}
-    assert [s for s, r in long_rows.items() if r["documents"]] == ["wiki"]  # code and the bible are < 3000 chars
-    long_docs = [json.loads(ln)["text"] for f in sorted((out / "inputs" / "long").glob("*.jsonl")) for ln in open(f)]
-    assert len(long_docs) == 16 and sum(1 for d in long_docs if d) == 12  # short ones are empty placeholders
+    # code and the bible are < 3000 chars
+    assert [s for s, r in long_rows.items() if r["documents"]] == ["wiki"]
+    long_docs = [json.loads(ln)["text"] for f in sorted((out / "inputs" / "long").glob("*.jsonl"))
+                 for ln in open(f)]
+    # short ones are empty placeholders
+    assert len(long_docs) == 16 and sum(1 for d in long_docs if d) == 12
     assert all(len(d) >= 3000 for d in long_docs if d)
     long_manifest = json.loads((out / "long" / "manifest.json").read_text())
     assert long_manifest["totals"]["empty_docs_skipped"] == 4
-    for split in ("train", "heldout"):  # every wiki document is long: the same ones are held out of both sets
+    # every wiki document is long: the same ones are held out of both sets
+    for split in ("train", "heldout"):
         assert long_rows["wiki"][f"{split}_tokens"] == rows["wiki"][f"{split}_tokens"] > 0
     assert "code:alpha" in capsys.readouterr().out
 
-    stamp = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "corpus_report.json"}
+    stamp = {p: p.stat().st_mtime_ns
+             for p in out.rglob("*") if p.is_file() and p.name != "corpus_report.json"}
     assert _build(tmp_path, text, code, "--heldout-fraction", "0.25") == 0
     assert {p: p.stat().st_mtime_ns for p in stamp} == stamp  # nothing was rewritten
     again = json.loads((out / "corpus_report.json").read_text())
@@ -367,7 +405,8 @@ def test_build_fails_when_no_natural_text_is_held_out(tmp_path):
     for i in range(40):
         (tmp_path / "sp" / f"pkg{i:02d}").mkdir(parents=True)
         (tmp_path / "sp" / f"pkg{i:02d}" / "m.py").write_text(f"VALUE = {i}\n")
-    assert not any(is_heldout(i, 0.1, 0) for i in range(3)) and any(is_heldout(i, 0.1, 0) for i in range(3, 43))
+    assert not any(is_heldout(i, 0.1, 0) for i in range(3)) and any(is_heldout(i, 0.1, 0)
+                                                                    for i in range(3, 43))
     with pytest.raises(SystemExit, match="held-out split holds no natural-language document"):
         _build(tmp_path, text, tmp_path / "sp", "--heldout-fraction", "0.1")
 
@@ -378,14 +417,17 @@ def test_repeat_natural_copies_only_training_documents_to_indices_data_prep_trai
     natural = [("wiki", [f"w{k}" for k in range(40)]), ("bible", [f"b{k}" for k in range(25)])]
     first = 65 + 30  # 30 code documents sit between the natural text and the copies
     sets = B.repeat_natural(natural, first, repeats=3, heldout=0.2)
-    assert [s for s, _ in sets] == ["wiki:repeat1", "bible:repeat1", "wiki:repeat2", "bible:repeat2"]
+    assert [s for s, _ in sets] == ["wiki:repeat1", "bible:repeat1", "wiki:repeat2",
+                                    "bible:repeat2"]
     held = {d for k, d in enumerate(natural[0][1] + natural[1][1]) if is_heldout(k, 0.2, 0)}
     assert held  # the check below is not vacuous
     copies = [(i, d) for i, d in enumerate((d for _, docs in sets for d in docs), first)]
     assert all(not is_heldout(i, 0.2, 0) for i, d in copies if d)  # every copy lands in train
-    assert all(is_heldout(i, 0.2, 0) for i, d in copies if not d)  # a placeholder only where data_prep holds out
+    # a placeholder only where data_prep holds out
+    assert all(is_heldout(i, 0.2, 0) for i, d in copies if not d)
     texts = [d for _, d in copies if d]
-    assert not held & set(texts) and len(texts) == 2 * (65 - len(held))  # each training document twice, no held-out one
+    # each training document twice, no held-out one
+    assert not held & set(texts) and len(texts) == 2 * (65 - len(held))
     assert B.repeat_natural(natural, first, repeats=1, heldout=0.2) == []
 
 
@@ -398,8 +440,10 @@ def test_build_with_natural_repeats_keeps_the_heldout_split_and_weighs_the_text(
     out = tmp_path / "corpus"
     thrice = json.loads((out / "all" / "manifest.json").read_text())
     assert thrice["splits"]["heldout"]["tokens"] == once["splits"]["heldout"]["tokens"] > 0
-    assert thrice["splits"]["heldout"]["sources"] == once["splits"]["heldout"]["sources"]  # the same files, docs, tokens
-    rows = {r["source"]: r for r in json.loads((out / "corpus_report.json").read_text())["sets"]["all"]["sources"]}
+    # the same files, docs, tokens
+    assert thrice["splits"]["heldout"]["sources"] == once["splits"]["heldout"]["sources"]
+    rows = {r["source"]: r
+            for r in json.loads((out / "corpus_report.json").read_text())["sets"]["all"]["sources"]}
     for r in (1, 2):
         assert rows[f"wiki:repeat{r}"]["train_tokens"] == rows["wiki"]["train_tokens"]
         assert rows[f"wiki:repeat{r}"]["heldout_docs"] == 0

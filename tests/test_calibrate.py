@@ -1,4 +1,5 @@
-"""Logits-scaling calibration (issue 5): grid search by held-out loss, atomic config write, bad input."""
+"""Logits-scaling calibration (issue 5): grid search by held-out loss, atomic config write, bad
+input."""
 
 import json
 
@@ -17,7 +18,8 @@ from halo_dist.models.export import export_hypenet
 @pytest.fixture(scope="module")
 def hypenet_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cal") / "hypenet"
-    student = convert_model(tiny_qwen3(vocab=BYTE_VOCAB), [0, 2])  # attention layers 0 and 2, a = 500
+    # attention layers 0 and 2, a = 500
+    student = convert_model(tiny_qwen3(vocab=BYTE_VOCAB), [0, 2])
     export_hypenet(student, folder, tokenizer=byte_tokenizer())
     return folder
 
@@ -35,26 +37,32 @@ def test_heldout_loss_is_the_models_cross_entropy_and_a_is_restored(hypenet_fold
     ids = batches[0]["input_ids"]
     with torch.no_grad():
         expected = model(ids, labels=ids).loss.item()
-    got = cal.heldout_loss(model, batches[:1], chunk_tokens=7)  # odd chunks: chunking must not matter
+    # odd chunks: chunking must not matter
+    got = cal.heldout_loss(model, batches[:1], chunk_tokens=7)
     assert got["loss"] == pytest.approx(expected, rel=1e-5) and got["tokens"] == 2 * 47
     curve = cal.grid_search(model, batches, [None, 2.0, 1000.0], log=lambda m: None)
     assert model.config.attn_logits_scale_base == 500.0
-    assert len({round(p["loss"], 6) for p in curve}) == 3  # a changes the function of the attention layers
+    # a changes the function of the attention layers
+    assert len({round(p["loss"], 6) for p in curve}) == 3
     assert "*" in cal.format_curve(curve)
 
 
 def test_cli_writes_the_best_a_into_config(hypenet_folder, tmp_path, capsys):
-    args = ["calibrate-scaling", "--model", str(hypenet_folder), "--data", "wiki", "--seq-len", "64",
-            "--rows", "2", "--batch-size", "2", "--grid", "none,2,20,1000", "--output", str(tmp_path / "curve.json")]
+    args = ["calibrate-scaling", "--model", str(hypenet_folder), "--data", "wiki", "--seq-len",
+            "64", "--rows", "2", "--batch-size", "2", "--grid", "none,2,20,1000", "--output",
+            str(tmp_path / "curve.json")]
     assert cli.main(args + ["--dry-run"]) == 0
-    assert json.loads((hypenet_folder / "config.json").read_text())["attn_logits_scale_base"] == 500.0
+    assert (json.loads((hypenet_folder / "config.json").read_text())["attn_logits_scale_base"]
+            == 500.0)
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "curve.json").read_text())
     best = min(report["curve"], key=lambda p: p["loss"])["a"]
     assert report["best_a"] == best
-    assert json.loads((hypenet_folder / "config.json").read_text())["attn_logits_scale_base"] == best
-    assert all(f"{'none' if p['a'] is None else format(p['a'], 'g'):>6} |" in printed for p in report["curve"])
+    assert (json.loads((hypenet_folder / "config.json").read_text())["attn_logits_scale_base"]
+            == best)
+    assert all(f"{'none' if p['a'] is None else format(p['a'], 'g'):>6} |" in printed
+               for p in report["curve"])
     model, _ = cal.load_folder(hypenet_folder)  # the folder still loads, with the new a
     assert model.config.attn_logits_scale_base == best
     assert not list(hypenet_folder.glob(".config.json.*"))  # no temp files left

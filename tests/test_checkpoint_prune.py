@@ -1,5 +1,5 @@
-"""Pruning old checkpoints: the COMPLETE marker goes first, so a deletion cut short never leaves a folder
-that resume would take for a complete checkpoint."""
+"""Pruning old checkpoints: the COMPLETE marker goes first, so a deletion cut short never leaves a
+folder that resume would take for a complete checkpoint."""
 
 import shutil
 
@@ -30,7 +30,8 @@ def test_prune_keeps_the_newest_and_a_cut_deletion_leaves_nothing_complete(tmp_p
         manager._prune()
     # step 10's files are all still there, yet it is no longer a checkpoint resume could pick
     assert (tmp_path / "step-00000010" / "global_step" / "mp_rank_00_model_states.pt").exists()
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-00000020", "step-00000030"]
+    assert ([p.name for p in ckpt.complete_checkpoints(tmp_path)]
+            == ["step-00000020", "step-00000030"])
 
     monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
     _checkpoint(tmp_path, 40)

@@ -1,5 +1,6 @@
-"""A checkpoint save that cannot fit, or whose write fails, stops with one clear error and leaves the
-previous checkpoint usable (a real DeepSpeed engine on 2 gloo ranks; the disk is made to look full)."""
+"""A checkpoint save that cannot fit, or whose write fails, stops with one clear error and leaves
+the previous checkpoint usable (a real DeepSpeed engine on 2 gloo ranks; the disk is made to look
+full)."""
 
 import errno
 import os
@@ -32,7 +33,8 @@ def _scenario(root):
     real_usage = shutil.disk_usage
     rank = torch.distributed.get_rank()
     # rank 1's disk looks nearly full: both ranks must refuse together (no hang), nothing written
-    ckpt.shutil.disk_usage = lambda p: real_usage(p)._replace(free=size // 2 if rank == 1 else real_usage(p).free)
+    ckpt.shutil.disk_usage = lambda p: real_usage(p)._replace(
+        free=size // 2 if rank == 1 else real_usage(p).free)
     try:
         manager.save(engine, 2, {"step": 2}, "config: {}\n")
     except ckpt.CheckpointWriteError as e:
@@ -58,6 +60,7 @@ def test_a_save_that_cannot_fit_or_fails_stops_cleanly_and_keeps_the_previous_ch
         assert out["expected"] == out["size"], out  # measured from the previous checkpoint
         assert "not enough space" in out.get("space", ""), (rank, out)
         assert "the previous checkpoint" in out["space"] and "step-00000001" in out["space"]
-        assert "No space left on device" in out["write"] and "step-00000001 is intact" in out["write"], out
+        assert ("No space left on device" in out["write"]
+                and "step-00000001 is intact" in out["write"]), out
         assert out["complete"] == ["step-00000001"]
     assert results[0]["folders"] == ["step-00000001"]  # the failed attempts left nothing behind

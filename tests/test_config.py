@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 # A sweep grid (configs/sweeps/grid.yaml: `base` + `variants` of overrides) is not a config itself:
 # every variant it lists is validated over its base instead (test_every_sweep_variant_validates).
-SWEEP_GRIDS = sorted(p for p in CONFIGS.glob("sweeps/*.yaml") if "variants" in (yaml.safe_load(p.read_text()) or {}))
+SWEEP_GRIDS = sorted(p for p in CONFIGS.glob("sweeps/*.yaml")
+                     if "variants" in (yaml.safe_load(p.read_text()) or {}))
 SHIPPED_YAML = sorted(p for p in CONFIGS.rglob("*.yaml") if p not in SWEEP_GRIDS)
 SWEEP_VARIANTS = [(grid, v["name"], v["overrides"]) for grid in SWEEP_GRIDS
                   for v in yaml.safe_load(grid.read_text())["variants"]]
@@ -48,11 +49,13 @@ def problems_of(excinfo) -> dict[str, str]:
 @pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_shipped_yaml_validates(path):
     cfg = validate_file(path)
-    full = "stage" in load_tree(path)  # a run config names its stage; base files (models/, common) do not
+    # a run config names its stage; base files (models/, common) do not
+    full = "stage" in load_tree(path)
     assert (cfg is not None) == full
 
 
-@pytest.mark.parametrize("grid,name,overrides", SWEEP_VARIANTS, ids=[f"{g.name}:{n}" for g, n, _ in SWEEP_VARIANTS])
+@pytest.mark.parametrize("grid,name,overrides", SWEEP_VARIANTS,
+                         ids=[f"{g.name}:{n}" for g, n, _ in SWEEP_VARIANTS])
 def test_every_sweep_variant_validates(grid, name, overrides, monkeypatch):
     """Each variant of a sweep grid is a valid pretrain config over the grid's base (40K steps x
     128 x 4K tokens, WSD 5e-4 -> 5e-5, 1K warm-up, 8K decay, wd 0.1), and fits 8 to 32 GPUs."""
@@ -62,10 +65,12 @@ def test_every_sweep_variant_validates(grid, name, overrides, monkeypatch):
     assert cfg.stage.name == "pretrain" and cfg.loss.objective == "ce" and cfg.pretrain.arch in name
     assert (cfg.data.seq_len, cfg.data.global_batch_size, cfg.total_steps) == (4096, 128, 40_000)
     assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.weight_decay) == (5e-4, 5e-5, 0.1)
-    assert (cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.schedule.decay_steps) == ("wsd", 1000, 8000)
+    assert ((cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.schedule.decay_steps)
+            == ("wsd", 1000, 8000))
     s = cfg.pretrain.model
-    assert (s.num_hidden_layers, s.hidden_size, s.intermediate_size, s.head_dim, s.num_attention_heads,
-            s.num_key_value_heads, s.vocab_size, s.rope_theta) == (28, 1024, 3072, 128, 16, 8, 50304, 50_000.0)
+    assert ((s.num_hidden_layers, s.hidden_size, s.intermediate_size, s.head_dim,
+             s.num_attention_heads, s.num_key_value_heads, s.vocab_size, s.rope_theta)
+            == (28, 1024, 3072, 128, 16, 8, 50304, 50_000.0))
     for world in (8, 16, 32):
         cfg.validate_against_world(world)
 
@@ -77,16 +82,19 @@ def test_stage_files_match_paper_and_fit_1_to_8_gpus(path, monkeypatch):
     stage = cfg.stage.name
     seq, batch, tokens = {"stage1": (512, 32, 320e6), "stage2": (512, 96, 1e9),
                           "stage3": (16384, 128, 1e9)}[stage]
-    assert (cfg.data.seq_len, cfg.data.global_batch_size, cfg.schedule.total_tokens) == (seq, batch, tokens)
+    assert ((cfg.data.seq_len, cfg.data.global_batch_size, cfg.schedule.total_tokens)
+            == (seq, batch, tokens))
     assert cfg.optim.betas == (0.9, 0.95) and cfg.optim.weight_decay == 0.0
     assert cfg.schedule.warmup_steps == 50 and cfg.optim.grad_clip == 1.0
     for world in (1, 2, 4, 8):
         layout = cfg.validate_against_world(world)
         ds = deepspeed_config(cfg, layout)
-        # ZeRO-3 everywhere except 2B stage 2, which compiles its layers (model.compile needs ZeRO <= 2)
+        # ZeRO-3 everywhere except 2B stage 2, which compiles its layers (model.compile needs ZeRO
+        # <= 2)
         zero = 1 if cfg.model.compile != "none" else 3
         assert ds["train_batch_size"] == batch and ds["zero_optimization"]["stage"] == zero
-    assert (cfg.model.compile != "none") == (path.relative_to(CONFIGS).as_posix() == "stages/2b/stage2.yaml")
+    assert (cfg.model.compile != "none") == (path.relative_to(CONFIGS).as_posix()
+                                             == "stages/2b/stage2.yaml")
 
 
 def test_paper_defaults_per_size(monkeypatch):
@@ -117,7 +125,8 @@ def test_unknown_keys_name_path_and_suggest():
 
 
 def test_unknown_override_and_nested_path():
-    with pytest.raises(ConfigError, match=r"schedule\.warmup_step: unknown key .*'schedule\.warmup_steps'"):
+    with pytest.raises(ConfigError,
+                       match=r"schedule\.warmup_step: unknown key .*'schedule\.warmup_steps'"):
         config_from_dict(minimal(), ["schedule.warmup_step=10"])
     with pytest.raises(ConfigError, match=r"model\.random_teacher\.hiden_size: unknown key"):
         load_config(TINY_STAGE2, ["model.random_teacher.hiden_size=64"])
@@ -126,7 +135,8 @@ def test_unknown_override_and_nested_path():
 def test_unknown_key_in_yaml_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(minimal(loss={"objectiv": "kl"})))
-    with pytest.raises(ConfigError, match=r"loss\.objectiv: unknown key \(did you mean 'loss\.objective'\?\)"):
+    with pytest.raises(ConfigError,
+                       match=r"loss\.objectiv: unknown key \(did you mean 'loss\.objective'\?\)"):
         load_config(path)
 
 
@@ -140,9 +150,11 @@ def test_unknown_key_in_a_base_file_names_that_file(tmp_path):
     with pytest.raises(ConfigError) as excinfo:
         load_config(tmp_path / "run.yaml")
     found = problems_of(excinfo)
-    assert "did you mean 'data.train'" in found["data.trian"] and str(tmp_path / "common.yaml") in found["data.trian"]
+    assert ("did you mean 'data.train'" in found["data.trian"]
+            and str(tmp_path / "common.yaml") in found["data.trian"])
     assert "base file" not in found["optim.lrr"]
-    with pytest.raises(ConfigError, match=r"data\.trian: unknown key .*in base file .*common\.yaml"):
+    with pytest.raises(ConfigError,
+                       match=r"data\.trian: unknown key .*in base file .*common\.yaml"):
         validate_file(tmp_path / "mid.yaml")
 
 
@@ -204,14 +216,15 @@ def test_missing_required_keys():
 @pytest.mark.parametrize("overrides, key, text", [
     (["parallel.sp_size=3"], "data.seq_len", "not divisible by parallel.sp_size=3"),
     (["data.micro_batch_size=7"], "data.global_batch_size", "not a multiple"),
-    (["stage.name=stage3", "loss.objective=reverse_kl"], "loss.objective", "stage3 trains with kl|ce"),
+    (["stage.name=stage3", "loss.objective=reverse_kl"],
+     "loss.objective", "stage3 trains with kl|ce"),
     (["stage.name=stage1"], "loss.objective", "stage1 trains with mse"),
     (["loss.kl_max_position=0"], "loss.kl_max_position", "must be > 0"),
-    (["stage.name=stage3", "loss.objective=ce", "loss.kl_max_position=8192"], "loss.kl_max_position", "objective is ce"),
+    (["stage.name=stage3", "loss.objective=ce", "loss.kl_max_position=8192"],
+     "loss.kl_max_position", "objective is ce"),
     (["logging.profile_at_step=-1"], "logging.profile_at_step", "must be >= 0"),
     (["logging.profile_steps=0"], "logging.profile_steps", "must be > 0"),
-    (["optim.lr=0"], "optim.lr", "must be > 0"),
-    (["optim.lr=-1e-4"], "optim.lr", "must be > 0"),
+    (["optim.lr=0"], "optim.lr", "must be > 0"), (["optim.lr=-1e-4"], "optim.lr", "must be > 0"),
     (["optim.min_lr=1e-3"], "optim.min_lr", "exceeds lr"),
     (["optim.betas=0.9,1.0"], "optim.betas", "[0, 1)"),
     (["schedule.total_tokens=1B"], "schedule.total_steps", "exactly one"),
@@ -235,13 +248,15 @@ def test_impossible_combinations(overrides, key, text):
     assert key in found and text in found[key], found
 
 
-@pytest.mark.parametrize("path", ["tiny/stage1.yaml", "tiny/stage2.yaml", "tiny/stage3.yaml", "opd/tiny.yaml"])
+@pytest.mark.parametrize("path", ["tiny/stage1.yaml", "tiny/stage2.yaml", "tiny/stage3.yaml",
+                                  "opd/tiny.yaml"])
 def test_model_pe_is_accepted_by_the_distillation_stages(path):
     assert load_config(CONFIGS / path, ["model.pe=all_rope"]).model.pe == "all_rope"
 
 
 def test_model_pe_is_still_refused_where_the_encoding_is_fixed():
-    with pytest.raises(ConfigError, match="model.pe: only pretrain.arch=hypenet chooses a position encoding"):
+    with pytest.raises(ConfigError,
+                       match="model.pe: only pretrain.arch=hypenet chooses a position encoding"):
         load_config(CONFIGS / "tiny" / "pretrain_transformer.yaml", ["model.pe=all_rope"])
 
 
@@ -251,7 +266,8 @@ TINY_PRETRAIN = CONFIGS / "tiny" / "pretrain_hypenet.yaml"
 
 
 def old_layout(tree: dict) -> dict:
-    """``tree`` (a pretrain config) with its pretrain section written into model: (arch, sliding_window, scratch)."""
+    """``tree`` (a pretrain config) with its pretrain section written into model: (arch,
+    sliding_window, scratch)."""
     tree = json.loads(json.dumps(tree))
     section = tree.pop("pretrain")
     tree["model"].update(arch=section["arch"], sliding_window=section.get("sliding_window"),
@@ -266,13 +282,16 @@ def test_a_config_with_the_pretrain_keys_under_model_says_where_they_moved(tmp_p
         load_config(path)
     found = problems_of(excinfo)
     assert found["model.arch"] == "unknown key: model.arch moved to pretrain.arch"
-    assert found["model.sliding_window"] == "unknown key: model.sliding_window moved to pretrain.sliding_window"
+    assert (found["model.sliding_window"] == "unknown key: model.sliding_window moved to "
+                                             "pretrain.sliding_window")
     assert found["model.scratch"] == "unknown key: model.scratch moved to pretrain.model"
     assert set(found) == {"model.arch", "model.sliding_window", "model.scratch"}, found
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({"model": {"scratch": {"hidden_size": 8}}}))
-    with pytest.raises(ConfigError, match=r"model\.scratch: unknown key: model\.scratch moved to pretrain\.model"):
+    with pytest.raises(ConfigError, match=r"model\.scratch: unknown key: model\.scratch moved to "
+                                          r"pretrain\.model"):
         validate_file(tmp_path / "base.yaml")  # a partial (base) file
-    with pytest.raises(ConfigError, match=r"model\.arch: unknown key: model\.arch moved to pretrain\.arch"):
+    with pytest.raises(ConfigError,
+                       match=r"model\.arch: unknown key: model\.arch moved to pretrain\.arch"):
         load_config(TINY_PRETRAIN, ["model.arch=swan"])  # an override that names the model: key
 
 
@@ -281,17 +300,17 @@ def test_the_pretrain_section_is_required_by_stage_pretrain_and_refused_elsewher
     del tree["pretrain"]
     with pytest.raises(ConfigError) as excinfo:
         config_from_dict(tree)
-    assert problems_of(excinfo) == {"pretrain": "stage pretrain needs this section: pretrain.arch (transformer "
-                                    "| swan | hypenet) and pretrain.model (the shape: vocab_size, "
-                                    "num_hidden_layers, ...)"}
+    assert problems_of(excinfo) == {"pretrain": "stage pretrain needs this section: pretrain.arch "
+                                                "(transformer | swan | hypenet) and pretrain.model "
+                                                "(the shape: vocab_size, num_hidden_layers, ...)"}
     pretrain = load_tree(TINY_PRETRAIN)["pretrain"]
     for path in ("tiny/stage1.yaml", "tiny/stage2.yaml", "tiny/stage3.yaml", "opd/tiny.yaml"):
         tree = load_tree(CONFIGS / path)
         with pytest.raises(ConfigError) as excinfo:
             config_from_dict({**tree, "pretrain": pretrain})
         stage = tree["stage"]["name"]
-        assert problems_of(excinfo) == {"pretrain": f"only used by stage pretrain (from scratch), not {stage}: "
-                                        "remove the section"}, path
+        assert problems_of(excinfo) == {"pretrain": "only used by stage pretrain (from scratch), "
+                                                    f"not {stage}: remove the section"}, path
 
 
 def test_the_pretrain_section_is_checked_against_the_model_section():
@@ -299,23 +318,28 @@ def test_the_pretrain_section_is_checked_against_the_model_section():
     p = cfg.pretrain
     assert (p.arch, p.sliding_window, p.model.num_hidden_layers) == ("hypenet", None, 4)
     for overrides, key, text in [
-        (["model.attn_layers=4"], "model.attn_layers", "layer 4 outside 0..3 (pretrain.model.num_hidden_layers=4)"),
-        (["pretrain.arch=swan", "model.pe=all_nope"], "model.pe", "only pretrain.arch=hypenet chooses"),
-        (["pretrain.sliding_window=0", "pretrain.arch=swan", "model.pe=null"], "pretrain.sliding_window",
-         "must be > 0"),
-        (["pretrain.model.num_attention_heads=3"], "pretrain.model.num_key_value_heads", "does not divide"),
+        (["model.attn_layers=4"], "model.attn_layers",
+         "layer 4 outside 0..3 (pretrain.model.num_hidden_layers=4)"),
+        (["pretrain.arch=swan", "model.pe=all_nope"], "model.pe",
+         "only pretrain.arch=hypenet chooses"), (["pretrain.sliding_window=0", "pretrain.arch=swan",
+                                                  "model.pe=null"], "pretrain.sliding_window",
+                                                 "must be > 0"),
+        (["pretrain.model.num_attention_heads=3"],
+         "pretrain.model.num_key_value_heads", "does not divide"),
         (["parallel.sp_size=8"], "parallel.sp_size", "does not divide num_attention_heads=4"),
     ]:
         with pytest.raises(ConfigError) as excinfo:
             load_config(TINY_PRETRAIN, overrides)
         found = problems_of(excinfo)
         assert key in found and text in found[key], (overrides, found)
-    swan = load_config(TINY_PRETRAIN, ["pretrain.arch=swan", "pretrain.sliding_window=16", "model.pe=null"])
+    swan = load_config(TINY_PRETRAIN,
+                       ["pretrain.arch=swan", "pretrain.sliding_window=16", "model.pe=null"])
     assert swan.pretrain.sliding_window == 16
 
 
 def test_sp_must_divide_random_teacher_heads():
-    with pytest.raises(ConfigError, match=r"parallel\.sp_size: 8 does not divide num_attention_heads=4"):
+    with pytest.raises(ConfigError,
+                       match=r"parallel\.sp_size: 8 does not divide num_attention_heads=4"):
         load_config(TINY_STAGE2, ["parallel.sp_size=8"])
 
 
@@ -325,8 +349,8 @@ def test_validate_against_world():
     assert (layout.dp_size, layout.grad_accum_steps, layout.tokens_per_step) == (4, 2, 96 * 512)
     sp = with_overrides(cfg, ["parallel.sp_size=2"]).validate_against_world(8)
     assert (sp.dp_size, sp.sp_size, sp.grad_accum_steps) == (4, 2, 2)
-    with pytest.raises(ConfigError, match=r"96 must equal micro_batch_size \(12\) x grad_accum x dp \(5\).*"
-                                          r"global_batch_size 60 or 120"):
+    with pytest.raises(ConfigError, match=r"96 must equal micro_batch_size \(12\) x grad_accum x "
+                                          r"dp \(5\).*global_batch_size 60 or 120"):
         cfg.validate_against_world(5)
     with pytest.raises(ConfigError, match=r"parallel\.sp_size: 2 does not divide the world size 3"):
         with_overrides(cfg, ["parallel.sp_size=2"]).validate_against_world(3)
@@ -348,7 +372,8 @@ def test_fit_micro_batch_keeps_the_global_batch():
             continue
         fitted = fit_to_world(fit, world)
         layout = fitted.validate_against_world(world)
-        assert (layout.micro_batch_size, layout.grad_accum_steps, layout.global_batch_size) == (micro, accum, 96)
+        assert ((layout.micro_batch_size, layout.grad_accum_steps, layout.global_batch_size)
+                == (micro, accum, 96))
         assert fitted.data.micro_batch_size == micro and fitted.optim == fit.optim
     assert "micro batch 12 -> 6 on 16 ranks (global batch 96 unchanged)" in describe(fit, 16)
     assert "x sp 2; global batch 96 = micro 12 x grad_accum 1 x dp 8" in describe(
@@ -439,7 +464,8 @@ def test_describe_shows_derived_values():
 def test_deepspeed_json_conflicts_and_comments(tmp_path):
     cfg = config_from_dict(minimal())
     layout = cfg.validate_against_world(2)
-    ds = deepspeed_config(cfg, layout, {"_comment": "x", "zero_optimization": {"overlap_comm": True}})
+    ds = deepspeed_config(cfg, layout,
+                          {"_comment": "x", "zero_optimization": {"overlap_comm": True}})
     assert ds["gradient_accumulation_steps"] == 4 and ds["zero_optimization"] == {
         "stage": 3, "overlap_comm": True}
     with pytest.raises(ConfigError) as excinfo:
@@ -467,15 +493,18 @@ def test_teacher_depth_check_is_offline(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28}))
     assert offline_teacher_depth(str(tmp_path)) == 28
     assert teacher_depth_problem(str(tmp_path), 28) is None
-    assert "has 28 layers but the stage configs are sized for a 36-layer teacher" in teacher_depth_problem(str(tmp_path), 36)
-    assert offline_teacher_depth("nobody-here/not-a-cached-model") is None  # would need the network: no verdict
+    assert ("has 28 layers but the stage configs are sized for a 36-layer "
+            "teacher" in teacher_depth_problem(str(tmp_path), 36))
+    # would need the network: no verdict
+    assert offline_teacher_depth("nobody-here/not-a-cached-model") is None
     assert teacher_depth_problem("nobody-here/not-a-cached-model", 36) is None
     assert offline_teacher_depth("not a repo id!") is None
 
 
 def test_tiny_configs_read_what_the_readme_data_prep_writes():
-    """configs/tiny/*'s default data.train is the --out of the README's offline data prep command (the
-    manifest folder tokenize writes), so the README's CPU commands run without a data.train override."""
+    """configs/tiny/*'s default data.train is the --out of the README's offline data prep command
+    (the manifest folder tokenize writes), so the README's CPU commands run without a data.train
+    override."""
     import re
 
     readme = (REPO / "README.md").read_text()

@@ -55,7 +55,8 @@ def test_truncated_shard(data):
     with pytest.raises(DataError, match="manifest says") as e:
         build_loader(data, 128, 2)
     assert e.value.file.endswith("shard-000001.tar") and e.value.key == "bytes"
-    with pytest.raises(DataError, match="truncated tar") as e:  # without a manifest: structure check
+    # without a manifest: structure check
+    with pytest.raises(DataError, match="truncated tar") as e:
         scan_shard(p)
     assert e.value.file.endswith("shard-000001.tar")
     with pytest.raises(DataError, match="truncated tar"):
@@ -65,7 +66,8 @@ def test_truncated_shard(data):
 def test_corrupt_tar_header(data):
     p = data / "train" / "shard-000002.tar"
     _flip(p, 10)  # inside the first member's name: header checksum breaks, size unchanged
-    ld = build_loader(data, 128, 2, shuffle=False)  # size check passes; structure is checked on first use
+    # size check passes; structure is checked on first use
+    ld = build_loader(data, 128, 2, shuffle=False)
     with pytest.raises(DataError, match="checksum mismatch") as e:
         _iterate(ld)
     assert e.value.file.endswith("shard-000002.tar")
@@ -228,7 +230,8 @@ def test_atomic_writes_never_clobber(tmp_path):
     atomic_write_json(j, {"a": 1})
     with pytest.raises(TypeError):
         atomic_write_json(j, {"a": object()})
-    assert json.loads(j.read_text()) == {"a": 1} and sorted(x.name for x in tmp_path.iterdir()) == ["m.json", p.name]
+    assert (json.loads(j.read_text()) == {"a": 1}
+            and sorted(x.name for x in tmp_path.iterdir()) == ["m.json", p.name])
 
 
 def test_verify_share_splits_the_shards_over_ranks_and_names_the_bad_one(data):
@@ -237,5 +240,6 @@ def test_verify_share_splits_the_shards_over_ranks_and_names_the_bad_one(data):
     shards, _ = resolve_shards(data)
     _flip(data / "train" / "shard-000002.tar", 512 + 200)
     found = [verify_share(data, "train", rank, 3) for rank in range(3)]
-    assert [len(f) for f in found] == [0, 0, 1] and "shard-000002.tar" in found[2][0] and "sha256" in found[2][0]
+    assert ([len(f) for f in found] == [0, 0, 1] and "shard-000002.tar" in found[2][0]
+            and "sha256" in found[2][0])
     assert len(shards) > 3  # every rank had a share; together they cover each shard once

@@ -1,4 +1,5 @@
-"""Packed loader: packing/boundaries, round trip, determinism, DP/worker splits, resume, SP slicing."""
+"""Packed loader: packing/boundaries, round trip, determinism, DP/worker splits, resume, SP
+slicing."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from data_fixtures import qwen_tokenizer, wiki_dataset, wiki_docs
-from halo_dist.data import DataError, build_loader, check_tokenizer, load_manifest, pack_batch, scan_shard
+from halo_dist.data import (DataError, build_loader, check_tokenizer, load_manifest, pack_batch,
+                            scan_shard)
 from halo_dist.data.shards import ShardReader
 
 EOS = 151643
@@ -96,7 +98,8 @@ def test_round_trip_and_boundaries():
     starts = set(np.cumsum([0] + [len(s) for s in samples]).tolist())
     for i, b in enumerate(batches):
         base = i * B * L
-        want = sorted({s - base for s in starts if base <= s < base + B * L} | set(range(0, B * L, L)))
+        want = sorted({s - base for s in starts if base <= s < base + B * L}
+                      | set(range(0, B * L, L)))
         assert b["cu_seqlens"][:-1].tolist() == want
     tok = qwen_tokenizer()
     check_tokenizer(d, tok)
@@ -135,7 +138,8 @@ def test_dp_split_equal_counts_disjoint_rows():
     d = wiki_dataset()
     L, B, dp = 128, 2, 3
     glob = _rows(list(build_loader(d, L, 1, seed=5, max_epochs=1)))  # global row sequence
-    ranks = [list(build_loader(d, L, B, dp_rank=r, dp_size=dp, seed=5, max_epochs=1)) for r in range(dp)]
+    ranks = [list(build_loader(d, L, B, dp_rank=r, dp_size=dp, seed=5, max_epochs=1))
+             for r in range(dp)]
     n = len(ranks[0])
     assert n == len(build_loader(d, L, B, dp_rank=1, dp_size=dp, seed=5)) > 0
     assert all(len(r) == n for r in ranks)  # same number of batches on every rank
@@ -226,7 +230,8 @@ def test_sp_slicing():
         for r in range(sp):
             p = parts[r][s]
             assert p["sp_rank"] == r and p["sp_size"] == sp and p["input_ids"].shape == (B, L // sp)
-            assert torch.equal(p["cu_seqlens"], full[s]["cu_seqlens"]) and p["max_seqlen"] == full[s]["max_seqlen"]
+            assert (torch.equal(p["cu_seqlens"], full[s]["cu_seqlens"])
+                    and p["max_seqlen"] == full[s]["max_seqlen"])
         for k in ("input_ids", "position_ids", "labels"):
             assert torch.equal(torch.cat([parts[r][s][k] for r in range(sp)], dim=1), full[s][k])
     with pytest.raises(ValueError, match="not divisible by sp_size 3"):

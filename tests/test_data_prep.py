@@ -1,4 +1,5 @@
-"""data_prep.tokenize: text -> shards -> manifest; determinism, resume, splits, inputs, bad input."""
+"""data_prep.tokenize: text -> shards -> manifest; determinism, resume, splits, inputs, bad
+input."""
 from __future__ import annotations
 
 import gzip
@@ -72,14 +73,14 @@ def test_deterministic_and_num_proc_independent(tmp_path):
 
 
 def test_heldout_budget_and_pieces(tmp_path):
-    m = run_prep(tmp_path / "o", max_docs=300, shard_tokens=3000, heldout_fraction=0.1, max_tokens=8000,
-                 max_doc_tokens=64)
+    m = run_prep(tmp_path / "o", max_docs=300, shard_tokens=3000, heldout_fraction=0.1,
+                 max_tokens=8000, max_doc_tokens=64)
     tr, ho = m["splits"]["train"], m["splits"]["heldout"]
     assert 8000 <= tr["tokens"] < 8000 + 64 * 50 and ho["docs"] > 0
     assert tr["samples"] > tr["docs"]  # long docs became pieces
     import webdataset as wds
-    metas = [s for s in wds.WebDataset(str(tmp_path / "o" / tr["shards"][0]["path"]), shardshuffle=False).decode()
-             if "piece.json" in s]
+    metas = [s for s in wds.WebDataset(str(tmp_path / "o" / tr["shards"][0]["path"]),
+                                       shardshuffle=False).decode() if "piece.json" in s]
     assert metas, "expected split documents"
     by_doc = {}
     for s in metas:
@@ -115,12 +116,14 @@ def test_crash_then_resume_is_identical(tmp_path, monkeypatch):
     monkeypatch.setattr(T.SplitWriter, "add", real_add)
     part = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert not part["complete"] and part["totals"]["shards"] >= 2
-    assert not [p for p in (tmp_path / "run").rglob("*") if ".tmp-" in p.name]  # no half-written file
+    # no half-written file
+    assert not [p for p in (tmp_path / "run").rglob("*") if ".tmp-" in p.name]
     done = {s["path"]: (tmp_path / "run" / s["path"]).stat().st_mtime_ns
             for sp in part["splits"].values() for s in sp["shards"]}
     m = run_prep(tmp_path / "run", **kw)
     assert m["complete"] and m["splits"] == ref["splits"]
-    assert {k: v for k, v in m.items() if k != "args"} == {k: v for k, v in ref.items() if k != "args"}
+    assert {k: v for k, v in m.items() if k != "args"} == {k: v
+                                                           for k, v in ref.items() if k != "args"}
     assert _shard_bytes(tmp_path / "run") == _shard_bytes(tmp_path / "ref")
     for path, mtime in done.items():  # finished shards were kept, not rewritten
         assert (tmp_path / "run" / path).stat().st_mtime_ns == mtime
@@ -217,7 +220,8 @@ def test_empty_documents_skipped(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", ["alpha beta", "", "   ", "gamma"])
     m = run_prep(tmp_path / "o", input=[str(p)])
     assert m["totals"]["docs"] == 2 and m["totals"]["empty_docs_skipped"] == 2
-    assert m["splits"]["train"]["shards"][0]["first_doc"] == 0 and m["splits"]["train"]["shards"][0]["last_doc"] == 3
+    assert (m["splits"]["train"]["shards"][0]["first_doc"] == 0
+            and m["splits"]["train"]["shards"][0]["last_doc"] == 3)
 
 
 def test_cli_help_and_run(tmp_path, capsys):
@@ -226,14 +230,16 @@ def test_cli_help_and_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as ex:
         main(["--help"])
     out = capsys.readouterr().out
-    assert ex.value.code == 0 and "--wiki-offline" in out and "Examples" in out and "--max-tokens 1B" in out
+    assert (ex.value.code == 0 and "--wiki-offline" in out and "Examples" in out
+            and "--max-tokens 1B" in out)
     assert main(["--input", str(tmp_path / "nope.jsonl"), "--tokenizer", "offline-qwen3",
                  "--out", str(tmp_path / "o2"), "--no-progress"]) == 2
     # the real entry point, as users type it
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     src = write_jsonl(tmp_path / "d.jsonl", wiki_docs(10))
-    r = subprocess.run([sys.executable, "-m", "data_prep.tokenize", "--input", str(src), "--tokenizer",
-                        "offline-qwen3", "--out", str(tmp_path / "o"), "--no-progress", "--num-proc", "1"],
+    r = subprocess.run([sys.executable, "-m", "data_prep.tokenize", "--input",
+                        str(src), "--tokenizer", "offline-qwen3", "--out",
+                        str(tmp_path / "o"), "--no-progress", "--num-proc", "1"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "10 docs" in r.stdout and (tmp_path / "o" / "train" / "shard-000000.tar").is_file()
@@ -248,10 +254,12 @@ def test_any_hf_tokenizer_folder_uint16(tmp_path):
     vocab = {"<unk>": 0, "<eos>": 1, "hello": 2, "world": 3}
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
     src = write_jsonl(tmp_path / "d.jsonl", ["hello world"] * 30 + ["world hello hello"] * 30)
     m = run_prep(tmp_path / "o", input=[str(src)], tokenizer=str(tmp_path / "tok"))
-    assert m["dtype"] == "uint16" and m["tokenizer"]["eos_id"] == 1 and m["tokenizer"]["eos_token"] == "<eos>"
+    assert (m["dtype"] == "uint16" and m["tokenizer"]["eos_id"] == 1
+            and m["tokenizer"]["eos_token"] == "<eos>")
     b = next(iter(build_loader(tmp_path / "o", 6, 2, shuffle=False)))
     assert b["input_ids"].tolist() == [[2, 3, 1, 2, 3, 1], [2, 3, 1, 2, 3, 1]]
     assert b["labels"].tolist()[0] == [3, 1, -100, 3, 1, -100]
@@ -272,8 +280,8 @@ def test_manifest_counts_each_input_file_and_survives_resume(tmp_path, monkeypat
     import data_prep.tokenize as T
 
     texts = wiki_docs(160)
-    files = [write_jsonl(tmp_path / "in" / "a.jsonl", texts[:60]), write_jsonl(tmp_path / "in" / "sub" / "b.jsonl",
-                                                                               ["", *texts[60:]])]
+    files = [write_jsonl(tmp_path / "in" / "a.jsonl", texts[:60]),
+             write_jsonl(tmp_path / "in" / "sub" / "b.jsonl", ["", *texts[60:]])]
     kw = dict(input=[str(f) for f in files], shard_tokens=2500, heldout_fraction=0.1)
     ref = run_prep(tmp_path / "ref", **kw)
     for split in ("train", "heldout"):
@@ -282,7 +290,9 @@ def test_manifest_counts_each_input_file_and_survives_resume(tmp_path, monkeypat
         assert sum(c["tokens"] for c in sp["sources"].values()) == sp["tokens"]
         assert sum(c["docs"] for c in sp["sources"].values()) == sp["docs"]
     assert sum(ref["splits"][s]["sources"]["a.jsonl"]["docs"] for s in ("train", "heldout")) == 60
-    assert sum(ref["splits"][s]["sources"]["sub/b.jsonl"]["docs"] for s in ("train", "heldout")) == 100  # "" skipped
+    # "" skipped
+    assert (sum(ref["splits"][s]["sources"]["sub/b.jsonl"]["docs"] for s in ("train", "heldout"))
+            == 100)
     tok = qwen_tokenizer()
     a_tokens = sum(len(tok(t)["input_ids"]) + 1 for i, t in enumerate(texts[:60])
                    if not T.is_heldout(i, 0.1, 0))
@@ -303,4 +313,5 @@ def test_manifest_counts_each_input_file_and_survives_resume(tmp_path, monkeypat
     part = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert not part["complete"] and "a.jsonl" in part["splits"]["train"]["sources"]
     m = run_prep(tmp_path / "run", **kw)
-    assert {k: v for k, v in m.items() if k != "args"} == {k: v for k, v in ref.items() if k != "args"}
+    assert {k: v for k, v in m.items() if k != "args"} == {k: v
+                                                           for k, v in ref.items() if k != "args"}

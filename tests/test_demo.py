@@ -25,12 +25,16 @@ def test_demo_tiny_runs_every_step_and_writes_the_report(tmp_path, smollm2_dir):
     for section in ("## Training", "## Needle in a haystack", "## Commonsense"):
         assert section in report
     pictures = sorted(p.name for p in (out / "report").glob("*.png"))
-    assert {"stage1_loss.png", "stage2_loss.png", "stage3_loss.png", "csr.png"} <= set(pictures), pictures
-    assert any(name.startswith("niah_student") for name in pictures) and any(name.startswith("niah_teacher") for name in pictures)
-    assert (out / "hypenet" / "modeling_hypenet.py").exists() and (out / "hypenet" / "tokenizer_config.json").exists()
+    assert {"stage1_loss.png", "stage2_loss.png", "stage3_loss.png",
+            "csr.png"} <= set(pictures), pictures
+    assert (any(name.startswith("niah_student") for name in pictures)
+            and any(name.startswith("niah_teacher") for name in pictures))
+    assert ((out / "hypenet" / "modeling_hypenet.py").exists()
+            and (out / "hypenet" / "tokenizer_config.json").exists())
     assert list((out / "stage2" / "tb").glob("events.*"))  # TensorBoard logs
     # finished stages drop their resumable checkpoints (GBs of optimizer state each)
-    assert not any((out / stage / "checkpoints").exists() for stage in ("stage1", "stage2", "stage3"))
+    assert not any((out / stage / "checkpoints").exists()
+                   for stage in ("stage1", "stage2", "stage3"))
     # a second invocation skips every finished step
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert again.returncode == 0 and again.stdout.count("already done") >= 8, again.stdout[-2000:]
@@ -48,7 +52,8 @@ def _stage_dir(root: Path, stage: str, done: bool) -> Path:
 def test_demo_prunes_only_finished_stages_checkpoints(tmp_path, keep):
     from halo_dist.demo import Demo, DemoSettings
 
-    finished, running = _stage_dir(tmp_path, "stage1", done=True), _stage_dir(tmp_path, "stage2", done=False)
+    finished, running = (_stage_dir(tmp_path, "stage1", done=True),
+                         _stage_dir(tmp_path, "stage2", done=False))
     demo = Demo(DemoSettings(out=str(tmp_path), keep_checkpoints=keep))
     demo.prune_checkpoints("stage1")
     demo.prune_checkpoints("stage2")
@@ -70,7 +75,8 @@ def test_demo_boolean_flags_parse_both_ways():
 
 
 def test_demo_help_lists_every_setting():
-    res = subprocess.run([sys.executable, "-m", "halo_dist.cli", "demo", "--help"], capture_output=True, text=True, cwd=REPO)
+    res = subprocess.run([sys.executable, "-m", "halo_dist.cli", "demo", "--help"],
+                         capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 0
     for flag in ("--preset", "--stage2-steps", "--niah-lengths", "--csr-limit", "--out", "--pe"):
         assert flag in res.stdout
@@ -99,7 +105,8 @@ def test_deadline_stops_a_running_step_gently_and_the_next_piece_continues(tmp_p
     finish = f"import pathlib; pathlib.Path({str(done)!r}).write_text('ok')"
     demo2.run_together([("stage", [sys.executable, "-c", finish], done),
                         ("other", [sys.executable, "-c", "pass"], tmp_path / "other_done")])
-    demo2.run("stage", [sys.executable, "-c", "raise SystemExit(9)"], done)  # done: skipped, not run
+    # done: skipped, not run
+    demo2.run("stage", [sys.executable, "-c", "raise SystemExit(9)"], done)
     import json
 
     timings = json.loads((tmp_path / "timings.json").read_text())
@@ -108,9 +115,10 @@ def test_deadline_stops_a_running_step_gently_and_the_next_piece_continues(tmp_p
 
 
 def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp_path, monkeypatch):
-    """The teacher's evaluation (``teacher_eval: with-stages``) runs while the stages do: a foreground step
-    finishes while it runs; join waits for it and records its window; a failed one stops the demo with
-    its log; at the deadline it is stopped and the next piece starts it again."""
+    """The teacher's evaluation (``teacher_eval: with-stages``) runs while the stages do: a
+    foreground step finishes while it runs; join waits for it and records its window; a failed one
+    stops the demo with its log; at the deadline it is stopped and the next piece starts it
+    again."""
     import json
 
     import halo_dist.demo as demo_module
@@ -123,7 +131,8 @@ def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp
 
     t0 = time.time()
     demo.start_background("bg", [sys.executable, "-c", slow], done)
-    demo.run("fg", [sys.executable, "-c", f"import pathlib; pathlib.Path({str(tmp_path / 'fg')!r}).write_text('ok')"],
+    demo.run("fg", [sys.executable, "-c",
+                    f"import pathlib; pathlib.Path({str(tmp_path / 'fg')!r}).write_text('ok')"],
              tmp_path / "fg")
     assert not done.exists()  # the foreground step did not wait for the background one
     demo.run("fg2", [sys.executable, "-c", "import time; time.sleep(4)"], tmp_path / "fg2_done")
@@ -132,24 +141,29 @@ def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp
     assert done.exists() and not demo.background
     window = json.loads((tmp_path / "background.json").read_text())[-1]
     # the window ends when the step exited (noticed during fg2), not when join_background looked
-    assert window["name"] == "bg" and 1.4 <= window["end"] - window["start"] < 3.5 and window["start"] >= t0
-    demo.start_background("bg", [sys.executable, "-c", "raise SystemExit(5)"], done)  # done: not started
+    assert (window["name"] == "bg" and 1.4 <= window["end"] - window["start"] < 3.5
+            and window["start"] >= t0)
+    # done: not started
+    demo.start_background("bg", [sys.executable, "-c", "raise SystemExit(5)"], done)
     assert not demo.background
 
-    demo.start_background("bad", [sys.executable, "-c", "print('boom'); raise SystemExit(7)"], tmp_path / "never")
+    demo.start_background("bad", [sys.executable, "-c", "print('boom'); raise SystemExit(7)"],
+                          tmp_path / "never")
     with pytest.raises(DemoStepError, match=r"step bad failed \(exit 7\)(.|\n)*boom"):
         demo.join_background()
 
     monkeypatch.setattr(demo_module, "STOP_GRACE_S", 5.0)
     paused = Demo(DemoSettings(out=str(tmp_path), deadline_s=1.0))
-    paused.start_background("long", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "long_done")
+    paused.start_background("long", [sys.executable, "-c", "import time; time.sleep(60)"],
+                            tmp_path / "long_done")
     proc = paused.background["long"][0]
     with pytest.raises(DemoPaused, match="stopped long"):
         paused.join_background()
     assert proc.poll() is not None and not paused.background  # stopped, not left running
 
     leftover = Demo(DemoSettings(out=str(tmp_path)))
-    leftover.start_background("orphan", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "o_done")
+    leftover.start_background("orphan", [sys.executable, "-c", "import time; time.sleep(60)"],
+                              tmp_path / "o_done")
     proc = leftover.background["orphan"][0]
     leftover.stop_background()  # what main() does when a step fails or the demo pauses
     assert proc.poll() is not None
@@ -158,19 +172,22 @@ def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp
 
 
 def test_pe_setting_reaches_the_stage1_and_stage2_launchers_only(tmp_path):
-    """--pe all_rope (the HyPE ablation) is stages 1-2's model.pe; stage 3 inherits the stage-2 folder's."""
+    """--pe all_rope (the HyPE ablation) is stages 1-2's model.pe; stage 3 inherits the stage-2
+    folder's."""
     from halo_dist.config import load_config
     from halo_dist.demo import Demo, DemoSettings, DemoStepError
 
     stages = ("stage1", "stage2", "stage3")
     demo = Demo(DemoSettings(out=str(tmp_path), pe="all_rope"))
-    given = {stage: [a for a in demo.launcher(stage) if a.startswith("model.pe=")] for stage in stages}
+    given = {stage: [a for a in demo.launcher(stage) if a.startswith("model.pe=")]
+             for stage in stages}
     assert given == {"stage1": ["model.pe=all_rope"], "stage2": ["model.pe=all_rope"], "stage3": []}
     cmd = demo.launcher("stage2")
     config_at = cmd.index("--config") + 1
     loaded = load_config(cmd[config_at], cmd[config_at + 1:])
     assert loaded.model.pe == "all_rope"  # the launcher accepts it
-    assert loaded.model.logits_scaling_a is None  # RoPE attention trains as the teacher's did, unscaled
+    # RoPE attention trains as the teacher's did, unscaled
+    assert loaded.model.logits_scaling_a is None
     default = Demo(DemoSettings(out=str(tmp_path)))
     assert not [a for stage in stages for a in default.launcher(stage) if a.startswith("model.pe=")]
     with pytest.raises(DemoStepError, match="--pe 'rope': choose one of hype, all_rope, all_nope"):
@@ -182,7 +199,8 @@ def test_teacher_eval_setting_is_validated():
 
     with pytest.raises(DemoStepError, match="--teacher-eval 'later'"):
         Demo(DemoSettings(teacher_eval="later"))
-    assert DemoSettings.h200("x").teacher_eval == "with-stages" and DemoSettings.tiny("x").teacher_eval == "at-end"
+    assert (DemoSettings.h200("x").teacher_eval == "with-stages"
+            and DemoSettings.tiny("x").teacher_eval == "at-end")
 
 
 def test_loss_backend_setting_reaches_the_kl_stages_only(tmp_path):
@@ -190,46 +208,52 @@ def test_loss_backend_setting_reaches_the_kl_stages_only(tmp_path):
     from halo_dist.demo import Demo, DemoSettings
 
     demo = Demo(DemoSettings(out=str(tmp_path), loss_backend="compiled"))
-    given = {st: [a for a in demo.launcher(st) if a.startswith("loss.backend=")] for st in ("stage1", "stage2", "stage3")}
-    assert given == {"stage1": [], "stage2": ["loss.backend=compiled"], "stage3": ["loss.backend=compiled"]}
+    given = {st: [a for a in demo.launcher(st) if a.startswith("loss.backend=")]
+             for st in ("stage1", "stage2", "stage3")}
+    assert given == {"stage1": [], "stage2": ["loss.backend=compiled"],
+                     "stage3": ["loss.backend=compiled"]}
     cmd = demo.launcher("stage3")
-    assert load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:]).loss.backend == "compiled"
+    assert load_config(cmd[cmd.index("--config") + 1],
+                       cmd[cmd.index("--config") + 2:]).loss.backend == "compiled"
 
 
 def test_stages_skip_the_final_checkpoint_the_demo_would_delete(tmp_path):
-    """Checkpoints are pruned once a stage's export exists, so the stages write no final one unless kept."""
+    """Checkpoints are pruned once a stage's export exists, so the stages write no final one unless
+    kept."""
     from halo_dist.config import load_config
     from halo_dist.demo import Demo, DemoSettings
 
     for keep, expected in ((False, False), (True, True)):
         cmd = Demo(DemoSettings(out=str(tmp_path), keep_checkpoints=keep)).launcher("stage2")
-        assert load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:]).checkpoint.save_final is expected
+        assert load_config(cmd[cmd.index("--config") + 1],
+                           cmd[cmd.index("--config") + 2:]).checkpoint.save_final is expected
 
 
 def test_teacher_eval_none_evaluates_only_the_student(tmp_path):
     from halo_dist.demo import Demo, DemoSettings
 
-    steps = Demo(DemoSettings(out=str(tmp_path), teacher_eval="none")).final_evals("TEACHER", "STUDENT", "DATA")
+    steps = Demo(DemoSettings(out=str(tmp_path),
+                              teacher_eval="none")).final_evals("TEACHER", "STUDENT", "DATA")
     assert [name for name, _, _ in steps] == ["eval-student"]
 
 
 def test_given_attention_layers_skip_the_selection_and_bad_ones_are_refused(tmp_path):
-    """--attn-layers (an ablation keeping another run's layers) skips select-layers; a list that stage 2
-    would refuse minutes later is refused before anything runs."""
+    """--attn-layers (an ablation keeping another run's layers) skips select-layers; a list that
+    stage 2 would refuse minutes later is refused before anything runs."""
     from halo_dist.demo import Demo, DemoSettings, DemoStepError
 
     demo = Demo(DemoSettings(out=str(tmp_path), num_attn=3, attn_layers="19,7,18"))
     assert demo.attention_layers("TEACHER", "DATA") == [7, 18, 19]
     assert not (tmp_path / "logs").exists()  # no step ran
-    for bad, why in (("7,18", "expected 3 distinct"), ("7,7,18", "expected 3 distinct"), ("7,18,30", "0..29"),
-                     ("7;18;19", "comma-separated")):
+    for bad, why in (("7,18", "expected 3 distinct"), ("7,7,18", "expected 3 distinct"),
+                     ("7,18,30", "0..29"), ("7;18;19", "comma-separated")):
         with pytest.raises(DemoStepError, match=why):
             Demo(DemoSettings(out=str(tmp_path), num_attn=3, attn_layers=bad))
 
 
 def test_a_step_that_finished_as_the_deadline_came_counts_as_done(tmp_path, monkeypatch):
-    """SIGTERM at the deadline reached a stage after its last step and export (it wrote DONE and exited 0):
-    the demo goes on to the next step instead of reporting a pause."""
+    """SIGTERM at the deadline reached a stage after its last step and export (it wrote DONE and
+    exited 0): the demo goes on to the next step instead of reporting a pause."""
     import halo_dist.demo as demo_module
     from halo_dist.demo import Demo, DemoSettings
 
@@ -238,19 +262,22 @@ def test_a_step_that_finished_as_the_deadline_came_counts_as_done(tmp_path, monk
     finisher = ("import signal, sys, time, pathlib\n"
                 "def stop(*_):\n    pathlib.Path(sys.argv[1]).write_text('ok'); sys.exit(0)\n"
                 "signal.signal(signal.SIGTERM, stop)\ntime.sleep(60)\n")
-    Demo(DemoSettings(out=str(tmp_path), deadline_s=1.0)).run("stage", [sys.executable, "-c", finisher, str(done)],
-                                                               done, stage=True)
+    Demo(DemoSettings(out=str(tmp_path), deadline_s=1.0)).run("stage", [sys.executable, "-c",
+                                                                        finisher, str(done)],
+                                                              done, stage=True)
     assert done.read_text() == "ok"
 
 
 def test_split_student_evaluation_runs_niah_and_csr_as_two_suites_with_their_own_markers(tmp_path):
-    """split_student_eval: the student's NIAH and its CSR + perplexity run as two processes into one folder;
-    each part is asked of exactly one of them and each writes its own marker. The h200 preset (the teacher ran
-    alongside the stages) keeps one suite: on one GPU NIAH's decode beside CSR's batches is slow."""
+    """split_student_eval: the student's NIAH and its CSR + perplexity run as two processes into one
+    folder; each part is asked of exactly one of them and each writes its own marker. The h200
+    preset (the teacher ran alongside the stages) keeps one suite: on one GPU NIAH's decode beside
+    CSR's batches is slow."""
     from halo_dist.demo import Demo, DemoSettings
 
     settings = DemoSettings.h200(str(tmp_path))
-    assert [name for name, _, _ in Demo(settings).final_evals("TEACHER", "STUDENT", "DATA")] == ["eval-student"]
+    assert ([name for name, _, _ in Demo(settings).final_evals("TEACHER", "STUDENT", "DATA")]
+            == ["eval-student"])
     settings.split_student_eval = True
     steps = Demo(settings).final_evals("TEACHER", "STUDENT", "DATA")
     assert [name for name, _, _ in steps] == ["eval-student-niah", "eval-student-csr"]
@@ -259,30 +286,36 @@ def test_split_student_evaluation_runs_niah_and_csr_as_two_suites_with_their_own
         return cmd[cmd.index(name) + 1] if name in cmd else None
 
     (_, niah, niah_done), (_, csr, csr_done) = steps
-    assert flag(niah, "--niah-lengths") == "2K,4K,8K,16K,32K,64K" and flag(niah, "--csr-tasks") == ""
-    assert flag(niah, "--ppl-data") is None and flag(niah, "--done-marker") == "DONE.niah" == niah_done.name
+    assert (flag(niah, "--niah-lengths") == "2K,4K,8K,16K,32K,64K"
+            and flag(niah, "--csr-tasks") == "")
+    assert (flag(niah, "--ppl-data") is None
+            and flag(niah, "--done-marker") == "DONE.niah" == niah_done.name)
     assert flag(csr, "--niah-lengths") == "" and "winogrande" in flag(csr, "--csr-tasks")
-    assert flag(csr, "--ppl-data") == "DATA" and flag(csr, "--done-marker") == "DONE.csr" == csr_done.name
+    assert (flag(csr, "--ppl-data") == "DATA"
+            and flag(csr, "--done-marker") == "DONE.csr" == csr_done.name)
     assert niah_done.parent == csr_done.parent == tmp_path.resolve() / "eval" / "student"
     together = Demo(DemoSettings(out=str(tmp_path))).final_evals("TEACHER", "STUDENT", "DATA")
     assert [name for name, _, _ in together] == ["eval-student", "eval-teacher"]
 
 
 def test_pause_after_a_step_ends_the_piece_there_and_names_are_checked(tmp_path):
-    """--pause-after ends a piece once that step has run (not when it was already done), so a piece can
-    end between stages; an unknown step name is refused up front, not ignored."""
+    """--pause-after ends a piece once that step has run (not when it was already done), so a piece
+    can end between stages; an unknown step name is refused up front, not ignored."""
     from halo_dist.demo import Demo, DemoPaused, DemoSettings, DemoStepError
 
     demo = Demo(DemoSettings(out=str(tmp_path), pause_after="select-layers"))
     done = tmp_path / "selection.json"
     demo.run("stage1", [sys.executable, "-c", "pass"], tmp_path / "s1")  # another step: no pause
     with pytest.raises(DemoPaused, match="paused after select-layers"):
-        demo.run("select-layers", [sys.executable, "-c", f"open({str(done)!r}, 'w').write('{{}}')"], done)
-    demo.run("select-layers", [sys.executable, "-c", "raise SystemExit(9)"], done)  # done: skipped, no pause
+        demo.run("select-layers", [sys.executable, "-c", f"open({str(done)!r}, 'w').write('{{}}')"],
+                 done)
+    # done: skipped, no pause
+    demo.run("select-layers", [sys.executable, "-c", "raise SystemExit(9)"], done)
     # a background step still running when the pause comes finishes first instead of being stopped
     slow = tmp_path / "background_done"
     demo = Demo(DemoSettings(out=str(tmp_path), pause_after="stage2"))
-    demo.start_background("eval-teacher", [sys.executable, "-c", f"import time; time.sleep(2); open({str(slow)!r}, 'w')"], slow)
+    demo.start_background("eval-teacher", [sys.executable, "-c", "import time; time.sleep(2); "
+                                                                 f"open({str(slow)!r}, 'w')"], slow)
     with pytest.raises(DemoPaused, match="paused after stage2"):
         demo.run("stage2", [sys.executable, "-c", "pass"], tmp_path / "s2")
     assert slow.exists() and not demo.background
@@ -291,16 +324,18 @@ def test_pause_after_a_step_ends_the_piece_there_and_names_are_checked(tmp_path)
 
 
 def test_cpu_steps_that_run_at_once_share_the_threads(tmp_path, monkeypatch):
-    """On a CPU demo, steps running at the same time split OMP_NUM_THREADS (oversubscribed OpenMP threads spin
-    against each other); a background step counts until it exits; on a GPU the user's setting stays."""
+    """On a CPU demo, steps running at the same time split OMP_NUM_THREADS (oversubscribed OpenMP
+    threads spin against each other); a background step counts until it exits; on a GPU the user's
+    setting stays."""
     from halo_dist.demo import Demo, DemoSettings
 
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     demo = Demo(DemoSettings(out=str(tmp_path), device="cpu"))
     assert demo.cpu_threads(1) == 4 and demo.cpu_threads(2) == 2 and demo.cpu_threads(8) == 1
     show = [sys.executable, "-c", "import os; print('threads', os.environ['OMP_NUM_THREADS'])"]
-    demo.start_background("bg", [sys.executable, "-c", "import os, time; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); "
-                                  "time.sleep(30)"], tmp_path / "never")
+    demo.start_background("bg", [sys.executable, "-c",
+                                 "import os, time; print('threads', os.environ['OMP_NUM_THREADS'], "
+                                 "flush=True); time.sleep(30)"], tmp_path / "never")
     assert demo.cpu_threads(1) == 2  # the background step is still running
     demo.run_together([("a", show, tmp_path / "a.done"), ("b", show, tmp_path / "b.done")])
     demo.stop_background()

@@ -1,4 +1,5 @@
-"""`halo-dist eval-suite`: NIAH, lm-eval CSR and held-out perplexity of one model in one process, resumable."""
+"""`halo-dist eval-suite`: NIAH, lm-eval CSR and held-out perplexity of one model in one process,
+resumable."""
 
 import json
 import subprocess
@@ -12,16 +13,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_eval_suite_writes_every_part_and_skips_them_when_rerun(smollm2_dir, tmp_path):
     data = tmp_path / "data"
-    run_prep(data, max_docs=150, shard_tokens=8000, heldout_fraction=0.1, tokenizer=str(smollm2_dir))
+    run_prep(data, max_docs=150, shard_tokens=8000, heldout_fraction=0.1,
+             tokenizer=str(smollm2_dir))
     out = tmp_path / "eval"
-    cmd = [sys.executable, "-m", "halo_dist.cli", "eval-suite", "--model", str(smollm2_dir), "--output-dir", str(out),
-           "--name", "teacher", "--niah-lengths", "160", "--niah-depths", "0.5", "--niah-batch-tokens", "200",
-           "--csr-tasks", "arc_easy,winogrande", "--csr-limit", "2", "--ppl-data", str(data), "--ppl-seq-len", "128",
-           "--ppl-rows", "2", "--done-marker"]
+    cmd = [sys.executable, "-m", "halo_dist.cli", "eval-suite", "--model", str(smollm2_dir),
+           "--output-dir", str(out), "--name", "teacher", "--niah-lengths", "160", "--niah-depths",
+           "0.5", "--niah-batch-tokens", "200", "--csr-tasks", "arc_easy,winogrande", "--csr-limit",
+           "2", "--ppl-data", str(data), "--ppl-seq-len", "128", "--ppl-rows", "2", "--done-marker"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     niah = json.loads((out / "niah" / "teacher.json").read_text())
-    assert len(niah["records"]) == 3 and (out / "niah" / "teacher_heatmap.png").exists()  # 3 tasks x 1 cell
+    # 3 tasks x 1 cell
+    assert len(niah["records"]) == 3 and (out / "niah" / "teacher_heatmap.png").exists()
     csr = json.loads((out / "csr.json").read_text())
     assert set(csr["tasks"]) == {"arc_easy", "winogrande"} and csr["tasks"]["arc_easy"]["n"] == 2
     ppl = json.loads((out / "ppl.json").read_text())
@@ -33,14 +36,16 @@ def test_eval_suite_writes_every_part_and_skips_them_when_rerun(smollm2_dir, tmp
 
 
 def test_eval_suite_refuses_bad_arguments_before_loading(tmp_path):
-    cmd = [sys.executable, "-m", "halo_dist.cli", "eval-suite", "--model", "smollm2", "--output-dir", str(tmp_path),
-           "--ppl-data", str(tmp_path / "missing")]
+    cmd = [sys.executable, "-m", "halo_dist.cli", "eval-suite", "--model", "smollm2",
+           "--output-dir", str(tmp_path), "--ppl-data", str(tmp_path / "missing")]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert res.returncode == 2 and "--ppl-data" in res.stderr and "no such" in res.stderr, res.stderr
+    assert (res.returncode == 2 and "--ppl-data" in res.stderr
+            and "no such" in res.stderr), res.stderr
 
 
 def test_done_marker_must_be_a_file_name(tmp_path):
-    cmd = [sys.executable, "-m", "halo_dist.cli", "eval-suite", "--model", "smollm2", "--output-dir", str(tmp_path),
-           "--done-marker", "../elsewhere/DONE"]
+    cmd = [sys.executable, "-m", "halo_dist.cli", "eval-suite", "--model", "smollm2",
+           "--output-dir", str(tmp_path), "--done-marker", "../elsewhere/DONE"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert res.returncode == 2 and "--done-marker" in res.stderr and "file name" in res.stderr, res.stderr
+    assert (res.returncode == 2 and "--done-marker" in res.stderr
+            and "file name" in res.stderr), res.stderr

@@ -1,5 +1,5 @@
-"""The FlexAttention document mask built from cu_seqlens equals create_block_mask's (which needs a dense [T, T]
-grid: 64 GiB at 256K tokens, the OOM that capped stage-3 context at SP = 2)."""
+"""The FlexAttention document mask built from cu_seqlens equals create_block_mask's (which needs a
+dense [T, T] grid: 64 GiB at 256K tokens, the OOM that capped stage-3 context at SP = 2)."""
 
 import pytest
 import torch
@@ -38,17 +38,18 @@ def test_document_block_mask_equals_create_block_mask(B, T, window, block, n_cut
     if n_cuts <= 2 and window is None:
         assert ours.full_kv_num_blocks.sum() > 0  # the case exercises full blocks
     q, k, v = torch.randn(3, B, 2, T, 16).unbind(0)
-    torch.testing.assert_close(flex_attention(q, k, v, block_mask=ours), flex_attention(q, k, v, block_mask=ref),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=ours),
+                               flex_attention(q, k, v, block_mask=ref), rtol=0, atol=0)
 
 
 def test_document_block_mask_memory_is_per_block_not_per_token():
-    """256K tokens: the dense grid would hold 2^36 booleans; the block mask holds 2048^2 small entries."""
+    """256K tokens: the dense grid would hold 2^36 booleans; the block mask holds 2048^2 small
+    entries."""
     T = 262_144
     cu = torch.tensor([0, 70_000, 200_000, T], dtype=torch.int32)
     mask = document_block_mask(cu, 1, T, None)
     assert mask.kv_indices.numel() == (T // 128) ** 2
-    # documents [0, 70000) [70000, 200000) [200000, T): query block 1000 (tokens 128000..128127) sees blocks
-    # 546 (token 69888, holding 70000) .. 1000; 547..999 are full
+    # documents [0, 70000) [70000, 200000) [200000, T): query block 1000 (tokens 128000..128127)
+    # sees blocks 546 (token 69888, holding 70000) .. 1000; 547..999 are full
     assert mask.kv_num_blocks[0, 0, 1000] + mask.full_kv_num_blocks[0, 0, 1000] == 1000 - 546 + 1
     assert mask.full_kv_num_blocks[0, 0, 1000] == 999 - 547 + 1

@@ -51,7 +51,8 @@ def test_all_attention_student_reproduces_llama_and_qwen2(family):
     torch.manual_seed(1)
     common = dict(vocab_size=200, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, rope_theta=10000.0)
-    teacher = (LlamaForCausalLM(LlamaConfig(**common)) if family == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))).eval()
+    teacher = (LlamaForCausalLM(LlamaConfig(**common)) if family == "llama"
+               else Qwen2ForCausalLM(Qwen2Config(**common))).eval()
     with torch.no_grad():
         for p in teacher.parameters():
             p.normal_(0, 0.1) if p.dim() > 1 else p.normal_(0.5, 0.2)
@@ -84,7 +85,8 @@ def test_packed_documents_do_not_interact():
     alone = torch.cat([logits(student, d) for d in docs], dim=1)
     torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
     # positions that restart inside a row mean the same thing without explicit cu_seqlens
-    torch.testing.assert_close(logits(student, packed, position_ids=pos), alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits(student, packed, position_ids=pos), alone, atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_chunked_prefill_then_decode_equals_full_forward():
@@ -120,7 +122,8 @@ def test_sampling_is_seeded_and_respects_top_k():
     samples = []
     for _ in range(2):
         torch.manual_seed(3)
-        samples.append(student.generate(x, max_new_tokens=5, do_sample=True, top_p=0.9, eos_token_id=[]))
+        samples.append(student.generate(x, max_new_tokens=5, do_sample=True, top_p=0.9,
+                                        eos_token_id=[]))
     assert torch.equal(*samples)
 
 
@@ -143,7 +146,8 @@ def test_hype_switches_are_configs(name):
     x = torch.randint(0, 256, (1, 48))
     out = logits(variant, x)
     assert torch.isfinite(out).all()
-    if name not in ("no gates",):  # gates start at exactly 1, so removing them changes nothing at init
+    # gates start at exactly 1, so removing them changes nothing at init
+    if name not in ("no gates",):
         assert not torch.allclose(out, logits(base, x), atol=1e-6)
 
 
@@ -152,7 +156,8 @@ def test_logits_scaling_is_one_at_document_start():
 
     s = logits_scale(torch.tensor([[0, 1, 499, 0]]), 500.0).flatten()
     assert s[0].item() == pytest.approx(1.0) and s[3].item() == pytest.approx(1.0)
-    assert s[2].item() == pytest.approx(torch.log(torch.tensor(999.0)).item() / torch.log(torch.tensor(500.0)).item())
+    assert s[2].item() == pytest.approx(torch.log(torch.tensor(999.0)).item()
+                                        / torch.log(torch.tensor(500.0)).item())
 
 
 def test_activation_checkpointing_gives_same_gradients():
@@ -174,7 +179,8 @@ def test_config_rejects_bad_settings():
     with pytest.raises(ValueError, match="unknown"):
         HypeNetConfig(num_hidden_layers=1, mixer_types=["mamba3"])
     with pytest.raises(ValueError, match="divisible"):
-        HypeNetConfig(num_attention_heads=6, num_key_value_heads=4, num_hidden_layers=1, mixer_types=["attention"])
+        HypeNetConfig(num_attention_heads=6, num_key_value_heads=4, num_hidden_layers=1,
+                      mixer_types=["attention"])
     with pytest.raises(ValueError, match="attn_logits_scale_base"):
         HypeNetConfig(attn_logits_scale_base=1.0)
 
@@ -183,7 +189,8 @@ def test_export_loads_in_fresh_process_without_halo_dist(tmp_path):
     student = convert_model(tiny_qwen3(tie=True), [0, 3])
     out = export_hypenet(student, tmp_path / "export")
     package = Path(hypenet_package.__file__).parent
-    ours = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")  # every model module, exported
+    # every model module, exported
+    ours = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".py") == ours == sorted(MODEL_FILES)
     x = torch.randint(0, 256, (2, 17))
     torch.save(x, tmp_path / "x.pt")
@@ -199,7 +206,8 @@ def test_export_loads_in_fresh_process_without_halo_dist(tmp_path):
             torch.save(m(x).logits, {str(tmp_path / 'y.pt')!r})
         print(type(m).__module__)
     """)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "halo_dist" not in res.stdout
     got = torch.load(tmp_path / "y.pt", weights_only=True)
@@ -231,7 +239,8 @@ def test_packed_batch_of_several_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_rms_norm_is_bitwise_the_qwen3_reference(dtype):
-    """HypeNetRMSNorm (F.rms_norm: one fused kernel on CUDA) reproduces transformers' Qwen3RMSNorm exactly on CPU."""
+    """HypeNetRMSNorm (F.rms_norm: one fused kernel on CUDA) reproduces transformers' Qwen3RMSNorm
+    exactly on CPU."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from halo_dist.models.hypenet.layers_hypenet import HypeNetRMSNorm, per_head_rms_norm
@@ -251,8 +260,8 @@ def test_rms_norm_is_bitwise_the_qwen3_reference(dtype):
 
 @pytest.mark.parametrize("scope,checkpointing", [("mlp", False), ("layer", False), ("layer", True)])
 def test_compiled_decoder_layers_train_like_eager(scope, checkpointing):
-    """model.compile: same loss and gradients as the eager model on a packed batch (fp32, CPU Inductor), also
-    under activation checkpointing (its recompute must take the forward's graph)."""
+    """model.compile: same loss and gradients as the eager model on a packed batch (fp32, CPU
+    Inductor), also under activation checkpointing (its recompute must take the forward's graph)."""
     import copy
 
     from halo_dist.models.hypenet.modeling_hypenet import compile_decoder_layers
@@ -269,7 +278,8 @@ def test_compiled_decoder_layers_train_like_eager(scope, checkpointing):
     grads = []
     for model in (student, compiled, compiled):  # twice: a second step reuses the compiled graphs
         model.zero_grad()
-        loss = model(x, position_ids=pos, cu_seqlens=cu, max_seqlen=24).logits.float().logsumexp(-1).mean()
+        loss = model(x, position_ids=pos, cu_seqlens=cu,
+                     max_seqlen=24).logits.float().logsumexp(-1).mean()
         loss.backward()
         grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     for loss, g in grads[1:]:

@@ -1,6 +1,6 @@
-"""Long-context inference paths on CPU: the preallocated KV cache, chunked prefill, and the inference
-benchmark's smoke mode (the CUDA kernels behind the same functions are checked on the device by
-bench/check_attention_gpu.py)."""
+"""Long-context inference paths on CPU: the preallocated KV cache, chunked prefill, and the
+inference benchmark's smoke mode (the CUDA kernels behind the same functions are checked on the
+device by bench/check_attention_gpu.py)."""
 
 import importlib.util
 import json
@@ -19,19 +19,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tiny_model(mixers=("attention", "lightning", "attention", "lightning")) -> HypeNetForCausalLM:
     torch.manual_seed(0)
-    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=len(mixers),
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mixer_types=list(mixers))
+    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=len(mixers), num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, mixer_types=list(mixers))
     return HypeNetForCausalLM(cfg).double().eval()
 
 
 @pytest.mark.parametrize("bounds", [[0, 16, 31, 32, 40], [0, 40], list(range(41))])
 def test_chunked_prefill_with_cache_equals_full_forward(bounds):
-    """Prefill in uneven chunks (incl. one token at a time) through the cache == one full forward."""
+    """Prefill in uneven chunks (incl. one token at a time) through the cache == one full
+    forward."""
     model = tiny_model()
     ids = torch.randint(0, 97, (1, 40))
     full = model(ids).logits
     cache = HypeNetCache(4, reserve_tokens=3)
-    outs = [model(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in zip(bounds[:-1], bounds[1:])]
+    outs = [model(ids[:, a:b], cache=cache, use_cache=True).logits
+            for a, b in zip(bounds[:-1], bounds[1:])]
     assert torch.allclose(torch.cat(outs, 1), full, atol=1e-10)
 
 
@@ -49,7 +52,8 @@ def test_cache_preallocates_prompt_plus_reserve_and_grows_by_doubling():
     assert torch.equal(keys[:, :10], k) and torch.equal(keys[:, -1:], k[:, :1] + 1)
     cache.reorder_cache(torch.tensor([1]))  # row selection keeps the buffer's room
     keys, _ = cache.append_kv(0, k[1:, :1], k[1:, :1])
-    assert keys.shape == (1, 16, 2, 8) and torch.equal(keys[0, :10], k[1]) and cache._kv_buffers[0][0].shape[1] == 28
+    assert (keys.shape == (1, 16, 2, 8) and torch.equal(keys[0, :10], k[1])
+            and cache._kv_buffers[0][0].shape[1] == 28)
 
 
 def test_generate_matches_with_reserved_cache():
@@ -63,15 +67,19 @@ def test_generate_matches_with_reserved_cache():
     assert torch.equal(out, seq)
 
 
-@pytest.mark.parametrize("mixers,impl", [(("lightning", "gdn"), None), (("attention", "lightning"), None),
-                                         (("attention", "lightning"), "static")])
+@pytest.mark.parametrize("mixers,impl",
+                         [(("lightning", "gdn"), None), (("attention", "lightning"), None),
+                          (("attention", "lightning"), "static")])
 def test_generate_continues_from_the_cache_it_returned(mixers, impl):
-    """transformers slices a restarted cache's tokens off the input only when some layer holds keys; an RNN-only
-    cache counts its tokens too. A static cache continued past its buffers goes on with dynamic steps."""
+    """transformers slices a restarted cache's tokens off the input only when some layer holds keys;
+    an RNN-only cache counts its tokens too. A static cache continued past its buffers goes on with
+    dynamic steps."""
     model = tiny_model(mixers)
     ids = torch.randint(1, 97, (2, 9))
-    first = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True, cache_implementation=impl)
-    cache = first.cache if "cache" in first else first.past_key_values  # the field's name before transformers' rename
+    first = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True,
+                           cache_implementation=impl)
+    # the field's name before transformers' rename
+    cache = first.cache if "cache" in first else first.past_key_values
     more = model.generate(first.sequences, cache=cache, max_new_tokens=6)
     assert torch.equal(more, model.generate(ids, max_new_tokens=9))
 
@@ -79,7 +87,8 @@ def test_generate_continues_from_the_cache_it_returned(mixers, impl):
 def test_chunk_prefill_attention_is_lower_right_causal():
     torch.manual_seed(1)
     q = torch.randn(1, 5, 4, 8, dtype=torch.float64)
-    k, v = torch.randn(1, 12, 2, 8, dtype=torch.float64), torch.randn(1, 12, 2, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 12, 2, 8, dtype=torch.float64),
+            torch.randn(1, 12, 2, 8, dtype=torch.float64))
     out = chunk_prefill_attention(q, k, v, 0.3)
     for i in range(5):  # query i sees keys 0 .. 7 + i
         ref = sdpa(q[:, i:i + 1], k[:, : 8 + i], v[:, : 8 + i], scale=0.3)
@@ -88,13 +97,14 @@ def test_chunk_prefill_attention_is_lower_right_causal():
 
 def test_inference_benchmark_smoke(tmp_path):
     out = tmp_path / "inference.json"
-    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_inference.py"), "--cpu-smoke", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_inference.py"), "--cpu-smoke",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     payload = json.loads(out.read_text())
     assert payload["max_context_tokens"] == 256  # the decode-only context ran
     statuses = {(r["model"], r["context"]): r["status"] for r in payload["rows"]}
-    assert statuses[("hypenet-2b", 256)] == "decode-only" and statuses[("qwen3-1.7b-shape", 64)] == "ok"
+    assert (statuses[("hypenet-2b", 256)] == "decode-only"
+            and statuses[("qwen3-1.7b-shape", 64)] == "ok")
     assert all(r["decode_ms"] > 0 for r in payload["rows"] if r["status"] in ("ok", "decode-only"))
 
 
@@ -102,7 +112,8 @@ def load_bench_inference():
     """bench/ is a script folder, not an installed package: load the module from its file."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_inference", REPO / "bench" / "bench_inference.py")
+    spec = importlib.util.spec_from_file_location("bench_inference",
+                                                  REPO / "bench" / "bench_inference.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -110,7 +121,8 @@ def load_bench_inference():
 
 @pytest.fixture(scope="module")
 def real_pair_folders(tmp_path_factory):
-    """A tiny random Llama teacher folder and the HypeNet converted from it, exported (attention in layer 1)."""
+    """A tiny random Llama teacher folder and the HypeNet converted from it, exported (attention in
+    layer 1)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from halo_dist.models.convert import convert_model
@@ -118,8 +130,9 @@ def real_pair_folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("real_pair")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512)
     teacher = LlamaForCausalLM(cfg).eval()
     teacher.save_pretrained(root / "teacher")
     export_hypenet(convert_model(teacher, [1]), root / "student")
@@ -127,19 +140,24 @@ def real_pair_folders(tmp_path_factory):
 
 
 def test_real_pair_benchmark_smoke(real_pair_folders, tmp_path):
-    """--real on CPU: one row per context, both models timed, ratios student / teacher; importable in-process."""
+    """--real on CPU: one row per context, both models timed, ratios student / teacher; importable
+    in-process."""
     bench = load_bench_inference()
     teacher_dir, student_dir = real_pair_folders
     out = tmp_path / "real.json"
-    payload = bench.main(["--real", str(teacher_dir), str(student_dir), "--cpu-smoke", "--out", str(out)])
+    payload = bench.main(["--real", str(teacher_dir), str(student_dir), "--cpu-smoke", "--out",
+                          str(out)])
     saved = json.loads(out.read_text())
     assert [r["context"] for r in saved["rows"]] == [64, 128] == payload["contexts"]
     for r in saved["rows"]:
         assert r["status"] == "ok"
         for who in ("teacher", "student"):
-            assert r[f"{who}_prefill_s"] > 0 and r[f"{who}_prefill_tok_s"] > 0 and r[f"{who}_decode_ms"] > 0
-        assert r["prefill_tok_s_ratio"] == pytest.approx(r["student_prefill_tok_s"] / r["teacher_prefill_tok_s"])
-        assert r["decode_ms_ratio"] == pytest.approx(r["student_decode_ms"] / r["teacher_decode_ms"])
+            assert (r[f"{who}_prefill_s"] > 0 and r[f"{who}_prefill_tok_s"] > 0
+                    and r[f"{who}_decode_ms"] > 0)
+        assert r["prefill_tok_s_ratio"] == pytest.approx(r["student_prefill_tok_s"]
+                                                         / r["teacher_prefill_tok_s"])
+        assert r["decode_ms_ratio"] == pytest.approx(r["student_decode_ms"]
+                                                     / r["teacher_decode_ms"])
     assert saved["decode"] == "eager" and saved["teacher"]["mixers"] == ["attention"]
     assert saved["student"]["attention_layers"] == [1] and "lightning" in saved["student"]["mixers"]
     assert out.with_suffix(".png").exists()
@@ -148,35 +166,42 @@ def test_real_pair_benchmark_smoke(real_pair_folders, tmp_path):
 
 
 def test_decode_profile_smoke_compares_every_variant_with_the_eager_step(tmp_path):
-    """bench/profile_decode.py end to end on CPU: every StaticDecoder variant after a real prefill gives the eager
-    dynamic step's logits (fp32), and the bytes bound counts KV and states per row."""
+    """bench/profile_decode.py end to end on CPU: every StaticDecoder variant after a real prefill
+    gives the eager dynamic step's logits (fp32), and the bytes bound counts KV and states per
+    row."""
     out = tmp_path / "decode_profile.json"
-    res = subprocess.run([sys.executable, str(REPO / "bench" / "profile_decode.py"), "--cpu-smoke", "--prefill",
-                          "--variants", "graph", "baseline", "separate", "fla", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "profile_decode.py"), "--cpu-smoke",
+                          "--prefill", "--variants", "graph", "baseline", "separate", "fla",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 8 and all(r["rel_err_vs_eager"] < 1e-5 and r["step_ms"] > 0 for r in rows)
-    bench = importlib.util.spec_from_file_location("profile_decode", REPO / "bench" / "profile_decode.py")
+    bench = importlib.util.spec_from_file_location("profile_decode",
+                                                   REPO / "bench" / "profile_decode.py")
     module = importlib.util.module_from_spec(bench)
     bench.loader.exec_module(module)
     model = HypeNetForCausalLM(HypeNetConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                             head_dim=8, mixer_types=["attention", "lightning"]))
+                                             num_hidden_layers=2, num_attention_heads=2,
+                                             num_key_value_heads=1, head_dim=8,
+                                             mixer_types=["attention", "lightning"]))
     one, four = module.step_bytes(model, 100, 1), module.step_bytes(model, 100, 4)
     assert one["kv_GB"] * 1e9 == 2 * 100 * 1 * 8 * 4 and four["kv_GB"] == 4 * one["kv_GB"]
-    assert four["rnn_state_GB"] * 1e9 == 4 * 2 * 8 * 8 * 4 * 2 and four["weights_GB"] == one["weights_GB"]
+    assert (four["rnn_state_GB"] * 1e9 == 4 * 2 * 8 * 8 * 4 * 2
+            and four["weights_GB"] == one["weights_GB"])
 
 
 def test_speed_summary_reads_each_figure_from_its_result_file():
-    """bench/speed_summary.py on the committed results: the decode ratio is the teacher shape's best 512K step over
-    HypeNet's best, both read from their profile files."""
-    spec = importlib.util.spec_from_file_location("speed_summary", REPO / "bench" / "speed_summary.py")
+    """bench/speed_summary.py on the committed results: the decode ratio is the teacher shape's best
+    512K step over HypeNet's best, both read from their profile files."""
+    spec = importlib.util.spec_from_file_location("speed_summary",
+                                                  REPO / "bench" / "speed_summary.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = module.summary()
-    teacher = json.loads((REPO / "bench/results/decode_profile_teacher_512k.json").read_text())["rows"]
-    hypenet = json.loads((REPO / "bench/results/decode_profile_hypenet_512k.json").read_text())["rows"]
+    teacher = json.loads((REPO
+                          / "bench/results/decode_profile_teacher_512k.json").read_text())["rows"]
+    hypenet = json.loads((REPO
+                          / "bench/results/decode_profile_hypenet_512k.json").read_text())["rows"]
     want = min(r["step_ms"] for r in teacher) / min(r["step_ms"] for r in hypenet)
     assert out["decode_speedup_512k"] == pytest.approx(want)
     assert out["decode_speedup_512k"] > 1 and 1 < out["decode_bytes_bound_ratio_512k"] < 3

@@ -1,5 +1,5 @@
-"""The stage table and the launchers' error handling: a user mistake is one ``error:`` line and exit 2, a
-bug keeps its traceback; the stage modules' protocol and stage 1's direct SP injection."""
+"""The stage table and the launchers' error handling: a user mistake is one ``error:`` line and exit
+2, a bug keeps its traceback; the stage modules' protocol and stage 1's direct SP injection."""
 
 import dataclasses
 import os
@@ -26,8 +26,8 @@ STAGE2 = ["--config", str(REPO / "configs" / "tiny" / "stage2.yaml")]
 
 
 class BuildOnly:
-    """A trainer that only builds its stage: ``launch``'s handling of what the build raises, without a
-    process group or data."""
+    """A trainer that only builds its stage: ``launch``'s handling of what the build raises, without
+    a process group or data."""
 
     def __init__(self, cfg, argv, *, stage):
         self.cfg, self.stage = cfg, stage
@@ -39,17 +39,20 @@ class BuildOnly:
 
 def with_row(monkeypatch, name, **changes):
     """Replace fields of stage ``name``'s row of the table for this test."""
-    monkeypatch.setitem(registry.STAGES, name, dataclasses.replace(registry.STAGES[name], **changes))
+    monkeypatch.setitem(registry.STAGES, name,
+                        dataclasses.replace(registry.STAGES[name], **changes))
 
 
 def test_every_configurable_stage_has_a_row_and_an_unknown_one_lists_them(capsys):
     assert set(registry.STAGES) == set(typing.get_args(StageName))
     assert all(name == spec.name for name, spec in registry.STAGES.items())
-    with pytest.raises(ConfigError, match="stage.name: unknown stage 'stage9'; known stages: stage1, stage2, stage3"):
+    with pytest.raises(ConfigError, match="stage.name: unknown stage 'stage9'; known stages: "
+                                          "stage1, stage2, stage3"):
         registry.stage_spec("stage9")
     assert launch("stage9", argv=STAGE2) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "known stages: stage1, stage2, stage3, pretrain, opd" in err
+    assert (err.startswith("error: ")
+            and "known stages: stage1, stage2, stage3, pretrain, opd" in err)
     assert len(err.strip().splitlines()) == 1
 
 
@@ -57,13 +60,17 @@ def test_a_user_error_in_the_build_is_one_line_and_exit_2(monkeypatch, capsys):
     with_row(monkeypatch, "stage2", trainer_cls=BuildOnly)  # the real stage-2 build
     assert launch("stage2", argv=[*STAGE2, "model.stage1_weights=/nonexistent/s1"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: model.stage1_weights: /nonexistent/s1 does not exist (run stage 1 first)\n", err
-    assert issubclass(MissingInputError, FileNotFoundError) and issubclass(MissingInputError, HaloUserError)
+    assert (err == "error: model.stage1_weights: /nonexistent/s1 does not exist (run stage 1 "
+                   "first)\n"), err
+    assert (issubclass(MissingInputError, FileNotFoundError)
+            and issubclass(MissingInputError, HaloUserError))
 
 
-@pytest.mark.parametrize("bug", [KeyError("layers"), RuntimeError("shape mismatch"), ValueError("bad tensor")])
+@pytest.mark.parametrize("bug", [KeyError("layers"), RuntimeError("shape mismatch"),
+                                 ValueError("bad tensor")])
 def test_a_bug_in_the_build_keeps_its_traceback(monkeypatch, bug):
-    """Not a HaloUserError (a bare ValueError included): the exception leaves launch() as it was raised."""
+    """Not a HaloUserError (a bare ValueError included): the exception leaves launch() as it was
+    raised."""
     def build(cfg):
         raise bug
 
@@ -74,8 +81,8 @@ def test_a_bug_in_the_build_keeps_its_traceback(monkeypatch, bug):
 
 
 def test_the_launcher_script_reports_missing_data_without_a_traceback(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     res = subprocess.run([sys.executable, str(REPO / "launchers" / "stage2.py"), *STAGE2,
                           f"logging.run_dir={tmp_path / 'run'}", f"data.train={tmp_path / 'none'}"],
@@ -102,7 +109,8 @@ def test_stage_modules_implement_the_protocol_and_stage1_mixers_take_sp_directly
     class SP4:  # size 4 does not divide 6 heads: refused before any mixer changes, no communication
         world_size, rank, group = 4, 0, None
 
-    with pytest.raises(SequenceParallelError, match=r"layer 0 \(LightningMixer\): sp_size=4 does not divide its 6"):
+    with pytest.raises(SequenceParallelError,
+                       match=r"layer 0 \(LightningMixer\): sp_size=4 does not divide its 6"):
         apply_sequence_parallel_to_mixers(mixers, SP4())
     assert all(m.sp is None for m in mixers)
     sp2 = type("SP2", (SP4,), {"world_size": 2})()

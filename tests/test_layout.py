@@ -1,7 +1,9 @@
-"""The layout stays readable: halo_dist's imports run one way (no cycle between modules or between its
-subpackages), and no product file or function outgrows what a reader takes in at once (500 and 60 lines).
+"""The layout stays readable: halo_dist's imports run one way (no cycle between modules or between
+its subpackages), and no product file or function outgrows what a reader takes in at once (500 and
+60 lines).
 
-Imports inside functions count: a cycle that only closes on one code path still ties the two modules together."""
+Imports inside functions count: a cycle that only closes on one code path still ties the two modules
+together."""
 
 import ast
 from pathlib import Path
@@ -21,8 +23,8 @@ def _modules() -> dict[str, Path]:
 
 
 def _import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the halo_dist modules it imports (``from pkg import name`` points at ``pkg.name`` when that is
-    a module, else at ``pkg``)."""
+    """Module -> the halo_dist modules it imports (``from pkg import name`` points at ``pkg.name``
+    when that is a module, else at ``pkg``)."""
     def known(name: str) -> str:
         while name and name not in mods:
             name = name.rpartition(".")[0]
@@ -33,9 +35,12 @@ def _import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-                src = ".".join(base + [node.module] if node.module else base) if node.level else node.module or ""
-                targets = [known(f"{src}.{a.name}") if f"{src}.{a.name}" in mods else known(src) for a in node.names]
+                base = (package.split(".")[: len(package.split(".")) - node.level + 1] if node.level
+                        else [])
+                src = (".".join(base + [node.module] if node.module else base) if node.level
+                       else node.module or "")
+                targets = [known(f"{src}.{a.name}") if f"{src}.{a.name}" in mods else known(src)
+                           for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [known(a.name) for a in node.names]
             else:
@@ -92,7 +97,8 @@ def test_no_import_cycle_between_modules_or_subpackages():
     graph = _import_graph(_modules())
     assert sum(map(len, graph.values())) > 100  # the graph was read
     assert _cycles(graph) == []
-    top = lambda m: ".".join(m.split(".")[:2])  # noqa: E731  halo_dist.train.trainer -> halo_dist.train
+    top = lambda m: ".".join(  # noqa: E731  halo_dist.train.trainer -> halo_dist.train
+        m.split(".")[:2])
     packages: dict[str, set[str]] = {}
     for mod, targets in graph.items():
         packages.setdefault(top(mod), set()).update(top(t) for t in targets if top(t) != top(mod))

@@ -41,7 +41,8 @@ def test_packed_documents_reset_state():
     g = lightning_log_decay(H).double()[None, None].expand(1, 45, H)
     o, s = lightning_chunk_torch(q, k, v, g, 0.5, init, cu_seqlens=cu, chunk_size=8)
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        o_ref, s_ref = lightning_recurrent_torch(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], 0.5, init[n : n + 1])
+        o_ref, s_ref = lightning_recurrent_torch(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], 0.5,
+                                                 init[n : n + 1])
         assert (o[:, a:b] - o_ref).abs().max() <= 1e-5
         assert (s[n : n + 1] - s_ref).abs().max() <= 1e-10
 
@@ -53,7 +54,8 @@ def test_padding_tokens_are_identity_steps():
     decay = lightning_log_decay(H)
     pad = 5
     qp, kp, vp = (torch.cat([torch.randn(1, pad, H, 8), t], dim=1) for t in (q, k, v))
-    mask = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 20, dtype=torch.bool)], dim=1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 20, dtype=torch.bool)],
+                     dim=1)
     o_pad, s_pad = lightning_attention(qp, kp, vp, decay, 0.25, token_mask=mask)
     o, s = lightning_attention(q, k, v, decay, 0.25)
     torch.testing.assert_close(o_pad[:, pad:], o, atol=1e-5, rtol=1e-5)
@@ -67,7 +69,8 @@ def test_decode_continues_prefill_state():
     o1, s1 = lightning_attention(q[:, :17], k[:, :17], v[:, :17], decay, 0.2)
     outs, s = [o1], s1
     for t in range(17, 30):
-        o_t, s = lightning_attention(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], decay, 0.2, initial_state=s, decode=True)
+        o_t, s = lightning_attention(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], decay, 0.2,
+                                     initial_state=s, decode=True)
         outs.append(o_t)
     torch.testing.assert_close(torch.cat(outs, 1), o_full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, s_full, atol=1e-5, rtol=1e-5)
@@ -79,7 +82,8 @@ def test_gradients_match_naive():
     g = lightning_log_decay(H).double()[None, None].expand(1, 24, H)
     w = torch.randn(1, 24, H, 8, dtype=torch.float64)
     grads = []
-    for fn in (lambda: lightning_recurrent_torch(q, k, v, g, 0.3)[0], lambda: lightning_chunk_torch(q, k, v, g, 0.3, chunk_size=5)[0]):
+    for fn in (lambda: lightning_recurrent_torch(q, k, v, g, 0.3)[0],
+               lambda: lightning_chunk_torch(q, k, v, g, 0.3, chunk_size=5)[0]):
         (fn().double() * w).sum().backward()
         grads.append([t.grad.clone() for t in (q, k, v)])
         for t in (q, k, v):

@@ -1,6 +1,7 @@
 """Fused chunked distillation losses (halo_dist.losses) vs a full-logits reference and vs Liger.
 
-CPU, float64/float32 (bf16 for the precision test), V = 1000, N ~ 64: the whole file runs in seconds.
+CPU, float64/float32 (bf16 for the precision test), V = 1000, N ~ 64: the whole file runs in
+seconds.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from halo_dist.losses import auto_chunk_size, fused_distill_loss, liger_available, naive_distill_loss
+from halo_dist.losses import (auto_chunk_size, fused_distill_loss, liger_available,
+                              naive_distill_loss)
 from halo_dist.losses import kl as kl_mod
 from halo_dist.losses.memtrack import LiveBytes
 
@@ -109,8 +111,8 @@ def test_beta_matches_naive_float64(beta, masked, ce):
     """Values and gradients of the generalized JSD against the full-logit float64 reference, with a
     token mask and CE labels holding ignore_index."""
     s_h, s_w, t_h, t_w, mask, labels = make()
-    kw = dict(beta=beta, temperature=1.7, token_mask=mask if masked else None, labels=labels if ce else None,
-              ce_weight=0.3 if ce else 0.0, normalizer=11.0)
+    kw = dict(beta=beta, temperature=1.7, token_mask=mask if masked else None,
+              labels=labels if ce else None, ce_weight=0.3 if ce else 0.0, normalizer=11.0)
     out, grads = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, chunk_size=7, **kw)
     ref, ref_grads = value_and_grads(naive_distill_loss, s_h, s_w, t_h, t_w, **kw)
     assert_rel(out.loss, ref.loss, 1e-10)
@@ -119,7 +121,8 @@ def test_beta_matches_naive_float64(beta, masked, ce):
         assert_rel(g, r, 1e-10)
     assert out.num_tokens.item() == (mask.sum().item() if masked else N)
     kept = labels[mask] if masked else labels
-    assert out.num_ce_tokens.item() == ref.num_ce_tokens.item() == (int((kept != -100).sum()) if ce else 0)
+    assert out.num_ce_tokens.item() == ref.num_ce_tokens.item() == (int((kept != -100).sum()) if ce
+                                                                    else 0)
 
 
 def test_naive_jsd_reference_is_the_textbook_formula():
@@ -130,7 +133,8 @@ def test_naive_jsd_reference_is_the_textbook_formula():
     for beta in (0.25, 0.5, 0.8):
         m = beta * p + (1 - beta) * q
         jsd = beta * (p * (p / m).log()).sum() + (1 - beta) * (q * (q / m).log()).sum()
-        assert_rel(naive_distill_loss(s_h, s_w, t_h, t_w, beta=beta, temperature=2.0).loss, jsd, 1e-12)
+        assert_rel(naive_distill_loss(s_h, s_w, t_h, t_w, beta=beta, temperature=2.0).loss, jsd,
+                   1e-12)
     swapped = naive_distill_loss(t_h, t_w, s_h, s_w, beta=0.5).loss
     assert_rel(naive_distill_loss(s_h, s_w, t_h, t_w, beta=0.5).loss, swapped, 1e-12)
     for beta, direction in ((0.0, "forward"), (1.0, "reverse")):
@@ -144,7 +148,8 @@ def test_jsd_masked_tokens_contribute_nothing_even_if_nan():
     with torch.no_grad():
         s_h[~mask] = float("nan")
         t_h[~mask] = float("inf")
-    out, (g_h, g_w) = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask, beta=0.5)
+    out, (g_h, g_w) = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask,
+                                      beta=0.5)
     ref = naive_distill_loss(s_h[mask], s_w, t_h[mask], t_w, beta=0.5)
     assert_rel(out.loss, ref.loss, 1e-10)
     assert torch.isfinite(g_w).all()
@@ -161,7 +166,8 @@ def test_token_weighted_reduction_over_ranks():
     mean_g = torch.autograd.grad(full.mean(), [s_h, s_w])
     total = mask.sum()  # = all_reduce(num_tokens)
     parts = [slice(0, 40), slice(40, N)]
-    outs = [fused_distill_loss(s_h[p], s_w, t_h[p], t_w, token_mask=mask[p], normalizer=total) for p in parts]
+    outs = [fused_distill_loss(s_h[p], s_w, t_h[p], t_w, token_mask=mask[p], normalizer=total)
+            for p in parts]
     grads = torch.autograd.grad(sum(o.loss for o in outs), [s_h, s_w])
     assert_rel(sum(o.kl_sum for o in outs) / sum(o.num_tokens for o in outs), full.mean(), 1e-6)
     for g, r in zip(grads, mean_g):
@@ -199,7 +205,8 @@ def test_ce_only_needs_no_teacher_and_matches_cross_entropy():
 
 def test_mean_and_batched_shapes():
     s_h, s_w, t_h, t_w, mask, _ = make()
-    out = fused_distill_loss(s_h.view(4, 16, DS), s_w, t_h.view(4, 16, DT), t_w, token_mask=mask.view(4, 16))
+    out = fused_distill_loss(s_h.view(4, 16, DS), s_w, t_h.view(4, 16, DT), t_w,
+                             token_mask=mask.view(4, 16))
     ref = naive_distill_loss(s_h, s_w, t_h, t_w, token_mask=mask)
     assert_rel(out.mean(), ref.loss / mask.sum(), 1e-10)
 
@@ -253,7 +260,8 @@ def test_bf16_inputs_accumulate_in_fp32():
     acc = torch.zeros_like(s_w)
     for i in range(n):
         w = s_w.detach().requires_grad_()
-        acc += torch.autograd.grad(fused_distill_loss(s_h[i:i + 1].detach(), w, t_h[i:i + 1], t_w).loss, w)[0]
+        acc += torch.autograd.grad(fused_distill_loss(s_h[i:i + 1].detach(), w, t_h[i:i + 1],
+                                                      t_w).loss, w)[0]
     bf16_acc = ((acc.double() - ref_gw).norm() / ref_gw.norm()).item()
     assert ours < 4e-3 and bf16_acc > 2 * ours, (ours, bf16_acc)
 
@@ -316,15 +324,17 @@ def test_liger_backend_jsd_matches_torch_backend(beta):
 
 
 @needs_liger
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path of both backends (run on the device)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the GPU path of both backends (run on the device)")
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_liger_and_torch_backends_agree_on_cuda(beta):
-    """On CUDA (tensor-core matmuls, Liger's Triton-era code paths): the generalized JSD (0 < beta < 1) and both
-    KL endpoints, fp32, masked, against our torch backend."""
+    """On CUDA (tensor-core matmuls, Liger's Triton-era code paths): the generalized JSD (0 < beta <
+    1) and both KL endpoints, fp32, masked, against our torch backend."""
     *floats, mask, _ = make()
     s_h, s_w, t_h, t_w = (x.detach().float().cuda() for x in floats)
     s_h.requires_grad_(), s_w.requires_grad_()
-    kw = dict(beta=beta, temperature=1.5, token_mask=mask.cuda(), chunk_size=8, normalizer=9.0)  # the mask stays bool
+    # the mask stays bool
+    kw = dict(beta=beta, temperature=1.5, token_mask=mask.cuda(), chunk_size=8, normalizer=9.0)
     ours, g_ours = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="torch", **kw)
     lig, g_lig = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, backend="liger", **kw)
     assert_rel(lig.loss, ours.loss, 1e-4)  # fp32 on tensor cores (TF32 off by default for matmuls)
@@ -337,8 +347,10 @@ def test_liger_backend_bf16_is_fed_fp32():
     """Liger's chunked class would run log-softmax in bf16 (percent-level KL error); the adapter
     upcasts, so in bf16 both backends still agree to fp32 accuracy."""
     s_h, s_w, t_h, t_w, mask, _ = make(torch.bfloat16)
-    ours, g_ours = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask, backend="torch")
-    lig, g_lig = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask, backend="liger")
+    ours, g_ours = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask,
+                                   backend="torch")
+    lig, g_lig = value_and_grads(fused_distill_loss, s_h, s_w, t_h, t_w, token_mask=mask,
+                                 backend="liger")
     assert_rel(lig.loss, ours.loss, 1e-5)
     for a, b in zip(g_lig, g_ours):
         assert a.dtype == torch.bfloat16
@@ -357,7 +369,8 @@ def test_raw_liger_conventions():
         liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta,
                                         temperature=2.0, compiled=False, chunk_size=16)
         got = liger(s_h, s_w, t_h, t_w, mask_as_labels)
-        ours = fused_distill_loss(s_h, s_w, t_h, t_w, token_mask=mask, direction=direction, temperature=2.0)
+        ours = fused_distill_loss(s_h, s_w, t_h, t_w, token_mask=mask, direction=direction,
+                                  temperature=2.0)
         assert_rel(got, ours.mean(), 1e-6)
     # its defaults are NOT plain KL: weight_hard_loss=0.5 mixes in CE and beta=0.5 is the JSD
     d = LigerFusedLinearJSDLoss(compiled=False)
@@ -388,7 +401,8 @@ def test_bad_input(change, match):
     args = dict(s_h=s_h, s_w=s_w, t_h=t_h, t_w=t_w, token_mask=mask, labels=labels, ce_weight=1.0)
     change(args)
     with pytest.raises(ValueError, match=match):
-        fused_distill_loss(args.pop("s_h"), args.pop("s_w"), args.pop("t_h"), args.pop("t_w"), **args)
+        fused_distill_loss(args.pop("s_h"), args.pop("s_w"), args.pop("t_h"), args.pop("t_w"),
+                           **args)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -407,7 +421,8 @@ def test_backend_selection(monkeypatch):
     assert kl_mod._pick_backend("auto", torch.device("cpu"), 10) == "torch"
     monkeypatch.setattr(kl_mod, "liger_available", lambda: False)
     assert kl_mod._pick_backend("auto", torch.device("cuda"), 10) == "compiled"  # forward KL / CE
-    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10, beta=0.5) == "torch"  # JSD: not fused
+    # JSD: not fused
+    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10, beta=0.5) == "torch"
     assert kl_mod._pick_backend("auto", torch.device("cuda"), 0) == "torch"
     s_h, s_w, t_h, t_w, _, _ = make()
     with pytest.raises(RuntimeError, match="liger-kernel is not importable"):
@@ -429,12 +444,14 @@ def test_bench_cpu_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert 0 < result["kl_peak_mem_ratio"] < 1
     assert {"device", "date", "versions"} <= result.keys()
-    assert all(c["loss_rel_err"] < 1e-4 for c in result["option_checks"] if c["backend"] != "naive_lowp")
+    assert all(c["loss_rel_err"] < 1e-4
+               for c in result["option_checks"] if c["backend"] != "naive_lowp")
 
 
 def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
-    """``loss.kl_max_position``: forward KL(teacher || student) on rows at document positions < P, next-token
-    CE on the rest, one normalizer; value, token count and student gradients against full float64 logits."""
+    """``loss.kl_max_position``: forward KL(teacher || student) on rows at document positions < P,
+    next-token CE on the rest, one normalizer; value, token count and student gradients against full
+    float64 logits."""
     import torch.nn.functional as F
     from conftest import tiny_qwen3
 
@@ -447,7 +464,8 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     teacher = as_exact_hypenet(hf).double()
     student = convert_model(hf, [1]).double()
     ids = torch.randint(0, 64, (2, 12))
-    pos = torch.stack([torch.arange(12), torch.cat([torch.arange(7), torch.arange(5)])])  # row 1: two documents
+    # row 1: two documents
+    pos = torch.stack([torch.arange(12), torch.cat([torch.arange(7), torch.arange(5)])])
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     labels[1, 6] = -100  # no target across the document boundary
     batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
@@ -468,7 +486,8 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
     ref = (kl[inside].sum() + ce[~inside].sum()) / norm
     ref.backward()
     assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-9), (loss, ref)
-    assert count == int(inside.sum() + ((labels.flatten() != -100) & ~inside).sum()) == module.loss_tokens(batch) == 22
+    assert (count == int(inside.sum() + ((labels.flatten() != -100) & ~inside).sum())
+            == module.loss_tokens(batch) == 22)
     assert torch.allclose(tracked.double(), ref.detach() * norm, rtol=1e-6)
     for n, p in student.named_parameters():
         if p.grad is not None:
@@ -479,9 +498,10 @@ def test_kl_max_position_trains_kl_inside_the_teachers_context_and_ce_beyond():
 
 
 def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
-    """With document boundaries the teacher sees only each document's first ``kl_max_position`` tokens (packed
-    as one row): the same hidden states as the full teacher at those tokens, so the same loss and gradients,
-    while a document longer than the limit costs the teacher only the limit."""
+    """With document boundaries the teacher sees only each document's first ``kl_max_position``
+    tokens (packed as one row): the same hidden states as the full teacher at those tokens, so the
+    same loss and gradients, while a document longer than the limit costs the teacher only the
+    limit."""
     from conftest import tiny_qwen3
 
     from halo_dist.data.packing import pack_batch
@@ -494,7 +514,8 @@ def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
     teacher = as_exact_hypenet(hf).double()
     student = convert_model(hf, [1]).double()
     P = 5
-    # rows of 12: documents of 7 + 5 tokens, then 3 + 9 (the row's cut makes the second row's first segment)
+    # rows of 12: documents of 7 + 5 tokens, then 3 + 9 (the row's cut makes the second row's first
+    # segment)
     packed = pack_batch(torch.randint(0, 64, (24,)).numpy(), np.array([0, 7, 12, 15]), 2, 12)
     batch = {k: torch.as_tensor(v) if k != "max_seqlen" else v for k, v in packed.items()}
     cu, ids, pos = batch["cu_seqlens"], batch["input_ids"], batch["position_ids"]
@@ -514,8 +535,10 @@ def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
     student.zero_grad()
     hook.remove()
     # the reference: the full teacher's rows inside the limit, through the same split loss
-    h = student(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=batch["max_seqlen"], return_hidden_only=True)
-    ref, ref_tracked, ref_count = module._split_loss(h.flatten(0, 1), full[inside], teacher.lm_head.weight,
+    h = student(ids, position_ids=pos, cu_seqlens=cu, max_seqlen=batch["max_seqlen"],
+                return_hidden_only=True)
+    ref, ref_tracked, ref_count = module._split_loss(h.flatten(0, 1), full[inside],
+                                                     teacher.lm_head.weight,
                                                      batch["labels"].flatten(), pos.flatten(), 11.0)
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
@@ -526,8 +549,9 @@ def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
 
 
 def test_compiled_backend_matches_the_eager_chunked_path_and_refuses_what_it_does_not_fuse():
-    """backend='compiled' (each chunk's forward KL and CE through torch.compile, inductor's CPU code here) gives
-    the torch backend's loss, sums and gradients; a shorter last chunk reuses the dynamic graph."""
+    """backend='compiled' (each chunk's forward KL and CE through torch.compile, inductor's CPU code
+    here) gives the torch backend's loss, sums and gradients; a shorter last chunk reuses the
+    dynamic graph."""
     from halo_dist.losses._chunked import _COMPILED
 
     torch.manual_seed(0)
@@ -539,8 +563,8 @@ def test_compiled_backend_matches_the_eager_chunked_path_and_refuses_what_it_doe
     labels[::7] = -100
     out = {}
     for backend in ("torch", "compiled"):
-        o = fused_distill_loss(s_h, s_w, t_h, t_w, labels=labels, ce_weight=0.3, normalizer=11.0, chunk_size=16,
-                               temperature=1.5, backend=backend)
+        o = fused_distill_loss(s_h, s_w, t_h, t_w, labels=labels, ce_weight=0.3, normalizer=11.0,
+                               chunk_size=16, temperature=1.5, backend=backend)
         gh, gw = torch.autograd.grad(o.loss, (s_h, s_w))
         out[backend] = (o.loss.detach(), o.kl_sum, o.ce_sum, gh, gw)
     for a, b in zip(out["torch"], out["compiled"]):
@@ -552,10 +576,10 @@ def test_compiled_backend_matches_the_eager_chunked_path_and_refuses_what_it_doe
 
 @pytest.mark.parametrize("normalizer", [13.0, torch.tensor(13, dtype=torch.int64)])
 def test_compiled_backend_cross_entropy_alone_and_bf16_inputs_match_the_torch_backend(normalizer):
-    """The CE-only objective (from-scratch pretraining, stage 3's `objective: ce`) on the compiled path, with bf16
-    hidden states and weights as in training: same loss and sums as the torch backend, and the gradient written
-    once in bf16 equals the torch backend's fp32 gradient rounded to bf16 (a tensor normalizer too: an
-    all-reduced count)."""
+    """The CE-only objective (from-scratch pretraining, stage 3's `objective: ce`) on the compiled
+    path, with bf16 hidden states and weights as in training: same loss and sums as the torch
+    backend, and the gradient written once in bf16 equals the torch backend's fp32 gradient rounded
+    to bf16 (a tensor normalizer too: an all-reduced count)."""
     torch.manual_seed(1)
     n, d, v = 29, 16, 257
     s_h = torch.randn(n, d).bfloat16().requires_grad_()

@@ -85,7 +85,8 @@ def test_interval_reduction_jsonl_tensorboard_and_line(tmp_path):
     with make_logger(tmp_path, clock, lines) as logger:
         for step in range(1, 21):
             # Token-weighted loss: sum(loss * tokens) / sum(tokens) over the interval.
-            logger.add("train/loss", torch.tensor(float(step)), weight=torch.tensor(2.0 if step % 2 else 1.0))
+            logger.add("train/loss", torch.tensor(float(step)),
+                       weight=torch.tensor(2.0 if step % 2 else 1.0))
             logger.add("optim/grad_norm", torch.tensor(0.5))
             clock.now += 2.0
             out = logger.maybe_log(step, tokens_seen=step * 1000, lr=1e-4)
@@ -93,7 +94,8 @@ def test_interval_reduction_jsonl_tensorboard_and_line(tmp_path):
     assert len(lines) == 2 and lines[0].startswith("step 10/100 (10.0%) | loss 5.3333 | lr 1.0e-04")
     assert "| 500 tok/s | MFU n/a | mem n/a | ETA 3m00s" in lines[0]  # CPU: MFU and memory n/a
     assert "ETA 2m40s" in lines[1]  # from the second interval's 2 s/step
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line)
+               for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert records[1]["step"] == 20 and records[1]["optim/grad_norm"] == 0.5
     expected = sum(s * (2.0 if s % 2 else 1.0) for s in range(11, 21)) / 15.0
     assert records[1]["train/loss"] == pytest.approx(expected)
@@ -158,8 +160,9 @@ def test_two_rank_reduction_is_token_weighted(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    # fork: the children reuse the imported torch instead of re-importing it (seconds on CI); spawn when an
-    # in-process test before this one left this process's default group up, which forked children would inherit
+    # fork: the children reuse the imported torch instead of re-importing it (seconds on CI); spawn
+    # when an in-process test before this one left this process's default group up, which forked
+    # children would inherit
     mp.start_processes(_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn" if dist.is_initialized() else "fork")
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == pytest.approx(2.0)
@@ -185,8 +188,9 @@ def test_attended_keys_of_packed_documents_set_the_attention_flops(tmp_path):
 
 
 def test_a_resumed_run_keeps_one_history_in_jsonl_and_tensorboard(tmp_path):
-    """Steps logged after the checkpoint by the run that stopped are redone by the resumed one: they appear
-    once (the resumed values), in metrics.jsonl and in TensorBoard; a torn last line is dropped too."""
+    """Steps logged after the checkpoint by the run that stopped are redone by the resumed one: they
+    appear once (the resumed values), in metrics.jsonl and in TensorBoard; a torn last line is
+    dropped too."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from halo_dist.train.metrics import read_metrics
@@ -195,7 +199,8 @@ def test_a_resumed_run_keeps_one_history_in_jsonl_and_tensorboard(tmp_path):
         clock = FakeClock()
         with make_logger(tmp_path, clock, [], start_step=start, **kw) as logger:
             if start == 0:
-                logger.log_eval(0, {"eval/kl": value})  # evaluated before the first step: kept by a resume
+                # evaluated before the first step: kept by a resume
+                logger.log_eval(0, {"eval/kl": value})
             for step in range(start + 1, stop + 1):
                 logger.add("train/loss", torch.tensor(value))
                 clock.now += 1.0
@@ -205,10 +210,12 @@ def test_a_resumed_run_keeps_one_history_in_jsonl_and_tensorboard(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 60, "train/lo')  # killed mid-write
     run(30, 60, 2.0)  # resumed at 30: redoes 40 and 50
-    steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"]
+             for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 10, 20, 30, 40, 50, 60]
     assert read_metrics(tmp_path / "run")["eval/kl"] == [(0, 1.0)]
-    assert read_metrics(tmp_path / "run")["train/loss"] == [(10, 1.0), (20, 1.0), (30, 1.0), (40, 2.0), (50, 2.0), (60, 2.0)]
+    assert read_metrics(tmp_path / "run")["train/loss"] == [(10, 1.0), (20, 1.0), (30, 1.0),
+                                                            (40, 2.0), (50, 2.0), (60, 2.0)]
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == \
@@ -229,14 +236,15 @@ def tb_events(run_dir):
 
 
 def test_config_text_and_hparams_go_to_tensorboard_once(tmp_path):
-    """The resolved config (text) and the flattened hyperparameters (hparams plugin) are written by the run that
-    starts at step 0; a resumed run writes neither again, so TB shows one copy."""
+    """The resolved config (text) and the flattened hyperparameters (hparams plugin) are written by
+    the run that starts at step 0; a resumed run writes neither again, so TB shows one copy."""
     from halo_dist.train.metrics import CONFIG_TAG, flatten_hparams
 
     hp = flatten_hparams({"stage": {"name": "stage2"}, "optim": {"lr": 3e-4, "betas": [0.9, 0.95]},
-                          "model": {"teacher": None, "attn_layers": [2, 5]}, "parallel": {"zero_stage": 3}})
-    assert hp == {"stage.name": "stage2", "optim.lr": 3e-4, "optim.betas": "0.9,0.95", "model.teacher": "null",
-                  "model.attn_layers": "2,5", "parallel.zero_stage": 3}
+                          "model": {"teacher": None, "attn_layers": [2, 5]},
+                          "parallel": {"zero_stage": 3}})
+    assert hp == {"stage.name": "stage2", "optim.lr": 3e-4, "optim.betas": "0.9,0.95",
+                  "model.teacher": "null", "model.attn_layers": "2,5", "parallel.zero_stage": 3}
     for start in (0, 30):  # the first start, then a resume
         with make_logger(tmp_path, FakeClock(), [], start_step=start) as logger:
             logger.log_config("stage:\n  name: stage2\n", hp)
@@ -245,11 +253,13 @@ def test_config_text_and_hparams_go_to_tensorboard_once(tmp_path):
     assert [e.step for e in texts] == [0]
     assert texts[0].tensor_proto.string_val[0].decode() == "    stage:\n      name: stage2\n"
     plugin = acc.PluginTagToContent("hparams")
-    assert set(plugin) == {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
+    assert set(plugin) == {"_hparams_/experiment", "_hparams_/session_start_info",
+                           "_hparams_/session_end_info"}
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
     start = HParamsPluginData.FromString(plugin["_hparams_/session_start_info"]).session_start_info
-    assert start.hparams["optim.lr"].number_value == 3e-4 and start.hparams["stage.name"].string_value == "stage2"
+    assert (start.hparams["optim.lr"].number_value == 3e-4
+            and start.hparams["stage.name"].string_value == "stage2")
 
 
 class FakeWandb:
@@ -286,15 +296,18 @@ def test_wandb_mirrors_the_tensorboard_scalars(tmp_path, monkeypatch):
         logger.log_eval(20, {"eval/kl": 0.5})
     acc = tb_events(tmp_path / "run")
     tb = {(e.step, tag): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
-    mirrored = {(step, tag): value for step, scalars in fake.logged for tag, value in scalars.items()}
+    mirrored = {(step, tag): value for step, scalars in fake.logged
+                for tag, value in scalars.items()}
     assert mirrored.keys() == tb.keys() and all(mirrored[k] == pytest.approx(tb[k]) for k in tb)
     assert [step for step, _ in fake.logged] == [10, 20, 20]
     assert fake.config_updates == [{"optim.lr": 1e-3}] and fake.finished == 1
     run_id = (tmp_path / "run" / "wandb_id").read_text().strip()
     assert fake.inits[0]["project"] == "halo" and fake.inits[0]["id"] == run_id
-    with make_logger(tmp_path, FakeClock(), [], wandb="halo", start_step=20):  # a resume continues that W&B run
+    # a resume continues that W&B run
+    with make_logger(tmp_path, FakeClock(), [], wandb="halo", start_step=20):
         pass
-    with make_logger(tmp_path, FakeClock(), [], wandb="halo", rank=1):  # other ranks open no W&B run
+    # other ranks open no W&B run
+    with make_logger(tmp_path, FakeClock(), [], wandb="halo", rank=1):
         pass
     assert [i["id"] for i in fake.inits] == [run_id, run_id]
 
@@ -303,9 +316,11 @@ def test_wandb_set_but_not_installed_is_a_config_error(monkeypatch):
     from halo_dist.config import ConfigError
     from halo_dist.train.metrics import check_wandb
 
-    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import wandb -> ImportError, as when absent
+    # import wandb -> ImportError, as when absent
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)
     check_wandb(None)
-    with pytest.raises(ConfigError, match=r"logging.wandb: .*pip install wandb, or set logging.wandb null"):
+    with pytest.raises(ConfigError,
+                       match=r"logging.wandb: .*pip install wandb, or set logging.wandb null"):
         check_wandb("halo")
     from halo_dist.config.schema import LoggingConfig
 
@@ -314,8 +329,8 @@ def test_wandb_set_but_not_installed_is_a_config_error(monkeypatch):
 
 
 def test_evaluation_time_is_left_out_of_training_throughput(tmp_path):
-    """An interval that held an evaluation reports the training steps' own rate; the evaluation's wall time is
-    logged beside its scalars (line and perf/eval_seconds)."""
+    """An interval that held an evaluation reports the training steps' own rate; the evaluation's
+    wall time is logged beside its scalars (line and perf/eval_seconds)."""
     clock, lines = FakeClock(), []
     logger = make_logger(tmp_path, clock, lines, tensorboard=False)
     logger.log(10, 1000)  # first interval: warm-up

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-if os.environ.get("HALO_TEST_SKIP_FLA") == "1":  # spawned CPU ranks: skip fla's slow import (see test_sp_mixers)
+# spawned CPU ranks: skip fla's slow import (see test_sp_mixers)
+if os.environ.get("HALO_TEST_SKIP_FLA") == "1":
     sys.modules.setdefault("fla", None)
 
 import pytest
@@ -40,18 +41,23 @@ def rand(*shape, seed=0, dtype=F64):
 
 def inputs(kind: str, B=2, T=19, H=2, K=8, V=8, seed=0):
     """Random kernel inputs of one recurrence: (q, k, v, *gates) in float64."""
-    q, k, v = rand(B, T, H, K, seed=seed), rand(B, T, H, K, seed=seed + 1), rand(B, T, H, V, seed=seed + 2)
+    q, k, v = (rand(B, T, H, K, seed=seed), rand(B, T, H, K, seed=seed + 1),
+               rand(B, T, H, V, seed=seed + 2))
     if kind == "gla":
-        return q, k, v, -torch.rand(B, T, H, K, dtype=F64, generator=torch.Generator().manual_seed(seed + 3))
+        return q, k, v, -torch.rand(B, T, H, K, dtype=F64,
+                                    generator=torch.Generator().manual_seed(seed + 3))
     if kind == "mamba2":
-        return q, k, v, -torch.rand(B, T, H, dtype=F64, generator=torch.Generator().manual_seed(seed + 3))
+        return q, k, v, -torch.rand(B, T, H, dtype=F64,
+                                    generator=torch.Generator().manual_seed(seed + 3))
     if kind == "gdn":
         k = torch.nn.functional.normalize(k, dim=-1)
         g = -torch.rand(B, T, H, dtype=F64, generator=torch.Generator().manual_seed(seed + 3))
-        return q, k, v, g, torch.rand(B, T, H, dtype=F64, generator=torch.Generator().manual_seed(seed + 4))
+        return q, k, v, g, torch.rand(B, T, H, dtype=F64,
+                                      generator=torch.Generator().manual_seed(seed + 4))
     kk = torch.nn.functional.normalize(rand(B, T, H, K, seed=seed + 3), dim=-1)
     a = torch.rand(B, T, H, K, dtype=F64, generator=torch.Generator().manual_seed(seed + 4))
-    w = ops.RWKV7_LOG_DECAY_MIN * torch.rand(B, T, H, K, dtype=F64, generator=torch.Generator().manual_seed(seed + 5))
+    w = ops.RWKV7_LOG_DECAY_MIN * torch.rand(B, T, H, K, dtype=F64,
+                                             generator=torch.Generator().manual_seed(seed + 5))
     return q, k, v, w, -kk, kk * a
 
 
@@ -61,11 +67,11 @@ NAIVE = {
     "gdn": lambda q, k, v, g, b, s, init: ref.gdn_recurrent_torch(q, k, v, g, b, s, init),
     "rwkv7": lambda q, k, v, w, a, b, s, init: ref.dplr_recurrent_torch(q, k, v, a, b, w, s, init),
 }
-DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention, "gdn": ops.gated_delta_attention,
-            "rwkv7": ops.rwkv7_attention}
+DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention,
+            "gdn": ops.gated_delta_attention, "rwkv7": ops.rwkv7_attention}
 
 
-# --- kernels ----------------------------------------------------------------------------------------
+# --- kernels --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["gla", "mamba2", "gdn"])
 @pytest.mark.parametrize("chunk", [1, 5, 64])
@@ -95,7 +101,8 @@ def test_chunked_gradients_match_naive(kind):
     x = [t.requires_grad_() for t in inputs(kind, B=1, T=13, seed=5)]
     w = rand(1, 13, 2, 8, seed=6)
     grads = []
-    for fn in (lambda: NAIVE[kind](*x, 0.3, None)[0], lambda: DISPATCH[kind](*x, 0.3, chunk_size=4)[0]):
+    for fn in (lambda: NAIVE[kind](*x, 0.3, None)[0],
+               lambda: DISPATCH[kind](*x, 0.3, chunk_size=4)[0]):
         grads.append(torch.autograd.grad((fn() * w).sum(), x))
     for a, b in zip(*grads):
         assert (a - b).abs().max() <= 1e-10
@@ -129,12 +136,13 @@ def test_no_fallback_off_hopper():
     assert not ops.gated_backward_fallback(x)  # CPU tensors never need the Hopper fallback
 
 
-# --- mixers ------------------------------------------------------------------------------------------
+# --- mixers ---------------------------------------------------------------------------------------
 
 def tiny_config(mixer: str, **over) -> HypeNetConfig:
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, mixer_types=["attention", mixer], rope_theta=100.0,
-              attn_logits_scale_base=8.0, lightning_chunk_size=4, sliding_window=5)
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              mixer_types=["attention", mixer], rope_theta=100.0, attn_logits_scale_base=8.0,
+              lightning_chunk_size=4, sliding_window=5)
     kw.update(over)
     return HypeNetConfig(**kw)
 
@@ -168,7 +176,8 @@ def test_mixer_packed_equals_separate(kind):
     cu = torch.tensor([0, 4, 13, 20], dtype=torch.int32)
     with torch.no_grad():
         out = mixer(x, SequenceInfo(pos, cu, 9))
-        alone = [mixer(x[:, a:b], SequenceInfo(torch.arange(b - a)[None])) for a, b in ((0, 4), (4, 13), (13, 20))]
+        alone = [mixer(x[:, a:b], SequenceInfo(torch.arange(b - a)[None]))
+                 for a, b in ((0, 4), (4, 13), (13, 20))]
     assert (out - torch.cat(alone, dim=1)).abs().max() <= 1e-10
 
 
@@ -179,7 +188,8 @@ def test_prefill_and_decode_equal_full_forward(kind):
     with torch.no_grad():
         full = model(x).logits
         cache = HypeNetCache(model.config.num_hidden_layers)
-        parts = [model(x[:, :7], cache=cache).logits, model(x[:, 7:25], cache=cache).logits]  # 18 > 16: chunked
+        # 18 > 16: chunked
+        parts = [model(x[:, :7], cache=cache).logits, model(x[:, 7:25], cache=cache).logits]
         parts += [model(x[:, t : t + 1], cache=cache).logits for t in range(25, 30)]
     assert (torch.cat(parts, dim=1) - full).abs().max() <= 1e-9
     if kind == "swa":  # the window's cache holds the last W - 1 = 4 keys only
@@ -203,9 +213,11 @@ def test_tiny_hypenet_trains_and_generates_padded_batches(kind):
     torch.manual_seed(0)
     model = HypeNetForCausalLM(tiny_config(kind, pad_token_id=0))
     mixer = model.model.layers[1].mixer
-    for name in ("A_log", "dt_bias", "D", "k_k", "k_a", "r_k"):  # torch.empty until _init_weights fills them
+    # torch.empty until _init_weights fills them
+    for name in ("A_log", "dt_bias", "D", "k_k", "k_a", "r_k"):
         if hasattr(mixer, name):
-            assert torch.isfinite(getattr(mixer, name)).all() and getattr(mixer, name).abs().max() < 20, name
+            assert (torch.isfinite(getattr(mixer, name)).all()
+                    and getattr(mixer, name).abs().max() < 20), name
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randint(1, 64, (2, 16))
     loss0 = model(x, labels=x).loss
@@ -213,11 +225,12 @@ def test_tiny_hypenet_trains_and_generates_padded_batches(kind):
     opt.step()
     assert torch.isfinite(loss0)
     model = randomise(model.to(F64).eval(), 4)
-    prompts = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 8, 6)]
+    prompts = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (3, 8, 6)]
     assert_left_padded_generate_matches_alone(model, prompts, new_tokens=6, pad_token_id=0)
 
 
-# --- sliding-window attention ------------------------------------------------------------------------
+# --- sliding-window attention ---------------------------------------------------------------------
 
 def reference_swa(mixer, x, pos, doc, window):
     """Explicit masked softmax: query i sees key j iff same document, j <= i and i - j < window."""
@@ -243,7 +256,8 @@ def test_swa_equals_masked_softmax(window, rope):
         assert (got - want).abs().max() <= 1e-10
         # packed: row 0 holds documents of 8 and 13 tokens, row 1 one of 21
         pos_p = torch.stack([torch.cat([torch.arange(8), torch.arange(13)]), torch.arange(21)])
-        doc = torch.stack([torch.cat([torch.zeros(8), torch.ones(13)]), torch.full((21,), 2.0)]).long()
+        doc = torch.stack([torch.cat([torch.zeros(8), torch.ones(13)]),
+                           torch.full((21,), 2.0)]).long()
         cu = torch.tensor([0, 8, 21, 42], dtype=torch.int32)
         got = mixer(x, SequenceInfo(pos_p, cu, 21))
         assert (got - reference_swa(mixer, x, pos_p, doc, window)).abs().max() <= 1e-10
@@ -259,7 +273,7 @@ def test_swa_rope_switch_and_no_logits_scaling():
         assert torch.equal(q, q_ref)  # no RoPE and no logits scaling on q
 
 
-# --- config ------------------------------------------------------------------------------------------
+# --- config ---------------------------------------------------------------------------------------
 
 def test_config_validation():
     with pytest.raises(ValueError, match=r"mixer_types\[1\]='mamba3' is unknown"):
@@ -271,10 +285,11 @@ def test_config_validation():
         tiny_config("swa", sliding_window=None)
     tiny_config("gdn", sliding_window=None)  # no SWA layer: no window needed
     cfg = HypeNetConfig.from_dict(tiny_config("swa", sliding_window=512, swa_rope=False).to_dict())
-    assert cfg.sliding_window == 512 and cfg.swa_rope is False and cfg.mixer_types == ["attention", "swa"]
+    assert (cfg.sliding_window == 512 and cfg.swa_rope is False
+            and cfg.mixer_types == ["attention", "swa"])
 
 
-# --- Ulysses sequence parallelism (2 gloo ranks) ---------------------------------------------------
+# --- Ulysses sequence parallelism (2 gloo ranks) --------------------------------------------------
 
 SP_KINDS = {f"{k}": (k, {}) for k in NEW}
 SP_KINDS["gdn_gqa_kept"] = ("gdn", {"rnn_gqa_to_mha": False, "rnn_rope": False})
@@ -284,7 +299,8 @@ SP_KINDS["swa_kv1"] = ("swa", {"num_key_value_heads": 1, "sliding_window": 3})
 def _sp_scenarios() -> dict:
     import torch.distributed as dist
 
-    from sp_golden import CAUSAL, PACKED, apply_sp_to_model, golden, mixer_forward, model_forward, set_mixer_sp
+    from sp_golden import (CAUSAL, PACKED, apply_sp_to_model, golden, mixer_forward, model_forward,
+                           set_mixer_sp)
     from halo_dist.parallel import SequenceParallel
 
     torch.set_num_threads(1)
@@ -293,10 +309,13 @@ def _sp_scenarios() -> dict:
     for i, (name, (kind, over)) in enumerate(SP_KINDS.items()):
         mixer = build_mixer(kind, seed=100 + i, **over)
         for j, (lname, layout) in enumerate((("causal", CAUSAL), ("packed", PACKED))):
-            res[f"{name}/{lname}"] = golden(sp, mixer, mixer_forward, layout, seed=10 * i + j, inject=set_mixer_sp)
-    model = tiny_model("gdn", num_hidden_layers=6, mixer_types=["attention", "gdn", "gla", "rwkv7", "mamba2", "swa"])
+            res[f"{name}/{lname}"] = golden(sp, mixer, mixer_forward, layout, seed=10 * i + j,
+                                            inject=set_mixer_sp)
+    model = tiny_model("gdn", num_hidden_layers=6,
+                       mixer_types=["attention", "gdn", "gla", "rwkv7", "mamba2", "swa"])
     for j, (lname, layout) in enumerate((("causal", CAUSAL), ("packed", PACKED))):
-        res[f"model/{lname}"] = golden(sp, model, model_forward, layout, seed=90 + j, inject=apply_sp_to_model)
+        res[f"model/{lname}"] = golden(sp, model, model_forward, layout, seed=90 + j,
+                                       inject=apply_sp_to_model)
     return res
 
 
@@ -307,7 +326,8 @@ def sp_results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [f"{n}/{lay}" for n in [*SP_KINDS, "model"] for lay in ("causal", "packed")])
+@pytest.mark.parametrize("case", [f"{n}/{lay}" for n in [*SP_KINDS, "model"]
+                                  for lay in ("causal", "packed")])
 def test_sp2_matches_single_process(sp_results, case):
     for rank, res in enumerate(sp_results):
         r = res[case]
@@ -331,13 +351,13 @@ def test_indivisible_heads_raise_before_communication():
             mixer(rand(1, 2, 32), SequenceInfo(torch.arange(2)[None]))
 
 
-# --- the device check script --------------------------------------------------------------------------
+# --- the device check script ----------------------------------------------------------------------
 
 def test_bench_mixers_smoke(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "mixers.json"
-    res = subprocess.run([sys.executable, str(repo / "bench" / "bench_mixers.py"), "--smoke", "--out", str(out)],
-                         capture_output=True, text=True, timeout=120, cwd=repo,
+    res = subprocess.run([sys.executable, str(repo / "bench" / "bench_mixers.py"), "--smoke",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=repo,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     import json
@@ -346,14 +366,16 @@ def test_bench_mixers_smoke(tmp_path):
     assert {r["mixer"] for r in data["correctness"]} >= set(RNNS)
     script = [sys.executable, str(repo / "bench" / "bench_mixers.py"), "--smoke", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(script + ["--mixers", "gla"], capture_output=True, text=True, timeout=120, cwd=repo, env=env)
+    res = subprocess.run(script + ["--mixers", "gla"], capture_output=True, text=True, timeout=120,
+                         cwd=repo, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert {r["mixer"] for r in json.loads(out.read_text())["correctness"]} == {"gla"}
-    res = subprocess.run(script + ["--mixers", "gla,lstm"], capture_output=True, text=True, timeout=120, cwd=repo, env=env)
+    res = subprocess.run(script + ["--mixers", "gla,lstm"], capture_output=True, text=True,
+                         timeout=120, cwd=repo, env=env)
     assert res.returncode == 2 and "unknown mixers ['lstm']" in res.stderr
 
 
-# --- conversion with another replacement mixer (convert.py rnn_mixer) ------------------------------
+# --- conversion with another replacement mixer (convert.py rnn_mixer) -----------------------------
 
 @pytest.mark.parametrize("kind", NEW)
 def test_convert_with_rnn_mixer(kind):
@@ -361,13 +383,16 @@ def test_convert_with_rnn_mixer(kind):
     from halo_dist.models.convert import convert_model
 
     teacher = tiny_qwen3()
-    student = convert_model(teacher, [0, 2], rnn_mixer=kind, attn_rope=True, attn_logits_scale_base=None,
-                            sliding_window=64)
+    student = convert_model(teacher, [0, 2], rnn_mixer=kind, attn_rope=True,
+                            attn_logits_scale_base=None, sliding_window=64)
     assert student.config.mixer_types == ["attention", kind, "attention", kind]
     mixer, src = student.model.layers[1].mixer, teacher.model.layers[1].self_attn
-    assert torch.equal(mixer.q_proj.weight, src.q_proj.weight) and torch.equal(mixer.o_proj.weight, src.o_proj.weight)
-    g = 1 if kind == "swa" else 2  # RNN heads get their own W_k (GQA -> MHA), SWA keeps the teacher's
-    assert torch.equal(mixer.k_proj.weight, src.k_proj.weight.view(2, 16, 64).repeat_interleave(g, 0).reshape(-1, 64))
+    assert torch.equal(mixer.q_proj.weight, src.q_proj.weight) and torch.equal(mixer.o_proj.weight,
+                                                                               src.o_proj.weight)
+    # RNN heads get their own W_k (GQA -> MHA), SWA keeps the teacher's
+    g = 1 if kind == "swa" else 2
+    assert torch.equal(mixer.k_proj.weight,
+                       src.k_proj.weight.view(2, 16, 64).repeat_interleave(g, 0).reshape(-1, 64))
     x = torch.randint(0, 256, (2, 20))
     with torch.no_grad():
         out = student(x).logits

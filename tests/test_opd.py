@@ -17,8 +17,9 @@ from opd_configs import TINY, VOCAB, tiny_cfg
 
 from halo_dist.config import ConfigError
 from halo_dist.models.convert import convert_model
-from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, Rollout, check_tokenizers, check_vocab,
-                                  on_policy_step, pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
+from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, Rollout,
+                                  check_tokenizers, check_vocab, on_policy_step, pack_rollouts,
+                                  parameter_groups, position_buckets, sample_rollouts)
 from halo_dist.eval.tokenizers import byte_tokenizer
 from halo_dist.stages.opd_prompts import Curriculum, PromptError, build_prompt_set
 from halo_dist.models.convert import as_exact_hypenet
@@ -32,7 +33,7 @@ def models(attn_layers=(1,), seed=0):
     return hf, convert_model(hf, list(attn_layers)), as_exact_hypenet(hf)
 
 
-# ------------------------------------------------------------------------------------------------ loss
+# --------------------------------------------------------------------------------------------- loss
 def naive_reverse_kl(student, teacher, rollouts):
     """Per-document full-logit reverse KL(student || teacher) summed over sampled tokens."""
     total = 0.0
@@ -59,13 +60,15 @@ def test_packing_marks_exactly_the_positions_that_predict_sampled_tokens():
 def test_reverse_kl_loss_and_grads_match_naive_through_the_module():
     _, student, teacher = models()
     torch.manual_seed(0)
-    rollouts = [Rollout([7, 8, 9, 10], [11, 12, 13, 1]), Rollout([20, 21], [22, 23, 24, 25, 26]), Rollout([30], [31])]
+    rollouts = [Rollout([7, 8, 9, 10], [11, 12, 13, 1]), Rollout([20, 21], [22, 23, 24, 25, 26]),
+                Rollout([30], [31])]
     b = pack_rollouts(rollouts)
     mod = OPDModule(student, teacher, chunk_size=3, buckets=position_buckets(2, 8))
-    loss, kl, count, per_bucket = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask,
-                                      b.gen_index, normalizer=float(b.num_generated))
+    loss, kl, count, per_bucket = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen,
+                                      b.loss_mask, b.gen_index, normalizer=float(b.num_generated))
     assert int(count) == 10 and sum(int(c) for _, c in per_bucket) == 10
-    assert [int(c) for _, c in per_bucket] == [5, 4, 1]  # gen positions 0-1 (x3 docs less one), 2-3, 4
+    # gen positions 0-1 (x3 docs less one), 2-3, 4
+    assert [int(c) for _, c in per_bucket] == [5, 4, 1]
     loss.backward()
     fused_grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
     student.zero_grad()
@@ -97,11 +100,12 @@ def naive_jsd(student, teacher, rollouts, beta):
 def test_jsd_beta_loss_and_grads_match_naive_through_the_module():
     """opd.beta: the generalized JSD through OPDModule's packed, bucketed, masked fused loss."""
     _, student, teacher = models()
-    rollouts = [Rollout([7, 8, 9, 10], [11, 12, 13, 1]), Rollout([20, 21], [22, 23, 24, 25, 26]), Rollout([30], [31])]
+    rollouts = [Rollout([7, 8, 9, 10], [11, 12, 13, 1]), Rollout([20, 21], [22, 23, 24, 25, 26]),
+                Rollout([30], [31])]
     b = pack_rollouts(rollouts)
     mod = OPDModule(student, teacher, chunk_size=3, buckets=position_buckets(2, 8), beta=0.3)
-    loss, div, count, _ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask, b.gen_index,
-                              normalizer=10.0)
+    loss, div, count, _ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask,
+                              b.gen_index, normalizer=10.0)
     loss.backward()
     fused_grads = {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
     student.zero_grad()
@@ -118,7 +122,8 @@ def test_sampled_rollouts_are_padding_independent_and_stop_at_eos():
     _, student, _ = models()
     gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     alone = sample_rollouts(student, [[5, 6, 7]], 12, eos_token_id=None, generator=gen())
-    batched = sample_rollouts(student, [[5, 6, 7], [9, 10, 11, 12, 13, 14]], 12, eos_token_id=None, generator=gen())
+    batched = sample_rollouts(student, [[5, 6, 7], [9, 10, 11, 12, 13, 14]], 12, eos_token_id=None,
+                              generator=gen())
     assert len(alone[0]) == 12 and len(batched[1]) == 12
     eos = alone[0][4]
     cut = sample_rollouts(student, [[5, 6, 7]], 12, eos_token_id=eos, generator=gen())[0]
@@ -126,30 +131,36 @@ def test_sampled_rollouts_are_padding_independent_and_stop_at_eos():
 
 
 def test_static_decode_rollouts_sample_the_same_tokens():
-    """opd.static_decode: StaticDecoder rollouts (left-padded prompts) = the dynamic loop, token for token."""
+    """opd.static_decode: StaticDecoder rollouts (left-padded prompts) = the dynamic loop, token for
+    token."""
     _, student, _ = models(attn_layers=(0, 1))
     student = student.double()
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20]]
     gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
     dynamic = sample_rollouts(student, prompts, 10, eos_token_id=None, generator=gen())
-    static = sample_rollouts(student, prompts, 10, eos_token_id=None, generator=gen(), static_cache=True)
+    static = sample_rollouts(student, prompts, 10, eos_token_id=None, generator=gen(),
+                             static_cache=True)
     assert static == dynamic and all(len(g) == 10 for g in static)
     cfg = tiny_cfg("/tmp/unused", "opd.static_decode=true")
     assert cfg.opd.static_decode is True
 
 
 def test_bench_opd_cpu_smoke_with_static_rollouts(tmp_path):
-    """bench/bench_opd.py end to end on tiny shapes (the device run uses the same code at the 2B shape)."""
+    """bench/bench_opd.py end to end on tiny shapes (the device run uses the same code at the 2B
+    shape)."""
     out = tmp_path / "opd.json"
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_opd.py"), "--cpu-smoke", "--static-decode",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_opd.py"),
+                          "--cpu-smoke", "--static-decode", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
-    assert rows and all(r["rollout_tokens_per_s"] > 0 and r["train_packed_tokens_per_s"] > 0 for r in rows)
-    assert [r["micro"] for r in rows] == [64 // (16 + r["horizon"]) for r in rows]  # split by the token budget
+    assert rows and all(r["rollout_tokens_per_s"] > 0 and r["train_packed_tokens_per_s"] > 0
+                        for r in rows)
+    # split by the token budget
+    assert [r["micro"] for r in rows] == [64 // (16 + r["horizon"]) for r in rows]
 
 
-# ------------------------------------------------------------------------------------------------ horizon
+# ------------------------------------------------------------------------------------------ horizon
 def test_plateau_detector_fires_on_a_flat_series_not_on_a_falling_one():
     d = PlateauDetector(window=5, patience=2, min_rel_improvement=0.05)
     fired = [d.update(1.0 + 0.001 * (i % 3)) for i in range(30)]
@@ -166,14 +177,16 @@ def test_plateau_detector_fires_on_a_flat_series_not_on_a_falling_one():
 
 
 def test_horizon_doubles_on_plateau_respects_min_steps_and_caps():
-    h = HorizonSchedule(512, 2048, PlateauDetector(window=2, patience=1, min_rel_improvement=0.01), min_steps=6)
+    h = HorizonSchedule(512, 2048, PlateauDetector(window=2, patience=1, min_rel_improvement=0.01),
+                        min_steps=6)
     steps = [s for s in range(1, 40) if h.update(s, 1.0)]
     assert [hz for _, hz in h.history] == [1024, 2048] and h.horizon == 2048
-    assert steps[0] == 6 and steps[1] - steps[0] >= 6  # flat series, but no doubling sooner than min_steps
+    # flat series, but no doubling sooner than min_steps
+    assert steps[0] == 6 and steps[1] - steps[0] >= 6
     assert not h.update(100, 1.0)  # capped
 
 
-# ------------------------------------------------------------------------------------------------ groups, prompts
+# ---------------------------------------------------------------------------------- groups, prompts
 def test_parameter_groups_freeze_attention_and_carry_their_lrs():
     _, student, _ = models(attn_layers=(1, 3))
     groups = parameter_groups(student, lr=1e-3, rnn_lr=2e-3, attn_lr=5e-4, train_attention=True)
@@ -183,7 +196,8 @@ def test_parameter_groups_freeze_attention_and_carry_their_lrs():
     groups = parameter_groups(student, lr=1e-3, train_attention=False)
     assert {g["name"] for g in groups} == {"rnn", "other"}
     frozen = [n for n, p in student.named_parameters() if not p.requires_grad]
-    assert len(frozen) == n_attn and all(".mixer." in n and n.split(".")[2] in ("1", "3") for n in frozen)
+    assert len(frozen) == n_attn and all(".mixer." in n and n.split(".")[2] in ("1", "3")
+                                         for n in frozen)
 
 
 def test_curriculum_switches_sets_in_by_horizon_and_step(tmp_path):
@@ -195,8 +209,8 @@ def test_curriculum_switches_sets_in_by_horizon_and_step(tmp_path):
 
     from halo_dist.config.schema import PromptSetConfig
 
-    sets = list(cfg.opd.prompt_sets) + [PromptSetConfig(name="math", kind="jsonl", path=str(jl), text_field="q",
-                                                        start_step=5, weight=100.0)]
+    sets = list(cfg.opd.prompt_sets) + [PromptSetConfig(name="math", kind="jsonl", path=str(jl),
+                                                        text_field="q", start_step=5, weight=100.0)]
     cur = Curriculum(replace(cfg.opd, prompt_sets=sets), byte_tokenizer(), VOCAB)
     assert [s.name for s in cur.active(0, 16)] == ["synthetic"]
     assert [s.name for s in cur.active(0, 32)] == ["synthetic", "wiki"]
@@ -209,31 +223,34 @@ def test_curriculum_switches_sets_in_by_horizon_and_step(tmp_path):
     assert cur.sample(5, 5, 16) == a
 
 
-# ------------------------------------------------------------------------------------------------ DP reduction
+# ------------------------------------------------------------------------------------- DP reduction
 def _one_step_on(batches, world, root):
-    """One OPD step of the tiny run whose micro-batches are ``batches`` (rank r takes every world-th one):
-    global batch 2 x micro 1, so 1 rank accumulates both and 2 ranks take one each. Returns the step's
-    gradient norm and the student's weights after it."""
+    """One OPD step of the tiny run whose micro-batches are ``batches`` (rank r takes every world-th
+    one): global batch 2 x micro 1, so 1 rank accumulates both and 2 ranks take one each. Returns
+    the step's gradient norm and the student's weights after it."""
     import torch.distributed as dist
 
     from halo_dist.train.opd_loop import OPDTrainer
 
     torch.set_num_threads(1)
     cfg = tiny_cfg(root / f"w{world}", "schedule.total_steps=1",
-                   "schedule.warmup_steps=0", "schedule.decay_steps=1", "opd.eval_every=0", "opd.snapshot_every=0",
-                   "checkpoint.every_steps=0", "data.global_batch_size=2", "data.micro_batch_size=1",
-                   set0=dict(heldout=0))
+                   "schedule.warmup_steps=0", "schedule.decay_steps=1", "opd.eval_every=0",
+                   "opd.snapshot_every=0", "checkpoint.every_steps=0", "data.global_batch_size=2",
+                   "data.micro_batch_size=1", set0=dict(heldout=0))
     t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=byte_tokenizer()).setup()
     mine = [b.to(t.device) for b in batches[dist.get_rank()::world]]
     t._micro_batches = lambda horizon, on_policy: (mine, 0.0)
     out = t.train_step()
-    return out["grad_norm"], {k: v.detach().clone() for k, v in t.module.student.state_dict().items()}
+    return (out["grad_norm"],
+            {k: v.detach().clone() for k, v in t.module.student.state_dict().items()})
 
 
 def test_token_weighted_reduction_two_ranks_equals_one(tmp_path):
-    """Rank 0 gets 4 sampled tokens, rank 1 gets 2: a per-rank mean would weigh them differently. The
-    DeepSpeed engine's accumulation and DP average with our normaliser give the same step either way."""
-    batches = [pack_rollouts([Rollout([5, 6], [7, 8, 9, 10])]), pack_rollouts([Rollout([15, 16, 17], [18, 19])])]
+    """Rank 0 gets 4 sampled tokens, rank 1 gets 2: a per-rank mean would weigh them differently.
+    The DeepSpeed engine's accumulation and DP average with our normaliser give the same step either
+    way."""
+    batches = [pack_rollouts([Rollout([5, 6], [7, 8, 9, 10])]),
+               pack_rollouts([Rollout([15, 16, 17], [18, 19])])]
     norm1, w1 = _one_step_on(batches, 1, tmp_path)
     two = run_distributed(_one_step_on, world_size=2, args=(batches, 2, tmp_path))
     (norm_a, wa), (norm_b, wb) = two
@@ -242,7 +259,7 @@ def test_token_weighted_reduction_two_ranks_equals_one(tmp_path):
         assert torch.equal(wa[k], wb[k]) and torch.allclose(w1[k], wa[k], rtol=1e-5, atol=1e-6), k
 
 
-# ------------------------------------------------------------------------------------------------ runs
+# --------------------------------------------------------------------------------------------- runs
 def run_trainer(cfg, hf=None, student=None):
     from halo_dist.train.opd_loop import OPDTrainer
 
@@ -254,11 +271,12 @@ def run_trainer(cfg, hf=None, student=None):
 
 
 def test_tiny_run_heldout_reverse_kl_falls(tmp_path):
-    """Random tiny Qwen3 teacher, student = its conversion with 3 of 4 layers Lightning (no stage 1)."""
-    cfg = tiny_cfg(tmp_path, "schedule.total_steps=24", "schedule.decay_steps=6", "opd.eval_every=0",
-                   "data.global_batch_size=8", "data.micro_batch_size=4", "opd.plateau_window=3",
-                   "optim.lr=2e-3", "checkpoint.every_steps=0", "opd.snapshot_every=0",
-                   set0=dict(heldout=12, num_prompts=200))
+    """Random tiny Qwen3 teacher, student = its conversion with 3 of 4 layers Lightning (no stage
+    1)."""
+    cfg = tiny_cfg(tmp_path, "schedule.total_steps=24", "schedule.decay_steps=6",
+                   "opd.eval_every=0", "data.global_batch_size=8", "data.micro_batch_size=4",
+                   "opd.plateau_window=3", "optim.lr=2e-3", "checkpoint.every_steps=0",
+                   "opd.snapshot_every=0", set0=dict(heldout=12, num_prompts=200))
     t = run_trainer(cfg)
     (s0, first), (s1, last) = t.eval_history[0], t.eval_history[-1]
     assert s0 == 0 and s1 == 24 and last < 0.75 * first, t.eval_history
@@ -267,40 +285,51 @@ def test_tiny_run_heldout_reverse_kl_falls(tmp_path):
     assert "train/kl_pos_00000_00008" in m and "perf/rollout_tokens_per_s_per_gpu" in m
     assert (tmp_path / "final" / "config.json").exists()
     record = json.loads((tmp_path / "final" / "halo_dist.json").read_text())
-    assert record["stage"] == "opd" and record["step"] == 24 and record["tokens"] == t.tokens_seen > 0
+    assert (record["stage"] == "opd" and record["step"] == 24
+            and record["tokens"] == t.tokens_seen > 0)
     assert record["eval"]["eval/reverse_kl"] == last
 
 
 def test_rung_continuation_reproduces_the_longer_run(tmp_path):
-    """A (12 steps, WSD decay 4) -> pre-decay snapshot at step 8 -> B continues to 16 steps == C run 16 from scratch."""
-    common = ["opd.eval_every=0", "opd.snapshot_every=0", "checkpoint.every_steps=0", "schedule.decay_steps=4",
+    """A (12 steps, WSD decay 4) -> pre-decay snapshot at step 8 -> B continues to 16 steps == C run
+    16 from scratch."""
+    common = ["opd.eval_every=0", "opd.snapshot_every=0", "checkpoint.every_steps=0",
+              "schedule.decay_steps=4",
               "opd.horizon_start=8", "opd.horizon_max=16", "opd.plateau_window=1",
-              "opd.plateau_patience=1", "opd.plateau_min_rel_improvement=0.5"]  # the horizon doubles on the way
-    a = run_trainer(tiny_cfg(tmp_path / "a", "schedule.total_steps=12", *common, set0=dict(heldout=0)))
+              # the horizon doubles on the way
+              "opd.plateau_patience=1", "opd.plateau_min_rel_improvement=0.5"]
+    a = run_trainer(tiny_cfg(tmp_path / "a", "schedule.total_steps=12", *common,
+                             set0=dict(heldout=0)))
     snap = tmp_path / "a" / "snapshots" / "step-00000008"
     assert (snap / "COMPLETE").exists() and a.schedule.decay_start == 8
-    b = run_trainer(tiny_cfg(tmp_path / "b", "schedule.total_steps=16", f"opd.resume_from={snap}", *common, set0=dict(heldout=0)))
-    c = run_trainer(tiny_cfg(tmp_path / "c", "schedule.total_steps=16", *common, set0=dict(heldout=0)))
+    b = run_trainer(tiny_cfg(tmp_path / "b", "schedule.total_steps=16", f"opd.resume_from={snap}",
+                             *common, set0=dict(heldout=0)))
+    c = run_trainer(tiny_cfg(tmp_path / "c", "schedule.total_steps=16", *common,
+                             set0=dict(heldout=0)))
     assert c.horizon.history and b.horizon.history == c.horizon.history
     lr_a, lr_b, lr_c = (dict(read_metrics(tmp_path / x)["optim/lr"]) for x in "abc")
     assert all(lr_a[s] == lr_c[s] for s in range(1, 9)) and lr_a[12] < lr_c[12]
     assert all(lr_b[s] == lr_c[s] for s in range(9, 17))
-    for (n, pb), (_, pc) in zip(b.module.student.named_parameters(), c.module.student.named_parameters()):
+    for (n, pb), (_, pc) in zip(b.module.student.named_parameters(),
+                                c.module.student.named_parameters()):
         assert torch.equal(pb, pc), n
     # a snapshot after the decay started cannot start a rung
     late = a.save(tmp_path / "late")
     with pytest.raises(ValueError, match="after its schedule's decay started"):
-        run_trainer(tiny_cfg(tmp_path / "d", "schedule.total_steps=20", f"opd.resume_from={late}", *common, set0=dict(heldout=0)))
+        run_trainer(tiny_cfg(tmp_path / "d", "schedule.total_steps=20", f"opd.resume_from={late}",
+                             *common, set0=dict(heldout=0)))
 
 
-# ------------------------------------------------------------------------------------------------ lmbda
+# -------------------------------------------------------------------------------------------- lmbda
 def test_on_policy_steps_are_a_function_of_seed_and_step():
     steps = range(2000)
     half = [on_policy_step(0, s, 0.5) for s in steps]
-    assert half == [on_policy_step(0, s, 0.5) for s in steps]  # no hidden state: a resume repeats them
+    # no hidden state: a resume repeats them
+    assert half == [on_policy_step(0, s, 0.5) for s in steps]
     assert 900 < sum(half) < 1100 and half != [on_policy_step(1, s, 0.5) for s in steps]
     assert 250 < sum(on_policy_step(0, s, 0.15) for s in steps) < 350
-    assert all(on_policy_step(0, s, 1.0) for s in steps) and not any(on_policy_step(0, s, 0.0) for s in steps)
+    assert all(on_policy_step(0, s, 1.0) for s in steps) and not any(on_policy_step(0, s, 0.0)
+                                                                     for s in steps)
     # the same draw per step: a larger lmbda keeps every on-policy step of a smaller one
     assert all(on_policy_step(0, s, 0.7) for s in steps if on_policy_step(0, s, 0.5))
 
@@ -312,7 +341,8 @@ def test_fixed_continuations_are_the_datasets_and_leave_the_prompts_alone(tmp_pa
     eos = tok.eos_token_id
     docs = tmp_path / "docs.txt"
     docs.write_text("the quick brown fox jumps over the lazy dog\n\nshort doc here\n\n" + "x" * 80)
-    text = PromptSetConfig(name="t", kind="text_file", path=str(docs), prompt_tokens=[5, 9], num_prompts=3)
+    text = PromptSetConfig(name="t", kind="text_file", path=str(docs), prompt_tokens=[5, 9],
+                           num_prompts=3)
     plain = build_prompt_set(text, tok, VOCAB, seed=3)
     fixed = build_prompt_set(text, tok, VOCAB, seed=3, continuation_tokens=20, eos_token_id=eos)
     assert fixed.train == plain.train and plain.continuations is None
@@ -320,14 +350,17 @@ def test_fixed_continuations_are_the_datasets_and_leave_the_prompts_alone(tmp_pa
         ids = tok(doc)["input_ids"]
         rest = ids[len(p):]
         assert ids[:len(p)] == p
-        assert list(c) == (rest + [eos] if len(rest) < 20 else rest[:20])  # EOS only where the document ends
+        # EOS only where the document ends
+        assert list(c) == (rest + [eos] if len(rest) < 20 else rest[:20])
     jl = tmp_path / "qa.jsonl"
     jl.write_text("\n".join(json.dumps({"q": f"{i}+{i}=", "a": str(2 * i)}) for i in range(6)))
-    qa = build_prompt_set(PromptSetConfig(name="qa", kind="jsonl", path=str(jl), text_field="q", completion_field="a",
-                                          heldout=2), tok, VOCAB, continuation_tokens=4, eos_token_id=eos)
+    qa = build_prompt_set(PromptSetConfig(name="qa", kind="jsonl", path=str(jl),
+                                          text_field="q", completion_field="a", heldout=2),
+                          tok, VOCAB, continuation_tokens=4, eos_token_id=eos)
     assert len(qa.continuations) == 4 and list(qa.continuations[3]) == tok("6")["input_ids"] + [eos]
     syn = PromptSetConfig(name="s", kind="synthetic", prompt_tokens=[4, 6], num_prompts=5)
-    a, b = build_prompt_set(syn, tok, VOCAB), build_prompt_set(syn, tok, VOCAB, continuation_tokens=7)
+    a, b = build_prompt_set(syn, tok, VOCAB), build_prompt_set(syn, tok, VOCAB,
+                                                               continuation_tokens=7)
     assert a.train == b.train and all(len(c) == 7 and min(c) >= 4 for c in b.continuations)
     # sampling: the horizon cuts the continuation; the curriculum's RNG state round-trips as before
     cfg = tiny_cfg(tmp_path, "opd.lmbda=0.5")
@@ -349,20 +382,22 @@ def _record_steps(trainer):
     kinds, fixed = [], []
     gen, fix = trainer._rollouts, trainer._fixed_data
     trainer._rollouts = lambda n, h: (kinds.append((trainer.step, True)), gen(n, h))[1]
-    trainer._fixed_data = lambda n, h: (kinds.append((trainer.step, False)), fixed.append(fix(n, h)), fixed[-1])[2]
+    trainer._fixed_data = lambda n, h: (kinds.append((trainer.step, False)),
+                                        fixed.append(fix(n, h)), fixed[-1])[2]
     return kinds, fixed
 
 
 def test_gkd_run_mixes_fixed_and_on_policy_steps_and_resumes_exactly(tmp_path):
-    """beta 0.5 and lmbda 0.5 on the tiny run: the on-policy steps are on_policy_step's, fixed-data steps
-    train on the synthetic set's continuations, metrics say jsd, and a resume from step 4 ends bitwise
-    equal to the uninterrupted run (same choices, same rollouts)."""
+    """beta 0.5 and lmbda 0.5 on the tiny run: the on-policy steps are on_policy_step's, fixed-data
+    steps train on the synthetic set's continuations, metrics say jsd, and a resume from step 4 ends
+    bitwise equal to the uninterrupted run (same choices, same rollouts)."""
     import shutil
 
     from halo_dist.train.opd_loop import OPDTrainer
 
-    common = ["schedule.total_steps=8", "schedule.decay_steps=2", "opd.eval_every=0", "opd.snapshot_every=0",
-              "checkpoint.every_steps=4", "opd.lmbda=0.5", "opd.beta=0.5", "loss.objective=jsd", "opd.seed=1"]
+    common = ["schedule.total_steps=8", "schedule.decay_steps=2", "opd.eval_every=0",
+              "opd.snapshot_every=0", "checkpoint.every_steps=4", "opd.lmbda=0.5", "opd.beta=0.5",
+              "loss.objective=jsd", "opd.seed=1"]
     runs = {}
     for name in ("full", "resumed"):
         if name == "resumed":
@@ -383,7 +418,8 @@ def test_gkd_run_mixes_fixed_and_on_policy_steps_and_resumes_exactly(tmp_path):
             assert r.source == "synthetic" and r.completion == list(syn.continuations[i][:16])
     resumed, rkinds, _ = runs["resumed"]
     assert rkinds == kinds[4:]
-    for (n, a), (_, b) in zip(full.module.student.named_parameters(), resumed.module.student.named_parameters()):
+    for (n, a), (_, b) in zip(full.module.student.named_parameters(),
+                              resumed.module.student.named_parameters()):
         assert torch.equal(a, b), n
     m = read_metrics(tmp_path / "full")
     assert "train/jsd" in m and "eval/jsd" in m and "train/reverse_kl" not in m
@@ -400,7 +436,8 @@ def test_gkd_options_are_checked_up_front(tmp_path):
         with pytest.raises(ConfigError, match=rf"opd.{key}: must be in \[0, 1\], got 1.5"):
             tiny_cfg(tmp_path, f"opd.{key}=1.5", "loss.objective=jsd")
     with pytest.raises(ConfigError, match=r"jsonl set\(s\) \['qa'\] have no completion_field"):
-        tiny_cfg(tmp_path, "opd.lmbda=0.5", "opd.prompt_sets=[{name: qa, kind: jsonl, path: x.jsonl}]")
+        tiny_cfg(tmp_path, "opd.lmbda=0.5",
+                 "opd.prompt_sets=[{name: qa, kind: jsonl, path: x.jsonl}]")
     with pytest.raises(ConfigError, match="completion_field: only jsonl sets have one"):
         PromptSetConfig(name="w", kind="wiki", completion_field="a")
     with pytest.raises(ConfigError, match="stage3 trains with kl|ce, not jsd"):
@@ -408,7 +445,7 @@ def test_gkd_options_are_checked_up_front(tmp_path):
     assert tiny_cfg(tmp_path, "opd.beta=0.0", "loss.objective=jsd", "opd.lmbda=0").opd.beta == 0.0
 
 
-# ------------------------------------------------------------------------------------------------ bad input
+# ---------------------------------------------------------------------------------------- bad input
 def test_bad_prompt_sets_have_clear_errors(tmp_path):
     opd = tiny_cfg(tmp_path).opd
     from halo_dist.config.schema import PromptSetConfig
@@ -416,17 +453,21 @@ def test_bad_prompt_sets_have_clear_errors(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     with pytest.raises(PromptError, match="'e' .*is empty"):
-        build_prompt_set(PromptSetConfig(name="e", kind="text_file", path=str(empty)), byte_tokenizer(), VOCAB)
+        build_prompt_set(PromptSetConfig(name="e", kind="text_file", path=str(empty)),
+                         byte_tokenizer(), VOCAB)
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "x" * 200}) + "\n")
-    s = build_prompt_set(PromptSetConfig(name="long", kind="jsonl", path=str(long)), byte_tokenizer(), VOCAB)
-    with pytest.raises(PromptError, match="200 tokens, longer than the 112 tokens left .* horizon 16"):
+    s = build_prompt_set(PromptSetConfig(name="long", kind="jsonl", path=str(long)),
+                         byte_tokenizer(), VOCAB)
+    with pytest.raises(PromptError,
+                       match="200 tokens, longer than the 112 tokens left .* horizon 16"):
         Curriculum(opd, byte_tokenizer(), VOCAB, prebuilt={"synthetic": s}).active(0, 16)
     with pytest.raises(PromptError, match="max_prompt_tokens=50"):
-        build_prompt_set(PromptSetConfig(name="l", kind="jsonl", path=str(long), max_prompt_tokens=50),
-                         byte_tokenizer(), VOCAB)
+        build_prompt_set(PromptSetConfig(name="l", kind="jsonl", path=str(long),
+                                         max_prompt_tokens=50), byte_tokenizer(), VOCAB)
     with pytest.raises(PromptError, match="outside the model vocabulary"):
-        build_prompt_set(PromptSetConfig(name="v", kind="jsonl", path=str(long)), byte_tokenizer(), 100)
+        build_prompt_set(PromptSetConfig(name="v", kind="jsonl", path=str(long)), byte_tokenizer(),
+                         100)
     with pytest.raises(ConfigError, match="prompt_sets: empty"):
         tiny_cfg(tmp_path, "opd.prompt_sets=[]")
     with pytest.raises(ConfigError, match="opd: set exactly when"):
@@ -443,7 +484,8 @@ def test_tokenizer_and_vocab_mismatch_are_refused():
 
     bigger = byte_tokenizer()
     bigger.add_tokens([f"<extra{i}>" for i in range(400 - len(bigger))])
-    with pytest.raises(ValueError, match="tokenizer has 400 tokens but the models' vocabulary is 320"):
+    with pytest.raises(ValueError,
+                       match="tokenizer has 400 tokens but the models' vocabulary is 320"):
         check_vocab(student, teacher, bigger)
     with pytest.raises(ValueError, match="teacher and student tokenizers differ"):
         check_tokenizers(byte_tokenizer(), bigger)
@@ -453,29 +495,36 @@ def test_tokenizer_and_vocab_mismatch_are_refused():
 def test_launcher_reports_bad_input_in_one_line(tmp_path):
     import os
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}  # in-process runs set these
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                            "MASTER_ADDR",
+                                                            # in-process runs set these
+                                                            "MASTER_PORT")}
     res = subprocess.run([sys.executable, str(REPO / "launchers" / "opd.py"), "--config", str(TINY),
                           f"logging.run_dir={tmp_path}", "opd.max_seq_len=40", "opd.horizon_max=32",
                           "opd.prompt_sets=[{name: s, kind: synthetic, prompt_tokens: [30, 30]}]"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**env, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 2, res.stderr[-2000:]
     assert "error: prompt set 's' has a prompt of 30 tokens" in res.stderr
 
 
-# ------------------------------------------------------------------------------------------------ stop signals
+# ------------------------------------------------------------------------------------- stop signals
 def run_opd_launcher(run_dir, *overrides, faults=None, expect=0):
-    """``launchers/opd.py`` on configs/opd/tiny.yaml in a subprocess; ``faults``: as tests/stage_runs.py's
-    ``run_launcher`` (the launcher then runs through tests/fault_injection.py)."""
+    """``launchers/opd.py`` on configs/opd/tiny.yaml in a subprocess; ``faults``: as
+    tests/stage_runs.py's ``run_launcher`` (the launcher then runs through
+    tests/fault_injection.py)."""
     script = [str(REPO / "launchers" / "opd.py")]
     if faults:
         script = [str(REPO / "tests" / "fault_injection.py"), *launcher_args(**faults), *script]
-    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # in-process runs set these
+    # in-process runs set these
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    cmd = [sys.executable, *script, "--config", str(TINY), f"logging.run_dir={run_dir}", "logging.tensorboard=false",
-           "logging.log_every=1", *overrides]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == expect, f"exit {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
+    cmd = [sys.executable, *script, "--config", str(TINY), f"logging.run_dir={run_dir}",
+           "logging.tensorboard=false", "logging.log_every=1", *overrides]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**env, "OMP_NUM_THREADS": "1"})
+    assert (res.returncode
+            == expect), f"exit {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     return res
 
 
@@ -488,29 +537,32 @@ def _final_weights(run_dir):
 
 
 def test_sigterm_checkpoints_exits_0_and_the_restarted_run_ends_bitwise_equal(tmp_path):
-    """SIGTERM after step 3 of 6: the launcher checkpoints step 3 and exits 0 without writing final/; the
-    restarted launcher resumes there and ends with the uninterrupted run's weights, bit for bit, and the
-    same held-out and training curves (the horizon doubles on the way, so the detector state resumes too)."""
-    common = ["schedule.total_steps=6", "schedule.decay_steps=2", "checkpoint.every_steps=0", "opd.snapshot_every=0",
-              "opd.eval_every=2", "opd.plateau_window=1", "opd.plateau_patience=1",
-              "opd.plateau_min_rel_improvement=0.5"]
+    """SIGTERM after step 3 of 6: the launcher checkpoints step 3 and exits 0 without writing
+    final/; the restarted launcher resumes there and ends with the uninterrupted run's weights, bit
+    for bit, and the same held-out and training curves (the horizon doubles on the way, so the
+    detector state resumes too)."""
+    common = ["schedule.total_steps=6", "schedule.decay_steps=2", "checkpoint.every_steps=0",
+              "opd.snapshot_every=0", "opd.eval_every=2", "opd.plateau_window=1",
+              "opd.plateau_patience=1", "opd.plateau_min_rel_improvement=0.5"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run_opd_launcher(straight, *common)
     res = run_opd_launcher(stopped, *common, faults=dict(sigterm_at=3))
     assert "stopped by signal" in res.stderr and "at step 3" in res.stderr
     assert [p.name for p in (stopped / "checkpoints").glob("step-*")] == ["step-00000003"]
-    assert (stopped / "checkpoints" / "step-00000003" / "COMPLETE").exists() and not (stopped / "final").exists()
+    assert ((stopped / "checkpoints" / "step-00000003" / "COMPLETE").exists()
+            and not (stopped / "final").exists())
     res = run_opd_launcher(stopped, *common)
     assert "resumed from" in res.stdout and "at step 3" in res.stdout
     a, b = _final_weights(straight), _final_weights(stopped)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ma, mb = read_metrics(straight), read_metrics(stopped)
-    assert [s for s, _ in mb["eval/reverse_kl"]] == [0, 2, 4, 6] and mb["eval/reverse_kl"] == ma["eval/reverse_kl"]
+    assert ([s for s, _ in mb["eval/reverse_kl"]] == [0, 2, 4, 6]
+            and mb["eval/reverse_kl"] == ma["eval/reverse_kl"])
     assert mb["train/loss"] == ma["train/loss"] and len(ma["train/loss"]) == 6
     assert ma["progress/horizon"] == mb["progress/horizon"] and ma["progress/horizon"][-1][1] == 32
 
 
-# ------------------------------------------------------------------------------------------------ ZeRO stages
+# -------------------------------------------------------------------------------------- ZeRO stages
 def _record(trainer):
     """Wrap ``trainer``'s rollouts and steps so the test sees every rollout and every step's KL."""
     rollouts, kls = [], []
@@ -550,13 +602,16 @@ def _opd_zero_stages(root, common):
     ds = ["parallel.zero_stage=3"]
     runs = [("zero0", ["parallel.zero_stage=0"], ()), ("ds", ds, ()),
             ("resumed", [*ds, "checkpoint.resume=auto"], ()),
-            ("skip", [*ds, "optim.nonfinite=skip", "checkpoint.every_steps=1", "checkpoint.keep_last=5"], (2,))]
+            ("skip", [*ds, "optim.nonfinite=skip", "checkpoint.every_steps=1",
+                      "checkpoint.keep_last=5"], (2,))]
     for name, extra, nan_steps in runs:  # nan_steps: optimizer steps whose losses are made NaN
-        if name == "resumed" and rank == 0:  # the ZeRO-3 run's step-2 checkpoint, as if it had stopped there
-            shutil.copytree(root / "ds" / "checkpoints" / "step-00000002", root / name / "checkpoints" / "step-00000002")
+        # the ZeRO-3 run's step-2 checkpoint, as if it had stopped there
+        if name == "resumed" and rank == 0:
+            shutil.copytree(root / "ds" / "checkpoints" / "step-00000002",
+                            root / name / "checkpoints" / "step-00000002")
         dist.barrier()
-        t = OPDTrainer(tiny_cfg(root / name, *common, *extra, set0=dict(heldout=4)), hf_teacher=tiny_qwen3(vocab=VOCAB),
-                       tokenizer=byte_tokenizer()).setup()
+        t = OPDTrainer(tiny_cfg(root / name, *common, *extra, set0=dict(heldout=4)),
+                       hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=byte_tokenizer()).setup()
         t.loss_hooks.append(nan_at(*nan_steps))
         rollouts, kls = _record(t)
         weights = []
@@ -566,8 +621,9 @@ def _opd_zero_stages(root, common):
         start = t.step
         t.train()
         t.finish()
-        out[name] = {"rollouts": rollouts, "kl": kls, "weights": _student_weights(t), "start": start,
-                     "eval": t.eval_history, "per_step": weights, "skipped": t.nonfinite.total,
+        out[name] = {"rollouts": rollouts, "kl": kls, "weights": _student_weights(t),
+                     "start": start, "eval": t.eval_history,
+                     "per_step": weights, "skipped": t.nonfinite.total,
                      "zero3": hasattr(next(iter(t.module.student.parameters())), "ds_id")}
     return out
 
@@ -576,30 +632,33 @@ def _opd_zero_stages(root, common):
 def ds_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("opd_ds")
     # 2 ranks x micro 1 x grad_accum 2 = 4 rollouts per step; the horizon doubles at step 2
-    common = ["schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=2", "opd.eval_every=0",
-              "opd.snapshot_every=0", "checkpoint.every_steps=2", "data.global_batch_size=4",
-              "data.micro_batch_size=1", "opd.horizon_start=8", "opd.horizon_max=16", "opd.plateau_window=1",
-              "opd.plateau_patience=1", "opd.plateau_min_rel_improvement=0.5"]
-    return run_distributed(_opd_zero_stages, world_size=2, args=(root, common), timeout=600, collective_timeout=120,
-                           env={"DS_ACCELERATOR": "cpu"})
+    common = ["schedule.total_steps=4", "schedule.warmup_steps=1", "schedule.decay_steps=2",
+              "opd.eval_every=0", "opd.snapshot_every=0", "checkpoint.every_steps=2",
+              "data.global_batch_size=4", "data.micro_batch_size=1", "opd.horizon_start=8",
+              "opd.horizon_max=16", "opd.plateau_window=1", "opd.plateau_patience=1",
+              "opd.plateau_min_rel_improvement=0.5"]
+    return run_distributed(_opd_zero_stages, world_size=2, args=(root, common), timeout=600,
+                           collective_timeout=120, env={"DS_ACCELERATOR": "cpu"})
 
 
 def test_zero3_matches_zero0(ds_runs):
     for res in ds_runs:
         tor, ds = res["zero0"], res["ds"]
         assert ds["zero3"] and not tor["zero3"]
-        assert ds["rollouts"] == tor["rollouts"]  # same weights, same seeds: the same samples, step after step
+        # same weights, same seeds: the same samples, step after step
+        assert ds["rollouts"] == tor["rollouts"]
         assert len(ds["rollouts"][0]) == 2  # micro 1 x grad_accum 2 per rank
         assert ds["kl"] == pytest.approx(tor["kl"], rel=1e-4), (ds["kl"], tor["kl"])
         assert ds["eval"][0][1] == pytest.approx(tor["eval"][0][1], rel=1e-5)
         assert ds["eval"][-1][1] == pytest.approx(tor["eval"][-1][1], rel=1e-3)
         for k, v in tor["weights"].items():
-            # Adam turns round-off-level gradients (measured: 4 of 20480 embedding entries, e.g. rows
-            # of tokens that end a document, which predict nothing) into updates of up to lr = 3e-3
-            # per step; everything else agrees to ~1e-5 after 4 steps
+            # Adam turns round-off-level gradients (measured: 4 of 20480 embedding entries, e.g.
+            # rows of tokens that end a document, which predict nothing) into updates of up to lr =
+            # 3e-3 per step; everything else agrees to ~1e-5 after 4 steps
             d = (ds["weights"][k] - v).abs()
             assert int((d > 3e-5).sum()) <= 8 and float(d.max()) < 3e-3, (k, float(d.max()))
-    assert ds_runs[0]["ds"]["rollouts"] != ds_runs[1]["ds"]["rollouts"]  # ranks sample different prompts
+    # ranks sample different prompts
+    assert ds_runs[0]["ds"]["rollouts"] != ds_runs[1]["ds"]["rollouts"]
 
 
 def test_zero3_resumes_exactly(ds_runs):
@@ -621,11 +680,11 @@ def test_zero3_skips_a_nonfinite_step(ds_runs):
         assert any(not torch.equal(w2[k], w3[k]) for k in w2)  # step 3 did
 
 
-# ------------------------------------------------------------------------------------------------ another number of ranks
+# -------------------------------------------------------------------------- another number of ranks
 def _fixed_batch_run(run_dir, zero, batches, *overrides):
-    """The tiny run (4 steps, a checkpoint every 2, resumed automatically) with every step training on
-    ``batches`` (rank r takes every world-th one): the same global batches on any number of ranks. The
-    RNN group trains at its own LR, which a re-partitioned optimizer must keep."""
+    """The tiny run (4 steps, a checkpoint every 2, resumed automatically) with every step training
+    on ``batches`` (rank r takes every world-th one): the same global batches on any number of
+    ranks. The RNN group trains at its own LR, which a re-partitioned optimizer must keep."""
     import torch.distributed as dist
 
     from halo_dist.train.opd_loop import OPDTrainer
@@ -639,19 +698,21 @@ def _fixed_batch_run(run_dir, zero, batches, *overrides):
     t._micro_batches = lambda horizon, on_policy: (mine, 0.0)
     start, reshard = t.step, t.reshard
     t.train()
-    return {"start": start, "reshard": reshard, "tokens": t.tokens_seen, "horizon": t.horizon.horizon,
-            "weights": _student_weights(t)}
+    return {"start": start, "reshard": reshard, "tokens": t.tokens_seen,
+            "horizon": t.horizon.horizon, "weights": _student_weights(t)}
 
 
 def _resumed_on(run_dir, source, zero, batches, *overrides):
-    """``_fixed_batch_run`` in ``run_dir`` after copying ``source``'s step-2 checkpoint into it (rank 0)."""
+    """``_fixed_batch_run`` in ``run_dir`` after copying ``source``'s step-2 checkpoint into it
+    (rank 0)."""
     import shutil
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        shutil.copytree(source / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000002")
+        shutil.copytree(source / "checkpoints" / "step-00000002",
+                        run_dir / "checkpoints" / "step-00000002")
     if dist.is_initialized():
         dist.barrier()
     return _fixed_batch_run(run_dir, zero, batches, *overrides)
@@ -660,29 +721,36 @@ def _resumed_on(run_dir, source, zero, batches, *overrides):
 def _two_rank_runs(root, batches):
     """On 2 ranks, for ZeRO 0 and 1: the run from scratch, and the 1-rank run's step 2 resumed."""
     return {zero: (_fixed_batch_run(root / f"two{zero}", zero, batches),
-                   _resumed_on(root / f"one_to_two{zero}", root / f"one{zero}", zero, batches)) for zero in (0, 1)}
+                   _resumed_on(root / f"one_to_two{zero}", root / f"one{zero}", zero, batches))
+            for zero in (0, 1)}
 
 
 def test_resume_on_another_number_of_ranks_continues_the_run(tmp_path, capsys):
-    """OPD checkpoints written on 1 rank resume on 2 and those of 2 ranks on 1 (a requeue onto another
-    number of GPUs), through the Trainer's path: ZeRO 0's whole states load as they are, ZeRO-1's
-    partitions are re-made from DeepSpeed's universal checkpoint. On the same global batches every run
-    ends where the 1-rank run does, within the 1-vs-2-rank round-off. ZeRO-3 is refused with both
-    numbers of ranks: DeepSpeed's ZeRO-3 re-partitioning loses OPD's per-group LRs and Adam step."""
+    """OPD checkpoints written on 1 rank resume on 2 and those of 2 ranks on 1 (a requeue onto
+    another number of GPUs), through the Trainer's path: ZeRO 0's whole states load as they are,
+    ZeRO-1's partitions are re-made from DeepSpeed's universal checkpoint. On the same global
+    batches every run ends where the 1-rank run does, within the 1-vs-2-rank round-off. ZeRO-3 is
+    refused with both numbers of ranks: DeepSpeed's ZeRO-3 re-partitioning loses OPD's per-group LRs
+    and Adam step."""
     from halo_dist.errors import IncompatibleInputError
 
-    batches = [pack_rollouts([Rollout([5, 6], [7, 8, 9, 10])]), pack_rollouts([Rollout([15, 16, 17], [18, 19])])]
+    batches = [pack_rollouts([Rollout([5, 6], [7, 8, 9, 10])]),
+               pack_rollouts([Rollout([15, 16, 17], [18, 19])])]
     one = {zero: _fixed_batch_run(tmp_path / f"one{zero}", zero, batches) for zero in (0, 1)}
-    two = run_distributed(_two_rank_runs, world_size=2, args=(tmp_path, batches), timeout=600, collective_timeout=120,
-                          env={"DS_ACCELERATOR": "cpu"})
+    two = run_distributed(_two_rank_runs, world_size=2, args=(tmp_path, batches), timeout=600,
+                          collective_timeout=120, env={"DS_ACCELERATOR": "cpu"})
     capsys.readouterr()
     for zero in (0, 1):
-        two_to_one = _resumed_on(tmp_path / f"two_to_one{zero}", tmp_path / f"two{zero}", zero, batches)
+        two_to_one = _resumed_on(tmp_path / f"two_to_one{zero}", tmp_path / f"two{zero}", zero,
+                                 batches)
         out = capsys.readouterr().out
-        assert "step-00000002 was written on 2 ranks -> 1 now" in out and "resumed from" in out, out[-2000:]
-        assert not (tmp_path / f"two_to_one{zero}" / "checkpoints" / "universal").exists()  # the converted copy
+        assert ("step-00000002 was written on 2 ranks -> 1 now" in out
+                and "resumed from" in out), out[-2000:]
+        # the converted copy
+        assert not (tmp_path / f"two_to_one{zero}" / "checkpoints" / "universal").exists()
         # per rank of the 2-rank spawn: (its run from scratch, its resume of the 1-rank checkpoint)
-        runs = [two_to_one, *(by_rank[zero][1] for by_rank in two), *(by_rank[zero][0] for by_rank in two)]
+        runs = [two_to_one, *(by_rank[zero][1] for by_rank in two),
+                *(by_rank[zero][0] for by_rank in two)]
         assert [r["start"] for r in runs] == [2, 2, 2, 0, 0]
         assert [r["reshard"] for r in runs[:3]] == [zero > 0] * 3  # ZeRO 0 needs no conversion
         ref = one[zero]
@@ -690,29 +758,34 @@ def test_resume_on_another_number_of_ranks_continues_the_run(tmp_path, capsys):
             assert (run["tokens"], run["horizon"]) == (ref["tokens"], ref["horizon"])
             for k, v in ref["weights"].items():
                 assert torch.allclose(run["weights"][k], v, rtol=1e-5, atol=1e-6), (zero, k)
-    with pytest.raises(IncompatibleInputError, match=r"written on 2 rank\(s\); this run has 1: stage opd under ZeRO-3"):
+    with pytest.raises(IncompatibleInputError,
+                       match=r"written on 2 rank\(s\); this run has 1: stage opd under ZeRO-3"):
         _resumed_on(tmp_path / "zero3", tmp_path / "two1", 1, batches, "parallel.zero_stage=3")
 
 
 def test_an_automatic_resume_of_another_run_is_refused(tmp_path):
-    """OPD's auto-resume compares the checkpoint's config like the stages do: another student (attention
-    layers) in the same run folder is refused with the difference; a longer schedule is allowed."""
+    """OPD's auto-resume compares the checkpoint's config like the stages do: another student
+    (attention layers) in the same run folder is refused with the difference; a longer schedule is
+    allowed."""
     from halo_dist.config import ConfigError
 
-    common = ["opd.eval_every=0", "opd.snapshot_every=0", "checkpoint.every_steps=2", "checkpoint.resume=auto",
-              "schedule.decay_steps=1"]
+    common = ["opd.eval_every=0", "opd.snapshot_every=0", "checkpoint.every_steps=2",
+              "checkpoint.resume=auto", "schedule.decay_steps=1"]
     run_trainer(tiny_cfg(tmp_path, "schedule.total_steps=4", *common, set0=dict(heldout=0)))
     with pytest.raises(ConfigError, match="model.attn_layers"):
-        run_trainer(tiny_cfg(tmp_path, "schedule.total_steps=6", "model.attn_layers=2", *common, set0=dict(heldout=0)))
+        run_trainer(tiny_cfg(tmp_path, "schedule.total_steps=6", "model.attn_layers=2", *common,
+                             set0=dict(heldout=0)))
 
 
 def test_the_removed_backend_key_says_what_to_do(tmp_path):
-    with pytest.raises(ConfigError, match=r"opd.backend was removed; OPD always trains under DeepSpeed"):
+    with pytest.raises(ConfigError,
+                       match=r"opd.backend was removed; OPD always trains under DeepSpeed"):
         tiny_cfg(tmp_path, "opd.backend=torch")
 
 
 def test_a_checkpoint_config_with_the_removed_backend_key_is_the_same_run(tmp_path):
-    """A run saved while OPD still had ``opd.backend`` resumes (the key no longer chooses anything)."""
+    """A run saved while OPD still had ``opd.backend`` resumes (the key no longer chooses
+    anything)."""
     from halo_dist.config import to_dict
     from halo_dist.train.resume_check import compare
 

@@ -1,7 +1,7 @@
-"""DeepSpeed on CPU (gloo, 2 ranks) with ProcessGroups as its mpu: ``deepspeed.initialize`` accepts it,
-and two AdamW steps (with active gradient clipping) of a toy Ulysses attention block under ZeRO-3
-with sp=1 (dp=2) and sp=2 (dp=1), and ZeRO-2 with sp=2, equal a single-process run on the full batch
-and sequence -- losses, gradient norms and weights (one launch for all layouts)."""
+"""DeepSpeed on CPU (gloo, 2 ranks) with ProcessGroups as its mpu: ``deepspeed.initialize`` accepts
+it, and two AdamW steps (with active gradient clipping) of a toy Ulysses attention block under
+ZeRO-3 with sp=1 (dp=2) and sp=2 (dp=1), and ZeRO-2 with sp=2, equal a single-process run on the
+full batch and sequence -- losses, gradient norms and weights (one launch for all layouts)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ LAYOUTS = [(1, 3), (2, 3), (2, 2)]  # (sp, ZeRO stage) on 2 ranks
 
 
 class ToyAttentionBlock(nn.Module):
-    """x [B, T/sp, C] -> [B, T/sp, C]: qkv projection, Ulysses causal attention, output projection."""
+    """x [B, T/sp, C] -> [B, T/sp, C]: qkv projection, Ulysses causal attention, output
+    projection."""
 
     def __init__(self, sp: SequenceParallel):
         super().__init__()
@@ -31,9 +32,12 @@ class ToyAttentionBlock(nn.Module):
 
     def forward(self, x):
         b, t_local, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t_local, 3, HEADS, DIM // HEADS).unbind(2)  # 3 x [B, T/sp, H, D]
-        o = attention(self.sp.seq_to_head(q), self.sp.seq_to_head(k), self.sp.seq_to_head(v))  # [B, T, H/sp, D]
-        return self.out(self.sp.head_to_seq(o).reshape(b, t_local, DIM))  # [B, T/sp, H, D] -> [B, T/sp, C]
+        # 3 x [B, T/sp, H, D]
+        q, k, v = self.qkv(x).view(b, t_local, 3, HEADS, DIM // HEADS).unbind(2)
+        # [B, T, H/sp, D]
+        o = attention(self.sp.seq_to_head(q), self.sp.seq_to_head(k), self.sp.seq_to_head(v))
+        # [B, T/sp, H, D] -> [B, T/sp, C]
+        return self.out(self.sp.head_to_seq(o).reshape(b, t_local, DIM))
 
 
 def _loss(y: torch.Tensor, replica_tokens: int) -> torch.Tensor:
@@ -63,7 +67,8 @@ def _reference(model: nn.Module) -> tuple[list[float], list[float], dict]:
 
 def _ds_config(dp: int, stage: int = 3) -> dict:
     return {"train_micro_batch_size_per_gpu": BATCH // dp, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "optimizer": {"type": "AdamW",
+                          "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "gradient_clipping": CLIP, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
@@ -79,7 +84,8 @@ def _build(sp_size: int):
 
 
 def _train(engine, groups: ProcessGroups, loss_factor: int) -> tuple[list[float], list[float]]:
-    """STEPS DeepSpeed steps, each rank on its [B/dp, T/sp] block; returns global losses, grad norms."""
+    """STEPS DeepSpeed steps, each rank on its [B/dp, T/sp] block; returns global losses, grad
+    norms."""
     dp, sp = groups.layout.dp_size, SequenceParallel(groups.sp_group)
     losses, norms = [], []
     for x in _data():
@@ -110,7 +116,8 @@ def _run_layout(sp_size: int, stage: int) -> dict:
     facts = {"dp_world_size": engine.dp_world_size, "seq_dp_world_size": engine.seq_dp_world_size,
              "sequence_parallel_size": engine.sequence_parallel_size}
     if stage == 3:
-        facts["partition_sizes"] = sorted({dist.get_world_size(p.ds_process_group) for p in params.values()})
+        facts["partition_sizes"] = sorted({dist.get_world_size(p.ds_process_group)
+                                           for p in params.values()})
         facts["partitioned"] = all(p.ds_tensor.numel() < p.ds_numel for p in params.values())
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
             "param_err": err, **facts}
@@ -158,7 +165,8 @@ def test_zero_with_mpu_matches_single_process(zero_runs, sp, stage):
             assert run["partition_sizes"] == [2] and run["partitioned"]
         assert run["losses"] == pytest.approx(run["ref_losses"], rel=1e-5, abs=1e-7)
         assert run["ref_losses"][1] != run["ref_losses"][0]  # the first step changed the weights
-        assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-5)  # not double-counted over SP
+        # not double-counted over SP
+        assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-5)
         assert run["ref_norms"][0] > CLIP
         assert run["param_err"] <= 1e-5
 
@@ -170,7 +178,8 @@ def test_zero3_refuses_parameters_partitioned_over_dp_only(zero_runs):
         assert "get_sequence_data_parallel_group" in res["wrong_partition"]
 
 
-@pytest.mark.parametrize("stage,sp,factor", [(0, 2, 1), (1, 2, 1), (2, 2, 1), (3, 2, 2), (3, 4, 4), (3, 1, 1)])
+@pytest.mark.parametrize("stage,sp,factor",
+                         [(0, 2, 1), (1, 2, 1), (2, 2, 1), (3, 2, 2), (3, 4, 4), (3, 1, 1)])
 def test_sp_loss_factor(stage, sp, factor):
     from halo_dist.parallel.deepspeed_setup import sp_loss_factor
 

@@ -56,20 +56,23 @@ def test_rank_out_of_range():
 
 # --- 4 ranks -----------------------------------------------------------------------------------
 
-_MPU_INTS = ["get_data_parallel_world_size", "get_data_parallel_rank", "get_sequence_parallel_world_size",
-             "get_sequence_parallel_rank", "get_sequence_data_parallel_world_size",
-             "get_sequence_data_parallel_rank", "get_model_parallel_world_size", "get_model_parallel_rank",
+_MPU_INTS = ["get_data_parallel_world_size", "get_data_parallel_rank",
+             "get_sequence_parallel_world_size", "get_sequence_parallel_rank",
+             "get_sequence_data_parallel_world_size", "get_sequence_data_parallel_rank",
+             "get_model_parallel_world_size", "get_model_parallel_rank",
              "get_tensor_model_parallel_world_size", "get_tensor_model_parallel_rank",
              "get_pipeline_model_parallel_world_size", "get_pipeline_model_parallel_rank",
              "get_tensor_model_parallel_src_rank"]
-_MPU_GROUPS = ["get_data_parallel_group", "get_sequence_parallel_group", "get_sequence_data_parallel_group",
-               "get_model_parallel_group", "get_tensor_model_parallel_group", "get_pipeline_model_parallel_group"]
+_MPU_GROUPS = ["get_data_parallel_group", "get_sequence_parallel_group",
+               "get_sequence_data_parallel_group", "get_model_parallel_group",
+               "get_tensor_model_parallel_group", "get_pipeline_model_parallel_group"]
 
 
 def _describe(groups: ProcessGroups) -> dict:
     """Everything the parent checks about one rank's groups, including live collectives."""
     res = {"ints": {name: getattr(groups, name)() for name in _MPU_INTS},
-           "ranks": {name: dist.get_process_group_ranks(getattr(groups, name)()) for name in _MPU_GROUPS},
+           "ranks": {name: dist.get_process_group_ranks(getattr(groups, name)())
+                     for name in _MPU_GROUPS},
            "dp_ranks_method": groups.get_data_parallel_group_ranks(),
            "has_initialize_sequence_parallel": hasattr(groups, "initialize_sequence_parallel")}
     for name in ("sp_group", "dp_group"):
@@ -80,12 +83,14 @@ def _describe(groups: ProcessGroups) -> dict:
 
 
 def _megatron_facts(groups: ProcessGroups) -> dict:
-    """Whether ``groups`` holds the groups megatron's parallel_state holds now, and what megatron says."""
+    """Whether ``groups`` holds the groups megatron's parallel_state holds now, and what megatron
+    says."""
     from megatron.core import parallel_state as ps
 
     return {"same": {"sp": groups.sp_group is ps.get_context_parallel_group(),
                      "dp": groups.dp_group is ps.get_data_parallel_group(),
-                     "sdp": groups.sdp_group is ps.get_data_parallel_group(with_context_parallel=True),
+                     "sdp": groups.sdp_group is ps.get_data_parallel_group(
+                         with_context_parallel=True),
                      "self": groups.self_group is ps.get_model_parallel_group()},
             "cp_global_ranks": ps.get_context_parallel_global_ranks(),
             "dp_ranks": dist.get_process_group_ranks(ps.get_data_parallel_group()),
@@ -105,7 +110,8 @@ def _megatron_lifecycle() -> dict:
     from megatron.core.safe_globals import SAFE_GLOBALS
 
     allowed = torch.serialization.get_safe_globals()
-    res["megatron_safe_globals"] = [repr(g) for g in SAFE_GLOBALS if g in allowed and g not in safe_before]
+    res["megatron_safe_globals"] = [repr(g)
+                                    for g in SAFE_GLOBALS if g in allowed and g not in safe_before]
     res["sp2"] = _megatron_facts(two)
     res["same_layout_reused"] = ProcessGroups.build(sp_size=2).sp_group is two.sp_group
     four = ProcessGroups.build(sp_size=4)
@@ -115,7 +121,8 @@ def _megatron_lifecycle() -> dict:
     res["old_sp_sum"] = t.item()
     with pytest.raises(LayoutError):
         ProcessGroups.build(sp_size=3)
-    res["cp_size_after_bad"] = ps.get_context_parallel_world_size()  # refused before megatron was called
+    # refused before megatron was called
+    res["cp_size_after_bad"] = ps.get_context_parallel_world_size()
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2, create_gloo_process_groups=False)
     try:
@@ -135,7 +142,8 @@ def _four_rank_scenarios() -> dict:
         out[sp]["megatron"] = _megatron_facts(groups)
         if sp > 1:  # Ulysses inside an SP group that is not the world; replicas get different data
             sp_ctx = SequenceParallel(groups.sp_group)
-            out[sp]["golden"] = max(max(attention_golden(sp_ctx, 8, kv, seed=100 * groups.dp_rank + kv).values())
+            out[sp]["golden"] = max(max(attention_golden(sp_ctx, 8, kv,
+                                                         seed=100 * groups.dp_rank + kv).values())
                                     for kv in (8, 2, 1))
     try:
         ProcessGroups.build(sp_size=3)
@@ -183,13 +191,15 @@ def test_build_rejects_bad_sp_on_live_world(four_ranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [1, 2, 4])
 def test_groups_are_megatron_parallel_state_groups(four_ranks, sp):
-    """SP = megatron's context-parallel group, DP = its data-parallel group, DP x SP = its DP-with-CP group."""
+    """SP = megatron's context-parallel group, DP = its data-parallel group, DP x SP = its
+    DP-with-CP group."""
     layout = ParallelLayout(4, sp)
     for rank, res in enumerate(four_ranks):
         got, (dp_rank, sp_rank) = res[sp]["megatron"], layout.coords(rank)
         assert got["same"] == {"sp": True, "dp": True, "sdp": True, "self": True}
         ranks = res[sp]["ranks"]  # what ProcessGroups' own groups hold
-        assert got["cp_global_ranks"] == layout.sp_group_ranks(dp_rank) == ranks["get_sequence_parallel_group"]
+        assert (got["cp_global_ranks"] == layout.sp_group_ranks(dp_rank)
+                == ranks["get_sequence_parallel_group"])
         assert got["dp_ranks"] == layout.dp_group_ranks(sp_rank) == ranks["get_data_parallel_group"]
         assert got["cp"] == (sp, sp_rank) and got["dp"] == (4 // sp, dp_rank)
 
@@ -204,7 +214,8 @@ def test_repeated_builds_reuse_or_replace_megatron_state(four_ranks):
         assert not any(m["sp2_after_sp4"]["same"].values())  # megatron holds the sp=4 groups now
         assert m["old_sp_sum"] == sum(ParallelLayout(4, 2).sp_group_ranks(rank // 2))
         assert m["cp_size_after_bad"] == 4
-        assert "initialised by other code" in m["foreign"] and "destroy_model_parallel" in m["foreign"]
+        assert ("initialised by other code" in m["foreign"]
+                and "destroy_model_parallel" in m["foreign"])
 
 
 @pytest.mark.slow
@@ -213,6 +224,7 @@ def test_megatron_import_is_quiet_and_leaves_the_weights_only_allowlist(four_ran
         m = res["megatron"]
         assert not m["imported_before"]  # else the import below was not ProcessGroups.build's
         # the four UserWarnings megatron.core's import gives without Transformer Engine and Apex
-        assert not [msg for cat, msg in m["warnings"]
-                    if cat == "UserWarning" and msg.startswith("Transformer Engine and Apex are not installed")]
-        assert m["megatron_safe_globals"] == []  # safe_load.py's allowlist stays tensors + DeepSpeed types
+        assert (not [msg for cat, msg in m["warnings"] if cat == "UserWarning"
+                     and msg.startswith("Transformer Engine and Apex are not installed")])
+        # safe_load.py's allowlist stays tensors + DeepSpeed types
+        assert m["megatron_safe_globals"] == []

@@ -28,7 +28,8 @@ def _rank1_fails():
 
 def _scenarios() -> dict:
     return {"ok": run_distributed(_rank_info, 2, args=(2.0,), timeout=60),
-            "fail": _capture(lambda: run_distributed(_rank1_fails, 2, timeout=60, collective_timeout=30, grace=1))}
+            "fail": _capture(lambda: run_distributed(_rank1_fails, 2, timeout=60,
+                                                     collective_timeout=30, grace=1))}
 
 
 def _capture(fn):
@@ -43,7 +44,8 @@ def _capture(fn):
 @pytest.mark.slow
 def test_results_by_rank_and_failures_reported_fast():
     res = _scenarios()
-    assert res["ok"] == [{"rank": r, "sum": 2.0, "threads": 1, "env": (str(r), "2", "1")} for r in range(2)]
+    assert res["ok"] == [{"rank": r, "sum": 2.0, "threads": 1, "env": (str(r), "2", "1")}
+                         for r in range(2)]
     message, failed, seconds = res["fail"]
     assert failed == [1] and "boom on rank 1" in message and "--- rank 1 ---" in message
     assert "ranks [0] did not report" in message

@@ -30,7 +30,8 @@ def _layout_and_adjoint(sp: SequenceParallel) -> dict:
     y = sp.seq_to_head(x)
     res = {"layout": max_err(y, full[:, :, head_slice(sp, 4)]),
            "roundtrip": max_err(sp.head_to_seq(y), x)}
-    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + sp.rank), dtype=F64)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + sp.rank),
+                           dtype=F64)
     (y * upstream).sum().backward()
     res["grad_is_head_to_seq"] = max_err(x.grad, sp.head_to_seq(upstream))
     dots = torch.stack([(y * upstream).sum(), (x * x.grad).sum()]).detach()
@@ -45,7 +46,8 @@ def _layout_and_adjoint(sp: SequenceParallel) -> dict:
 def _gather_seq(sp: SequenceParallel) -> dict:
     """Forward equals the full tensor; backward 'sum' = block of the summed grads, 'slice' = own."""
     full = torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(2), dtype=F64)
-    weights = [torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(20 + r), dtype=F64) for r in range(2)]
+    weights = [torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(20 + r), dtype=F64)
+               for r in range(2)]
     res = {}
     for mode, expected in (("sum", weights[0] + weights[1]), ("slice", weights[sp.rank])):
         x = shard_seq(sp, full).clone().requires_grad_()
@@ -71,12 +73,14 @@ def _bad_inputs(sp: SequenceParallel) -> dict:
     return {
         "heads": _error_message(lambda: sp.seq_to_head(torch.zeros(1, 2, 3, 4))),
         "seq": _error_message(lambda: sp.head_to_seq(torch.zeros(1, 3, 2, 4))),
-        "kv_heads": _error_message(lambda: kv_seq_to_head(sp, torch.zeros(1, 2, 2, 4), num_heads=5)),
+        "kv_heads": _error_message(lambda: kv_seq_to_head(sp, torch.zeros(1, 2, 2, 4),
+                                                          num_heads=5)),
         "uneven": _error_message(lambda: checked.seq_to_head(uneven)),
         "ndim": _error_message(lambda: sp.seq_to_head(torch.zeros(2, 4))),
         "grad_mode": _error_message(lambda: sp.gather_seq(torch.zeros(1, 2), grad="mean")),
         # the group is still usable after all of the above
-        "after": max_err(checked.head_to_seq(checked.seq_to_head(torch.ones(1, 2, 2, 1))), torch.ones(1, 2, 2, 1)),
+        "after": max_err(checked.head_to_seq(checked.seq_to_head(torch.ones(1, 2, 2, 1))),
+                         torch.ones(1, 2, 2, 1)),
     }
 
 
@@ -86,7 +90,8 @@ GOLDEN_CASES = {"mha_h4": (4, 4), "gqa_h4_kv2": (4, 2), "gqa_h4_kv1_replicated":
 
 def _two_rank_scenarios() -> dict:
     sp = SequenceParallel(dist.new_group([0, 1]))
-    res = {name: attention_golden(sp, h, kv, seed=i) for i, (name, (h, kv)) in enumerate(GOLDEN_CASES.items())}
+    res = {name: attention_golden(sp, h, kv, seed=i)
+           for i, (name, (h, kv)) in enumerate(GOLDEN_CASES.items())}
     res["layout"] = _layout_and_adjoint(sp)
     res["gather"] = _gather_seq(sp)
     res["bad"] = _bad_inputs(sp)
@@ -139,7 +144,8 @@ def test_bad_shapes_give_clear_errors(two_ranks):
 # --- no processes ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("h,kv,sp,factor", [(4, 4, 2, 1), (4, 2, 2, 1), (4, 1, 2, 2), (6, 3, 2, 2),
-                                            (8, 2, 4, 2), (8, 1, 4, 4), (12, 4, 6, 3), (16, 8, 1, 1)])
+                                            (8, 2, 4, 2), (8, 1, 4, 4), (12, 4, 6, 3),
+                                            (16, 8, 1, 1)])
 def test_kv_replication_factor(h, kv, sp, factor):
     assert kv_replication_factor(h, kv, sp) == factor
     assert (kv * factor) % sp == 0 and h % (kv * factor) == 0
@@ -171,4 +177,5 @@ def test_no_sequence_parallel_is_identity():
     for out in (sp.seq_to_head(x), sp.head_to_seq(x), sp.gather_seq(x), shard_seq(sp, x),
                 kv_seq_to_head(sp, x, num_heads=3), seq_to_head(x, None), head_to_seq(x, None)):
         assert out is x
-    assert head_slice(sp, 3) == slice(0, 3) and seq_slice(sp, 5) == slice(0, 5) and sp.local_heads(3) == 3
+    assert (head_slice(sp, 3) == slice(0, 3) and seq_slice(sp, 5) == slice(0, 5)
+            and sp.local_heads(3) == 3)

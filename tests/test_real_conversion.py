@@ -1,4 +1,5 @@
-"""bench/real_conversion.py's collection on the files the H200 run wrote (bench/results/logs/real_*)."""
+"""bench/real_conversion.py's collection on the files the H200 run wrote
+(bench/results/logs/real_*)."""
 
 import importlib.util
 import json
@@ -12,7 +13,8 @@ RESULTS = REPO / "bench" / "results"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("real_conversion", REPO / "bench" / "real_conversion.py")
+    spec = importlib.util.spec_from_file_location("real_conversion",
+                                                  REPO / "bench" / "real_conversion.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -23,49 +25,57 @@ def test_summary_and_pictures_from_the_h200_run(tmp_path):
     run = tmp_path / "run"
     for stage in ("stage1", "stage2", "stage3"):
         (run / stage).mkdir(parents=True)
-        shutil.copyfile(RESULTS / "logs" / f"real_{stage}.metrics.jsonl", run / stage / "metrics.jsonl")
+        shutil.copyfile(RESULTS / "logs" / f"real_{stage}.metrics.jsonl",
+                        run / stage / "metrics.jsonl")
     for who in ("teacher", "student"):
         (run / "eval" / who / "niah").mkdir(parents=True)
-        shutil.copyfile(RESULTS / f"real_niah_{who}.json", run / "eval" / who / "niah" / f"{who}.json")
+        shutil.copyfile(RESULTS / f"real_niah_{who}.json",
+                        run / "eval" / who / "niah" / f"{who}.json")
     shutil.copyfile(RESULTS / "real_csr_teacher.json", run / "eval" / "teacher" / "csr.json")
     shutil.copyfile(RESULTS / "real_background.json", run / "background.json")
     out = rc.summarize(tmp_path)
     recorded = json.loads((RESULTS / "real_conversion_s8.json").read_text())
-    for key in ("kl_heldout_stage1", "kl_heldout_stage2", "kl_heldout_stage3", "tokens_stage1", "tokens_stage2",
-                "tokens_stage3", "niah_s1_teacher_16k", "niah_s1_student_16k", "niah_s1_student_32k", "csr_teacher"):
+    for key in ("kl_heldout_stage1", "kl_heldout_stage2", "kl_heldout_stage3", "tokens_stage1",
+                "tokens_stage2", "tokens_stage3", "niah_s1_teacher_16k", "niah_s1_student_16k",
+                "niah_s1_student_32k", "csr_teacher"):
         assert out[key] == recorded[key], key
     for stage in ("stage1", "stage2", "stage3"):  # the throughput figures BENCHMARKS.md reports
         for key in ("tokens_per_s", "mfu", "peak_mem_gib", "sharing"):
             assert out["stages"][stage][key] == recorded["stages"][stage][key], (stage, key)
-    assert out["tokens_stage2"] == 916 * 128 * 512 and out["goals"]["kl_heldout_stage2 < kl_heldout_stage1 / 2"]
+    assert (out["tokens_stage2"] == 916 * 128 * 512
+            and out["goals"]["kl_heldout_stage2 < kl_heldout_stage1 / 2"])
     assert out["goals"]["niah_s1_student_16k >= 0.9"] is False
     assert out["csr_student"] is None and out["csr_ratio"] is None  # not run: null, never invented
     made = rc.pictures(run, tmp_path)
-    assert [p.name for p in made] == ["real_conversion_curves.png", "real_conversion_niah.png"]  # CSR needs both models
+    # CSR needs both models
+    assert [p.name for p in made] == ["real_conversion_curves.png", "real_conversion_niah.png"]
 
 
 def test_stage_rates_split_by_the_background_steps_window():
-    """Intervals that overlapped the teacher's background evaluation are counted apart from the rest;
-    the first interval of each piece (compile, autotuning) belongs to neither."""
+    """Intervals that overlapped the teacher's background evaluation are counted apart from the
+    rest; the first interval of each piece (compile, autotuning) belongs to neither."""
     rc = _module()
     path = RESULTS / "logs" / "real_stage2.metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     timed = [r for r in rows if "perf/tokens_per_s" in r]
-    pieces = 1 + sum(1 for a, b in zip(timed, timed[1:]) if b["step"] <= a["step"] or b["time"] - a["time"] > 600)
+    pieces = 1 + sum(1 for a, b in zip(timed, timed[1:])
+                     if b["step"] <= a["step"] or b["time"] - a["time"] > 600)
     alone = rc.sharing_rates(path, [])
     assert alone["shared"]["intervals"] == 0 and alone["alone"]["intervals"] == len(timed) - pieces
     middle = timed[len(timed) // 2]["time"]
-    split = rc.sharing_rates(path, [{"name": "eval-teacher", "start": timed[0]["time"], "end": middle}])
+    split = rc.sharing_rates(path,
+                             [{"name": "eval-teacher", "start": timed[0]["time"], "end": middle}])
     assert split["shared"]["intervals"] + split["alone"]["intervals"] == len(timed) - pieces
     assert 0 < split["shared"]["intervals"] < len(timed) - pieces
     assert split["shared"]["tokens_per_s"] > 50_000 and split["alone"]["mfu"] > 0.1
 
 
 def test_an_ablation_run_is_labelled_and_continued_only_with_its_pe(tmp_path):
-    """run --pe all_rope reaches the demo settings; the results name the encoding; a continuation that
-    changes it is refused (settings.json, which labels the results, would be rewritten)."""
+    """run --pe all_rope reaches the demo settings; the results name the encoding; a continuation
+    that changes it is refused (settings.json, which labels the results, would be rewritten)."""
     rc = _module()
-    assert rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path), "--pe", "all_rope"])).pe == "all_rope"
+    assert (rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path), "--pe", "all_rope"])).pe
+            == "all_rope")
     assert rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path)])).pe == ""
     run = tmp_path / "run"
     run.mkdir()
@@ -77,18 +87,20 @@ def test_an_ablation_run_is_labelled_and_continued_only_with_its_pe(tmp_path):
     rc.check_same_pe(run, "all_rope")
     with pytest.raises(SystemExit, match="started with --pe all_rope, not hype"):
         rc.check_same_pe(run, "")
-    assert rc.result_stem("hype") == "real_conversion" and rc.result_stem("all_rope") == "real_conversion_all_rope"
+    assert (rc.result_stem("hype") == "real_conversion"
+            and rc.result_stem("all_rope") == "real_conversion_all_rope")
 
 
 def test_ablation_compare_lines_up_both_runs_niah_and_refuses_a_mislabelled_file(tmp_path):
     rc = _module()
     by_len = lambda *v: {"by_length": {"2048": v[0], "16384": v[1]}}  # noqa: E731
     summary = lambda s1: {t: by_len(*s1) for t in rc.NIAH_TASKS}  # noqa: E731
-    hype = {"pe": "hype", "niah_summary": {"teacher": summary((1.0, 0.0)), "student": summary((0.4, 0.05))},
+    hype = {"pe": "hype",
+            "niah_summary": {"teacher": summary((1.0, 0.0)), "student": summary((0.4, 0.05))},
             "csr_teacher": 0.46, "csr_student": 0.41, "selection": {"attn_layers": [7, 18]},
             "calibration": {"best_a": 200.0}}
-    arm = {"pe": "all_rope", "niah_summary": {"teacher": None, "student": summary((0.9, 0.0))}, "csr_student": 0.43,
-           "settings": {"attn_layers": "7,18"}}
+    arm = {"pe": "all_rope", "niah_summary": {"teacher": None, "student": summary((0.9, 0.0))},
+           "csr_student": 0.43, "settings": {"attn_layers": "7,18"}}
     (tmp_path / "real_conversion.json").write_text(json.dumps(hype))
     args = rc.parse_args(["compare", "--work", str(tmp_path), "--results", str(tmp_path)])
     with pytest.raises(SystemExit, match="missing: .*real_conversion_all_rope.json"):
@@ -102,20 +114,25 @@ def test_ablation_compare_lines_up_both_runs_niah_and_refuses_a_mislabelled_file
     assert out["lengths"] == [2048, 16384]
     assert out["niah"]["all_rope"]["niah_single_1"] == {"2048": 0.9, "16384": 0.0}
     assert out["niah"]["teacher"]["niah_single_2"]["2048"] == 1.0 and out["csr"]["hype"] == 0.41
-    assert out["attn_layers"] == {"hype": [7, 18], "all_rope": "7,18"} and out["calibrated_a"]["hype"] == 200.0
-    assert "| all_rope | 90% | 0% |" in rc.ablation_table({**out, "niah": {k: {t: {int(L): v for L, v in c.items()}
-                                                                              for t, c in m.items()} for k, m in out["niah"].items()}})
+    assert (out["attn_layers"] == {"hype": [7, 18], "all_rope": "7,18"}
+            and out["calibrated_a"]["hype"] == 200.0)
+    assert "| all_rope | 90% | 0% |" in rc.ablation_table(
+        {**out, "niah": {k: {t: {int(L): v for L, v in c.items()}
+                             for t, c in m.items()} for k, m in out["niah"].items()}})
     assert (tmp_path / "real_ablation_all_rope_niah.png").stat().st_size > 10_000
 
 
 def test_hype_twin_switches_only_the_attention_encoding(tmp_path):
-    """The speed of an ablation run is measured on its weights in the HyPE layout; the student is untouched."""
+    """The speed of an ablation run is measured on its weights in the HyPE layout; the student is
+    untouched."""
     rc = _module()
     student = tmp_path / "hypenet"
     student.mkdir()
-    (student / "config.json").write_text(json.dumps({"attn_rope": True, "attn_logits_scale_base": None, "x": 1}))
+    (student / "config.json").write_text(
+        json.dumps({"attn_rope": True, "attn_logits_scale_base": None, "x": 1}))
     (student / "model.safetensors").write_bytes(b"w")
     twin = rc.hype_twin(student, tmp_path / "twin")
-    assert json.loads((twin / "config.json").read_text()) == {"attn_rope": False, "attn_logits_scale_base": 500.0, "x": 1}
+    assert (json.loads((twin / "config.json").read_text())
+            == {"attn_rope": False, "attn_logits_scale_base": 500.0, "x": 1})
     assert json.loads((student / "config.json").read_text())["attn_rope"] is True
     assert (twin / "model.safetensors").read_bytes() == b"w" and rc.hype_twin(student, twin) == twin

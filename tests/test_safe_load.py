@@ -19,9 +19,11 @@ def _round_trip(root):
     for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "gradient_clipping": 1.0,
-               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+               "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+               "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+               "steps_per_print": 10**9}
         engine, *_ = initialize_engine(model, cfg, groups)
         loss = engine(torch.randn(2, 16, dtype=torch.bfloat16)).float().pow(2).mean()
         engine.backward(loss)
@@ -30,7 +32,8 @@ def _round_trip(root):
         engine.save_checkpoint(folder, tag="t")
         files = sorted(os.listdir(os.path.join(folder, "t")))
         for f in files:
-            safe_load(os.path.join(folder, "t", f), map_location="cpu")  # raises on a type not allowed
+            # raises on a type not allowed
+            safe_load(os.path.join(folder, "t", f), map_location="cpu")
         loaded, _ = engine.load_checkpoint(folder, tag="t")
         out[stage] = (files, loaded is not None)
     return out
@@ -40,7 +43,8 @@ def test_bf16_zero_checkpoints_load_weights_only_and_resume(tmp_path):
     out = run_distributed(_round_trip, world_size=1, args=(str(tmp_path),), timeout=240)[0]
     for stage, (files, loaded) in out.items():
         assert loaded and any("model_states" in f for f in files), (stage, files)
-    assert any("optim_states" in f for f in out[1][0])  # the optimizer file with DeepSpeed's own types
+    # the optimizer file with DeepSpeed's own types
+    assert any("optim_states" in f for f in out[1][0])
 
 
 class _Payload:
@@ -55,8 +59,9 @@ class _Payload:
 
 def test_forced_weights_only_refuses_code_even_where_the_caller_asks_for_full_unpickling(tmp_path):
     """DeepSpeed's universal-checkpoint code calls torch.load(weights_only=False); inside
-    forced_weights_only that still reads weights only, and a nested safe_load (our checkpoint engine, in
-    the same block) does not drop the DeepSpeed types from the allow-list on its way out."""
+    forced_weights_only that still reads weights only, and a nested safe_load (our checkpoint
+    engine, in the same block) does not drop the DeepSpeed types from the allow-list on its way
+    out."""
     import pytest
     import torch
     from deepspeed.runtime.zero.config import ZeroStageEnum

@@ -1,4 +1,5 @@
-"""Attention-layer selection (issue 5): score formula, ranking, --from-results, M(i) evaluation with reuse."""
+"""Attention-layer selection (issue 5): score formula, ranking, --from-results, M(i) evaluation with
+reuse."""
 
 import json
 
@@ -9,8 +10,10 @@ from conftest import tiny_qwen3
 from halo_dist import cli
 from halo_dist.eval import selection as sel
 from halo_dist.eval.errors import EvalError
-from halo_dist.eval.layerwise import LayerwiseRunner, Stage1Weights, evaluate_layers, teacher_as_hypenet
-from halo_dist.eval.proxies import KLProbe, ProbeEvaluator, RetrievalProbe, associative_recall_rows, random_token_batches
+from halo_dist.eval.layerwise import (LayerwiseRunner, Stage1Weights, evaluate_layers,
+                                      teacher_as_hypenet)
+from halo_dist.eval.proxies import (KLProbe, ProbeEvaluator, RetrievalProbe,
+                                    associative_recall_rows, random_token_batches)
 from halo_dist.models.convert import convert_model
 
 # hand-computed: max R = 0.9, max C = 0.6
@@ -45,7 +48,8 @@ def test_from_results_round_trip(tmp_path):
     src, out = tmp_path / "results.json", tmp_path / "sel.json"
     raw = {str(i): {"recall": r, "csr": c, "squad": r / 2} for i, (r, c) in TABLE.items()}
     src.write_text(json.dumps(raw))
-    assert cli.main(["select-layers", "--from-results", str(src), "--num-attn", "2", "--output", str(out)]) == 0
+    assert cli.main(["select-layers", "--from-results", str(src), "--num-attn", "2", "--output",
+                     str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["attn_layers"] == [1, 3]
     assert {int(k): v for k, v in got["scores"].items()} == pytest.approx(EXPECTED, rel=1e-9)
@@ -58,19 +62,22 @@ def test_from_results_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "raw, extra_args, message",
     [
-        ({"0": {"recall": 0.5, "csr": 0.5}, "2": {"recall": 0.5, "csr": 0.5}}, [], r"missing layers \[1\]"),
+        ({"0": {"recall": 0.5, "csr": 0.5}, "2": {"recall": 0.5, "csr": 0.5}}, [],
+         r"missing layers \[1\]"),
         ({"0": {"recall": 1.5, "csr": 0.5}}, [], "outside"),
         ({"0": {"recall": 0.5}}, [], "'csr' is missing"),
         ({"0": {"recall": "high", "csr": 0.5}}, [], "must be a number"),
         ({"x": {"recall": 0.5, "csr": 0.5}}, [], "not a layer index"),
-        ({"0": {"recall": 0.5, "csr": 0.5}, "1": {"recall": 0.4, "csr": 0.5}}, ["--num-attn", "3"], "larger than the layer count 2"),
+        ({"0": {"recall": 0.5, "csr": 0.5}, "1": {"recall": 0.4, "csr": 0.5}}, ["--num-attn", "3"],
+         "larger than the layer count 2"),
         ({"0": {"recall": 0.5, "csr": 0.5}}, ["--num-layers", "3"], r"missing layers \[1, 2\]"),
     ],
 )
 def test_bad_results_files_are_one_line_errors(tmp_path, capsys, raw, extra_args, message):
     src = tmp_path / "results.json"
     src.write_text(json.dumps(raw))
-    code = cli.main(["select-layers", "--from-results", str(src), "--output", str(tmp_path / "o.json"), *extra_args])
+    code = cli.main(["select-layers", "--from-results", str(src), "--output",
+                     str(tmp_path / "o.json"), *extra_args])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 2, err
     assert __import__("re").search(message, err.splitlines()[0]), err
@@ -78,10 +85,12 @@ def test_bad_results_files_are_one_line_errors(tmp_path, capsys, raw, extra_args
 
 
 def test_missing_or_invalid_results_file(tmp_path, capsys):
-    assert cli.main(["select-layers", "--from-results", str(tmp_path / "nope.json"), "--output", str(tmp_path / "o")]) == 2
+    assert cli.main(["select-layers", "--from-results", str(tmp_path / "nope.json"), "--output",
+                     str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{not json")
-    assert cli.main(["select-layers", "--from-results", str(tmp_path / "bad.json"), "--output", str(tmp_path / "o")]) == 2
+    assert cli.main(["select-layers", "--from-results", str(tmp_path / "bad.json"), "--output",
+                     str(tmp_path / "o")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
     assert cli.main(["select-layers", "--method", "even", "--output", str(tmp_path / "o")]) == 2
     assert "needs the layer count" in capsys.readouterr().err
@@ -94,7 +103,8 @@ def test_missing_or_invalid_results_file(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    """A saved tiny Qwen3 teacher (no tokenizer) and a stage-1 file with perturbed RNN weights for every layer."""
+    """A saved tiny Qwen3 teacher (no tokenizer) and a stage-1 file with perturbed RNN weights for
+    every layer."""
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("sel")
@@ -102,7 +112,8 @@ def tiny_setup(tmp_path_factory):
     teacher.save_pretrained(root / "teacher")
     all_rnn = convert_model(teacher, [])
     g = torch.Generator().manual_seed(0)
-    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in all_rnn.state_dict().items() if ".mixer." in k}
+    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g)
+               for k, v in all_rnn.state_dict().items() if ".mixer." in k}
     save_file(weights, str(root / "s1.safetensors"), metadata={"num_hidden_layers": "4"})
     return root, teacher
 
@@ -116,11 +127,13 @@ def test_cached_evaluation_equals_naive_m_i(tiny_setup):
     """Prefix reuse + in-place swap give exactly the metrics of a freshly converted M(i)."""
     root, teacher = tiny_setup
     base = teacher_as_hypenet(teacher)
-    results = evaluate_layers(base, Stage1Weights(root / "s1.safetensors", base), probe_evaluator(), log=lambda m: None)
+    results = evaluate_layers(base, Stage1Weights(root / "s1.safetensors", base), probe_evaluator(),
+                              log=lambda m: None)
     assert sorted(results) == [0, 1, 2, 3]
     for i in range(4):
-        m_i = convert_model(teacher, [j for j in range(4) if j != i], stage1_weights=root / "s1.safetensors",
-                            stage1_layers=[i], attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False)
+        m_i = convert_model(teacher, [j for j in range(4) if j != i],
+                            stage1_weights=root / "s1.safetensors", stage1_layers=[i],
+                            attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False)
         ref = probe_evaluator()
         ref.start(teacher_as_hypenet(teacher))  # teacher outputs for the KL reference
         naive = ref._score(LayerwiseRunner(m_i, ref.runner.batches).outputs(0), m_i.lm_head)
@@ -132,25 +145,31 @@ def test_cached_evaluation_equals_naive_m_i(tiny_setup):
 def test_select_layers_end_to_end_and_resume(tiny_setup, tmp_path, monkeypatch):
     root, _ = tiny_setup
     out, res = tmp_path / "sel.json", tmp_path / "res.json"
-    args = ["select-layers", "--teacher", str(root / "teacher"), "--stage1-weights", str(root / "s1.safetensors"),
-            "--evaluator", "proxy", "--output", str(out), "--results-out", str(res),
-            "--recall-items", "4", "--kl-rows", "4", "--kl-seq-len", "32", "--batch-size", "2"]
+    args = ["select-layers", "--teacher", str(root / "teacher"), "--stage1-weights",
+            str(root / "s1.safetensors"), "--evaluator", "proxy", "--output", str(out),
+            "--results-out", str(res), "--recall-items", "4", "--kl-rows", "4", "--kl-seq-len",
+            "32", "--batch-size", "2"]
     assert cli.main(args) == 0
     got, results = json.loads(out.read_text()), json.loads(res.read_text())
-    assert sorted(results) == ["0", "1", "2", "3"] and got["num_attn"] == 1 and len(got["attn_layers"]) == 1
-    ranked = sel.select_from_results_file(res)  # ranking from the saved file agrees with the evaluating run
-    assert ranked["attn_layers"] == got["attn_layers"] and ranked["scores"] == pytest.approx(got["scores"])
+    assert (sorted(results) == ["0", "1", "2", "3"] and got["num_attn"] == 1
+            and len(got["attn_layers"]) == 1)
+    # ranking from the saved file agrees with the evaluating run
+    ranked = sel.select_from_results_file(res)
+    assert (ranked["attn_layers"] == got["attn_layers"]
+            and ranked["scores"] == pytest.approx(got["scores"]))
     assert got["teacher_metrics"]["csr"] == pytest.approx(1.0)
     # resume: drop two layers from the file; only those are evaluated again
     res.write_text(json.dumps({k: v for k, v in results.items() if k in ("0", "1")}))
     seen = []
     original = ProbeEvaluator.evaluate
-    monkeypatch.setattr(ProbeEvaluator, "evaluate", lambda self, base, i: seen.append(i) or original(self, base, i))
+    monkeypatch.setattr(ProbeEvaluator, "evaluate",
+                        lambda self, base, i: seen.append(i) or original(self, base, i))
     assert cli.main(args + ["--resume"]) == 0
     assert seen == [2, 3]
     final = json.loads(res.read_text())
     assert sorted(final) == ["0", "1", "2", "3"]
-    assert final["3"] == pytest.approx(results["3"])  # deterministic: the re-run reproduces the first
+    # deterministic: the re-run reproduces the first
+    assert final["3"] == pytest.approx(results["3"])
 
 
 def test_stage1_file_that_does_not_match_the_teacher(tiny_setup, tmp_path):
@@ -161,7 +180,8 @@ def test_stage1_file_that_does_not_match_the_teacher(tiny_setup, tmp_path):
     cases = {
         "trained for 28 layers": ({}, {"num_hidden_layers": "28"}),
         "has shape": ({"model.layers.1.mixer.q_proj.weight": torch.zeros(3, 3)}, None),
-        "not an RNN-mixer parameter": ({"model.layers.9.mixer.q_proj.weight": torch.zeros(64, 64)}, None),
+        "not an RNN-mixer parameter": ({"model.layers.9.mixer.q_proj.weight": torch.zeros(64, 64)},
+                                       None),
     }
     for message, (tensors, meta) in cases.items():
         path = tmp_path / "bad.safetensors"
@@ -175,8 +195,8 @@ def test_stage1_file_that_does_not_match_the_teacher(tiny_setup, tmp_path):
 
 def test_evaluator_without_data_is_refused(tiny_setup, tmp_path, capsys):
     root, _ = tiny_setup
-    base = ["select-layers", "--teacher", str(root / "teacher"), "--stage1-weights", str(root / "s1.safetensors"),
-            "--output", str(tmp_path / "o.json")]
+    base = ["select-layers", "--teacher", str(root / "teacher"), "--stage1-weights",
+            str(root / "s1.safetensors"), "--output", str(tmp_path / "o.json")]
     assert cli.main(base + ["--evaluator", "olmo-eval"]) == 2
     assert "needs a tokenizer" in capsys.readouterr().err
     assert cli.main(base + ["--heldout", str(tmp_path / "missing.json")]) == 2
@@ -188,15 +208,16 @@ def test_evaluator_without_data_is_refused(tiny_setup, tmp_path, capsys):
 
 
 def test_m_i_runs_the_rnn_layer_with_the_rope_stage1_aligned_it_with(tiny_setup, tmp_path):
-    """A stage-1 file of a model.pe without RNN RoPE (all_nope, attn_rope_rnn_nope) is scored without it;
-    files from before the key keep RoPE."""
+    """A stage-1 file of a model.pe without RNN RoPE (all_nope, attn_rope_rnn_nope) is scored
+    without it; files from before the key keep RoPE."""
     from safetensors.torch import load_file
 
     from halo_dist.stages.stage1 import save_stage1_weights
 
     root, teacher = tiny_setup
     base = teacher_as_hypenet(teacher)
-    path = save_stage1_weights(load_file(str(root / "s1.safetensors")), tmp_path, 4, "tiny", rnn_rope=False)
+    path = save_stage1_weights(load_file(str(root / "s1.safetensors")), tmp_path, 4, "tiny",
+                               rnn_rope=False)
     assert Stage1Weights(path, base).mixer(1).config.rnn_rope is False
     assert Stage1Weights(root / "s1.safetensors", base).mixer(1).config.rnn_rope is True
     assert base.config.rnn_rope is True  # the teacher base itself is untouched

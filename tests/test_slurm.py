@@ -2,8 +2,9 @@
 
 The scripts run under bash with HALO_DRY_RUN=1, or with fake `sbatch`/`srun`/`scontrol`/`squeue` on
 PATH that log their argv (and a few environment variables) and print fake job ids. Checked: the
-order of the pipeline's commands, the sbatch dependency chain, the torchrun rendezvous, the job array,
-signal forwarding + requeue, skipping finished steps, and bad input stopping before any submission.
+order of the pipeline's commands, the sbatch dependency chain, the torchrun rendezvous, the job
+array, signal forwarding + requeue, skipping finished steps, and bad input stopping before any
+submission.
 """
 from __future__ import annotations
 
@@ -24,20 +25,23 @@ sys.path.insert(0, str(SLURM))
 import compare_sweep  # noqa: E402
 import sweep_variants  # noqa: E402
 
-PIPELINE_ORDER = ["data_prep.tokenize", "launchers/stage1.py", "select-layers", "launchers/stage2.py",
-                  "launchers/stage3.py", "calibrate-scaling", "halo-dist export", "eval-niah", "eval-lm"]
+PIPELINE_ORDER = ["data_prep.tokenize", "launchers/stage1.py", "select-layers",
+                  "launchers/stage2.py", "launchers/stage3.py", "calibrate-scaling",
+                  "halo-dist export", "eval-niah", "eval-lm"]
 STEPS = ["prep", "stage1", "select", "stage2", "stage3", "calibrate", "export", "eval"]
 GRID = sweep_variants.load_grid(REPO / "configs" / "sweeps" / "grid.yaml")[1]
 
 # Fake Slurm tools: each appends "tool<TAB>arg<TAB>arg..." to $SHIM_LOG.
 SHIM_HEAD = """#!/bin/bash
-{ printf '%s' "$(basename "$0")"; for a in "$@"; do printf '\\t%s' "$a"; done; printf '\\n'; } >> "$SHIM_LOG"
+{ printf '%s' "$(basename "$0")"; for a in "$@"; do printf '\\t%s' "$a"; done
+  printf '\\n'; } >> "$SHIM_LOG"
 """
 SHIMS = {
     "sbatch": SHIM_HEAD + """
-printf 'env\\tHALO_STEP=%s\\tHALO_DATA=%s\\tHALO_RUNS=%s\\tHALO_TEACHER=%s\\tHALO_REPO=%s\\tHALO_SWEEP_PENDING=%s\\tSLURM_CPUS_PER_TASK=%s\\n' \\
-    "${HALO_STEP:-}" "${HALO_DATA:-}" "${HALO_RUNS:-}" "${HALO_TEACHER:-}" "${HALO_REPO:-}" "${HALO_SWEEP_PENDING:-}" \\
-    "${SLURM_CPUS_PER_TASK:-}" >> "$SHIM_LOG"
+{ printf 'env\\tHALO_STEP=%s\\tHALO_DATA=%s\\tHALO_RUNS=%s\\tHALO_TEACHER=%s' \\
+    "${HALO_STEP:-}" "${HALO_DATA:-}" "${HALO_RUNS:-}" "${HALO_TEACHER:-}"
+  printf '\\tHALO_REPO=%s\\tHALO_SWEEP_PENDING=%s\\tSLURM_CPUS_PER_TASK=%s\\n' \\
+    "${HALO_REPO:-}" "${HALO_SWEEP_PENDING:-}" "${SLURM_CPUS_PER_TASK:-}"; } >> "$SHIM_LOG"
 n=$(cat "$SHIM_LOG.count" 2>/dev/null || echo 1000); echo $((n + 1)) > "$SHIM_LOG.count"
 echo "$n"
 """,
@@ -63,7 +67,9 @@ case ${FAKE_SRUN:-ok} in
     for a in "$@"; do
       case $a in logging.run_dir=*) mkdir -p "${a#*=}/final"; touch "${a#*=}/final/DONE" ;; esac
       if [[ $prev == --output-dir ]]; then
-        mkdir -p "$a"; echo '{"summary": {"niah_single_1": {"by_length": {"4096": 1.0, "262144": 0.25}}}}' > "$a/niah.json"
+        mkdir -p "$a"
+        echo '{"summary": {"niah_single_1": {"by_length": {"4096": 1.0, "262144": 0.25}}}}' \\
+          > "$a/niah.json"
       fi
       prev=$a
     done ;;
@@ -72,18 +78,21 @@ exit 0
 """,
 }
 
-# Stand-in for the layout check `python -m halo_dist.config ... --world-size N` (one Python start-up per
-# variant; the real check of every grid variant is test_sweep_dry_run_commands_are_valid_pretrain_runs and
+# Stand-in for the layout check `python -m halo_dist.config ... --world-size N` (one Python start-up
+# per variant; the real check of every grid variant is
+# test_sweep_dry_run_commands_are_valid_pretrain_runs and
 # tests/test_config.py::test_every_sweep_variant_validates): global batch 128, micro batch 4.
 FAKE_CHECK = """#!/bin/bash
 w=""; while (($#)); do [[ $1 == --world-size ]] && w=$2; shift; done
-(( 128 % (w * 4) == 0 )) || { echo "invalid config: data.global_batch_size: 128 is not divisible by 4x$w" >&2; exit 2; }
+(( 128 % (w * 4) == 0 )) || {
+  echo "invalid config: data.global_batch_size: 128 is not divisible by 4x$w" >&2; exit 2; }
 """
 
 
 @pytest.fixture
 def slurm_env(tmp_path):
-    """Fake Slurm on PATH, scratch data/run folders, a clean environment; returns (env, log path)."""
+    """Fake Slurm on PATH, scratch data/run folders, a clean environment; returns (env, log
+    path)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in SHIMS.items():
@@ -94,11 +103,13 @@ def slurm_env(tmp_path):
     log = tmp_path / "shim.log"
     log.touch()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HALO_", "SLURM_", "SBATCH_"))}
-    env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{env.get('PATH', '')}", SHIM_LOG=str(log),
-               HALO_PYTHON=sys.executable, HALO_DATA=str(tmp_path / "data"), HALO_RUNS=str(tmp_path / "runs"),
-               HALO_TEACHER="Qwen/Qwen3-8B", HALO_VENV="",
-               HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))  # no cached teacher configs
-    env["VIRTUAL_ENV"] = env.get("VIRTUAL_ENV") or str(Path(sys.executable).parents[1])  # no re-activation
+    env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{env.get('PATH', '')}",
+               SHIM_LOG=str(log), HALO_PYTHON=sys.executable, HALO_DATA=str(tmp_path / "data"),
+               HALO_RUNS=str(tmp_path / "runs"), HALO_TEACHER="Qwen/Qwen3-8B", HALO_VENV="",
+               # no cached teacher configs
+               HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))
+    # no re-activation
+    env["VIRTUAL_ENV"] = env.get("VIRTUAL_ENV") or str(Path(sys.executable).parents[1])
     return env, log
 
 
@@ -128,8 +139,9 @@ def complete_manifest(folder: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size,config_dir", [("8b", "configs/stages/9b"), ("5b", "configs/stages/5b"),
-                                             ("2b", "configs/stages/2b"), ("tiny", "configs/tiny/slurm")])
+@pytest.mark.parametrize("size,config_dir",
+                         [("8b", "configs/stages/9b"), ("5b", "configs/stages/5b"),
+                          ("2b", "configs/stages/2b"), ("tiny", "configs/tiny/slurm")])
 def test_dry_run_prints_every_command_in_order(slurm_env, size, config_dir):
     env, log = slurm_env
     res = run(f"halo_{size}.sh", env, HALO_DRY_RUN="1")
@@ -151,13 +163,15 @@ def test_data_prep_reads_another_corpus(slurm_env):
               HALO_PREP_ARGS="--text-field body --max-docs 10")
     assert res.returncode == 0, res.stderr
     (prep,) = [line for line in res.stdout.splitlines() if "data_prep.tokenize" in line]
-    assert "--input 'corpus/*.jsonl.gz' --tokenizer Qwen/Qwen3-8B" in prep and "--hf-dataset" not in prep
+    assert ("--input 'corpus/*.jsonl.gz' --tokenizer Qwen/Qwen3-8B" in prep
+            and "--hf-dataset" not in prep)
     assert prep.endswith("--text-field body --max-docs 10")
 
 
 def test_submission_chain_dependencies_resources_and_environment(slurm_env):
     env, log = slurm_env
-    res = run("halo_8b.sh", env, "-p", "gpu", "--account=proj", "--time=12:00:00", "--qos=high", "--mail-type=END")
+    res = run("halo_8b.sh", env, "-p", "gpu", "--account=proj", "--time=12:00:00", "--qos=high",
+              "--mail-type=END")
     assert res.returncode == 0, res.stderr
     subs = calls(log, "sbatch")
     assert [flag(a, "job-name") for a in subs] == [f"halo-8b-{s}" for s in STEPS]
@@ -170,11 +184,13 @@ def test_submission_chain_dependencies_resources_and_environment(slurm_env):
     for argv in subs:
         assert argv[-1] == str(SLURM / "halo_8b.sh")
         assert flag(argv, "partition") == "gpu" and flag(argv, "account") == "proj"
-        assert flag(argv, "time") == "12:00:00" and flag(argv, "qos") == "high" and "--mail-type=END" in argv
+        assert (flag(argv, "time") == "12:00:00" and flag(argv, "qos") == "high"
+                and "--mail-type=END" in argv)
         assert "--requeue" in argv and flag(argv, "signal") == "B:USR1@300"
         assert flag(argv, "output").startswith(env["HALO_RUNS"] + "/logs/")
     stage2 = subs[STEPS.index("stage2")]
-    assert flag(stage2, "nodes") == "1" and flag(stage2, "gpus-per-node") == "8" and "--ntasks-per-node=1" in stage2
+    assert (flag(stage2, "nodes") == "1" and flag(stage2, "gpus-per-node") == "8"
+            and "--ntasks-per-node=1" in stage2)
     assert flag(subs[0], "gpus-per-node") is None  # data prep asks for CPUs only
     for row in calls(log, "env"):  # the step jobs inherit absolute paths
         kv = dict(x.split("=", 1) for x in row)
@@ -203,7 +219,8 @@ def test_queued_chain_for_the_same_runs_is_refused(slurm_env):
     res = run("halo_8b.sh", env, FAKE_SQUEUE=f"77|halo-8b-stage2|halo:{env['HALO_RUNS']}\n")
     assert res.returncode == 2 and "already queued or running" in res.stderr
     assert calls(log, "sbatch") == []
-    res = run("halo_8b.sh", env, FAKE_SQUEUE=f"78|halo-8b-stage2|halo:{env['HALO_RUNS']}-v2\n")  # another folder
+    # another folder
+    res = run("halo_8b.sh", env, FAKE_SQUEUE=f"78|halo-8b-stage2|halo:{env['HALO_RUNS']}-v2\n")
     assert res.returncode == 0, res.stderr
 
 
@@ -220,7 +237,8 @@ def test_missing_environment_stops_before_submitting(slurm_env):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"HALO_NODES": "3"}, "stage1 (3 node(s) x 8 GPUs) does not fit 24 GPU rank(s)"),  # real config dry-run
+    # real config dry-run
+    ({"HALO_NODES": "3"}, "stage1 (3 node(s) x 8 GPUs) does not fit 24 GPU rank(s)"),
     ({"HALO_NODES": "two"}, "HALO_NODES=two must be a positive integer"),
     ({"HALO_TEACHER": "/no/such/teacher"}, "is not a model folder"),
 ])
@@ -233,13 +251,17 @@ def test_bad_input_stops_before_submitting(slurm_env, extra, message):
 
 
 def test_two_nodes_fit_every_stage_with_a_smaller_micro_batch(slurm_env):
-    """data.fit_micro_batch: stage 1's 32 sequences over 16 ranks run at micro 2 (real config checks)."""
+    """data.fit_micro_batch: stage 1's 32 sequences over 16 ranks run at micro 2 (real config
+    checks)."""
     env, log = slurm_env
     res = run("halo_8b.sh", env, HALO_NODES="2", HALO_DRY_RUN="1")
     assert res.returncode == 0, res.stderr
-    assert "stage1 (2 node(s) x 8 GPUs): micro batch 4 -> 2 on 16 ranks (global batch 32 unchanged)" in res.stdout
-    assert "stage2 (2 node(s) x 8 GPUs): micro batch 4 -> 3 on 16 ranks (global batch 96 unchanged)" in res.stdout
-    assert "set HALO_DATA_LONG" in res.stdout  # stage 3 would read the short-context shards: said up front
+    assert ("stage1 (2 node(s) x 8 GPUs): micro batch 4 -> 2 on 16 ranks (global batch 32 "
+            "unchanged)" in res.stdout)
+    assert ("stage2 (2 node(s) x 8 GPUs): micro batch 4 -> 3 on 16 ranks (global batch 96 "
+            "unchanged)" in res.stdout)
+    # stage 3 would read the short-context shards: said up front
+    assert "set HALO_DATA_LONG" in res.stdout
 
 
 def test_teacher_of_another_size_is_refused_before_data_prep(slurm_env, tmp_path):
@@ -251,11 +273,13 @@ def test_teacher_of_another_size_is_refused_before_data_prep(slurm_env, tmp_path
     assert res.returncode == 2
     assert "has 28 layers but the stage configs are sized for a 36-layer teacher" in res.stderr
     assert calls(log, "sbatch") == []
-    assert run("halo_2b.sh", env, HALO_TEACHER=str(teacher), HALO_DRY_RUN="1").returncode == 0  # the right size
+    # the right size
+    assert run("halo_2b.sh", env, HALO_TEACHER=str(teacher), HALO_DRY_RUN="1").returncode == 0
 
 
 def test_teacher_depth_check_is_best_effort(slurm_env):
-    """A HALO_PYTHON without halo_dist (layouts checked by a custom command) only skips the depth check."""
+    """A HALO_PYTHON without halo_dist (layouts checked by a custom command) only skips the depth
+    check."""
     env, log = slurm_env
     res = run("halo_8b.sh", sweep_env(env, None), HALO_PYTHON="false", HALO_DRY_RUN="1")
     assert res.returncode == 0, res.stderr
@@ -265,7 +289,8 @@ def test_teacher_depth_check_is_best_effort(slurm_env):
 def test_bad_node_count_from_sbatch_flag(slurm_env):
     env, log = slurm_env
     res = run("halo_2b.sh", env, "-N", "3")
-    assert res.returncode == 2 and "does not fit 24 GPU rank(s)" in res.stderr and "micro_batch_size" in res.stderr
+    assert (res.returncode == 2 and "does not fit 24 GPU rank(s)" in res.stderr
+            and "micro_batch_size" in res.stderr)
     assert calls(log, "sbatch") == []
 
 
@@ -275,26 +300,31 @@ def test_bad_node_count_from_sbatch_flag(slurm_env):
 
 
 def step_env(env: dict, step: str, **extra) -> dict:
-    return {**env, "HALO_STEP": step, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-node[07-09]",
-            "SLURM_NNODES": "3", "HALO_GPUS_PER_NODE": "8", **extra}
+    return {**env, "HALO_STEP": step, "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "gpu-node[07-09]", "SLURM_NNODES": "3", "HALO_GPUS_PER_NODE": "8",
+            **extra}
 
 
 def test_stage_job_rendezvous_and_selected_layers(slurm_env):
     env, log = slurm_env
     runs = Path(env["HALO_RUNS"])
     (runs / "select").mkdir(parents=True)
-    (runs / "select" / "selection.json").write_text(json.dumps({"attn_layers": [2, 3, 6], "method": "halo"}))
+    (runs / "select" / "selection.json").write_text(
+        json.dumps({"attn_layers": [2, 3, 6], "method": "halo"}))
     res = run("halo_8b.sh", step_env(env, "stage2", FAKE_SRUN="finish"))
     assert res.returncode == 0, res.stderr
     assert calls(log, "scontrol")[0] == ["show", "hostnames", "gpu-node[07-09]"]
     (argv,) = calls(log, "srun")
     i = argv.index("torchrun")
-    assert argv[:i] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpu-bind=none"]
-    assert argv[i + 1:i + 13] == ["--nnodes", "3", "--nproc_per_node", "8", "--rdzv_backend", "c10d",
-                                  "--rdzv_endpoint", "gpu-node07:19242", "--rdzv_id", "4242", "--max_restarts", "0"]
-    assert argv[i + 13:i + 16] == ["launchers/stage2.py", "--config", "configs/stages/9b/stage2.yaml"]
-    assert {"model.attn_layers=2,3,6", f"model.stage1_weights={runs}/stage1/final", f"data.train={env['HALO_DATA']}",
-            f"logging.run_dir={runs}/stage2"} <= set(argv)
+    assert argv[:i] == ["--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                        "--cpu-bind=none"]
+    assert argv[i + 1:i + 13] == ["--nnodes", "3", "--nproc_per_node", "8", "--rdzv_backend",
+                                  "c10d", "--rdzv_endpoint", "gpu-node07:19242", "--rdzv_id",
+                                  "4242", "--max_restarts", "0"]
+    assert argv[i + 13:i + 16] == ["launchers/stage2.py", "--config",
+                                   "configs/stages/9b/stage2.yaml"]
+    assert {"model.attn_layers=2,3,6", f"model.stage1_weights={runs}/stage1/final",
+            f"data.train={env['HALO_DATA']}", f"logging.run_dir={runs}/stage2"} <= set(argv)
     (srun_env,) = calls(log, "srun-env")
     assert "TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in srun_env
     assert calls(log, "scontrol")[1:] == []  # finished: no requeue
@@ -363,7 +393,8 @@ def test_default_csr_tasks_run_offline_and_hub_tasks_are_named_before_submission
     env, log = slurm_env
     res = run("halo_8b.sh", env, HALO_DRY_RUN="1")
     assert res.returncode == 0, res.stderr
-    assert f"--tasks {','.join(SETS)}" in res.stdout and "need the Hugging Face hub" not in res.stdout
+    assert (f"--tasks {','.join(SETS)}" in res.stdout
+            and "need the Hugging Face hub" not in res.stdout)
     res = run("halo_8b.sh", env, HALO_DRY_RUN="1", HALO_CSR_TASKS="arc_easy,mmlu,boolq")
     note = next(line for line in res.stdout.splitlines() if "need the Hugging Face hub" in line)
     assert "mmlu,boolq" in note and "arc_easy," not in note.split("offline:")[0]
@@ -376,11 +407,13 @@ def test_default_csr_tasks_run_offline_and_hub_tasks_are_named_before_submission
 
 
 def sweep_env(env: dict, tmp_path: Path, **extra) -> dict:
-    return {**env, "HALO_CONFIG_CHECK": str(Path(env["SHIM_LOG"]).parent / "bin" / "fake_check"), **extra}
+    return {**env, "HALO_CONFIG_CHECK": str(Path(env["SHIM_LOG"]).parent / "bin" / "fake_check"),
+            **extra}
 
 
 def dry_run_tasks(stdout: str) -> dict[str, list[str]]:
-    """{variant: argv of its training command} from a sweep dry run's '[array task i] NAME' blocks."""
+    """{variant: argv of its training command} from a sweep dry run's '[array task i] NAME'
+    blocks."""
     import shlex
 
     tasks, lines = {}, stdout.splitlines()
@@ -391,8 +424,8 @@ def dry_run_tasks(stdout: str) -> dict[str, list[str]]:
 
 
 def test_sweep_dry_run_commands_are_valid_pretrain_runs(slurm_env, tmp_path):
-    """Every grid variant's printed command is launchers/pretrain.py with the grid's overrides, and it
-    resolves to a valid pretrain config (the same check --check and the launcher run first)."""
+    """Every grid variant's printed command is launchers/pretrain.py with the grid's overrides, and
+    it resolves to a valid pretrain config (the same check --check and the launcher run first)."""
     from halo_dist.config import load_config
 
     env, log = slurm_env
@@ -406,8 +439,9 @@ def test_sweep_dry_run_commands_are_valid_pretrain_runs(slurm_env, tmp_path):
         args = argv[script + 1:]
         assert args[:2] == ["--config", "configs/sweeps/base_500m.yaml"]
         assert args[2:2 + len(overrides)] == overrides
-        assert args[2 + len(overrides):] == ["pretrain.model.tokenizer=openai-community/gpt2",
-                                             f"data.train={env['HALO_DATA']}", f"logging.run_dir={env['HALO_RUNS']}/{name}"]
+        assert (args[2 + len(overrides):] == ["pretrain.model.tokenizer=openai-community/gpt2",
+                                              f"data.train={env['HALO_DATA']}",
+                                              f"logging.run_dir={env['HALO_RUNS']}/{name}"])
         cfg = load_config(REPO / args[1], args[2:])
         assert cfg.stage.name == "pretrain" and cfg.logging.run_dir.endswith(name)
         cfg.validate_against_world(8)
@@ -415,16 +449,19 @@ def test_sweep_dry_run_commands_are_valid_pretrain_runs(slurm_env, tmp_path):
 
 
 def test_sweep_real_layout_check_and_bad_variant(slurm_env, tmp_path):
-    """The driver's real config check (python -m halo_dist.config) passes for grid variants and stops a
-    bad variant name before anything is submitted or printed as submitted, dry run or not."""
+    """The driver's real config check (python -m halo_dist.config) passes for grid variants and
+    stops a bad variant name before anything is submitted or printed as submitted, dry run or
+    not."""
     env, log = slurm_env
     real = {k: v for k, v in sweep_env(env, tmp_path).items() if k != "HALO_CONFIG_CHECK"}
-    res = run("sweep_scratch.sh", real, HALO_DRY_RUN="1", HALO_VARIANTS="transformer,swan-gpt,hypenet-gdn-hype")
+    res = run("sweep_scratch.sh", real, HALO_DRY_RUN="1",
+              HALO_VARIANTS="transformer,swan-gpt,hypenet-gdn-hype")
     assert res.returncode == 0, res.stderr
     assert "batch layouts fit" in res.stdout
     assert list(dry_run_tasks(res.stdout)) == ["transformer", "swan-gpt", "hypenet-gdn-hype"]
     for dry in ("1", "0"):
-        res = run("sweep_scratch.sh", real, HALO_DRY_RUN=dry, HALO_VARIANTS="transformer,hypenet-lstm-hype")
+        res = run("sweep_scratch.sh", real, HALO_DRY_RUN=dry,
+                  HALO_VARIANTS="transformer,hypenet-lstm-hype")
         assert res.returncode == 2 and "unknown sweep variant(s) hypenet-lstm-hype" in res.stderr
         assert "nothing was submitted" in res.stderr and "sbatch" not in res.stdout
     assert calls(log, "sbatch") == []
@@ -437,7 +474,8 @@ def test_grid_variants_and_scaling_base():
     assert "model.logits_scaling_a=300" in ov["hypenet-lightning-hype"]
     assert "model.logits_scaling_a=1000" in ov["hypenet-lightning-all-nope"]
     assert "model.logits_scaling_a=5000" in ov["hypenet-rwkv7-hype"]
-    assert "model.logits_scaling_a=1000" in ov["swan-gpt"] and "model.logits_scaling_a=null" in ov["transformer"]
+    assert ("model.logits_scaling_a=1000" in ov["swan-gpt"]
+            and "model.logits_scaling_a=null" in ov["transformer"])
     assert "model.attn_layers=0,4,8,12,16,20,24" in ov["hypenet-gla-hype"]
     assert sweep_variants.main(["overrides", "1", "--among", "transformer,hypenet-gdn-hype"]) == 0
     with pytest.raises(sweep_variants.GridError, match="unknown sweep variant"):
@@ -448,8 +486,10 @@ def test_sweep_dry_run_full_grid(slurm_env, tmp_path):
     env, log = slurm_env
     res = run("sweep_scratch.sh", sweep_env(env, tmp_path), HALO_DRY_RUN="1")
     assert res.returncode == 0, res.stderr
-    assert "--array=0-21%4" in res.stdout and "--output=" + env["HALO_RUNS"] + "/logs/sweep-%A_%a.log" in res.stdout
-    tasks = [line.split("] ")[1] for line in res.stdout.splitlines() if line.startswith("  [array task ")]
+    assert ("--array=0-21%4" in res.stdout
+            and "--output=" + env["HALO_RUNS"] + "/logs/sweep-%A_%a.log" in res.stdout)
+    tasks = [line.split("] ")[1]
+             for line in res.stdout.splitlines() if line.startswith("  [array task ")]
     assert tasks == [n for n, _ in GRID]
     assert "--hf-config sample-100BT --tokenizer openai-community/gpt2" in res.stdout
     assert "compare_sweep.py" in res.stdout and log.read_text() == ""
@@ -458,17 +498,20 @@ def test_sweep_dry_run_full_grid(slurm_env, tmp_path):
 def test_sweep_submission_subset(slurm_env, tmp_path):
     env, log = slurm_env
     names = ["transformer", "hypenet-lightning-hype", "hypenet-mamba2-all-nope"]
-    done = Path(env["HALO_RUNS"]) / "swan-gpt" / "final" / "DONE"  # already trained: not in the array
+    # already trained: not in the array
+    done = Path(env["HALO_RUNS"]) / "swan-gpt" / "final" / "DONE"
     done.parent.mkdir(parents=True)
     done.touch()
-    res = run("sweep_scratch.sh", sweep_env(env, tmp_path, HALO_VARIANTS=",".join(names + ["swan-gpt"]),
-                                            HALO_MAX_CONCURRENT="2"), "-p", "gpu")
+    res = run("sweep_scratch.sh",
+              sweep_env(env, tmp_path, HALO_VARIANTS=",".join(names + ["swan-gpt"]),
+                        HALO_MAX_CONCURRENT="2"), "-p", "gpu")
     assert res.returncode == 0, res.stderr
     prep, array, evaljob = calls(log, "sbatch")
     assert flag(prep, "export") == "ALL,HALO_STEP=sweep_prep"
     assert flag(array, "array") == "0-2%2" and flag(array, "dependency") == "afterok:1000"
     assert flag(array, "output").endswith("/logs/sweep-%A_%a.log") and "--requeue" in array
-    assert flag(evaljob, "dependency") == "afterany:1001" and flag(evaljob, "export") == "ALL,HALO_STEP=sweep_eval"
+    assert (flag(evaljob, "dependency") == "afterany:1001"
+            and flag(evaljob, "export") == "ALL,HALO_STEP=sweep_eval")
     envs = [dict(x.split("=", 1) for x in row) for row in calls(log, "env")]
     assert envs[1]["HALO_SWEEP_PENDING"] == ",".join(names)
 
@@ -477,22 +520,25 @@ def test_sweep_submission_subset(slurm_env, tmp_path):
 def test_sweep_array_task_trains_its_variant(slurm_env, tmp_path, index):
     env, log = slurm_env
     names = ["transformer", "swan-gpt", "hypenet-gdn-all-rope"]
-    res = run("sweep_scratch.sh", sweep_env(env, tmp_path, HALO_STEP="sweep_task", SLURM_ARRAY_TASK_ID=str(index),
-                                            SLURM_JOB_ID="555", SLURM_JOB_NODELIST="gpu-node07", SLURM_NNODES="1",
-                                            HALO_SWEEP_PENDING=",".join(names), FAKE_SRUN="finish"))
+    res = run("sweep_scratch.sh",
+              sweep_env(env, tmp_path, HALO_STEP="sweep_task", SLURM_ARRAY_TASK_ID=str(index),
+                        SLURM_JOB_ID="555", SLURM_JOB_NODELIST="gpu-node07", SLURM_NNODES="1",
+                        HALO_SWEEP_PENDING=",".join(names), FAKE_SRUN="finish"))
     assert res.returncode == 0, res.stderr
     (argv,) = calls(log, "srun")
     name = names[index]
     assert f"logging.run_dir={env['HALO_RUNS']}/{name}" in argv
     tokenizer = "pretrain.model.tokenizer=openai-community/gpt2"  # the one data prep used
-    assert [a for a in argv if a.startswith(("model.", "pretrain."))] == dict(GRID)[name] + [tokenizer]
+    assert ([a for a in argv if a.startswith(("model.", "pretrain."))]
+            == dict(GRID)[name] + [tokenizer])
     assert argv[argv.index("--config") + 1] == "configs/sweeps/base_500m.yaml"
     assert f"variant {name}" in res.stdout
 
 
 def test_sweep_bad_input(slurm_env, tmp_path):
     env, log = slurm_env
-    res = run("sweep_scratch.sh", sweep_env(env, tmp_path, HALO_VARIANTS="transformer,no-such-variant"))
+    res = run("sweep_scratch.sh",
+              sweep_env(env, tmp_path, HALO_VARIANTS="transformer,no-such-variant"))
     assert res.returncode == 2 and "unknown sweep variant(s) no-such-variant" in res.stderr
     res = run("sweep_scratch.sh", sweep_env(env, tmp_path, HALO_GPUS_PER_NODE="3"))
     assert res.returncode == 2 and "does not fit 3 GPU rank(s)" in res.stderr
@@ -510,13 +556,15 @@ def test_sweep_eval_job_writes_table_and_plot(slurm_env, tmp_path):
     for name in ("transformer", "hypenet-lightning-hype"):
         (runs / name / "final").mkdir(parents=True)
         (runs / name / "final" / "DONE").touch()
-    res = run("sweep_scratch.sh", sweep_env(env, tmp_path, HALO_STEP="sweep_eval", SLURM_JOB_ID="9",
-                                            HALO_SWEEP_ALL="transformer,hypenet-lightning-hype,swan-gpt",
-                                            FAKE_SRUN="finish"))
+    res = run("sweep_scratch.sh",
+              sweep_env(env, tmp_path, HALO_STEP="sweep_eval", SLURM_JOB_ID="9",
+                        HALO_SWEEP_ALL="transformer,hypenet-lightning-hype,swan-gpt",
+                        FAKE_SRUN="finish"))
     assert res.returncode == 0, res.stderr
     assert len(calls(log, "srun")) == 2  # swan-gpt has no trained model
     table = (runs / "sweep_niah.md").read_text()
-    assert "| transformer | 100.0 | 25.0 | 62.5 |" in table and "| swan-gpt |" in table and "missing" in table
+    assert ("| transformer | 100.0 | 25.0 | 62.5 |" in table and "| swan-gpt |" in table
+            and "missing" in table)
     assert (runs / "sweep_niah.png").stat().st_size > 1000
 
 
@@ -528,19 +576,22 @@ def test_compare_reader_is_tolerant():
     assert read(halo_report) == {4096: 0.75, 8192: 0.5}
     assert read({"4K": 99.0, "256K": 50}) == {4096: 0.99, 262144: 0.5}
     assert read({"accuracy": {"niah_4k": {"acc": 0.9}}}) == {4096: 0.9}
-    assert read([{"length": 4096, "correct": True}, {"length": 4096, "correct": False}]) == {4096: 0.5}
+    assert (read([{"length": 4096, "correct": True}, {"length": 4096, "correct": False}])
+            == {4096: 0.5})
     assert read({"model": "x"}) == {}
 
 
 def test_driver_inside_a_job_inherits_allocation_and_clears_slurm_env(slurm_env):
     env, log = slurm_env  # `sbatch -p gpu -A proj slurm/halo_5b.sh`
-    res = run("halo_5b.sh", env, SLURM_JOB_ID="31", SLURM_JOB_PARTITION="gpu", SLURM_JOB_ACCOUNT="proj",
-              SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(REPO), SLURM_CPUS_PER_TASK="2")
+    res = run("halo_5b.sh", env, SLURM_JOB_ID="31", SLURM_JOB_PARTITION="gpu",
+              SLURM_JOB_ACCOUNT="proj", SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(REPO),
+              SLURM_CPUS_PER_TASK="2")
     assert res.returncode == 0, res.stderr
     subs = calls(log, "sbatch")
     assert len(subs) == len(STEPS)
     assert all(flag(a, "partition") == "gpu" and flag(a, "account") == "proj" for a in subs)
-    assert all(row[-1] == "SLURM_CPUS_PER_TASK=" for row in calls(log, "env"))  # not leaked into step jobs
+    # not leaked into step jobs
+    assert all(row[-1] == "SLURM_CPUS_PER_TASK=" for row in calls(log, "env"))
 
 
 def test_given_attention_layers_skip_selection(slurm_env):

@@ -1,7 +1,8 @@
 """slurm/ on a real Slurm: one node (scripts/local_slurm.sh: slurmctld, slurmd, munge), real sbatch.
 
-tests/slurm_real.py runs the scenario once per session, in the background from the start (see there):
-the HALO chain, a chain with a failing step, a stage job preempted twice, and the sweep as a job array.
+tests/slurm_real.py runs the scenario once per session, in the background from the start (see
+there): the HALO chain, a chain with a failing step, a stage job preempted twice, and the sweep as a
+job array.
 These tests read what it recorded. Without root and without a reachable Slurm they are skipped.
 """
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _assert_completed(sc: Scenario, name: str, step: str) -> Job:
 
 def test_chain_runs_every_step_in_order_and_the_export_loads(slurm_scenario):
     sc = slurm_scenario
-    print(f"real-Slurm scenario: {sc.seconds:.0f} s\n" + (sc.root / "timeline.txt").read_text())  # -rP shows it
+    # -rP shows it
+    print(f"real-Slurm scenario: {sc.seconds:.0f} s\n" + (sc.root / "timeline.txt").read_text())
     res = sc.drivers["chain"]
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert list(sc.ids["chain"]) == STEPS
@@ -51,13 +53,15 @@ def test_chain_runs_every_step_in_order_and_the_export_loads(slurm_scenario):
     for (prev, job), step in zip(zip(jobs, jobs[1:]), STEPS[1:]):
         assert f"--dependency=afterok:{prev.id} " in res.stdout
         assert job.fields["StartTime"] >= prev.fields["EndTime"], (step, prev.fields, job.fields)
-    assert "gpu:1" in sc.job("chain", "stage2").fields.get("TresPerNode", "")  # --gpus-per-node reached Slurm
+    # --gpus-per-node reached Slurm
+    assert "gpu:1" in sc.job("chain", "stage2").fields.get("TresPerNode", "")
     runs = sc.runs("chain")
     layers = json.loads((runs / "select" / "selection.json").read_text())["attn_layers"]
     assert len(layers) == 1
     assert f"model.attn_layers={layers[0]}" in sc.log("chain", "stage2")
     niah = json.loads((runs / "eval" / "niah" / "niah.json").read_text())
-    assert niah["summary"] and json.loads((runs / "eval" / "csr.json").read_text())["csr_tasks"] == ["arc_easy"]
+    assert (niah["summary"]
+            and json.loads((runs / "eval" / "csr.json").read_text())["csr_tasks"] == ["arc_easy"])
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -67,8 +71,10 @@ def test_chain_runs_every_step_in_order_and_the_export_loads(slurm_scenario):
     export = runs / "export" / "hypenet-tiny"
     model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)
     assert model.config.attn_layers == layers
-    calibrated = json.loads((runs / "stage3" / "final" / "config.json").read_text())["attn_logits_scale_base"]
-    assert model.config.attn_logits_scale_base == calibrated  # the export step carried calibrate's a
+    calibrated = json.loads((runs / "stage3" / "final"
+                             / "config.json").read_text())["attn_logits_scale_base"]
+    # the export step carried calibrate's a
+    assert model.config.attn_logits_scale_base == calibrated
     tok = load_tokenizer(export)
     ids = torch.tensor([tok("The capital of France is").input_ids])
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, ids.shape[1] + 3)
@@ -84,18 +90,21 @@ def test_a_failing_step_stops_the_chain_and_the_driver_names_it(slurm_scenario):
     # torchrun exits 1 when its rank exits 2 (the launcher's code for a user mistake)
     assert stage1.state == "FAILED" and stage1.fields["ExitCode"] == "1:0", stage1.states
     assert stage1.fields["StartTime"] >= prep.fields["EndTime"]
-    assert f"error: step stage1 (job {ids['stage1']}) ended FAILED (exit code 1:0" in res.stderr, res.stderr
+    assert (f"error: step stage1 (job {ids['stage1']}) ended FAILED (exit code "
+            "1:0" in res.stderr), res.stderr
     assert "no-such-shards" in res.stderr  # the stage's own error line, quoted from its log
     assert "not run: select stage2 stage3 calibrate export eval" in res.stderr
     for step in STEPS[2:]:
         job = sc.job("fail", step)
-        assert job.state == "CANCELLED" and job.fields["Reason"] == "DependencyNeverSatisfied", (step, job.states)
+        assert (job.state == "CANCELLED"
+                and job.fields["Reason"] == "DependencyNeverSatisfied"), (step, job.states)
         assert all(state != "RUNNING" for _, state, _, _ in job.states), (step, job.states)
         assert not (sc.runs("fail") / "logs" / f"{step}-{ids[step]}.log").exists()
         assert not (sc.runs("fail") / step).exists()
 
 
-def test_usr1_and_scontrol_requeue_stop_the_stage_and_the_requeued_job_ends_with_the_same_weights(slurm_scenario):
+def test_usr1_and_scontrol_requeue_stop_the_stage_and_the_requeued_job_ends_with_the_same_weights(
+    slurm_scenario):
     from safetensors.torch import load_file
 
     sc = slurm_scenario
@@ -106,14 +115,15 @@ def test_usr1_and_scontrol_requeue_stop_the_stage_and_the_requeued_job_ends_with
     job = _assert_completed(sc, "preempt", "stage1")
     assert job.fields["Restarts"] == "2", job.states
     first, second, third = _by_run(sc.log("preempt", "stage1"))
-    # run 1: the batch shell got USR1 (--batch: it alone), srun and torchrun passed it on, the trainer saved
-    # and stopped
+    # run 1: the batch shell got USR1 (--batch: it alone), srun and torchrun passed it on, the
+    # trainer saved and stopped
     assert "received SIGUSR1: forwarding SIGUSR1" in first, first[-3000:]
     stopped = re.search(r"stopped by signal \S+ at step (\d+); checkpoint saved", first)
     assert stopped and 3 <= int(stopped.group(1)) < 100, first[-3000:]
     assert f"requeueing job {job.id} (restart 1)" in first
-    # run 2: resumed from that step; `scontrol requeue` sent TERM to every process of the job (SIGKILL only
-    # KillWait seconds later): the batch shell passed USR1 on, the trainer saved and stopped again
+    # run 2: resumed from that step; `scontrol requeue` sent TERM to every process of the job
+    # (SIGKILL only KillWait seconds later): the batch shell passed USR1 on, the trainer saved and
+    # stopped again
     assert re.search(rf"resumed from .*step[- ]0*{stopped.group(1)}\b", second), second[-3000:]
     assert "received SIGTERM: forwarding SIGUSR1" in second, second[-3000:]
     again = re.search(r"stopped by signal \S+ at step (\d+); checkpoint saved", second)
@@ -124,7 +134,8 @@ def test_usr1_and_scontrol_requeue_stop_the_stage_and_the_requeued_job_ends_with
     resumed = load_file(sc.runs("preempt") / "stage1" / "final" / "rnn_layers.safetensors")
     assert straight.keys() == resumed.keys()
     for key in straight:
-        assert (straight[key] == resumed[key]).all(), key  # bit-identical to the uninterrupted chain's stage 1
+        # bit-identical to the uninterrupted chain's stage 1
+        assert (straight[key] == resumed[key]).all(), key
 
 
 def test_sweep_array_runs_both_variants_one_at_a_time_then_the_comparison(slurm_scenario):
@@ -139,7 +150,8 @@ def test_sweep_array_runs_both_variants_one_at_a_time_then_the_comparison(slurm_
     first, second = sorted(tasks, key=lambda t: t.fields["StartTime"])
     assert second.fields["StartTime"] >= first.fields["EndTime"] and sc.concurrent_tasks == 1
     # Slurm itself held the second task back for the array's limit, not for lack of CPUs or GPUs
-    assert any("JobArrayTaskLimit" in reasons for reasons in sc.pending_reasons.values()), sc.pending_reasons
+    assert any("JobArrayTaskLimit" in reasons
+               for reasons in sc.pending_reasons.values()), sc.pending_reasons
     evaljob = sc.job("sweep", "sweep_eval")
     assert evaljob.state == "COMPLETED" and evaljob.fields["StartTime"] >= second.fields["EndTime"]
     runs = sc.runs("sweep")
@@ -152,8 +164,8 @@ def test_sweep_array_runs_both_variants_one_at_a_time_then_the_comparison(slurm_
 
 def test_torchrun_jobs_on_one_node_each_use_their_own_rendezvous_port(slurm_scenario):
     sc = slurm_scenario
-    logs = [sc.log("chain", s) for s in ("stage1", "stage2", "stage3")] + [sc.log("fail", "stage1"),
-                                                                          sc.log("preempt", "stage1")]
+    logs = ([sc.log("chain", s) for s in ("stage1", "stage2", "stage3")]
+            + [sc.log("fail", "stage1"), sc.log("preempt", "stage1")])
     array = sc.ids["sweep"]["sweep_task"]
     logs += [p.read_text() for p in (sc.runs("sweep") / "logs").glob(f"sweep-{array}_*.log")]
     ports = [set(re.findall(r"--rdzv_endpoint \S+:(\d+)", log)) for log in logs]
@@ -180,11 +192,13 @@ def test_local_slurm_up_and_down_are_idempotent(slurm_scenario):
         pytest.skip(f"Slurm at {conf} is not scripts/local_slurm.sh's: not stopped by a test")
 
     def run(cmd):
-        return subprocess.run(["bash", str(LOCAL_SLURM), cmd], capture_output=True, text=True, timeout=300)
+        return subprocess.run(["bash", str(LOCAL_SLURM), cmd], capture_output=True, text=True,
+                              timeout=300)
 
     t0 = time.time()
     res = run("up")
-    assert res.returncode == 0 and "already up" in res.stdout and time.time() - t0 < 10, res.stdout + res.stderr
+    assert (res.returncode == 0 and "already up" in res.stdout
+            and time.time() - t0 < 10), res.stdout + res.stderr
     folder = conf.parent.parent
     pids = _pids(folder)
     assert len(pids) >= 2

@@ -18,7 +18,8 @@ import sys
 
 if os.environ.get("HALO_TEST_SKIP_FLA") == "1":
     # Spawned CPU ranks only: fla's Triton kernels never run on CPU (ops_rnn.use_fla needs CUDA),
-    # but importing fla costs ~3.5 s per rank; a None entry makes ops_rnn's guarded import fail fast.
+    # but importing fla costs ~3.5 s per rank; a None entry makes ops_rnn's guarded import fail
+    # fast.
     sys.modules.setdefault("fla", None)
 
 import pytest
@@ -38,7 +39,8 @@ from halo_dist.parallel import (
     kv_replication_factor,
     remove_sequence_parallel,
 )
-from sp_golden import CAUSAL, F64, PACKED, apply_sp_to_model, golden, mixer_forward, model_forward, set_mixer_sp
+from sp_golden import (CAUSAL, F64, PACKED, apply_sp_to_model, golden, mixer_forward, model_forward,
+                       set_mixer_sp)
 
 TOL = 1e-10
 
@@ -73,7 +75,8 @@ def build_mixer(kind: str, heads: int, kv_heads: int, seed: int, **overrides) ->
 
 
 def build_model(heads: int, kv_heads: int, attn_layers=(1, 2), **overrides) -> torch.nn.Module:
-    """A converted tiny Qwen3 -> HypeNet (layers 0, 3 Lightning), in float64, random output gates."""
+    """A converted tiny Qwen3 -> HypeNet (layers 0, 3 Lightning), in float64, random output
+    gates."""
     from conftest import tiny_qwen3
     from halo_dist.models.convert import convert_model
 
@@ -83,14 +86,16 @@ def build_model(heads: int, kv_heads: int, attn_layers=(1, 2), **overrides) -> t
     return randomise(model, seed=7, only="g_proj")  # gates start at exactly 1: make them matter
 
 
-# --- scenarios -------------------------------------------------------------------------------------
+# --- scenarios ------------------------------------------------------------------------------------
 
 # name -> (mixer kind, query heads, KV heads, config overrides)
 MIXER_CASES = {
     "attention_gqa_kv2": ("attention", 4, 2, {}),
     "attention_kv1_replicated": ("attention", 4, 1, {}),  # 1 KV head < sp=2: replicated twice
-    "attention_kv3_replicated": ("attention", 6, 3, {}),  # sp=2 does not divide 3 KV heads: 6 copies
-    "attention_rope_outnorm_mha": ("attention", 4, 4, {"attn_rope": True, "attn_output_norm": True}),
+    # sp=2 does not divide 3 KV heads: 6 copies
+    "attention_kv3_replicated": ("attention", 6, 3, {}),
+    "attention_rope_outnorm_mha": ("attention", 4, 4,
+                                   {"attn_rope": True, "attn_output_norm": True}),
     "lightning_mha": ("lightning", 4, 2, {}),
     "lightning_gqa_kept_kv1": ("lightning", 4, 1, {"rnn_gqa_to_mha": False}),
 }
@@ -110,7 +115,8 @@ def _mixer_scenarios(sp) -> dict:
     for i, (name, (kind, heads, kv, over)) in enumerate(MIXER_CASES.items()):
         mixer = build_mixer(kind, heads, kv, seed=100 + i, **over)
         for j, (lname, layout) in enumerate(LAYOUTS.items()):
-            res[f"{name}/{lname}"] = golden(sp, mixer, mixer_forward, layout, seed=10 * i + j, inject=set_mixer_sp)
+            res[f"{name}/{lname}"] = golden(sp, mixer, mixer_forward, layout, seed=10 * i + j,
+                                            inject=set_mixer_sp)
     return res
 
 
@@ -166,12 +172,14 @@ CHILD_ENV = {"HALO_TEST_SKIP_FLA": "1"}
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(_two_rank_scenarios, world_size=2, timeout=150, collective_timeout=60, env=CHILD_ENV)
+    return run_distributed(_two_rank_scenarios, world_size=2, timeout=150, collective_timeout=60,
+                           env=CHILD_ENV)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_four_rank_scenarios, world_size=4, timeout=150, collective_timeout=60, env=CHILD_ENV)
+    return run_distributed(_four_rank_scenarios, world_size=4, timeout=150, collective_timeout=60,
+                           env=CHILD_ENV)
 
 
 def _assert_golden(results: list[dict], case: str) -> None:
@@ -207,7 +215,8 @@ def test_sp4_hypenet_matches_single_process(four_ranks, case):
 @pytest.mark.slow
 def test_indivisible_heads_fail_before_any_communication(two_ranks):
     err = two_ranks[0]["errors"]
-    assert "size 2" in err["apply"] and "3 query heads" in err["apply"] and "1 KV heads" in err["apply"]
+    assert ("size 2" in err["apply"] and "3 query heads" in err["apply"]
+            and "1 KV heads" in err["apply"])
     for layer in (1, 2):  # both attention layers are named, and so are the Lightning ones
         assert f"layer {layer} (HypeNetAttention)" in err["apply"]
     assert "layer 0 (LightningMixer)" in err["apply"]
@@ -216,7 +225,7 @@ def test_indivisible_heads_fail_before_any_communication(two_ranks):
     assert [r["errors"]["in_step"] for r in two_ranks] == [3.0, 3.0]
 
 
-# --- no processes -----------------------------------------------------------------------------------
+# --- no processes ---------------------------------------------------------------------------------
 
 class _NoCommSP:
     """An SP stand-in of size 2 whose collectives must never be reached."""
@@ -229,8 +238,9 @@ class _NoCommSP:
     head_to_seq = seq_to_head
 
 
-@pytest.mark.parametrize("heads,kv,sp", [(4, 4, 2), (4, 2, 2), (4, 1, 2), (6, 3, 2), (8, 2, 4), (8, 1, 4),
-                                         (12, 4, 6), (16, 8, 8), (32, 8, 16), (16, 8, 1)])
+@pytest.mark.parametrize("heads,kv,sp",
+                         [(4, 4, 2), (4, 2, 2), (4, 1, 2), (6, 3, 2), (8, 2, 4), (8, 1, 4),
+                          (12, 4, 6), (16, 8, 8), (32, 8, 16), (16, 8, 1)])
 def test_model_and_parallel_kv_replication_rules_agree(heads, kv, sp):
     """apply_sequence_parallel validates with the parallel package's rule; the mixer replicates with
     the model file's own copy (it is exported standalone). They must agree."""
@@ -245,13 +255,15 @@ def test_apply_and_remove_inject_into_every_mixer():
     remove_sequence_parallel(model)
     assert all(layer.mixer.sp is None for layer in model.model.layers)
     apply_sequence_parallel(model, sp)
-    apply_sequence_parallel(model, SequenceParallel(None))  # size 1 = no SP (keeps cache / padding paths)
+    # size 1 = no SP (keeps cache / padding paths)
+    apply_sequence_parallel(model, SequenceParallel(None))
     assert all(layer.mixer.sp is None for layer in model.model.layers)
 
 
 def test_indivisible_heads_raise_without_communication():
     model = build_model(heads=6, kv_heads=2)
-    expected = r"layer 1 \(HypeNetAttention\): sp_size=4 does not divide its 6 query heads \(2 KV heads\)"
+    expected = (r"layer 1 \(HypeNetAttention\): sp_size=4 does not divide its 6 query heads "
+                r"\(2 KV heads\)")
     with pytest.raises(SequenceParallelError, match=expected):
         apply_sequence_parallel(model, type("SP4", (_NoCommSP,), {"world_size": 4})())
     assert all(layer.mixer.sp is None for layer in model.model.layers)
@@ -263,8 +275,9 @@ def test_indivisible_heads_raise_without_communication():
 
 
 def test_apply_sp_is_each_mixers_one_entry_point():
-    """apply_sp validates the heads when it injects, None or a group of one removes SP, and the SP forward
-    refuses a decoding cache (each rank would hold a slice of the prompt) before any communication."""
+    """apply_sp validates the heads when it injects, None or a group of one removes SP, and the SP
+    forward refuses a decoding cache (each rank would hold a slice of the prompt) before any
+    communication."""
     model = build_model(heads=4, kv_heads=2)
     for layer in model.model.layers:
         mixer = layer.mixer
@@ -286,5 +299,6 @@ def test_apply_sp_is_each_mixers_one_entry_point():
 def test_mixer_without_sp_support_is_named():
     model = build_model(heads=4, kv_heads=2)
     model.model.layers[3].mixer = torch.nn.Linear(2, 2)
-    with pytest.raises(SequenceParallelError, match=r"\(Linear\) has no sequence-parallel implementation"):
+    with pytest.raises(SequenceParallelError,
+                       match=r"\(Linear\) has no sequence-parallel implementation"):
         apply_sequence_parallel(model, _NoCommSP())

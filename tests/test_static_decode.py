@@ -1,6 +1,7 @@
-"""The static (CUDA-graph) decode step: the split-KV attention contract and token-by-token equality with
-the dynamic cache. On CPU the static step runs eagerly through the torch reference; on CUDA the Triton
-kernel and the graph replay are compared with the same references (the CUDA tests run on the device)."""
+"""The static (CUDA-graph) decode step: the split-KV attention contract and token-by-token equality
+with the dynamic cache. On CPU the static step runs eagerly through the torch reference; on CUDA the
+Triton kernel and the graph replay are compared with the same references (the CUDA tests run on the
+device)."""
 
 import copy
 import os
@@ -29,8 +30,9 @@ except Exception:  # pragma: no cover
 
 def tiny(mixers, **kw) -> HypeNetForCausalLM:
     torch.manual_seed(0)
-    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=len(mixers),
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mixer_types=list(mixers), **kw)
+    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=len(mixers), num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, mixer_types=list(mixers), **kw)
     return HypeNetForCausalLM(cfg).double().eval()
 
 
@@ -47,7 +49,8 @@ def test_decode_attention_reference_equals_sdpa_over_the_valid_prefix(H, Hkv):
     torch.manual_seed(1)
     B, room, D, valid = 2, 37, 16, 23
     q = torch.randn(B, 1, H, D, dtype=torch.float64)
-    k, v = torch.randn(B, room, Hkv, D, dtype=torch.float64), torch.randn(B, room, Hkv, D, dtype=torch.float64)
+    k, v = (torch.randn(B, room, Hkv, D, dtype=torch.float64),
+            torch.randn(B, room, Hkv, D, dtype=torch.float64))
     k[:, valid:] = 1e3  # garbage past the valid length must not leak in, NaN bit patterns included
     v[:, valid:] = float("nan")
     got = decode_attention_torch(q, k, v, torch.tensor([valid]), 0.25)
@@ -57,7 +60,8 @@ def test_decode_attention_reference_equals_sdpa_over_the_valid_prefix(H, Hkv):
 
 def test_split_plan_covers_the_buffer_in_block_multiples():
     for room in (1, 63, 64, 65, 4097, 524_300):
-        splits, split_len = split_plan(room, batch=1, kv_heads=8, block_n=64, device=torch.device("cpu"))
+        splits, split_len = split_plan(room, batch=1, kv_heads=8, block_n=64,
+                                       device=torch.device("cpu"))
         assert split_len % 64 == 0 and splits * split_len >= room > (splits - 1) * split_len
 
 
@@ -65,8 +69,10 @@ def test_split_plan_covers_the_buffer_in_block_multiples():
 @pytest.mark.parametrize("mixers,kw", [
     (("attention",) * 3, dict(attn_rope=True, attn_logits_scale_base=None)),  # the teacher shape
     (("attention", "lightning", "attention", "lightning"), dict(attn_output_gate=True)),  # HypeNet
-    (("lightning", "gdn", "attention", "gla", "mamba2", "rwkv7"), {}),  # every RNN mixer's state update
-    # biases on q/k/v only (packed with zeros for the gate), GQA kept in the RNN layers (k/v narrower than q)
+    # every RNN mixer's state update
+    (("lightning", "gdn", "attention", "gla", "mamba2", "rwkv7"), {}),
+    # biases on q/k/v only (packed with zeros for the gate), GQA kept in the RNN layers (k/v
+    # narrower than q)
     (("attention", "lightning"), dict(qkv_bias=True, attn_output_gate=True, rnn_gqa_to_mha=False)),
 ])
 def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw, pack):
@@ -91,7 +97,8 @@ def test_packed_linears_equal_the_separate_linears():
     from halo_dist.models.hypenet.layers_hypenet import PackedLinears
 
     torch.manual_seed(0)
-    linears = [torch.nn.Linear(8, 5, bias=True), torch.nn.Linear(8, 3, bias=False), torch.nn.Linear(8, 6)]
+    linears = [torch.nn.Linear(8, 5, bias=True), torch.nn.Linear(8, 3, bias=False),
+               torch.nn.Linear(8, 6)]
     x = torch.randn(2, 4, 8, dtype=torch.float64)
     linears = [lin.double() for lin in linears]
     packed = PackedLinears(linears)
@@ -101,8 +108,9 @@ def test_packed_linears_equal_the_separate_linears():
 
 
 def test_compiled_static_step_equals_eager_and_compiles_once():
-    """compile=True (Inductor fuses the step before capture on CUDA): same logits as the eager static step, one
-    compilation for every step (a guard on a per-token host value would recompile per token)."""
+    """compile=True (Inductor fuses the step before capture on CUDA): same logits as the eager
+    static step, one compilation for every step (a guard on a per-token host value would recompile
+    per token)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -134,11 +142,14 @@ def test_static_greedy_equals_generate():
 
 
 @pytest.mark.parametrize("mixers,kw", [
-    (("attention", "lightning", "attention", "gdn"), dict(attn_output_gate=True)),  # NoPE + logits scaling
-    (("attention",) * 2, dict(attn_rope=True, attn_logits_scale_base=None)),  # RoPE: positions must skip pads
+    # NoPE + logits scaling
+    (("attention", "lightning", "attention", "gdn"), dict(attn_output_gate=True)),
+    # RoPE: positions must skip pads
+    (("attention",) * 2, dict(attn_rope=True, attn_logits_scale_base=None)),
 ])
 def test_static_generate_with_left_padding_equals_dynamic(mixers, kw):
-    """Left-padded rows (OPD rollouts): per-row key start and positions; greedy and sampled tokens agree."""
+    """Left-padded rows (OPD rollouts): per-row key start and positions; greedy and sampled tokens
+    agree."""
     model = tiny(mixers, **kw)
     ids = torch.randint(1, 97, (3, 10))
     mask = torch.ones(3, 10, dtype=torch.long)
@@ -149,24 +160,28 @@ def test_static_generate_with_left_padding_equals_dynamic(mixers, kw):
         torch.manual_seed(7)
         want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample)
         torch.manual_seed(7)
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample, cache_implementation="static")
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=sample,
+                             cache_implementation="static")
         assert torch.equal(got, want)
     # and a padded row generates what it would alone
-    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=7, cache_implementation="static")
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=7,
+                            cache_implementation="static")
     alone = model.generate(ids[1:2, 4:], max_new_tokens=7, cache_implementation="static")
     assert torch.equal(alone[0, 6:], greedy[1, 10:])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
-    """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 runs it with numpy (fp32; the interpreter has no
-    bf16). Several splits per row, empty splits, GQA groups, per-row left padding, 1..all valid keys."""
+    """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 runs it with numpy (fp32; the interpreter
+    has no bf16). Several splits per row, empty splits, GQA groups, per-row left padding, 1..all
+    valid keys."""
     script = textwrap.dedent("""
         import sys
         import torch
         import triton
         import triton.language as tl
-        from halo_dist.models.hypenet.decode_attention import decode_attention_torch, decode_attention_triton
+        from halo_dist.models.hypenet.decode_attention import (decode_attention_torch,
+                                                               decode_attention_triton)
 
         @triton.jit
         def _loop_over_program_id(Out):  # the interpreter itself: a loop bounded by a runtime value
@@ -193,27 +208,32 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
         print("worst", worst)
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    if "interpreter-broken" in out.stdout:  # not our kernel: the CUDA test covers it on such installs
-        pytest.skip(f"this triton's interpreter cannot run runtime-bounded loops: {out.stdout.strip()}")
+    # not our kernel: the CUDA test covers it on such installs
+    if "interpreter-broken" in out.stdout:
+        pytest.skip("this triton's interpreter cannot run runtime-bounded loops: "
+                    f"{out.stdout.strip()}")
     worst = float(out.stdout.split("worst")[-1])
     assert worst < 1e-5, out.stdout
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference():
-    """The in-place Lightning decode kernel on CPU (TRITON_INTERPRET=1, fp32): output and updated state equal
-    the torch reference for strided q/k/v (views of one packed projection), a value dim that is not a multiple
-    of the block, and three consecutive steps on the same buffer."""
+    """The in-place Lightning decode kernel on CPU (TRITON_INTERPRET=1, fp32): output and updated
+    state equal the torch reference for strided q/k/v (views of one packed projection), a value dim
+    that is not a multiple of the block, and three consecutive steps on the same buffer."""
     script = textwrap.dedent("""
         import torch
-        from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch, lightning_decode_triton
+        from halo_dist.models.hypenet.decode_lightning import (lightning_decode_torch,
+                                                               lightning_decode_triton)
 
         torch.manual_seed(0)
         worst = 0.0
         for B, H, K, V in ((1, 4, 16, 16), (3, 2, 32, 48)):
-            qkv = torch.randn(B, 1, H * (2 * K + V) + 5)  # packed outputs: q, k, v are strided views
+            # packed outputs: q, k, v are strided views
+            qkv = torch.randn(B, 1, H * (2 * K + V) + 5)
             q = qkv[..., :H * K].view(B, 1, H, K)
             k = qkv[..., H * K:2 * H * K].view(B, 1, H, K)
             v = qkv[..., 2 * H * K:2 * H * K + H * V].view(B, 1, H, V)
@@ -228,7 +248,8 @@ def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference(
         print("worst", worst)
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     worst = float(out.stdout.split("worst")[-1])
     assert worst < 1e-5, out.stdout
@@ -243,7 +264,8 @@ def test_lightning_decode_reference_updates_the_state_in_place():
     q, k, v = (torch.randn(B, 1, H, K, dtype=torch.float64) for _ in range(3))
     log_decay = -torch.rand(H, dtype=torch.float64)
     state = torch.randn(B, H, K, V, dtype=torch.float64)
-    want_o, want_state = lightning_recurrent_torch(q, k, v, log_decay[None, None].expand(B, 1, H), 0.5, state)
+    want_o, want_state = lightning_recurrent_torch(q, k, v, log_decay[None, None].expand(B, 1, H),
+                                                   0.5, state)
     buffer = state.clone()
     got_o = lightning_decode_torch(q, k, v, log_decay, 0.5, buffer)
     torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-12)
@@ -266,12 +288,14 @@ def test_static_decode_refuses_what_it_cannot_do():
         StaticDecoder(model, cache, attention_mask=right)
     with pytest.raises(ValueError, match="covers 5 tokens"):
         StaticDecoder(model, cache, attention_mask=mask[:, 1:])
-    cache.layers[0] = (cache.layers[0][0][:, 1:], cache.layers[0][1][:, 1:])  # (what a reorder could leave)
+    # (what a reorder could leave)
+    cache.layers[0] = (cache.layers[0][0][:, 1:], cache.layers[0][1][:, 1:])
     with pytest.raises(ValueError, match="all prompt keys"):
         StaticDecoder(model, cache, attention_mask=mask)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA: Triton split-KV kernel and graph replay (run on the device)")
+@pytest.mark.skipif(not CUDA,
+                    reason="CUDA: Triton split-KV kernel and graph replay (run on the device)")
 def test_triton_split_kv_and_graph_match_the_references_on_cuda():
     from halo_dist.models.hypenet.decode_attention import decode_attention_triton
 
@@ -284,16 +308,20 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
         got = decode_attention_triton(q, k, v, length, 128**-0.5).float()
         want = decode_attention_torch(q, k, v, length, 128**-0.5).float()
         assert (got - want).norm() / want.norm() < 1e-2
-    q2, k2, v2 = q.expand(2, -1, -1, -1).contiguous(), k[:1, :9000].expand(2, -1, -1, -1), v[:1, :9000].expand(2, -1, -1, -1)
-    start, length = torch.tensor([0, 4321], device="cuda"), torch.tensor([9000], device="cuda")  # left padding
+    q2, k2, v2 = (q.expand(2, -1, -1, -1).contiguous(), k[:1, :9000].expand(2, -1, -1, -1),
+                  v[:1, :9000].expand(2, -1, -1, -1))
+    # left padding
+    start, length = torch.tensor([0, 4321], device="cuda"), torch.tensor([9000], device="cuda")
     got = decode_attention_triton(q2, k2, v2, length, 128**-0.5, start).float()
     want = decode_attention_torch(q2, k2, v2, length, 128**-0.5, start).float()
     assert (got - want).norm() / want.norm() < 1e-2
-    # past 2^31 elements of offset (2.1M tokens x 8 heads x 128): 64-bit addressing; the last keys matter
+    # past 2^31 elements of offset (2.1M tokens x 8 heads x 128): 64-bit addressing; the last keys
+    # matter
     k = torch.zeros(1, 2_200_000, 8, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.zeros_like(k)
     k[:, -5:], v[:, -5:] = 4.0, 1.0  # only the last 5 keys score high, and only they carry values
-    got = decode_attention_triton(q.abs(), k, v, torch.tensor([2_200_000], device="cuda"), 128**-0.5)
+    got = decode_attention_triton(q.abs(), k, v, torch.tensor([2_200_000], device="cuda"),
+                                  128**-0.5)
     assert got.float().mean() > 0.9
     del k, v
     model = tiny(("attention", "lightning", "attention", "lightning")).float().cuda()
@@ -308,21 +336,27 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
         got = dec.step(first).clone()
         want = model(first[:, None], cache=dynamic, use_cache=True).logits[:, -1]
     assert (got - want).norm() / want.norm() < 1e-3
-    ids, mask = torch.randint(1, 97, (2, 20), device="cuda"), torch.ones(2, 20, dtype=torch.long, device="cuda")
-    mask[1, :7] = 0  # left-padded rollouts through the graph: same greedy tokens as the dynamic loop
-    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, cache_implementation="static"),
+    ids, mask = torch.randint(1, 97, (2, 20), device="cuda"), torch.ones(2, 20, dtype=torch.long,
+                                                                         device="cuda")
+    # left-padded rollouts through the graph: same greedy tokens as the dynamic loop
+    mask[1, :7] = 0
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12,
+                                      cache_implementation="static"),
                        model.generate(ids, attention_mask=mask, max_new_tokens=12))
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
 def test_lightning_decode_kernel_matches_the_reference_on_cuda():
-    """bf16 q/k/v, fp32 state, the 2B shape's heads, batch 1 and 256 (the graph step through it is compared
-    with the dynamic cache in test_triton_split_kv_and_graph_match_the_references_on_cuda)."""
-    from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch, lightning_decode_triton
+    """bf16 q/k/v, fp32 state, the 2B shape's heads, batch 1 and 256 (the graph step through it is
+    compared with the dynamic cache in
+    test_triton_split_kv_and_graph_match_the_references_on_cuda)."""
+    from halo_dist.models.hypenet.decode_lightning import (lightning_decode_torch,
+                                                           lightning_decode_triton)
 
     torch.manual_seed(0)
     for B in (1, 256):
-        q, k, v = (torch.randn(B, 1, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(B, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
         log_decay = -torch.rand(16, device="cuda")
         s_got = torch.randn(B, 16, 128, 128, device="cuda")
         s_want = s_got.clone()

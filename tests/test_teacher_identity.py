@@ -1,5 +1,5 @@
-"""Teacher file digests: computed once, reused while a file's size and mtime are unchanged, recomputed
-when it changes; the comparison names what changed."""
+"""Teacher file digests: computed once, reused while a file's size and mtime are unchanged,
+recomputed when it changes; the comparison names what changed."""
 
 import os
 
@@ -27,7 +27,8 @@ def test_digests_are_cached_by_stat_and_recomputed_when_a_file_changes(tmp_path,
     (folder / "model.safetensors").write_bytes(b"b" * 1000)  # same size, new content and mtime
     os.utime(folder / "model.safetensors", ns=(1, 1))
     second = teacher_digests(folder, cache)
-    assert second["config.json"] == first["config.json"] and second["model.safetensors"] != first["model.safetensors"]
+    assert (second["config.json"] == first["config.json"]
+            and second["model.safetensors"] != first["model.safetensors"])
     with pytest.raises(ConfigError, match="model.safetensors") as e:
         check_same_teacher(first, second, tmp_path / "step-00000002")
     assert "config.json" not in str(e.value)

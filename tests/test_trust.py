@@ -1,6 +1,7 @@
-"""Remote code runs only where the user asked for it: folders halo_dist exported are recognised by the
-content of their files; any other folder that carries code (a .py, an auto_map) is refused without
---trust-remote-code, before transformers could import it; an export never carries foreign code."""
+"""Remote code runs only where the user asked for it: folders halo_dist exported are recognised by
+the content of their files; any other folder that carries code (a .py, an auto_map) is refused
+without --trust-remote-code, before transformers could import it; an export never carries foreign
+code."""
 
 import json
 import shutil
@@ -22,13 +23,16 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     folder = tmp_path_factory.mktemp("trust") / "hypenet"
-    export_hypenet(convert_model(tiny_qwen3(vocab=BYTE_VOCAB), [0]), folder, tokenizer=byte_tokenizer())
+    export_hypenet(convert_model(tiny_qwen3(vocab=BYTE_VOCAB), [0]), folder,
+                   tokenizer=byte_tokenizer())
     return folder
 
 
 def _planted(folder: Path, marker: Path) -> Path:
-    """A tokenizer whose auto_map points at its own module, which would leave ``marker`` when imported."""
-    (folder / "evil_tokenizer.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    """A tokenizer whose auto_map points at its own module, which would leave ``marker`` when
+    imported."""
+    (folder / "evil_tokenizer.py").write_text("import pathlib\n"
+                                              f"pathlib.Path({str(marker)!r}).write_text('ran')\n")
     config = folder / "tokenizer_config.json"
     data = json.loads(config.read_text()) if config.exists() else {}
     data["auto_map"] = {"AutoTokenizer": ["evil_tokenizer.EvilTokenizer", None]}
@@ -50,9 +54,11 @@ def test_our_export_is_trusted_by_content_and_a_changed_file_is_not(export, tmp_
 
 def test_a_plain_folder_needs_no_trust_and_a_planted_one_is_refused(smollm2_dir, tmp_path):
     assert carried_code(smollm2_dir) == [] and trust_for(smollm2_dir) is False
-    assert trust_for("Qwen/Qwen3-1.7B") is False  # a hub id: transformers' own default (no remote code)
+    # a hub id: transformers' own default (no remote code)
+    assert trust_for("Qwen/Qwen3-1.7B") is False
     planted = _planted(Path(shutil.copytree(smollm2_dir, tmp_path / "teacher")), tmp_path / "RAN")
-    with pytest.raises(UntrustedCodeError, match="evil_tokenizer.py, tokenizer_config.json auto_map"):
+    with pytest.raises(UntrustedCodeError,
+                       match="evil_tokenizer.py, tokenizer_config.json auto_map"):
         trust_for(planted)
 
 
@@ -60,11 +66,12 @@ def test_commands_refuse_a_planted_folder_before_running_its_code(smollm2_dir, t
     marker = tmp_path / "RAN"
     planted = _planted(Path(shutil.copytree(smollm2_dir, tmp_path / "teacher")), marker)
     for cmd in (["generate", "--model", str(planted), "--prompt", "Hi", "--max-new-tokens", "1"],
-                ["eval-suite", "--model", str(planted), "--output-dir", str(tmp_path / "out"), "--niah-lengths", "96",
-                 "--csr-tasks", ""]):
-        res = subprocess.run([sys.executable, "-m", "halo_dist.cli", *cmd], capture_output=True, text=True, cwd=REPO,
-                             timeout=300)
-        assert res.returncode == 2 and "carries code that halo_dist did not write" in res.stderr, res.stderr[-1500:]
+                ["eval-suite", "--model", str(planted), "--output-dir", str(tmp_path / "out"),
+                 "--niah-lengths", "96", "--csr-tasks", ""]):
+        res = subprocess.run([sys.executable, "-m", "halo_dist.cli", *cmd], capture_output=True,
+                             text=True, cwd=REPO, timeout=300)
+        assert (res.returncode == 2
+                and "carries code that halo_dist did not write" in res.stderr), res.stderr[-1500:]
         assert "--trust-remote-code" in res.stderr and "Traceback" not in res.stderr
     assert not marker.exists()
 

@@ -1,5 +1,6 @@
-"""The Ulysses golden comparison: ``attention`` (single-process causal GQA attention), ``sp_attention`` (its
-Ulysses form), ``max_err`` and ``attention_golden`` (Ulysses vs full attention, outputs and input gradients)."""
+"""The Ulysses golden comparison: ``attention`` (single-process causal GQA attention),
+``sp_attention`` (its Ulysses form), ``max_err`` and ``attention_golden`` (Ulysses vs full
+attention, outputs and input gradients)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def attention_golden(sp: SequenceParallel, num_heads: int, num_kv_heads: int, se
                      batch: int = 2, seq_len: int = 8, head_dim: int = 4) -> dict[str, float]:
     """Max |error| of Ulysses vs full attention: output and input gradients (q, k, v)."""
     gen = torch.Generator().manual_seed(seed)  # same full tensors on every rank of the SP group
-    shapes = [(batch, seq_len, h, head_dim) for h in (num_heads, num_kv_heads, num_kv_heads, num_heads)]
+    shapes = [(batch, seq_len, h, head_dim) for h in (num_heads, num_kv_heads, num_kv_heads,
+                                                      num_heads)]
     q, k, v, w = (torch.randn(s, generator=gen, dtype=F64) for s in shapes)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = attention(*full)
