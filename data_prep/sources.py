@@ -1,4 +1,5 @@
-"""Document sources for ``data_prep.tokenize``: local files, a Hugging Face dataset, offline Wikipedia.
+"""Document sources for ``data_prep.tokenize``: local files, a Hugging Face dataset, offline
+Wikipedia.
 
 Each source is described by a JSON-able spec (stored in the manifest, so a re-run can tell whether
 it reads the same input) and iterated as plain document texts in a fixed order.
@@ -27,7 +28,8 @@ def file_spec(patterns: list[str], text_field: str = "text", txt_doc: str = "fil
             if not os.path.isfile(h):
                 raise DataError("input file not found", h)
             if not h.endswith(FILE_SUFFIXES):
-                raise DataError(f"unsupported input type (use one of {', '.join(FILE_SUFFIXES)})", h)
+                raise DataError(f"unsupported input type (use one of {', '.join(FILE_SUFFIXES)})",
+                                h)
             files.append({"path": os.path.abspath(h), "bytes": os.path.getsize(h)})
     if not files:
         raise DataError("no input files")
@@ -35,7 +37,8 @@ def file_spec(patterns: list[str], text_field: str = "text", txt_doc: str = "fil
 
 
 def hf_spec(name: str, config: str | None, split: str, text_field: str = "text") -> dict:
-    """Spec of a (streamed) Hugging Face dataset, e.g. ``HuggingFaceFW/fineweb-edu``, ``sample-10BT``."""
+    """Spec of a (streamed) Hugging Face dataset, e.g. ``HuggingFaceFW/fineweb-edu``,
+    ``sample-10BT``."""
     return {"kind": "hf", "name": name, "config": config, "split": split, "text_field": text_field}
 
 
@@ -81,7 +84,8 @@ def file_labels(spec: dict) -> list[str]:
 
 
 def _open_text(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+    return (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz")
+            else open(path, encoding="utf-8"))
 
 
 def _field(rec, field: str, path: str, where: str):
@@ -128,7 +132,8 @@ def _iter_json(path: str, field: str) -> Iterator[str | None]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"invalid JSON on line {lineno} ({e.msg})", path, f"line {lineno}") from None
+                raise DataError(f"invalid JSON on line {lineno} ({e.msg})", path,
+                                f"line {lineno}") from None
             yield _field(rec, field, path, f"line {lineno}")
 
 
@@ -140,7 +145,8 @@ def _iter_parquet(path: str, field: str) -> Iterator[str | None]:
     except Exception as e:  # pyarrow raises several types for bad files
         raise DataError(f"cannot read parquet ({e})", path) from None
     if field not in pf.schema_arrow.names:
-        raise DataError(f"parquet has no column '{field}' (has {pf.schema_arrow.names})", path, field)
+        raise DataError(f"parquet has no column '{field}' (has {pf.schema_arrow.names})", path,
+                        field)
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
         yield from batch.column(0).to_pylist()
 

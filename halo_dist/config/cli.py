@@ -39,8 +39,8 @@ def parse_run_args(argv: Optional[Sequence[str]] = None, description: Optional[s
 
     ``extra_args(parser)`` may add launcher-specific flags (e.g. pretrain's ``--check``).
     """
-    parser = add_config_args(argparse.ArgumentParser(prog=prog, description=description,
-                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = add_config_args(argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter))
     if extra_args is not None:
         extra_args(parser)
     args = parser.parse_args(argv)

@@ -275,7 +275,8 @@ def suggest(bad_key: str, known: list[str]) -> str | None:
 
 
 def moved_to(key: str, moved: Mapping[str, str]) -> str | None:
-    """Where ``key`` belongs when it, or a section above it, is in ``moved`` (old dotted key -> new)."""
+    """Where ``key`` belongs when it, or a section above it, is in ``moved`` (old dotted key ->
+    new)."""
     for old, new in moved.items():
         if key == old or key.startswith(old + "."):
             return new + key[len(old):]
@@ -283,9 +284,9 @@ def moved_to(key: str, moved: Mapping[str, str]) -> str | None:
 
 
 def with_suggestions(err: ConfigError, root: type) -> ConfigError:
-    """Add "did you mean" hints to the unknown-key problems of ``err``; a key that ``root.MOVED_KEYS``
-    places in another section is answered with its place there, one in ``root.REMOVED_KEYS`` with what
-    to do instead."""
+    """Add "did you mean" hints to the unknown-key problems of ``err``; a key that
+    ``root.MOVED_KEYS`` places in another section is answered with its place there, one in
+    ``root.REMOVED_KEYS`` with what to do instead."""
     known = dotted_paths(root)
     moved = getattr(root, "MOVED_KEYS", {})
     removed = getattr(root, "REMOVED_KEYS", {})

@@ -53,7 +53,8 @@ def _drop_comments(data: Any) -> Any:
 
 def deepspeed_config(cfg: RunConfig, layout: BatchLayout,
                      overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Owned keys from ``cfg`` with ``overrides`` (default: ``parallel.deepspeed_config``) merged."""
+    """Owned keys from ``cfg`` with ``overrides`` (default: ``parallel.deepspeed_config``)
+    merged."""
     if overrides is None:
         path = cfg.parallel.deepspeed_config
         overrides = read_deepspeed_json(path) if path else {}

@@ -46,7 +46,8 @@ def load_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]
 
 def _load_tree_and_origins(path: str | Path,
                            _chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], dict[str, Path]]:
-    """``load_tree`` plus, for every dotted key, the file whose value won (errors name that file)."""
+    """``load_tree`` plus, for every dotted key, the file whose value won (errors name that
+    file)."""
     path = Path(path).resolve()
     if path in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path))
@@ -79,8 +80,9 @@ def _dotted_keys(tree: Mapping, prefix: str = "") -> list[str]:
 
 def _name_base_files(err: ConfigError, origins: Mapping[str, Path], top: Path,
                      overridden: Iterable[str] = ()) -> ConfigError:
-    """``err`` with each problem that comes from a ``base`` file (not ``top``, not an override) naming it:
-    a typo three files down is otherwise reported as if it were in the file the user gave."""
+    """``err`` with each problem that comes from a ``base`` file (not ``top``, not an override)
+    naming it: a typo three files down is otherwise reported as if it were in the file the user
+    gave."""
     overridden = tuple(overridden)
     problems = []
     for key, message in err.problems:
@@ -93,7 +95,8 @@ def _name_base_files(err: ConfigError, origins: Mapping[str, Path], top: Path,
 
 
 def _shown(path: Path) -> str:
-    """``path`` relative to the working directory when it is under it (as users type config paths)."""
+    """``path`` relative to the working directory when it is under it (as users type config
+    paths)."""
     try:
         return str(path.relative_to(Path.cwd()))
     except ValueError:

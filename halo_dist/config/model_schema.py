@@ -1,8 +1,9 @@
 """The ``model:`` section: teacher, student initialisation and the HypeNet switches.
 
 Stage ``pretrain`` has no teacher; its variant and shape are the ``pretrain:`` section
-(halo_dist/config/pretrain_schema.py). It reads the HypeNet switches here that the distilled students
-read too (``pe``, ``rnn_mixer``, ``attn_layers``, logits scaling, output gate/norm, ``dtype``, ...)."""
+(halo_dist/config/pretrain_schema.py). It reads the HypeNet switches here that the distilled
+students read too (``pe``, ``rnn_mixer``, ``attn_layers``, logits scaling, output gate/norm,
+``dtype``, ...)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class RandomTeacherConfig(Section):
     """A randomly initialised teacher (CPU tests, GPU benchmarks of the real shapes).
 
     Field names are Hugging Face ``Qwen3Config`` / ``LlamaConfig`` names so a builder can pass them
-    through. ``architecture`` picks the family: Qwen3 (QK-norm in attention) or Llama (none, as SmolLM2),
-    so a benchmark or warm-up runs, and compiles, the same layers as the real teacher.
+    through. ``architecture`` picks the family: Qwen3 (QK-norm in attention) or Llama (none, as
+    SmolLM2), so a benchmark or warm-up runs, and compiles, the same layers as the real teacher.
     """
 
     architecture: Literal["qwen3", "llama"] = "qwen3"
@@ -52,10 +53,11 @@ class RandomTeacherConfig(Section):
 class ModelConfig(Section):
     """Teacher, student initialisation and HypeNet hyperparameters."""
 
-    teacher: Optional[str] = None  # HF hub id or local folder; "random" uses random_teacher; none for pretrain
+    # HF hub id or local folder; "random" uses random_teacher; none for pretrain
+    teacher: Optional[str] = None
     random_teacher: Optional[RandomTeacherConfig] = None  # shape of a random teacher
-    # run code that a teacher/student folder carries (auto_map, .py); folders halo_dist exported are trusted
-    # without it (halo_dist.models.trust)
+    # run code that a teacher/student folder carries (auto_map, .py); folders halo_dist exported are
+    # trusted without it (halo_dist.models.trust)
     trust_remote_code: bool = False
     num_layers: Optional[int] = None  # teacher depth, when known, to range-check attn_layers
     attn_layers: list[int] = field(default_factory=list)  # 0-based layers kept as softmax attention
@@ -63,18 +65,22 @@ class ModelConfig(Section):
     stage1_weights: Optional[str] = None  # stage-1 output (aligned RNN layers) that stage 2 reads
     rnn_mixer: Literal["lightning", "gdn", "gla", "rwkv7", "mamba2"] = "lightning"
     logits_scaling_a: Optional[float] = None  # a of s_t = log_a(t + a); null disables
-    logits_scaling_in_training: bool = True  # also scale in training (the public reference code scales at inference only)
+    # also scale in training (the public reference code scales at inference only)
+    logits_scaling_in_training: bool = True
     attn_output_gate: bool = True  # sigmoid gate on attention output, initialised as identity
     attn_output_norm: bool = False  # appendix RMSNorm on attention output; changes the teacher fn
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # float32 for CPU tests
     activation_checkpointing: bool = True  # applied in model code (DeepSpeed's json block is inert)
-    compile: Literal["none", "mlp", "layer"] = "none"  # torch.compile per decoder layer (student + teacher)
-    # HypeNet position encoding, null = hype: RoPE in the RNN layers, NoPE in the attention layers (HyPE) |
-    # all_rope (attention keeps the teacher's RoPE: the HyPE ablation) | all_nope | attn_rope_rnn_nope.
-    # Read by stage pretrain (pretrain.arch=hypenet) and by the students converted from the teacher (stages 1, 2, OPD;
-    # stage 2 refuses stage-1 weights aligned with another RNN RoPE). An all_rope run normally sets
-    # logits_scaling_a null (when set, it still scales the attention logits). A student loaded from
-    # student_init (stage 3, OPD) keeps its folder's encoding: pe must then be null or the folder's.
+    # torch.compile per decoder layer (student + teacher)
+    compile: Literal["none", "mlp", "layer"] = "none"
+    # HypeNet position encoding, null = hype: RoPE in the RNN layers, NoPE in the attention layers
+    # (HyPE) | all_rope (attention keeps the teacher's RoPE: the HyPE ablation) | all_nope |
+    # attn_rope_rnn_nope.
+    # Read by stage pretrain (pretrain.arch=hypenet) and by the students converted from the teacher
+    # (stages 1, 2, OPD; stage 2 refuses stage-1 weights aligned with another RNN RoPE). An all_rope
+    # run normally sets logits_scaling_a null (when set, it still scales the attention logits). A
+    # student loaded from student_init (stage 3, OPD) keeps its folder's encoding: pe must then be
+    # null or the folder's.
     pe: Optional[PositionEncoding] = None
 
     def validate(self) -> None:
@@ -96,7 +102,8 @@ class ModelConfig(Section):
 
     @property
     def depth(self) -> Optional[int]:
-        """Teacher layer count if this section knows it (stage pretrain's depth is pretrain.model's)."""
+        """Teacher layer count if this section knows it (stage pretrain's depth is
+        pretrain.model's)."""
         if self.random_teacher is not None:
             return self.random_teacher.num_hidden_layers
         return self.num_layers

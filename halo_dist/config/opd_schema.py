@@ -1,4 +1,5 @@
-"""The ``opd:`` section of on-policy distillation: rollouts, the horizon curriculum and the prompt sets."""
+"""The ``opd:`` section of on-policy distillation: rollouts, the horizon curriculum and the prompt
+sets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from .coerce import fail
 from .section import Section, _non_negative, _positive
 
 PromptKind = Literal["wiki", "text_file", "jsonl", "niah", "synthetic"]
-# What a fixed-data step (opd.lmbda < 1) trains on after a prompt of each kind, instead of a rollout.
+# What a fixed-data step (opd.lmbda < 1) trains on after a prompt of each kind, instead of a
+# rollout.
 FIXED_CONTINUATION = {"wiki": "the rest of the document the prefix was cut from",
                       "text_file": "the rest of the document the prefix was cut from",
                       "jsonl": "the completion_field text", "niah": "the needle's value",
@@ -33,7 +35,8 @@ class PromptSetConfig(Section):
     kind: PromptKind
     path: Optional[str] = None  # text_file / jsonl source
     text_field: str = "prompt"  # jsonl: key holding the prompt text
-    completion_field: Optional[str] = None  # jsonl: key of the reference completion (fixed-data steps, opd.lmbda < 1)
+    # jsonl: key of the reference completion (fixed-data steps, opd.lmbda < 1)
+    completion_field: Optional[str] = None
     weight: float = 1.0  # relative sampling weight among the active sets
     prompt_tokens: tuple[int, int] = (64, 256)  # wiki/text_file/synthetic: prefix length range
     lengths: list[int] = field(default_factory=list)  # niah: prompt lengths in tokens
@@ -42,7 +45,8 @@ class PromptSetConfig(Section):
     min_horizon: int = 0  # switched in once the rollout horizon reaches this
     start_step: int = 0  # ... and the optimizer step reaches this
     stop_step: Optional[int] = None  # switched out at this step (harder data replaces it)
-    max_prompt_tokens: Optional[int] = None  # longer prompts are an error (default opd.max_seq_len - horizon)
+    # longer prompts are an error (default opd.max_seq_len - horizon)
+    max_prompt_tokens: Optional[int] = None
 
     def validate(self) -> None:
         if not self.name:
@@ -50,8 +54,8 @@ class PromptSetConfig(Section):
         if self.kind in ("text_file", "jsonl") and not self.path:
             fail("path", f"kind={self.kind} reads prompts from a file: set path")
         if self.completion_field is not None and self.kind != "jsonl":
-            fail("completion_field", f"only jsonl sets have one (a {self.kind} set's fixed continuation is "
-                 f"{FIXED_CONTINUATION[self.kind]})")
+            fail("completion_field", f"only jsonl sets have one (a {self.kind} set's fixed "
+                                     f"continuation is {FIXED_CONTINUATION[self.kind]})")
         if self.kind == "niah" and not self.lengths:
             fail("lengths", "kind=niah needs prompt lengths, e.g. [2048, 4096]")
         _positive("weight", self.weight)
@@ -63,7 +67,8 @@ class PromptSetConfig(Section):
         _positive("num_prompts", self.num_prompts)
         _non_negative("heldout", self.heldout)
         if self.heldout >= self.num_prompts:
-            fail("heldout", f"{self.heldout} leaves no training prompts of num_prompts={self.num_prompts}")
+            fail("heldout",
+                 f"{self.heldout} leaves no training prompts of num_prompts={self.num_prompts}")
         _non_negative("min_horizon", self.min_horizon)
         _non_negative("start_step", self.start_step)
         if self.stop_step is not None and self.stop_step <= self.start_step:
@@ -91,24 +96,29 @@ class OPDConfig(Section):
     temperature: float = 1.0  # sampling temperature of the student's rollouts
     top_p: float = 1.0  # nucleus sampling of the rollouts (1.0 = full distribution)
     stop_at_eos: bool = True  # a rollout ends at EOS (the EOS token itself is trained)
-    static_decode: bool = True  # rollouts through StaticDecoder (CUDA-graph steps; same tokens as dynamic)
-    tokenizer: Optional[str] = None  # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
+    # rollouts through StaticDecoder (CUDA-graph steps; same tokens as dynamic)
+    static_decode: bool = True
+    # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
+    tokenizer: Optional[str] = None
     eos_token_id: Optional[int] = None  # default: the tokenizer's
     prompt_sets: list[PromptSetConfig] = field(default_factory=list)
     train_attention: bool = True  # OPAL trains the retained attention layers jointly
     rnn_lr: Optional[float] = None  # peak LR of RNN mixers (default optim.lr)
     attn_lr: Optional[float] = None  # peak LR of attention mixers (default optim.lr)
-    other_lr: Optional[float] = None  # peak LR of embeddings, MLPs, norms, lm_head (default optim.lr)
-    snapshot_every: int = 0  # pre-decay snapshots every N steps (kept forever); 0: only at decay start
-    resume_from: Optional[str] = None  # a snapshot folder to continue from (a rung: larger total_steps)
+    # peak LR of embeddings, MLPs, norms, lm_head (default optim.lr)
+    other_lr: Optional[float] = None
+    # pre-decay snapshots every N steps (kept forever); 0: only at decay start
+    snapshot_every: int = 0
+    # a snapshot folder to continue from (a rung: larger total_steps)
+    resume_from: Optional[str] = None
     eval_every: int = 0  # held-out reverse KL every N steps (0: only at start and end)
     eval_horizon: Optional[int] = None  # rollout length of the eval (default horizon_start)
     kl_bucket_min: int = 64  # first position bucket [0, min); then powers of two up to horizon_max
     seed: int = 0  # prompt sampling and rollout RNG seed (offset by rank)
     # TRL GKD's knobs. beta: the generalized JSD's interpolation, 0 forward KL(teacher || student),
-    # 1 reverse KL(student || teacher) (values other than 1 need loss.objective jsd). lmbda: the share
-    # of optimizer steps trained on student rollouts; the others train on the prompt sets' fixed
-    # continuations (FIXED_CONTINUATION). Which steps is a function of (seed, step) alone.
+    # 1 reverse KL(student || teacher) (values other than 1 need loss.objective jsd). lmbda: the
+    # share of optimizer steps trained on student rollouts; the others train on the prompt sets'
+    # fixed continuations (FIXED_CONTINUATION). Which steps is a function of (seed, step) alone.
     beta: float = 1.0
     lmbda: float = 1.0
 
@@ -133,7 +143,8 @@ class OPDConfig(Section):
         names = [p.name for p in self.prompt_sets]
         if len(set(names)) != len(names):
             fail("prompt_sets", f"duplicate names in {names}")
-        if not any(p.start_step == 0 and p.min_horizon <= self.horizon_start for p in self.prompt_sets):
+        if not any(p.start_step == 0 and p.min_horizon <= self.horizon_start
+                   for p in self.prompt_sets):
             fail("prompt_sets", "no set is active at step 0 with horizon_start="
                  f"{self.horizon_start} (start_step 0 and min_horizon <= horizon_start)")
         for name in ("rnn_lr", "attn_lr", "other_lr"):
@@ -147,7 +158,9 @@ class OPDConfig(Section):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 fail(name, f"must be in [0, 1], got {getattr(self, name)}")
         if self.lmbda < 1.0:
-            missing = [p.name for p in self.prompt_sets if p.kind == "jsonl" and p.completion_field is None]
+            missing = [p.name for p in self.prompt_sets
+                       if p.kind == "jsonl" and p.completion_field is None]
             if missing:
-                fail("prompt_sets", f"lmbda={self.lmbda} trains some steps on the prompt sets' fixed "
+                fail("prompt_sets",
+                     f"lmbda={self.lmbda} trains some steps on the prompt sets' fixed "
                      f"continuations, but the jsonl set(s) {missing} have no completion_field")

@@ -1,22 +1,24 @@
-"""The ``pretrain:`` section of stage ``pretrain``: which from-scratch variant, and the random model's shape.
+"""The ``pretrain:`` section of stage ``pretrain``: which from-scratch variant, and the random
+model's shape.
 
 Layout::
 
     pretrain:
-      arch: hypenet            # the variant: transformer | swan | hypenet
-      sliding_window: null     # arch=swan only
-      model:                   # shape + init of the randomly initialised model (HypeNetConfig names)
+      arch: hypenet        # the variant: transformer | swan | hypenet
+      sliding_window: null # arch=swan only
+      model:               # shape + init of the randomly initialised model (HypeNetConfig names)
         vocab_size: 50304
         num_hidden_layers: 28
         ...
 
-The variant's choices (``arch``, ``sliding_window``) sit apart from the shape (``pretrain.model``) because
-the shape's fields are ``HypeNetConfig``'s names, passed through as they are and checked together as one
-shape (as ``model.random_teacher`` is), while the choices are not config fields of the model; a sweep
-varies ``pretrain.arch`` over one shared ``pretrain.model``. The variant also reads ``model:`` fields that
-the distilled students read too (``pe``, ``rnn_mixer``, ``attn_layers``, logits scaling, output gate,
-``dtype``, ``compile``, ``activation_checkpointing``): they stay in ``model:``, and the checks that relate
-them to ``pretrain.arch`` are :class:`halo_dist.config.schema.RunConfig`'s.
+The variant's choices (``arch``, ``sliding_window``) sit apart from the shape (``pretrain.model``)
+because the shape's fields are ``HypeNetConfig``'s names, passed through as they are and checked
+together as one shape (as ``model.random_teacher`` is), while the choices are not config fields of
+the model; a sweep varies ``pretrain.arch`` over one shared ``pretrain.model``. The variant also
+reads ``model:`` fields that the distilled students read too (``pe``, ``rnn_mixer``,
+``attn_layers``, logits scaling, output gate, ``dtype``, ``compile``, ``activation_checkpointing``):
+they stay in ``model:``, and the checks that relate them to ``pretrain.arch`` are
+:class:`halo_dist.config.schema.RunConfig`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ PretrainArch = Literal["transformer", "swan", "hypenet"]
 
 # Keys of the pretrain section that a config may still place under model:. Such a key is unknown
 # there; the error names where it belongs (halo_dist.config.coerce.with_suggestions).
-MOVED_KEYS: dict[str, str] = {"model.arch": "pretrain.arch", "model.sliding_window": "pretrain.sliding_window",
+MOVED_KEYS: dict[str, str] = {"model.arch": "pretrain.arch",
+                              "model.sliding_window": "pretrain.sliding_window",
                               "model.scratch": "pretrain.model"}
 
 
@@ -57,7 +60,8 @@ class PretrainModelConfig(Section):
     rope_theta: float = 50_000.0  # paper Table 13 (every variant)
     qk_norm: bool = True  # RMSNorm on q/k of attention and Lightning layers (Table 13: yes)
     max_position_embeddings: int = 1_048_576  # only recorded in the exported config
-    tokenizer: Optional[str] = None  # HF id/folder: exported with the model and checked against the shards
+    # HF id/folder: exported with the model and checked against the shards
+    tokenizer: Optional[str] = None
     init_std: float = 0.02
     init_seed: int = 0  # every rank (and a resumed run's first build) draws the same weights
 

@@ -46,15 +46,17 @@ def format_config(cfg: Any) -> str:
 
 
 def _fit_note(cfg: RunConfig, fitted: RunConfig, world_size: int) -> str:
-    return (f"data.fit_micro_batch: micro batch {cfg.data.micro_batch_size} -> {fitted.data.micro_batch_size} "
+    return (f"data.fit_micro_batch: micro batch {cfg.data.micro_batch_size} "
+            f"-> {fitted.data.micro_batch_size} "
             f"on {world_size} ranks (global batch {cfg.data.global_batch_size} unchanged)")
 
 
 def fit_to_world(cfg: RunConfig, world_size: int, announce: bool = False) -> RunConfig:
-    """``cfg`` with its micro batch fitted to ``world_size`` (``data.fit_micro_batch``; ``cfg`` itself when it
-    already fits); says so if ``announce``."""
+    """``cfg`` with its micro batch fitted to ``world_size`` (``data.fit_micro_batch``; ``cfg``
+    itself when it already fits); says so if ``announce``."""
     micro = cfg.fitted_micro_batch(world_size)
-    fitted = cfg if micro == cfg.data.micro_batch_size else with_overrides(cfg, {"data.micro_batch_size": micro})
+    fitted = (cfg if micro == cfg.data.micro_batch_size
+              else with_overrides(cfg, {"data.micro_batch_size": micro}))
     if announce and fitted is not cfg:
         print(_fit_note(cfg, fitted, world_size), flush=True)
     return fitted

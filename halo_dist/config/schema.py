@@ -21,10 +21,11 @@ from .section import Section, _non_negative, _positive
 
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
 Objective = Literal["mse", "kl", "ce", "reverse_kl", "jsd"]
-# model.pe -> HypeNet (attn_rope, rnn_rope). One table for the model stage pretrain builds and for the
-# student the distillation stages convert from the teacher; null means hype.
+# model.pe -> HypeNet (attn_rope, rnn_rope). One table for the model stage pretrain builds and for
+# the student the distillation stages convert from the teacher; null means hype.
 PE_ROPE: dict[str, tuple[bool, bool]] = {"hype": (False, True), "all_rope": (True, True),
-                                         "all_nope": (False, False), "attn_rope_rnn_nope": (True, False)}
+                                         "all_nope": (False, False),
+                                         "attn_rope_rnn_nope": (True, False)}
 
 # Which objectives each stage may train with: stage 1 aligns layer outputs by MSE,
 # stage 2 is forward KL (CE-only would skip the teacher), stage 3 KL or the reference code's
@@ -44,17 +45,20 @@ class DataConfig(Section):
     """Pre-tokenized webdataset shards and the batch shape (sequences of seq_len tokens)."""
 
     train: str  # manifest.json, shard folder or brace pattern; paths relative to the working dir
-    eval: Optional[str] = None  # shards evaluated by the eval section (default: train's held-out split)
+    # shards evaluated by the eval section (default: train's held-out split)
+    eval: Optional[str] = None
     seq_len: int  # tokens per packed sequence (context length)
     global_batch_size: int  # sequences per optimizer step = micro x grad_accum x dp
     micro_batch_size: int  # sequences per rank per forward; grad_accum derived from dp at runtime
-    # When micro x dp does not divide global_batch_size (e.g. 32 sequences over 16 ranks at micro 4), run
-    # the largest smaller micro batch that does. The global batch, and so the optimisation, is unchanged.
+    # When micro x dp does not divide global_batch_size (e.g. 32 sequences over 16 ranks at micro
+    # 4), run the largest smaller micro batch that does. The global batch, and so the optimisation,
+    # is unchanged.
     fit_micro_batch: bool = False
     num_workers: int = 2  # loader worker processes per rank
-    # Shard checks at start-up. full: every shard's structure, counts and sha256, the shards shared out
-    # over all ranks (about 1 s per GB and rank, see README); sizes: file sizes only, each shard's
-    # checksum then verified when it is first read (a corrupt shard may stop the run hours in).
+    # Shard checks at start-up. full: every shard's structure, counts and sha256, the shards shared
+    # out over all ranks (about 1 s per GB and rank, see README); sizes: file sizes only, each
+    # shard's checksum then verified when it is first read (a corrupt shard may stop the run hours
+    # in).
     verify: Literal["full", "sizes"] = "full"
     shuffle: bool = True  # deterministic shard + sample shuffling
     seed: int = 1234  # shuffle seed (also the base of per-rank RNG seeds)
@@ -158,15 +162,16 @@ class LossConfig(Section):
 
     objective: Objective = "kl"  # see STAGE_OBJECTIVES for what each stage allows
     temperature: float = 1.0  # softmax temperature of both models in KL
-    ce_weight: float = 0.0  # extra next-token CE term added to a KL objective (0 = off: not computed at all)
+    # extra next-token CE term added to a KL objective (0 = off: not computed at all)
+    ce_weight: float = 0.0
     chunk_size: int = 4096  # tokens per chunk of the fused loss (memory vs kernel launches)
-    # KL to the teacher only at document positions below this (the teacher's trained context); beyond
-    # it next-token CE on the text. A teacher past its positions is a wrong target: a long-context stage
-    # would teach the student its failure. null = KL everywhere
+    # KL to the teacher only at document positions below this (the teacher's trained context);
+    # beyond it next-token CE on the text. A teacher past its positions is a wrong target: a
+    # long-context stage would teach the student its failure. null = KL everywhere
     kl_max_position: Optional[int] = None
-    # fused-loss implementation: auto (compiled on CUDA for forward KL / CE, else torch), torch (chunked,
-    # eager), compiled (each chunk's forward KL and CE fused by torch.compile: fewer passes over
-    # [chunk x vocab]), liger (needs liger-kernel)
+    # fused-loss implementation: auto (compiled on CUDA for forward KL / CE, else torch), torch
+    # (chunked, eager), compiled (each chunk's forward KL and CE fused by torch.compile: fewer
+    # passes over [chunk x vocab]), liger (needs liger-kernel)
     backend: Literal["auto", "torch", "compiled", "liger"] = "auto"
 
     def validate(self) -> None:
@@ -174,11 +179,13 @@ class LossConfig(Section):
         _non_negative("ce_weight", self.ce_weight)
         _positive("chunk_size", self.chunk_size)
         if self.backend == "compiled" and self.objective not in ("kl", "ce"):
-            fail("backend", f"compiled fuses forward KL only; objective {self.objective} needs torch or liger")
+            fail("backend",
+                 f"compiled fuses forward KL only; objective {self.objective} needs torch or liger")
         if self.kl_max_position is not None:
             _positive("kl_max_position", self.kl_max_position)
             if self.objective != "kl":
-                fail("kl_max_position", f"splits a forward-KL objective by position; objective is {self.objective}")
+                fail("kl_max_position",
+                     f"splits a forward-KL objective by position; objective is {self.objective}")
         if self.ce_weight > 0 and self.objective not in ("kl", "reverse_kl"):
             fail("ce_weight", f"an extra CE term only applies to KL objectives, "
                  f"not {self.objective}")
@@ -201,19 +208,22 @@ class CheckpointConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig(Section):
-    """Run folder, TensorBoard (+ optional W&B mirror), progress line cadence and the MFU ceiling."""
+    """Run folder, TensorBoard (+ optional W&B mirror), progress line cadence and the MFU
+    ceiling."""
 
     run_dir: str = "runs/default"  # TensorBoard events, metrics.jsonl, config.yaml, checkpoints
-    # scalars, the resolved config (text tag config/resolved) and the hparams table, under <run_dir>/tb
+    # scalars, the resolved config (text tag config/resolved) and the hparams table, under
+    # <run_dir>/tb
     tensorboard: bool = True
-    # W&B project name: rank 0 mirrors every TensorBoard scalar (same tags and steps) and the hyperparameters
-    # to one W&B run per run_dir (its id in <run_dir>/wandb_id, so a resume continues it); needs
-    # `pip install wandb` (checked at start-up); null = off
+    # W&B project name: rank 0 mirrors every TensorBoard scalar (same tags and steps) and the
+    # hyperparameters to one W&B run per run_dir (its id in <run_dir>/wandb_id, so a resume
+    # continues it); needs `pip install wandb` (checked at start-up); null = off
     wandb: Optional[str] = None
     log_every: int = 10  # optimizer steps per metrics reduction (one host sync per interval)
     peak_flops: Optional[float] = None  # per-device FLOP/s for MFU; null: from the device name
-    # rank 0 runs torch.profiler over steps [profile_at_step, profile_at_step + profile_steps) and writes
-    # <run_dir>/profile/ (summary: wall vs device-busy ms per step, top operators; a Chrome trace); 0 = off
+    # rank 0 runs torch.profiler over steps [profile_at_step, profile_at_step + profile_steps) and
+    # writes <run_dir>/profile/ (summary: wall vs device-busy ms per step, top operators; a Chrome
+    # trace); 0 = off
     profile_at_step: int = 0
     profile_steps: int = 3
 
@@ -234,11 +244,11 @@ class LoggingConfig(Section):
 class EvalConfig(Section):
     """Held-out evaluation while training (stages 1-3 and pretrain), logged as ``eval/`` curves.
 
-    The same rows are evaluated every time: the first ``rows`` rows of ``data.seq_len`` tokens of the
-    ``split`` split of ``data.eval`` (default: the training shards' own held-out split), unshuffled and
-    split over the DP ranks like training batches. Stage 1 logs ``eval/mse``; the KL stages log
-    ``eval/kl`` (forward KL(teacher || student) per token), ``eval/ce`` and ``eval/teacher_ce``
-    (next-token cross-entropy of student and teacher, nats per token).
+    The same rows are evaluated every time: the first ``rows`` rows of ``data.seq_len`` tokens of
+    the ``split`` split of ``data.eval`` (default: the training shards' own held-out split),
+    unshuffled and split over the DP ranks like training batches. Stage 1 logs ``eval/mse``; the KL
+    stages log ``eval/kl`` (forward KL(teacher || student) per token), ``eval/ce`` and
+    ``eval/teacher_ce`` (next-token cross-entropy of student and teacher, nats per token).
     """
 
     every_steps: int = 0  # 0: off; N: before the first step, every N steps and after the last one
@@ -276,10 +286,12 @@ class BatchLayout:
         return self.global_batch_size * self.seq_len
 
     def describe(self) -> str:
-        """The rank-0 start line: ``layout: world 2 = dp 2 x sp 1; global batch 4 = micro 2 x grad_accum 1 x dp 2``."""
-        return (f"layout: world {self.world_size} = dp {self.dp_size} x sp {self.sp_size}; global batch "
-                f"{self.global_batch_size} = micro {self.micro_batch_size} x grad_accum {self.grad_accum_steps} "
-                f"x dp {self.dp_size}; seq_len {self.seq_len} ({self.tokens_per_step:,} tokens per step)")
+        """The rank-0 start line: ``layout: world 2 = dp 2 x sp 1; global batch 4 = micro 2 x
+        grad_accum 1 x dp 2``."""
+        return (f"layout: world {self.world_size} = dp {self.dp_size} x sp {self.sp_size}; "
+                f"global batch {self.global_batch_size} = micro {self.micro_batch_size} x "
+                f"grad_accum {self.grad_accum_steps} x dp {self.dp_size}; seq_len {self.seq_len} "
+                f"({self.tokens_per_step:,} tokens per step)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -297,11 +309,14 @@ class RunConfig(Section):
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     opd: Optional[OPDConfig] = None  # on-policy distillation settings (stage opd only)
-    pretrain: Optional[PretrainConfig] = None  # the from-scratch variant and its shape (stage pretrain only)
-    # keys that belong to another section, to where: an unknown-key error says where (coerce.with_suggestions)
+    # the from-scratch variant and its shape (stage pretrain only)
+    pretrain: Optional[PretrainConfig] = None
+    # keys that belong to another section, to where: an unknown-key error says where
+    # (coerce.with_suggestions)
     MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
-        "opd.backend": "OPD always trains under DeepSpeed (parallel.zero_stage 0: plain data parallelism, 1-3: ZeRO)"}
+        "opd.backend": "OPD always trains under DeepSpeed (parallel.zero_stage 0: plain data "
+                       "parallelism, 1-3: ZeRO)"}
 
     def validate(self) -> None:
         self._validate_opd()
@@ -321,10 +336,12 @@ class RunConfig(Section):
         if self.model.compile == "none":
             return
         if self.parallel.zero_stage == 3:
-            fail("model.compile", f"{self.model.compile} needs parallel.zero_stage <= 2: ZeRO-3 gathers each "
-                 "layer's parameters in hooks that a compiled layer does not run (it would see empty shards)")
+            fail("model.compile", f"{self.model.compile} needs parallel.zero_stage <= 2: ZeRO-3 "
+                                  "gathers each layer's parameters in hooks that a compiled layer "
+                                  "does not run (it would see empty shards)")
         if self.stage.name not in ("stage2", "stage3", "pretrain"):
-            fail("model.compile", f"is applied by stages 2/3 and pretrain, not {self.stage.name}: set none")
+            fail("model.compile",
+                 f"is applied by stages 2/3 and pretrain, not {self.stage.name}: set none")
 
     def _validate_opd(self) -> None:
         if (self.stage.name == "opd") != (self.opd is not None):
@@ -334,8 +351,8 @@ class RunConfig(Section):
         if self.parallel.sp_size != 1:
             fail("parallel.sp_size", "on-policy distillation runs without sequence parallelism (1)")
         if self.loss.objective == "reverse_kl" and self.opd.beta != 1.0:
-            fail("opd.beta", f"{self.opd.beta} with loss.objective=reverse_kl (which is beta 1): set "
-                 "loss.objective=jsd to train the generalized JSD")
+            fail("opd.beta", f"{self.opd.beta} with loss.objective=reverse_kl (which is beta 1): "
+                             "set loss.objective=jsd to train the generalized JSD")
         if self.schedule.total_tokens is not None:
             fail("schedule.total_tokens", "opd counts optimizer steps (tokens per step change with "
                  "the horizon): set schedule.total_steps")
@@ -345,37 +362,42 @@ class RunConfig(Section):
         m, stage = self.model, self.stage.name
         if stage != "pretrain":
             if self.pretrain is not None:
-                fail("pretrain", f"only used by stage pretrain (from scratch), not {stage}: remove the section")
+                fail("pretrain",
+                     f"only used by stage pretrain (from scratch), not {stage}: remove the section")
             if m.teacher is None:
-                fail("model.teacher", f"{stage} distills from a teacher: set a hub id, a folder or 'random'")
+                fail("model.teacher",
+                     f"{stage} distills from a teacher: set a hub id, a folder or 'random'")
             return
         if self.pretrain is None:
-            fail("pretrain", "stage pretrain needs this section: pretrain.arch (transformer | swan | hypenet) "
+            fail("pretrain",
+                 "stage pretrain needs this section: pretrain.arch (transformer | swan | hypenet) "
                  "and pretrain.model (the shape: vocab_size, num_hidden_layers, ...)")
         for name in ("teacher", "random_teacher", "student_init", "stage1_weights"):
             if getattr(m, name) is not None:
-                fail(f"model.{name}", "stage pretrain trains from scratch: no teacher or initial weights "
-                     "(a restarted run resumes from its checkpoints)")
+                fail(f"model.{name}", "stage pretrain trains from scratch: no teacher or initial "
+                                      "weights (a restarted run resumes from its checkpoints)")
         self._validate_pretrain_variant()
 
     def _validate_pretrain_variant(self) -> None:
-        """The ``model:`` switches that stage pretrain reads, against ``pretrain.arch`` and its depth."""
+        """The ``model:`` switches that stage pretrain reads, against ``pretrain.arch`` and its
+        depth."""
         m, arch, depth = self.model, self.pretrain.arch, self.pretrain.model.num_hidden_layers
         if m.pe is not None and arch in ("transformer", "swan"):
-            fail("model.pe", f"only pretrain.arch=hypenet chooses a position encoding (arch={arch} has a fixed "
-                 "one); remove model.pe")
+            fail("model.pe", f"only pretrain.arch=hypenet chooses a position encoding (arch={arch} "
+                             "has a fixed one); remove model.pe")
         for layer in m.attn_layers:
             if layer >= depth:
                 fail("model.attn_layers", f"layer {layer} outside 0..{depth - 1} "
                      f"(pretrain.model.num_hidden_layers={depth})")
         if arch == "transformer" and m.attn_layers and sorted(m.attn_layers) != list(range(depth)):
-            fail("model.attn_layers", "pretrain.arch=transformer has attention in every layer: leave "
-                 "model.attn_layers empty")
+            fail("model.attn_layers", "pretrain.arch=transformer has attention in every layer: "
+                                      "leave model.attn_layers empty")
 
     def _validate_sp_heads(self) -> None:
         # Only a random teacher's (or a from-scratch model's) head count is known before loading;
         # real teachers are checked by the parallel layer once their HF config is read.
-        shape = self.model.random_teacher or (self.pretrain.model if self.pretrain is not None else None)
+        shape = self.model.random_teacher or (self.pretrain.model if self.pretrain is not None
+                                              else None)
         if shape is not None and shape.num_attention_heads % self.parallel.sp_size:
             fail("parallel.sp_size", f"{self.parallel.sp_size} does not divide "
                  f"num_attention_heads={shape.num_attention_heads}")
@@ -403,11 +425,13 @@ class RunConfig(Section):
         return self.checkpoint.dir or f"{self.logging.run_dir.rstrip('/')}/checkpoints"
 
     def fitted_micro_batch(self, world_size: int) -> int:
-        """The micro batch this config runs at on ``world_size`` ranks (``data.fit_micro_batch``)."""
+        """The micro batch this config runs at on ``world_size`` ranks
+        (``data.fit_micro_batch``)."""
         data, dp = self.data, self.parallel.dp_size(world_size)
         if not data.fit_micro_batch or data.global_batch_size % (data.micro_batch_size * dp) == 0:
             return data.micro_batch_size
-        fits = [m for m in range(data.micro_batch_size, 0, -1) if data.global_batch_size % (m * dp) == 0]
+        fits = [m for m in range(data.micro_batch_size, 0, -1)
+                if data.global_batch_size % (m * dp) == 0]
         return fits[0] if fits else data.micro_batch_size  # none: validate_against_world explains
 
     def validate_against_world(self, world_size: int) -> BatchLayout:
@@ -417,8 +441,9 @@ class RunConfig(Section):
         per_accum = data.micro_batch_size * dp
         if data.global_batch_size % per_accum:
             no_micro_fits = data.fit_micro_batch and data.global_batch_size % dp != 0
-            fail("data.global_batch_size", _batch_hint(data.global_batch_size, data.micro_batch_size, dp,
-                                                       no_micro_fits))
+            fail("data.global_batch_size",
+                 _batch_hint(data.global_batch_size, data.micro_batch_size, dp,
+                             no_micro_fits))
         return BatchLayout(world_size=world_size, dp_size=dp, sp_size=self.parallel.sp_size,
                            micro_batch_size=data.micro_batch_size,
                            grad_accum_steps=data.global_batch_size // per_accum,
@@ -430,8 +455,8 @@ def _batch_hint(global_batch: int, micro: int, dp: int, fit: bool = False) -> st
     if fit:  # no micro batch fits: the global batch must be a multiple of dp
         below = global_batch // dp * dp
         sizes = " or ".join(str(n) for n in (below, below + dp) if n > 0)
-        return (f"{global_batch} is not a multiple of dp ({dp}), so data.fit_micro_batch finds no micro batch "
-                f"that fits. Use global_batch_size {sizes}, or another number of ranks")
+        return (f"{global_batch} is not a multiple of dp ({dp}), so data.fit_micro_batch finds no "
+                f"micro batch that fits. Use global_batch_size {sizes}, or another number of ranks")
     per_accum = micro * dp
     below = global_batch // per_accum * per_accum
     sizes = [n for n in (below, below + per_accum) if n > 0]
@@ -444,8 +469,8 @@ def _batch_hint(global_batch: int, micro: int, dp: int, fit: bool = False) -> st
 
 
 __all__ = [
-    "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "LossConfig",
-    "ModelConfig", "OPDConfig", "OptimConfig", "PE_ROPE", "ParallelConfig", "PretrainConfig", "PretrainModelConfig",
-    "PromptSetConfig", "RandomTeacherConfig", "RunConfig", "ScheduleConfig", "Section", "StageConfig",
-    "STAGE_OBJECTIVES",
+    "BatchLayout", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig",
+    "LossConfig", "ModelConfig", "OPDConfig", "OptimConfig", "PE_ROPE", "ParallelConfig",
+    "PretrainConfig", "PretrainModelConfig", "PromptSetConfig", "RandomTeacherConfig", "RunConfig",
+    "ScheduleConfig", "Section", "StageConfig", "STAGE_OBJECTIVES",
 ]

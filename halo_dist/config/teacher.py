@@ -1,4 +1,5 @@
-"""Offline checks of a teacher against a config, cheap enough for the Slurm driver (no torch import)."""
+"""Offline checks of a teacher against a config, cheap enough for the Slurm driver (no torch
+import)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 
 def offline_teacher_depth(teacher: str) -> int | None:
-    """``num_hidden_layers`` of a teacher folder or of a hub id already in the HF cache; None when that
-    needs the network (or a GGUF teacher). For checks that must not download (the Slurm driver)."""
+    """``num_hidden_layers`` of a teacher folder or of a hub id already in the HF cache; None when
+    that needs the network (or a GGUF teacher). For checks that must not download (the Slurm
+    driver)."""
     path = Path(teacher) / "config.json"
     if not path.is_file():
         try:
@@ -32,5 +34,6 @@ def teacher_depth_problem(teacher: str, num_layers: int | None) -> str | None:
     depth = offline_teacher_depth(teacher)
     if depth is None or num_layers is None or depth == num_layers:
         return None
-    return (f"teacher {teacher} has {depth} layers but the stage configs are sized for a {num_layers}-layer "
-            "teacher (model.num_layers, model.attn_layers): use the matching slurm/halo_<size>.sh")
+    return (f"teacher {teacher} has {depth} layers but the stage configs are sized for a "
+            f"{num_layers}-layer teacher (model.num_layers, model.attn_layers): use the matching "
+            "slurm/halo_<size>.sh")

@@ -18,14 +18,16 @@ from typing import Sequence
 
 from .errors import DataError
 from .loader import PackedLoader
-from .manifest import Manifest, ShardInfo, check_tokenizer, load_manifest, tokenizer_info, vocab_sha256
+from .manifest import (Manifest, ShardInfo, check_tokenizer, load_manifest, tokenizer_info,
+                       vocab_sha256)
 from .packing import IGNORE_INDEX, pack_batch, sp_slice
 from .shards import ShardWriter, scan_shard
 from .stream import TokenStream, check_shard
 
 __all__ = ["DataError", "PackedLoader", "Manifest", "ShardInfo", "TokenStream", "ShardWriter",
            "IGNORE_INDEX", "build_loader", "resolve_shards", "check_tokenizer", "load_manifest",
-           "tokenizer_info", "vocab_sha256", "pack_batch", "sp_slice", "scan_shard", "check_shard", "verify_share"]
+           "tokenizer_info", "vocab_sha256", "pack_batch", "sp_slice", "scan_shard", "check_shard",
+           "verify_share"]
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +44,8 @@ def _expand(paths: Sequence[str | os.PathLike]) -> list[str]:
 
 def resolve_shards(data, split: str = "train",
                    allow_incomplete: bool = False) -> tuple[list[ShardInfo], Manifest | None]:
-    """Shards of ``data``: a manifest (file, folder or :class:`Manifest`), a tar path/glob, or a list of them.
+    """Shards of ``data``: a manifest (file, folder or :class:`Manifest`), a tar path/glob, or a
+    list of them.
 
     A bare shard list has no manifest: each shard is scanned for its counts (no checksum).
     """
@@ -65,10 +68,10 @@ def resolve_shards(data, split: str = "train",
 
 
 def verify_share(data, split: str, rank: int, world: int) -> list[str]:
-    """Fully check this rank's share of the shards (every ``world``-th, from ``rank``): structure, sample
-    and token counts, sha256 against the manifest. Returns one message per bad shard (empty: all good);
-    the ranks together cover every shard once, so a corrupt shard is found before training starts
-    instead of when it is first read, hours later."""
+    """Fully check this rank's share of the shards (every ``world``-th, from ``rank``): structure,
+    sample and token counts, sha256 against the manifest. Returns one message per bad shard (empty:
+    all good); the ranks together cover every shard once, so a corrupt shard is found before
+    training starts instead of when it is first read, hours later."""
     shards, _ = resolve_shards(data, split)
     return [msg for _, msg in _bad_shards(shards[rank::world])]
 
@@ -127,16 +130,17 @@ def build_loader(data, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp
         if tokenizer is not None:
             check_tokenizer(manifest, tokenizer, eos_id)
         elif int(manifest.tokenizer.get("eos_id", -1)) != int(eos_id):
-            raise DataError(f"EOS mismatch: shards use {manifest.tokenizer.get('eos_id')}, model expects "
-                            f"{eos_id}", manifest.path, "tokenizer.eos_id")
+            raise DataError(f"EOS mismatch: shards use {manifest.tokenizer.get('eos_id')}, model "
+                            f"expects {eos_id}", manifest.path, "tokenizer.eos_id")
     skipped = []
     if skip_corrupt:
         shards, skipped = _drop_corrupt(shards)
     elif verify in ("size", "sha256", "full"):
         for s in shards:
             check_shard(s, "full" if verify == "full" else "size")
-    lazy = "sha256" if verify == "sha256" and not skip_corrupt else "size"  # what is left to check on first use
+    # what is left to check on first use
+    lazy = "sha256" if verify == "sha256" and not skip_corrupt else "size"
     stream = TokenStream(shards, seed, shuffle, shuffle_window, lazy)
     fp = Manifest(None, split, shards).fingerprint()
-    return PackedLoader(stream, seq_len, micro_batch_size, dp_rank, dp_size, sp_rank, sp_size, num_workers,
-                        max_epochs, prefetch_factor, pin_memory, fp, skipped)
+    return PackedLoader(stream, seq_len, micro_batch_size, dp_rank, dp_size, sp_rank, sp_size,
+                        num_workers, max_epochs, prefetch_factor, pin_memory, fp, skipped)

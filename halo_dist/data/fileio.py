@@ -64,7 +64,8 @@ def atomic_write_json(path: str | os.PathLike, obj: object) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
-def remove_stale_tmp(folder: Path, is_ours: Callable[[str], bool] = lambda name: True) -> list[Path]:
+def remove_stale_tmp(folder: Path,
+                     is_ours: Callable[[str], bool] = lambda name: True) -> list[Path]:
     """Delete leftover tmp files of earlier crashed runs in ``folder``; returns what was removed."""
     removed = []
     if not folder.is_dir():

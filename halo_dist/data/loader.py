@@ -38,11 +38,13 @@ class _Plan:
         self.rows_per_epoch = stream.epoch_tokens // seq_len
 
     def schedule(self, epoch: int, rows: int) -> Iterator[tuple[int, int, int]]:
-        """Yield (epoch, first row of this rank's batch, rows consumed after the step) from a position."""
+        """Yield (epoch, first row of this rank's batch, rows consumed after the step) from a
+        position."""
         step = self.dp_size * self.B
         while self.max_epochs is None or epoch < self.max_epochs:
             for b in range((self.rows_per_epoch - rows) // step):
-                yield epoch, rows + (b * self.dp_size + self.dp_rank) * self.B, rows + (b + 1) * step
+                yield (epoch, rows + (b * self.dp_size + self.dp_rank) * self.B,
+                       rows + (b + 1) * step)
             epoch, rows = epoch + 1, 0
 
     def make(self, epoch: int, row0: int) -> dict:
@@ -86,12 +88,14 @@ class PackedLoader:
                  max_epochs: int | None = None, prefetch_factor: int = 4, pin_memory: bool = False,
                  fingerprint: str = "", skipped_shards: list | None = None):
         _check_layout(seq_len, micro_batch_size, dp_rank, dp_size, sp_rank, sp_size)
-        self.plan = _Plan(stream, seq_len, micro_batch_size, dp_rank, dp_size, sp_rank, sp_size, max_epochs)
+        self.plan = _Plan(stream, seq_len, micro_batch_size, dp_rank, dp_size, sp_rank, sp_size,
+                          max_epochs)
         if self.plan.rows_per_epoch < dp_size * micro_batch_size:
-            raise DataError(f"data set too small: {stream.epoch_tokens} tokens give {self.plan.rows_per_epoch} "
-                            f"rows of {seq_len}, one step needs dp_size*micro_batch_size = "
-                            f"{dp_size * micro_batch_size}")
-        self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
+            raise DataError(f"data set too small: {stream.epoch_tokens} tokens give "
+                            f"{self.plan.rows_per_epoch} rows of {seq_len}, one step needs "
+                            f"dp_size*micro_batch_size = {dp_size * micro_batch_size}")
+        self.num_workers, self.prefetch_factor, self.pin_memory = (num_workers, prefetch_factor,
+                                                                   pin_memory)
         self.fingerprint, self.skipped_shards = fingerprint, list(skipped_shards or [])
         self.epoch, self.rows_consumed, self.batches_yielded = 0, 0, 0
 
@@ -115,9 +119,9 @@ class PackedLoader:
         sched = self.plan.schedule(self.epoch, self.rows_consumed)
         source = _WorkerStream(self.plan, self.epoch, self.rows_consumed)
         if self.num_workers > 0:
-            source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.num_workers,
-                                                 prefetch_factor=self.prefetch_factor,
-                                                 pin_memory=self.pin_memory)
+            source = torch.utils.data.DataLoader(
+                source, batch_size=None, num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor, pin_memory=self.pin_memory)
         for (epoch, _, after), batch in zip(sched, source):
             self.epoch, self.rows_consumed = epoch, after
             self.batches_yielded += 1
@@ -136,24 +140,25 @@ class PackedLoader:
         """Restore a position; refuses (DataError saying why) states that cannot resume exactly."""
         p = self.plan
         if state.get("version") != STATE_VERSION:
-            raise DataError(f"loader state version {state.get('version')} unsupported (need {STATE_VERSION})",
-                            key="version")
+            raise DataError(f"loader state version {state.get('version')} unsupported (need "
+                            f"{STATE_VERSION})", key="version")
         mine = {"seq_len": p.L, "seed": p.stream.seed, "shuffle": p.stream.shuffle,
                 "shuffle_window": p.stream.window, "fingerprint": self.fingerprint}
         for key, val in mine.items():
             if state.get(key) != val:
                 why = ("the data set (shards, counts or checksums) changed" if key == "fingerprint"
                        else "the token stream would differ")
-                raise DataError(f"cannot resume exactly: saved {key}={state.get(key)!r}, now {val!r}; {why}",
-                                key=key)
+                raise DataError(f"cannot resume exactly: saved {key}={state.get(key)!r}, now "
+                                f"{val!r}; {why}", key=key)
         rows = int(state["rows_consumed"])
         if not 0 <= rows <= p.rows_per_epoch:
-            raise DataError(f"saved rows_consumed={rows} outside an epoch of {p.rows_per_epoch} rows",
-                            key="rows_consumed")
+            raise DataError(f"saved rows_consumed={rows} outside an epoch of {p.rows_per_epoch} "
+                            "rows", key="rows_consumed")
         if (state.get("dp_size"), state.get("micro_batch_size")) != (p.dp_size, p.B):
             log.info("loader: state saved with dp_size=%s micro_batch=%s, resumed with dp_size=%s "
                      "micro_batch=%s; continuing the same global row sequence at epoch %s row %s",
-                     state.get("dp_size"), state.get("micro_batch_size"), p.dp_size, p.B, state["epoch"], rows)
+                     state.get("dp_size"), state.get("micro_batch_size"), p.dp_size, p.B,
+                     state["epoch"], rows)
         self.epoch, self.rows_consumed = int(state["epoch"]), rows
         self.batches_yielded = int(state.get("batches_yielded", 0))
 
@@ -169,5 +174,5 @@ def _check_layout(seq_len, batch, dp_rank, dp_size, sp_rank, sp_size) -> None:
     if not (sp_size >= 1 and 0 <= sp_rank < sp_size):
         raise ValueError(f"sp_rank {sp_rank} outside sp_size {sp_size}")
     if seq_len % sp_size:
-        raise ValueError(f"seq_len {seq_len} is not divisible by sp_size {sp_size}: each sequence-parallel "
-                         f"rank needs an equal contiguous slice")
+        raise ValueError(f"seq_len {seq_len} is not divisible by sp_size {sp_size}: each "
+                         "sequence-parallel rank needs an equal contiguous slice")

@@ -85,7 +85,8 @@ def read_manifest_json(path: str | os.PathLike) -> dict:
     return raw
 
 
-def load_manifest(path: str | os.PathLike, split: str = "train", allow_incomplete: bool = False) -> Manifest:
+def load_manifest(path: str | os.PathLike, split: str = "train",
+                  allow_incomplete: bool = False) -> Manifest:
     """Parse and validate ``path`` (a manifest file or its folder) for ``split``."""
     path = Path(path)
     if path.is_dir():
@@ -96,7 +97,8 @@ def load_manifest(path: str | os.PathLike, split: str = "train", allow_incomplet
                         path, "complete")
     splits = _require(raw, "splits", dict, path, "")
     if split not in splits:
-        raise DataError(f"split '{split}' not in manifest (has {sorted(splits)})", path, f"splits.{split}")
+        raise DataError(f"split '{split}' not in manifest (has {sorted(splits)})", path,
+                        f"splits.{split}")
     where = f"splits.{split}."
     entries = _require(splits[split], "shards", list, path, where)
     if not entries:
@@ -113,7 +115,8 @@ def load_manifest(path: str | os.PathLike, split: str = "train", allow_incomplet
 
 
 def vocab_sha256(tokenizer) -> str:
-    """sha256 over the tokenizer's full vocabulary (``token\\tid`` lines sorted by id, added tokens included).
+    """sha256 over the tokenizer's full vocabulary (``token\\tid`` lines sorted by id, added tokens
+    included).
 
     Memoised on the tokenizer object (computing it takes ~0.3 s for a 152K vocabulary).
     """
@@ -153,8 +156,8 @@ def check_tokenizer(manifest, tokenizer, eos_id: int | None = None) -> dict:
 
     Args:
         manifest: a :class:`Manifest`, a manifest path, or a folder holding ``manifest.json``.
-        tokenizer: a HF tokenizer (anything with ``get_vocab()``).
-        eos_id: the EOS id the model expects between documents; when given it must equal the manifest's.
+        tokenizer: a HF tokenizer (anything with ``get_vocab()``). eos_id: the EOS id the model
+        expects between documents; when given it must equal the manifest's.
     Returns: the manifest's tokenizer record.
     Raises: DataError naming the manifest and the disagreeing key (``tokenizer.vocab_sha256`` ...).
     """
@@ -170,10 +173,11 @@ def check_tokenizer(manifest, tokenizer, eos_id: int | None = None) -> dict:
     mine = vocab_sha256(tokenizer)
     if rec["vocab_sha256"] != mine:
         raise DataError(f"tokenizer mismatch: shards were tokenized with '{rec.get('name')}' "
-                        f"(vocab {rec.get('vocab_size')}, sha256 {rec['vocab_sha256'][:12]}…), the model's "
-                        f"tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has vocab "
-                        f"{_vocab_size(tokenizer)}, sha256 {mine[:12]}…", mpath, "tokenizer.vocab_sha256")
+                        f"(vocab {rec.get('vocab_size')}, sha256 {rec['vocab_sha256'][:12]}…), the "
+                        f"model's tokenizer '{getattr(tokenizer, 'name_or_path', '?')}' has vocab "
+                        f"{_vocab_size(tokenizer)}, sha256 {mine[:12]}…", mpath,
+                        "tokenizer.vocab_sha256")
     if eos_id is not None and int(rec.get("eos_id", -1)) != int(eos_id):
-        raise DataError(f"EOS mismatch: shards use EOS id {rec.get('eos_id')}, the model expects {eos_id}",
-                        mpath, "tokenizer.eos_id")
+        raise DataError(f"EOS mismatch: shards use EOS id {rec.get('eos_id')}, the model expects "
+                        f"{eos_id}", mpath, "tokenizer.eos_id")
     return rec

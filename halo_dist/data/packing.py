@@ -26,7 +26,8 @@ def pack_batch(tokens: np.ndarray, sample_starts: np.ndarray, batch: int, seq_le
     if tokens.shape != (n,):
         raise ValueError(f"expected {n} tokens, got {tokens.shape}")
     row_starts = np.arange(0, n, seq_len, dtype=np.int64)
-    starts = np.union1d(np.asarray(sample_starts, np.int64), row_starts)  # [S] sorted segment starts
+    # [S] sorted segment starts
+    starts = np.union1d(np.asarray(sample_starts, np.int64), row_starts)
     bounds = np.append(starts, n)  # [S+1]
     seg_len = np.diff(bounds)  # [S]
     ids = tokens.astype(np.int64)  # [B*L]
@@ -42,7 +43,8 @@ def pack_batch(tokens: np.ndarray, sample_starts: np.ndarray, batch: int, seq_le
 
 
 def sp_slice(batch: dict, sp_rank: int, sp_size: int) -> dict:
-    """Keep SP rank ``sp_rank``'s contiguous column slice [r*L/sp, (r+1)*L/sp) of the per-token tensors.
+    """Keep SP rank ``sp_rank``'s contiguous column slice [r*L/sp, (r+1)*L/sp) of the per-token
+    tensors.
 
     ``cu_seqlens``/``max_seqlen`` stay those of the full sequence (the head-parallel kernels see
     the full sequence after the all-to-all); labels were computed on the full rows before slicing.

@@ -92,7 +92,8 @@ class ShardWriter:
         key = sample_key(doc, piece)
         self._member(f"{key}.{TOKENS_EXT}", npy_bytes(tokens))
         if num_pieces > 1:
-            meta = {"continues": piece < num_pieces - 1, "doc": doc, "num_pieces": num_pieces, "piece": piece}
+            meta = {"continues": piece < num_pieces - 1, "doc": doc, "num_pieces": num_pieces,
+                    "piece": piece}
             self._member(f"{key}.{PIECE_EXT}", json.dumps(meta, sort_keys=True).encode())
         self.samples += 1
         self.docs += int(piece == num_pieces - 1)
@@ -230,8 +231,8 @@ def _scan(buf, size: int, path: str) -> ShardIndex:
         name, msize, typ = parsed
         data = pos + BLOCK
         if data + msize > size:
-            raise DataError(f"truncated tar: member needs {msize} bytes at byte {data}, file has {size}",
-                            path, name)
+            raise DataError(f"truncated tar: member needs {msize} bytes at byte {data}, file has "
+                            f"{size}", path, name)
         pos = data + (msize + BLOCK - 1) // BLOCK * BLOCK
         if typ in (b"L", b"x"):  # GNU long name / pax header: take its path for the next member
             raw = bytes(buf[data:data + msize])

@@ -29,7 +29,8 @@ VERIFY_MODES = ("none", "size", "sha256", "full")
 
 
 def check_shard(info: ShardInfo, verify: str) -> ShardIndex | None:
-    """Check a shard against its manifest record; returns the scanned index for ``"sha256"``/``"full"``.
+    """Check a shard against its manifest record; returns the scanned index for
+    ``"sha256"``/``"full"``.
 
     ``size``: file exists with the recorded byte size. ``sha256``/``full``: also structure,
     sample/token counts and checksum. Raises DataError naming file and key.
@@ -41,14 +42,15 @@ def check_shard(info: ShardInfo, verify: str) -> ShardIndex | None:
     except FileNotFoundError:
         raise DataError("shard file is missing", info.path) from None
     if info.bytes is not None and size != info.bytes:
-        raise DataError(f"shard has {size} bytes, manifest says {info.bytes} (truncated or replaced?)",
-                        info.path, "bytes")
+        raise DataError(f"shard has {size} bytes, manifest says {info.bytes} (truncated or "
+                        "replaced?)", info.path, "bytes")
     if verify == "size":
         return None
     index = scan_shard(info.path)
     check_counts(info, index)
     if info.sha256 is not None and sha256_file(info.path) != info.sha256:
-        raise DataError("shard sha256 differs from the manifest (corrupt or replaced)", info.path, "sha256")
+        raise DataError("shard sha256 differs from the manifest (corrupt or replaced)", info.path,
+                        "sha256")
     return index
 
 
@@ -115,7 +117,8 @@ class TokenStream:
         """(order [num_shards], window token starts [num_windows+1]) of an epoch."""
         if epoch not in self._bounds:
             order = self.shard_order(epoch)
-            per_win = np.add.reduceat(self.shard_tokens[order], np.arange(0, len(order), self.window))
+            per_win = np.add.reduceat(self.shard_tokens[order],
+                                      np.arange(0, len(order), self.window))
             self._bounds = {epoch: (order, np.concatenate([[0], np.cumsum(per_win)]))}
         return self._bounds[epoch]
 
@@ -137,7 +140,9 @@ class TokenStream:
         order, _ = self._epoch_bounds(epoch)
         sids = [int(s) for s in order[w * self.window:(w + 1) * self.window]]
         idx = [self._index(s) for s in sids]
-        shard_of = np.concatenate([np.full(ix.num_samples, j, np.int64) for j, ix in enumerate(idx)])  # [n]
+        # [n]
+        shard_of = np.concatenate([np.full(ix.num_samples, j, np.int64)
+                                   for j, ix in enumerate(idx)])
         sample_of = np.concatenate([np.arange(ix.num_samples, dtype=np.int64) for ix in idx])  # [n]
         lens = np.concatenate([ix.lengths for ix in idx])  # [n]
         if self.shuffle:
@@ -179,7 +184,8 @@ class TokenStream:
             for i in range(i0, i1):
                 c = int(cum[i])
                 reader = self._readers[win.shard_ids[win.shard_of[i]]]
-                parts.append(reader.tokens(int(win.sample_of[i]), max(lo, c) - c, min(hi, int(cum[i + 1])) - c))
+                parts.append(reader.tokens(int(win.sample_of[i]), max(lo, c) - c,
+                                           min(hi, int(cum[i + 1])) - c))
             first = i0 if cum[i0] == lo else i0 + 1
             starts.append(cum[first:i1] + (base - a))
             pos = base + hi

@@ -30,7 +30,8 @@ IGNORE = -100
 
 
 def parse_grid(text: str) -> list[float | None]:
-    """``none,100,300,500`` -> ``[None, 100.0, 300.0, 500.0]`` (``none`` = scaling off). Every a must be > 1."""
+    """``none,100,300,500`` -> ``[None, 100.0, 300.0, 500.0]`` (``none`` = scaling off). Every a
+    must be > 1."""
     grid = []
     for t in str(text).split(","):
         t = t.strip().lower()
@@ -52,15 +53,18 @@ def parse_grid(text: str) -> list[float | None]:
 
 
 def check_hypenet_folder(folder: str | Path) -> dict:
-    """The folder's ``config.json`` as a dict; refuses non-HypeNet models and models without attention."""
+    """The folder's ``config.json`` as a dict; refuses non-HypeNet models and models without
+    attention."""
     cfg_path = Path(folder) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: --model must be an exported HypeNet folder")
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("model_type") != "hypenet":
-        raise EvalError(f"{folder} holds a {cfg.get('model_type')!r} model; logits scaling exists only in HypeNet")
+        raise EvalError(f"{folder} holds a {cfg.get('model_type')!r} model; logits scaling exists "
+                        "only in HypeNet")
     if "attention" not in cfg.get("mixer_types", []):
-        raise EvalError(f"{folder} has no attention layers: the logits-scaling base a has no effect")
+        raise EvalError(f"{folder} has no attention layers: the logits-scaling base a has no "
+                        "effect")
     return cfg
 
 
@@ -82,8 +86,10 @@ def write_scale_base(folder: str | Path, a: float | None) -> Path:
 # ------------------------------------------------------------------------------------------------
 
 
-def long_batches(data: str, tokenizer, seq_len: int, n_rows: int, batch_size: int, vocab_size: int) -> list[dict]:
-    """``[{"input_ids", "labels", (packed: "position_ids", "cu_seqlens", "max_seqlen")}]`` at ``seq_len``."""
+def long_batches(data: str, tokenizer, seq_len: int, n_rows: int, batch_size: int,
+                 vocab_size: int) -> list[dict]:
+    """``[{"input_ids", "labels", (packed: "position_ids", "cu_seqlens", "max_seqlen")}]`` at
+    ``seq_len``."""
     if data == "random":
         from .proxies import random_token_batches
 
@@ -121,15 +127,16 @@ def heldout_loss(model, batches: list[dict], chunk_tokens: int = 4096) -> dict:
         kwargs = {k: batch[k].to(device) for k in ("position_ids", "cu_seqlens") if k in batch}
         if "max_seqlen" in batch:
             kwargs["max_seqlen"] = batch["max_seqlen"]
-        hidden = model(batch["input_ids"].to(device), return_hidden_only=True, **kwargs)  # [B, T, d]
+        # [B, T, d]
+        hidden = model(batch["input_ids"].to(device), return_hidden_only=True, **kwargs)
         labels = batch["labels"].to(device)
         T = labels.shape[1]
         tail = torch.zeros_like(labels, dtype=torch.bool)
         tail[:, T // 2 :] = True
         h, y, t = hidden.flatten(0, 1), labels.flatten(), tail.flatten()
         for s in range(0, h.shape[0], chunk_tokens):
-            losses = F.cross_entropy(model.lm_head(h[s : s + chunk_tokens]).float(), y[s : s + chunk_tokens],
-                                     ignore_index=IGNORE, reduction="none")
+            losses = F.cross_entropy(model.lm_head(h[s : s + chunk_tokens]).float(),
+                                     y[s : s + chunk_tokens], ignore_index=IGNORE, reduction="none")
             valid = y[s : s + chunk_tokens] != IGNORE
             total += float(losses[valid].sum())
             count += int(valid.sum())
@@ -180,7 +187,8 @@ def _fmt_a(a) -> str:
 
 def calibrate(folder: str | Path, grid: list[float | None], data: str = "wiki", seq_len: int = 4096,
               n_rows: int = 4, batch_size: int = 1, by: str = "loss", write: bool = True,
-              device: str = "cpu", dtype=torch.float32, log=print, trust_remote_code: bool = False) -> dict:
+              device: str = "cpu", dtype=torch.float32, log=print,
+              trust_remote_code: bool = False) -> dict:
     """Load ``folder``, grid-search a, write the best into its config.json; returns the report."""
     check_hypenet_folder(folder)
     model, tokenizer = load_folder(folder, device, dtype, trust_remote_code)
@@ -190,8 +198,10 @@ def calibrate(folder: str | Path, grid: list[float | None], data: str = "wiki", 
     log(format_curve(curve, by))
     if write:
         write_scale_base(folder, best["a"])
-        log(f"wrote attn_logits_scale_base = {_fmt_a(best['a'])} into {Path(folder) / 'config.json'}")
-    return {"model": str(folder), "seq_len": seq_len, "data": data, "select_by": by, "curve": curve, "best_a": best["a"]}
+        log(f"wrote attn_logits_scale_base = {_fmt_a(best['a'])} into "
+            f"{Path(folder) / 'config.json'}")
+    return {"model": str(folder), "seq_len": seq_len, "data": data, "select_by": by, "curve": curve,
+            "best_a": best["a"]}
 
 
 def load_folder(folder, device: str = "cpu", dtype=torch.float32, trust_remote_code: bool = False):
@@ -204,6 +214,7 @@ def load_folder(folder, device: str = "cpu", dtype=torch.float32, trust_remote_c
         tokenizer = load_tokenizer(folder, trust_remote_code)
     except UntrustedCodeError:
         raise
-    except Exception:  # noqa: BLE001 - a folder without a tokenizer still calibrates on shards/random
+    except Exception:  # noqa: BLE001
+        # a folder without a tokenizer still calibrates on shards/random
         tokenizer = None
     return model, tokenizer

@@ -1,4 +1,5 @@
-"""The one error type of the evaluation suite: a user mistake, printed by `halo-dist` as one line."""
+"""The one error type of the evaluation suite: a user mistake, printed by `halo-dist` as one
+line."""
 
 from ..errors import HaloUserError
 

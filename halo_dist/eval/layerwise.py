@@ -3,7 +3,8 @@
 M(i) = the teacher with only layer i replaced by its stage-1 RNN. With RoPE kept, no logits scaling
 and no gates, an all-attention HypeNet *is* the teacher (tests/test_hypenet.py), so we:
 
-1. convert the teacher once into that exact all-attention ``base`` (the HF teacher can then be freed);
+1. convert the teacher once into that exact all-attention ``base`` (the HF teacher can then be
+   freed);
 2. build layer i's RNN mixer from the stage-1 file (missing keys fall back to the stage-0 transfer,
    exactly as ``convert_model`` does) and swap it into ``base`` in place (:func:`swapped_mixer`);
 3. for forward-only probes, cache the teacher's hidden states *entering* layer i and run only
@@ -61,7 +62,8 @@ class Stage1Weights:
         try:
             self._file = safe_open(str(self.path), "pt")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise EvalError(f"stage-1 weights {self.path} are not a readable safetensors file: {e}") from None
+            raise EvalError(f"stage-1 weights {self.path} are not a readable safetensors file: "
+                            f"{e}") from None
         self.keys_by_layer = self._check()
         self.mixer_config = self._mixer_config()
 
@@ -71,8 +73,8 @@ class Stage1Weights:
         return {k: tuple(v.shape) for k, v in mixer.state_dict().items()}
 
     def _mixer_config(self):
-        """``base``'s config with the RNN RoPE stage 1 aligned the layers with (``model.pe``; files from
-        before it have no key: RoPE on), so that M(i) runs layer i as stage 1 trained it."""
+        """``base``'s config with the RNN RoPE stage 1 aligned the layers with (``model.pe``; files
+        from before it have no key: RoPE on), so that M(i) runs layer i as stage 1 trained it."""
         cfg = copy.deepcopy(self.base.config)
         cfg.rnn_rope = (self._file.metadata() or {}).get("rnn_rope", "true") == "true"
         return cfg
@@ -89,11 +91,13 @@ class Stage1Weights:
         for key in self._file.keys():
             layer, name = _split_mixer_key(key)
             if layer is None or not 0 <= layer < self.num_layers or name not in expected:
-                raise EvalError(f"stage-1 weights {self.path}: key {key!r} is not an RNN-mixer parameter of this teacher")
+                raise EvalError(f"stage-1 weights {self.path}: key {key!r} is not an RNN-mixer "
+                                "parameter of this teacher")
             shape = tuple(self._file.get_slice(key).get_shape())
             if shape != expected[name]:
                 raise EvalError(
-                    f"stage-1 weights {self.path}: {key!r} has shape {shape}, this teacher's RNN layer needs {expected[name]}"
+                    f"stage-1 weights {self.path}: {key!r} has shape {shape}, this teacher's RNN "
+                    f"layer needs {expected[name]}"
                 )
             by_layer.setdefault(layer, []).append(key)
         return by_layer
@@ -104,21 +108,24 @@ class Stage1Weights:
             raise EvalError(f"stage-1 weights {self.path} hold no RNN weights for layers {missing}")
 
     def mixer(self, i: int) -> LightningMixer:
-        """Layer i's RNN mixer: stage-0 transfer from the teacher's attention, overwritten by the file."""
+        """Layer i's RNN mixer: stage-0 transfer from the teacher's attention, overwritten by the
+        file."""
         state = transferred_rnn_state(self.base, i)
         for key in self.keys_by_layer.get(i, []):
             state[_split_mixer_key(key)[1]] = self._file.get_tensor(key)
         ref = self.base.model.layers[i].mixer.q_proj.weight
         with torch.device("meta"):
             mixer = LightningMixer(self.mixer_config, i)
-        mixer.load_state_dict({k: v.to(ref.dtype) for k, v in state.items()}, strict=True, assign=True)
+        mixer.load_state_dict({k: v.to(ref.dtype) for k, v in state.items()}, strict=True,
+                              assign=True)
         return mixer.to(ref.device).eval()
 
 
 def _split_mixer_key(key: str) -> tuple[int | None, str | None]:
     """``model.layers.7.mixer.q_proj.weight`` -> ``(7, "q_proj.weight")``."""
     parts = key.split(".")
-    if len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[3] != "mixer" or not parts[2].isdigit():
+    if (len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[3] != "mixer"
+            or not parts[2].isdigit()):
         return None, None
     return int(parts[2]), ".".join(parts[4:])
 
@@ -132,13 +139,14 @@ def transferred_rnn_state(base, i: int) -> dict[str, torch.Tensor]:
     cfg = copy.deepcopy(base.config)
     cfg.num_hidden_layers, cfg.mixer_types = 1, ["lightning"]
     placeholder = torch.empty(0)
-    view = {k: placeholder for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                                      "model.layers.0.input_layernorm.weight",
-                                      "model.layers.0.post_attention_layernorm.weight")}
+    view = {k: placeholder for k in ("model.embed_tokens.weight", "model.norm.weight",
+                                     "lm_head.weight", "model.layers.0.input_layernorm.weight",
+                                     "model.layers.0.post_attention_layernorm.weight")}
     for name, value in base.model.layers[i].mixer.state_dict().items():
         view[f"model.layers.0.self_attn.{name}"] = value.detach()
     prefix = "model.layers.0.mixer."
-    return {k[len(prefix):]: v for k, v in transfer_state_dict(view, cfg).items() if k.startswith(prefix)}
+    return {k[len(prefix):]: v
+            for k, v in transfer_state_dict(view, cfg).items() if k.startswith(prefix)}
 
 
 @contextlib.contextmanager
@@ -182,10 +190,12 @@ class LayerwiseRunner:
 
     @torch.no_grad()
     def outputs(self, start: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(batch index, final normed hidden [B, T, d])`` running layers ``start``..L-1 on the cache."""
+        """Yield ``(batch index, final normed hidden [B, T, d])`` running layers ``start``..L-1 on
+        the cache."""
         start = self.layer if start is None else start
         if start != self.layer:
-            raise RuntimeError(f"cache holds the input of layer {self.layer}, asked to start at {start}")
+            raise RuntimeError(f"cache holds the input of layer {self.layer}, asked to start at "
+                               f"{start}")
         layers = self.base.model.layers
         for b, (x, info) in enumerate(zip(self.hidden, self.infos)):
             for j in range(start, len(layers)):
@@ -194,7 +204,8 @@ class LayerwiseRunner:
 
     @torch.no_grad()
     def advance(self) -> None:
-        """Push the cache through the *current* (teacher) layer: it now enters layer ``self.layer + 1``."""
+        """Push the cache through the *current* (teacher) layer: it now enters layer
+        ``self.layer + 1``."""
         layer = self.base.model.layers[self.layer]
         self.hidden = [layer(x, info) for x, info in zip(self.hidden, self.infos)]
         self.layer += 1
@@ -222,11 +233,12 @@ def evaluate_layers(
     layers: list[int] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[int, dict]:
-    """Evaluate M(i) for ``layers`` (default all) in increasing order; return ``{i: {"recall", "csr", ...}}``.
+    """Evaluate M(i) for ``layers`` (default all) in increasing order; return
+    ``{i: {"recall", "csr", ...}}``.
 
     ``evaluator`` has ``start(base)``, ``evaluate(base, i) -> dict`` (called with M(i) in place) and
-    ``advance(i)`` (called after layer i, evaluated or skipped). With ``results_path`` the results are
-    written after every layer; with ``resume`` layers already in that file are skipped.
+    ``advance(i)`` (called after layer i, evaluated or skipped). With ``results_path`` the results
+    are written after every layer; with ``resume`` layers already in that file are skipped.
     """
     L = base.config.num_hidden_layers
     layers = sorted(range(L) if layers is None else layers)
@@ -234,7 +246,8 @@ def evaluate_layers(
     results = _existing_results(results_path, resume, L)
     pending = [i for i in layers if i not in results]
     if results:
-        log(f"resuming: {len(results)} layers already in {results_path}, {len(pending)} to evaluate")
+        log(f"resuming: {len(results)} layers already in {results_path}, {len(pending)} to "
+            "evaluate")
     if not pending:
         return results
     evaluator.start(base)
@@ -243,7 +256,8 @@ def evaluate_layers(
             t0 = time.time()
             with swapped_mixer(base, i, stage1.mixer(i)):
                 results[i] = evaluator.evaluate(base, i)
-            log(f"layer {i:3d}: recall {results[i]['recall']:.4f}  csr {results[i]['csr']:.4f}  ({time.time() - t0:.1f}s)")
+            log(f"layer {i:3d}: recall {results[i]['recall']:.4f}  csr {results[i]['csr']:.4f}  "
+                f"({time.time() - t0:.1f}s)")
             if results_path is not None:
                 save_results(results_path, results)
         evaluator.advance(i)
@@ -256,5 +270,6 @@ def _existing_results(results_path, resume: bool, num_layers: int) -> dict[int, 
     results = load_results(results_path)
     extra = [i for i in results if i >= num_layers]
     if extra:
-        raise EvalError(f"--resume: {results_path} holds layers {extra}, the teacher has {num_layers} layers")
+        raise EvalError(f"--resume: {results_path} holds layers {extra}, the teacher has "
+                        f"{num_layers} layers")
     return results

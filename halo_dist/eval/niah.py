@@ -30,7 +30,8 @@ import torch
 from .errors import EvalError
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
 TEMPLATE = (
     "Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the {kind} afterwards.\n{context}\n"
@@ -39,12 +40,14 @@ TEMPLATE = (
 )
 NEEDLE = " One of the special magic {kind} for {key} is: {value}. "
 KEY_WORDS = (
-    "amber", "brisk", "cobalt", "dusty", "eager", "fabled", "gentle", "hollow", "icy", "jolly", "keen", "lofty",
-    "mellow", "nimble", "opal", "placid", "quiet", "rustic", "silent", "tidy", "umber", "vivid", "witty", "zesty",
+    "amber", "brisk", "cobalt", "dusty", "eager", "fabled", "gentle", "hollow", "icy", "jolly",
+    "keen", "lofty", "mellow", "nimble", "opal", "placid", "quiet", "rustic", "silent", "tidy",
+    "umber", "vivid", "witty", "zesty",
 )
 KEY_NOUNS = (
-    "anchor", "badger", "canyon", "dolphin", "ember", "falcon", "glacier", "harbor", "island", "jungle", "kettle",
-    "lantern", "meadow", "nectar", "orchard", "pebble", "quarry", "river", "summit", "thicket", "valley", "willow",
+    "anchor", "badger", "canyon", "dolphin", "ember", "falcon", "glacier", "harbor", "island",
+    "jungle", "kettle", "lantern", "meadow", "nectar", "orchard", "pebble", "quarry", "river",
+    "summit", "thicket", "valley", "willow",
 )
 
 
@@ -103,7 +106,8 @@ def parse_depths(text: str) -> list[float]:
     try:
         depths = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise EvalError(f"--depths must be comma-separated fractions in [0, 1] or a count, got {text!r}") from None
+        raise EvalError("--depths must be comma-separated fractions in [0, 1] or a count, got "
+                        f"{text!r}") from None
     bad = [d for d in depths if not 0.0 <= d <= 1.0]
     if bad or not depths:
         raise EvalError(f"--depths values must lie in [0, 1], got {bad or text!r}")
@@ -134,7 +138,8 @@ class Haystack:
         while len(self.ids) < n:
             new = self._encode(self._next_text(n - len(self.ids)))
             if not new:
-                raise EvalError("the tokenizer turns the haystack text into no tokens (an empty tokenizer?)")
+                raise EvalError("the tokenizer turns the haystack text into no tokens (an empty "
+                                "tokenizer?)")
             self.ids.extend(new)
         return self.ids[:n]
 
@@ -173,7 +178,8 @@ class NiahBuilder:
 
     def __init__(self, tokenizer, corpus: list[str] | None = None, seed: int = 0):
         self.tokenizer, self.seed = tokenizer, seed
-        self.haystacks = {"filler": Haystack(tokenizer, "filler"), "essay": Haystack(tokenizer, "essay", corpus)}
+        self.haystacks = {"filler": Haystack(tokenizer, "filler"),
+                          "essay": Haystack(tokenizer, "essay", corpus)}
 
     def sample(self, task: str, length: int, depth: float, index: int = 0) -> NiahSample:
         """One prompt of exactly ``length`` tokens with the needle at ``depth`` of the haystack."""
@@ -199,7 +205,8 @@ class NiahBuilder:
         """
         fixed = len(self._encode(parts["head"] + parts["needle"] + parts["tail"]))
         if length - fixed < 1:
-            raise EvalError(f"length {length} is too short: the template and needle alone take {fixed} tokens")
+            raise EvalError(f"length {length} is too short: the template and needle alone take "
+                            f"{fixed} tokens")
         tried: dict[int, int] = {}
 
         def attempt(n: int, shift: int = 0):
@@ -221,13 +228,17 @@ class NiahBuilder:
             if n not in tried and (found := attempt(n)):
                 return found
         for n in sorted(range(max(1, best - 4), best + 5), key=lambda m: abs(m - best)):
-            for shift in (1, -1, 2, -2, 3, -3):  # move the needle cut: other merges at its boundaries
+            # move the needle cut: other merges at its boundaries
+            for shift in (1, -1, 2, -2, 3, -3):
                 if found := attempt(n, shift):
                     return found
-        raise EvalError(f"could not build a prompt of exactly {length} tokens with this tokenizer (closest: {tried[best]})")
+        raise EvalError(f"could not build a prompt of exactly {length} tokens with this tokenizer "
+                        f"(closest: {tried[best]})")
 
-    def _assemble(self, parts: dict, hay: Haystack, n: int, depth: float, shift: int = 0) -> tuple[str, int]:
-        """Prompt text with ``n`` haystack tokens and the needle at ``depth``; returns (text, offset of needle).
+    def _assemble(self, parts: dict, hay: Haystack, n: int, depth: float,
+                  shift: int = 0) -> tuple[str, int]:
+        """Prompt text with ``n`` haystack tokens and the needle at ``depth``; returns (text, offset
+        of needle).
 
         A character split by a cut (byte-level tokens) becomes one space instead of U+FFFD.
         """
@@ -244,7 +255,8 @@ class NiahBuilder:
         for delta in range(window + 1):
             for c in (cut - delta, cut + delta):
                 if c == 0 or c == len(tokens) or (
-                    0 < c < len(tokens) and self.tokenizer.decode(tokens[c - 1 : c]).rstrip().endswith((".", "\n"))
+                    0 < c < len(tokens)
+                    and self.tokenizer.decode(tokens[c - 1 : c]).rstrip().endswith((".", "\n"))
                 ):
                     best = c
                     break
@@ -252,11 +264,14 @@ class NiahBuilder:
                 return best
         return cut
 
-    def _locate(self, text: str, needle_chars: int, parts: dict) -> tuple[tuple[int, int], tuple[int, int]]:
-        """Token spans ``[start, end)`` of the needle and of the haystack, from character offsets."""
+    def _locate(self, text: str, needle_chars: int,
+                parts: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Token spans ``[start, end)`` of the needle and of the haystack, from character
+        offsets."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         offsets = enc["offset_mapping"]
-        tok_at = lambda ch: next((i for i, (s, e) in enumerate(offsets) if e > ch), len(offsets))  # noqa: E731
+        tok_at = lambda ch: next((i for i, (s, e) in enumerate(offsets) if e > ch),  # noqa: E731
+                                 len(offsets))
         needle = parts["needle"]
         start = tok_at(needle_chars + len(needle) - len(needle.lstrip()))
         end = tok_at(needle_chars + len(needle.rstrip()) - 1) + 1
@@ -267,7 +282,8 @@ class NiahBuilder:
 
 
 def _mend(text: str) -> str:
-    """Replace a run of U+FFFD (a multi-byte character cut by a token boundary) at either end by a space."""
+    """Replace a run of U+FFFD (a multi-byte character cut by a token boundary) at either end by a
+    space."""
     return re.sub("^\ufffd+", " ", re.sub("\ufffd+$", " ", text))
 
 
@@ -287,9 +303,11 @@ def answer_found(answer: str, generated: str) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-def greedy_generate(model, tokenizer, rows: list[list[int]], max_new_tokens: int, static: bool = False) -> list[str]:
-    """Greedy continuations of (left-padded) prompts through the model's own ``generate``; ``static``: through
-    HypeNet's static cache (CUDA-graph steps on CUDA, the split-KV attention kernel), ignored for other models."""
+def greedy_generate(model, tokenizer, rows: list[list[int]], max_new_tokens: int,
+                    static: bool = False) -> list[str]:
+    """Greedy continuations of (left-padded) prompts through the model's own ``generate``;
+    ``static``: through HypeNet's static cache (CUDA-graph steps on CUDA, the split-KV attention
+    kernel), ignored for other models."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(r) for r in rows)
@@ -302,15 +320,18 @@ def greedy_generate(model, tokenizer, rows: list[list[int]], max_new_tokens: int
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
             do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
-            **({"cache_implementation": "static"} if static and supports_static_decode(model) else {}),
+            **({"cache_implementation": "static"} if static and supports_static_decode(model)
+               else {}),
         )
     return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out.cpu()]
 
 
 def supports_static_decode(model) -> bool:
-    """HypeNet without sliding-window layers decodes through its static cache; other models keep theirs."""
+    """HypeNet without sliding-window layers decodes through its static cache; other models keep
+    theirs."""
     config = getattr(model, "config", None)
-    return getattr(config, "model_type", None) == "hypenet" and "swa" not in getattr(config, "mixer_types", ())
+    return (getattr(config, "model_type", None) == "hypenet"
+            and "swa" not in getattr(config, "mixer_types", ()))
 
 
 @dataclass
@@ -322,16 +343,17 @@ class NiahConfig:
     batch_size: int = 4
     max_new_tokens: int = 0  # 0: enough for the answer (from the tokenizer)
     seed: int = 0
-    # > 0: prompts per batch = max(1, batch_tokens // length), at most batch_size. Long prompts then go
-    # one at a time, so no padding mask is needed (HF's SDPA path materialises [B, 1, T, T] masks for
-    # left-padded batches: 43 GB at 10 x 64K).
+    # > 0: prompts per batch = max(1, batch_tokens // length), at most batch_size. Long prompts then
+    # go one at a time, so no padding mask is needed (HF's SDPA path materialises [B, 1, T, T] masks
+    # for left-padded batches: 43 GB at 10 x 64K).
     batch_tokens: int = 0
-    # decode HypeNet through its static cache (the split-KV attention kernel, CUDA graphs on a GPU). With the
-    # dynamic cache, a 64K cell of 20 prompts took 16 s for short answers and 33 s for UUIDs on an H200: about
-    # 0.25 s per extra batched step, far above what reading a 64K cache costs
+    # decode HypeNet through its static cache (the split-KV attention kernel, CUDA graphs on a GPU).
+    # With the dynamic cache, a 64K cell of 20 prompts took 16 s for short answers and 33 s for
+    # UUIDs on an H200: about 0.25 s per extra batched step, far above what reading a 64K cache
+    # costs
     static_decode: bool = False
-    # a folder of built prompt cells (see PromptCache): teacher and student, or a re-run, tokenize the
-    # haystacks once (about 0.35 s of CPU per 64K prompt)
+    # a folder of built prompt cells (see PromptCache): teacher and student, or a re-run, tokenize
+    # the haystacks once (about 0.35 s of CPU per 64K prompt)
     prompt_cache: str | None = None
 
     def batch_for(self, length: int) -> int:
@@ -341,25 +363,29 @@ class NiahConfig:
 
 
 def run_niah(model, tokenizer, cfg: NiahConfig, corpus: list[str] | None = None, log=print) -> dict:
-    """Generate every (task, length, depth, sample) prompt, decode greedily, score; return the report dict."""
+    """Generate every (task, length, depth, sample) prompt, decode greedily, score; return the
+    report dict."""
     builder = NiahBuilder(tokenizer, corpus, cfg.seed)
     cache = PromptCache(cfg.prompt_cache, builder) if cfg.prompt_cache else None
     records = []
     for task in cfg.tasks:
         for length in cfg.lengths:
             t0 = time.time()
-            samples, source = cache.cell(task, length, cfg) if cache else (build_cell(builder, task, length, cfg), "built")
+            samples, source = (cache.cell(task, length, cfg) if cache
+                               else (build_cell(builder, task, length, cfg), "built"))
             t1 = time.time()
             records += _decode_and_score(model, tokenizer, samples, cfg)
             acc = sum(r["correct"] for r in records[-len(samples):]) / len(samples)
-            log(f"{task} @ {length}: accuracy {acc:.3f} over {len(samples)} prompts ({time.time() - t0:.1f}s; "
-                f"prompts {source} in {t1 - t0:.1f}s)")
+            log(f"{task} @ {length}: accuracy {acc:.3f} over {len(samples)} prompts "
+                f"({time.time() - t0:.1f}s; prompts {source} in {t1 - t0:.1f}s)")
     return {"config": asdict(cfg), "records": records, "summary": summarize(records)}
 
 
-def build_prompt_cache(tokenizer, cfg: NiahConfig, corpus: list[str] | None = None, log=print) -> None:
-    """Build every cell of ``cfg`` into ``cfg.prompt_cache`` without a model (CPU only): a later evaluation with
-    the same tokenizer and settings reads them instead of tokenizing the haystacks again."""
+def build_prompt_cache(tokenizer, cfg: NiahConfig, corpus: list[str] | None = None,
+                       log=print) -> None:
+    """Build every cell of ``cfg`` into ``cfg.prompt_cache`` without a model (CPU only): a later
+    evaluation with the same tokenizer and settings reads them instead of tokenizing the haystacks
+    again."""
     if not cfg.prompt_cache:
         raise EvalError("building prompts needs a prompt cache folder")
     cache = PromptCache(cfg.prompt_cache, NiahBuilder(tokenizer, corpus, cfg.seed))
@@ -372,14 +398,16 @@ def build_prompt_cache(tokenizer, cfg: NiahConfig, corpus: list[str] | None = No
 
 def build_cell(builder: "NiahBuilder", task: str, length: int, cfg: NiahConfig) -> list[NiahSample]:
     """The prompts of one (task, length) cell: every depth x ``samples_per_cell``."""
-    return [builder.sample(task, length, d, k) for d in cfg.depths for k in range(cfg.samples_per_cell)]
+    return [builder.sample(task, length, d, k) for d in cfg.depths
+            for k in range(cfg.samples_per_cell)]
 
 
 class PromptCache:
-    """Built prompt cells on disk, one JSON file per (task, length) cell, named by a hash of everything the
-    prompts depend on: the tokenizer (its full serialisation), the haystack texts, the seed, the depths, the
-    sample count and the templates. A different tokenizer or corpus is a different file, never a wrong hit;
-    files are written atomically, so a killed run leaves none half-written."""
+    """Built prompt cells on disk, one JSON file per (task, length) cell, named by a hash of
+    everything the prompts depend on: the tokenizer (its full serialisation), the haystack texts,
+    the seed, the depths, the sample count and the templates. A different tokenizer or corpus is a
+    different file, never a wrong hit; files are written atomically, so a killed run leaves none
+    half-written."""
 
     VERSION = 1
 
@@ -395,18 +423,21 @@ class PromptCache:
         samples = build_cell(self.builder, task, length, cfg)
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"task": task, "length": length, "samples": [asdict(x) for x in samples]}))
+        tmp.write_text(json.dumps({"task": task, "length": length,
+                                   "samples": [asdict(x) for x in samples]}))
         os.replace(tmp, path)
         return samples, "built"
 
     def _key(self, task: str, length: int, cfg: NiahConfig) -> str:
-        cell = [self._base_key(), task, length, list(cfg.depths), cfg.samples_per_cell, self.builder.seed]
+        cell = [self._base_key(), task, length, list(cfg.depths), cfg.samples_per_cell,
+                self.builder.seed]
         return hashlib.sha256(json.dumps(cell).encode()).hexdigest()
 
     def _base_key(self) -> str:
         if self._base is None:
             hay = self.builder.haystacks["essay"]
-            h = hashlib.sha256(json.dumps([self.VERSION, TEMPLATE, NEEDLE, FILLER, tokenizer_identity(self.builder.tokenizer)]).encode())
+            h = hashlib.sha256(json.dumps([self.VERSION, TEMPLATE, NEEDLE, FILLER,
+                                           tokenizer_identity(self.builder.tokenizer)]).encode())
             for doc in hay._docs():
                 h.update(hashlib.sha256(doc.encode()).digest())
             self._base = h.hexdigest()
@@ -414,9 +445,9 @@ class PromptCache:
 
 
 def tokenizer_identity(tokenizer) -> str:
-    """sha256 of what turns text into ids: a fast tokenizer's serialisation (normaliser, pre-tokeniser,
-    vocabulary, merges, added tokens) without its padding and truncation state, which transformers changes
-    per call; else the vocabulary and the tokenizer's class."""
+    """sha256 of what turns text into ids: a fast tokenizer's serialisation (normaliser,
+    pre-tokeniser, vocabulary, merges, added tokens) without its padding and truncation state, which
+    transformers changes per call; else the vocabulary and the tokenizer's class."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         spec = json.loads(backend.to_str())
@@ -432,12 +463,16 @@ def _decode_and_score(model, tokenizer, samples: list[NiahSample], cfg: NiahConf
     step = cfg.batch_for(max(x.length for x in samples)) if samples else 1
     for s in range(0, len(samples), step):
         chunk = samples[s : s + step]
-        new = cfg.max_new_tokens or max(len(tokenizer(" " + x.answer, add_special_tokens=False)["input_ids"]) for x in chunk) + 8
-        texts = greedy_generate(model, tokenizer, [x.input_ids for x in chunk], new, static=cfg.static_decode)
+        new = (cfg.max_new_tokens
+               or max(len(tokenizer(" " + x.answer, add_special_tokens=False)["input_ids"])
+                      for x in chunk) + 8)
+        texts = greedy_generate(model, tokenizer, [x.input_ids for x in chunk], new,
+                                static=cfg.static_decode)
         for x, text in zip(chunk, texts):
             out.append({
-                "task": x.task, "length": x.length, "depth": x.depth, "actual_depth": round(x.actual_depth, 4),
-                "key": x.key, "answer": x.answer, "generated": text, "correct": answer_found(x.answer, text),
+                "task": x.task, "length": x.length, "depth": x.depth,
+                "actual_depth": round(x.actual_depth, 4), "key": x.key, "answer": x.answer,
+                "generated": text, "correct": answer_found(x.answer, text),
                 "prompt_tokens": len(x.input_ids),
             })
     return out
@@ -447,12 +482,15 @@ def summarize(records: list[dict]) -> dict:
     """``{task: {"by_length": {L: acc}, "by_cell": {L: {depth: acc}}, "mean": acc}}``."""
     summary: dict = {}
     for r in records:
-        cell = summary.setdefault(r["task"], {"cells": {}})["cells"].setdefault(r["length"], {}).setdefault(r["depth"], [])
+        cell = summary.setdefault(r["task"], {"cells": {}})["cells"].setdefault(
+            r["length"], {}).setdefault(r["depth"], [])
         cell.append(bool(r["correct"]))
     for task, entry in summary.items():
         cells = entry.pop("cells")
-        entry["by_cell"] = {L: {d: sum(v) / len(v) for d, v in ds.items()} for L, ds in cells.items()}
-        entry["by_length"] = {L: _mean([x for v in ds.values() for x in v]) for L, ds in cells.items()}
+        entry["by_cell"] = {L: {d: sum(v) / len(v) for d, v in ds.items()}
+                            for L, ds in cells.items()}
+        entry["by_length"] = {L: _mean([x for v in ds.values() for x in v])
+                              for L, ds in cells.items()}
         entry["mean"] = _mean([x for ds in cells.values() for v in ds.values() for x in v])
     return summary
 

@@ -62,5 +62,6 @@ def write_reports(report: dict, out_dir: str | Path, name: str = "niah") -> dict
     md = markdown_table(report["summary"], title=report.get("model", name))
     (out_dir / f"{name}.md").write_text(md)
     paths["markdown"] = out_dir / f"{name}.md"
-    paths["heatmap"] = heatmap(report["summary"], out_dir / f"{name}_heatmap.png", title=str(report.get("model", name)))
+    paths["heatmap"] = heatmap(report["summary"], out_dir / f"{name}_heatmap.png",
+                               title=str(report.get("model", name)))
     return paths

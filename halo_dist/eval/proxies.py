@@ -30,13 +30,15 @@ PAD_ID = 0
 
 
 def pad_rows(rows: list[list[int]], pad: int = PAD_ID) -> torch.Tensor:
-    """Right-pad token rows to one ``[B, T]`` tensor (causal models ignore what follows a position)."""
+    """Right-pad token rows to one ``[B, T]`` tensor (causal models ignore what follows a
+    position)."""
     width = max(len(r) for r in rows)
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 def batch_rows(rows: list[list[int]], batch_size: int) -> list[tuple[list[int], dict]]:
-    """Group row indices (sorted by length to limit padding) into batches ``(indices, {"input_ids"})``."""
+    """Group row indices (sorted by length to limit padding) into batches
+    ``(indices, {"input_ids"})``."""
     order = sorted(range(len(rows)), key=lambda r: len(rows[r]))
     out = []
     for s in range(0, len(order), batch_size):
@@ -52,7 +54,8 @@ def batch_rows(rows: list[list[int]], batch_size: int) -> list[tuple[list[int], 
 
 @dataclass
 class RecallRow:
-    """One sequence and its answers: each answer is a list of ``(position predicting, target id)``."""
+    """One sequence and its answers: each answer is a list of
+    ``(position predicting, target id)``."""
 
     ids: list[int]
     answers: list[list[tuple[int, int]]] = field(default_factory=list)
@@ -82,19 +85,23 @@ class RetrievalProbe:
                     exact.append(bool(hits.all()))
                     tokens_ok += int(hits.sum())
                     tokens += len(answer)
-        return {"recall": sum(exact) / len(exact), "recall_token_acc": tokens_ok / max(1, tokens), "recall_items": len(exact)}
+        return {"recall": sum(exact) / len(exact), "recall_token_acc": tokens_ok / max(1, tokens),
+                "recall_items": len(exact)}
 
 
 def associative_recall_rows(
-    vocab_size: int, n_rows: int = 16, n_pairs: int = 32, n_queries: int = 8, seed: int = 0, reserved: int = 4
+    vocab_size: int, n_rows: int = 16, n_pairs: int = 32, n_queries: int = 8, seed: int = 0,
+    reserved: int = 4
 ) -> list[RecallRow]:
-    """Multi-query associative recall over raw ids: ``k1 v1 … kn vn  q1 a1 … qm am`` (aᵢ = value of qᵢ).
+    """Multi-query associative recall over raw ids: ``k1 v1 … kn vn  q1 a1 … qm am``
+    (aᵢ = value of qᵢ).
 
     Keys come from the lower half of the vocabulary, values from the upper half; each query is one
     single-token item predicted at the query position. Works for any model, no tokenizer needed.
     """
     if vocab_size < 2 * (reserved + n_pairs):
-        raise EvalError(f"vocabulary of {vocab_size} is too small for {n_pairs} distinct key/value pairs")
+        raise EvalError(f"vocabulary of {vocab_size} is too small for {n_pairs} distinct key/value "
+                        "pairs")
     rng = random.Random(seed)
     half = vocab_size // 2
     rows = []
@@ -111,8 +118,10 @@ def associative_recall_rows(
     return rows
 
 
-def needle_rows(tokenizer, n_rows: int = 8, length: int = 512, task: str = "niah_single_2", seed: int = 0) -> list[RecallRow]:
-    """NIAH prompts of ``length`` tokens at evenly spaced depths with the answer appended (teacher forcing)."""
+def needle_rows(tokenizer, n_rows: int = 8, length: int = 512, task: str = "niah_single_2",
+                seed: int = 0) -> list[RecallRow]:
+    """NIAH prompts of ``length`` tokens at evenly spaced depths with the answer appended (teacher
+    forcing)."""
     from .niah import NiahBuilder
 
     builder = NiahBuilder(tokenizer, seed=seed)
@@ -140,12 +149,14 @@ class KLProbe:
             raise EvalError("the KL probe has no held-out batches")
         self.batches = batches
         self.chunk_tokens = chunk_tokens
-        self.teacher: list[torch.Tensor] | None = None  # final hidden states of the teacher, per batch
+        # final hidden states of the teacher, per batch
+        self.teacher: list[torch.Tensor] | None = None
 
     @torch.no_grad()
     def score(self, outputs, lm_head) -> dict:
         if self.teacher is None:
-            raise RuntimeError("KLProbe.teacher must be set (the runner's teacher outputs) before scoring")
+            raise RuntimeError("KLProbe.teacher must be set (the runner's teacher outputs) before "
+                               "scoring")
         kl_sum, agree, count = 0.0, 0, 0
         for b, hidden in outputs:
             hs, ht = hidden.flatten(0, 1), self.teacher[b].flatten(0, 1)  # [B, T, d] -> [B*T, d]
@@ -159,43 +170,52 @@ class KLProbe:
         return {"csr": math.exp(-kl), "kl": kl, "top1_agreement": agree / count, "kl_tokens": count}
 
 
-def heldout_text_batches(tokenizer, seq_len: int = 512, n_rows: int = 8, batch_size: int = 4) -> list[dict]:
-    """Rows of ``seq_len`` tokens from the *last* offline Wikipedia extracts (EOS between documents)."""
+def heldout_text_batches(tokenizer, seq_len: int = 512, n_rows: int = 8,
+                         batch_size: int = 4) -> list[dict]:
+    """Rows of ``seq_len`` tokens from the *last* offline Wikipedia extracts (EOS between
+    documents)."""
     from ..assets.text import wiki_documents
 
     docs = wiki_documents()
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for doc in reversed(docs):
-        ids += tokenizer(doc["text"], add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        ids += (tokenizer(doc["text"], add_special_tokens=False)["input_ids"]
+                + ([eos] if eos is not None else []))
         if len(ids) >= seq_len * n_rows:
             break
     rows = [ids[r * seq_len : (r + 1) * seq_len] for r in range(min(n_rows, len(ids) // seq_len))]
     if not rows:
         raise EvalError("the offline Wikipedia text is too short for one held-out row")
-    return [{"input_ids": torch.tensor(rows[s : s + batch_size])} for s in range(0, len(rows), batch_size)]
+    return [{"input_ids": torch.tensor(rows[s : s + batch_size])}
+            for s in range(0, len(rows), batch_size)]
 
 
-def heldout_shard_batches(manifest: str, seq_len: int = 512, n_batches: int = 2, batch_size: int = 4, split: str = "heldout") -> list[dict]:
-    """Packed batches (document boundaries kept; labels = next token of the same document, else -100)
-    from pre-tokenized shards of ``split``."""
+def heldout_shard_batches(manifest: str, seq_len: int = 512, n_batches: int = 2,
+                          batch_size: int = 4, split: str = "heldout") -> list[dict]:
+    """Packed batches (document boundaries kept; labels = next token of the same document, else
+    -100) from pre-tokenized shards of ``split``."""
     from ..data import DataError, build_loader
 
     try:
-        loader = build_loader(manifest, seq_len, batch_size, shuffle=False, split=split, max_epochs=1)
+        loader = build_loader(manifest, seq_len, batch_size, shuffle=False, split=split,
+                              max_epochs=1)
         batches = []
         for batch in loader:
-            batches.append({k: batch[k] for k in ("input_ids", "position_ids", "labels", "cu_seqlens", "max_seqlen")})
+            batches.append({k: batch[k] for k in ("input_ids", "position_ids", "labels",
+                                                  "cu_seqlens", "max_seqlen")})
             if len(batches) >= n_batches:
                 break
     except DataError as e:
         raise EvalError(f"held-out shards: {e}") from None
     if not batches:
-        raise EvalError(f"held-out shards {manifest} (split {split!r}) yielded no batch of {batch_size}x{seq_len} tokens")
+        raise EvalError(f"held-out shards {manifest} (split {split!r}) yielded no batch of "
+                        f"{batch_size}x{seq_len} tokens")
     return batches
 
 
-def random_token_batches(vocab_size: int, seq_len: int = 128, n_rows: int = 8, batch_size: int = 4, seed: int = 0) -> list[dict]:
+def random_token_batches(vocab_size: int, seq_len: int = 128, n_rows: int = 8, batch_size: int = 4,
+                         seed: int = 0) -> list[dict]:
     """Uniform random ids: only for tokenizer-less smoke runs (tiny random models)."""
     g = torch.Generator().manual_seed(seed)
     rows = torch.randint(4, vocab_size, (n_rows, seq_len), generator=g)
@@ -212,7 +232,8 @@ class ChoiceProbe:
 
     def __init__(self, tokenizer, docs_by_task: dict[str, list[dict]], batch_size: int = 8):
         """``docs_by_task``: ``{task: [{"query", "choices", "gold"}]}`` (see :mod:`olmo_sets`)."""
-        self.meta: list[tuple[str, int, int, int, int]] = []  # (task, doc, choice, cont_start, cont_chars)
+        # (task, doc, choice, cont_start, cont_chars)
+        self.meta: list[tuple[str, int, int, int, int]] = []
         self.gold: dict[tuple[str, int], int] = {}
         rows = []
         for task, docs in docs_by_task.items():
@@ -222,7 +243,8 @@ class ChoiceProbe:
                 for c, choice in enumerate(doc["choices"]):
                     cont = tokenizer(" " + choice, add_special_tokens=False)["input_ids"]
                     rows.append(ctx + cont)
-                    self.meta.append((task, d, c, len(ctx), max(1, len(choice))))  # lm-eval: len(choice)
+                    # lm-eval: len(choice)
+                    self.meta.append((task, d, c, len(ctx), max(1, len(choice))))
         if not rows:
             raise EvalError("the multiple-choice probe has no documents")
         self.rows = rows
@@ -249,7 +271,8 @@ class ChoiceProbe:
         for (task, d), options in per_doc.items():
             best = max(options, key=lambda o: o[0])[2]
             best_norm = max(options, key=lambda o: o[1])[2]
-            stats.setdefault(task, []).append((best == self.gold[(task, d)], best_norm == self.gold[(task, d)]))
+            stats.setdefault(task, []).append((best == self.gold[(task, d)],
+                                               best_norm == self.gold[(task, d)]))
         out = {}
         for task, v in stats.items():
             out[f"{task}/acc"] = sum(a for a, _ in v) / len(v)

@@ -8,8 +8,8 @@ R = recall, C = commonsense (CSR), both in [0, 1]. A large s_i means that replac
 much recall for little CSR, so layer i stays softmax attention: keep the top k (default floor(L/4)).
 
 A *results file* is JSON ``{"<layer>": {"recall": r, "csr": c, ...extra keys}}``; evaluation writes
-it incrementally (:func:`save_results` is atomic) and ranking only reads it, so the two are separable
-and resumable. The evaluation loop itself lives in :mod:`halo_dist.eval.layerwise`.
+it incrementally (:func:`save_results` is atomic) and ranking only reads it, so the two are
+separable and resumable. The evaluation loop itself lives in :mod:`halo_dist.eval.layerwise`.
 """
 
 from __future__ import annotations
@@ -31,18 +31,22 @@ METHODS = ("halo", "even", "latter-half", "given")
 # ------------------------------------------------------------------------------------------------
 
 
-def validate_results(raw: dict, num_layers: int | None = None, source: str = "results") -> dict[int, dict]:
+def validate_results(raw: dict, num_layers: int | None = None,
+                     source: str = "results") -> dict[int, dict]:
     """Check a ``{"<layer>": {"recall", "csr", ...}}`` mapping and return it keyed by int layer.
 
-    With ``num_layers`` every layer 0..L-1 must be present (and no other). Raises :class:`EvalError`.
+    With ``num_layers`` every layer 0..L-1 must be present (and no other). Raises
+    :class:`EvalError`.
     """
     if not isinstance(raw, dict) or not raw:
-        raise EvalError(f"{source}: expected a non-empty JSON object {{\"<layer>\": {{\"recall\": .., \"csr\": ..}}}}")
+        raise EvalError(f"{source}: expected a non-empty JSON object {{\"<layer>\": {{\"recall\": "
+                        ".., \"csr\": ..}}")
     out: dict[int, dict] = {}
     for key, entry in raw.items():
         layer = _layer_key(key, source)
         if not isinstance(entry, dict):
-            raise EvalError(f"{source}: layer {key}: expected an object with 'recall' and 'csr', got {entry!r}")
+            raise EvalError(f"{source}: layer {key}: expected an object with 'recall' and 'csr', "
+                            f"got {entry!r}")
         for metric in ("recall", "csr"):
             _check_unit(entry.get(metric), f"{source}: layer {key}: {metric!r}")
         out[layer] = dict(entry)
@@ -76,7 +80,8 @@ def _check_layer_set(results: dict[int, dict], num_layers: int, source: str) -> 
     if extra:
         raise EvalError(f"{source}: layers {extra} are out of range for a {num_layers}-layer model")
     if missing:
-        raise EvalError(f"{source}: missing layers {missing} (a {num_layers}-layer model needs all of 0..{num_layers - 1})")
+        raise EvalError(f"{source}: missing layers {missing} (a {num_layers}-layer model needs all "
+                        f"of 0..{num_layers - 1})")
 
 
 def load_results(path: str | os.PathLike, num_layers: int | None = None) -> dict[int, dict]:
@@ -92,7 +97,8 @@ def load_results(path: str | os.PathLike, num_layers: int | None = None) -> dict
 
 
 def save_results(path: str | os.PathLike, results: dict[int, dict]) -> Path:
-    """Write ``results`` as JSON atomically (temp file + rename): a crash never leaves half a file."""
+    """Write ``results`` as JSON atomically (temp file + rename): a crash never leaves half a
+    file."""
     payload = {str(i): results[i] for i in sorted(results)}
     return write_json_atomic(path, payload)
 
@@ -158,7 +164,8 @@ def latter_half_layers(num_layers: int, k: int) -> list[int]:
     start = num_layers // 2
     span = num_layers - start
     if k > span:
-        raise EvalError(f"latter-half selection: {k} attention layers do not fit in the {span} layers {start}..{num_layers - 1}")
+        raise EvalError(f"latter-half selection: {k} attention layers do not fit in the {span} "
+                        f"layers {start}..{num_layers - 1}")
     return sorted({start + round(i * span / k) for i in range(k)}) if k else []
 
 
@@ -192,7 +199,8 @@ def select_layers(
         scores = {}
         if method == "halo":
             if results is None:
-                raise EvalError("method 'halo' needs per-layer results (--from-results FILE or an evaluator)")
+                raise EvalError("method 'halo' needs per-layer results (--from-results FILE or an "
+                                "evaluator)")
             _check_layer_set(results, num_layers, "results")
             scores = halo_scores(results)
             layers = top_k(scores, k)

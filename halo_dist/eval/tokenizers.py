@@ -1,4 +1,5 @@
-"""A byte-level Hugging Face tokenizer for tokenizer-less tiny models (``opd.tokenizer: bytes``, the tests).
+"""A byte-level Hugging Face tokenizer for tokenizer-less tiny models (``opd.tokenizer: bytes``, the
+tests).
 
 Ids 0..255 are the raw UTF-8 bytes; ``<eos>`` = 256 and ``<pad>`` = 257, so a model with a
 vocabulary of at least 258 entries accepts every id. Text round-trips exactly and one byte is one
@@ -15,7 +16,8 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins of GPT-2 byte-level BPE
+    # the 256 printable stand-ins of GPT-2 byte-level BPE
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = _bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
     assert set(vocab) == set(alphabet)
@@ -28,8 +30,10 @@ def byte_tokenizer():
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenization emits)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenization
+    emits)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs = bs[:]
     n = 0
     for b in range(256):

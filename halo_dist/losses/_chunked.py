@@ -35,10 +35,12 @@ class ChunkConfig:
     ce_weight: float
     ignore_index: int
     chunk_size: int
-    compiled: bool = False  # the chunk's KL/CE and gradient through the compiled ``_fused_chunk_grad``
+    # the chunk's KL/CE and gradient through the compiled ``_fused_chunk_grad``
+    compiled: bool = False
 
 
-def auto_chunk_size(vocab_size: int, memory_budget_bytes: int = 2 << 30, multiple: int = 128) -> int:
+def auto_chunk_size(vocab_size: int, memory_budget_bytes: int = 2 << 30,
+                    multiple: int = 128) -> int:
     """Token rows per chunk so the chunk's vocabulary-sized buffers fit ``memory_budget_bytes``.
 
     Args:
@@ -103,20 +105,23 @@ def _forward_kl_(logq: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _fused_chunk_grad(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Tensor | None,
-                      kl_factor: torch.Tensor, ce_factor: torch.Tensor, inv_t: float, ignore_index: int,
+                      kl_factor: torch.Tensor, ce_factor: torch.Tensor,
+                      inv_t: float, ignore_index: int,
                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's per-row forward KL and CE and the weighted gradient w.r.t. the raw student logits, out of
-    place so that torch.compile fuses it (backend "compiled").
+    """One chunk's per-row forward KL and CE and the weighted gradient w.r.t. the raw student
+    logits, out of place so that torch.compile fuses it (backend "compiled").
 
-    Eager, the same math (``_ce_`` + ``_log_softmax_`` + ``_forward_kl_``, then the weighting and the cast for the
-    matmuls) makes some twenty passes over the [c, V] fp32 chunk; compiled, it is the row log-sum-exps and one
-    pointwise pass that writes the gradient once, already scaled and in the matmul dtype.
+    Eager, the same math (``_ce_`` + ``_log_softmax_`` + ``_forward_kl_``, then the weighting and
+    the cast for the matmuls) makes some twenty passes over the [c, V] fp32 chunk; compiled, it is
+    the row log-sum-exps and one pointwise pass that writes the gradient once, already scaled and in
+    the matmul dtype.
 
     Args:
         z: [c, V] raw student logits; tz: [c, V] raw teacher logits or None (no KL term).
         labels: [c] int64 targets or None (no CE term); ``ignore_index`` rows get no CE.
         kl_factor, ce_factor: 0-dim tensors, each term's weight / normalizer (tensors, so that a new
-            normalizer every step does not recompile); the KL's also carries the 1 / T of the chain rule.
+            normalizer every step does not recompile); the KL's also carries the 1 / T of the chain
+            rule.
         inv_t: 1 / temperature of the KL's softmaxes (CE is always at temperature 1).
     Returns:
         kl [c], ce [c] (zeros for an absent term) and grad [c, V] in ``out_dtype``.
@@ -128,7 +133,8 @@ def _fused_chunk_grad(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Te
         valid = labels != ignore_index
         safe = torch.where(valid, labels, 0).unsqueeze(-1)  # [c, 1]
         ce = (lse - z.gather(-1, safe)).squeeze(-1) * valid
-        one_hot = torch.arange(z.shape[-1], device=z.device) == safe  # [c, V], never materialised when fused
+        # [c, V], never materialised when fused
+        one_hot = torch.arange(z.shape[-1], device=z.device) == safe
         grad = ((z - lse).exp() - one_hot.to(z.dtype)) * (valid.unsqueeze(-1) * ce_factor)
     if tz is not None:
         zs, ts = z * inv_t, tz * inv_t
@@ -145,7 +151,8 @@ _COMPILED: dict[str, object] = {}
 
 
 def compiled_chunk_grad(*args):
-    """``_fused_chunk_grad`` compiled once per process; dynamic rows, since the last chunk is shorter."""
+    """``_fused_chunk_grad`` compiled once per process; dynamic rows, since the last chunk is
+    shorter."""
     fn = _COMPILED.get("chunk_grad")
     if fn is None:
         fn = _COMPILED["chunk_grad"] = torch.compile(_fused_chunk_grad, dynamic=True)
@@ -182,8 +189,10 @@ def _jsd_(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> tuple[torch.Te
     return kl_pm.mul_(beta).add_(kl_qm, alpha=1.0 - beta), grad
 
 
-def _divergence_(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The endpoints are the plain KLs (as in TRL and Liger), not the limits of the JSD (which vanish)."""
+def _divergence_(logq: torch.Tensor, logp: torch.Tensor,
+                 beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The endpoints are the plain KLs (as in TRL and Liger), not the limits of the JSD (which
+    vanish)."""
     if beta == 0.0:
         return _forward_kl_(logq, logp)
     if beta == 1.0:
@@ -191,7 +200,8 @@ def _divergence_(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> tuple[t
     return _jsd_(logq, logp, beta)
 
 
-def _ce_(z: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ce_(z: torch.Tensor, labels: torch.Tensor,
+         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy of raw student logits and its gradient (softmax - one_hot).
 
     Args:
@@ -224,11 +234,13 @@ def _chunk(s_h, s_w, t_h, t_w, labels, cfg: ChunkConfig, scale):
     with_ce = bool(cfg.ce_weight) and labels is not None
     tz = _mm_fp32(t_h, t_w.t()) if cfg.kl_weight else None  # [c, V] teacher logits, no grad
     if cfg.compiled:  # forward KL and CE (kl.py refuses reverse KL and JSD)
-        # 0-dim device tensors built by kernels (a host-to-device copy would make the host wait for the GPU).
-        # d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
+        # 0-dim device tensors built by kernels (a host-to-device copy would make the host wait for
+        # the GPU). d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
         scale_t = scale if torch.is_tensor(scale) else z.new_full((), scale)
-        kl, ce, grad = compiled_chunk_grad(z, tz, labels if with_ce else None, scale_t * (cfg.kl_weight / cfg.temperature),
-                                           scale_t * cfg.ce_weight, 1.0 / cfg.temperature, cfg.ignore_index, s_h.dtype)
+        kl, ce, grad = compiled_chunk_grad(z, tz, labels if with_ce else None,
+                                           scale_t * (cfg.kl_weight / cfg.temperature),
+                                           scale_t * cfg.ce_weight, 1.0 / cfg.temperature,
+                                           cfg.ignore_index, s_h.dtype)
         return kl.sum(), ce.sum(), grad
     zero = z.new_zeros(())
     grad, ce_sum = None, zero

@@ -6,8 +6,9 @@ Liger conventions (read from liger-kernel 0.8.5's source; see ``docs`` in ``kl.p
   is not ``ignore_index`` (all rows when no labels are given to the Triton op), and scale their
   gradients by the same 1/n. We pass only valid rows, so n = rows, and multiply back by n.
 * ``beta`` = 0 is forward KL(teacher || student), ``beta`` = 1 reverse KL(student || teacher), in
-  between beta KL(teacher || m) + (1 - beta) KL(student || m), m = beta teacher + (1 - beta) student:
-  our ``beta`` (student log-probs are the kernel's X / "input", teacher's its Y / "target").
+  between beta KL(teacher || m) + (1 - beta) KL(student || m), m = beta teacher + (1 - beta)
+  student: our ``beta`` (student log-probs are the kernel's X / "input", teacher's its Y /
+  "target").
 * Temperature divides both logits; no T^2 factor; the CE ("hard") term of the chunked class uses
   the raw (T = 1) logits. Same as ours.
 * One label tensor masks both KL and CE there, so KL and CE are separate calls here.
@@ -36,7 +37,8 @@ def liger_cuda(s_h, s_w, t_h, t_w, labels, cfg, normalizer):
     Returns (loss, kl_sum, ce_sum) like ``FusedDistillFunction``.
     """
     from liger_kernel.ops.fused_linear_jsd import LigerFusedLinearJSDFunction
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyLoss)
 
     n = s_h.shape[0]
     loss = kl_sum = ce_sum = torch.zeros((), dtype=torch.float32, device=s_h.device)
@@ -58,12 +60,12 @@ def liger_chunked(s_h, s_w, t_h, t_w, labels, cfg, normalizer):
     """Pure-torch path (any device): ``liger_kernel.chunked_loss`` JSD class with compiled=False.
 
     Used on CPU to cross-check our implementation. Caveats of that class: log-softmax runs in the
-    *input* dtype (bf16 under bf16 training: measured 2-80% loss error on a small KL) and the lm_head
-    gradient accumulates in the weight's dtype, so half-precision inputs are upcast to fp32 here
-    (autograd casts the gradients back) and on GPU we use the Triton op instead. KL and CE need two
-    calls because one label tensor
-    masks both terms there; with ``weight_soft_loss=0`` the second call still computes (and
-    discards) the KL, which is fine for a test path. Returns (loss, kl_sum, ce_sum).
+    *input* dtype (bf16 under bf16 training: measured 2-80% loss error on a small KL) and the
+    lm_head gradient accumulates in the weight's dtype, so half-precision inputs are upcast to fp32
+    here (autograd casts the gradients back) and on GPU we use the Triton op instead. KL and CE need
+    two calls because one label tensor masks both terms there; with ``weight_soft_loss=0`` the
+    second call still computes (and discards) the KL, which is fine for a test path. Returns (loss,
+    kl_sum, ce_sum).
     """
     from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
 
@@ -75,7 +77,8 @@ def liger_chunked(s_h, s_w, t_h, t_w, labels, cfg, normalizer):
             cfg.ignore_index, cfg.temperature, False, cfg.chunk_size, True)
 
     if t_h is None:
-        raise ValueError("backend='liger' on CPU needs teacher inputs (its only class is the JSD one)")
+        raise ValueError("backend='liger' on CPU needs teacher inputs (its only class is the JSD "
+                         "one)")
     up = lambda x: x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # noqa: E731
     s_h, s_w, t_h, t_w = up(s_h), up(s_w), up(t_h), up(t_w)
     n = s_h.shape[0]

@@ -5,10 +5,10 @@ token t (valid tokens only) and sums over tokens:
 
 * ``direction="forward"`` (stages 2/3, default): KL(p_t || q_t) = sum_v p log(p / q)
 * ``direction="reverse"`` (on-policy stage):       KL(q_t || p_t) = sum_v q log(q / p)
-* or ``beta`` in [0, 1] instead of ``direction``, the generalized JSD of TRL's GKD (and Liger's JSD):
-  beta = 0 is the forward KL, beta = 1 the reverse KL, and 0 < beta < 1
-  beta KL(p_t || m_t) + (1 - beta) KL(q_t || m_t) with m = beta p + (1 - beta) q (which tends to 0, not
-  to a KL, at the ends: the endpoints are defined as the KLs, as there)
+* or ``beta`` in [0, 1] instead of ``direction``, the generalized JSD of TRL's GKD (and Liger's
+  JSD): beta = 0 is the forward KL, beta = 1 the reverse KL, and 0 < beta < 1 beta KL(p_t || m_t) +
+  (1 - beta) KL(q_t || m_t) with m = beta p + (1 - beta) q (which tends to 0, not to a KL, at the
+  ends: the endpoints are defined as the KLs, as there)
 * optionally ``ce_weight`` x cross-entropy of the student against ``labels`` (ignore_index -100),
 
 where q = softmax(student_logits / T), p = softmax(teacher_logits / T). Units: nats.
@@ -34,11 +34,11 @@ NaN), which costs one host sync for the count.
 
 Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Triton
 ``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
-CPU, used by the tests as an independent cross-check), ``"compiled"`` (the torch path with each chunk's
-forward KL, CE and their gradient compiled by torch.compile into a few fused passes over the chunk; forward
-KL and CE only) and ``"auto"`` (compiled on CUDA for forward KL / CE, torch otherwise: the fastest of the
-three on the H200, BENCHMARKS.md). All return identical quantities (see ``_liger.py`` for the conventions
-we adapt).
+CPU, used by the tests as an independent cross-check), ``"compiled"`` (the torch path with each
+chunk's forward KL, CE and their gradient compiled by torch.compile into a few fused passes over the
+chunk; forward KL and CE only) and ``"auto"`` (compiled on CUDA for forward KL / CE, torch
+otherwise: the fastest of the three on the H200, BENCHMARKS.md). All return identical quantities
+(see ``_liger.py`` for the conventions we adapt).
 
 ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
 be a leaf parameter or a non-leaf tensor; it is not saved for backward (the gradient is), so
@@ -65,12 +65,11 @@ class DistillLossOutput:
     """Result of :func:`fused_distill_loss`.
 
     Attributes:
-        loss: differentiable 0-dim fp32 tensor, ``(kl_weight*kl_sum + ce_weight*ce_sum) / normalizer``.
-        kl_sum: detached fp32 sum of per-token KL over valid tokens (nats, unweighted).
-        ce_sum: detached fp32 sum of per-token CE over valid labelled tokens (0 without CE).
-        num_tokens: int64 count of valid (KL) tokens on this rank.
-        num_ce_tokens: int64 count of valid tokens whose label is not ignore_index.
-        normalizer: the divisor used for ``loss``.
+        loss: differentiable 0-dim fp32 tensor, ``(kl_weight*kl_sum + ce_weight*ce_sum) /
+        normalizer``. kl_sum: detached fp32 sum of per-token KL over valid tokens (nats,
+        unweighted). ce_sum: detached fp32 sum of per-token CE over valid labelled tokens (0 without
+        CE). num_tokens: int64 count of valid (KL) tokens on this rank. num_ce_tokens: int64 count
+        of valid tokens whose label is not ignore_index. normalizer: the divisor used for ``loss``.
     """
 
     loss: torch.Tensor
@@ -117,9 +116,11 @@ def resolve_beta(direction: str | None, beta: float | None) -> float:
             raise ValueError(f"direction must be one of {DIRECTIONS}; got {direction!r}")
         return DIRECTION_BETA[direction]
     if direction is not None:
-        raise ValueError(f"give direction or beta, not both (got direction={direction!r}, beta={beta})")
+        raise ValueError(f"give direction or beta, not both (got direction={direction!r}, "
+                         f"beta={beta})")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be a number in [0, 1] (0 forward KL, 1 reverse KL); got {beta!r}")
+        raise ValueError("beta must be a number in [0, 1] (0 forward KL, 1 reverse KL); got "
+                         f"{beta!r}")
     return float(beta)
 
 
@@ -130,7 +131,8 @@ def _validate(s_h, s_w, t_h, t_w, mask, labels, cfg_kwargs) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     if kl_weight < 0 or ce_weight < 0 or not (kl_weight or ce_weight):
-        raise ValueError(f"need kl_weight >= 0, ce_weight >= 0, not both 0; got {kl_weight}, {ce_weight}")
+        raise ValueError(f"need kl_weight >= 0, ce_weight >= 0, not both 0; got {kl_weight}, "
+                         f"{ce_weight}")
     if ce_weight and labels is None:
         raise ValueError("ce_weight > 0 needs labels")
     _check_pair(s_h, s_w, "student")
@@ -146,7 +148,8 @@ def _validate(s_h, s_w, t_h, t_w, mask, labels, cfg_kwargs) -> None:
             raise ValueError(f"token count mismatch: student_hidden has {s_h.shape[0]} tokens, "
                              f"teacher_hidden has {t_h.shape[0]}")
         tensors += [t_h, t_w]
-    for name, x, dtypes in (("token_mask", mask, (torch.bool,)), ("labels", labels, (torch.int64, torch.int32))):
+    for name, x, dtypes in (("token_mask", mask, (torch.bool,)),
+                            ("labels", labels, (torch.int64, torch.int32))):
         if x is None:
             continue
         if x.shape[0] != s_h.shape[0]:
@@ -155,7 +158,8 @@ def _validate(s_h, s_w, t_h, t_w, mask, labels, cfg_kwargs) -> None:
             raise ValueError(f"{name} must be {dtypes}; got {x.dtype}")
         tensors.append(x)
     if len({x.device for x in tensors}) > 1:
-        raise ValueError(f"all inputs must be on one device; got {sorted({str(x.device) for x in tensors})}")
+        raise ValueError("all inputs must be on one device; got "
+                         f"{sorted({str(x.device) for x in tensors})}")
 
 
 def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -178,15 +182,18 @@ def _pick_backend(backend: str, device: torch.device, n_rows: int, beta: float =
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "liger" and not liger_available():
-        raise RuntimeError("backend='liger' but liger-kernel is not importable (pip install liger-kernel)")
+        raise RuntimeError("backend='liger' but liger-kernel is not importable (pip install "
+                           "liger-kernel)")
     if n_rows == 0:
         return "torch"  # nothing to compute; Liger would divide by zero rows
     if backend == "auto":
-        # Measured on the H200 (BENCHMARKS.md): at 24,576 tokens x 151,936 vocab the compiled chunk ran
-        # forward+backward in 171 ms vs 265 ms for the eager torch chunk, with the same error against the
-        # float64 reference, and lifted stage 2 (2B) from 54% to 63% MFU. It fuses forward KL and CE only
-        # (beta 0); other divergences, and CPU (where compiling costs more than it saves), stay on torch.
-        # Liger ran 189 ms / 2.6 GiB vs torch's 178 ms / 2.0 GiB at 16K tokens: never picked by auto.
+        # Measured on the H200 (BENCHMARKS.md): at 24,576 tokens x 151,936 vocab the compiled chunk
+        # ran forward+backward in 171 ms vs 265 ms for the eager torch chunk, with the same error
+        # against the float64 reference, and lifted stage 2 (2B) from 54% to 63% MFU. It fuses
+        # forward KL and CE only (beta 0); other divergences, and CPU (where compiling costs more
+        # than it saves), stay on torch.
+        # Liger ran 189 ms / 2.6 GiB vs torch's 178 ms / 2.0 GiB at 16K tokens: never picked by
+        # auto.
         return "compiled" if device.type == "cuda" and beta == 0.0 else "torch"
     return backend
 
@@ -208,27 +215,28 @@ def fused_distill_loss(
         student_weight: [V, Ds] student lm_head weight (tied embedding or not).
         teacher_hidden: [N, Dt] teacher final hidden states; no gradient flows to it.
             May be None when ``kl_weight == 0`` (CE-only, e.g. stage 3 ``objective: ce``).
-        teacher_weight: [V, Dt] teacher lm_head weight; V must equal the student's.
-        token_mask: [N] bool; False tokens contribute nothing (padding, prompts in OPAL).
-        labels: [N] int64 next-token targets for the CE term; ``ignore_index`` entries skipped.
-        direction: "forward" = KL(teacher || student) (the default); "reverse" = KL(student || teacher).
-        beta: instead of ``direction``, the generalized JSD's interpolation in [0, 1] (module doc):
+        teacher_weight: [V, Dt] teacher lm_head weight; V must equal the student's. token_mask: [N]
+        bool; False tokens contribute nothing (padding, prompts in OPAL). labels: [N] int64
+        next-token targets for the CE term; ``ignore_index`` entries skipped. direction: "forward" =
+        KL(teacher || student) (the default); "reverse" = KL(student || teacher). beta: instead of
+        ``direction``, the generalized JSD's interpolation in [0, 1] (module doc):
             0 = forward KL, 1 = reverse KL.
         temperature: T > 0 for both softmaxes of the KL term (no T^2 factor, see module doc).
         kl_weight, ce_weight: weights of the two sums in ``loss``.
         normalizer: divide the weighted sum by this (e.g. the global valid-token count, a float or
             0-dim tensor; clamp an all-reduced count with ``clamp_min(1)``); None -> 1.
         chunk_size: token rows per chunk (torch and CPU-Liger backends); None -> from budget.
-        memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None.
-        backend: "auto" | "torch" | "compiled" (torch.compile per chunk: forward KL and CE) | "liger".
+        memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None. backend:
+        "auto" | "torch" | "compiled" (torch.compile per chunk: forward KL and CE) | "liger".
     Returns:
         DistillLossOutput (``loss`` differentiable; sums and counts for cross-rank reduction).
     """
-    opts = dict(beta=resolve_beta(direction, beta), temperature=float(temperature), kl_weight=float(kl_weight),
-                ce_weight=float(ce_weight), ignore_index=ignore_index)
-    s_h, t_h, teacher_weight, labels = _prepare(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                                token_mask, labels, opts)
-    which, cfg = _chunk_config(s_h, student_weight.shape[0], chunk_size, memory_budget_bytes, backend, opts)
+    opts = dict(beta=resolve_beta(direction, beta), temperature=float(temperature),
+                kl_weight=float(kl_weight), ce_weight=float(ce_weight), ignore_index=ignore_index)
+    s_h, t_h, teacher_weight, labels = _prepare(student_hidden, student_weight, teacher_hidden,
+                                                teacher_weight, token_mask, labels, opts)
+    which, cfg = _chunk_config(s_h, student_weight.shape[0], chunk_size, memory_budget_bytes,
+                               backend, opts)
     norm = 1.0 if normalizer is None else normalizer
     if not torch.is_tensor(norm) and not norm > 0:  # tensors are not checked (no host sync)
         raise ValueError(f"normalizer must be > 0; got {normalizer}")
@@ -245,9 +253,11 @@ def fused_distill_loss(
                              kl_sum.float(), ce_sum.float(), *counts, normalizer=norm)
 
 
-def _prepare(student_hidden, student_weight, teacher_hidden, teacher_weight, token_mask, labels, opts):
-    """Flattened, validated inputs with the masked-out tokens dropped: ``(s_h, t_h, teacher_weight, labels)``
-    (no teacher when the KL weight is 0: CE only never touches it)."""
+def _prepare(student_hidden, student_weight, teacher_hidden, teacher_weight, token_mask, labels,
+             opts):
+    """Flattened, validated inputs with the masked-out tokens dropped:
+    ``(s_h, t_h, teacher_weight, labels)`` (no teacher when the KL weight is 0: CE only never
+    touches it)."""
     s_h, t_h = _flat(student_hidden, "student_hidden"), _flat(teacher_hidden, "teacher_hidden")
     mask, labels = _flat(token_mask, "token_mask", False), _flat(labels, "labels", False)
     _validate(s_h, student_weight, t_h, teacher_weight, mask, labels, opts)
@@ -255,12 +265,14 @@ def _prepare(student_hidden, student_weight, teacher_hidden, teacher_weight, tok
         t_h, teacher_weight = None, None
     if labels is not None:
         labels = labels.long()
-        _check_labels(labels if mask is None else labels[mask], student_weight.shape[0], opts["ignore_index"])
+        _check_labels(labels if mask is None else labels[mask], student_weight.shape[0],
+                      opts["ignore_index"])
     s_h, t_h, labels = _compact(mask, s_h, t_h, labels)
     return s_h, t_h, teacher_weight, labels
 
 
-def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend: str, opts) -> tuple[str, ChunkConfig]:
+def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend: str,
+                  opts) -> tuple[str, ChunkConfig]:
     """The backend that runs (``auto`` resolved) and the per-chunk settings."""
     n = s_h.shape[0]
     if chunk_size is None:
@@ -269,27 +281,33 @@ def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     which = _pick_backend(backend, s_h.device, n, opts["beta"])
     if which == "compiled" and opts["beta"] != 0.0:
-        raise ValueError(f"backend='compiled' computes forward KL only (beta 0); got beta={opts['beta']}")
-    return which, ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), compiled=which == "compiled", **opts)
+        raise ValueError("backend='compiled' computes forward KL only (beta 0); got "
+                         f"beta={opts['beta']}")
+    return which, ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), compiled=which == "compiled",
+                              **opts)
 
 
 def _counts(s_h, labels, ignore_index):
-    """(valid KL tokens, valid CE tokens) as int64 tensors on the inputs' device (after compaction)."""
+    """(valid KL tokens, valid CE tokens) as int64 tensors on the inputs' device (after
+    compaction)."""
     n = torch.tensor(s_h.shape[0], dtype=torch.int64, device=s_h.device)
     n_ce = torch.zeros_like(n) if labels is None else (labels != ignore_index).sum()
     return n, n_ce
 
 
 class FusedDistillLoss(torch.nn.Module):
-    """Module form of :func:`fused_distill_loss` with the options fixed at construction (configs)."""
+    """Module form of :func:`fused_distill_loss` with the options fixed at construction
+    (configs)."""
 
-    def __init__(self, direction: str | None = None, temperature: float = 1.0, kl_weight: float = 1.0,
-                 ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int | None = None,
-                 memory_budget_bytes: int = 2 << 30, backend: str = "auto", beta: float | None = None):
+    def __init__(self, direction: str | None = None, temperature: float = 1.0,
+                 kl_weight: float = 1.0, ce_weight: float = 0.0, ignore_index: int = -100,
+                 chunk_size: int | None = None, memory_budget_bytes: int = 2 << 30,
+                 backend: str = "auto", beta: float | None = None):
         super().__init__()
-        self.options = dict(direction=direction, beta=beta, temperature=temperature, kl_weight=kl_weight,
-                            ce_weight=ce_weight, ignore_index=ignore_index, chunk_size=chunk_size,
-                            memory_budget_bytes=memory_budget_bytes, backend=backend)
+        self.options = dict(direction=direction, beta=beta, temperature=temperature,
+                            kl_weight=kl_weight, ce_weight=ce_weight, ignore_index=ignore_index,
+                            chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
+                            backend=backend)
         resolve_beta(direction, beta)
         if backend not in BACKENDS or not temperature > 0:
             raise ValueError(f"bad FusedDistillLoss options: {self.options}")
@@ -321,18 +339,21 @@ def naive_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_w
     if kl_weight:
         logq = torch.log_softmax(z / temperature, -1)
         logp = torch.log_softmax(up(t_h @ teacher_weight.t()).detach() / temperature, -1)
-        kl_div = lambda inp, target: torch.nn.functional.kl_div(  # noqa: E731  KL(target || input) per token
+        # KL(target || input) per token
+        kl_div = lambda inp, target: torch.nn.functional.kl_div(  # noqa: E731
             inp, target, reduction="none", log_target=True).sum(-1)
         if beta in (0.0, 1.0):
             kl = kl_div(logq, logp) if beta == 0.0 else kl_div(logp, logq)
         else:
-            logm = torch.logsumexp(torch.stack([logq + math.log1p(-beta), logp + math.log(beta)]), dim=0)
+            logm = torch.logsumexp(torch.stack([logq + math.log1p(-beta), logp + math.log(beta)]),
+                                   dim=0)
             kl = beta * kl_div(logm, logp) + (1 - beta) * kl_div(logm, logq)
         kl_sum = (kl * mask).sum()
     n_ce = torch.zeros((), dtype=torch.int64, device=s_h.device)
     if ce_weight:
         lab = torch.where(mask, _flat(labels, "labels", False).long(), ignore_index)
-        ce_sum = torch.nn.functional.cross_entropy(z, lab, ignore_index=ignore_index, reduction="sum")
+        ce_sum = torch.nn.functional.cross_entropy(z, lab, ignore_index=ignore_index,
+                                                   reduction="sum")
         n_ce = (lab != ignore_index).sum()
     norm = 1.0 if normalizer is None else normalizer
     loss = (kl_weight * kl_sum + ce_weight * ce_sum) / norm

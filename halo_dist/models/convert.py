@@ -44,7 +44,8 @@ SUPPORTED_ARCHITECTURES = {
 
 
 class ConversionError(HaloUserError, ValueError):
-    """A teacher, layer list or weights file that cannot be converted (message names the problem)."""
+    """A teacher, layer list or weights file that cannot be converted (message names the
+    problem)."""
 
 
 @dataclass
@@ -66,7 +67,8 @@ def resolve_teacher(teacher: str) -> TeacherSource:
     if p.is_dir():
         weights = [f for f in os.listdir(p) if f.endswith((".safetensors", ".bin", ".gguf", ".pt"))]
         if not weights:
-            raise ConversionError(f"teacher folder {p} holds no weights (*.safetensors, *.bin or *.gguf)")
+            raise ConversionError(f"teacher folder {p} holds no weights (*.safetensors, *.bin or "
+                                  "*.gguf)")
         if not (p / "config.json").exists():
             ggufs = [w for w in weights if w.endswith(".gguf")]
             if not ggufs:
@@ -85,9 +87,11 @@ def load_teacher_config(source: TeacherSource):
 
 
 def rope_theta_of(cfg) -> float:
-    """RoPE base from transformers 4 (``rope_theta``) or 5 (``rope_parameters``) configs; only plain RoPE."""
+    """RoPE base from transformers 4 (``rope_theta``) or 5 (``rope_parameters``) configs; only plain
+    RoPE."""
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    rope_type = (params.get("rope_type", params.get("type", "default")) if isinstance(params, dict)
+                 else "default")
     if rope_type not in ("default", None):
         raise ConversionError(f"teacher rope type {rope_type!r} is not supported (only plain RoPE)")
     theta = params.get("rope_theta") if isinstance(params, dict) else None
@@ -115,18 +119,22 @@ def check_attn_layers(attn_layers: list[int], num_layers: int) -> list[int]:
     layers = list(attn_layers)
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
-        raise ConversionError(f"attention layer indices {bad} out of range for a {num_layers}-layer teacher")
+        raise ConversionError(f"attention layer indices {bad} out of range for a "
+                              f"{num_layers}-layer teacher")
     dup = sorted({i for i in layers if layers.count(i) > 1})
     if dup:
         raise ConversionError(f"attention layer indices repeated: {dup}")
     return sorted(layers)
 
 
-def student_config(teacher_cfg, attn_layers: list[int], rnn_mixer: str = "lightning", **overrides) -> HypeNetConfig:
-    """HypeNetConfig mirroring the teacher's shapes; layers outside ``attn_layers`` become ``rnn_mixer``;
+def student_config(teacher_cfg, attn_layers: list[int], rnn_mixer: str = "lightning",
+                   **overrides) -> HypeNetConfig:
+    """HypeNetConfig mirroring the teacher's shapes; layers outside ``attn_layers`` become
+    ``rnn_mixer``;
     ``overrides`` set HyPE switches (e.g. ``attn_logits_scale_base``)."""
     if rnn_mixer not in REPLACEMENT_MIXERS:
-        raise ConversionError(f"rnn_mixer={rnn_mixer!r} is unknown; choose from {REPLACEMENT_MIXERS}")
+        raise ConversionError(f"rnn_mixer={rnn_mixer!r} is unknown; choose from "
+                              f"{REPLACEMENT_MIXERS}")
     family = teacher_family(teacher_cfg)
     L = teacher_cfg.num_hidden_layers
     attn = check_attn_layers(attn_layers, L)
@@ -138,9 +146,11 @@ def student_config(teacher_cfg, attn_layers: list[int], rnn_mixer: str = "lightn
     attention_bias = bool(getattr(teacher_cfg, "attention_bias", False))
     qkv_bias, o_bias = {"qwen2": (True, False)}.get(family, (attention_bias, attention_bias))
     if getattr(teacher_cfg, "use_sliding_window", False):
-        raise ConversionError("teacher uses sliding-window attention; convert a full-attention teacher")
+        raise ConversionError("teacher uses sliding-window attention; convert a full-attention "
+                              "teacher")
     if getattr(teacher_cfg, "hidden_act", "silu") != "silu":
-        raise ConversionError(f"teacher hidden_act {teacher_cfg.hidden_act!r}: only SwiGLU teachers are supported")
+        raise ConversionError(f"teacher hidden_act {teacher_cfg.hidden_act!r}: only SwiGLU "
+                              "teachers are supported")
     kwargs = dict(
         vocab_size=teacher_cfg.vocab_size,
         hidden_size=teacher_cfg.hidden_size,
@@ -149,9 +159,9 @@ def student_config(teacher_cfg, attn_layers: list[int], rnn_mixer: str = "lightn
         num_attention_heads=H,
         num_key_value_heads=Hkv,
         head_dim=head_dim,
-        max_position_embeddings=max(getattr(teacher_cfg, "max_position_embeddings", 0) or 0, 1 << 20),
-        rms_norm_eps=teacher_cfg.rms_norm_eps,
-        rope_theta=rope_theta_of(teacher_cfg),
+        max_position_embeddings=max(getattr(teacher_cfg, "max_position_embeddings", 0) or 0,
+                                    1 << 20),
+        rms_norm_eps=teacher_cfg.rms_norm_eps, rope_theta=rope_theta_of(teacher_cfg),
         tie_word_embeddings=bool(getattr(teacher_cfg, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
@@ -182,7 +192,8 @@ def _clone_kv_heads(w: torch.Tensor, num_kv: int, group: int, head_dim: int) -> 
     return per_head.repeat_interleave(group, dim=0).reshape(num_kv * group * head_dim, *rest)
 
 
-def transfer_state_dict(teacher_sd: dict[str, torch.Tensor], cfg: HypeNetConfig) -> dict[str, torch.Tensor]:
+def transfer_state_dict(teacher_sd: dict[str, torch.Tensor],
+                        cfg: HypeNetConfig) -> dict[str, torch.Tensor]:
     """Map a teacher state dict (HF Llama/Qwen naming) onto HypeNet parameter names."""
     sd: dict[str, torch.Tensor] = {}
     t = lambda k: teacher_sd[k].clone()  # noqa: E731 - never alias the teacher's storage
@@ -223,7 +234,8 @@ def transfer_state_dict(teacher_sd: dict[str, torch.Tensor], cfg: HypeNetConfig)
             sd[mix + "o_norm.weight"] = torch.ones(H * D)
         if mixer not in ("attention", "lightning", "swa"):
             fresh = fresh_mixer_parameters(cfg, i)
-            sd.update({mix + k: w.to(sd[mix + "q_proj.weight"].dtype) for k, w in fresh.items() if mix + k not in sd})
+            sd.update({mix + k: w.to(sd[mix + "q_proj.weight"].dtype)
+                       for k, w in fresh.items() if mix + k not in sd})
     return sd
 
 
@@ -244,7 +256,8 @@ def fresh_mixer_parameters(cfg: HypeNetConfig, layer: int) -> dict[str, torch.Te
 
 
 def load_stage1_weights(
-    path: str | os.PathLike, cfg: HypeNetConfig, student_keys: dict[str, torch.Size], only_layers: set[int] | None = None
+    path: str | os.PathLike, cfg: HypeNetConfig, student_keys: dict[str, torch.Size],
+    only_layers: set[int] | None = None
 ):
     """Read trained RNN-layer weights (safetensors) and check they fit this student before use.
 
@@ -261,15 +274,19 @@ def load_stage1_weights(
             f"stage-1 weights {path} were trained for {meta['num_hidden_layers']} layers, "
             f"teacher has {cfg.num_hidden_layers}"
         )
-    if "rnn_rope" in meta and (meta["rnn_rope"] == "true") != cfg.rnn_rope:  # files before model.pe: no key
+    # files before model.pe: no key
+    if "rnn_rope" in meta and (meta["rnn_rope"] == "true") != cfg.rnn_rope:
         raise ConversionError(
-            f"stage-1 weights {path} were aligned with rnn_rope={meta['rnn_rope']}, this student has "
-            f"rnn_rope={str(cfg.rnn_rope).lower()}: give stage 2 the model.pe of the stage-1 run"
+            f"stage-1 weights {path} were aligned with rnn_rope={meta['rnn_rope']}, this student "
+            f"has rnn_rope={str(cfg.rnn_rope).lower()}: give stage 2 the model.pe of the stage-1 "
+            "run"
         )
     weights = load_file(str(path))
-    foreign = [k for k in weights if _layer_of(k) is None or not 0 <= _layer_of(k) < cfg.num_hidden_layers]
+    foreign = [
+        k for k in weights if _layer_of(k) is None or not 0 <= _layer_of(k) < cfg.num_hidden_layers]
     if foreign:
-        raise ConversionError(f"stage-1 weights {path}: key {foreign[0]!r} is not a student parameter")
+        raise ConversionError(f"stage-1 weights {path}: key {foreign[0]!r} is not a student "
+                              "parameter")
     if only_layers is not None:
         weights = {k: w for k, w in weights.items() if _layer_of(k) in only_layers}
     for key, w in weights.items():
@@ -277,13 +294,16 @@ def load_stage1_weights(
             raise ConversionError(f"stage-1 weights {path}: key {key!r} is not a student parameter")
         if tuple(w.shape) != tuple(student_keys[key]):
             raise ConversionError(
-                f"stage-1 weights {path}: {key!r} has shape {tuple(w.shape)}, student expects {tuple(student_keys[key])}"
+                f"stage-1 weights {path}: {key!r} has shape {tuple(w.shape)}, student expects "
+                f"{tuple(student_keys[key])}"
             )
     return weights
 
 
-def build_student(cfg: HypeNetConfig, state_dict: dict[str, torch.Tensor], dtype=None) -> HypeNetForCausalLM:
-    """Instantiate without random init (meta device) holding ``state_dict``'s tensors; every weight must be there."""
+def build_student(cfg: HypeNetConfig, state_dict: dict[str, torch.Tensor],
+                  dtype=None) -> HypeNetForCausalLM:
+    """Instantiate without random init (meta device) holding ``state_dict``'s tensors; every weight
+    must be there."""
     from .export import ExportError, meta_model_with
 
     try:
@@ -296,13 +316,14 @@ def build_student(cfg: HypeNetConfig, state_dict: dict[str, torch.Tensor], dtype
 
 
 def convert_model(
-    teacher_model, attn_layers: list[int], stage1_weights=None, stage1_layers: list[int] | None = None, **overrides
+    teacher_model, attn_layers: list[int], stage1_weights=None,
+    stage1_layers: list[int] | None = None, **overrides
 ) -> HypeNetForCausalLM:
     """In-memory conversion of a loaded HF teacher.
 
-    ``stage1_weights`` (safetensors, student key names ``model.layers.{i}.mixer.*``) may hold trained
-    RNN mixers for every layer (stage 1 trains all of them); only the student's RNN layers — or
-    ``stage1_layers`` if given — are taken from it.
+    ``stage1_weights`` (safetensors, student key names ``model.layers.{i}.mixer.*``) may hold
+    trained RNN mixers for every layer (stage 1 trains all of them); only the student's RNN layers —
+    or ``stage1_layers`` if given — are taken from it.
     """
     cfg = student_config(teacher_model.config, attn_layers, **overrides)
     teacher_sd = {k: v.detach() for k, v in teacher_model.state_dict().items()}
@@ -318,8 +339,10 @@ def convert_model(
     return build_student(cfg, sd)
 
 
-# the teacher's own function as a HypeNet: every layer attention, RoPE on, no logits scaling, no gates
-EXACT_TEACHER = dict(attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False, rnn_output_gate=False)
+# the teacher's own function as a HypeNet: every layer attention, RoPE on, no logits scaling, no
+# gates
+EXACT_TEACHER = dict(attn_rope=True, attn_logits_scale_base=None, attn_output_gate=False,
+                     rnn_output_gate=False)
 
 
 def as_exact_hypenet(hf_teacher) -> HypeNetForCausalLM:
@@ -337,8 +360,8 @@ def _layer_of(key: str) -> int | None:
 
 
 def teacher_generation_config(source: TeacherSource):
-    """The teacher's generation defaults (generation_config.json) for its student's export; None for a GGUF
-    teacher or one without the file."""
+    """The teacher's generation defaults (generation_config.json) for its student's export; None for
+    a GGUF teacher or one without the file."""
     from .export import load_generation_config
 
     return None if source.gguf_file else load_generation_config(source.path)
@@ -347,7 +370,8 @@ def teacher_generation_config(source: TeacherSource):
 def load_teacher(source: TeacherSource, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.load_kwargs()).eval()
+    return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
+                                                **source.load_kwargs()).eval()
 
 
 def convert(
@@ -359,9 +383,11 @@ def convert(
     tokenizer: bool = True,
     **overrides,
 ) -> HypeNetForCausalLM:
-    """Full conversion: validate config -> load teacher -> transfer -> (optionally) export to ``output``."""
+    """Full conversion: validate config -> load teacher -> transfer -> (optionally) export to
+    ``output``."""
     source = resolve_teacher(teacher)
-    cfg = student_config(load_teacher_config(source), attn_layers, **overrides)  # fails before any weight loads
+    # fails before any weight loads
+    cfg = student_config(load_teacher_config(source), attn_layers, **overrides)
     if stage1_weights is not None and not Path(stage1_weights).exists():
         raise ConversionError(f"stage-1 weights file {stage1_weights} does not exist")
     teacher_model = load_teacher(source, dtype)
@@ -378,8 +404,10 @@ def convert(
                 tok = AutoTokenizer.from_pretrained(source.path, **source.load_kwargs())
             except Exception:  # a teacher without a tokenizer still converts
                 tok = None
-        export_hypenet(student, output, tokenizer=tok, generation_config=teacher_generation_config(source),
-                       extra={"stage": "convert", "teacher": teacher, "attn_layers": cfg.attn_layers})
+        export_hypenet(student, output, tokenizer=tok,
+                       generation_config=teacher_generation_config(source),
+                       extra={"stage": "convert", "teacher": teacher,
+                              "attn_layers": cfg.attn_layers})
     assert cfg.to_dict()["mixer_types"] == student.config.mixer_types
     return student
 
@@ -387,4 +415,5 @@ def convert(
 def describe(student: HypeNetForCausalLM) -> str:
     cfg = student.config
     n = sum(p.numel() for p in student.parameters())
-    return json.dumps({"params": n, "layers": cfg.num_hidden_layers, "attn_layers": cfg.attn_layers})
+    return json.dumps({"params": n, "layers": cfg.num_hidden_layers,
+                       "attn_layers": cfg.attn_layers})

@@ -1,13 +1,15 @@
 """Export a HypeNet model as a self-contained Hugging Face folder.
 
-The folder holds safetensors weights, ``config.json`` with an ``auto_map``, ``generation_config.json`` (the
-teacher's when given), the tokenizer (if given, with its chat template), exactly our model files, a model
-card (``README.md``) and the run record (``halo_dist.json``), so
-``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` works in a fresh process without
-halo_dist installed. Nothing else (no teacher, no training code) is written.
+The folder holds safetensors weights, ``config.json`` with an ``auto_map``,
+``generation_config.json`` (the teacher's when given), the tokenizer (if given, with its chat
+template), exactly our model files, a model card (``README.md``) and the run record
+(``halo_dist.json``), so ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
+works in a fresh process without halo_dist installed. Nothing else (no teacher, no training code) is
+written.
 
-:func:`write_hf_folder` is the one path from trained weights (a state dict from a stage's module, a DeepSpeed
-checkpoint or a live student) to such a folder; :func:`export_hypenet` writes one from a built model.
+:func:`write_hf_folder` is the one path from trained weights (a state dict from a stage's module, a
+DeepSpeed checkpoint or a live student) to such a folder; :func:`export_hypenet` writes one from a
+built model.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch
 from ..errors import HaloUserError
 from .model_card import model_card
 
-if TYPE_CHECKING:  # the model classes import transformers: loaded when a model is built, not with this module
+# the model classes import transformers: loaded when a model is built, not with this module
+if TYPE_CHECKING:
     from .hypenet import HypeNetForCausalLM
 
-# Every module of models/hypenet/ but its __init__.py (tests/test_hypenet.py checks that none is missing): the
-# model code an export carries, importing only torch, transformers and these files.
+# Every module of models/hypenet/ but its __init__.py (tests/test_hypenet.py checks that none is
+# missing): the model code an export carries, importing only torch, transformers and these files.
 MODEL_FILES = (
     "configuration_hypenet.py",  # HypeNetConfig (AutoConfig)
     "modeling_hypenet.py",  # decoder layer, HypeNetModel, HypeNetForCausalLM (AutoModel*)
@@ -53,8 +56,8 @@ AUTO_MAP = {
 }
 RECORD_FILE = "halo_dist.json"
 DONE_FILE = "DONE"  # written last: a folder holding it is complete
-# Key prefixes of the modules that wrap the model while training: DeepSpeed's engine, torch.compile, and our
-# stage modules (StudentWithLoss / OPDModule hold the model as ``student``).
+# Key prefixes of the modules that wrap the model while training: DeepSpeed's engine, torch.compile,
+# and our stage modules (StudentWithLoss / OPDModule hold the model as ``student``).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "student.")
 
 
@@ -63,7 +66,8 @@ class ExportError(HaloUserError, ValueError):
 
 
 def strip_wrapper_prefixes(state: dict, prefixes: tuple[str, ...] = WRAPPER_PREFIXES) -> dict:
-    """``state`` with the model's own key names: leading wrapper prefixes (in any order, repeated) removed."""
+    """``state`` with the model's own key names: leading wrapper prefixes (in any order, repeated)
+    removed."""
     out = {}
     for key, value in state.items():
         stripped = True
@@ -77,19 +81,20 @@ def strip_wrapper_prefixes(state: dict, prefixes: tuple[str, ...] = WRAPPER_PREF
 
 
 def model_from_state(state: dict, config, source: str = "state dict") -> HypeNetForCausalLM:
-    """``state`` (under any wrapper prefixes; keys the model does not have are ignored) as a HypeNet of fp32
-    CPU tensors, built by :func:`meta_model_with`."""
+    """``state`` (under any wrapper prefixes; keys the model does not have are ignored) as a HypeNet
+    of fp32 CPU tensors, built by :func:`meta_model_with`."""
     weights = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
                for k, v in strip_wrapper_prefixes(state).items()}
     return meta_model_with(weights, config, source)
 
 
 def meta_model_with(weights: dict, config, source: str = "state dict") -> HypeNetForCausalLM:
-    """A HypeNet built on the meta device (no random initialisation, no memory but the weights') that holds
-    ``weights`` themselves (``assign``: same tensors, dtypes and devices).
+    """A HypeNet built on the meta device (no random initialisation, no memory but the weights')
+    that holds ``weights`` themselves (``assign``: same tensors, dtypes and devices).
 
-    Tied weights are re-tied (``weights`` may hold ``lm_head.weight`` or not). Any weight still on the meta
-    device afterwards is missing from ``weights``: :class:`ExportError` names them (``source`` says whose).
+    Tied weights are re-tied (``weights`` may hold ``lm_head.weight`` or not). Any weight still on
+    the meta device afterwards is missing from ``weights``: :class:`ExportError` names them
+    (``source`` says whose).
     """
     from .hypenet import HypeNetForCausalLM
 
@@ -101,34 +106,41 @@ def meta_model_with(weights: dict, config, source: str = "state dict") -> HypeNe
     missing = [k for k, v in model.state_dict().items() if v.is_meta]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ExportError(f"{source}: missing {len(missing)} weight(s) of the model: {', '.join(missing[:5])}{more}")
+        raise ExportError(f"{source}: missing {len(missing)} weight(s) of the model: "
+                          f"{', '.join(missing[:5])}{more}")
     return model
 
 
-def write_hf_folder(state: dict, config, output: str | os.PathLike, tokenizer=None, record: dict | None = None,
-                    generation_config=None, run_config: dict | None = None, source: str = "state dict") -> Path:
-    """Trained weights -> a complete HF HypeNet folder at ``output``, atomically, ``DONE`` written last.
+def write_hf_folder(state: dict, config, output: str | os.PathLike, tokenizer=None,
+                    record: dict | None = None, generation_config=None,
+                    run_config: dict | None = None, source: str = "state dict") -> Path:
+    """Trained weights -> a complete HF HypeNet folder at ``output``, atomically, ``DONE`` written
+    last.
 
-    ``state``: the model's weights under any wrapper prefixes; ``config``: its HypeNetConfig. ``record``: the
-    run record (halo_dist.json, the model card, and the content of ``DONE``); ``run_config``: the resolved
-    run config for ``run_config.json``; ``tokenizer`` / ``generation_config`` as in :func:`export_hypenet`.
+    ``state``: the model's weights under any wrapper prefixes; ``config``: its HypeNetConfig.
+    ``record``: the run record (halo_dist.json, the model card, and the content of ``DONE``);
+    ``run_config``: the resolved run config for ``run_config.json``; ``tokenizer`` /
+    ``generation_config`` as in :func:`export_hypenet`.
     Nothing is written when a weight is missing (:class:`ExportError`).
     """
     model = model_from_state(state, config, source)
-    files = {} if run_config is None else {"run_config.json": json.dumps(run_config, indent=2, default=str)}
+    files = ({} if run_config is None
+             else {"run_config.json": json.dumps(run_config, indent=2, default=str)})
     files[DONE_FILE] = json.dumps(record or {}, indent=2, default=str)
-    return export_hypenet(model, output, tokenizer=tokenizer, extra=record, generation_config=generation_config,
-                          files=files)
+    return export_hypenet(model, output, tokenizer=tokenizer, extra=record,
+                          generation_config=generation_config, files=files)
 
 
-def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokenizer=None, extra: dict | None = None,
-                   generation_config=None, files: dict[str, str] | None = None) -> Path:
+def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike,
+                   tokenizer=None, extra: dict | None = None, generation_config=None,
+                   files: dict[str, str] | None = None) -> Path:
     """Write the folder atomically: build it in a sibling temp dir, then rename into place.
 
-    ``extra``: the run record (stage, teacher, steps, tokens, held-out evaluation, ``history`` of the stages
-    before) for halo_dist.json and the model card. ``generation_config``: the teacher's GenerationConfig, the
-    export's generation defaults (default: the special tokens of the model's config). ``files``: name -> text,
-    written last, in order, before the folder is renamed into place (e.g. a ``DONE`` marker).
+    ``extra``: the run record (stage, teacher, steps, tokens, held-out evaluation, ``history`` of
+    the stages before) for halo_dist.json and the model card. ``generation_config``: the teacher's
+    GenerationConfig, the export's generation defaults (default: the special tokens of the model's
+    config). ``files``: name -> text, written last, in order, before the folder is renamed into
+    place (e.g. a ``DONE`` marker).
     An existing ``output`` is replaced only after the new folder is complete.
     """
     output = Path(output)
@@ -148,8 +160,10 @@ def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokeniz
             _drop_foreign_code(tmp)
         if extra:
             (tmp / RECORD_FILE).write_text(json.dumps(extra, indent=2, default=str))
-        card = model_card(model.config, json.loads(json.dumps(extra, default=str)) if extra else None,
-                          tokenizer=tokenizer is not None, chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        card = model_card(model.config,
+                          json.loads(json.dumps(extra, default=str)) if extra else None,
+                          tokenizer=tokenizer is not None,
+                          chat_template=bool(getattr(tokenizer, "chat_template", None)),
                           generation=model.generation_config.to_diff_dict())
         (tmp / "README.md").write_text(card)
         for name, text in (files or {}).items():
@@ -164,7 +178,8 @@ def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike, tokeniz
 
 
 def read_record(folder: str | os.PathLike) -> dict | None:
-    """The run record an export carries (None for a folder halo_dist did not export, or an older export)."""
+    """The run record an export carries (None for a folder halo_dist did not export, or an older
+    export)."""
     path = Path(folder) / RECORD_FILE
     try:
         data = json.loads(path.read_text())
@@ -174,7 +189,8 @@ def read_record(folder: str | os.PathLike) -> dict | None:
 
 
 def load_generation_config(source: str | os.PathLike, **kwargs):
-    """``source``'s generation_config.json as a GenerationConfig (a folder or a cached hub id), None without one."""
+    """``source``'s generation_config.json as a GenerationConfig (a folder or a cached hub id), None
+    without one."""
     from transformers import GenerationConfig
 
     try:
@@ -184,9 +200,9 @@ def load_generation_config(source: str | os.PathLike, **kwargs):
 
 
 def _drop_foreign_code(folder: Path) -> None:
-    """An export carries our model files only: a tokenizer loaded with remote code would save its own
-    ``.py`` and an ``auto_map`` into tokenizer_config.json; both are removed (the tokenizer's files and
-    vocabulary stay)."""
+    """An export carries our model files only: a tokenizer loaded with remote code would save its
+    own ``.py`` and an ``auto_map`` into tokenizer_config.json; both are removed (the tokenizer's
+    files and vocabulary stay)."""
     for f in folder.glob("*.py"):
         if f.name not in MODEL_FILES:
             f.unlink()

@@ -1,8 +1,9 @@
 """The README.md (model card) of an exported HypeNet folder.
 
-Written from what the export knows: the config (layer plan, HyPE switches), the run record that also goes to
-``halo_dist.json`` (each stage's teacher, steps, tokens and held-out evaluation, oldest first under
-``history``), whether a tokenizer and a chat template came along, and the generation defaults.
+Written from what the export knows: the config (layer plan, HyPE switches), the run record that also
+goes to ``halo_dist.json`` (each stage's teacher, steps, tokens and held-out evaluation, oldest
+first under ``history``), whether a tokenizer and a chat template came along, and the generation
+defaults.
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ STAGE_NAMES = {
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def model_card(config, record: dict | None, *, tokenizer: bool, chat_template: bool, generation: dict) -> str:
-    """Markdown with a YAML header. ``record``: the halo_dist.json content (None: nothing known of the run);
+def model_card(config, record: dict | None, *, tokenizer: bool, chat_template: bool,
+               generation: dict) -> str:
+    """Markdown with a YAML header. ``record``: the halo_dist.json content (None: nothing known of
+    the run);
     ``generation``: the non-default entries of the exported generation_config.json."""
     record = dict(record or {})
     steps = list(record.pop("history", [])) + ([record] if record else [])
     teacher = next((s["teacher"] for s in reversed(steps) if s.get("teacher")), None)
-    lines = ["---", "library_name: transformers", "tags:", "- halo_dist", "- hypenet", "- hybrid-rnn-attention"]
+    lines = ["---", "library_name: transformers", "tags:", "- halo_dist", "- hypenet",
+             "- hybrid-rnn-attention"]
     if teacher and _HUB_ID.match(teacher) and not os.path.exists(teacher):
         lines += [f"base_model: {teacher}"]
     lines += ["---", "", f"# HypeNet hybrid{f' distilled from {teacher}' if teacher else ''}", ""]
     lines += _architecture(config)
     lines += ["## Recipe", ""] + (_recipe(steps) if steps else
-                                  ["Not recorded: this folder was exported without a run record.", ""])
+                                  ["Not recorded: this folder was exported without a run record.",
+                                   ""])
     lines += _evaluation(steps)
     lines += _tokenizer(tokenizer, chat_template)
     lines += _generation(generation)
@@ -51,17 +56,18 @@ def _architecture(cfg) -> list[str]:
     scale = cfg.attn_logits_scale_base
     return [
         "## Architecture", "",
-        f"{cfg.num_hidden_layers} layers, hidden size {cfg.hidden_size}, {cfg.num_attention_heads} query heads "
+        f"{cfg.num_hidden_layers} layers, hidden size "
+        f"{cfg.hidden_size}, {cfg.num_attention_heads} query heads "
         f"({cfg.num_key_value_heads} KV heads) of {cfg.head_dim}, vocabulary {cfg.vocab_size}.", "",
-        f"- Layer plan (A softmax attention, S sliding-window attention, R RNN{': ' + rnn if rnn else ''}): "
-        f"`{plan}` (attention at layers {cfg.attn_layers}).",
-        f"- Positions (HyPE): RoPE in the RNN layers {'on' if cfg.rnn_rope else 'off'}, in the attention layers "
-        f"{'on' if cfg.attn_rope else 'off'}; attention logits scaled by log(t + a) / log(a) with "
-        f"{f'a = {scale:g}' if scale is not None else 'no scaling'}.",
+        "- Layer plan (A softmax attention, S sliding-window attention, R "
+        f"RNN{': ' + rnn if rnn else ''}): `{plan}` (attention at layers {cfg.attn_layers}).",
+        f"- Positions (HyPE): RoPE in the RNN layers {'on' if cfg.rnn_rope else 'off'}, in the "
+        f"attention layers {'on' if cfg.attn_rope else 'off'}; attention logits scaled by log(t + "
+        f"a) / log(a) with {f'a = {scale:g}' if scale is not None else 'no scaling'}.",
         f"- Output gates: attention {'on' if cfg.attn_output_gate else 'off'}, RNN "
         f"{'on' if cfg.rnn_output_gate else 'off'}.", "",
-        "The model code (`modeling_hypenet.py` and its companions) is in this folder: it loads with "
-        "`trust_remote_code=True` and needs no halo_dist.", "",
+        "The model code (`modeling_hypenet.py` and its companions) is in this folder: it loads "
+        "with `trust_remote_code=True` and needs no halo_dist.", "",
     ]
 
 
@@ -78,18 +84,21 @@ def _recipe(steps: list[dict]) -> list[str]:
             if s.get(key) is not None:
                 origin.append(f"{key} {s[key]}")
         rows.append(f"| {i} | {STAGE_NAMES.get(stage, stage)} | {', '.join(origin) or '-'} | "
-                    f"{_count(s.get('step'))} | {_count(s.get('tokens'))} | {_count(s.get('seq_len'))} |")
+                    f"{_count(s.get('step'))} | {_count(s.get('tokens'))} | "
+                    f"{_count(s.get('seq_len'))} |")
     total = sum(int(s["tokens"]) for s in steps if s.get("tokens"))
-    return rows + ["", f"Tokens trained on, all stages: {total:,}." if total else "No token counts recorded.", ""]
+    return rows + ["", f"Tokens trained on, all stages: {total:,}." if total
+                   else "No token counts recorded.", ""]
 
 
 def _evaluation(steps: list[dict]) -> list[str]:
     done = [s for s in steps if s.get("eval")]
     lines = ["## Evaluation", ""]
     if not done:
-        return lines + ["No evaluation figures were recorded by the stages that produced this model.", ""]
-    lines += ["Held-out figures each stage recorded at its end (lower is better for KL and cross-entropy):", "",
-              "| stage | metric | value |", "|---|---|---|"]
+        return lines + ["No evaluation figures were recorded by the stages that produced this "
+                        "model.", ""]
+    lines += ["Held-out figures each stage recorded at its end (lower is better for KL and "
+              "cross-entropy):", "", "| stage | metric | value |", "|---|---|---|"]
     for s in done:
         for tag, value in s["eval"].items():
             lines.append(f"| {s.get('stage', '?')} | {tag} | {value:.4f} |")
@@ -99,41 +108,48 @@ def _evaluation(steps: list[dict]) -> list[str]:
 def _tokenizer(tokenizer: bool, chat_template: bool) -> list[str]:
     if not tokenizer:
         return ["## Tokenizer", "",
-                "**This export has no tokenizer.** It was written without one (the teacher's could not be loaded, or "
-                "none was given): tokenize with the teacher's tokenizer, whose vocabulary the model shares.", ""]
+                "**This export has no tokenizer.** It was written without one (the teacher's could "
+                "not be loaded, or none was given): tokenize with the teacher's tokenizer, whose "
+                "vocabulary the model shares.", ""]
     return ["## Tokenizer", "",
             "The tokenizer (a distilled model's is its teacher's) is included" +
-            (", with its chat template (`tok.apply_chat_template`)." if chat_template else "; it has no chat template."),
-            "", "`AutoTokenizer` reads `config.json` before the tokenizer files, and that names this folder's model "
-            "code: pass `trust_remote_code=True` (or `False`, which loads the same tokenizer without running it), or "
-            "transformers stops to ask.", ""]
+            (", with its chat template (`tok.apply_chat_template`)." if chat_template
+             else "; it has no chat template."),
+            "", "`AutoTokenizer` reads `config.json` before the tokenizer files, and that names "
+                "this folder's model code: pass `trust_remote_code=True` (or `False`, which loads "
+                "the same tokenizer without running it), or transformers stops to ask.", ""]
 
 
 def _generation(generation: dict) -> list[str]:
-    noise = ("transformers_version", "_from_model_config", "output_attentions", "output_hidden_states")
+    noise = ("transformers_version", "_from_model_config", "output_attentions",
+             "output_hidden_states")
     shown = {k: v for k, v in generation.items() if k not in noise}
     lines = ["## Generation defaults", ""]
     if generation.get("_from_model_config"):
-        lines += ["`generation_config.json` holds the special tokens of `config.json` only (no teacher generation "
-                  "config came with the export)."]
+        lines += ["`generation_config.json` holds the special tokens of `config.json` only (no "
+                  "teacher generation config came with the export)."]
     else:
-        lines += ["`generation_config.json` is the teacher's: `model.generate` applies these unless told otherwise."]
+        lines += ["`generation_config.json` is the teacher's: `model.generate` applies these "
+                  "unless told otherwise."]
     return lines + ["", "```json", json.dumps(shown, indent=2, sort_keys=True), "```", ""]
 
 
 def _usage(tokenizer: bool) -> list[str]:
     tok = ("tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)\n"
-           "batch = tok([\"The capital of France is\"], return_tensors=\"pt\")\n") if tokenizer else \
-        "batch = {\"input_ids\": torch.tensor([[1, 2, 3]])}  # ids from the teacher's tokenizer\n"
+           "batch = tok([\"The capital of France is\"], return_tensors=\"pt\")\n" if tokenizer
+           else "batch = {\"input_ids\": torch.tensor([[1, 2, 3]])}  # ids from the teacher's "
+                "tokenizer\n")
     return ["## Usage", "", "```python", "import torch",
-            "from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if tokenizer else ""), "",
-            "path = \"PATH/TO/THIS/FOLDER\"",
+            "from transformers import AutoModelForCausalLM"
+            + (", AutoTokenizer" if tokenizer else ""), "", "path = \"PATH/TO/THIS/FOLDER\"",
             "model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)",
             tok.rstrip("\n"),
-            "out = model.generate(**batch, max_new_tokens=32)  # any GenerationConfig option, beam search, streamers",
-            "out = model.generate(**batch, max_new_tokens=32, cache_implementation=\"static\")  # CUDA-graph decoding",
+            "out = model.generate(**batch, max_new_tokens=32)  # any GenerationConfig option, "
+            "beam search, streamers", "out = model.generate(**batch, max_new_tokens=32, "
+                                      "cache_implementation=\"static\")  # CUDA-graph decoding",
             "```", "",
-            "Batches must be left-padded (each row then generates exactly what it would alone).", ""]
+            "Batches must be left-padded (each row then generates exactly what it would alone).",
+            ""]
 
 
 def _count(value) -> str:

@@ -1,11 +1,12 @@
 """Which model folders may run their own Python code (``trust_remote_code``).
 
-A folder that halo_dist exported carries our HypeNet files, and transformers needs ``trust_remote_code``
-to import them. We trust such a folder without asking only when every ``.py`` in it is one of ours, byte
-for byte the file this installation would export, and every ``auto_map`` entry names our classes. Any
-other folder that carries code (a ``.py`` file, an ``auto_map`` in ``config.json`` or
-``tokenizer_config.json``) runs it only with the user's explicit ``--trust-remote-code`` /
-``model.trust_remote_code: true``, as in transformers; without it the command stops and says why.
+A folder that halo_dist exported carries our HypeNet files, and transformers needs
+``trust_remote_code`` to import them. We trust such a folder without asking only when every ``.py``
+in it is one of ours, byte for byte the file this installation would export, and every ``auto_map``
+entry names our classes. Any other folder that carries code (a ``.py`` file, an ``auto_map`` in
+``config.json`` or ``tokenizer_config.json``) runs it only with the user's explicit
+``--trust-remote-code`` / ``model.trust_remote_code: true``, as in transformers; without it the
+command stops and says why.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ CONFIG_FILES = ("config.json", "tokenizer_config.json")
 
 
 class UntrustedCodeError(HaloUserError, ValueError):
-    """A folder carries code that halo_dist did not write, and the user did not allow remote code."""
+    """A folder carries code that halo_dist did not write, and the user did not allow remote
+    code."""
 
 
 @lru_cache(maxsize=None)
@@ -46,22 +48,25 @@ def _auto_maps(folder: Path) -> dict[str, object]:
 
 
 def carried_code(folder: str | Path) -> list[str]:
-    """What in ``folder`` would run as code: its ``.py`` files and the files that hold an ``auto_map``."""
+    """What in ``folder`` would run as code: its ``.py`` files and the files that hold an
+    ``auto_map``."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(p.name for p in folder.glob("*.py")) + [f"{n} auto_map" for n in _auto_maps(folder)]
+    return sorted(p.name for p in folder.glob("*.py")) + [f"{n} auto_map"
+                                                          for n in _auto_maps(folder)]
 
 
 def is_halo_folder(folder: str | Path) -> bool:
-    """Every ``.py`` is one of our model files with this installation's content, and the auto_maps name
-    only our classes (config.json) or nothing (tokenizer_config.json)."""
+    """Every ``.py`` is one of our model files with this installation's content, and the auto_maps
+    name only our classes (config.json) or nothing (tokenizer_config.json)."""
     folder = Path(folder)
     files = list(folder.glob("*.py"))
     if not files:
         return False
     for f in files:
-        if f.name not in MODEL_FILES or hashlib.sha256(f.read_bytes()).hexdigest() != _our_digest(f.name):
+        if (f.name not in MODEL_FILES
+                or hashlib.sha256(f.read_bytes()).hexdigest() != _our_digest(f.name)):
             return False
     maps = _auto_maps(folder)
     ours = set(AUTO_MAP.values())
@@ -70,7 +75,8 @@ def is_halo_folder(folder: str | Path) -> bool:
 
 
 def trust_for(folder: str | Path, explicit: bool = False) -> bool:
-    """``trust_remote_code`` for loading ``folder``: True if the user allowed it or the folder is ours;
+    """``trust_remote_code`` for loading ``folder``: True if the user allowed it or the folder is
+    ours;
     False if it carries no code (or is a hub id); raises UntrustedCodeError otherwise."""
     if explicit:
         return True
@@ -80,13 +86,15 @@ def trust_for(folder: str | Path, explicit: bool = False) -> bool:
     if is_halo_folder(folder):
         return True
     raise UntrustedCodeError(
-        f"{folder} carries code that halo_dist did not write ({', '.join(code)}); it runs only if you trust it: "
-        f"pass --trust-remote-code (or set model.trust_remote_code: true). Folders exported by another halo_dist "
-        f"version count as foreign too: re-export them, or pass the flag.")
+        f"{folder} carries code that halo_dist did not write ({', '.join(code)}); it runs only if "
+        "you trust it: pass --trust-remote-code (or set model.trust_remote_code: true). Folders "
+        "exported by another halo_dist version count as foreign too: re-export them, or pass the "
+        "flag.")
 
 
 def load_tokenizer(folder: str | Path, trust_remote_code: bool = False, **kwargs):
     """``AutoTokenizer.from_pretrained`` with :func:`trust_for`'s decision."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_for(folder, trust_remote_code), **kwargs)
+    return AutoTokenizer.from_pretrained(
+        str(folder), trust_remote_code=trust_for(folder, trust_remote_code), **kwargs)

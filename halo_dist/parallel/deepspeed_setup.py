@@ -16,14 +16,15 @@ parameter's partition group. Measured on 2 CPU ranks with sp=2: without that ste
 nothing, leaves the parameters unpartitioned and trains wrongly (parameters off by 4e-2 after two
 AdamW steps of a toy Ulysses block, against 1e-6 with it).
 
-Gradient scale with SP (DeepSpeed 0.19.8, measured here and in ``tests/test_parallel_deepspeed.py``):
-stages 0-2 divide the gradient sum over all ``dp*sp`` ranks by ``dp`` (sum over SP, mean over DP),
-but ZeRO-3's default reduce-scatter path (``reduce_scatter: true``) averages over all ``dp*sp``
-ranks, so the gradient -- and the norm that clipping uses -- comes out ``1/sp`` of the true one
-(seen with sp=2: DeepSpeed's grad norm exactly half the single-process norm; Adam hides most of it,
-clipping does not). With ``reduce_scatter: false`` ZeRO-3 picks per bucket by size between the two
-conventions, so it is refused. Write each rank's loss as its share of the replica's loss (local
-token-loss sum / replica token count) times :func:`sp_loss_factor`.
+Gradient scale with SP (DeepSpeed 0.19.8, measured here and in
+``tests/test_parallel_deepspeed.py``): stages 0-2 divide the gradient sum over all ``dp*sp`` ranks
+by ``dp`` (sum over SP, mean over DP), but ZeRO-3's default reduce-scatter path
+(``reduce_scatter: true``) averages over all ``dp*sp`` ranks, so the gradient -- and the norm that
+clipping uses -- comes out ``1/sp`` of the true one (seen with sp=2: DeepSpeed's grad norm exactly
+half the single-process norm; Adam hides most of it, clipping does not). With
+``reduce_scatter: false`` ZeRO-3 picks per bucket by size between the two conventions, so it is
+refused. Write each rank's loss as its share of the replica's loss (local token-loss sum / replica
+token count) times :func:`sp_loss_factor`.
 
 DeepSpeed's ``sequence_parallel_size`` JSON key is not needed when an mpu is passed (its batch
 arithmetic reads ``mpu.get_data_parallel_world_size()``); don't combine it with
@@ -67,27 +68,30 @@ def use_current_collectives() -> None:
     """Make DeepSpeed's comm backend call torch's renamed tensor collectives. Idempotent.
 
     DeepSpeed 0.19.8's ``TorchBackend`` binds ``torch.distributed.all_gather_into_tensor`` and
-    ``reduce_scatter_tensor`` (ZeRO's parameter gathers and gradient reduce-scatters), which torch >= 2.12
-    deprecates: a FutureWarning each time something resets the warning filters (13 in a 5-step 2-rank
-    ZeRO-3 run, 43 in a 20-step one). ``all_gather_single`` / ``reduce_scatter_single`` take the same
-    arguments. Patched on the class for backends made later (``deepspeed.initialize`` makes one when none
-    exists) and on the backend that exists."""
+    ``reduce_scatter_tensor`` (ZeRO's parameter gathers and gradient reduce-scatters), which torch
+    >= 2.12 deprecates: a FutureWarning each time something resets the warning filters (13 in a
+    5-step 2-rank ZeRO-3 run, 43 in a 20-step one). ``all_gather_single`` /
+    ``reduce_scatter_single`` take the same arguments. Patched on the class for backends made later
+    (``deepspeed.initialize`` makes one when none exists) and on the backend that exists."""
     if not hasattr(dist, "all_gather_single"):  # torch 2.11: only the old names, which do not warn
         return
-    import deepspeed.comm.torch  # noqa: F401  (callers have set up DeepSpeed's import: prepare_deepspeed)
+    # callers have set up DeepSpeed's import: prepare_deepspeed
+    import deepspeed.comm.torch  # noqa: F401
 
     backend = sys.modules["deepspeed.comm.torch"].TorchBackend
     backend.get_all_gather_function = classmethod(lambda cls: dist.all_gather_single)
     backend.get_reduce_scatter_function = classmethod(lambda cls: dist.reduce_scatter_single)
     cdb = sys.modules["deepspeed.comm.comm"].cdb
     if isinstance(cdb, backend):
-        cdb.all_gather_function, cdb.reduce_scatter_function = dist.all_gather_single, dist.reduce_scatter_single
+        cdb.all_gather_function, cdb.reduce_scatter_function = (dist.all_gather_single,
+                                                                dist.reduce_scatter_single)
 
 
 def start_distributed() -> None:
-    """What every trainer's setup starts with: a 1-rank environment for a plain ``python launchers/X.py``
-    (torchrun's, deepspeed's or srun's otherwise), then torch.distributed and DeepSpeed's comm layer
-    unless a process group exists (in-process tests; ``initialize_engine`` adopts it)."""
+    """What every trainer's setup starts with: a 1-rank environment for a plain
+    ``python launchers/X.py`` (torchrun's, deepspeed's or srun's otherwise), then torch.distributed
+    and DeepSpeed's comm layer unless a process group exists (in-process tests;
+    ``initialize_engine`` adopts it)."""
     from .env import ensure_distributed_env
 
     ensure_distributed_env()
@@ -95,7 +99,8 @@ def start_distributed() -> None:
         init_distributed()
 
 
-def init_distributed(timeout: timedelta = timedelta(minutes=10), cpu: Optional[bool] = None) -> None:
+def init_distributed(timeout: timedelta = timedelta(minutes=10),
+                     cpu: Optional[bool] = None) -> None:
     """Initialise torch.distributed and DeepSpeed's comm layer (gloo on CPU, NCCL on GPU)
     from the launcher's environment (torchrun / deepspeed / srun-exported RANK, WORLD_SIZE...)."""
     cpu = on_cpu() if cpu is None else cpu
@@ -105,7 +110,8 @@ def init_distributed(timeout: timedelta = timedelta(minutes=10), cpu: Optional[b
     deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", timeout=timeout)
 
 
-def partition_for_zero3(model: torch.nn.Module, groups: ProcessGroups, ds_config: dict) -> torch.nn.Module:
+def partition_for_zero3(model: torch.nn.Module, groups: ProcessGroups,
+                        ds_config: dict) -> torch.nn.Module:
     """Partition ``model``'s parameters over the sequence-data-parallel group (all ranks),
     keeping their values, so that ZeRO-3's parameter and optimizer partitions agree (module doc)."""
     import deepspeed
@@ -126,10 +132,12 @@ def check_zero3_partitioning(model: torch.nn.Module, groups: ProcessGroups) -> N
     for name, param in model.named_parameters():
         group = getattr(param, "ds_process_group", None)
         if group is not None and dist.get_world_size(group) != want:
-            raise RuntimeError(f"ZeRO-3 parameter {name!r} is partitioned over {dist.get_world_size(group)} "
-                               f"ranks, but ZeRO-3 with {groups} must partition over all {want}; build the "
+            raise RuntimeError(f"ZeRO-3 parameter {name!r} is partitioned over "
+                               f"{dist.get_world_size(group)} ranks, but ZeRO-3 with {groups} must "
+                               f"partition over all {want}; build the "
                                f"model under deepspeed.zero.Init(data_parallel_group="
-                               f"groups.get_sequence_data_parallel_group()) or normally (not under zero.Init)")
+                               "groups.get_sequence_data_parallel_group()) or normally (not under "
+                               "zero.Init)")
 
 
 def sp_loss_factor(ds_config: dict, groups: ProcessGroups) -> int:
@@ -140,21 +148,23 @@ def sp_loss_factor(ds_config: dict, groups: ProcessGroups) -> int:
     if sp == 1 or zero_stage(ds_config) != 3:
         return 1
     if not ds_config.get("zero_optimization", {}).get("reduce_scatter", True):
-        raise ConfigError("ZeRO-3 with sequence parallelism needs zero_optimization.reduce_scatter=true: "
-                          "with false, DeepSpeed 0.19.8 sums or averages gradients over SP ranks depending "
-                          "on bucket size")
+        raise ConfigError("ZeRO-3 with sequence parallelism needs "
+                          "zero_optimization.reduce_scatter=true: with false, DeepSpeed 0.19.8 "
+                          "sums or averages gradients over SP ranks depending on bucket size")
     return sp
 
 
-def frozen_teacher_zero3_config(micro_batch_size: int, grad_accum_steps: int, global_batch_size: int,
-                                bf16: bool) -> dict:
-    """DeepSpeed config of a frozen teacher sharded by ZeRO-3 (``parallel.teacher_placement=zero3``).
+def frozen_teacher_zero3_config(micro_batch_size: int, grad_accum_steps: int,
+                                global_batch_size: int, bf16: bool) -> dict:
+    """DeepSpeed config of a frozen teacher sharded by ZeRO-3
+    (``parallel.teacher_placement=zero3``).
 
-    No optimizer and no gradients: ZeRO-3 only partitions the parameters over all dp*sp ranks, and the
-    forward hooks gather each module's parameters just in time and free them after it
-    (``stage3_param_persistence_threshold: 0``: no small parameter stays resident, so every rank holds
-    exactly its 1/world share between forwards). The batch sizes must be the student engine's, which
-    DeepSpeed checks (``train_batch_size = micro * grad_accum * dp``) even though the teacher never steps.
+    No optimizer and no gradients: ZeRO-3 only partitions the parameters over all dp*sp ranks, and
+    the forward hooks gather each module's parameters just in time and free them after it
+    (``stage3_param_persistence_threshold: 0``: no small parameter stays resident, so every rank
+    holds exactly its 1/world share between forwards). The batch sizes must be the student engine's,
+    which DeepSpeed checks (``train_batch_size = micro * grad_accum * dp``) even though the teacher
+    never steps.
     Pass the result to :func:`initialize_engine` with the run's :class:`ProcessGroups`.
     """
     return {
@@ -170,12 +180,14 @@ def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGr
                       **kwargs: Any):
     """``deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)``, after making
     ZeRO-3's parameter partitions span the sequence-data-parallel group; returns DeepSpeed's tuple
-    ``(engine, optimizer, dataloader, lr_scheduler)``; the engine loads checkpoints with ``weights_only=True``. Works for a frozen teacher too (config without
-    optimizer). ``kwargs``: ``optimizer=``, ``model_parameters=``, ``lr_scheduler=`` ..."""
+    ``(engine, optimizer, dataloader, lr_scheduler)``; the engine loads checkpoints with
+    ``weights_only=True``. Works for a frozen teacher too (config without optimizer). ``kwargs``:
+    ``optimizer=``, ``model_parameters=``, ``lr_scheduler=`` ..."""
     import deepspeed
 
     sp_loss_factor(ds_config, groups)  # validates the reduction convention
-    use_current_collectives()  # torch's process group may predate init_distributed (in-process tests)
+    # torch's process group may predate init_distributed (in-process tests)
+    use_current_collectives()
     if zero_stage(ds_config) == 3:
         if groups.layout.sp_size > 1:
             partition_for_zero3(model, groups, ds_config)
@@ -196,6 +208,7 @@ def keep_fp32_clip_norm(engine) -> None:
 
     def clip_and_keep() -> None:
         engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
-                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+                                                   max_norm=engine.gradient_clipping(),
+                                                   mpu=engine.mpu)
 
     engine.clip_fp32_gradients = clip_and_keep

@@ -1,5 +1,5 @@
-"""This process's place in a distributed job: a plain ``python launcher.py`` becomes a 1-rank job, and
-each rank takes its GPU."""
+"""This process's place in a distributed job: a plain ``python launcher.py`` becomes a 1-rank job,
+and each rank takes its GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def _free_port() -> int:
 
 
 def ensure_distributed_env() -> None:
-    """Let a plain ``python launchers/stageN.py`` run as a 1-rank job (torchrun/deepspeed/srun set these)."""
+    """Let a plain ``python launchers/stageN.py`` run as a 1-rank job (torchrun/deepspeed/srun set
+    these)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))

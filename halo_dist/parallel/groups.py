@@ -1,4 +1,5 @@
-"""The data-parallel x Ulysses sequence-parallel process groups, built by megatron-core, and DeepSpeed's ``mpu``.
+"""The data-parallel x Ulysses sequence-parallel process groups, built by megatron-core, and
+DeepSpeed's ``mpu``.
 
 Layout: ``world = dp * sp``. Global rank ``r`` sits at
 ``(dp_rank, sp_rank) = (r // sp, r % sp)``, so every sequence-parallel (SP) group is a block of
@@ -99,8 +100,9 @@ class ParallelLayout:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive int, got {value!r}")
         if self.world_size % self.sp_size:
-            raise LayoutError(f"world_size={self.world_size} is not divisible by sp_size={self.sp_size}; "
-                              f"world = dp * sp needs sp to divide the number of ranks")
+            raise LayoutError(f"world_size={self.world_size} is not divisible by "
+                              f"sp_size={self.sp_size}; world = dp * sp needs sp to divide the "
+                              "number of ranks")
 
     @property
     def dp_size(self) -> int:
@@ -119,7 +121,8 @@ class ParallelLayout:
     def rank_of(self, dp_rank: int, sp_rank: int) -> int:
         """``(dp_rank, sp_rank)`` -> global rank (inverse of :meth:`coords`)."""
         if not (0 <= dp_rank < self.dp_size and 0 <= sp_rank < self.sp_size):
-            raise LayoutError(f"(dp_rank={dp_rank}, sp_rank={sp_rank}) outside dp={self.dp_size} x sp={self.sp_size}")
+            raise LayoutError(f"(dp_rank={dp_rank}, sp_rank={sp_rank}) outside dp={self.dp_size} x "
+                              f"sp={self.sp_size}")
         return dp_rank * self.sp_size + sp_rank
 
     def sp_group_ranks(self, dp_rank: int) -> list[int]:
@@ -137,14 +140,14 @@ class ParallelLayout:
         return [self.dp_group_ranks(s) for s in range(self.sp_size)]
 
 
-# Megatron-core's import warns, once per module, that Transformer Engine and Apex are missing and that its
-# optimizer and Megatron-FSDP code fall back to torch implementations.
+# Megatron-core's import warns, once per module, that Transformer Engine and Apex are missing and
+# that its optimizer and Megatron-FSDP code fall back to torch implementations.
 _MEGATRON_IMPORT_WARNING = "Transformer Engine and Apex are not installed"
 
 
 def _parallel_state():
-    """``megatron.core.parallel_state``, imported on first use (module doc), quietly and without widening
-    torch's ``weights_only`` allowlist."""
+    """``megatron.core.parallel_state``, imported on first use (module doc), quietly and without
+    widening torch's ``weights_only`` allowlist."""
     import sys
 
     first = "megatron.core" not in sys.modules
@@ -155,10 +158,11 @@ def _parallel_state():
         from megatron.core import parallel_state
         from megatron.core.safe_globals import SAFE_GLOBALS
     if first:
-        # The import adds megatron's types (SimpleNamespace, PosixPath, argparse.Namespace, BytesIO, numpy
-        # arrays, its config classes, ...) to torch's weights_only allowlist for the whole process, while
-        # safe_load.py promises that checkpoints hold nothing but tensors and the DeepSpeed types: take
-        # back what megatron added (types allowed before the import stay allowed).
+        # The import adds megatron's types (SimpleNamespace, PosixPath, argparse.Namespace, BytesIO,
+        # numpy arrays, its config classes, ...) to torch's weights_only allowlist for the whole
+        # process, while safe_load.py promises that checkpoints hold nothing but tensors and the
+        # DeepSpeed types: take back what megatron added (types allowed before the import stay
+        # allowed).
         added = [g for g in SAFE_GLOBALS if g not in before]
         keep = [g for g in torch.serialization.get_safe_globals() if g not in added]
         torch.serialization.clear_safe_globals()
@@ -167,7 +171,8 @@ def _parallel_state():
 
 
 def _default_group_timeout() -> timedelta:
-    """The timeout ``dist.new_group(timeout=None)`` gives a group: torch's default for the world's backend."""
+    """The timeout ``dist.new_group(timeout=None)`` gives a group: torch's default for the world's
+    backend."""
     from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
     if dist.get_backend() == dist.Backend.NCCL and default_pg_nccl_timeout is not None:
@@ -177,8 +182,8 @@ def _default_group_timeout() -> timedelta:
 
 @dataclasses.dataclass(frozen=True)
 class _MegatronInit:
-    """What the last :meth:`ProcessGroups.build` initialised megatron's parallel_state with, and one group
-    it got back (to tell its state from one that other code initialised)."""
+    """What the last :meth:`ProcessGroups.build` initialised megatron's parallel_state with, and one
+    group it got back (to tell its state from one that other code initialised)."""
 
     world: object  # the default process group at the time
     sp_size: int
@@ -190,14 +195,16 @@ _MEGATRON_INIT: Optional[_MegatronInit] = None
 
 
 def _initialise_megatron(ps, layout: ParallelLayout, timeout: timedelta) -> None:
-    """Have megatron's parallel_state hold the groups of ``layout`` (collective unless it already does)."""
+    """Have megatron's parallel_state hold the groups of ``layout`` (collective unless it already
+    does)."""
     global _MEGATRON_INIT
     world = dist.group.WORLD
     if ps.is_initialized():
         last = _MEGATRON_INIT
         if last is None or ps.get_data_parallel_group() is not last.dp_group:
-            raise RuntimeError("megatron-core's parallel_state was initialised by other code, not ProcessGroups.build; "
-                               "ProcessGroups will not replace groups that code may still use. Call "
+            raise RuntimeError("megatron-core's parallel_state was initialised by other "
+                               "code, not ProcessGroups.build; ProcessGroups will "
+                               "not replace groups that code may still use. Call "
                                "megatron.core.parallel_state.destroy_model_parallel() first.")
         if last.world is world and last.sp_size == layout.sp_size and last.timeout == timeout:
             return  # same world, layout and timeout: its groups are the ones wanted
@@ -206,17 +213,21 @@ def _initialise_megatron(ps, layout: ParallelLayout, timeout: timedelta) -> None
         ps.destroy_model_parallel()
         _MEGATRON_INIT = None
     try:
-        # Nothing here needs CUDA or NCCL: groups take the world's backend (gloo on CPU), NCCL options are
-        # only built from a communicator config file (none given), and megatron's CUDA barriers belong to
-        # SHARP (use_sharp, off).
+        # Nothing here needs CUDA or NCCL: groups take the world's backend (gloo on CPU), NCCL
+        # options are only built from a communicator config file (none given), and megatron's CUDA
+        # barriers belong to SHARP (use_sharp, off).
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=layout.sp_size,
-            # megatron's default order, pinned: with TP = PP = EP = 1 its CP groups are consecutive ranks
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+            context_parallel_size=layout.sp_size,
+            # megatron's default order, pinned: with TP = PP = EP = 1 its CP groups are consecutive
+            # ranks
             order="tp-cp-ep-dp-pp",
-            # minutes, used only as timedelta(minutes=...): a fraction keeps a timeout given in seconds
+            # minutes, used only as timedelta(minutes=...): a fraction keeps a timeout given in
+            # seconds
             distributed_timeout_minutes=timeout.total_seconds() / 60,
-            # no second, gloo copy of the DP groups: they serve megatron's distributed optimizer, which
-            # halo_dist does not use (DeepSpeed shards), and on CPU every group is gloo already
+            # no second, gloo copy of the DP groups: they serve megatron's distributed optimizer,
+            # which halo_dist does not use (DeepSpeed shards), and on CPU every group is gloo
+            # already
             create_gloo_process_groups=False)
     except BaseException:
         ps.destroy_model_parallel()  # no half-built state for the next build to trip over
@@ -228,8 +239,9 @@ def _megatron_groups(ps, layout: ParallelLayout, rank: int) -> dict:
     """This rank's groups from megatron's parallel_state, their ranks checked against ``layout``."""
     dp_rank, sp_rank = layout.coords(rank)
     groups = {"sp": ps.get_context_parallel_group(), "dp": ps.get_data_parallel_group(),
-              # megatron's DP x CP group is a group of its own over all ranks, never WORLD, as DeepSpeed
-              # needs: its get_all_ranks_from_group loops until get_global_rank raises, which WORLD never does
+              # megatron's DP x CP group is a group of its own over all ranks, never WORLD, as
+              # DeepSpeed needs: its get_all_ranks_from_group loops until get_global_rank raises,
+              # which WORLD never does
               "sdp": ps.get_data_parallel_group(with_context_parallel=True),
               "self": ps.get_model_parallel_group()}  # TP x PP, both of size 1: this rank alone
     expected = {"sp": layout.sp_group_ranks(dp_rank), "dp": layout.dp_group_ranks(sp_rank),
@@ -238,9 +250,9 @@ def _megatron_groups(ps, layout: ParallelLayout, rank: int) -> dict:
     if got != expected:
         from importlib.metadata import version
 
-        raise RuntimeError(f"megatron-core {version('megatron-core')} built the groups {got} on rank {rank}, but "
-                           f"dp={layout.dp_size} x sp={layout.sp_size} needs {expected}: its rank order is not "
-                           f"the one this module is written for")
+        raise RuntimeError(f"megatron-core {version('megatron-core')} built the groups {got} on "
+                           f"rank {rank}, but dp={layout.dp_size} x sp={layout.sp_size} needs "
+                           f"{expected}: its rank order is not the one this module is written for")
     return groups
 
 
@@ -255,7 +267,8 @@ class ProcessGroups:
     replace.
     """
 
-    def __init__(self, layout: ParallelLayout, rank: int, dp_group, sp_group, sdp_group, self_group):
+    def __init__(self, layout: ParallelLayout, rank: int, dp_group, sp_group, sdp_group,
+                 self_group):
         self.layout = layout
         self.rank = rank
         self.dp_rank, self.sp_rank = layout.coords(rank)
@@ -268,17 +281,20 @@ class ProcessGroups:
         (collective; module doc). ``timeout``: the groups' collective timeout (None: torch's default
         for a new group of the world's backend)."""
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
+            raise RuntimeError("torch.distributed is not initialised; call init_process_group "
+                               "first")
         layout = ParallelLayout(dist.get_world_size(), sp_size)  # before megatron sees the sizes
         rank = dist.get_rank()
         ps = _parallel_state()
-        _initialise_megatron(ps, layout, timeout if timeout is not None else _default_group_timeout())
+        _initialise_megatron(ps, layout,
+                             timeout if timeout is not None else _default_group_timeout())
         groups = _megatron_groups(ps, layout, rank)
         return cls(layout, rank, groups["dp"], groups["sp"], groups["sdp"], groups["self"])
 
     def __repr__(self):
         return (f"ProcessGroups(world={self.layout.world_size}, dp={self.layout.dp_size}, "
-                f"sp={self.layout.sp_size}, rank={self.rank}, dp_rank={self.dp_rank}, sp_rank={self.sp_rank})")
+                f"sp={self.layout.sp_size}, rank={self.rank}, dp_rank={self.dp_rank}, "
+                f"sp_rank={self.sp_rank})")
 
     # --- data parallel: replicas reading different samples ---------------------------------
     def get_data_parallel_group(self):

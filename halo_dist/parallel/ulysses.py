@@ -13,11 +13,11 @@ shapes; ``SequenceParallel(validate_shapes=True)`` checks that with one small al
 KV-head replication rule (GQA with ``H`` query heads, ``Hkv`` KV heads, query head ``i`` using KV
 head ``i // (H/Hkv)``): when ``sp`` does not divide ``Hkv`` (e.g. ``Hkv < sp``), each KV head is
 repeated ``f = sp / gcd(Hkv, sp)`` times *in place* (``repeat_interleave`` on the head dim), giving
-``Hkv' = lcm(Hkv, sp)`` heads where new head ``j`` is a copy of old head ``j // f``. Query head ``i``
-then uses new head ``i // (H/Hkv')``, a copy of old head ``i // (H/Hkv)`` -- the same head -- so
-after ``seq_to_head`` each rank's ``H/sp`` query heads find their KV heads among its own ``Hkv'/sp``
-heads with the usual local rule ``local_q // (H/Hkv')``. ``H % sp == 0`` is required (then ``H``
-is a multiple of ``lcm(Hkv, sp)``); gradients of the copies are summed by autograd.
+``Hkv' = lcm(Hkv, sp)`` heads where new head ``j`` is a copy of old head ``j // f``. Query head
+``i`` then uses new head ``i // (H/Hkv')``, a copy of old head ``i // (H/Hkv)`` -- the same head --
+so after ``seq_to_head`` each rank's ``H/sp`` query heads find their KV heads among its own
+``Hkv'/sp`` heads with the usual local rule ``local_q // (H/Hkv')``. ``H % sp == 0`` is required
+(then ``H`` is a multiple of ``lcm(Hkv, sp)``); gradients of the copies are summed by autograd.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _group_size(group) -> int:
 
 def _check_divisible(n: int, sp: int, what: str) -> None:
     if n % sp:
-        raise SequenceParallelError(f"{what}={n} is not divisible by the sequence-parallel size sp={sp}")
+        raise SequenceParallelError(f"{what}={n} is not divisible by the sequence-parallel size "
+                                    f"sp={sp}")
 
 
 def _check_ndim(x: torch.Tensor, fn: str) -> None:
@@ -133,7 +134,8 @@ def kv_replication_factor(num_heads: int, num_kv_heads: int, sp: int) -> int:
         raise SequenceParallelError(f"number of heads H={num_heads} is not divisible by the "
                                     f"sequence-parallel size sp={sp}; choose sp dividing H")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise SequenceParallelError(f"H={num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+        raise SequenceParallelError(f"H={num_heads} query heads is not a multiple of "
+                                    f"{num_kv_heads} KV heads")
     return sp // math.gcd(num_kv_heads, sp)
 
 
@@ -146,7 +148,8 @@ def replicate_kv_heads(kv: torch.Tensor, num_heads: int, sp: int) -> torch.Tenso
     return kv if factor == 1 else kv.repeat_interleave(factor, dim=2)  # [B, T, Hkv*f, D]
 
 
-# torch >= 2.12 renamed the tensor collectives (the old names warn); torch 2.11 has only the old ones.
+# torch >= 2.12 renamed the tensor collectives (the old names warn); torch 2.11 has only the old
+# ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -190,7 +193,8 @@ class SequenceParallel:
         self.world_size = _group_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         if self.rank < 0:
-            raise ValueError(f"rank {dist.get_rank()} is not a member of the sequence-parallel group it was given")
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the sequence-parallel "
+                             "group it was given")
         self.validate_shapes = validate_shapes
 
     def __repr__(self):
@@ -210,11 +214,13 @@ class SequenceParallel:
         dist.all_gather(shapes, mine, group=self.group)
         if any(not torch.equal(s, shapes[0]) for s in shapes):
             seen = [tuple(int(v) for v in s if v >= 0) for s in shapes]
-            raise SequenceParallelError(f"{what}: SP ranks hold different shapes {seen}; every rank must "
-                                        f"hold T/sp tokens (pad the sequence to a multiple of sp={self.world_size})")
+            raise SequenceParallelError(f"{what}: SP ranks hold different shapes {seen}; every "
+                                        "rank must hold T/sp tokens (pad the sequence to a "
+                                        f"multiple of sp={self.world_size})")
 
     def local_heads(self, num_heads: int) -> int:
-        """Heads per rank after :meth:`seq_to_head` (``H/sp``); raises if ``sp`` does not divide H."""
+        """Heads per rank after :meth:`seq_to_head` (``H/sp``); raises if ``sp`` does not divide
+        H."""
         _check_divisible(num_heads, self.world_size, "number of heads H")
         return num_heads // self.world_size
 
@@ -231,11 +237,11 @@ class SequenceParallel:
     def gather_seq(self, x: torch.Tensor, dim: int = 1, grad: str = "sum") -> torch.Tensor:
         """All-gather the sequence dim: ``[.., T/sp, ..] -> [.., T, ..]`` in global token order.
 
-        ``grad="sum"`` (default): backward sums the output gradients of all SP ranks and returns this
-        rank's block (reduce-scatter) -- right when each rank computes a *different* part of the
-        loss from the gathered tensor. ``grad="slice"``: backward returns this rank's block of its own
-        output gradient -- right when every rank computes the *same* thing from it and the loss is
-        counted once per SP group.
+        ``grad="sum"`` (default): backward sums the output gradients of all SP ranks and returns
+        this rank's block (reduce-scatter) -- right when each rank computes a *different* part of
+        the loss from the gathered tensor. ``grad="slice"``: backward returns this rank's block of
+        its own output gradient -- right when every rank computes the *same* thing from it and the
+        loss is counted once per SP group.
         """
         if grad not in ("sum", "slice"):
             raise ValueError(f"gather_seq grad must be 'sum' or 'slice', got {grad!r}")

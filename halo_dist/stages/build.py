@@ -29,25 +29,31 @@ def student_overrides(cfg: RunConfig) -> dict:
 
 
 def check_student_init_pe(m: ModelConfig) -> None:
-    """A student loaded from ``model.student_init`` keeps the position encoding its weights were trained
-    with, so a ``model.pe`` that names another one would be silently ignored: refuse it before the teacher
-    loads. Reads only the folder's config.json (a folder without one fails when it is loaded)."""
+    """A student loaded from ``model.student_init`` keeps the position encoding its weights were
+    trained with, so a ``model.pe`` that names another one would be silently ignored: refuse it
+    before the teacher loads. Reads only the folder's config.json (a folder without one fails when
+    it is loaded)."""
     from ..models.hypenet import HypeNetConfig
 
     config_file = Path(m.student_init or "") / "config.json"
     if m.pe is None or not m.student_init or not config_file.is_file():
         return
-    folder = HypeNetConfig.from_json_file(str(config_file))  # absent keys take HypeNetConfig's defaults
+    # absent keys take HypeNetConfig's defaults
+    folder = HypeNetConfig.from_json_file(str(config_file))
     found = (bool(folder.attn_rope), bool(folder.rnn_rope))
     if found != PE_ROPE[m.pe]:
-        folder_pe = next(name for name, rope in PE_ROPE.items() if rope == found)  # the table has all four
-        fail("model.pe", f"{m.pe} (attn_rope={PE_ROPE[m.pe][0]}, rnn_rope={PE_ROPE[m.pe][1]}) disagrees with "
+        # the table has all four
+        folder_pe = next(name for name, rope in PE_ROPE.items() if rope == found)
+        fail("model.pe",
+             f"{m.pe} (attn_rope={PE_ROPE[m.pe][0]}, rnn_rope={PE_ROPE[m.pe][1]}) disagrees with "
              f"model.student_init={m.student_init}, whose config.json has attn_rope={found[0]}, "
-             f"rnn_rope={found[1]} (pe {folder_pe}): set model.pe=null to keep the folder's encoding")
+             f"rnn_rope={found[1]} (pe {folder_pe}): set model.pe=null to keep the folder's "
+             "encoding")
 
 
 def build_stage1_module(cfg: RunConfig) -> tuple[Stage1Aligner, torch.nn.Module]:
-    """``(Stage1Aligner, frozen teacher)``: every layer's RNN mixer, aligned to the teacher's attention."""
+    """``(Stage1Aligner, frozen teacher)``: every layer's RNN mixer, aligned to the teacher's
+    attention."""
     check_student_init_pe(cfg.model)
     hf_teacher = load_hf_teacher(cfg.model)
     teacher = as_exact_hypenet(hf_teacher)
@@ -55,8 +61,9 @@ def build_stage1_module(cfg: RunConfig) -> tuple[Stage1Aligner, torch.nn.Module]
 
 
 def build_distill_module(cfg: RunConfig) -> tuple[StudentWithLoss, torch.nn.Module | None]:
-    """``(StudentWithLoss, frozen teacher or None for the CE objective)`` of stages 2 and 3: the student from
-    ``model.student_init``, else converted from the teacher with the stage-1 RNN layers."""
+    """``(StudentWithLoss, frozen teacher or None for the CE objective)`` of stages 2 and 3: the
+    student from ``model.student_init``, else converted from the teacher with the stage-1 RNN
+    layers."""
     from ..models.convert import convert_model
     from ..models.hypenet import HypeNetForCausalLM
     from ..models.hypenet.modeling_hypenet import compile_decoder_layers
@@ -69,8 +76,10 @@ def build_distill_module(cfg: RunConfig) -> tuple[StudentWithLoss, torch.nn.Modu
     else:
         s1 = resolve_stage1_file(cfg.model.stage1_weights) if cfg.model.stage1_weights else None
         if s1 is not None and not s1.exists():
-            raise MissingInputError(f"model.stage1_weights: {s1} does not exist (run stage 1 first)")
-        student = convert_model(hf_teacher, cfg.model.attn_layers, stage1_weights=s1, **student_overrides(cfg))
+            raise MissingInputError(f"model.stage1_weights: {s1} does not exist (run stage 1 "
+                                    "first)")
+        student = convert_model(hf_teacher, cfg.model.attn_layers, stage1_weights=s1,
+                                **student_overrides(cfg))
     del hf_teacher
     check_same_vocab(student, teacher)
     if cfg.model.activation_checkpointing:
@@ -89,5 +98,5 @@ def check_same_vocab(student, teacher) -> None:
     """Distillation compares the two models token by token: one vocabulary."""
     vs, vt = student.config.vocab_size, teacher.config.vocab_size
     if vs != vt:
-        raise IncompatibleInputError(f"student vocabulary {vs} != teacher vocabulary {vt}: distillation needs "
-                                     "one tokenizer")
+        raise IncompatibleInputError(f"student vocabulary {vs} != teacher vocabulary {vt}: "
+                                     "distillation needs one tokenizer")

@@ -63,9 +63,9 @@ class PlateauDetector:
     compared with the best window mean b seen so far (since the last reset): if
     ``m < b * (1 - min_rel_improvement)`` the window counts as an improvement (b <- m, the stale
     count resets), otherwise the stale count grows (b <- min(b, m)). The detector fires when
-    ``patience`` consecutive windows did not improve, i.e. after at least ``window * (patience + 1)``
-    steps. Non-finite values are ignored. ``reset()`` forgets everything (a new horizon changes
-    the KL's scale: later positions drift more).
+    ``patience`` consecutive windows did not improve, i.e. after at least
+    ``window * (patience + 1)`` steps. Non-finite values are ignored. ``reset()`` forgets everything
+    (a new horizon changes the KL's scale: later positions drift more).
     """
 
     window: int = 20
@@ -108,7 +108,8 @@ class PlateauDetector:
 
 @dataclass
 class HorizonSchedule:
-    """Rollout horizon: ``start``, doubled on a plateau (no sooner than ``min_steps`` after a change), capped at ``max``."""
+    """Rollout horizon: ``start``, doubled on a plateau (no sooner than ``min_steps`` after a
+    change), capped at ``max``."""
 
     start: int
     max: int
@@ -123,11 +124,13 @@ class HorizonSchedule:
 
     @classmethod
     def from_config(cls, opd) -> "HorizonSchedule":
-        det = PlateauDetector(opd.plateau_window, opd.plateau_patience, opd.plateau_min_rel_improvement)
+        det = PlateauDetector(opd.plateau_window, opd.plateau_patience,
+                              opd.plateau_min_rel_improvement)
         return cls(opd.horizon_start, opd.horizon_max, det, opd.min_steps_per_horizon)
 
     def update(self, step: int, kl: float) -> bool:
-        """Feed the reverse KL of optimizer step ``step`` (1-based, after the update); True if the horizon doubled."""
+        """Feed the reverse KL of optimizer step ``step`` (1-based, after the update); True if the
+        horizon doubled."""
         if self.horizon >= self.max:
             return False
         if not self.detector.update(kl) or step - self.changed_at < self.min_steps:
@@ -139,8 +142,8 @@ class HorizonSchedule:
         return True
 
     def state_dict(self) -> dict:
-        return {"horizon": self.horizon, "changed_at": self.changed_at, "history": [list(h) for h in self.history],
-                "detector": self.detector.state_dict()}
+        return {"horizon": self.horizon, "changed_at": self.changed_at,
+                "history": [list(h) for h in self.history], "detector": self.detector.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.horizon, self.changed_at = state["horizon"], state["changed_at"]
@@ -149,7 +152,8 @@ class HorizonSchedule:
 
 
 def position_buckets(first: int, horizon_max: int) -> list[tuple[int, int]]:
-    """``[(0, first), (first, 2 first), (2 first, 4 first), ...]`` covering ``horizon_max`` positions."""
+    """``[(0, first), (first, 2 first), (2 first, 4 first), ...]`` covering ``horizon_max``
+    positions."""
     edges, hi = [(0, first)], first
     while hi < horizon_max:
         edges.append((hi, hi * 2))
@@ -182,12 +186,14 @@ class Rollout:
 
 
 @torch.no_grad()
-def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0, top_p: float = 1.0,
-                    eos_token_id: int | None = None, pad_token_id: int = 0, stop_at_eos: bool = True,
-                    generator: torch.Generator | None = None, static_cache: bool = False) -> list[list[int]]:
-    """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the student's own
-    distribution under ``temperature`` / ``top_p`` only: the model's generation defaults stay out (an export
-    carries its teacher's chat defaults, e.g. a top-k or a repetition penalty).
+def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0,
+                    top_p: float = 1.0, eos_token_id: int | None = None, pad_token_id: int = 0,
+                    stop_at_eos: bool = True, generator: torch.Generator | None = None,
+                    static_cache: bool = False) -> list[list[int]]:
+    """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the
+    student's own distribution under ``temperature`` / ``top_p`` only: the model's generation
+    defaults stay out (an export carries its teacher's chat defaults, e.g. a top-k or a repetition
+    penalty).
 
     ``generator``: the draws come from a seed taken from it (see ``_sampling_seeded_by``).
     ``static_cache``: decode through ``StaticDecoder`` (a CUDA-graph replay per token on CUDA).
@@ -209,9 +215,10 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     model.generation_config = GenerationConfig()
     try:
         with _sampling_seeded_by(generator, device):
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=horizon,
-                                 do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                 eos_token_id=[eos_token_id] if early else [], pad_token_id=pad_token_id,
+            out = model.generate(ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=horizon, do_sample=True, temperature=temperature,
+                                 top_p=top_p, top_k=0, eos_token_id=[eos_token_id] if early else [],
+                                 pad_token_id=pad_token_id,
                                  cache_implementation="static" if static_cache else None)
     finally:
         model.train(was_training)
@@ -224,8 +231,9 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
 
 @contextmanager
 def _sampling_seeded_by(generator: torch.Generator | None, device: torch.device):
-    """``generate`` samples from the default RNG of ``device``: run it on a seed drawn from ``generator`` (so a
-    rank's rollouts follow its generator, whose state the checkpoints keep) and restore that RNG afterwards."""
+    """``generate`` samples from the default RNG of ``device``: run it on a seed drawn from
+    ``generator`` (so a rank's rollouts follow its generator, whose state the checkpoints keep) and
+    restore that RNG afterwards."""
     if generator is None:
         yield
         return
@@ -249,12 +257,15 @@ class PackedRollouts:
     cu_seqlens: torch.Tensor  # int32 [n + 1]
     max_seqlen: int
     loss_mask: torch.Tensor  # [L] bool: position j predicts a sampled token j + 1 of its document
-    gen_index: torch.Tensor  # [L] long: index of that sampled token in its continuation (-1 elsewhere)
+    # [L] long: index of that sampled token in its continuation (-1 elsewhere)
+    gen_index: torch.Tensor
     num_generated: int
 
     def to(self, device) -> "PackedRollouts":
-        return PackedRollouts(self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device),
-                              self.max_seqlen, self.loss_mask.to(device), self.gen_index.to(device), self.num_generated)
+        return PackedRollouts(self.input_ids.to(device), self.position_ids.to(device),
+                              self.cu_seqlens.to(device),
+                              self.max_seqlen, self.loss_mask.to(device), self.gen_index.to(device),
+                              self.num_generated)
 
 
 def pack_rollouts(rollouts: list[Rollout]) -> PackedRollouts:
@@ -307,7 +318,8 @@ class OPDModule(nn.Module):
 
     @property
     def student_config(self):
-        """The student's config (recorded in checkpoints, as the stage modules' ``student_config``)."""
+        """The student's config (recorded in checkpoints, as the stage modules'
+        ``student_config``)."""
         return self.student.config
 
     def enable_zero3(self) -> None:
@@ -317,8 +329,10 @@ class OPDModule(nn.Module):
 
     def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, loss_mask, gen_index,
                 normalizer: float = 1.0, horizon: int | None = None):
-        """Returns ``(loss for backward, detached divergence sum, token count, [per-bucket (sum, count)])``."""
-        kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_hidden_only=True)
+        """Returns ``(loss for backward, detached divergence sum, token count, [per-bucket (sum,
+        count)])``."""
+        kw = dict(position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                  return_hidden_only=True)
         hidden = self.student(input_ids, **kw).flatten(0, 1)  # [1, L, d] -> [L, d]
         with torch.no_grad():
             t_hidden = self.teacher(input_ids, **kw).flatten(0, 1)
@@ -331,8 +345,8 @@ class OPDModule(nn.Module):
                 break
             m = loss_mask & (gen_index >= lo) & (gen_index < hi)
             out = fused_distill_loss(
-                hidden, self.student.lm_head.weight, t_hidden, self.teacher.lm_head.weight, token_mask=m, beta=self.beta,
-                temperature=self.temperature,
+                hidden, self.student.lm_head.weight, t_hidden, self.teacher.lm_head.weight,
+                token_mask=m, beta=self.beta, temperature=self.temperature,
                 normalizer=normalizer, chunk_size=self.chunk_size,
             )
             loss = loss + out.loss
@@ -372,7 +386,8 @@ def parameter_groups(student, *, lr: float, rnn_lr=None, attn_lr=None, other_lr=
             groups[kind].append(p)
     out = [{"params": ps, "lr": lrs[k], "name": k} for k, ps in groups.items() if ps]
     if not out:
-        raise ConfigError("every parameter group is frozen (opd.train_attention false and opd.rnn_lr/other_lr 0)")
+        raise ConfigError("every parameter group is frozen (opd.train_attention false and "
+                          "opd.rnn_lr/other_lr 0)")
     return out
 
 
@@ -389,9 +404,9 @@ def check_tokenizers(teacher_tok, student_tok) -> None:
     if a["vocab"] != b["vocab"]:
         only_t = len(set(a["vocab"].items()) - set(b["vocab"].items()))
         raise IncompatibleInputError(
-            f"teacher and student tokenizers differ ({len(a['vocab'])} vs {len(b['vocab'])} tokens, {only_t} teacher "
-            "entries missing or re-numbered in the student's): on-policy distillation scores the student's tokens "
-            "with the teacher, so both need one tokenizer")
+            f"teacher and student tokenizers differ ({len(a['vocab'])} vs {len(b['vocab'])} "
+            f"tokens, {only_t} teacher entries missing or re-numbered in the student's): on-policy "
+            "distillation scores the student's tokens with the teacher, so both need one tokenizer")
     if a["eos"] != b["eos"]:
         raise IncompatibleInputError(f"teacher EOS id {a['eos']} != student EOS id {b['eos']}")
 
@@ -403,5 +418,5 @@ def check_vocab(student, teacher, tokenizer=None) -> None:
     if tokenizer is not None:
         n = len(tokenizer)
         if n > vs:
-            raise IncompatibleInputError(f"the tokenizer has {n} tokens but the models' vocabulary is {vs}: "
-                                         "wrong tokenizer")
+            raise IncompatibleInputError(f"the tokenizer has {n} tokens but the models' vocabulary "
+                                         f"is {vs}: wrong tokenizer")

@@ -1,5 +1,6 @@
-"""The models of an on-policy distillation run: the student (converted from the teacher or loaded from
-``model.student_init``), the frozen teacher and the tokenizer they share, checked against each other."""
+"""The models of an on-policy distillation run: the student (converted from the teacher or loaded
+from ``model.student_init``), the frozen teacher and the tokenizer they share, checked against each
+other."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from .opd import check_tokenizers, check_vocab
 
 
 def load_tokenizer(cfg: RunConfig):
-    """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's; random teachers need one."""
+    """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's; random teachers need
+    one."""
     name = cfg.opd.tokenizer
     if name == "bytes":
         from ..eval.tokenizers import byte_tokenizer
 
         return byte_tokenizer()
     if name is None and cfg.model.teacher == "random":
-        raise ConfigError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for tiny tests)")
+        raise ConfigError("a random teacher has no tokenizer: set opd.tokenizer (e.g. 'bytes' for "
+                          "tiny tests)")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name or cfg.model.teacher)
@@ -53,9 +56,11 @@ def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
     if student is None:
         if cfg.model.student_init:
             check_tokenizers(tokenizer, student_tokenizer(cfg))
-            student = HypeNetForCausalLM.from_pretrained(cfg.model.student_init, dtype=torch.float32)
+            student = HypeNetForCausalLM.from_pretrained(cfg.model.student_init,
+                                                         dtype=torch.float32)
         else:
             s1 = resolve_stage1_file(cfg.model.stage1_weights) if cfg.model.stage1_weights else None
-            student = convert_model(hf_teacher, cfg.model.attn_layers, stage1_weights=s1, **student_overrides(cfg))
+            student = convert_model(hf_teacher, cfg.model.attn_layers, stage1_weights=s1,
+                                    **student_overrides(cfg))
     check_vocab(student, teacher, tokenizer)
     return student, teacher, tokenizer

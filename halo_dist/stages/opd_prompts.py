@@ -1,18 +1,18 @@
 """Prompt sets and the prompt curriculum of on-policy distillation (OPAL).
 
 A :class:`PromptSet` is a list of token-id prompts built once from its config (``opd.prompt_sets``
-entry, :class:`halo_dist.config.opd_schema.PromptSetConfig`); its last ``heldout`` prompts never train
-and make the held-out reverse-KL eval. The :class:`Curriculum` decides which sets are active at a
-(step, horizon) -- a set switches in once ``step >= start_step`` and ``horizon >= min_horizon`` and
-out at ``stop_step`` -- and samples prompts from the active sets with probability proportional to
-their weights. Sets are built lazily, when they first become active (retrieval prompts of 32K
+entry, :class:`halo_dist.config.opd_schema.PromptSetConfig`); its last ``heldout`` prompts never
+train and make the held-out reverse-KL eval. The :class:`Curriculum` decides which sets are active
+at a (step, horizon) -- a set switches in once ``step >= start_step`` and ``horizon >= min_horizon``
+and out at ``stop_step`` -- and samples prompts from the active sets with probability proportional
+to their weights. Sets are built lazily, when they first become active (retrieval prompts of 32K
 tokens take a while to tokenize), identically on every rank; sampling uses a per-rank RNG whose
 state goes into checkpoints.
 
 With ``opd.lmbda < 1`` (TRL GKD's on-policy fraction) some steps train on fixed data instead of
 rollouts: every training prompt then also carries a fixed continuation of up to ``opd.horizon_max``
-tokens (``FIXED_CONTINUATION`` in config/opd_schema.py says which for each kind; a continuation that ends
-before the cap ends with EOS, as a rollout would), cut to the current horizon when it trains.
+tokens (``FIXED_CONTINUATION`` in config/opd_schema.py says which for each kind; a continuation that
+ends before the cap ends with EOS, as a rollout would), cut to the current horizon when it trains.
 Building them uses its own RNG, so the prompts are the same whatever ``lmbda`` is.
 
 Bad input fails with :class:`PromptError`: an empty set, an empty prompt, a prompt longer than the
@@ -45,7 +45,8 @@ class PromptSet:
     cfg: PromptSetConfig
     train: list[list[int]]
     heldout: list[list[int]] = field(default_factory=list)
-    # the fixed continuation of each train prompt (int32 token ids; empty: none), when built for lmbda < 1
+    # the fixed continuation of each train prompt (int32 token ids; empty: none), when built for
+    # lmbda < 1
     continuations: list[array] | None = None
 
     @property
@@ -85,8 +86,8 @@ def _jsonl_rows(cfg: PromptSetConfig) -> list[dict]:
         if not isinstance(row, dict) or cfg.text_field not in row:
             raise PromptError(f"prompt set {cfg.name!r}: {path}:{n} has no {cfg.text_field!r} key")
         if cfg.completion_field is not None and cfg.completion_field not in row:
-            raise PromptError(f"prompt set {cfg.name!r}: {path}:{n} has no {cfg.completion_field!r} key "
-                              f"(its completion_field)")
+            raise PromptError(f"prompt set {cfg.name!r}: {path}:{n} has no "
+                              f"{cfg.completion_field!r} key (its completion_field)")
         out.append(row)
         if len(out) >= cfg.num_prompts:
             break
@@ -120,20 +121,23 @@ def _prefixes(cfg: PromptSetConfig, docs, tokenizer, rng: random.Random, cap: in
     return out, rests
 
 
-def build_prompt_set(cfg: PromptSetConfig, tokenizer, vocab_size: int, seed: int = 0, continuation_tokens: int = 0,
-                     eos_token_id: int | None = None) -> PromptSet:
-    """Tokenize / generate the prompts of one set (deterministic in ``seed``); ``continuation_tokens`` > 0:
-    also each prompt's fixed continuation of at most that many tokens (module doc)."""
+def build_prompt_set(cfg: PromptSetConfig, tokenizer, vocab_size: int, seed: int = 0,
+                     continuation_tokens: int = 0, eos_token_id: int | None = None) -> PromptSet:
+    """Tokenize / generate the prompts of one set (deterministic in ``seed``);
+    ``continuation_tokens`` > 0: also each prompt's fixed continuation of at most that many tokens
+    (module doc)."""
     rng = random.Random(f"{seed}:{cfg.name}")
     cap, eos = continuation_tokens, eos_token_id
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     conts = []
     if cfg.kind == "synthetic":
         lo, hi = cfg.prompt_tokens
-        prompts = [[rng.randrange(4, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(cfg.num_prompts)]
+        prompts = [[rng.randrange(4, vocab_size) for _ in range(rng.randint(lo, hi))]
+                   for _ in range(cfg.num_prompts)]
         if cap:
             crng = random.Random(f"{seed}:{cfg.name}:continuations")
-            conts = [array("i", (crng.randrange(4, vocab_size) for _ in range(cap))) for _ in prompts]
+            conts = [array("i", (crng.randrange(4, vocab_size) for _ in range(cap)))
+                     for _ in prompts]
     elif cfg.kind == "wiki":
         from ..assets.text import iter_wiki_texts
 
@@ -145,8 +149,8 @@ def build_prompt_set(cfg: PromptSetConfig, tokenizer, vocab_size: int, seed: int
         prompts = [encode(str(r[cfg.text_field])) for r in rows]
         if cap:
             if cfg.completion_field is None:
-                raise PromptError(f"prompt set {cfg.name!r}: fixed-data steps (opd.lmbda < 1) need its "
-                                  f"completion_field")
+                raise PromptError(f"prompt set {cfg.name!r}: fixed-data steps (opd.lmbda < 1) need "
+                                  "its completion_field")
             conts = [_ending(encode(str(r[cfg.completion_field])), cap, eos) for r in rows]
     elif cfg.kind == "niah":
         samples = _niah_samples(cfg, tokenizer, seed)
@@ -159,7 +163,8 @@ def build_prompt_set(cfg: PromptSetConfig, tokenizer, vocab_size: int, seed: int
 
 
 def _niah_samples(cfg: PromptSetConfig, tokenizer, seed: int) -> list:
-    """Retrieval prompts (RULER NIAH-Single-2: Wikipedia haystack, 7-digit needle) at ``lengths``."""
+    """Retrieval prompts (RULER NIAH-Single-2: Wikipedia haystack, 7-digit needle) at
+    ``lengths``."""
     from ..eval.niah import NiahBuilder
 
     builder = NiahBuilder(tokenizer, seed=seed)
@@ -174,18 +179,18 @@ def _niah_samples(cfg: PromptSetConfig, tokenizer, seed: int) -> list:
 def _finish(cfg: PromptSetConfig, prompts: list[list[int]], vocab_size: int,
             conts: list[array] | None = None) -> PromptSet:
     if not prompts:
-        raise PromptError(f"prompt set {cfg.name!r} ({cfg.kind}) is empty: no prompt could be built "
-                          f"(prompt_tokens={list(cfg.prompt_tokens)}, path={cfg.path})")
+        raise PromptError(f"prompt set {cfg.name!r} ({cfg.kind}) is empty: no prompt could be "
+                          f"built (prompt_tokens={list(cfg.prompt_tokens)}, path={cfg.path})")
     for i, p in enumerate(prompts):
         if not p:
             raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} is empty")
         if cfg.max_prompt_tokens is not None and len(p) > cfg.max_prompt_tokens:
-            raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} has {len(p)} tokens, more than "
-                              f"max_prompt_tokens={cfg.max_prompt_tokens}")
+            raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} has {len(p)} tokens, more "
+                              f"than max_prompt_tokens={cfg.max_prompt_tokens}")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
-            raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} has token id {bad[0]} outside the "
-                              f"model vocabulary [0, {vocab_size}) (tokenizer/model mismatch)")
+            raise PromptError(f"prompt set {cfg.name!r}: prompt #{i} has token id {bad[0]} outside "
+                              f"the model vocabulary [0, {vocab_size}) (tokenizer/model mismatch)")
     if cfg.heldout >= len(prompts):
         raise PromptError(f"prompt set {cfg.name!r}: heldout={cfg.heldout} leaves none of its "
                           f"{len(prompts)} prompts for training")
@@ -195,11 +200,13 @@ def _finish(cfg: PromptSetConfig, prompts: list[list[int]], vocab_size: int,
         for i, c in enumerate(conts):
             bad = [t for t in c if not 0 <= t < vocab_size]
             if bad:
-                raise PromptError(f"prompt set {cfg.name!r}: the fixed continuation of prompt #{i} has token id "
-                                  f"{bad[0]} outside the model vocabulary [0, {vocab_size})")
+                raise PromptError(f"prompt set {cfg.name!r}: the fixed continuation of prompt "
+                                  f"#{i} has token id {bad[0]} outside the model vocabulary [0, "
+                                  f"{vocab_size})")
         if not any(len(c) for c in conts):
-            raise PromptError(f"prompt set {cfg.name!r}: no training prompt has a fixed continuation (every "
-                              f"prefix took its whole document and there is no EOS token): fixed-data steps "
+            raise PromptError(f"prompt set {cfg.name!r}: no training prompt has "
+                              "a fixed continuation (every prefix took its whole "
+                              "document and there is no EOS token): fixed-data steps "
                               f"(opd.lmbda < 1) have nothing to train on")
     return PromptSet(cfg, prompts[:cut], prompts[cut:], conts)
 
@@ -207,8 +214,8 @@ def _finish(cfg: PromptSetConfig, prompts: list[list[int]], vocab_size: int,
 class Curriculum:
     """Active prompt sets by (step, horizon) and weighted sampling from them (see module doc)."""
 
-    def __init__(self, opd: OPDConfig, tokenizer, vocab_size: int, rank: int = 0, prebuilt: dict | None = None,
-                 eos_token_id: int | None = None):
+    def __init__(self, opd: OPDConfig, tokenizer, vocab_size: int, rank: int = 0,
+                 prebuilt: dict | None = None, eos_token_id: int | None = None):
         self.opd, self.tokenizer, self.vocab_size = opd, tokenizer, vocab_size
         self.eos_token_id = eos_token_id
         self.continuation_tokens = opd.horizon_max if opd.lmbda < 1.0 else 0  # fixed continuations
@@ -218,8 +225,9 @@ class Curriculum:
 
     def get(self, cfg: PromptSetConfig) -> PromptSet:
         if cfg.name not in self.sets:
-            self.sets[cfg.name] = build_prompt_set(cfg, self.tokenizer, self.vocab_size, self.opd.seed,
-                                                   self.continuation_tokens, self.eos_token_id)
+            self.sets[cfg.name] = build_prompt_set(cfg, self.tokenizer, self.vocab_size,
+                                                   self.opd.seed, self.continuation_tokens,
+                                                   self.eos_token_id)
         return self.sets[cfg.name]
 
     def active(self, step: int, horizon: int) -> list[PromptSet]:
@@ -227,8 +235,8 @@ class Curriculum:
         cfgs = [c for c in self.opd.prompt_sets if step >= c.start_step and horizon >= c.min_horizon
                 and (c.stop_step is None or step < c.stop_step)]
         if not cfgs:
-            raise PromptError(f"no prompt set is active at step {step}, horizon {horizon}: check the "
-                              f"start_step / stop_step / min_horizon of opd.prompt_sets")
+            raise PromptError(f"no prompt set is active at step {step}, horizon {horizon}: check "
+                              "the start_step / stop_step / min_horizon of opd.prompt_sets")
         sets = [self.get(c) for c in cfgs]
         for s in sets:
             self.check_fits(s, horizon)
@@ -241,9 +249,11 @@ class Curriculum:
         room = self.opd.max_seq_len - horizon
         if s.longest > room:
             raise PromptError(
-                f"prompt set {s.name!r} has a prompt of {s.longest} tokens, longer than the {room} tokens "
-                f"left for the prompt at horizon {horizon} (opd.max_seq_len={self.opd.max_seq_len}); raise "
-                f"max_seq_len, shorten the prompts, or switch the set in later (min_horizon/start_step)")
+                f"prompt set {s.name!r} has a prompt of {s.longest} tokens, longer than "
+                f"the {room} tokens left for the prompt at horizon {horizon} "
+                f"(opd.max_seq_len={self.opd.max_seq_len}); raise "
+                "max_seq_len, shorten the prompts, or switch the set in later "
+                "(min_horizon/start_step)")
         self._checked[s.name] = horizon
 
     def sample(self, n: int, step: int, horizon: int) -> list[tuple[str, list[int]]]:
@@ -253,13 +263,15 @@ class Curriculum:
         picks = self.rng.choices(sets, weights=weights, k=n)
         return [(s.name, s.train[self.rng.randrange(len(s.train))]) for s in picks]
 
-    def sample_fixed(self, n: int, step: int, horizon: int) -> list[tuple[str, list[int], list[int]]]:
-        """``n`` (set name, prompt ids, fixed continuation cut to ``horizon``) from the active sets, weighted."""
+    def sample_fixed(self, n: int, step: int,
+                     horizon: int) -> list[tuple[str, list[int], list[int]]]:
+        """``n`` (set name, prompt ids, fixed continuation cut to ``horizon``) from the active sets,
+        weighted."""
         sets = self.active(step, horizon)
         for s in sets:
             if not s.fixed_index:
-                raise PromptError(f"prompt set {s.name!r} has no fixed continuations (built for opd.lmbda=1?): "
-                                  f"a fixed-data step cannot use it")
+                raise PromptError(f"prompt set {s.name!r} has no fixed continuations (built for "
+                                  "opd.lmbda=1?): a fixed-data step cannot use it")
         picks = self.rng.choices(sets, weights=[s.cfg.weight for s in sets], k=n)
         out = []
         for s in picks:

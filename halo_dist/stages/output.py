@@ -1,4 +1,5 @@
-"""What the stages write: the run record, the stage-1 RNN-layer file, the distilled student's HF folder."""
+"""What the stages write: the run record, the stage-1 RNN-layer file, the distilled student's HF
+folder."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from .stage1 import resolve_stage1_file, save_stage1_weights, stage1_state_dict
 
 
 def run_record(cfg: RunConfig, step: int, tokens: int, metrics=None, **fields) -> dict:
-    """What this run made, for its output's DONE / halo_dist.json and the export's model card: stage, teacher,
-    steps, tokens, ``fields``, the held-out figures of its last evaluation (``metrics.last_eval``), and under
-    ``history`` the records of what its student started from (oldest first)."""
+    """What this run made, for its output's DONE / halo_dist.json and the export's model card:
+    stage, teacher, steps, tokens, ``fields``, the held-out figures of its last evaluation
+    (``metrics.last_eval``), and under ``history`` the records of what its student started from
+    (oldest first)."""
     record = {"stage": cfg.stage.name, "step": step, "tokens": tokens}
     if cfg.model.teacher:
         record["teacher"] = cfg.model.teacher
@@ -29,8 +31,9 @@ def run_record(cfg: RunConfig, step: int, tokens: int, metrics=None, **fields) -
 
 
 def lineage(cfg: RunConfig) -> list[dict]:
-    """The records of the models this run's student comes from: a ``student_init`` export's own lineage and
-    record; else the conversion from the teacher, then the stage-1 run whose weights stage 2 reads."""
+    """The records of the models this run's student comes from: a ``student_init`` export's own
+    lineage and record; else the conversion from the teacher, then the stage-1 run whose weights
+    stage 2 reads."""
     m = cfg.model
     if m.student_init:
         from ..models.export import read_record
@@ -54,7 +57,8 @@ def lineage(cfg: RunConfig) -> list[dict]:
 
 
 def export_generation_config(cfg: RunConfig):
-    """The generation defaults exported with the student: the initial student's, else the teacher's."""
+    """The generation defaults exported with the student: the initial student's, else the
+    teacher's."""
     from ..models.convert import ConversionError, resolve_teacher, teacher_generation_config
     from ..models.export import load_generation_config
     from .teacher import teacher_path
@@ -76,7 +80,8 @@ def teacher_tokenizer(cfg: RunConfig):
     from ..models.trust import UntrustedCodeError, load_tokenizer
     from .teacher import teacher_path
 
-    for source in (cfg.model.student_init, None if cfg.model.teacher == "random" else teacher_path(cfg.model.teacher)):
+    for source in (cfg.model.student_init,
+                   None if cfg.model.teacher == "random" else teacher_path(cfg.model.teacher)):
         if source:
             try:
                 return load_tokenizer(source, cfg.model.trust_remote_code)
@@ -99,8 +104,10 @@ def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
 
 def _record(trainer) -> dict:
     cfg = trainer.cfg
-    return run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics, seq_len=cfg.data.seq_len,
-                      **({} if cfg.model.student_init else {"attn_layers": list(cfg.model.attn_layers)}))
+    return run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics,
+                      seq_len=cfg.data.seq_len,
+                      **({} if cfg.model.student_init
+                         else {"attn_layers": list(cfg.model.attn_layers)}))
 
 
 def write_distill_output(trainer, folder: Path) -> Path | None:
@@ -111,9 +118,9 @@ def write_distill_output(trainer, folder: Path) -> Path | None:
     if trainer.rank != 0:
         return None
     cfg = trainer.cfg
-    return write_hf_folder(state, trainer.module.student.config, folder, tokenizer=teacher_tokenizer(cfg),
-                           record=_record(trainer), generation_config=export_generation_config(cfg),
-                           run_config=to_dict(cfg))
+    return write_hf_folder(state, trainer.module.student.config, folder,
+                           tokenizer=teacher_tokenizer(cfg), record=_record(trainer),
+                           generation_config=export_generation_config(cfg), run_config=to_dict(cfg))
 
 
 def write_stage1_output(trainer, folder: Path) -> Path | None:
@@ -122,8 +129,8 @@ def write_stage1_output(trainer, folder: Path) -> Path | None:
     if trainer.rank != 0:
         return None
     cfg, module = trainer.cfg, trainer.module
-    path = save_stage1_weights(stage1_state_dict(state), folder, len(module.mixers), cfg.model.teacher,
-                               rnn_rope=module.student_config.rnn_rope)
+    path = save_stage1_weights(stage1_state_dict(state), folder, len(module.mixers),
+                               cfg.model.teacher, rnn_rope=module.student_config.rnn_rope)
     (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     (folder / "DONE").write_text(json.dumps(_record(trainer), indent=2, default=str))
     return path

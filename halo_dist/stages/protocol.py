@@ -27,13 +27,15 @@ EvalOutput = dict[str, tuple[torch.Tensor, int]]
 class StageModule(Protocol):
     """The trainable module of a stage, as the Trainer uses it."""
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, normalizer: float = 1.0,
-                 evaluate: bool = False, **batch: Any) -> Union[TrainOutput, EvalOutput]:
-        """The forward: the loss divided by ``normalizer`` with its tracked sum and token count, or with
-        ``evaluate`` the held-out sums."""
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 *, normalizer: float = 1.0, evaluate: bool = False,
+                 **batch: Any) -> Union[TrainOutput, EvalOutput]:
+        """The forward: the loss divided by ``normalizer`` with its tracked sum and token count, or
+        with ``evaluate`` the held-out sums."""
 
     def loss_tokens(self, batch: dict) -> int:
-        """Tokens of ``batch`` the loss averages over (the global count normalises every micro-batch)."""
+        """Tokens of ``batch`` the loss averages over (the global count normalises every
+        micro-batch)."""
 
     @property
     def student_config(self) -> Any:
@@ -47,18 +49,20 @@ Build = Callable[[RunConfig], tuple[StageModule, Optional[nn.Module]]]
 """``build(cfg) -> (trainable module, frozen teacher or None)``, on the CPU in float32."""
 
 WriteOutput = Callable[[Any, Path], Optional[Path]]
-"""``write_output(trainer, folder) -> path`` of what the stage leaves (rank 0; None elsewhere); all ranks
-call it (ZeRO-3 gathers are collective)."""
+"""``write_output(trainer, folder) -> path`` of what the stage leaves (rank 0; None elsewhere); all
+ranks call it (ZeRO-3 gathers are collective)."""
 
 
 @dataclass(frozen=True)
 class StageSpec:
     """One row of the stage table: how the stage builds, what it writes and which trainer runs it.
 
-    ``build`` / ``write_output`` are None for a trainer that builds its models in ``setup`` and writes its
-    export in ``finish`` itself (OPD: rollouts need the tokenizer, and under ZeRO-3 a gathered replica of the student).
-    ``trainer_cls``: a ``halo_dist.train`` Trainer class, constructed as ``trainer_cls(cfg, argv, stage=spec)``
-    (typed loosely: stages sit below train and do not import it)."""
+    ``build`` / ``write_output`` are None for a trainer that builds its models in ``setup`` and
+    writes its export in ``finish`` itself (OPD: rollouts need the tokenizer, and under ZeRO-3 a
+    gathered replica of the student).
+    ``trainer_cls``: a ``halo_dist.train`` Trainer class, constructed as
+    ``trainer_cls(cfg, argv, stage=spec)`` (typed loosely: stages sit below train and do not import
+    it)."""
 
     name: str
     build: Optional[Build]

@@ -21,7 +21,8 @@ STAGE1_FILE = "rnn_layers.safetensors"
 
 
 class TeacherTaps:
-    """Forward hooks that record each teacher mixer's input ``x_l`` and output during one forward."""
+    """Forward hooks that record each teacher mixer's input ``x_l`` and output during one
+    forward."""
 
     def __init__(self, teacher: HypeNetForCausalLM):
         self.inputs: dict[int, torch.Tensor] = {}
@@ -50,8 +51,10 @@ class TeacherTaps:
 
 
 class Stage1Aligner(nn.Module):
-    """The trainable part of stage 1: one RNN mixer per teacher layer, initialised by weight transfer.
-    A :class:`~halo_dist.stages.protocol.StageModule`; ``student_config`` is the all-RNN student's config."""
+    """The trainable part of stage 1: one RNN mixer per teacher layer, initialised by weight
+    transfer.
+    A :class:`~halo_dist.stages.protocol.StageModule`; ``student_config`` is the all-RNN student's
+    config."""
 
     def __init__(self, hf_teacher, teacher: HypeNetForCausalLM, **student_overrides):
         super().__init__()
@@ -59,7 +62,8 @@ class Stage1Aligner(nn.Module):
         self.student_config = all_rnn.config
         self.mixers = nn.ModuleList(layer.mixer for layer in all_rnn.model.layers)
         del all_rnn
-        self._teacher = [teacher]  # a list: the frozen teacher is not a submodule (never saved, not in ZeRO)
+        # a list: the frozen teacher is not a submodule (never saved, not in ZeRO)
+        self._teacher = [teacher]
         self.taps = TeacherTaps(teacher)
 
     @property
@@ -74,13 +78,13 @@ class Stage1Aligner(nn.Module):
         """The RNN mixers (all layers): sequence parallelism is injected into them directly."""
         return list(self.mixers)
 
-    def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, normalizer: float = 1.0,
-                evaluate: bool = False, **unused):
+    def forward(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None,
+                normalizer: float = 1.0, evaluate: bool = False, **unused):
         """Returns ``(loss for backward, detached sum of per-token layer-summed MSE, token count)``;
         with ``evaluate`` (held-out evaluation, train/evaluation.py) ``{"mse": (sum, count)}``."""
         with torch.no_grad():
-            self.teacher(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                         return_hidden_only=True)
+            self.teacher(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                         max_seqlen=max_seqlen, return_hidden_only=True)
         total = input_ids.new_zeros((), dtype=torch.float32)
         for i, mixer in enumerate(self.mixers):
             x, target = self.taps.inputs.pop(i), self.taps.outputs.pop(i)
@@ -94,8 +98,9 @@ class Stage1Aligner(nn.Module):
 
 
 def stage1_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The aligner's weights (a :class:`Stage1Aligner` state dict, under any wrapper prefixes) renamed to the
-    student's keys, as CPU tensors: ``mixers.3.q_proj.weight`` -> ``model.layers.3.mixer.q_proj.weight``.
+    """The aligner's weights (a :class:`Stage1Aligner` state dict, under any wrapper prefixes)
+    renamed to the student's keys, as CPU tensors: ``mixers.3.q_proj.weight`` ->
+    ``model.layers.3.mixer.q_proj.weight``.
     The one naming of the stage-1 file, for the stage's output and ``halo-dist export`` alike."""
     from ..models.export import strip_wrapper_prefixes
 
@@ -107,10 +112,11 @@ def stage1_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, num_layers: int, teacher: str,
-                        rnn_rope: bool = True) -> Path:
-    """Atomic write of the stage-1 file (+ metadata conversion checks against: the layer count, and the
-    RNN RoPE of ``model.pe`` the layers were aligned with, which a stage-2 student must share)."""
+def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, num_layers: int,
+                        teacher: str, rnn_rope: bool = True) -> Path:
+    """Atomic write of the stage-1 file (+ metadata conversion checks against: the layer count, and
+    the RNN RoPE of ``model.pe`` the layers were aligned with, which a stage-2 student must
+    share)."""
     import os
 
     from safetensors.torch import save_file
@@ -119,8 +125,9 @@ def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, nu
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / STAGE1_FILE
     tmp = folder / f".{STAGE1_FILE}.tmp"
-    save_file(weights, str(tmp), metadata={"num_hidden_layers": str(num_layers), "teacher": str(teacher),
-                                           "rnn_rope": "true" if rnn_rope else "false"})
+    save_file(weights, str(tmp),
+              metadata={"num_hidden_layers": str(num_layers), "teacher": str(teacher),
+                        "rnn_rope": "true" if rnn_rope else "false"})
     os.replace(tmp, path)
     return path
 

@@ -1,9 +1,10 @@
 """The frozen teacher.
 
-The HF teacher is re-expressed (models.convert.as_exact_hypenet) as an all-attention HypeNet with RoPE on,
-no logits scaling and no gates: tests/test_hypenet.py proves that reproduces the HF logits exactly, and it gives the teacher
-the same packed-document kernels (cu_seqlens), Ulysses sequence parallelism and per-layer hooks as
-the student. HF's SDPA path would silently attend across packed documents.
+The HF teacher is re-expressed (models.convert.as_exact_hypenet) as an all-attention HypeNet with
+RoPE on, no logits scaling and no gates: tests/test_hypenet.py proves that reproduces the HF logits
+exactly, and it gives the teacher the same packed-document kernels (cu_seqlens), Ulysses sequence
+parallelism and per-layer hooks as the student. HF's SDPA path would silently attend across packed
+documents.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from ..models.convert import load_teacher, load_teacher_config, resolve_teacher
 
 
 def random_teacher(model_cfg: ModelConfig):
-    """A random teacher of the configured shape and family (Qwen3 or Llama; tests and benchmarks), seeded
-    so every rank agrees."""
+    """A random teacher of the configured shape and family (Qwen3 or Llama; tests and benchmarks),
+    seeded so every rank agrees."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     rt = model_cfg.random_teacher
-    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[rt.architecture]
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "llama": (LlamaConfig, LlamaForCausalLM)}[rt.architecture]
     cfg = config_cls(
-        vocab_size=rt.vocab_size, hidden_size=rt.hidden_size, intermediate_size=rt.intermediate_size,
-        num_hidden_layers=rt.num_hidden_layers, num_attention_heads=rt.num_attention_heads,
-        num_key_value_heads=rt.num_key_value_heads, head_dim=rt.head_dim, tie_word_embeddings=rt.tie_word_embeddings,
+        vocab_size=rt.vocab_size, hidden_size=rt.hidden_size,
+        intermediate_size=rt.intermediate_size, num_hidden_layers=rt.num_hidden_layers,
+        num_attention_heads=rt.num_attention_heads, num_key_value_heads=rt.num_key_value_heads,
+        head_dim=rt.head_dim, tie_word_embeddings=rt.tie_word_embeddings,
         rope_theta=rt.rope_theta, max_position_embeddings=rt.max_position_embeddings,
     )
     cfg.architectures = [model_cls.__name__]
@@ -46,9 +49,9 @@ def teacher_path(name: str) -> str:
 
 
 def model_vocab_size(cfg: RunConfig) -> int | None:
-    """Rows of the embedding the run will build, read from configs alone (no weights): stage pretrain's
-    shape, the random teacher's, or the teacher folder's config.json; None when it cannot be read
-    here (building the model then reports the real problem)."""
+    """Rows of the embedding the run will build, read from configs alone (no weights): stage
+    pretrain's shape, the random teacher's, or the teacher folder's config.json; None when it cannot
+    be read here (building the model then reports the real problem)."""
     if cfg.pretrain is not None:
         return int(cfg.pretrain.model.vocab_size)
     model_cfg = cfg.model

@@ -6,11 +6,12 @@ resolved config, and after a barrier rank 0 writes the ``COMPLETE`` marker atomi
 between leaves a folder without the marker, which resume ignores and the next save deletes. The
 last ``keep_last`` complete checkpoints are kept. The teacher is never part of a checkpoint.
 
-Resuming on another number of ranks (a requeue onto fewer or more GPUs): ZeRO-1/2/3 optimizer states are
-partitioned by rank, so rank 0 first converts the checkpoint with DeepSpeed's ``ds_to_universal`` into
-``<dir>/universal/step-N/`` (fp32 weights and Adam moments per parameter), every rank loads its new
-partition from there, and the converted copy is deleted. Without ZeRO the states are not partitioned
-and load as they are. Loader positions are rank-count independent (``PackedLoader``).
+Resuming on another number of ranks (a requeue onto fewer or more GPUs): ZeRO-1/2/3 optimizer states
+are partitioned by rank, so rank 0 first converts the checkpoint with DeepSpeed's
+``ds_to_universal`` into ``<dir>/universal/step-N/`` (fp32 weights and Adam moments per parameter),
+every rank loads its new partition from there, and the converted copy is deleted. Without ZeRO the
+states are not partitioned and load as they are. Loader positions are rank-count independent
+(``PackedLoader``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from ..parallel.safe_load import forced_weights_only, safe_load
 
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
-UNIVERSAL = "universal"  # <dir>/universal/step-N: a checkpoint re-partitionable to any number of ranks
+# <dir>/universal/step-N: a checkpoint re-partitionable to any number of ranks
+UNIVERSAL = "universal"
 
 
 def step_dir_name(step: int) -> str:
@@ -57,7 +59,8 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                  float(cached)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -66,7 +69,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    state = state.get("rng", state)  # OPD rank files that nest the RNG states beside generator and curriculum
+    # OPD rank files that nest the RNG states beside generator and curriculum
+    state = state.get("rng", state)
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
@@ -93,11 +97,12 @@ def remove_checkpoint(path: Path) -> None:
 
 
 class CheckpointWriteError(HaloUserError, RuntimeError):
-    """A checkpoint could not be written (too little space, or the write failed); the previous one is intact."""
+    """A checkpoint could not be written (too little space, or the write failed); the previous one
+    is intact."""
 
 
-# bytes per parameter of a save when there is no earlier checkpoint to measure: bf16 weights (2) + fp32
-# master weights and two Adam moments (12), rounded up for DeepSpeed's bookkeeping
+# bytes per parameter of a save when there is no earlier checkpoint to measure: bf16 weights (2) +
+# fp32 master weights and two Adam moments (12), rounded up for DeepSpeed's bookkeeping
 BYTES_PER_PARAM = 16
 SPACE_MARGIN = 1.1
 
@@ -128,10 +133,11 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def save(self, engine, step: int, trainer_state: dict, config_text: str, rank_state: dict | None = None) -> Path:
-        """Collective save of everything needed to continue exactly at ``step``. ``engine``: a DeepSpeed
-        engine; ``rank_state``: more of this rank's state (tensors and plain
-        values), stored in its RNG file beside the RNG states."""
+    def save(self, engine, step: int, trainer_state: dict, config_text: str,
+             rank_state: dict | None = None) -> Path:
+        """Collective save of everything needed to continue exactly at ``step``. ``engine``: a
+        DeepSpeed engine; ``rank_state``: more of this rank's state (tensors and plain values),
+        stored in its RNG file beside the RNG states."""
         tag = step_dir_name(step)
         path = self.root / tag
         if self.rank == 0 and path.exists():
@@ -145,8 +151,10 @@ class CheckpointManager:
                 _atomic_text(path / TRAINER_STATE, json.dumps(trainer_state, indent=2))
                 _atomic_text(path / "config.yaml", config_text)
         except OSError as e:
-            shutil.rmtree(path, ignore_errors=True)  # no marker: never resumed from; free what it took
-            raise CheckpointWriteError(f"writing checkpoint {path} failed ({e.strerror or e}); it needs about "
+            # no marker: never resumed from; free what it took
+            shutil.rmtree(path, ignore_errors=True)
+            raise CheckpointWriteError(f"writing checkpoint {path} failed "
+                                       f"({e.strerror or e}); it needs about "
                                        f"{_gib(need)} on {self.root}{self._previous()}") from e
         _barrier()
         if self.rank == 0:
@@ -156,17 +164,19 @@ class CheckpointManager:
         return path
 
     def _check_space(self, engine) -> int:
-        """Refuse a save that would not fit (before writing anything, on every rank at once); returns the
-        expected size in bytes."""
+        """Refuse a save that would not fit (before writing anything, on every rank at once);
+        returns the expected size in bytes."""
         self.root.mkdir(parents=True, exist_ok=True)
         need = expected_bytes(self.root, engine)
         free = shutil.disk_usage(self.root).free
         short = torch.tensor([1.0 if free < need * SPACE_MARGIN else 0.0])
-        if dist.is_initialized():  # every rank refuses, or none: a lone refusal would hang the others
+        # every rank refuses, or none: a lone refusal would hang the others
+        if dist.is_initialized():
             short = short.cuda() if dist.get_backend() == "nccl" else short
             dist.all_reduce(short, op=dist.ReduceOp.MAX)
         if short.item() > 0:
-            raise CheckpointWriteError(f"not enough space for a checkpoint in {self.root}: it needs about {_gib(need)}, "
+            raise CheckpointWriteError("not enough space for a checkpoint in "
+                                       f"{self.root}: it needs about {_gib(need)}, "
                                        f"{_gib(free)} free on this rank's disk{self._previous()}")
         return need
 
@@ -185,12 +195,14 @@ class CheckpointManager:
                 remove_checkpoint(p)
 
     def load(self, engine, path: Path, universal: bool = False) -> dict:
-        """Restore engine (model, optimizer, LR scheduler) and this rank's RNG; return the trainer state.
-        ``universal``: the checkpoint was written on another number of ranks under ZeRO-1/2/3 (module doc);
-        the engine was built with ``checkpoint.load_universal``."""
+        """Restore engine (model, optimizer, LR scheduler) and this rank's RNG; return the trainer
+        state.
+        ``universal``: the checkpoint was written on another number of ranks under ZeRO-1/2/3
+        (module doc); the engine was built with ``checkpoint.load_universal``."""
         source = to_universal(path) if universal else path
         with forced_weights_only(str(source)):
-            load_path, _ = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
+            load_path, _ = engine.load_checkpoint(str(source.parent), tag=source.name,
+                                                  load_optimizer_states=True,
                                                   load_lr_scheduler_states=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {source}")
@@ -210,15 +222,17 @@ def rank_file(path: Path, rank: int) -> Path:
 
 
 def to_universal(path: Path) -> Path:
-    """Rank 0 converts checkpoint ``path`` with DeepSpeed's ``ds_to_universal`` (one process, every load
-    weights-only) into ``<dir>/universal/<name>``; all ranks return that folder after a barrier."""
+    """Rank 0 converts checkpoint ``path`` with DeepSpeed's ``ds_to_universal`` (one process, every
+    load weights-only) into ``<dir>/universal/<name>``; all ranks return that folder after a
+    barrier."""
     out = path.parent / UNIVERSAL / path.name
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         from deepspeed.checkpoint import ds_to_universal
 
         shutil.rmtree(out.parent, ignore_errors=True)  # a conversion cut short earlier
-        args = SimpleNamespace(input_folder=str(path), output_folder=str(out), num_extract_workers=1,
-                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        args = SimpleNamespace(input_folder=str(path), output_folder=str(out),
+                               num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                               strict=True, inject_missing_state=True)
         with forced_weights_only(str(path)):
             ds_to_universal.main(args)
     _barrier()

@@ -1,5 +1,5 @@
-"""The training shards, checked before any model is built: a bad input stops every rank with a message
-that names it, instead of an error inside the first step (``Trainer._check_data``)."""
+"""The training shards, checked before any model is built: a bad input stops every rank with a
+message that names it, instead of an error inside the first step (``Trainer._check_data``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from .evaluation import HeldoutEval
 
 
 def check_training_data(cfg, rank: int, world: int) -> None:
-    """The held-out split exists, the shards fit the model's vocabulary and (``data.verify=full``) are
-    intact; collective (every rank calls it)."""
+    """The held-out split exists, the shards fit the model's vocabulary and (``data.verify=full``)
+    are intact; collective (every rank calls it)."""
     HeldoutEval.check_config(cfg)
     check_data_vocabulary(cfg)
     verify_data(cfg, rank, world)
@@ -37,17 +37,18 @@ def verify_data(cfg, rank: int, world: int) -> None:
     bad = [msg for rank_bad in everyone for msg in rank_bad]
     if bad:
         more = f" (and {len(bad) - 1} more: {'; '.join(bad[1:4])})" if len(bad) > 1 else ""
-        raise DataError(f"data.verify=full found {len(bad)} bad shard(s): {bad[0]}{more}; re-create them, "
-                        "or drop them from the manifest")
+        raise DataError(f"data.verify=full found {len(bad)} bad shard(s): {bad[0]}{more}; "
+                        "re-create them, or drop them from the manifest")
     if rank == 0:
-        print(f"data: shards verified (sizes, counts, sha256) in {time.time() - t0:.1f}s over {world} "
-              "rank(s)", flush=True)
+        print(f"data: shards verified (sizes, counts, sha256) in {time.time() - t0:.1f}s over "
+              f"{world} rank(s)", flush=True)
 
 
 def check_data_vocabulary(cfg) -> None:
-    """Refuse shards whose token ids the model cannot embed (otherwise an IndexError in the embedding at
-    step 1). Compares the manifest's tokenizer size with the model's vocabulary; bare shards without a
-    manifest carry no size and are not checked here (nor scanned: the loader reads them once, later)."""
+    """Refuse shards whose token ids the model cannot embed (otherwise an IndexError in the
+    embedding at step 1). Compares the manifest's tokenizer size with the model's vocabulary; bare
+    shards without a manifest carry no size and are not checked here (nor scanned: the loader reads
+    them once, later)."""
     from ..data import load_manifest
     from ..data.errors import DataError
     from ..stages.teacher import model_vocab_size
@@ -59,6 +60,7 @@ def check_data_vocabulary(cfg) -> None:
     manifest = load_manifest(source, "train")
     size = (manifest.tokenizer or {}).get("vocab_size")
     if size is not None and int(size) > vocab:
-        raise DataError(f"the shards were tokenized with a {int(size):,}-token vocabulary, but the model embeds "
-                        f"only {vocab:,} (ids >= {vocab:,} would fail at step 1): tokenize with the teacher's "
-                        f"tokenizer or fix the model's vocab_size", manifest.path, "tokenizer.vocab_size")
+        raise DataError(f"the shards were tokenized with a {int(size):,}-token vocabulary, but "
+                        f"the model embeds only {vocab:,} (ids >= {vocab:,} would fail at step "
+                        "1): tokenize with the teacher's tokenizer or fix the model's vocab_size",
+                        manifest.path, "tokenizer.vocab_size")

@@ -1,7 +1,7 @@
 """`halo-dist export`: consolidate a (ZeRO-3 sharded) training checkpoint into a usable artefact.
 
-Stage 2/3 checkpoints become an HF HypeNet folder (loads with trust_remote_code, no halo_dist needed);
-stage 1 checkpoints become the ``rnn_layers.safetensors`` file that conversion reads.
+Stage 2/3 checkpoints become an HF HypeNet folder (loads with trust_remote_code, no halo_dist
+needed); stage 1 checkpoints become the ``rnn_layers.safetensors`` file that conversion reads.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from pathlib import Path
 
 from ..models.export import ExportError  # the CLI reports it as a user error
 
-EXAMPLE = """examples:
-  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints/step-00020000 --output out/hypenet-2b-s2
-  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints --output out/latest   # newest complete one
-"""
+EXAMPLE = (
+    "examples:\n"
+    "  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints/step-00020000 --output "
+    "out/hypenet-2b-s2\n"
+    "  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints --output out/latest   # "
+    "newest complete one\n")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -25,7 +27,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = latest_checkpoint(path)
     if latest is None:
-        raise ExportError(f"{path} is neither a complete checkpoint (no {MARKER} marker) nor a folder holding one")
+        raise ExportError(f"{path} is neither a complete checkpoint (no {MARKER} marker) nor a "
+                          "folder holding one")
     return latest
 
 
@@ -36,11 +39,13 @@ def consolidated_state(ckpt: Path) -> dict:
     from ..parallel.safe_load import forced_weights_only
 
     with forced_weights_only(str(ckpt)):  # its own loads would unpickle anything (safe_load's doc)
-        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent),
+                                                                     tag=ckpt.name)
 
 
 def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
-    """The checkpoint's trained weights -> ``output`` (stage 1: the RNN-layer file; else an HF folder)."""
+    """The checkpoint's trained weights -> ``output`` (stage 1: the RNN-layer file; else an HF
+    folder)."""
     from ..models.export import write_hf_folder
     from ..models.hypenet import HypeNetConfig
     from ..stages.stage1 import save_stage1_weights, stage1_state_dict
@@ -54,18 +59,23 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     weights = consolidated_state(ckpt)
     cfg_dict = dict(meta["student_config"])
     if meta["stage"] == "stage1":
-        return save_stage1_weights(stage1_state_dict(weights), output, cfg_dict["num_hidden_layers"],
-                                   meta.get("teacher", "?"), rnn_rope=cfg_dict.get("rnn_rope", True))
-    config = HypeNetConfig(**{k: v for k, v in cfg_dict.items() if k not in ("auto_map", "architectures")})
-    record = {"stage": meta.get("stage", "checkpoint"), "step": meta["step"], "tokens": meta.get("tokens_seen"),
-              "teacher": meta.get("teacher"), "checkpoint": str(ckpt)}
+        return save_stage1_weights(stage1_state_dict(weights), output,
+                                   cfg_dict["num_hidden_layers"], meta.get("teacher", "?"),
+                                   rnn_rope=cfg_dict.get("rnn_rope", True))
+    config = HypeNetConfig(**{k: v for k, v in cfg_dict.items()
+                              if k not in ("auto_map", "architectures")})
+    record = {"stage": meta.get("stage", "checkpoint"), "step": meta["step"],
+              "tokens": meta.get("tokens_seen"), "teacher": meta.get("teacher"),
+              "checkpoint": str(ckpt)}
     return write_hf_folder(weights, config, output, tokenizer=run_tokenizer(ckpt),
-                           record={k: v for k, v in record.items() if v is not None}, source=f"checkpoint {ckpt}")
+                           record={k: v for k, v in record.items() if v is not None},
+                           source=f"checkpoint {ckpt}")
 
 
 def run_tokenizer(ckpt: Path):
-    """The tokenizer the stage puts into its own final folder (the initial student's, else the teacher's),
-    read through the checkpoint's config; None for a random teacher or one that no longer loads here."""
+    """The tokenizer the stage puts into its own final folder (the initial student's, else the
+    teacher's), read through the checkpoint's config; None for a random teacher or one that no
+    longer loads here."""
     from ..config import ConfigError, load_resolved
     from ..stages import teacher_tokenizer
 
@@ -80,8 +90,8 @@ def cmd_export(args) -> int:
     out = export_checkpoint(args.checkpoint, args.output)
     print(f"exported {args.checkpoint} -> {out}")
     if (out / "config.json").exists() and not (out / "tokenizer_config.json").exists():
-        print(f"note: {out} holds no tokenizer (the run's teacher has none, or it does not load here): "
-              "NIAH and lm-eval need one in the model folder", flush=True)
+        print(f"note: {out} holds no tokenizer (the run's teacher has none, or it does not load "
+              "here): NIAH and lm-eval need one in the model folder", flush=True)
     return 0
 
 
@@ -89,8 +99,11 @@ def register_export_command(sub) -> None:
     """Add `export` to the `halo-dist` parser."""
     import argparse
 
-    e = sub.add_parser("export", help="consolidate a training checkpoint (ZeRO shards) into an HF folder",
+    e = sub.add_parser("export",
+                       help="consolidate a training checkpoint (ZeRO shards) into an HF folder",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoints folder (newest complete)")
-    e.add_argument("--output", required=True, help="output folder (HF HypeNet) or folder for rnn_layers.safetensors")
+    e.add_argument("--checkpoint", required=True,
+                   help="a step-N folder, or a checkpoints folder (newest complete)")
+    e.add_argument("--output", required=True,
+                   help="output folder (HF HypeNet) or folder for rnn_layers.safetensors")
     e.set_defaults(func=cmd_export)

@@ -1,17 +1,17 @@
 """One metrics path: accumulate on device, reduce once per interval, rank 0 writes.
 
 The training loop calls :meth:`MetricsLogger.add` every micro-step with device tensors (no host
-sync), and :meth:`MetricsLogger.maybe_log` every optimizer step on every rank. Every
-``log_every`` steps all accumulated sums go through one ``all_reduce`` and one ``.tolist()``;
-rank 0 then writes TensorBoard scalars, a JSONL mirror (``<run_dir>/metrics.jsonl``, for tests
-and plots), the same scalars to W&B when ``logging.wandb`` names a project, and one human progress line::
+sync), and :meth:`MetricsLogger.maybe_log` every optimizer step on every rank. Every ``log_every``
+steps all accumulated sums go through one ``all_reduce`` and one ``.tolist()``; rank 0 then writes
+TensorBoard scalars, a JSONL mirror (``<run_dir>/metrics.jsonl``, for tests and plots), the same
+scalars to W&B when ``logging.wandb`` names a project, and one human progress line::
 
     step 120/20000 (0.6%) | loss 2.3141 | lr 9.8e-05 | 16.2K tok/s | MFU 31.4% \
         | mem 41.2/80.0 GiB | ETA 5h12m        (one line)
 
 Tags live in fixed namespaces (:data:`NAMESPACES`); any other tag is a bug and raises.
-At start-up :meth:`MetricsLogger.log_config` records the resolved config (TB text ``config/resolved``) and
-the flattened hyperparameters (TB's hparams table, W&B's run config).
+At start-up :meth:`MetricsLogger.log_config` records the resolved config (TB text
+``config/resolved``) and the flattened hyperparameters (TB's hparams table, W&B's run config).
 """
 from __future__ import annotations
 
@@ -31,21 +31,25 @@ from ..config.coerce import fail
 NAMESPACES = ("train", "optim", "perf", "mem", "progress", "eval")
 ATTENDED = "perf/attended_keys"  # keys per token under the document mask (token-weighted), for MFU
 GIB = 1024**3
-# Dense bf16 FLOP/s per device for MFU. H200: the bf16 matmul ceiling measured on the lent H200 (BENCHMARKS.md); others:
-# datasheet dense peaks (SXM parts). Matched by substring, in order (GH200 before H200).
+# Dense bf16 FLOP/s per device for MFU. H200: the bf16 matmul ceiling measured on the lent H200
+# (BENCHMARKS.md); others: datasheet dense peaks (SXM parts). Matched by substring, in order (GH200
+# before H200).
 PEAK_FLOPS = (
     ("GH200", 989e12), ("H200", 779e12), ("H100", 989e12), ("H800", 989e12), ("B200", 2250e12),
     ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
 )
 Number = Union[float, int, torch.Tensor]
 HParam = Union[float, int, str, bool]
-# TB text tag of the resolved config (outside NAMESPACES: not a scalar; add_text stores it as <tag>/text_summary)
+# TB text tag of the resolved config (outside NAMESPACES: not a scalar; add_text stores it as
+# <tag>/text_summary)
 CONFIG_TAG = "config/resolved"
-WANDB_ID = "wandb_id"  # <run_dir>/wandb_id: the W&B run id, so a resumed run continues the same W&B run
+# <run_dir>/wandb_id: the W&B run id, so a resumed run continues the same W&B run
+WANDB_ID = "wandb_id"
 
 
 def check_wandb(project: Optional[str]) -> None:
-    """``logging.wandb`` set but wandb not importable: a ConfigError before anything is built (not at step 1)."""
+    """``logging.wandb`` set but wandb not importable: a ConfigError before anything is built (not
+    at step 1)."""
     if project is None:
         return
     try:
@@ -56,8 +60,8 @@ def check_wandb(project: Optional[str]) -> None:
 
 
 def flatten_hparams(tree: dict, prefix: str = "") -> dict[str, HParam]:
-    """A nested config dict as ``{"optim.lr": 3e-4, ...}`` of TB-hparams-safe values (numbers, strings,
-    bools): null becomes "null", a list its comma-joined items."""
+    """A nested config dict as ``{"optim.lr": 3e-4, ...}`` of TB-hparams-safe values (numbers,
+    strings, bools): null becomes "null", a list its comma-joined items."""
     flat: dict[str, HParam] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
@@ -92,9 +96,10 @@ def check_tag(tag: str) -> str:
 
 
 def attended_context(cu_seqlens: torch.Tensor) -> float:
-    """Keys per token under document masking, PaLM-style (each token of a document of n tokens counts n):
-    sum(n_i^2) / sum(n_i) over the packed batch's documents. A 512K row of 17K-token documents attends
-    ~17K keys per token, not 512K: counting the row length would overstate long-context MFU ~30x."""
+    """Keys per token under document masking, PaLM-style (each token of a document of n tokens
+    counts n): sum(n_i^2) / sum(n_i) over the packed batch's documents. A 512K row of 17K-token
+    documents attends ~17K keys per token, not 512K: counting the row length would overstate
+    long-context MFU ~30x."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.float64)
     total = float(lengths.sum())
     return float((lengths * lengths).sum()) / total if total else 0.0
@@ -193,7 +198,8 @@ class MetricsLogger:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.device = torch.device(device) if device is not None else _default_device()
         self.flops_per_token, self.clock, self.emit = flops_per_token, clock, emit
-        # attention FLOPs per token per attended key; the attended keys come from add(ATTENDED, ...) per batch
+        # attention FLOPs per token per attended key; the attended keys come from add(ATTENDED, ...)
+        # per batch
         self.attn_flops_per_key = attn_flops_per_key
         self.peak_flops = device_peak_flops(self.device, peak_flops)
         self._sums: dict[str, torch.Tensor] = {}
@@ -214,7 +220,8 @@ class MetricsLogger:
         """From a RunConfig's logging section; ``kwargs``: rank, world_size, flops_per_token..."""
         log = cfg.logging
         return cls(log.run_dir, total_steps=cfg.total_steps, log_every=log.log_every,
-                   tensorboard=log.tensorboard, peak_flops=log.peak_flops, wandb=log.wandb, **kwargs)
+                   tensorboard=log.tensorboard, peak_flops=log.peak_flops, wandb=log.wandb,
+                   **kwargs)
 
     def _open_writers(self, tensorboard: bool, jsonl: bool, start_step: int) -> None:
         """A run resumed at ``start_step`` continues one history: steps it will redo (logged after
@@ -225,7 +232,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
 
             # events at steps >= purge_step from earlier writers of this folder are hidden
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"), purge_step=start_step + 1 if start_step else 0)
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"),
+                                     purge_step=start_step + 1 if start_step else 0)
         if jsonl:
             path = self.run_dir / "metrics.jsonl"
             if path.exists():
@@ -233,9 +241,10 @@ class MetricsLogger:
             self._jsonl = open(path, "a", encoding="utf-8")
 
     def log_config(self, config_text: str, hparams: dict[str, HParam]) -> None:
-        """Rank 0: the resolved config as TB text and ``hparams`` (:func:`run_hparams`) in TB's hparams table
-        and W&B's run config. TB gets them once, from the run that starts at step 0: a resumed run's
-        writer purges only steps after its checkpoint, so the first copy stays and no second one is added."""
+        """Rank 0: the resolved config as TB text and ``hparams`` (:func:`run_hparams`) in TB's
+        hparams table and W&B's run config. TB gets them once, from the run that starts at step 0: a
+        resumed run's writer purges only steps after its checkpoint, so the first copy stays and no
+        second one is added."""
         if self._wandb is not None:
             self._wandb.config.update(hparams, allow_val_change=True)
         if self._tb is None or self._start_step:
@@ -243,9 +252,10 @@ class MetricsLogger:
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         # 4-space indent: a markdown code block, so the YAML keeps its layout in the text plugin
-        self._tb.add_text(CONFIG_TAG, "".join(f"    {line}\n" for line in config_text.splitlines()), 0)
-        # the summaries add_hparams writes, but into this run's folder (add_hparams makes a new sub-run);
-        # the metric column shows this run's train/loss scalars
+        self._tb.add_text(CONFIG_TAG, "".join(f"    {line}\n" for line in config_text.splitlines()),
+                          0)
+        # the summaries add_hparams writes, but into this run's folder (add_hparams makes a new
+        # sub-run); the metric column shows this run's train/loss scalars
         for summary in hparams_summary(hparams, {"train/loss": math.nan}):
             self._tb.file_writer.add_summary(summary, 0)
         self._tb.flush()
@@ -304,7 +314,8 @@ class MetricsLogger:
         return {t: values[i] / values[n + i] if values[n + i] else math.nan
                 for i, t in enumerate(tags)}
 
-    def _rates(self, step: int, tokens_seen: int, attended: Optional[float] = None) -> dict[str, float]:
+    def _rates(self, step: int, tokens_seen: int,
+               attended: Optional[float] = None) -> dict[str, float]:
         now = self.clock()
         last_time, last_step, last_tokens = self._last
         self._last = (now, step, tokens_seen)
@@ -355,11 +366,12 @@ class MetricsLogger:
             tokens_per_s=scalars.get("perf/tokens_per_s"), mfu=scalars.get("perf/mfu"),
             mem_gib=mem, eta_s=self.eta_seconds(step, scalars.get("perf/step_time_s")))
 
-    def log_eval(self, step: int, scalars: dict[str, float], seconds: Optional[float] = None) -> None:
+    def log_eval(self, step: int, scalars: dict[str, float],
+                 seconds: Optional[float] = None) -> None:
         """Write already-reduced evaluation scalars (tags ``eval/...``) on rank 0.
 
-        ``seconds`` (the evaluation's wall time, on every rank) is left out of the current interval's
-        training throughput and logged as ``perf/eval_seconds``."""
+        ``seconds`` (the evaluation's wall time, on every rank) is left out of the current
+        interval's training throughput and logged as ``perf/eval_seconds``."""
         for tag in scalars:
             if not tag.startswith("eval/"):
                 raise ValueError(f"log_eval takes eval/ tags, got {tag!r}")
@@ -373,7 +385,8 @@ class MetricsLogger:
         timing = {} if seconds is None else {"perf/eval_seconds": float(seconds)}
         self._record(step, {**scalars, **timing})
         shown = " | ".join(f"{tag[len('eval/'):]} {value:.4f}" for tag, value in scalars.items())
-        self.emit(f"eval @ step {step} | {shown}" + ("" if seconds is None else f" | {seconds:.1f}s"))
+        self.emit(f"eval @ step {step} | {shown}"
+                  + ("" if seconds is None else f" | {seconds:.1f}s"))
 
     def close(self) -> None:
         if self._tb is not None:
@@ -392,27 +405,30 @@ class MetricsLogger:
 
 
 def open_wandb(project: str, run_dir: Path, resumed: bool) -> Any:
-    """The W&B run of ``run_dir``: a new one for a run starting at step 0 (like TB, which then purges the
-    folder's old events), the same id again for a resumed run.
+    """The W&B run of ``run_dir``: a new one for a run starting at step 0 (like TB, which then
+    purges the folder's old events), the same id again for a resumed run.
 
-    W&B cannot purge: the steps a resumed run redoes (logged after its checkpoint before the stop) arrive
-    again with a step below the run's last one, which W&B drops with a warning; later steps log normally."""
+    W&B cannot purge: the steps a resumed run redoes (logged after its checkpoint before the stop)
+    arrive again with a step below the run's last one, which W&B drops with a warning; later steps
+    log normally."""
     import wandb
 
     id_file = run_dir / WANDB_ID
     run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:16]
     id_file.write_text(run_id + "\n")
-    return wandb.init(project=project, id=run_id, resume="allow", name=run_dir.name, dir=str(run_dir))
+    return wandb.init(project=project, id=run_id, resume="allow", name=run_dir.name,
+                      dir=str(run_dir))
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:
-    """Keep the records of steps ``<= last_step`` (none when it is 0; a torn line never); returns how
-    many were dropped.
+    """Keep the records of steps ``<= last_step`` (none when it is 0; a torn line never); returns
+    how many were dropped.
 
     Rewritten atomically: a crash here leaves the old file or the new one, never a torn one."""
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     steps = [_record_step(line) for line in lines]
-    kept = [line for line, step in zip(lines, steps) if last_step and step is not None and step <= last_step]
+    kept = [line for line, step in zip(lines, steps)
+            if last_step and step is not None and step <= last_step]
     if len(kept) == len(lines):
         return 0
     tmp = path.with_name(path.name + ".tmp")

@@ -1,4 +1,5 @@
-"""The trainer of stage ``pretrain`` (from scratch; the model, groups and FLOPs are stages/pretrain.py's)."""
+"""The trainer of stage ``pretrain`` (from scratch; the model, groups and FLOPs are
+stages/pretrain.py's)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class PretrainTrainer(Trainer):
         # full attention is counted per attended key of each batch's documents by the Trainer (its
         # attn_flops_per_key covers the student's attention layers): 0 keys here
         self.metrics.flops_per_token = train_flops_per_token(student.config, unique_numel(student),
-                                                             self.cfg.data.seq_len, full_attention_keys=0)
+                                                             self.cfg.data.seq_len,
+                                                             full_attention_keys=0)
 
     def _tokenizer_for_check(self):
         """pretrain.model.tokenizer, if it loads: shards made with another tokenizer are refused."""

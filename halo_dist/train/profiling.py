@@ -1,4 +1,5 @@
-"""A torch.profiler window over a few optimizer steps (``logging.profile_at_step``/``profile_steps``).
+"""A torch.profiler window over a few optimizer steps
+(``logging.profile_at_step``/``profile_steps``).
 
 It answers the first question about a slow run: is the GPU busy, or waiting for the host to launch
 kernels? Rank 0 profiles steps ``[at, at + steps)`` (1-based, as in the progress line) and writes to
@@ -24,9 +25,9 @@ from pathlib import Path
 import torch
 
 TOP = 15
-# Kernel groups of a training step, by kernel name (the first match wins): where a step's device time goes at a
-# glance. "fused (inductor)" is torch.compile's Triton code (norms, RoPE, gates, the compiled loss); "eager
-# elementwise" is what no compiler fused.
+# Kernel groups of a training step, by kernel name (the first match wins): where a step's device
+# time goes at a glance. "fused (inductor)" is torch.compile's Triton code (norms, RoPE, gates, the
+# compiled loss); "eager elementwise" is what no compiler fused.
 KERNEL_GROUPS = [
     ("attention", r"flash|fmha|attention|flex|sdpa|_attn"),
     ("fla rnn", r"chunk_|fused_recurrent|recurrent|gla|lightning|delta"),
@@ -41,8 +42,9 @@ KERNEL_GROUPS = [
 
 
 def process_age_s() -> float | None:
-    """Seconds since this process started (Linux ``/proc``; None elsewhere). Printed at a stage's setup and
-    end, it splits a short job's wall time into interpreter start and imports, the stage itself, and exit."""
+    """Seconds since this process started (Linux ``/proc``; None elsewhere). Printed at a stage's
+    setup and end, it splits a short job's wall time into interpreter start and imports, the stage
+    itself, and exit."""
     try:
         after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         start_ticks = int(after_name[19])  # field 22 of proc(5), counted after the "(comm)" field
@@ -52,7 +54,8 @@ def process_age_s() -> float | None:
 
 
 class StepProfiler:
-    def __init__(self, at_step: int, steps: int, run_dir: str | Path, rank: int, device: torch.device):
+    def __init__(self, at_step: int, steps: int, run_dir: str | Path, rank: int,
+                 device: torch.device):
         self.first, self.last = at_step, at_step + steps - 1
         self.enabled = at_step > 0 and rank == 0
         self.folder = Path(run_dir) / "profile"
@@ -73,7 +76,8 @@ class StepProfiler:
         self._t0 = time.perf_counter()
 
     def after_step(self, step: int) -> None:
-        """``step``: the 1-based optimizer step that just ran (also call it when the run stops early)."""
+        """``step``: the 1-based optimizer step that just ran (also call it when the run stops
+        early)."""
         if self._prof is None or step < self.last:
             return
         self._sync()
@@ -100,15 +104,16 @@ def _device_us(event) -> float:
 
 def kernel_group(name: str) -> str:
     """The ``KERNEL_GROUPS`` entry of a kernel name, else "other"."""
-    return next((group for group, pattern in KERNEL_GROUPS if re.search(pattern, name, re.IGNORECASE)), "other")
+    return next((group for group, pattern in KERNEL_GROUPS
+                 if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
 def summarize(prof, wall_s: float, steps: int, first: int) -> dict:
     events = prof.key_averages()
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
                and e.device_type.name in ("CUDA", "PRIVATEUSE1") and _device_us(e) > 0]
-    # the kernels themselves: an operator's row (aten::mm) carries its kernels' time too, so summing the averaged
-    # rows would count every GEMM twice
+    # the kernels themselves: an operator's row (aten::mm) carries its kernels' time too, so summing
+    # the averaged rows would count every GEMM twice
     busy_us = sum(_device_us(e) for e in kernels)
     groups: dict[str, float] = {}
     for e in kernels:
@@ -117,7 +122,8 @@ def summarize(prof, wall_s: float, steps: int, first: int) -> dict:
 
     def top(key) -> list[dict]:
         rows = sorted(events, key=key, reverse=True)[:TOP]
-        return [{"name": e.key[:90], "calls_per_step": e.count / steps, "device_ms_per_step": _device_us(e) / 1e3 / steps,
+        return [{"name": e.key[:90], "calls_per_step": e.count / steps,
+                 "device_ms_per_step": _device_us(e) / 1e3 / steps,
                  "host_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in rows]
 
     wall_ms = wall_s * 1e3 / steps
@@ -132,8 +138,9 @@ def summarize(prof, wall_s: float, steps: int, first: int) -> dict:
 
 def format_summary(s: dict) -> str:
     busy = s["device_busy_fraction"]
-    lines = [f"profile of steps {s['steps'][0]}-{s['steps'][1]}: {s['wall_ms_per_step']:.1f} ms per step, device busy "
-             f"{s['device_busy_ms_per_step']:.1f} ms" + (f" ({busy:.0%})" if busy is not None else "")
+    lines = [f"profile of steps {s['steps'][0]}-{s['steps'][1]}: {s['wall_ms_per_step']:.1f} "
+             f"ms per step, device busy {s['device_busy_ms_per_step']:.1f} ms"
+             + (f" ({busy:.0%})" if busy is not None else "")
              + f", {s['kernels_per_step']:.0f} kernels per step"]
     groups = s.get("kernel_groups_ms_per_step") or {}
     if groups:
@@ -143,6 +150,6 @@ def format_summary(s: dict) -> str:
         if not rows:
             continue
         lines += [f"  {title} (per step):  device ms | host ms | calls | operator"]
-        lines += [f"    {r['device_ms_per_step']:9.2f} | {r['host_ms_per_step']:7.2f} | {r['calls_per_step']:5.0f} | {r['name']}"
-                  for r in rows]
+        lines += [f"    {r['device_ms_per_step']:9.2f} | {r['host_ms_per_step']:7.2f} | "
+                  f"{r['calls_per_step']:5.0f} | {r['name']}" for r in rows]
     return "\n".join(lines)

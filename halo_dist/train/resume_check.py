@@ -1,17 +1,19 @@
 """Is a resume the same run? The checkpoint's resolved config against the one about to run.
 
-What defines the run must match, or the resume is refused with the list of differences: the stage, the
-model (teacher, shape, attention layers, mixers, scaling, dtype, initial weights), stage pretrain's variant,
-shape and init (the whole ``pretrain`` section), on-policy distillation's ``opd`` section, the data (shards,
-sequence length, global batch, seed, shuffling, held-out split) and the objective. What only changes how
-the run proceeds may differ and is printed: step counts and schedule (checked on its own against the saved
-LR), optimizer settings (e.g. a lower LR after a non-finite stop), logging, checkpoint and evaluation
-cadence, micro batch and workers, parallel layout, compilation and activation checkpointing.
+What defines the run must match, or the resume is refused with the list of differences: the stage,
+the model (teacher, shape, attention layers, mixers, scaling, dtype, initial weights), stage
+pretrain's variant, shape and init (the whole ``pretrain`` section), on-policy distillation's
+``opd`` section, the data (shards, sequence length, global batch, seed, shuffling, held-out split)
+and the objective. What only changes how the run proceeds may differ and is printed: step counts and
+schedule (checked on its own against the saved LR), optimizer settings (e.g. a lower LR after a
+non-finite stop), logging, checkpoint and evaluation cadence, micro batch and workers, parallel
+layout, compilation and activation checkpointing.
 
-A checkpoint's config is read at today's layout: a key that ``RunConfig.MOVED_KEYS`` places in another
-section is compared there, one in ``RunConfig.REMOVED_KEYS`` is left out (what it chose, the trainer
-checks where it matters, e.g. OPD refuses a checkpoint of its removed torch backend), and a key that is null on one side and absent on the other (an optional
-section or field the other side's code does not write) is the same setting.
+A checkpoint's config is read at today's layout: a key that ``RunConfig.MOVED_KEYS`` places in
+another section is compared there, one in ``RunConfig.REMOVED_KEYS`` is left out (what it chose, the
+trainer checks where it matters, e.g. OPD refuses a checkpoint of its removed torch backend), and a
+key that is null on one side and absent on the other (an optional section or field the other side's
+code does not write) is the same setting.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from ..config.coerce import moved_to
 
 UNSET = "<unset>"
 
-MUST_MATCH = ("stage", "model", "data.train", "data.eval", "data.seq_len", "data.global_batch_size", "data.seed",
-              "data.shuffle", "loss.objective", "loss.temperature", "loss.ce_weight", "eval.split", "opd",
-              "pretrain")
-# performance settings inside the sections above: they change speed and memory, not the trained function
+MUST_MATCH = ("stage", "model", "data.train", "data.eval", "data.seq_len", "data.global_batch_size",
+              "data.seed", "data.shuffle", "loss.objective", "loss.temperature", "loss.ce_weight",
+              "eval.split", "opd", "pretrain")
+# performance settings inside the sections above: they change speed and memory, not the trained
+# function
 MAY_CHANGE = ("model.compile", "model.activation_checkpointing")
 
 
@@ -57,32 +60,37 @@ def compare(saved: dict, current: dict) -> tuple[list[str], list[str]]:
         if old == new or (old is None and key not in b) or (new is None and key not in a):
             continue
         line = f"{key}: {old!r} -> {new!r}"
-        (refused if _covered(key, MUST_MATCH) and not _covered(key, MAY_CHANGE) else allowed).append(line)
+        (refused if _covered(key, MUST_MATCH) and not _covered(key, MAY_CHANGE)
+         else allowed).append(line)
     return refused, allowed
 
 
 def check_resume_config(checkpoint: Path, current: dict, announce: bool = True) -> list[str]:
-    """Refuse (ConfigError) to resume ``checkpoint`` with a config that defines another run; return (and
-    print, if ``announce``) the settings that changed and are allowed to."""
+    """Refuse (ConfigError) to resume ``checkpoint`` with a config that defines another run; return
+    (and print, if ``announce``) the settings that changed and are allowed to."""
     from ..config.resolved import _resolved_data
 
     path = checkpoint / "config.yaml"
     if not path.exists():
-        raise ConfigError(f"{checkpoint} holds no config.yaml: cannot tell whether resuming it continues the same "
-                          f"run (start a new run folder, or set checkpoint.resume=never)")
+        raise ConfigError(f"{checkpoint} holds no config.yaml: cannot tell whether resuming "
+                          "it continues the same run (start a new run folder, or set "
+                          "checkpoint.resume=never)")
     refused, allowed = compare(_resolved_data(path)["config"], current)
     if refused:
         raise ConfigError(f"refusing to resume {checkpoint}: the run it belongs to differs in\n  "
                           + "\n  ".join(refused)
-                          + "\nUse the checkpoint's settings (its config.yaml), or start a new run folder.")
+                          + "\nUse the checkpoint's settings (its config.yaml), or start a new run "
+                            "folder.")
     if allowed and announce:
-        print(f"resuming {checkpoint.name} with changed settings:\n  " + "\n  ".join(allowed), flush=True)
+        print(f"resuming {checkpoint.name} with changed settings:\n  " + "\n  ".join(allowed),
+              flush=True)
     return allowed
 
 
 def check_same_run(checkpoint: Path, cfg, teacher_files: dict, announce: bool = True) -> None:
-    """Before anything is built: resuming ``checkpoint`` continues its run, or is refused: the config
-    (:func:`check_resume_config`) and the teacher's weights by content (``teacher_identity``)."""
+    """Before anything is built: resuming ``checkpoint`` continues its run, or is refused: the
+    config (:func:`check_resume_config`) and the teacher's weights by content
+    (``teacher_identity``)."""
     from ..config import to_dict
     from .checkpoint import TRAINER_STATE
     from .teacher_identity import check_same_teacher

@@ -1,24 +1,27 @@
-"""Stopping a run at a step boundary, shared by every trainer (``trainer.Trainer``, ``opd_loop.OPDTrainer``).
+"""Stopping a run at a step boundary, shared by every trainer (``trainer.Trainer``,
+``opd_loop.OPDTrainer``).
 
 Two causes, both agreed by all ranks with one all-reduce so every rank takes the same branch:
 
 - a signal (SIGTERM: Slurm preemption or ``scancel``; SIGUSR1: Slurm's ``--signal`` warning). The
   handler only records it; at the end of the step the ranks agree, the trainer checkpoints and
-  :class:`StopRequested` is raised (the launchers exit 0; a restarted job resumes from that checkpoint).
-- a non-finite loss (``optim.nonfinite``, :class:`NonFinitePolicy`): skip the step, or let the trainer
-  checkpoint its last good state and raise :class:`NonFiniteLossError`.
+  :class:`StopRequested` is raised (the launchers exit 0; a restarted job resumes from that
+  checkpoint).
+- a non-finite loss (``optim.nonfinite``, :class:`NonFinitePolicy`): skip the step, or let the
+  trainer checkpoint its last good state and raise :class:`NonFiniteLossError`.
 
-Non-finite losses (``optim.nonfinite``, :class:`NonFinitePolicy`): every micro-batch's loss is checked
-before its backward and the ranks agree (one all-reduce of a flag), so every rank takes the same
-branch. ``stop`` checkpoints the last good state and raises :class:`NonFiniteLossError`. ``skip``
-drops the whole optimizer step: the flagged micro-batch (and the rest of the step) is back-propagated
-with a NaN-poisoned loss, so DeepSpeed's own overflow path (the fp16 loss-scaler machinery; in 0.19.8
-ZeRO-1/2/3 and the bf16 optimizer treat a non-finite global gradient norm as an overflow) clears every
-gradient buffer and applies no update; the plain torch optimizer that ZeRO stage 0 in fp32 uses has
-no such path, so its ``step`` is a no-op during that boundary ``engine.step()`` (DeepSpeed's own
-clipping, gradient reset and bookkeeping still run). A skipped step still counts as a step: the batch is
-consumed, ``step`` and the LR schedule advance (the LR stays a function of the step, so WSD snapshots,
-rungs and resume checks keep their meaning), Adam's moments and step count do not.
+Non-finite losses (``optim.nonfinite``, :class:`NonFinitePolicy`): every micro-batch's loss is
+checked before its backward and the ranks agree (one all-reduce of a flag), so every rank takes the
+same branch. ``stop`` checkpoints the last good state and raises :class:`NonFiniteLossError`.
+``skip`` drops the whole optimizer step: the flagged micro-batch (and the rest of the step) is
+back-propagated with a NaN-poisoned loss, so DeepSpeed's own overflow path (the fp16 loss-scaler
+machinery; in 0.19.8 ZeRO-1/2/3 and the bf16 optimizer treat a non-finite global gradient norm as an
+overflow) clears every gradient buffer and applies no update; the plain torch optimizer that ZeRO
+stage 0 in fp32 uses has no such path, so its ``step`` is a no-op during that boundary
+``engine.step()`` (DeepSpeed's own clipping, gradient reset and bookkeeping still run). A skipped
+step still counts as a step: the batch is consumed, ``step`` and the LR schedule advance (the LR
+stays a function of the step, so WSD snapshots, rungs and resume checks keep their meaning), Adam's
+moments and step count do not.
 More than ``optim.max_skipped_steps`` consecutive skips stop the run like ``stop``.
 """
 
@@ -41,12 +44,13 @@ class StopRequested(Exception):
 
 
 class NonFiniteLossError(HaloUserError, RuntimeError):
-    """The loss became NaN/inf; the last good state was checkpointed before raising. A user-facing stop
-    (the message says what to change before resuming), not a bug."""
+    """The loss became NaN/inf; the last good state was checkpointed before raising. A user-facing
+    stop (the message says what to change before resuming), not a bug."""
 
 
 class NonFinitePolicy:
-    """``optim.nonfinite``: stop at a non-finite loss, or skip up to ``max_skipped`` consecutive steps."""
+    """``optim.nonfinite``: stop at a non-finite loss, or skip up to ``max_skipped`` consecutive
+    steps."""
 
     def __init__(self, mode: str = "stop", max_skipped: int = 0):
         self.mode, self.max_skipped = mode, max_skipped
@@ -70,13 +74,14 @@ class NonFinitePolicy:
 
     def stop_reason(self) -> str:
         if self.mode == "skip":
-            return (f"{self.consecutive + 1} non-finite steps in a row exceed optim.max_skipped_steps="
+            return (f"{self.consecutive + 1} non-finite steps in a "
+                    "row exceed optim.max_skipped_steps="
                     f"{self.max_skipped} ({self.total} skipped in this run)")
         return "optim.nonfinite=stop"
 
     def skip_message(self, step: int, what: str = "loss") -> str:
-        return (f"step {step}: non-finite {what}, step skipped (no update; {self.consecutive} in a row, "
-                f"{self.total} in this run, at most {self.max_skipped} in a row)")
+        return (f"step {step}: non-finite {what}, step skipped (no update; {self.consecutive} in a "
+                f"row, {self.total} in this run, at most {self.max_skipped} in a row)")
 
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive, "total": self.total}
@@ -99,9 +104,10 @@ def nonfinite_agreed(loss: torch.Tensor, device: torch.device) -> bool:
 
 
 class StopControl:
-    """The trainers' stop handling. The trainer provides ``rank``, ``device``, ``step``, ``nonfinite``
-    (a :class:`NonFinitePolicy`), ``save()`` (a collective checkpoint of the state after ``step`` steps)
-    and ``_nonfinite_stop()`` (checkpoint the last good state, return the :class:`NonFiniteLossError` to raise)."""
+    """The trainers' stop handling. The trainer provides ``rank``, ``device``, ``step``,
+    ``nonfinite`` (a :class:`NonFinitePolicy`), ``save()`` (a collective checkpoint of the state
+    after ``step`` steps) and ``_nonfinite_stop()`` (checkpoint the last good state, return the
+    :class:`NonFiniteLossError` to raise)."""
 
     stop_signal: int | None = None
     nonfinite_what = "loss"  # names the loss in the skip message
@@ -119,14 +125,17 @@ class StopControl:
         return any_rank(self.stop_signal is not None, self.device)
 
     def _stop_if_signalled(self) -> None:
-        """At a step boundary: if any rank got a stop signal, checkpoint and raise :class:`StopRequested`."""
+        """At a step boundary: if any rank got a stop signal, checkpoint and raise
+        :class:`StopRequested`."""
         if self._stop_agreed():
             path: Path = self.save()
-            raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; checkpoint saved in {path}")
+            raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; "
+                                f"checkpoint saved in {path}")
 
     def _nonfinite(self, loss: torch.Tensor) -> bool:
-        """Agree across ranks on a non-finite loss: False (finite), True (skip this step, ``optim.nonfinite
-        =skip``), or checkpoint the last good state and raise :class:`NonFiniteLossError`."""
+        """Agree across ranks on a non-finite loss: False (finite), True (skip this step,
+        ``optim.nonfinite =skip``), or checkpoint the last good state and raise
+        :class:`NonFiniteLossError`."""
         if not nonfinite_agreed(loss, self.device):
             return False
         if self.nonfinite.should_skip():
@@ -136,18 +145,21 @@ class StopControl:
         raise self._nonfinite_stop()
 
     def _nonfinite_stop(self) -> NonFiniteLossError:
-        """Each trainer (Trainer, OPDTrainer) checkpoints its own last good state and returns the error."""
-        raise NotImplementedError(f"{type(self).__name__} does not say how it stops on a non-finite loss")
+        """Each trainer (Trainer, OPDTrainer) checkpoints its own last good state and returns the
+        error."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it stops on a "
+                                  "non-finite loss")
 
 
 def backward_and_step(engine, loss: torch.Tensor, drop: bool = False) -> None:
-    """``engine.backward(loss); engine.step()``; ``drop``: the micro-batch belongs to a skipped step.
+    """``engine.backward(loss); engine.step()``; ``drop``: the micro-batch belongs to a skipped
+    step.
 
-    Where DeepSpeed's optimizer has an overflow path the loss is poisoned with NaN (the boundary step
-    then drops every gradient buffer and applies nothing); a plain torch optimizer (ZeRO 0, fp32) has
-    its ``step`` replaced by a no-op for the boundary ``engine.step()`` instead, which DeepSpeed then
-    follows with its usual gradient reset and scheduler step (module doc). Every rank must pass the
-    same ``drop``: the backward is collective under ZeRO.
+    Where DeepSpeed's optimizer has an overflow path the loss is poisoned with NaN (the boundary
+    step then drops every gradient buffer and applies nothing); a plain torch optimizer (ZeRO 0,
+    fp32) has its ``step`` replaced by a no-op for the boundary ``engine.step()`` instead, which
+    DeepSpeed then follows with its usual gradient reset and scheduler step (module doc). Every rank
+    must pass the same ``drop``: the backward is collective under ZeRO.
     """
     overflow_path = hasattr(engine.optimizer, "overflow")
     if drop and overflow_path:
@@ -180,6 +192,7 @@ def finish_skipped_step(engine, scheduler) -> None:
     the plain-optimizer path of :func:`backward_and_step` went through DeepSpeed's, which does)."""
     if hasattr(engine.optimizer, "overflow"):
         if engine.was_step_applied():
-            raise RuntimeError("DeepSpeed applied an update with non-finite gradients; refusing to continue")
+            raise RuntimeError("DeepSpeed applied an update with non-finite gradients; refusing to "
+                               "continue")
         if scheduler is not None:
             scheduler.step()

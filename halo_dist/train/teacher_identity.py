@@ -5,10 +5,11 @@ path (a re-download, a fine-tune written over the folder) would go on silently w
 So a run records the sha256 of every file in a local teacher folder (config, weights, tokenizer) in
 each checkpoint's trainer state, and a resume recomputes and compares them before anything is built.
 
-Hashing reads the whole teacher once (about 1.4 s per GB, ``bench/bench_verify.py``: ~20 s for an 8B bf16
-teacher); the digests are cached in the run's checkpoint folder by file size and modification time,
-so later starts of the same run read nothing unless a file changed. Random teachers are defined by
-their config alone; hub ids resolve to a revision outside our control and are not hashed (pin one).
+Hashing reads the whole teacher once (about 1.4 s per GB, ``bench/bench_verify.py``: ~20 s for an 8B
+bf16 teacher); the digests are cached in the run's checkpoint folder by file size and modification
+time, so later starts of the same run read nothing unless a file changed. Random teachers are
+defined by their config alone; hub ids resolve to a revision outside our control and are not hashed
+(pin one).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ def teacher_folder(model_cfg) -> Path | None:
 
 def teacher_digests(folder: Path, cache_dir: Path | None = None) -> dict[str, str]:
     """``{file name: sha256}`` of the regular files in ``folder``; digests of files whose size and
-    modification time are unchanged come from ``cache_dir/teacher_files.json``, which is rewritten."""
+    modification time are unchanged come from ``cache_dir/teacher_files.json``, which is
+    rewritten."""
     cache_file = cache_dir / CACHE if cache_dir is not None else None
-    cached = json.loads(cache_file.read_text()) if cache_file is not None and cache_file.exists() else {}
+    cached = (json.loads(cache_file.read_text()) if cache_file is not None and cache_file.exists()
+              else {})
     digests, fresh = {}, {}
     for f in sorted(folder.iterdir()):
         if not f.is_file() or f.name.startswith("."):
@@ -58,8 +61,8 @@ def teacher_digests(folder: Path, cache_dir: Path | None = None) -> dict[str, st
 
 
 def run_teacher_digests(model_cfg, checkpoint_dir) -> dict[str, str] | None:
-    """The digests a run records: rank 0 hashes the teacher folder (cached in ``checkpoint_dir``), every
-    rank receives them; None where the teacher is not a local folder."""
+    """The digests a run records: rank 0 hashes the teacher folder (cached in ``checkpoint_dir``),
+    every rank receives them; None where the teacher is not a local folder."""
     import torch.distributed as dist
 
     folder = teacher_folder(model_cfg)
@@ -72,14 +75,18 @@ def run_teacher_digests(model_cfg, checkpoint_dir) -> dict[str, str] | None:
     return box[0]
 
 
-def check_same_teacher(saved: dict[str, str] | None, current: dict[str, str] | None, checkpoint: Path) -> None:
-    """Refuse (ConfigError) a resume whose teacher files differ from those the checkpoint recorded."""
+def check_same_teacher(saved: dict[str, str] | None, current: dict[str, str] | None,
+                       checkpoint: Path) -> None:
+    """Refuse (ConfigError) a resume whose teacher files differ from those the checkpoint
+    recorded."""
     if saved is None or current is None:
         return
     changed = [f"{name}: {'absent' if name not in current else current[name][:12]} now, "
                f"{'absent' if name not in saved else saved[name][:12]} in the checkpoint"
-               for name in sorted(set(saved) | set(current)) if saved.get(name) != current.get(name)]
+               for name in sorted(set(saved) | set(current))
+               if saved.get(name) != current.get(name)]
     if changed:
-        raise ConfigError(f"refusing to resume {checkpoint}: the teacher's files differ from those it was trained "
-                          "with (sha256)\n  " + "\n  ".join(changed)
-                          + "\nPoint model.teacher at the original teacher, or start a new run folder.")
+        raise ConfigError(f"refusing to resume {checkpoint}: the teacher's files differ from those "
+                          "it was trained with (sha256)\n  " + "\n  ".join(changed)
+                          + "\nPoint model.teacher at the original teacher, or start a new run "
+                            "folder.")

@@ -1,6 +1,7 @@
-"""HypeNet's softmax-attention mixers: the teacher's GQA attention (HyPE: NoPE, logits scaling, output
-gate) and sliding-window attention. Kernels are in ops_attention.py; under Ulysses sequence parallelism
-the same forward runs between ``sp_scatter`` and ``sp_gather`` (sequence_parallel_hypenet.py).
+"""HypeNet's softmax-attention mixers: the teacher's GQA attention (HyPE: NoPE, logits scaling,
+output gate) and sliding-window attention. Kernels are in ops_attention.py; under Ulysses sequence
+parallelism the same forward runs between ``sp_scatter`` and ``sp_gather``
+(sequence_parallel_hypenet.py).
 
 Exported with every checkpoint: torch and transformers only.
 """
@@ -21,7 +22,8 @@ from .layers_hypenet import (
     packed_for,
     per_head_rms_norm,
 )
-from .ops_attention import chunk_prefill_attention, local_causal_mask, packed_causal_attention, rows_cu_seqlens, sdpa
+from .ops_attention import (chunk_prefill_attention, local_causal_mask, packed_causal_attention,
+                            rows_cu_seqlens, sdpa)
 from .sequence_parallel_hypenet import SequenceParallelMixer
 
 
@@ -32,7 +34,8 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
     def __init__(self, config: HypeNetConfig, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        d, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        d, H, Hkv, D = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                        config.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
         self.q_proj = nn.Linear(d, H * D, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, Hkv * D, bias=config.qkv_bias)
@@ -46,7 +49,8 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         if config.attn_output_norm:
             self.o_norm = HypeNetRMSNorm(H * D, config.rms_norm_eps)
 
-    # q/k positional treatment, read from the config at forward time (calibrate-scaling changes the base)
+    # q/k positional treatment, read from the config at forward time (calibrate-scaling changes the
+    # base)
     @property
     def rope(self) -> bool:
         return self.config.attn_rope
@@ -61,11 +65,13 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         return [self.q_proj, self.k_proj, self.v_proj, *gate]
 
     def project(self, x: torch.Tensor, info: SequenceInfo, packed: PackedLinears | None = None):
-        """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with norms, RoPE and scaling, and the
-        output gate's logits ``[B, T, H*D]`` when ``packed`` computed them in the same GEMM (else None)."""
+        """x ``[B, T, d]`` -> q ``[B, T, H, D]``, k/v ``[B, T, Hkv, D]`` with norms, RoPE and
+        scaling, and the output gate's logits ``[B, T, H*D]`` when ``packed`` computed them in the
+        same GEMM (else None)."""
         B, T, _ = x.shape
         D, cfg = self.head_dim, self.config
-        linears = self.input_linears()  # q, k, v (+ the gate, computed here only in the packed GEMM)
+        # q, k, v (+ the gate, computed here only in the packed GEMM)
+        linears = self.input_linears()
         q, k, v, *g = linear_outputs(x, linears if packed is not None else linears[:3], packed)
         q = q.view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
         k = k.view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
@@ -80,11 +86,14 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         return q, k, v, (g[0] if g else None)
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache=None):
-        """x ``[B, T, d]`` -> ``[B, T, d]``. ``cache``: a HypeNetCache (decoding) or a StaticDecodeCache. Under
-        sequence parallelism T is this rank's T/sp tokens and the kernel attends over all T tokens of H/sp heads."""
-        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))  # q [B, T, H, D], k/v [B, T, Hkv, D]
+        """x ``[B, T, d]`` -> ``[B, T, d]``. ``cache``: a HypeNetCache (decoding) or a
+        StaticDecodeCache. Under sequence parallelism T is this rank's T/sp tokens and the kernel
+        attends over all T tokens of H/sp heads."""
+        # q [B, T, H, D], k/v [B, T, Hkv, D]
+        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
-        k, v = self.sp_replicate_kv(k, v)  # SP: [B, T/sp, Hkv, D] -> [B, T/sp, Hkv*f, D], sp | Hkv*f
+        # SP: [B, T/sp, Hkv, D] -> [B, T/sp, Hkv*f, D], sp | Hkv*f
+        k, v = self.sp_replicate_kv(k, v)
         q, k, v = self.sp_scatter(q, k, v)  # SP: [B, T/sp, heads, D] -> [B, T, heads/sp, D]
         scale = self.head_dim**-0.5
         if cache is not None:
@@ -100,19 +109,21 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
             T = q.shape[1]
             causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
             mask = causal[None, None] & info.token_mask[:, None, None, :]  # [B, 1, T, T]
-            mask = mask | ~info.token_mask[:, None, :, None]  # padded queries see everything (no NaN)
+            # padded queries see everything (no NaN)
+            mask = mask | ~info.token_mask[:, None, :, None]
             return sdpa(q, k, v, mask=mask, scale=scale)
         return sdpa(q, k, v, is_causal=True, scale=scale)
 
     def _attend_with_cache(self, q, k, v, info: SequenceInfo, cache, scale: float):
-        if getattr(cache, "is_static", False):  # StaticDecodeCache: fixed buffers, device-side position
+        # StaticDecodeCache: fixed buffers, device-side position
+        if getattr(cache, "is_static", False):
             return cache.decode_attention(self.layer_idx, q, k, v, scale)
         past = cache.layers[self.layer_idx]
         k, v = cache.append_kv(self.layer_idx, k, v)  # [B, Tpast+T, Hkv, D]
         Tq, Tk = q.shape[1], k.shape[1]
         if info.key_mask is None:
-            # no padding: prefill is plain causal attention (flash kernels, no [Tq, Tk] mask), a single
-            # new query attends to every cached key, a prefill chunk is lower-right causal
+            # no padding: prefill is plain causal attention (flash kernels, no [Tq, Tk] mask), a
+            # single new query attends to every cached key, a prefill chunk is lower-right causal
             if past is None or Tq == 1:
                 return sdpa(q, k, v, is_causal=past is None, scale=scale)
             return chunk_prefill_attention(q, k, v, scale)
@@ -122,7 +133,8 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         mask = mask | ~info.key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows
         return sdpa(q, k, v, mask=mask, scale=scale)
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, o: torch.Tensor, x: torch.Tensor,
+               gate_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Optional per-head norm and output gate, then W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
         B, T, H, D = o.shape
         if self.config.attn_output_norm:
@@ -137,7 +149,8 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
 class SlidingWindowAttention(HypeNetAttention):
     """Softmax attention over the last ``config.sliding_window`` tokens of the query's document
     (SWAN-GPT's local layers): RoPE if ``config.swa_rope``, no logits scaling, the attention layer's
-    QK-norm / output gate / output norm switches. The decode cache keeps only the last W - 1 keys."""
+    QK-norm / output gate / output norm switches. The decode cache keeps only the last W - 1
+    keys."""
 
     def __init__(self, config: HypeNetConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -154,25 +167,31 @@ class SlidingWindowAttention(HypeNetAttention):
     def _attend(self, q, k, v, info: SequenceInfo, scale: float):
         B, T = q.shape[:2]
         if info.cu_seqlens is not None:
-            return packed_causal_attention(q, k, v, info.cu_seqlens, info.max_seqlen, scale, self.window)
+            return packed_causal_attention(q, k, v, info.cu_seqlens, info.max_seqlen, scale,
+                                           self.window)
         if info.token_mask is not None:  # padded batch without cache: causal window + key padding
-            mask = local_causal_mask(T, T, self.window, q.device)[None, None] & info.token_mask[:, None, None, :]
-            mask = mask | ~info.token_mask[:, None, :, None]  # padded queries see everything (no NaN)
+            mask = (local_causal_mask(T, T, self.window, q.device)[None, None]
+                    & info.token_mask[:, None, None, :])
+            # padded queries see everything (no NaN)
+            mask = mask | ~info.token_mask[:, None, :, None]
             return sdpa(q, k, v, mask=mask, scale=scale)  # mask [B, 1, T, T]
         if self.window >= T:
             return sdpa(q, k, v, is_causal=True, scale=scale)
         # each row is one document: the varlen kernels apply the window without a [T, T] mask
-        return packed_causal_attention(q, k, v, rows_cu_seqlens(B, T, q.device), T, scale, self.window)
+        return packed_causal_attention(q, k, v, rows_cu_seqlens(B, T, q.device), T, scale,
+                                       self.window)
 
     def _attend_with_cache(self, q, k, v, info: SequenceInfo, cache, scale: float):
         past = cache.layers[self.layer_idx]
         if past is not None:
-            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)  # [B, Tpast+T, Hkv, D]
+            # [B, Tpast+T, Hkv, D]
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
         keep = min(self.window - 1, k.shape[1])  # later queries never look further back
         cache.layers[self.layer_idx] = (k[:, k.shape[1] - keep :], v[:, v.shape[1] - keep :])
         Tq, Tk = q.shape[1], k.shape[1]
         mask = local_causal_mask(Tq, Tk, self.window, q.device)[None, None]  # [1, 1, Tq, Tk]
-        if info.key_mask is not None:  # left padding: the mask covers all past keys, the cache the last Tk
+        # left padding: the mask covers all past keys, the cache the last Tk
+        if info.key_mask is not None:
             key_mask = info.key_mask[:, -Tk:]
             mask = mask & key_mask[:, None, None, :]
             mask = mask | ~key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows

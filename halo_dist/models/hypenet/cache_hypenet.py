@@ -1,6 +1,6 @@
-"""HypeNet's decoding cache: the attention layers' keys/values in preallocated buffers and the RNN layers'
-recurrent states, driven by transformers' ``generate``; ``static=True`` hands one-token steps to the
-CUDA-graph ``StaticDecoder`` (static_decode.py).
+"""HypeNet's decoding cache: the attention layers' keys/values in preallocated buffers and the RNN
+layers' recurrent states, driven by transformers' ``generate``; ``static=True`` hands one-token
+steps to the CUDA-graph ``StaticDecoder`` (static_decode.py).
 
 Exported with every checkpoint: torch and transformers only.
 """
@@ -10,25 +10,26 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-# Extra KV slots a static (CUDA-graph) cache reserves: StaticDecoder's warm-up writes two tokens, then rewinds.
+# Extra KV slots a static (CUDA-graph) cache reserves: StaticDecoder's warm-up writes two tokens,
+# then rewinds.
 STATIC_WARMUP_TOKENS = 2
 
 
 class HypeNetCache(Cache):
-    """Per-layer decoding state: ``(k, v)`` ``[B, T, Hkv, D]`` for attention layers, the recurrent state
-    ``[B, H, K, V]`` (fp32) for RNN layers, in ``layers[i]`` (None before the first forward).
+    """Per-layer decoding state: ``(k, v)`` ``[B, T, Hkv, D]`` for attention layers, the recurrent
+    state ``[B, H, K, V]`` (fp32) for RNN layers, in ``layers[i]`` (None before the first forward).
 
-    A ``transformers`` Cache, so ``generate`` drives it (beam search reorders it through ``reorder_cache``),
-    but with its own layer storage: the mixers read and write ``layers`` directly, and the attention keys
-    live in preallocated buffers (``append_kv``).
+    A ``transformers`` Cache, so ``generate`` drives it (beam search reorders it through
+    ``reorder_cache``), but with its own layer storage: the mixers read and write ``layers``
+    directly, and the attention keys live in preallocated buffers (``append_kv``).
 
-    ``static=True`` (``generate(..., cache_implementation="static")``): after the prefill, one-token steps
-    run through ``StaticDecoder`` on this cache's buffers (a CUDA-graph replay per token on CUDA, the same
-    step eagerly elsewhere); ``max_cache_len`` then bounds the tokens it can hold.
+    ``static=True`` (``generate(..., cache_implementation="static")``): after the prefill, one-token
+    steps run through ``StaticDecoder`` on this cache's buffers (a CUDA-graph replay per token on
+    CUDA, the same step eagerly elsewhere); ``max_cache_len`` then bounds the tokens it can hold.
     """
 
-    # A plain attribute, declared on the class so that it shadows transformers 5.17's read-only (deprecated)
-    # ``Cache.max_cache_len`` property, which would refuse the assignment in __init__.
+    # A plain attribute, declared on the class so that it shadows transformers 5.17's read-only
+    # (deprecated) ``Cache.max_cache_len`` property, which would refuse the assignment in __init__.
     max_cache_len: int | None = None
 
     def __init__(self, num_layers: int, reserve_tokens: int = 0, max_cache_len: int | None = None,
@@ -36,25 +37,30 @@ class HypeNetCache(Cache):
         super().__init__(layers=[None] * num_layers)
         self.seen_tokens = 0
         self.reserve_tokens = reserve_tokens  # room left after the prefill for decoded tokens
-        self.max_cache_len = max_cache_len  # room for this many tokens in all, if more than prompt + reserve
+        # room for this many tokens in all, if more than prompt + reserve
+        self.max_cache_len = max_cache_len
         self.static = static
         self._kv_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decoder = None  # the StaticDecoder that owns the buffers once static steps began
 
-    def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k/v ``[B, T, Hkv, D]`` to layer ``layer_idx``; returns views of all cached keys/values.
+    def append_kv(self, layer_idx: int, k: torch.Tensor,
+                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k/v ``[B, T, Hkv, D]`` to layer ``layer_idx``; returns views of all cached
+        keys/values.
 
         The keys live in a buffer with spare room (grown by doubling), so a decode step writes one
-        token instead of copying the whole cache (torch.cat would move O(T) bytes per token: 60 GB per
-        step for a 1.7B-shape teacher at 512K)."""
+        token instead of copying the whole cache (torch.cat would move O(T) bytes per token: 60 GB
+        per step for a 1.7B-shape teacher at 512K)."""
         past = self.layers[layer_idx]
         used = 0 if past is None else past[0].shape[1]
         new = used + k.shape[1]
         buf = self._kv_buffers.get(layer_idx)
         if buf is None or buf[0].shape[1] < new or buf[0].shape[0] != k.shape[0]:
             # prefill: the prompt plus the reserved decode room; beyond it, grow by doubling
-            room = max(new + self.reserve_tokens, self.max_cache_len or 0) if past is None else max(new, 2 * used)
-            grown = tuple(t.new_empty(t.shape[0], room, *t.shape[2:]) for t in (k, v))  # [B, room, Hkv, D]
+            room = (max(new + self.reserve_tokens, self.max_cache_len or 0) if past is None
+                    else max(new, 2 * used))
+            # [B, room, Hkv, D]
+            grown = tuple(t.new_empty(t.shape[0], room, *t.shape[2:]) for t in (k, v))
             if past is not None:
                 grown[0][:, :used].copy_(past[0])
                 grown[1][:, :used].copy_(past[1])
@@ -68,12 +74,14 @@ class HypeNetCache(Cache):
         """The recurrent state ``[B, H, K, V]`` of RNN layer ``layer_idx`` after this forward."""
         self.layers[layer_idx] = state
 
-    # --- static (CUDA-graph) decoding ------------------------------------------------------------------
+    # --- static (CUDA-graph) decoding -------------------------------------------------------------
 
-    def static_step(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """Next-token logits ``[B, V]`` for ``tokens`` ``[B, 1]`` through the StaticDecoder (built on the first
-        step from the prefilled buffers; ``attention_mask`` covers the prompt's left padding). None once the
-        buffers are full (e.g. generation continued past ``max_cache_len``): the caller steps dynamically."""
+    def static_step(self, model, tokens: torch.Tensor,
+                    attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Next-token logits ``[B, V]`` for ``tokens`` ``[B, 1]`` through the StaticDecoder (built
+        on the first step from the prefilled buffers; ``attention_mask`` covers the prompt's left
+        padding). None once the buffers are full (e.g. generation continued past ``max_cache_len``):
+        the caller steps dynamically."""
         if self._decoder is None:
             from .static_decode import StaticDecoder
 
@@ -85,23 +93,25 @@ class HypeNetCache(Cache):
         elif self._decoder.room_left is not None and self._decoder.room_left < 1:
             self.leave_static()
             return None
-        logits = self._decoder.step(tokens).clone()  # the decoder's buffer is overwritten by the next step
+        # the decoder's buffer is overwritten by the next step
+        logits = self._decoder.step(tokens).clone()
         self.seen_tokens = self._decoder.length
         return logits
 
     def leave_static(self) -> None:
-        """Hand the decoder's state back to ``layers`` (for a forward the static step cannot run, or a
-        batch-size change); a later one-token step builds a new decoder."""
+        """Hand the decoder's state back to ``layers`` (for a forward the static step cannot run, or
+        a batch-size change); a later one-token step builds a new decoder."""
         dec = self._decoder
         if dec is None:
             return
         n = dec.length
         for i, entry in enumerate(dec.cache.layers):
-            self.layers[i] = (entry[0][:, :n], entry[1][:, :n]) if isinstance(entry, tuple) else entry
+            self.layers[i] = ((entry[0][:, :n], entry[1][:, :n]) if isinstance(entry, tuple)
+                              else entry)
         self.seen_tokens = n
         self._decoder = None
 
-    # --- transformers' Cache interface ------------------------------------------------------------------
+    # --- transformers' Cache interface ------------------------------------------------------------
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
@@ -113,7 +123,8 @@ class HypeNetCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.seen_tokens + query_length, 0
 
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+    def has_previous_state(self, layer_idx: int | None = None,
+                           state_idx: int | None = None) -> bool:
         return self.seen_tokens > 0
 
     def reset(self) -> None:
@@ -123,7 +134,8 @@ class HypeNetCache(Cache):
         self.seen_tokens = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Keep rows ``beam_idx`` (beam search: the beams each new beam continues; any selection of rows)."""
+        """Keep rows ``beam_idx`` (beam search: the beams each new beam continues; any selection of
+        rows)."""
         self._select_rows(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -135,9 +147,9 @@ class HypeNetCache(Cache):
             self._select_rows(torch.arange(batch).repeat_interleave(repeats))
 
     def _select_rows(self, idx: torch.Tensor) -> None:
-        """Rows ``idx`` of every KV buffer and recurrent state. Under a static decoder with the batch size
-        unchanged, in place (the CUDA graph reads fixed addresses); otherwise into new tensors, the KV
-        buffers keeping their spare room."""
+        """Rows ``idx`` of every KV buffer and recurrent state. Under a static decoder with the
+        batch size unchanged, in place (the CUDA graph reads fixed addresses); otherwise into new
+        tensors, the KV buffers keeping their spare room."""
         if self._decoder is not None:
             if idx.numel() == self.batch_size:
                 self._decoder.cache.select_rows_(idx)
@@ -153,7 +165,8 @@ class HypeNetCache(Cache):
             buf = self._kv_buffers.get(i)
             if buf is not None and buf[0].shape[0] == entry[0].shape[0]:
                 used = entry[0].shape[1]
-                buf = self._kv_buffers[i] = tuple(b.index_select(0, rows) for b in buf)  # [B', room, Hkv, D]
+                # [B', room, Hkv, D]
+                buf = self._kv_buffers[i] = tuple(b.index_select(0, rows) for b in buf)
                 self.layers[i] = (buf[0][:, :used], buf[1][:, :used])
             else:  # a sliding-window layer's rolling cache (no buffer)
                 self.layers[i] = tuple(t.index_select(0, rows) for t in entry)
@@ -161,7 +174,8 @@ class HypeNetCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Only ``crop(0)``: a recurrent state cannot be rewound to an earlier token."""
         if tokens_to_remove:
-            raise NotImplementedError("HypeNetCache cannot drop tokens: RNN states cannot be rewound")
+            raise NotImplementedError("HypeNetCache cannot drop tokens: RNN states cannot be "
+                                      "rewound")
 
     def activate_past_recording(self) -> None:
         """Nothing to record: the cache is not croppable, so generate never asks it to roll back."""
@@ -180,8 +194,8 @@ class HypeNetCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """False: generate must not torch.compile the forward around this cache (static decoding captures its
-        own graph)."""
+        """False: generate must not torch.compile the forward around this cache (static decoding
+        captures its own graph)."""
         return False
 
     @property
@@ -195,7 +209,8 @@ class HypeNetCache(Cache):
     @property
     def is_sliding(self) -> list[bool]:
         """Sliding-window layers keep their last keys in plain tensors, not in a buffer."""
-        return [isinstance(e, tuple) and i not in self._kv_buffers for i, e in enumerate(self.layers)]
+        return [isinstance(e, tuple) and i not in self._kv_buffers
+                for i, e in enumerate(self.layers)]
 
     @property
     def is_linear(self) -> list[bool]:

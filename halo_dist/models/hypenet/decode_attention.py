@@ -4,12 +4,13 @@ This is the attention of the static (CUDA-graph) decode step (``static_decode.py
 preallocated ``[B, room, Hkv, D]`` buffer and the number of valid keys is a device tensor, so one
 captured graph serves every decode position without a host sync or a shape change.
 
-* ``decode_attention_torch``: the exact reference (fp32 softmax over the masked buffer); CPU and tests.
-* ``decode_attention_triton``: split-KV ("flash-decoding") Triton kernel for CUDA. A decode step has one
-  query per head, so one program per (batch, head) would leave most SMs idle while reading GBs of keys
-  at 512K context; the keys are split into ``num_splits`` ranges read in parallel, each program serving
-  all G query heads of its KV head (keys and values are read once per group, in the cache's own
-  layout, no repeat), and a small torch reduction merges the partial softmaxes.
+* ``decode_attention_torch``: the exact reference (fp32 softmax over the masked buffer); CPU and
+  tests.
+* ``decode_attention_triton``: split-KV ("flash-decoding") Triton kernel for CUDA. A decode step has
+  one query per head, so one program per (batch, head) would leave most SMs idle while reading GBs
+  of keys at 512K context; the keys are split into ``num_splits`` ranges read in parallel, each
+  program serving all G query heads of its KV head (keys and values are read once per group, in the
+  cache's own layout, no repeat), and a small torch reduction merges the partial softmaxes.
 
 ``decode_attention`` dispatches (``HALO_DECODE_ATTENTION=torch`` forces the reference).
 """
@@ -32,9 +33,10 @@ except Exception:  # pragma: no cover - depends on the environment
 
 def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
                            scale: float, start: torch.Tensor | None = None) -> torch.Tensor:
-    """q ``[B, 1, H, D]``, k/v ``[B, room, Hkv, D]``, length int ``[1]``, start int ``[B]`` (default 0): row b
-    attends keys ``start[b] <= t < length`` (``start`` skips left padding) -> ``[B, 1, H, D]``. Query head h
-    reads KV head ``h // (H / Hkv)`` (repeat_interleave convention)."""
+    """q ``[B, 1, H, D]``, k/v ``[B, room, Hkv, D]``, length int ``[1]``, start int ``[B]`` (default
+    0): row b attends keys ``start[b] <= t < length`` (``start`` skips left padding) ->
+    ``[B, 1, H, D]``. Query head h reads KV head ``h // (H / Hkv)`` (repeat_interleave
+    convention)."""
     B, _, H, D = q.shape
     room, Hkv = k.shape[1], k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -52,10 +54,12 @@ def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     return o.reshape(B, 1, H, D).to(q.dtype)  # [B, Hkv, G, D] -> [B, 1, H, D]
 
 
-def split_plan(room: int, batch: int, kv_heads: int, block_n: int, device: torch.device) -> tuple[int, int]:
+def split_plan(room: int, batch: int, kv_heads: int, block_n: int,
+               device: torch.device) -> tuple[int, int]:
     """``(num_splits, split_len)``: about four programs per SM over the whole buffer (fixed for a
     buffer, so a captured graph stays valid); splits past the valid length exit at once."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+           else 8)
     blocks = math.ceil(room / block_n)
     splits = max(1, min(blocks, math.ceil(4 * sms / max(1, batch * kv_heads))))
     split_len = math.ceil(blocks / splits) * block_n
@@ -71,9 +75,11 @@ if _HAS_TRITON:
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
         scale, split_len, num_splits,
-        KV_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        KV_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
-        """One program: batch b, KV head h, keys [split * split_len, +split_len) ∩ [start[b], length).
+        """One program: batch b, KV head h, keys [split * split_len, +split_len) ∩ [start[b],
+        length).
         Writes the unnormalised output, running max and sum of its G query heads."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -94,18 +100,21 @@ if _HAS_TRITON:
         for n in range(start, end, BLOCK_N):
             offs_n = n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
-            offs_n = offs_n.to(tl.int64)  # token * stride passes 2^31 beyond 2M tokens x 8 heads x 128
-            k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + h * stride_kh + offs_d[None, :],
+            # token * stride passes 2^31 beyond 2M tokens x 8 heads x 128
+            offs_n = offs_n.to(tl.int64)
+            k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + h * stride_kh
+                        + offs_d[None, :],
                         mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            # fp32 whatever the scale's type: Inductor re-launching this kernel inside a compiled step passes
-            # Python floats as fp64, which would turn the running max into fp64
+            # fp32 whatever the scale's type: Inductor re-launching this kernel inside a compiled
+            # step passes Python floats as fp64, which would turn the running max into fp64
             s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [BLOCK_G, BLOCK_N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * stride_vb + offs_n[:, None] * stride_vt + h * stride_vh + offs_d[None, :],
+            v = tl.load(V + b * stride_vb + offs_n[:, None] * stride_vt + h * stride_vh
+                        + offs_d[None, :],
                         mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
@@ -117,14 +126,17 @@ if _HAS_TRITON:
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
-                            scale: float, start: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
-    """Split-KV decode on CUDA; same contract as ``decode_attention_torch``. (With ``TRITON_INTERPRET=1``
-    it also runs on CPU fp32 tensors: that is how the CPU tests check the kernel.)"""
+                            scale: float, start: torch.Tensor | None = None,
+                            block_n: int = 64) -> torch.Tensor:
+    """Split-KV decode on CUDA; same contract as ``decode_attention_torch``. (With
+    ``TRITON_INTERPRET=1`` it also runs on CPU fp32 tensors: that is how the CPU tests check the
+    kernel.)"""
     B, _, H, D = q.shape
     room, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
     if k.stride(-1) != 1 or v.stride(-1) != 1 or D & (D - 1):
-        raise ValueError("decode_attention_triton needs contiguous head dims of a power-of-two size")
+        raise ValueError("decode_attention_triton needs contiguous head dims of a power-of-two "
+                         "size")
     num_splits, split_len = split_plan(room, B, Hkv, block_n, q.device)
     q2 = q.reshape(B, H, D)  # [B, 1, H, D] -> [B, H, D]
     if start is None:
@@ -140,8 +152,8 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         scale, split_len, num_splits,
         KV_HEADS=Hkv, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
     )
-    # merge the splits: o = sum_s e^{m_s - m} acc_s / sum_s e^{m_s - m} l_s  (empty splits: m_s = -inf;
-    # every row has at least one valid key, so some split is not empty)
+    # merge the splits: o = sum_s e^{m_s - m} acc_s / sum_s e^{m_s - m} l_s
+    # (empty splits: m_s = -inf; every row has at least one valid key, so some split is not empty)
     m_max = m_part.max(dim=1, keepdim=True).values  # [B*H, 1]
     w = torch.exp(m_part - m_max)  # [B*H, S]
     o = (o_part * w[..., None]).sum(1) / (l_part * w).sum(1, keepdim=True)  # [B*H, D]
@@ -149,7 +161,8 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
 
 def decode_attention(q, k, v, length, scale, start=None):
-    """Triton split-KV on CUDA, the torch reference elsewhere (or with ``HALO_DECODE_ATTENTION=torch``)."""
+    """Triton split-KV on CUDA, the torch reference elsewhere (or with
+    ``HALO_DECODE_ATTENTION=torch``)."""
     if q.is_cuda and _HAS_TRITON and os.environ.get("HALO_DECODE_ATTENTION", "triton") != "torch":
         return decode_attention_triton(q, k, v, length, scale, start)
     return decode_attention_torch(q, k, v, length, scale, start)

@@ -1,18 +1,18 @@
-"""One Lightning-attention decode step that updates the fp32 state in place: the RNN half of the static
-(CUDA-graph) decode step (``static_decode.py``).
+"""One Lightning-attention decode step that updates the fp32 state in place: the RNN half of the
+static (CUDA-graph) decode step (``static_decode.py``).
 
 Per row b and head h, with the head's log-decay g_h:
     S <- exp(g_h) S + kᵀ v ,   o = scale · q S
-fla's ``fused_recurrent_simple_gla`` computes the same but writes the new state to a fresh tensor, which the
-static cache then copies back into its fixed buffer: the state is read once and written twice. At batch 1
-that is noise (1 MB per layer); for batched rollouts it dominates the step (256 rows x 16 heads x 128 x 128
-fp32 = 268 MB per layer, 21 layers). Here each program owns one ``[K, BLOCK_V]`` tile of one (row, head)
-state: it reads the tile, updates it in registers and writes it back where it was, so the state moves once
-each way and no copy follows.
+fla's ``fused_recurrent_simple_gla`` computes the same but writes the new state to a fresh tensor,
+which the static cache then copies back into its fixed buffer: the state is read once and written
+twice. At batch 1 that is noise (1 MB per layer); for batched rollouts it dominates the step (256
+rows x 16 heads x 128 x 128 fp32 = 268 MB per layer, 21 layers). Here each program owns one
+``[K, BLOCK_V]`` tile of one (row, head) state: it reads the tile, updates it in registers and
+writes it back where it was, so the state moves once each way and no copy follows.
 
 * ``lightning_decode_torch``: the reference (in place as well); CPU and tests.
-* ``lightning_decode_triton``: the kernel (``TRITON_INTERPRET=1`` runs it on CPU fp32 tensors, which is how the
-  CPU tests check it).
+* ``lightning_decode_triton``: the kernel (``TRITON_INTERPRET=1`` runs it on CPU fp32 tensors, which
+  is how the CPU tests check it).
 
 ``lightning_decode_`` dispatches (``HALO_DECODE_LIGHTNING=torch`` forces the reference on CUDA).
 """
@@ -32,10 +32,11 @@ except Exception:  # pragma: no cover - depends on the environment
     _HAS_TRITON = False
 
 
-def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                           scale: float, state: torch.Tensor) -> torch.Tensor:
-    """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (updated in place)
-    -> o ``[B, 1, H, V]`` in q's dtype."""
+def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           log_decay: torch.Tensor, scale: float,
+                           state: torch.Tensor) -> torch.Tensor:
+    """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (updated
+    in place) -> o ``[B, 1, H, V]`` in q's dtype."""
     acc = state.dtype
     qf, kf, vf = q[:, 0].to(acc), k[:, 0].to(acc), v[:, 0].to(acc)  # [B, H, K] / [B, H, V]
     decay = log_decay.to(device=state.device, dtype=acc).exp()[None, :, None, None]  # [1, H, 1, 1]
@@ -57,16 +58,19 @@ if _HAS_TRITON:
         """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
-        b = (pid_bh // H).to(tl.int64)  # rows x heads x K x V passes 2^31 elements at a few hundred rows
+        # rows x heads x K x V passes 2^31 elements at a few hundred rows
+        b = (pid_bh // H).to(tl.int64)
         h = pid_bh % H
         offs_k = tl.arange(0, DK)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < DV
         q = tl.load(Q + b * stride_qb + h * stride_qh + offs_k).to(tl.float32)  # [DK]
         k = tl.load(K + b * stride_kb + h * stride_kh + offs_k).to(tl.float32)  # [DK]
-        v = tl.load(V + b * stride_vb + h * stride_vh + offs_v, mask=v_ok, other=0.0).to(tl.float32)  # [BLOCK_V]
+        # [BLOCK_V]
+        v = tl.load(V + b * stride_vb + h * stride_vh + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(LogDecay + h).to(tl.float32))
-        tile = S + b * stride_sb + h * stride_sh + offs_k[:, None] * DV + offs_v[None, :]  # [DK, BLOCK_V]
+        # [DK, BLOCK_V]
+        tile = S + b * stride_sb + h * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
         s = tl.load(tile, mask=v_ok[None, :], other=0.0)
         s = decay * s + k[:, None] * v[None, :]
         tl.store(tile, s, mask=v_ok[None, :])
@@ -74,16 +78,20 @@ if _HAS_TRITON:
         tl.store(O + b * stride_ob + h * stride_oh + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
 
 
-def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                            scale: float, state: torch.Tensor, block_v: int = 32) -> torch.Tensor:
-    """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 ``[B, H, K, V]``."""
+def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            log_decay: torch.Tensor, scale: float, state: torch.Tensor,
+                            block_v: int = 32) -> torch.Tensor:
+    """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32
+    ``[B, H, K, V]``."""
     B, _, H, DK = q.shape
     DV = v.shape[-1]
-    if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape) != (B, H, DK, DV):
+    if (state.dtype != torch.float32 or not state.is_contiguous()
+            or tuple(state.shape) != (B, H, DK, DV)):
         raise ValueError(f"the state must be a contiguous fp32 [{B}, {H}, {DK}, {DV}] tensor, got "
                          f"{state.dtype} {tuple(state.shape)}")
     if DK & (DK - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two key dim")
+        raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
+                         "key dim")
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
     _lightning_decode_kernel[(B * H, triton.cdiv(DV, block_v))](

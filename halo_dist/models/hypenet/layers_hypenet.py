@@ -1,5 +1,5 @@
-"""Building blocks shared by HypeNet's mixers and model: RMSNorm, the SwiGLU MLP, RoPE, logits scaling,
-output gates and norms, and ``SequenceInfo``, the token layout of one forward.
+"""Building blocks shared by HypeNet's mixers and model: RMSNorm, the SwiGLU MLP, RoPE, logits
+scaling, output gates and norms, and ``SequenceInfo``, the token layout of one forward.
 
 Exported with every checkpoint: torch only.
 """
@@ -17,11 +17,12 @@ from .configuration_hypenet import HypeNetConfig
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 and rounded once to x's dtype
-    (Qwen3/Llama's RMSNorm before its weight; like transformers', float64 inputs are computed in fp32 too).
-    ``F.rms_norm`` accumulates reduced precision in fp32 itself and is one fused kernel on CUDA instead of
-    ~8 (casts included; a decode step runs ~130 norms); on CPU it reproduces the reference bit for bit
-    (tests/test_hypenet.py)."""
+    """``x * rsqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 and rounded once to x's
+    dtype (Qwen3/Llama's RMSNorm before its weight; like transformers', float64 inputs are computed
+    in fp32 too).
+    ``F.rms_norm`` accumulates reduced precision in fp32 itself and is one fused kernel on CUDA
+    instead of ~8 (casts included; a decode step runs ~130 norms); on CPU it reproduces the
+    reference bit for bit (tests/test_hypenet.py)."""
     if x.dtype == torch.float64:
         return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return F.rms_norm(x, (x.shape[-1],), eps=eps)
@@ -40,10 +41,11 @@ class HypeNetRMSNorm(nn.Module):
 
 
 class PackedLinears:
-    """Linears that read the same input, as one GEMM: their weights (and biases) concatenated along the output
-    dim, the result split back. Decoding uses it (``StaticDecoder``): at batch 1 a step reads every weight
-    once either way, but a lone 2048 x 2048 GEMV keeps only a fraction of a GPU's SMs busy, and one launch
-    replaces three or four. The concatenation is a copy: it does not follow later updates of the weights."""
+    """Linears that read the same input, as one GEMM: their weights (and biases) concatenated along
+    the output dim, the result split back. Decoding uses it (``StaticDecoder``): at batch 1 a step
+    reads every weight once either way, but a lone 2048 x 2048 GEMV keeps only a fraction of a GPU's
+    SMs busy, and one launch replaces three or four. The concatenation is a copy: it does not follow
+    later updates of the weights."""
 
     def __init__(self, linears: list[nn.Linear]):
         weights = [lin.weight.detach() for lin in linears]
@@ -52,7 +54,8 @@ class PackedLinears:
         if all(lin.bias is None for lin in linears):
             self.bias = None
         else:
-            self.bias = torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(w.shape[0])
+            self.bias = torch.cat([lin.bias.detach() if lin.bias is not None
+                                   else w.new_zeros(w.shape[0])
                                    for lin, w in zip(linears, weights)])
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -61,13 +64,14 @@ class PackedLinears:
 
 
 def linear_outputs(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | None):
-    """The outputs of ``linears`` on the shared input x: one GEMM through ``packed`` if given, else one each."""
+    """The outputs of ``linears`` on the shared input x: one GEMM through ``packed`` if given, else
+    one each."""
     return packed(x) if packed is not None else tuple(lin(x) for lin in linears)
 
 
 def packed_for(cache, layer_idx: int, block: str) -> PackedLinears | None:
-    """The packed input projections a StaticDecodeCache holds for ``block`` ("mixer" or "mlp") of layer
-    ``layer_idx``; None for any other cache, or when the decoder packs none."""
+    """The packed input projections a StaticDecodeCache holds for ``block`` ("mixer" or "mlp") of
+    layer ``layer_idx``; None for any other cache, or when the decoder packs none."""
     packs = getattr(cache, "packed", None)
     return None if packs is None else packs.get((layer_idx, block))
 
@@ -91,9 +95,12 @@ class HypeNetMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF-convention rotary tables for per-document positions ``[B, T]`` -> cos/sin ``[B, T, 1, D]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim))
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                 dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-convention rotary tables for per-document positions ``[B, T]`` -> cos/sin
+    ``[B, T, 1, D]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=position_ids.device).float() / head_dim))
     freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -106,26 +113,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def logits_scale(position_ids: torch.Tensor, base: float) -> torch.Tensor:
-    """s_t = ln(t + a) / ln(a) for per-document positions t ``[B, T]`` -> ``[B, T, 1, 1]`` fp32 (s_0 = 1)."""
+    """s_t = ln(t + a) / ln(a) for per-document positions t ``[B, T]`` -> ``[B, T, 1, 1]`` fp32 (s_0
+    = 1)."""
     return (torch.log(position_ids.float() + base) / math.log(base))[..., None, None]
 
 
-def output_gate(x: torch.Tensor, proj: nn.Linear, scale: float, logits: torch.Tensor | None = None) -> torch.Tensor:
-    """gate = scale * sigmoid(x W_z) (``logits``: x W_z computed already). With W_z = 0 and scale 2 it is exactly 1."""
+def output_gate(x: torch.Tensor, proj: nn.Linear, scale: float,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
+    """gate = scale * sigmoid(x W_z) (``logits``: x W_z computed already). With W_z = 0 and scale 2
+    it is exactly 1."""
     return scale * torch.sigmoid(proj(x) if logits is None else logits)
 
 
 def per_head_rms_norm(o: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over d_h of each head separately. o ``[B, T, H, D]``, weight ``[H*D]`` -> ``[B, T, H*D]``."""
+    """RMSNorm over d_h of each head separately. o ``[B, T, H, D]``, weight ``[H*D]`` ->
+    ``[B, T, H*D]``."""
     B, T, H, D = o.shape
     return weight * rms_normalize(o, eps).reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
 
 
-def rnn_output_rms_norm(o: torch.Tensor, weight: torch.Tensor, config: HypeNetConfig) -> torch.Tensor:
+def rnn_output_rms_norm(o: torch.Tensor, weight: torch.Tensor,
+                        config: HypeNetConfig) -> torch.Tensor:
     """The RNN output norm of ``config.rnn_output_norm``: per head, or over all H*d_h at once.
     o ``[B, T, H, D]``, weight ``[H*D]`` -> ``[B, T, H*D]``."""
     if config.rnn_output_norm == "all_heads":
-        return weight * rms_normalize(o.flatten(2), config.rms_norm_eps)  # [B, T, H, D] -> [B, T, H*D]
+        # [B, T, H, D] -> [B, T, H*D]
+        return weight * rms_normalize(o.flatten(2), config.rms_norm_eps)
     return per_head_rms_norm(o, weight, config.rms_norm_eps)
 
 
@@ -149,18 +162,19 @@ class SequenceInfo:
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def rope(self, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[B, T, 1, D]`` of ``position_ids``, computed once per forward for every RoPE layer."""
+        """cos/sin ``[B, T, 1, D]`` of ``position_ids``, computed once per forward for every RoPE
+        layer."""
         key = ("rope", head_dim, theta, dtype)
         if key not in self._memo:
             self._memo[key] = rope_cos_sin(self.position_ids, head_dim, theta, dtype)
         return self._memo[key]
 
     def prefill(self, config, dtype) -> "SequenceInfo":
-        """Compute the tables the layers will ask for before they run. Layers compiled with ``model.compile=layer``
-        then always see a filled memo: a lazily filled one is a different guard in the first layer than in the
-        others, and in the activation-checkpointing recompute (a filled memo) than in the forward (an empty one),
-        which torch.utils.checkpoint rejects. (A layer computing in another dtype, e.g. under autocast, still fills
-        its own entry lazily.)"""
+        """Compute the tables the layers will ask for before they run. Layers compiled with
+        ``model.compile=layer`` then always see a filled memo: a lazily filled one is a different
+        guard in the first layer than in the others, and in the activation-checkpointing recompute
+        (a filled memo) than in the forward (an empty one), which torch.utils.checkpoint rejects. (A
+        layer computing in another dtype, e.g. under autocast, still fills its own entry lazily.)"""
         kinds = set(config.mixer_types)
         if config.rnn_rope or "swa" in kinds or (config.attn_rope and "attention" in kinds):
             self.rope(config.head_dim, config.rope_theta, dtype)
@@ -169,18 +183,21 @@ class SequenceInfo:
         return self
 
     def logits_scale(self, base: float) -> torch.Tensor:
-        """s_t ``[B, T, 1, 1]`` fp32 of ``position_ids``, computed once per forward for every attention layer."""
+        """s_t ``[B, T, 1, 1]`` fp32 of ``position_ids``, computed once per forward for every
+        attention layer."""
         key = ("scale", base)
         if key not in self._memo:
             self._memo[key] = logits_scale(self.position_ids, base)
         return self._memo[key]
 
     def full_sequence(self) -> "SequenceInfo":
-        """The layout a mixer's kernel sees under sequence parallelism, after the all-to-all gave it every token
-        of its heads: the full sequence's ``cu_seqlens`` / ``max_seqlen`` (already global), no padding masks (SP
-        batches are packed, never padded) and a fresh memo (the kernels read no positions: RoPE and logits
-        scaling were applied to the local tokens before the exchange)."""
-        return SequenceInfo(position_ids=self.position_ids, cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen)
+        """The layout a mixer's kernel sees under sequence parallelism, after the all-to-all gave it
+        every token of its heads: the full sequence's ``cu_seqlens`` / ``max_seqlen`` (already
+        global), no padding masks (SP batches are packed, never padded) and a fresh memo (the
+        kernels read no positions: RoPE and logits scaling were applied to the local tokens before
+        the exchange)."""
+        return SequenceInfo(position_ids=self.position_ids, cu_seqlens=self.cu_seqlens,
+                            max_seqlen=self.max_seqlen)
 
 
 def sequence_info(
@@ -218,7 +235,8 @@ def sequence_info(
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Boundaries over the flattened ``[B, T]`` tokens where positions restart (and at row starts)."""
+    """Boundaries over the flattened ``[B, T]`` tokens where positions restart (and at row
+    starts)."""
     B, T = position_ids.shape
     starts = position_ids == 0
     starts[:, 0] = True

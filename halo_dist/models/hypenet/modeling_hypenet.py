@@ -1,13 +1,15 @@
 """HypeNet: a hybrid of softmax-attention and RNN layers, as Hugging Face classes.
 
 Block: ``H = X + Mixer(RMSNorm(X))``, ``X' = H + MLP(RMSNorm(H))``. The mixer of layer l is
-``config.mixer_types[l]`` (a key of ``MIXER_CLASSES``): attention_hypenet.py holds the softmax-attention
-mixers, rnn_hypenet.py the RNN mixers. This file has the decoder layer, the model and the causal-LM head;
-cache_hypenet.py the decoding cache and generation_hypenet.py what ``generate`` needs beyond transformers'.
+``config.mixer_types[l]`` (a key of ``MIXER_CLASSES``): attention_hypenet.py holds the
+softmax-attention mixers, rnn_hypenet.py the RNN mixers. This file has the decoder layer, the model
+and the causal-LM head; cache_hypenet.py the decoding cache and generation_hypenet.py what
+``generate`` needs beyond transformers'.
 
-Every ``.py`` of this package but ``__init__.py`` is exported verbatim with each checkpoint (torch and
-transformers only, fla / flash-attn / Triton optional, relative imports among themselves), so an exported
-folder loads with ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` without halo_dist.
+Every ``.py`` of this package but ``__init__.py`` is exported verbatim with each checkpoint (torch
+and transformers only, fla / flash-attn / Triton optional, relative imports among themselves), so an
+exported folder loads with ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
+without halo_dist.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from .cache_hypenet import HypeNetCache
 from .configuration_hypenet import HypeNetConfig
 from .generation_hypenet import HypeNetGenerationMixin
 from .layers_hypenet import HypeNetMLP, HypeNetRMSNorm, SequenceInfo, packed_for, sequence_info
-from .rnn_hypenet import GatedDeltaNetMixer, GatedRNNMixer, GLAMixer, LightningMixer, Mamba2Mixer, RWKV7Mixer
+from .rnn_hypenet import (GatedDeltaNetMixer, GatedRNNMixer, GLAMixer, LightningMixer, Mamba2Mixer,
+                          RWKV7Mixer)
 
 try:  # transformers >= 5: init functions that skip weights already loaded from a checkpoint
     from transformers import initialization as hf_init
@@ -56,16 +59,19 @@ class HypeNetDecoderLayer(nn.Module):
         self.post_attention_layernorm = HypeNetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = HypeNetMLP(config)
 
-    def forward(self, x: torch.Tensor, info: SequenceInfo, cache: HypeNetCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, info: SequenceInfo,
+                cache: HypeNetCache | None = None) -> torch.Tensor:
         h = x + self.mixer(self.input_layernorm(x), info, cache)
-        return h + self.mlp(self.post_attention_layernorm(h), packed_for(cache, self.mixer.layer_idx, "mlp"))
+        return h + self.mlp(self.post_attention_layernorm(h),
+                            packed_for(cache, self.mixer.layer_idx, "mlp"))
 
 
 def compile_decoder_layers(model: nn.Module, scope: str) -> nn.Module:
-    """Training speed: ``torch.compile`` every decoder layer in place (``scope="layer"``) or only its
-    norm + SwiGLU MLP (``"mlp"``); ``"none"`` leaves the model eager. Inductor fuses the elementwise work
-    (norms, RoPE, gates, residual adds, SiLU-mul) around the matmuls; fla kernels and the all-to-alls stay
-    as they are (graph breaks). Parameters are untouched, so checkpoints and DeepSpeed see the same model."""
+    """Training speed: ``torch.compile`` every decoder layer in place (``scope="layer"``) or only
+    its norm + SwiGLU MLP (``"mlp"``); ``"none"`` leaves the model eager. Inductor fuses the
+    elementwise work (norms, RoPE, gates, residual adds, SiLU-mul) around the matmuls; fla kernels
+    and the all-to-alls stay as they are (graph breaks). Parameters are untouched, so checkpoints
+    and DeepSpeed see the same model."""
     if scope == "none":
         return model
     if scope not in ("mlp", "layer"):
@@ -96,7 +102,8 @@ class HypeNetPreTrainedModel(PreTrainedModel):
             hf_init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, HypeNetRMSNorm):
             hf_init.ones_(module.weight)
-        if isinstance(module, (HypeNetAttention, LightningMixer, GatedRNNMixer)) and hasattr(module, "g_proj"):
+        if (isinstance(module, (HypeNetAttention, LightningMixer, GatedRNNMixer))
+                and hasattr(module, "g_proj")):
             hf_init.zeros_(module.g_proj.weight)  # gate starts at exactly 1 (see output_gate)
         if isinstance(module, GatedRNNMixer):
             module.init_mixer_parameters()
@@ -106,7 +113,8 @@ class HypeNetModel(HypeNetPreTrainedModel):
     def __init__(self, config: HypeNetConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(HypeNetDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(HypeNetDecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = HypeNetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
@@ -125,7 +133,8 @@ class HypeNetModel(HypeNetPreTrainedModel):
         """Returns ``(final hidden [B, T, d] after the norm, per-layer hidden states or None)``."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.seen_tokens if cache is not None else 0
-        info = sequence_info(x.shape[:2], x.device, position_ids, attention_mask, cu_seqlens, max_seqlen, past)
+        info = sequence_info(x.shape[:2], x.device, position_ids, attention_mask, cu_seqlens,
+                             max_seqlen, past)
         info.prefill(self.config, x.dtype)
         hidden = [x] if output_hidden_states else None
         for layer in self.layers:
@@ -145,9 +154,10 @@ class HypeNetModel(HypeNetPreTrainedModel):
 
 @dataclass
 class HypeNetCausalLMOutput(ModelOutput):
-    """Our own output class: transformers renamed ``past_key_values`` to ``cache`` between 5.17 and 5.24, and
-    both attribute names work here. (Older generate looks the cache up in the output under ``past_key_values``,
-    finds nothing and decodes on with the HypeNetCache it passed in, which the forward updated in place.)"""
+    """Our own output class: transformers renamed ``past_key_values`` to ``cache`` between 5.17 and
+    5.24, and both attribute names work here. (Older generate looks the cache up in the output under
+    ``past_key_values``, finds nothing and decodes on with the HypeNetCache it passed in, which the
+    forward updated in place.)"""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -160,9 +170,9 @@ class HypeNetCausalLMOutput(ModelOutput):
 
 
 class HypeNetForCausalLM(HypeNetPreTrainedModel, HypeNetGenerationMixin):
-    """HypeNet with an LM head. ``generate`` is transformers' (every GenerationConfig option, beam search,
-    streamers, ...) over a :class:`HypeNetCache` (generation_hypenet.py); ``cache_implementation="static"``
-    decodes through ``StaticDecoder`` (CUDA graphs on CUDA)."""
+    """HypeNet with an LM head. ``generate`` is transformers' (every GenerationConfig option, beam
+    search, streamers, ...) over a :class:`HypeNetCache` (generation_hypenet.py);
+    ``cache_implementation="static"`` decodes through ``StaticDecoder`` (CUDA graphs on CUDA)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _is_stateful = True  # RNN states cannot be rewound: no assisted decoding
@@ -206,31 +216,37 @@ class HypeNetForCausalLM(HypeNetPreTrainedModel, HypeNetGenerationMixin):
     ):
         """Causal LM forward.
 
-        ``return_hidden_only=True`` returns the final normed hidden states ``[B, T, d]`` and skips the
-        LM head, so distillation losses can fuse the vocabulary projection (never ``[T, V]`` logits).
-        ``labels`` gives the usual shifted CE (for lm-eval / quick checks; training uses fused losses).
-        ``return_dict`` (default ``config.return_dict``): a :class:`HypeNetCausalLMOutput`, else its tuple.
+        ``return_hidden_only=True`` returns the final normed hidden states ``[B, T, d]`` and skips
+        the LM head, so distillation losses can fuse the vocabulary projection (never ``[T, V]``
+        logits).
+        ``labels`` gives the usual shifted CE (for lm-eval / quick checks; training uses fused
+        losses).
+        ``return_dict`` (default ``config.return_dict``): a :class:`HypeNetCausalLMOutput`, else its
+        tuple.
         """
         if output_attentions:
-            raise ValueError("HypeNet does not return attention weights (its kernels never form them)")
+            raise ValueError("HypeNet does not return attention weights (its kernels never form "
+                             "them)")
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = HypeNetCache(self.config.num_hidden_layers)
-        plain = (inputs_embeds is None and cu_seqlens is None and labels is None and not return_hidden_only
-                 and not output_hidden_states)
-        logits = self._static_step(cache, input_ids, attention_mask, plain)  # [B, 1, V], or None: the forward
+        plain = (inputs_embeds is None and cu_seqlens is None and labels is None
+                 and not return_hidden_only and not output_hidden_states)
+        # [B, 1, V], or None: the forward
+        logits = self._static_step(cache, input_ids, attention_mask, plain)
         all_hidden = None
         if logits is None:
             hidden, all_hidden = self.model(
-                input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen, cache, inputs_embeds,
-                bool(output_hidden_states),
+                input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen, cache,
+                inputs_embeds, bool(output_hidden_states),
             )
             if return_hidden_only:
                 return hidden
             logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
         out = HypeNetCausalLMOutput(
             loss=loss, logits=logits, cache=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,

@@ -1,16 +1,19 @@
-"""Exact torch implementations of HypeNet's RNN recurrences: the CPU path of the ops_rnn dispatchers, their
-fallback where fla cannot run, and the references the fla kernels are tested against (tests/test_lightning.py,
-tests/test_mixers.py, bench/).
+"""Exact torch implementations of HypeNet's RNN recurrences: the CPU path of the ops_rnn
+dispatchers, their fallback where fla cannot run, and the references the fla kernels are tested
+against (tests/test_lightning.py, tests/test_mixers.py, bench/).
 
 State convention, per head: S ``[K, V]``, ``o_t = scale · q_t S_t``, with per-token log-decays
-    Lightning / Mamba2  S_t = exp(g_t) S_{t-1} + k_t v_tᵀ                         (g ``[B, T, H]``)
-    GLA                 S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ                  (gk ``[B, T, H, K]``)
-    GDN                 S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ  (g, β ``[B, T, H]``)
-    RWKV-7 (DPLR)       S_t = diag(exp(w_t)) S_{t-1} + b_t (a_tᵀ S_{t-1}) + k_t v_tᵀ  (w, a, b ``[B, T, H, K]``)
-Each has a naive recurrence (decode and tests) and, where the GPU fallback needs speed, a chunked form. float64
-inputs stay float64 (the exactness tests); everything else accumulates in fp32.
+    Lightning / Mamba2  S_t = exp(g_t) S_{t-1} + k_t v_tᵀ  (g ``[B, T, H]``)
+    GLA                 S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ  (gk ``[B, T, H, K]``)
+    GDN                 S_t = exp(g_t) (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
+                        (g, β ``[B, T, H]``)
+    RWKV-7 (DPLR)       S_t = diag(exp(w_t)) S_{t-1} + b_t (a_tᵀ S_{t-1}) + k_t v_tᵀ
+                        (w, a, b ``[B, T, H, K]``)
+Each has a naive recurrence (decode and tests) and, where the GPU fallback needs speed, a chunked
+form. float64 inputs stay float64 (the exactness tests); everything else accumulates in fp32.
 
-Exported with every checkpoint: torch only. Layout: q, k, v ``[B, T, H, D]``; state ``[N, H, K, V]`` fp32.
+Exported with every checkpoint: torch only. Layout: q, k, v ``[B, T, H, D]``; state ``[N, H, K, V]``
+fp32.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def lightning_recurrent_torch(q, k, v, g, scale, initial_state=None):
 
 
 def _chunk_one(q, k, v, g, scale, state, chunk_size):
-    """Chunked form for equal-length rows. q/k/v ``[B, T, H, D]`` fp32, g ``[B, T, H]``, state ``[B, H, K, V]``.
+    """Chunked form for equal-length rows. q/k/v ``[B, T, H, D]`` fp32, g ``[B, T, H]``, state
+    ``[B, H, K, V]``.
 
     Within a chunk with inclusive cumulative log-decay G:
         o_i = scale · (Σ_{j<=i} exp(G_i - G_j) (q_i·k_j) v_j + exp(G_i) q_i S_prev)
@@ -58,7 +62,8 @@ def _chunk_one(q, k, v, g, scale, state, chunk_size):
         G = g[:, start:end].transpose(1, 2).cumsum(-1)  # [B, H, C]
         C = end - start
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        rel = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B, H, C, C]
+        # [B, H, C, C]
+        rel = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
         scores = (qc @ kc.transpose(-1, -2)) * rel
         o = scores @ vc + (qc * G.exp()[..., None]) @ state  # [B, H, C, V]
         outs.append(o.transpose(1, 2) * scale)  # [B, C, H, V]
@@ -78,7 +83,8 @@ def lightning_chunk_torch(q, k, v, g, scale, initial_state=None, cu_seqlens=None
     Returns ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32)``.
     """
     dtype = q.dtype
-    acc = torch.float64 if dtype == torch.float64 else torch.float32  # fp32 at least; fp64 stays fp64 (tests)
+    # fp32 at least; fp64 stays fp64 (tests)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
     q, k, v, g = q.to(acc), k.to(acc), v.to(acc), g.to(acc)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -91,7 +97,8 @@ def lightning_chunk_torch(q, k, v, g, scale, initial_state=None, cu_seqlens=None
     bounds = cu_seqlens.tolist()
     outs, states = [], []
     for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        state = q.new_zeros(1, H, K, V) if initial_state is None else initial_state[n : n + 1].to(acc)
+        state = (q.new_zeros(1, H, K, V) if initial_state is None
+                 else initial_state[n : n + 1].to(acc))
         o, state = _chunk_one(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, state, chunk_size)
         outs.append(o)
         states.append(state)
@@ -117,7 +124,8 @@ def _varlen(fn, cu_seqlens, seq_tensors, initial_state, **kw):
     if cu_seqlens is None:
         return fn(*seq_tensors, initial_state=initial_state, **kw)
     if seq_tensors[0].shape[0] != 1:
-        raise ValueError(f"with cu_seqlens the batch must be flattened to B=1, got B={seq_tensors[0].shape[0]}")
+        raise ValueError("with cu_seqlens the batch must be flattened to B=1, got "
+                         f"B={seq_tensors[0].shape[0]}")
     bounds = cu_seqlens.tolist()
     outs, states = [], []
     for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -145,21 +153,24 @@ def _causal(C: int, device, strict: bool = False) -> torch.Tensor:
 
 
 def gla_recurrent_torch(q, k, v, gk, scale, initial_state=None):
-    """Naive GLA recurrence. q/k/gk ``[B, T, H, K]``, v ``[B, T, H, V]`` -> ``(o, state [B, H, K, V])``."""
+    """Naive GLA recurrence. q/k/gk ``[B, T, H, K]``, v ``[B, T, H, V]`` ->
+    ``(o, state [B, H, K, V])``."""
     acc = _acc(q)
     state = _zero_state(q, v, initial_state, acc)
     qf, kf, vf, gf = (t.to(acc) for t in (q, k, v, gk))
     outs = []
     for t in range(q.shape[1]):
-        state = gf[:, t].exp()[..., None] * state + kf[:, t, :, :, None] * vf[:, t, :, None, :]  # [B, H, K, V]
+        # [B, H, K, V]
+        state = gf[:, t].exp()[..., None] * state + kf[:, t, :, :, None] * vf[:, t, :, None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", qf[:, t], state) * scale)
     o = torch.stack(outs, dim=1) if outs else vf[:, :0]
     return o.to(q.dtype), state
 
 
 def _gla_chunk_one(q, k, v, gk, scale, initial_state, chunk_size):
-    """Chunked GLA for equal-length rows; per-channel decay ratios exp(G_i - G_j) ``[B, H, C, C, K]``
-    are formed directly (never exp(G_i)·exp(-G_j)), so any chunk length is overflow-free."""
+    """Chunked GLA for equal-length rows; per-channel decay ratios exp(G_i - G_j)
+    ``[B, H, C, C, K]`` are formed directly (never exp(G_i)·exp(-G_j)), so any chunk length is
+    overflow-free."""
     acc = _acc(q)
     state = _zero_state(q, v, initial_state, acc)
     q, k, v, gk = (t.to(acc) for t in (q, k, v, gk))
@@ -169,7 +180,8 @@ def _gla_chunk_one(q, k, v, gk, scale, initial_state, chunk_size):
         qc, kc, vc, gc = (x[:, start:end].transpose(1, 2) for x in (q, k, v, gk))  # [B, H, C, D]
         G = gc.cumsum(2)  # [B, H, C, K] inclusive
         causal = _causal(end - start, q.device)[..., None]  # [C, C, 1]
-        rel = (G[:, :, :, None] - G[:, :, None]).masked_fill(~causal, float("-inf")).exp()  # [B, H, C, C, K]
+        # [B, H, C, C, K]
+        rel = (G[:, :, :, None] - G[:, :, None]).masked_fill(~causal, float("-inf")).exp()
         scores = torch.einsum("bhik,bhjk,bhijk->bhij", qc, kc, rel)
         o = scores @ vc + (qc * G.exp()) @ state  # [B, H, C, V]
         outs.append(o.transpose(1, 2) * scale)  # [B, C, H, V]
@@ -179,8 +191,10 @@ def _gla_chunk_one(q, k, v, gk, scale, initial_state, chunk_size):
 
 
 def gla_chunk_torch(q, k, v, gk, scale, initial_state=None, cu_seqlens=None, chunk_size=32):
-    """Exact chunked GLA (fp32, fp64 kept). Returns ``(o [B, T, H, V] in q.dtype, state [N, H, K, V])``."""
-    o, state = _varlen(_gla_chunk_one, cu_seqlens, (q, k, v, gk), initial_state, scale=scale, chunk_size=chunk_size)
+    """Exact chunked GLA (fp32, fp64 kept). Returns ``(o [B, T, H, V] in q.dtype, state [N, H, K,
+    V])``."""
+    o, state = _varlen(_gla_chunk_one, cu_seqlens, (q, k, v, gk), initial_state, scale=scale,
+                       chunk_size=chunk_size)
     return o.to(q.dtype), state
 
 
@@ -227,7 +241,8 @@ def _gdn_chunk_one(q, k, v, g, beta, scale, initial_state, chunk_size):
         incl = diff.masked_fill(~_causal(C, q.device), float("-inf")).exp()
         A = bc[..., None] * (kc @ kc.transpose(-1, -2)) * strict
         eye = torch.eye(C, dtype=acc, device=q.device)
-        rhs = torch.cat([bc[..., None] * vc, (bc * G.exp())[..., None] * kc], dim=-1)  # [B, H, C, V+K]
+        # [B, H, C, V+K]
+        rhs = torch.cat([bc[..., None] * vc, (bc * G.exp())[..., None] * kc], dim=-1)
         sol = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
         w_v, w_k = sol.split([V, sol.shape[-1] - V], dim=-1)
         u = w_v - w_k @ state  # [B, H, C, V]
@@ -239,8 +254,10 @@ def _gdn_chunk_one(q, k, v, g, beta, scale, initial_state, chunk_size):
 
 
 def gdn_chunk_torch(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=64):
-    """Exact chunked gated delta rule (fp32, fp64 kept). Returns ``(o in q.dtype, state [N, H, K, V])``."""
-    o, state = _varlen(_gdn_chunk_one, cu_seqlens, (q, k, v, g, beta), initial_state, scale=scale, chunk_size=chunk_size)
+    """Exact chunked gated delta rule (fp32, fp64 kept). Returns
+    ``(o in q.dtype, state [N, H, K, V])``."""
+    o, state = _varlen(_gdn_chunk_one, cu_seqlens, (q, k, v, g, beta), initial_state, scale=scale,
+                       chunk_size=chunk_size)
     return o.to(q.dtype), state
 
 
@@ -268,5 +285,6 @@ def dplr_recurrent_torch(q, k, v, a, b, w, scale, initial_state=None):
 
 def dplr_torch(q, k, v, a, b, w, scale, initial_state=None, cu_seqlens=None, chunk_size=None):
     """Varlen wrapper of :func:`dplr_recurrent_torch` (``chunk_size`` ignored: no chunked form)."""
-    o, state = _varlen(dplr_recurrent_torch, cu_seqlens, (q, k, v, a, b, w), initial_state, scale=scale)
+    o, state = _varlen(dplr_recurrent_torch, cu_seqlens, (q, k, v, a, b, w), initial_state,
+                       scale=scale)
     return o.to(q.dtype), state

@@ -1,7 +1,8 @@
-"""HypeNet's RNN mixers: Lightning Attention (the distilled HypeNet's RNN layers) and the sweep mixers
-(Gated DeltaNet, GLA, Mamba2, RWKV-7), all on the teacher attention's projections so its weights transfer.
-Kernels are in ops_rnn.py; under Ulysses sequence parallelism the same forward runs between ``sp_scatter``
-and ``sp_gather`` (sequence_parallel_hypenet.py).
+"""HypeNet's RNN mixers: Lightning Attention (the distilled HypeNet's RNN layers) and the sweep
+mixers (Gated DeltaNet, GLA, Mamba2, RWKV-7), all on the teacher attention's projections so its
+weights transfer.
+Kernels are in ops_rnn.py; under Ulysses sequence parallelism the same forward runs between
+``sp_scatter`` and ``sp_gather`` (sequence_parallel_hypenet.py).
 
 Exported with every checkpoint: torch and transformers only (fla optional, through ops_rnn).
 """
@@ -44,11 +45,11 @@ except ImportError:  # pragma: no cover
 
 
 class RNNMixerBase(SequenceParallelMixer, nn.Module):
-    """What every RNN mixer shares, shaped like the teacher's attention so its weights transfer: q/k/v/o
-    of H heads x d_h, QK-norm (``rnn_qk_norm``), RoPE (``rnn_rope``), the per-head output RMSNorm's
-    weight, the sigmoid output gate (``rnn_output_gate``), and k/v of H heads: cloned per head at conversion
-    (``rnn_gqa_to_mha``) or kept as the teacher's GQA heads and repeated to H in ``project`` (so sequence
-    parallelism splits q, k and v alike)."""
+    """What every RNN mixer shares, shaped like the teacher's attention so its weights transfer:
+    q/k/v/o of H heads x d_h, QK-norm (``rnn_qk_norm``), RoPE (``rnn_rope``), the per-head output
+    RMSNorm's weight, the sigmoid output gate (``rnn_output_gate``), and k/v of H heads: cloned per
+    head at conversion (``rnn_gqa_to_mha``) or kept as the teacher's GQA heads and repeated to H in
+    ``project`` (so sequence parallelism splits q, k and v alike)."""
 
     def __init__(self, config: HypeNetConfig, layer_idx: int):
         super().__init__()
@@ -73,11 +74,13 @@ class RNNMixerBase(SequenceParallelMixer, nn.Module):
         return [self.q_proj, self.k_proj, self.v_proj, *gate]
 
     def project(self, x: torch.Tensor, info: SequenceInfo, packed: PackedLinears | None = None):
-        """x ``[B, T, d]`` -> q, k, v ``[B, T, H, D]`` (k/v repeated to H heads if GQA is kept), and the output
-        gate's logits ``[B, T, H*D]`` when ``packed`` computed them in the same GEMM (else None)."""
+        """x ``[B, T, d]`` -> q, k, v ``[B, T, H, D]`` (k/v repeated to H heads if GQA is kept), and
+        the output gate's logits ``[B, T, H*D]`` when ``packed`` computed them in the same GEMM
+        (else None)."""
         B, T, _ = x.shape
         D, cfg = self.head_dim, self.config
-        linears = self.input_linears()  # q, k, v (+ the gate, computed here only in the packed GEMM)
+        # q, k, v (+ the gate, computed here only in the packed GEMM)
+        linears = self.input_linears()
         q, k, v, *g = linear_outputs(x, linears if packed is not None else linears[:3], packed)
         q = q.view(B, T, -1, D)  # [B, T, H*D] -> [B, T, H, D]
         k = k.view(B, T, -1, D)  # [B, T, Hkv*D] -> [B, T, Hkv, D]
@@ -89,7 +92,8 @@ class RNNMixerBase(SequenceParallelMixer, nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)  # [B, T, Hkv, D] -> [B, T, H, D]
+            # [B, T, Hkv, D] -> [B, T, H, D]
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         return q, k, v, (g[0] if g else None)
 
 
@@ -99,35 +103,42 @@ class LightningMixer(RNNMixerBase):
     o = q̃ S / sqrt(d_h); y = (RMSNorm_per_head(o) ⊙ gate(x)) W_o."""
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache=None):
-        """x ``[B, T, d]`` -> ``[B, T, d]``; ``cache`` (decoding) holds the state ``[B, H, K, V]``. Under sequence
-        parallelism T is this rank's T/sp tokens and the recurrence runs over all T tokens of H/sp heads."""
-        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))  # [B, T, H, D]
+        """x ``[B, T, d]`` -> ``[B, T, d]``; ``cache`` (decoding) holds the state ``[B, H, K, V]``.
+        Under sequence parallelism T is this rank's T/sp tokens and the recurrence runs over all T
+        tokens of H/sp heads."""
+        # [B, T, H, D]
+        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
         q, k, v = self.sp_scatter(q, k, v)  # SP: [B, T/sp, H, D] -> [B, T, H/sp, D]
         scale = self.head_dim**-0.5  # == dividing k by sqrt(d_h)
         # log γ_h is a fixed function of H (not a parameter or buffer, so meta-device loading cannot
         # leave it uninitialised); under SP the decays of this rank's heads
         log_decay = self.sp_local_heads(
-            lightning_log_decay(self.num_heads, device=x.device, decay=self.config.lightning_decay))  # [H(/sp)]
+            # [H(/sp)]
+            lightning_log_decay(self.num_heads, device=x.device, decay=self.config.lightning_decay))
         B, T = q.shape[:2]
         if getattr(cache, "lightning_in_place", False) and T == 1 and info.token_mask is None:
-            # static decode: the state is updated in place in the cache's fixed buffer (decode_lightning.py)
+            # static decode: the state is updated in place in the cache's fixed buffer
+            # (decode_lightning.py)
             o = cache.lightning_step(self.layer_idx, q, k, v, log_decay, scale)
             return self.finish(o, x, g)
         state = None if cache is None else cache.layers[self.layer_idx]
         decode = state is not None and q.shape[1] <= 16
-        if info.cu_seqlens is not None:  # varlen kernels want the batch flattened: [B, T, h, D] -> [1, B*T, h, D]
+        # varlen kernels want the batch flattened: [B, T, h, D] -> [1, B*T, h, D]
+        if info.cu_seqlens is not None:
             q, k, v = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v))
         o, final = lightning_attention(
             q, k, v, log_decay, scale, token_mask=info.token_mask, initial_state=state,
             cu_seqlens=info.cu_seqlens, chunk_size=self.config.lightning_chunk_size, decode=decode,
         )
-        o = o.reshape(B, T, *o.shape[2:])  # [1, B*T, h, D] -> [B, T, h, D] (no-op without cu_seqlens)
+        # [1, B*T, h, D] -> [B, T, h, D] (no-op without cu_seqlens)
+        o = o.reshape(B, T, *o.shape[2:])
         if cache is not None:
             cache.set_state(self.layer_idx, final)
         return self.finish(self.sp_gather(o), x, g)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, o: torch.Tensor, x: torch.Tensor,
+               gate_logits: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm (per head by default), gate, W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
         o = rnn_output_rms_norm(o.to(x.dtype), self.o_norm.weight, self.config)
         if self.config.rnn_output_gate:
@@ -150,27 +161,30 @@ def _init_copy(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def _log_uniform_dt_bias(num_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
-    """Mamba2's dt bias: softplus⁻¹ of dt spread log-uniformly over [dt_min, dt_max] across heads."""
+    """Mamba2's dt bias: softplus⁻¹ of dt spread log-uniformly over [dt_min, dt_max] across
+    heads."""
     t = torch.linspace(0, 1, num_heads, dtype=torch.float64)
     dt = torch.exp(math.log(dt_min) + t * (math.log(dt_max) - math.log(dt_min)))
     return (dt + torch.log(-torch.expm1(-dt))).float()  # inverse softplus
 
 
 class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
-    """Skeleton of the sweep RNN mixers (GDN, GLA, RWKV-7, Mamba2) on :class:`RNNMixerBase`'s projections
-    (the same as LightningMixer's, so the teacher's attention weights transfer). No short convolution,
-    so the cache holds only the state.
+    """Skeleton of the sweep RNN mixers (GDN, GLA, RWKV-7, Mamba2) on :class:`RNNMixerBase`'s
+    projections (the same as LightningMixer's, so the teacher's attention weights transfer). No
+    short convolution, so the cache holds only the state.
 
-    A subclass sets ``kernel`` (an ops_rnn dispatcher) and defines ``gates(x, q, k, v) -> (q, k, v,
-    gates, extras)``: every gate a per-token, per-head tensor ``[B, T, H, ...]`` (token-local, so gates
-    shard over sequence parallelism like q/k/v and no per-head parameter needs slicing); ``extras`` =
-    (pre, post) token-local terms ``[B, T, H, V]`` or None added to the recurrent output before /
-    after the per-head norm (Mamba2's D skip, RWKV-7's bonus).
-    Padding steps (``token_mask`` False) are identity steps: k, v and every gate are zeroed, and each
-    subclass parametrises its gates so that 0 means "leave the state unchanged".
+    A subclass sets ``kernel`` (an ops_rnn dispatcher) and defines
+    ``gates(x, q, k, v) -> (q, k, v, gates, extras)``: every gate a per-token, per-head tensor
+    ``[B, T, H, ...]`` (token-local, so gates shard over sequence parallelism like q/k/v and no
+    per-head parameter needs slicing); ``extras`` = (pre, post) token-local terms ``[B, T, H, V]``
+    or None added to the recurrent output before / after the per-head norm (Mamba2's D skip,
+    RWKV-7's bonus).
+    Padding steps (``token_mask`` False) are identity steps: k, v and every gate are zeroed, and
+    each subclass parametrises its gates so that 0 means "leave the state unchanged".
     """
 
-    kernel = None  # an ops_rnn dispatcher: kernel(q, k, v, *gates, scale, initial_state, cu_seqlens, ...)
+    # an ops_rnn dispatcher: kernel(q, k, v, *gates, scale, initial_state, cu_seqlens, ...)
+    kernel = None
     gate_names: tuple[str, ...] = ()
 
     # --- to override ---------------------------------------------------------------------------
@@ -184,43 +198,53 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
 
     # --- shared --------------------------------------------------------------------------------
 
-    def _kernel(self, q, k, v, gates, scale, cu_seqlens, initial_state=None, decode=False, need_state=False):
-        """The recurrence on whole sequences. With ``cu_seqlens`` the batch is flattened for the varlen
-        kernels: ``[B, T, H, *] -> [1, B*T, H, *]`` and back."""
+    def _kernel(self, q, k, v, gates, scale, cu_seqlens, initial_state=None, decode=False,
+                need_state=False):
+        """The recurrence on whole sequences. With ``cu_seqlens`` the batch is flattened for the
+        varlen kernels: ``[B, T, H, *] -> [1, B*T, H, *]`` and back."""
         B, T = q.shape[:2]
         tensors = [q, k, v] + [gates[n] for n in self.gate_names]
         if cu_seqlens is not None:
-            tensors = [t.reshape(1, B * T, *t.shape[2:]) for t in tensors]  # [B, T, H, *] -> [1, B*T, H, *]
+            # [B, T, H, *] -> [1, B*T, H, *]
+            tensors = [t.reshape(1, B * T, *t.shape[2:]) for t in tensors]
         o, final = type(self).kernel(
             *tensors, scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            chunk_size=self.config.lightning_chunk_size, decode=decode, output_final_state=need_state,
+            chunk_size=self.config.lightning_chunk_size, decode=decode,
+            output_final_state=need_state,
         )
         return o.reshape(B, T, *o.shape[2:]), final  # [1, B*T, H, V] -> [B, T, H, V]
 
     def forward(self, x: torch.Tensor, info: SequenceInfo, cache=None):
-        """x ``[B, T, d]`` -> ``[B, T, d]``; ``cache`` (decoding) holds the state. Under sequence parallelism
-        the gates, per token and per head, travel with q/k/v (one all-to-all per dtype); ``pre``/``post`` stay
-        on this rank's tokens, where ``finish`` adds them."""
-        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))  # [B, T, H, D]
+        """x ``[B, T, d]`` -> ``[B, T, d]``; ``cache`` (decoding) holds the state. Under sequence
+        parallelism the gates, per token and per head, travel with q/k/v (one all-to-all per dtype);
+        ``pre``/``post`` stay on this rank's tokens, where ``finish`` adds them."""
+        # [B, T, H, D]
+        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))
         q, k, v, gates, (pre, post) = self.gates(x, q, k, v)
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
         names = list(self.gate_names)
-        q, k, v, *gs = self.sp_scatter(q, k, v, *(gates[n] for n in names), packed=True)  # SP: [B, T, H/sp, *]
+        # SP: [B, T, H/sp, *]
+        q, k, v, *gs = self.sp_scatter(q, k, v, *(gates[n] for n in names), packed=True)
         gates = dict(zip(names, gs))
         if info.token_mask is not None:  # pads: identity steps (see the class docstring)
             m = info.token_mask[:, :, None]  # [B, T, 1]
             k, v = k * m[..., None].to(k.dtype), v * m[..., None].to(v.dtype)
-            gates = {n: g * (m if g.dim() == 3 else m[..., None]).to(g.dtype) for n, g in gates.items()}
+            gates = {n: g * (m if g.dim() == 3 else m[..., None]).to(g.dtype)
+                     for n, g in gates.items()}
         state = None if cache is None else cache.layers[self.layer_idx]
         decode = state is not None and q.shape[1] <= 16
         scale = self.head_dim**-0.5
-        o, final = self._kernel(q, k, v, gates, scale, info.cu_seqlens, state, decode, need_state=cache is not None)
+        o, final = self._kernel(q, k, v, gates, scale, info.cu_seqlens, state, decode,
+                                need_state=cache is not None)
         if cache is not None:
             cache.set_state(self.layer_idx, final)
-        return self.finish(self.sp_gather(o), x, pre, post, g)  # SP: [B, T, H/sp, V] -> [B, T/sp, H, V]
+        # SP: [B, T, H/sp, V] -> [B, T/sp, H, V]
+        return self.finish(self.sp_gather(o), x, pre, post, g)
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None, gate_logits=None) -> torch.Tensor:
-        """(+pre) RMSNorm (per head by default) (+post), gate, W_o. o ``[B, T, H, V]`` -> ``[B, T, d]``."""
+    def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None,
+               gate_logits=None) -> torch.Tensor:
+        """(+pre) RMSNorm (per head by default) (+post), gate, W_o. o ``[B, T, H, V]`` ->
+        ``[B, T, d]``."""
         o = o.to(x.dtype)
         if pre is not None:
             o = o + pre.to(x.dtype)
@@ -233,10 +257,10 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
 
 
 class GatedDeltaNetMixer(GatedRNNMixer):
-    """Gated DeltaNet (Yang et al. 2024): S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ, o = q S / √d_h,
-    with q/k unit-normalised per head (after QK-norm and RoPE; the delta rule needs |k| = 1),
-    log α_t = -exp(A_log_h) softplus(x W_a + dt_bias_h), β_t = sigmoid(x W_b). fla's GatedDeltaNet
-    without its short convolution."""
+    """Gated DeltaNet (Yang et al. 2024): S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ, o = q
+    S / √d_h, with q/k unit-normalised per head (after QK-norm and RoPE; the delta rule needs |k| =
+    1), log α_t = -exp(A_log_h) softplus(x W_a + dt_bias_h), β_t = sigmoid(x W_b). fla's
+    GatedDeltaNet without its short convolution."""
 
     kernel = staticmethod(gated_delta_attention)
     gate_names = ("g", "beta")
@@ -256,15 +280,18 @@ class GatedDeltaNetMixer(GatedRNNMixer):
 
     def gates(self, x, q, k, v):
         acc = _acc_dtype(x)
-        q, k = F.normalize(q.to(acc), dim=-1).to(q.dtype), F.normalize(k.to(acc), dim=-1).to(k.dtype)
-        g = -self.A_log.to(acc).exp() * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))  # [B, T, H]
+        q, k = (F.normalize(q.to(acc), dim=-1).to(q.dtype),
+                F.normalize(k.to(acc), dim=-1).to(k.dtype))
+        # [B, T, H]
+        g = -self.A_log.to(acc).exp() * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))
         beta = torch.sigmoid(self.b_proj(x)).to(q.dtype)  # [B, T, H]
         return q, k, v, {"g": g, "beta": beta}, (None, None)
 
 
 class GLAMixer(GatedRNNMixer):
-    """Gated Linear Attention (Yang et al. 2023): S_t = diag(α_t) S_{t-1} + k_tᵀ v_t with per-channel
-    log α_t = logsigmoid(x W_1 W_2 + b) / 16 (fla's low-rank gate, rank 16, normaliser 16)."""
+    """Gated Linear Attention (Yang et al. 2023): S_t = diag(α_t) S_{t-1} + k_tᵀ v_t with
+    per-channel log α_t = logsigmoid(x W_1 W_2 + b) / 16 (fla's low-rank gate, rank 16, normaliser
+    16)."""
 
     kernel = staticmethod(gla_attention)
     gate_names = ("gk",)
@@ -283,7 +310,8 @@ class GLAMixer(GatedRNNMixer):
 
 
 class Mamba2Mixer(GatedRNNMixer):
-    """Mamba2 in multi-head SSD form (Dao & Gu 2024) with attention-shaped heads: C = q, B = k, x = v;
+    """Mamba2 in multi-head SSD form (Dao & Gu 2024) with attention-shaped heads: C = q, B = k, x =
+    v;
     S_t = exp(-exp(A_log_h) dt_t) S_{t-1} + k_t (dt_t v_t)ᵀ, dt_t = softplus(x W_dt + dt_bias_h),
     y = q S / √d_h + D_h v (the skip, before the output norm as in Mamba2)."""
 
@@ -314,11 +342,11 @@ class Mamba2Mixer(GatedRNNMixer):
 
 class RWKV7Mixer(GatedRNNMixer):
     """RWKV-7 "Goose" time mixing (Peng et al. 2025) with attention-shaped heads (r = q):
-    S_t = S_{t-1} (diag(w_t) - κ̂_tᵀ (a_t ⊙ κ̂_t)) + v_tᵀ k̃_t, o = r S / √d_h (+ the bonus (r·(ρ⊙k̃)) v
-    after the norm), with log w_t = -e^{-1/2} sigmoid(LoRA_w(x)), a_t = sigmoid(LoRA_a(x)),
-    κ̂ = normalize(k ⊙ k_k), k̃ = k ⊙ (1 + (a - 1) ⊙ k_a). Token shift and the value residual
-    (v_first) of the full RWKV-7 block are left out: both cross token/layer boundaries that the
-    shared HypeNet layer interface does not carry."""
+    S_t = S_{t-1} (diag(w_t) - κ̂_tᵀ (a_t ⊙ κ̂_t)) + v_tᵀ k̃_t, o = r S / √d_h (+ the bonus
+    (r·(ρ⊙k̃)) v after the norm), with log w_t = -e^{-1/2} sigmoid(LoRA_w(x)), a_t =
+    sigmoid(LoRA_a(x)), κ̂ = normalize(k ⊙ k_k), k̃ = k ⊙ (1 + (a - 1) ⊙ k_a). Token shift and the
+    value residual (v_first) of the full RWKV-7 block are left out: both cross token/layer
+    boundaries that the shared HypeNet layer interface does not carry."""
 
     kernel = staticmethod(rwkv7_attention)
     gate_names = ("w", "a", "b")
@@ -346,7 +374,9 @@ class RWKV7Mixer(GatedRNNMixer):
         w_logit = self.w_up(torch.tanh(self.w_down(x))).to(acc)  # [B, T, H*K]
         w = RWKV7_LOG_DECAY_MIN * torch.sigmoid(w_logit).view(shape)  # [B, T, H*K] -> [B, T, H, K]
         a = torch.sigmoid(self.a_up(self.a_down(x))).view(shape)  # [B, T, H*K] -> [B, T, H, K]
-        kk = F.normalize((k * self.k_k.view(shape[2:])).to(acc), dim=-1).to(k.dtype)  # κ̂ per head (k_k [H*K] -> [H, K])
+        # κ̂ per head (k_k [H*K] -> [H, K])
+        kk = F.normalize((k * self.k_k.view(shape[2:])).to(acc), dim=-1).to(k.dtype)
         k = k * (1 + (a - 1) * self.k_a.view(shape[2:]))  # k_a [H*K] -> [H, K]
-        bonus = (q * k * self.r_k.to(q.dtype)).sum(-1, keepdim=True) * self.head_dim**-0.5  # [B, T, H, 1]
+        # [B, T, H, 1]
+        bonus = (q * k * self.r_k.to(q.dtype)).sum(-1, keepdim=True) * self.head_dim**-0.5
         return q, k, v, {"w": w, "a": -kk, "b": kk * a}, (None, bonus * v)

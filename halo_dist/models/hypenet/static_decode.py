@@ -3,27 +3,32 @@
 A dynamic decode step (``model(token, cache=HypeNetCache)``) costs ~1,000 small kernel launches from
 Python for a 28-layer model: measured ~40 ms per token on an H200 at every context length, far above
 the time to read the KV cache (BENCHMARKS.md, issue 8). ``StaticDecoder`` turns a prefilled
-``HypeNetCache`` into fixed-address buffers — the attention layers' preallocated ``[B, room, Hkv, D]``
-keys/values, the RNN layers' fp32 states, a device position counter — so one decode step has fixed
-shapes and no host syncs, captures it once as a CUDA graph and replays it per token.
+``HypeNetCache`` into fixed-address buffers — the attention layers' preallocated
+``[B, room, Hkv, D]`` keys/values, the RNN layers' fp32 states, a device position counter — so one
+decode step has fixed shapes and no host syncs, captures it once as a CUDA graph and replays it per
+token.
 
 The step is the model's own forward: ``StaticDecodeCache`` stands in for ``HypeNetCache``; attention
 layers call ``cache.decode_attention`` (write the new key/value at the device position, then the
-split-KV kernel of ``decode_attention.py`` over the valid prefix), Lightning layers ``cache.lightning_step``
-(the state updated in place, ``decode_lightning.py``) and the other RNN layers ``cache.set_state`` (copy into
-the fixed state buffer). Each layer's input projections run as one GEMM (``pack_input_projections``). On CPU (or with ``use_cuda_graph=False``) the same static step runs
-eagerly; tests compare it token by token with the dynamic cache.
+split-KV kernel of ``decode_attention.py`` over the valid prefix), Lightning layers
+``cache.lightning_step`` (the state updated in place, ``decode_lightning.py``) and the other RNN
+layers ``cache.set_state`` (copy into the fixed state buffer). Each layer's input projections run as
+one GEMM (``pack_input_projections``). On CPU (or with ``use_cuda_graph=False``) the same static
+step runs eagerly; tests compare it token by token with the dynamic cache.
 
 Left-padded batches (``generate``'s layout) work: row b's first ``pad[b]`` keys are skipped by the
-attention and its positions count real tokens only (the RNN prefill already made pads identity steps).
-Full-attention and RNN mixers only (sliding-window layers keep a rolling cache: use the dynamic path).
+attention and its positions count real tokens only (the RNN prefill already made pads identity
+steps).
+Full-attention and RNN mixers only (sliding-window layers keep a rolling cache: use the dynamic
+path).
 
-``model.generate(..., cache_implementation="static")`` is the usual way in: its HypeNetCache builds a
-StaticDecoder after the prefill and sends every one-token step through it; a beam-search reorder permutes
-the fixed buffers in place (``StaticDecodeCache.select_rows_``).
+``model.generate(..., cache_implementation="static")`` is the usual way in: its HypeNetCache builds
+a StaticDecoder after the prefill and sends every one-token step through it; a beam-search reorder
+permutes the fixed buffers in place (``StaticDecodeCache.select_rows_``).
 
-``compile=True`` runs the step through ``torch.compile`` before capture: Inductor fuses the ~30 elementwise
-kernels per layer (RoPE, casts, residual adds, gates) that set the graph's fixed per-token cost.
+``compile=True`` runs the step through ``torch.compile`` before capture: Inductor fuses the ~30
+elementwise kernels per layer (RoPE, casts, residual adds, gates) that set the graph's fixed
+per-token cost.
 """
 
 from __future__ import annotations
@@ -39,15 +44,17 @@ class StaticDecodeCache:
     """Fixed buffers of one decode batch; the model's mixers duck-type it like ``HypeNetCache``."""
 
     is_static = True
-    # {(layer, "mixer" | "mlp"): PackedLinears}: input projections as one GEMM each (``pack_input_projections``)
+    # {(layer, "mixer" | "mlp"): PackedLinears}: input projections as one GEMM each
+    # (``pack_input_projections``)
     packed: dict | None = None
-    lightning_in_place = True  # Lightning layers call ``lightning_step`` (else fla's kernel + ``set_state``)
+    # Lightning layers call ``lightning_step`` (else fla's kernel + ``set_state``)
+    lightning_in_place = True
 
     def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None):
         kinds = model_config.mixer_types
         if "swa" in kinds:
-            raise ValueError("static decode does not support sliding-window layers (rolling cache); "
-                             "use the dynamic HypeNetCache")
+            raise ValueError("static decode does not support sliding-window layers (rolling "
+                             "cache); use the dynamic HypeNetCache")
         T = cache.seen_tokens
         if T == 0:
             raise ValueError("static decode needs a prefilled cache (seen_tokens == 0)")
@@ -67,37 +74,43 @@ class StaticDecodeCache:
                 self.layers.append(entry.contiguous())  # [B, H, K, V] fp32, updated in place
         self.room = room  # None: no attention layer (pure RNN), unbounded
         device = next(t for t in self._tensors()).device
-        self.pos = torch.tensor([T], dtype=torch.long, device=device)  # buffer index of the next token
+        # buffer index of the next token
+        self.pos = torch.tensor([T], dtype=torch.long, device=device)
         self.pad = self._left_pad(attention_mask, T, device)  # [B] keys to skip per row
         self.prompt_tokens = T
 
     @property
     def seen_tokens(self) -> int:
-        """The prompt length, constant: steps read their position from ``pos`` on the device, and a host count
-        growing per token would be a new guard value (a recompile) per step under ``torch.compile``."""
+        """The prompt length, constant: steps read their position from ``pos`` on the device, and a
+        host count growing per token would be a new guard value (a recompile) per step under
+        ``torch.compile``."""
         return self.prompt_tokens
 
     @seen_tokens.setter
     def seen_tokens(self, value: int) -> None:
-        """The model's forward bumps the count; ignored here (``StaticDecoder.length`` counts on the host)."""
+        """The model's forward bumps the count; ignored here (``StaticDecoder.length`` counts on the
+        host)."""
 
     @staticmethod
     def _left_pad(attention_mask, T: int, device) -> torch.Tensor | None:
-        """Pads per row ``[B]`` from the prompt's ``[B, T]`` mask (left padding only), None if none."""
+        """Pads per row ``[B]`` from the prompt's ``[B, T]`` mask (left padding only), None if
+        none."""
         if attention_mask is None:
             return None
         mask = attention_mask.bool()
         if mask.shape[1] != T:
             raise ValueError(f"attention_mask covers {mask.shape[1]} tokens, the cache {T}")
         if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
-            raise ValueError("static decode needs left padding (a 0 in attention_mask after a 1 found)")
+            raise ValueError("static decode needs left padding (a 0 in attention_mask after a 1 "
+                             "found)")
         if not bool(mask[:, -1].all()):
             raise ValueError("a row of attention_mask has no real token")
         pad = (~mask).sum(1).to(device=device, dtype=torch.long)
         return pad if bool(pad.any()) else None
 
     def position_ids(self, batch: int) -> torch.Tensor:
-        """``[B, 1]`` position of the next token in each row (real tokens before it), read on the device."""
+        """``[B, 1]`` position of the next token in each row (real tokens before it), read on the
+        device."""
         pos = self.pos.view(1, 1).expand(batch, 1)
         return pos if self.pad is None else pos - self.pad[:, None]
 
@@ -109,8 +122,8 @@ class StaticDecodeCache:
         return [e for e in self.layers if not isinstance(e, tuple)]
 
     def select_rows_(self, idx: torch.Tensor) -> None:
-        """Rows ``idx`` (as many as the batch: a beam-search reorder) of every buffer, in place, so a captured
-        graph keeps reading the same addresses."""
+        """Rows ``idx`` (as many as the batch: a beam-search reorder) of every buffer, in place, so
+        a captured graph keeps reading the same addresses."""
         idx = idx.to(self.pos.device)
         for t in self._tensors():
             t.copy_(t.index_select(0, idx))
@@ -118,15 +131,16 @@ class StaticDecodeCache:
             self.pad.copy_(self.pad.index_select(0, idx))
 
     def decode_attention(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
-        """Write k/v ``[B, 1, Hkv, D]`` at ``pos``; attend q ``[B, 1, H, D]`` over keys ``0..pos``."""
+        """Write k/v ``[B, 1, Hkv, D]`` at ``pos``; attend q ``[B, 1, H, D]`` over keys
+        ``0..pos``."""
         kbuf, vbuf = self.layers[layer_idx]
         kbuf.index_copy_(1, self.pos, k)  # [B, room, Hkv, D] <- [B, 1, Hkv, D] at pos
         vbuf.index_copy_(1, self.pos, v)
         return decode_attention(q, kbuf, vbuf, self.pos + 1, scale, self.pad)
 
     def lightning_step(self, layer_idx: int, q, k, v, log_decay, scale: float) -> torch.Tensor:
-        """Lightning's state update in the fixed buffer, in place; q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]`` ->
-        o ``[B, 1, H, V]``."""
+        """Lightning's state update in the fixed buffer, in place; q/k ``[B, 1, H, K]``, v
+        ``[B, 1, H, V]`` -> o ``[B, 1, H, V]``."""
         return lightning_decode_(q, k, v, log_decay, scale, self.layers[layer_idx])
 
     def set_state(self, layer_idx: int, state: torch.Tensor) -> None:
@@ -137,11 +151,11 @@ class StaticDecodeCache:
 
 
 def pack_input_projections(model) -> dict:
-    """Every decoder layer's input projections packed: the mixer's q/k/v (and output gate) and the MLP's
-    gate/up, each group one GEMM (``PackedLinears``). A decode step at batch 1 is a chain of GEMVs, and cuBLAS
-    runs a 2048 x 2048 one at a third of the GPU's bandwidth (a 2B-shape profile measured ~0.8 TB/s for the
-    4-8 MB q/k/v/o weights, 2.3 TB/s for the 25 MB MLP ones). Costs one more copy of those weights while the
-    decoder lives."""
+    """Every decoder layer's input projections packed: the mixer's q/k/v (and output gate) and the
+    MLP's gate/up, each group one GEMM (``PackedLinears``). A decode step at batch 1 is a chain of
+    GEMVs, and cuBLAS runs a 2048 x 2048 one at a third of the GPU's bandwidth (a 2B-shape profile
+    measured ~0.8 TB/s for the 4-8 MB q/k/v/o weights, 2.3 TB/s for the 25 MB MLP ones). Costs one
+    more copy of those weights while the decoder lives."""
     packs = {}
     for layer in model.model.layers:
         idx = layer.mixer.layer_idx
@@ -151,9 +165,10 @@ def pack_input_projections(model) -> dict:
 
 
 def _room_for_more_compilations(at_least: int = 256):
-    """Every StaticDecoder compiles the same code object, once per buffer shape. Past dynamo's recompile limit
-    (8) a new shape would silently run eagerly (e.g. a benchmark sweeping context lengths), so raise it for the
-    decoder's first compiled step."""
+    """Every StaticDecoder compiles the same code object, once per buffer shape. Past dynamo's
+    recompile limit
+    (8) a new shape would silently run eagerly (e.g. a benchmark sweeping context lengths), so raise
+    it for the decoder's first compiled step."""
     cfg = torch._dynamo.config
     key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     return cfg.patch(**{key: max(getattr(cfg, key), at_least)})
@@ -167,19 +182,21 @@ class StaticDecoder:
     """
 
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
-                 attention_mask: torch.Tensor | None = None, compile: bool = False, pack_projections: bool = True,
-                 lightning_in_place: bool = True):
-        """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``: fuse the step
-        with ``torch.compile`` (compiles during the warm-up; a compiler failure falls back to the eager step
-        and is kept in ``compile_error``). ``pack_projections``: each layer's input projections as one GEMM
-        (``pack_input_projections``; a copy of those weights, taken now: build a new decoder after the weights
-        change). ``lightning_in_place``: Lightning's state updated in place by ``decode_lightning.py`` (False: fla's
-        kernel, then a copy into the buffer). The two switches exist to measure what each buys
-        (bench/profile_decode.py); the defaults are the fast path."""
+                 attention_mask: torch.Tensor | None = None, compile: bool = False,
+                 pack_projections: bool = True, lightning_in_place: bool = True):
+        """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
+        fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
+        back to the eager step and is kept in ``compile_error``). ``pack_projections``: each layer's
+        input projections as one GEMM (``pack_input_projections``; a copy of those weights, taken
+        now: build a new decoder after the weights change). ``lightning_in_place``: Lightning's
+        state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a copy into the
+        buffer). The two switches exist to measure what each buys (bench/profile_decode.py); the
+        defaults are the fast path."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
-        self._step_fn = torch.compile(self._step_body, dynamic=False) if compile else self._step_body
+        self._step_fn = (torch.compile(self._step_body, dynamic=False) if compile
+                         else self._step_body)
         self.cache = StaticDecodeCache(cache, model.config, attention_mask)
         if pack_projections:
             self.cache.packed = pack_input_projections(model)
@@ -187,8 +204,10 @@ class StaticDecoder:
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
-        self.logits = torch.empty(B, model.config.vocab_size, device=device, dtype=model.lm_head.weight.dtype)
-        self.length = self.cache.seen_tokens  # tokens in the cache (host side; the graph reads cache.pos)
+        self.logits = torch.empty(B, model.config.vocab_size, device=device,
+                                  dtype=model.lm_head.weight.dtype)
+        # tokens in the cache (host side; the graph reads cache.pos)
+        self.length = self.cache.seen_tokens
         self.graph = None
         self.graph_error: str | None = None
         want_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
@@ -206,7 +225,8 @@ class StaticDecoder:
 
     def _step_body(self) -> None:
         position_ids = self.cache.position_ids(self.tokens.shape[0])  # [B, 1], no host read
-        out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True, return_dict=True)
+        out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True,
+                         return_dict=True)
         self.logits.copy_(out.logits[:, -1])
         self.cache.pos.add_(1)
 
@@ -218,7 +238,8 @@ class StaticDecoder:
             self._step_fn()
 
     def _first_compiled_step(self) -> None:
-        """Compile on the first step; on a compiler error restore the state and run the eager step instead."""
+        """Compile on the first step; on a compiler error restore the state and run the eager step
+        instead."""
         states = [s.clone() for s in self.cache.rnn_states()]
         pos = self.cache.pos.clone()
         try:
@@ -233,10 +254,12 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def _capture(self, warmup_steps: int) -> None:
-        """Warm up eagerly on a side stream (Triton compiles, autotunes), restore the state the warm-up
-        advanced, then capture one step. A failure leaves eager static steps (reason in graph_error)."""
+        """Warm up eagerly on a side stream (Triton compiles, autotunes), restore the state the
+        warm-up advanced, then capture one step. A failure leaves eager static steps (reason in
+        graph_error)."""
         if self.room_left is not None and self.room_left < warmup_steps:
-            raise ValueError(f"the cache has room for {self.room_left} more tokens; need {warmup_steps} to warm up")
+            raise ValueError(f"the cache has room for {self.room_left} more tokens; need "
+                             f"{warmup_steps} to warm up")
         states = [s.clone() for s in self.cache.rnn_states()]
         pos = self.cache.pos.clone()
         stream = torch.cuda.Stream()
@@ -263,9 +286,11 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens ``[B]`` (or ``[B, 1]``) -> next-token logits ``[B, V]`` (overwritten by the next step)."""
+        """tokens ``[B]`` (or ``[B, 1]``) -> next-token logits ``[B, V]`` (overwritten by the next
+        step)."""
         if self.room_left is not None and self.room_left < 1:
-            raise RuntimeError(f"the KV buffers are full ({self.cache.room} tokens): prefill with a larger reserve")
+            raise RuntimeError(f"the KV buffers are full ({self.cache.room} tokens): prefill with "
+                               "a larger reserve")
         self.tokens.copy_(tokens.view(-1, 1))
         if self.graph is not None:
             self.graph.replay()
@@ -276,7 +301,8 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def greedy(self, first: torch.Tensor, steps: int) -> torch.Tensor:
-        """Greedy continuation: feed ``first [B]``, then each argmax; returns ``[B, steps]`` tokens."""
+        """Greedy continuation: feed ``first [B]``, then each argmax; returns ``[B, steps]``
+        tokens."""
         out, nxt = [], first.view(-1)
         for _ in range(steps):
             nxt = self.step(nxt).argmax(-1)
