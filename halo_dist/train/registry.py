@@ -1,11 +1,12 @@
-"""The table of stages: every dispatch on ``stage.name`` (what to build, what to write, which trainer
-runs it) goes through :func:`stage_spec`. The launchers look the stage up here and hand its row to
-:func:`halo_dist.train.trainer.run_stage`; the Trainer itself never imports this table."""
+"""The table of stages: every dispatch on ``stage.name`` (what to build, what to write, which
+trainer runs it) goes through :func:`stage_spec`. The launchers look the stage up here and hand its
+row to :func:`halo_dist.train.entry.run_stage`; the Trainer itself never imports this table."""
 
 from __future__ import annotations
 
 from ..config.coerce import ConfigError
-from ..stages import build_distill_module, build_stage1_module, write_distill_output, write_stage1_output
+from ..stages import (build_distill_module, build_stage1_module, write_distill_output,
+                      write_stage1_output)
 from ..stages.pretrain import build_pretrain_module, write_pretrain_output
 from ..stages.protocol import StageSpec
 from .trainer import Trainer
@@ -26,4 +27,5 @@ def stage_spec(name: str) -> StageSpec:
     try:
         return STAGES[name]
     except KeyError:
-        raise ConfigError([("stage.name", f"unknown stage {name!r}; known stages: {', '.join(STAGES)}")]) from None
+        raise ConfigError([("stage.name", f"unknown stage {name!r}; known stages: "
+                                          f"{', '.join(STAGES)}")]) from None

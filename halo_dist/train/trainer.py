@@ -1,12 +1,13 @@
 """The teacher-student engine: one Trainer runs HALO stages 1, 2 and 3 on DeepSpeed.
 
 Order of construction (fixed, see ``Trainer.setup``): distributed + process groups -> validate the
-batch layout -> check the shards -> the teacher's identity and the checkpoint to resume, refused if it
-belongs to another run (nothing is built yet) -> teacher (frozen, replicated) -> stage module (student
-+ loss) -> sequence parallelism injected into every mixer -> activation checkpointing -> DeepSpeed
-engine (ZeRO stage from the config, partitioned over all dp*sp ranks) -> loader -> checkpoint manager
--> resume -> metrics -> signal handlers. A subclass replaces what is built (``_build``) and what a
-checkpoint holds beyond the shared state (``_extra_state``, ``_rank_state``); ``opd_loop.OPDTrainer`` does.
+batch layout -> check the shards -> the teacher's identity and the checkpoint to resume, refused if
+it belongs to another run (nothing is built yet) -> teacher (frozen, replicated) -> stage module
+(student + loss) -> sequence parallelism injected into every mixer -> activation checkpointing ->
+DeepSpeed engine (ZeRO stage from the config, partitioned over all dp*sp ranks) -> loader ->
+checkpoint manager -> resume -> metrics -> signal handlers. A subclass replaces what is built
+(``_build``) and what a checkpoint holds beyond the shared state (``_extra_state``,
+``_rank_state``); ``opd_loop.OPDTrainer`` does.
 
 Loss normalisation (token-weighted over micro-batches, SP and DP ranks): each optimizer step first
 counts the global number of loss tokens N (one all-reduce), then every micro-batch's loss is its
@@ -14,7 +15,8 @@ token sum divided by ``N / (grad_accum * D)``, D being the number of ranks DeepS
 gradients over (dp, times sp under ZeRO-3; see parallel/deepspeed_setup.py). The resulting gradient
 is exactly that of the global token mean.
 
-Non-finite losses (``optim.nonfinite``): ``train/stopping.py`` says how a step is stopped or skipped.
+Non-finite losses (``optim.nonfinite``): ``train/stopping.py`` says how a step is stopped or
+skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig, deepspeed_config, fit_to_world, format_config, save_resolved
+from ..config import RunConfig, deepspeed_config, fit_to_world
 from ..data import build_loader
 from ..models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
@@ -36,25 +38,29 @@ from ..stages.protocol import StageModule, StageSpec
 from ..errors import IncompatibleInputError
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
 from .data_checks import check_training_data
+from .entry import record_run_start
 from .evaluation import HeldoutEval
-from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb, run_hparams
-from .profiling import StepProfiler, process_age_s
+from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb
+from .profiling import StepProfiler
 from .resume_check import check_same_run
 from .schedules import LRSchedule, make_lr_scheduler
-from .stopping import NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step, finish_skipped_step
+from .stopping import (NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step,
+                       finish_skipped_step)
 from .teacher_identity import run_teacher_digests
 
 StepHook = Callable[[Any, int], None]
-"""``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just taken) and
-its metrics, before that step's evaluation, checkpoint and stop-signal check (``Trainer.train``)."""
+"""``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just
+taken) and its metrics, before that step's evaluation, checkpoint and stop-signal check
+(``Trainer.train``)."""
 
 LossHook = Callable[[Any, int, torch.Tensor], torch.Tensor]
-"""``hook(trainer, step, loss) -> loss``: every micro-batch's loss passes through it before the non-finite
-check and the backward (``step``: the 1-based optimizer step the loss belongs to)."""
+"""``hook(trainer, step, loss) -> loss``: every micro-batch's loss passes through it before the
+non-finite check and the backward (``step``: the 1-based optimizer step the loss belongs to)."""
 
 
 def run_loss_hooks(trainer, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` through the trainer's ``loss_hooks`` in order (none in a launched run: the list starts empty)."""
+    """``loss`` through the trainer's ``loss_hooks`` in order (none in a launched run: the list
+    starts empty)."""
     for hook in trainer.loss_hooks:
         loss = hook(trainer, trainer.step + 1, loss)
     return loss
@@ -64,16 +70,19 @@ class Trainer(StopControl):
     """Builds everything from a validated RunConfig, then ``train()`` runs the loop."""
 
     flush_denormals_on_cpu = True  # see _start
-    several_param_groups = False  # the optimizer has groups of different settings (see _check_saved_state)
+    # the optimizer has groups of different settings (see _check_saved_state)
+    several_param_groups = False
 
-    def __init__(self, cfg: RunConfig, argv: list[str] | None = None, *, stage: StageSpec | None = None):
-        """``stage``: the stage's row of ``train.registry`` (its build and output); ``run_stage`` passes it."""
+    def __init__(self, cfg: RunConfig, argv: list[str] | None = None, *,
+                 stage: StageSpec | None = None):
+        """``stage``: the stage's row of ``train.registry`` (its build and output); ``run_stage``
+        passes it."""
         self.cfg, self.argv, self.stage = cfg, argv, stage
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite = NonFinitePolicy.from_config(cfg.optim)
-        # extension points for callers that build the trainer themselves (the tests inject faults here);
-        # a launched run leaves both empty
+        # extension points for callers that build the trainer themselves (the tests inject faults
+        # here); a launched run leaves both empty
         self.step_hooks: list[StepHook] = []
         self.loss_hooks: list[LossHook] = []
 
@@ -81,7 +90,8 @@ class Trainer(StopControl):
     def setup(self) -> "Trainer":
         """Build everything, in the order of the module doc. Subclasses change what is built
         (:meth:`_build`), which inputs are checked (:meth:`_check_data`) and what a checkpoint holds
-        (:meth:`_extra_state`, :meth:`_rank_state`, :meth:`_check_saved_state`); the rest is shared."""
+        (:meth:`_extra_state`, :meth:`_rank_state`, :meth:`_check_saved_state`); the rest is
+        shared."""
         self._start()
         self._check_data()
         self._find_resume()
@@ -93,8 +103,8 @@ class Trainer(StopControl):
         return self
 
     def _start(self) -> None:
-        """Distributed start and process groups, the config fitted to this world and its batch layout,
-        the device, dtype and LR schedule."""
+        """Distributed start and process groups, the config fitted to this world and its batch
+        layout, the device, dtype and LR schedule."""
         from ..parallel.deepspeed_setup import start_distributed
 
         check_wandb(self.cfg.logging.wandb)
@@ -112,40 +122,44 @@ class Trainer(StopControl):
         self.schedule = LRSchedule.from_config(cfg)
 
     def _check_data(self) -> None:
-        """Before anything is built: the held-out split exists, the shards fit the model's vocabulary
-        and (``data.verify=full``) are intact."""
+        """Before anything is built: the held-out split exists, the shards fit the model's
+        vocabulary and (``data.verify=full``) are intact."""
         check_training_data(self.cfg, self.rank, self.world)
 
     def _find_resume(self) -> None:
         """Before anything is built: the teacher's identity by content, and the checkpoint this run
-        continues (``resume_path``; None: a new run), refused if it belongs to another run or holds a
-        state this run cannot continue (resume_check, :meth:`_check_saved_state`)."""
+        continues (``resume_path``; None: a new run), refused if it belongs to another run or holds
+        a state this run cannot continue (resume_check, :meth:`_check_saved_state`)."""
         cfg = self.cfg
-        self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)  # resume check, checkpoints
-        self.resume_path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume == "auto" else None
+        # resume check, checkpoints
+        self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)
+        self.resume_path = (latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume == "auto"
+                            else None)
         if self.resume_path is not None:
             check_same_run(self.resume_path, cfg, self.teacher_files, announce=self.rank == 0)
             self._check_saved_state(self.resume_path)
 
     def _check_saved_state(self, path: Path) -> None:
         """Refuse a checkpoint whose saved state this run cannot continue: one whose LR schedule the
-        current config would change in the past (``LRSchedule.check_resume``), or, for an optimizer of
-        several parameter groups, a ZeRO-3 one written on another number of ranks: DeepSpeed 0.19.8's
-        ZeRO-3 re-partitioning gives every group the first group's settings (LR, weight decay) and one
-        shared Adam step that advances once per group, so such a run would continue silently wrong."""
+        current config would change in the past (``LRSchedule.check_resume``), or, for an optimizer
+        of several parameter groups, a ZeRO-3 one written on another number of ranks: DeepSpeed
+        0.19.8's ZeRO-3 re-partitioning gives every group the first group's settings (LR, weight
+        decay) and one shared Adam step that advances once per group, so such a run would continue
+        silently wrong."""
         state = json.loads((path / TRAINER_STATE).read_text())
         self.schedule.check_resume(state["schedule"], state["step"])
         saved_world = state.get("world_size", self.world)
-        if saved_world != self.world and self.cfg.parallel.zero_stage == 3 and self.several_param_groups:
+        if (saved_world != self.world and self.cfg.parallel.zero_stage == 3
+                and self.several_param_groups):
             raise IncompatibleInputError(
                 f"{path} was written on {saved_world} rank(s); this run has {self.world}: stage "
-                f"{self.cfg.stage.name} under ZeRO-3 resumes only on the same number of ranks (DeepSpeed's ZeRO-3 "
-                f"re-partitioning mixes up its optimizer's parameter groups; ZeRO 0-2 resume on any number). "
-                f"Resume on {saved_world} rank(s)")
+                f"{self.cfg.stage.name} under ZeRO-3 resumes only on the same number of ranks "
+                "(DeepSpeed's ZeRO-3 re-partitioning mixes up its optimizer's parameter groups; "
+                f"ZeRO 0-2 resume on any number). Resume on {saved_world} rank(s)")
 
     def _build(self) -> None:
-        """The stage's module and teacher, sequence parallelism, the engine, the teacher's placement and
-        the loaders."""
+        """The stage's module and teacher, sequence parallelism, the engine, the teacher's placement
+        and the loaders."""
         from ..parallel.deepspeed_setup import initialize_engine
 
         cfg = self.cfg
@@ -154,23 +168,28 @@ class Trainer(StopControl):
         self._init_engine()
         self._place_teacher(initialize_engine)
         self.loader = build_loader(
-            cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size, self.groups.dp_rank, self.layout.dp_size,
-            self.groups.sp_rank, cfg.parallel.sp_size, seed=cfg.data.seed, num_workers=cfg.data.num_workers,
+            cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size, self.groups.dp_rank,
+            self.layout.dp_size, self.groups.sp_rank, cfg.parallel.sp_size, seed=cfg.data.seed,
+            num_workers=cfg.data.num_workers,
             shuffle=cfg.data.shuffle, tokenizer=self._tokenizer_for_check(),
-            verify="size" if cfg.data.verify == "full" else "sha256",  # full: already checked (check_training_data)
+            # full: already checked (check_training_data)
+            verify="size" if cfg.data.verify == "full" else "sha256",
         )
         self.heldout = HeldoutEval.from_trainer(self)
 
     def _init_engine(self) -> None:
-        """``self.module`` and the optimizer (:meth:`_optimizer`) in a DeepSpeed engine (ZeRO stage from the
-        config, partitioned over all dp*sp ranks), set to load a checkpoint written on another number of ranks."""
+        """``self.module`` and the optimizer (:meth:`_optimizer`) in a DeepSpeed engine (ZeRO stage
+        from the config, partitioned over all dp*sp ranks), set to load a checkpoint written on
+        another number of ranks."""
         from ..parallel.deepspeed_setup import initialize_engine, sp_loss_factor
 
         self.ds_config = deepspeed_config(self.cfg, self.layout)
         self.ds_config.setdefault("zero_allow_untested_optimizer", True)
         self.reshard = self._needs_reshard()
-        if self.reshard:  # ZeRO partitions came from another number of ranks: re-partition (checkpoint.py)
-            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}), "load_universal": True}
+        # ZeRO partitions came from another number of ranks: re-partition (checkpoint.py)
+        if self.reshard:
+            self.ds_config["checkpoint"] = {**self.ds_config.get("checkpoint", {}),
+                                            "load_universal": True}
         self.loss_ranks = self.layout.dp_size * sp_loss_factor(self.ds_config, self.groups)
         optimizer, scheduler = self._optimizer()
         self.engine, self.optimizer, _, self.scheduler = initialize_engine(
@@ -181,7 +200,8 @@ class Trainer(StopControl):
 
     def _build_stage(self) -> tuple[StageModule, torch.nn.Module | None]:
         if self.stage is None or self.stage.build is None:
-            raise TypeError(f"{type(self).__name__} needs a StageSpec with a build function (train.registry)")
+            raise TypeError(f"{type(self).__name__} needs a StageSpec with a build function "
+                            "(train.registry)")
         module, teacher = self.stage.build(self.cfg)
         module.to(self.device, self.dtype)
         if teacher is not None:
@@ -189,14 +209,17 @@ class Trainer(StopControl):
         return module, teacher
 
     def _place_teacher(self, initialize_engine) -> None:
-        """``replicated``: a full bf16 copy per GPU (fits up to 8B on 80 GB+). ``zero3``: sharded over all
-        ranks by a ZeRO-3 engine without optimizer; its forward gathers each layer just in time."""
+        """``replicated``: a full bf16 copy per GPU (fits up to 8B on 80 GB+). ``zero3``: sharded
+        over all ranks by a ZeRO-3 engine without optimizer; its forward gathers each layer just in
+        time."""
         if self.teacher is None or self.cfg.parallel.teacher_placement == "replicated":
             return
         from ..parallel.deepspeed_setup import frozen_teacher_zero3_config
 
-        teacher_ds = frozen_teacher_zero3_config(self.layout.micro_batch_size, self.layout.grad_accum_steps,
-                                                 self.layout.global_batch_size, bf16=self.dtype == torch.bfloat16)
+        teacher_ds = frozen_teacher_zero3_config(self.layout.micro_batch_size,
+                                                 self.layout.grad_accum_steps,
+                                                 self.layout.global_batch_size,
+                                                 bf16=self.dtype == torch.bfloat16)
         self.teacher_engine = initialize_engine(self.teacher, teacher_ds, self.groups)[0]
         self.teacher_engine.eval()
 
@@ -214,12 +237,14 @@ class Trainer(StopControl):
         o = self.cfg.optim
         params = [p for p in self.module.parameters() if p.requires_grad]
         fused = self.device.type == "cuda"
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                fused=fused or None, foreach=None if fused else True)
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                weight_decay=o.weight_decay, fused=fused or None,
+                                foreach=None if fused else True)
         return opt, make_lr_scheduler(opt, self.schedule)
 
     def _tokenizer_for_check(self):
-        """The teacher's tokenizer, so shards made with another one are refused (random teachers have none)."""
+        """The teacher's tokenizer, so shards made with another one are refused (random teachers
+        have none)."""
         if self.cfg.model.teacher == "random":
             return None
         from transformers import AutoTokenizer
@@ -232,13 +257,17 @@ class Trainer(StopControl):
             return None
 
     def _start_metrics(self) -> None:
-        def numel(p) -> int:  # ZeRO-3 leaves partitioned parameters empty; ds_numel is the full size
+        # ZeRO-3 leaves partitioned parameters empty; ds_numel is the full size
+        def numel(p) -> int:
             return int(getattr(p, "ds_numel", p.numel()))
 
         n_train = sum(numel(p) for p in self.module.parameters() if p.requires_grad)
-        n_teacher = sum(numel(p) for p in self.teacher.parameters()) if self.teacher is not None else 0
-        student = getattr(self.module, "student", None)  # stage 1 trains RNN layers only: no trained attention
-        terms = attention_flop_terms(getattr(student, "config", None), getattr(self.teacher, "config", None))
+        n_teacher = (sum(numel(p) for p in self.teacher.parameters()) if self.teacher is not None
+                     else 0)
+        # stage 1 trains RNN layers only: no trained attention
+        student = getattr(self.module, "student", None)
+        terms = attention_flop_terms(getattr(student, "config", None),
+                                     getattr(self.teacher, "config", None))
         self.metrics = MetricsLogger.from_config(
             self.cfg, rank=self.rank, world_size=self.world, device=self.device,
             flops_per_token=flops_per_token(n_train, n_teacher),
@@ -249,8 +278,8 @@ class Trainer(StopControl):
 
     # ------------------------------------------------------------------------------ resume / save
     def _needs_reshard(self) -> bool:
-        """Whether the resumed checkpoint's ZeRO partitions must be re-made for this number of ranks (it
-        was written on another; ZeRO 0 keeps whole states and loads anywhere)."""
+        """Whether the resumed checkpoint's ZeRO partitions must be re-made for this number of ranks
+        (it was written on another; ZeRO 0 keeps whole states and loads anywhere)."""
         path = self.resume_path
         if path is None:
             return False
@@ -259,14 +288,15 @@ class Trainer(StopControl):
             return False
         if self.rank == 0:
             plural = "s" if saved > 1 else ""
-            how = ("re-partitioned through DeepSpeed's universal checkpoint" if self.cfg.parallel.zero_stage
-                   else "ZeRO 0 holds whole optimizer states")
-            print(f"resume: {path.name} was written on {saved} rank{plural} -> {self.world} now ({how})", flush=True)
+            how = ("re-partitioned through DeepSpeed's universal checkpoint"
+                   if self.cfg.parallel.zero_stage else "ZeRO 0 holds whole optimizer states")
+            print(f"resume: {path.name} was written on {saved} rank{plural} -> {self.world} now "
+                  f"({how})", flush=True)
         return self.cfg.parallel.zero_stage > 0
 
     def _maybe_resume(self) -> None:
-        """Continue ``resume_path``: the engine (model, optimizer, LR scheduler, this rank's RNG) through
-        the checkpoint manager, then the trainer's own state (:meth:`_load_state`)."""
+        """Continue ``resume_path``: the engine (model, optimizer, LR scheduler, this rank's RNG)
+        through the checkpoint manager, then the trainer's own state (:meth:`_load_state`)."""
         path = self.resume_path
         if path is None:
             return
@@ -289,35 +319,41 @@ class Trainer(StopControl):
         return f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)"
 
     def save(self, root: Path | None = None, **replace) -> Path:
-        """Checkpoint the state after ``self.step`` steps (collective) into ``root/step-N``: the run's
-        checkpoints by default (pruned to ``checkpoint.keep_last``); another root keeps every save.
+        """Checkpoint the state after ``self.step`` steps (collective) into ``root/step-N``: the
+        run's checkpoints by default (pruned to ``checkpoint.keep_last``); another root keeps every
+        save.
         ``replace``: trainer-state entries to record instead of the live ones (the non-finite stop
         records the loader position before its step)."""
         manager = self.ckpt if root is None else CheckpointManager(root, keep_last=0)
         state = {**self._trainer_state(), **replace}
-        cfg_text = (Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0 else ""
+        cfg_text = ((Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0
+                    else "")
         return manager.save(self.engine, self.step, state, cfg_text, self._rank_state())
 
     def _trainer_state(self) -> dict:
         """trainer_state.json: the run's position and identity, which every resume reads and checks
         (``_needs_reshard``, resume_check), and the trainer's own entries (:meth:`_extra_state`)."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "schedule": self.schedule.state_dict(),
-                "world_size": self.world, "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher,
-                "teacher_files": self.teacher_files, "student_config": self.module.student_config.to_dict(),
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "schedule": self.schedule.state_dict(), "world_size": self.world,
+                "stage": self.cfg.stage.name, "teacher": self.cfg.model.teacher,
+                "teacher_files": self.teacher_files,
+                "student_config": self.module.student_config.to_dict(),
                 "nonfinite": self.nonfinite.state_dict(), **self._extra_state()}
 
     def _extra_state(self) -> dict:
-        """The trainer's entries of trainer_state.json (plain JSON): here the loader position and layout."""
+        """The trainer's entries of trainer_state.json (plain JSON): here the loader position and
+        layout."""
         return {"loader": self.loader.state_dict(), "layout": vars(self.layout)}
 
     def _rank_state(self) -> dict | None:
-        """This rank's state beyond its RNGs (tensors and plain values, read back weights-only); none here."""
+        """This rank's state beyond its RNGs (tensors and plain values, read back weights-only);
+        none here."""
         return None
 
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        """Run to ``total_steps`` (or a stop signal); returns the last logged scalars. The loop of every
-        trainer: subclasses change what a step is (:meth:`train_step`) and what surrounds it
+        """Run to ``total_steps`` (or a stop signal); returns the last logged scalars. The loop of
+        every trainer: subclasses change what a step is (:meth:`train_step`) and what surrounds it
         (:meth:`_start_training`, :meth:`_after_step`, :meth:`_end_training`)."""
         total, every = self.cfg.total_steps, self.cfg.checkpoint.every_steps
         last = {}
@@ -337,17 +373,19 @@ class Trainer(StopControl):
         self._data = iter(self.loader)
         self.engine.train()
         log = self.cfg.logging
-        self._profiler = StepProfiler(log.profile_at_step, log.profile_steps, log.run_dir, self.rank, self.device)
+        self._profiler = StepProfiler(log.profile_at_step, log.profile_steps, log.run_dir,
+                                      self.rank, self.device)
         if self.step == 0:
             self._maybe_evaluate(total)
 
     def train_step(self) -> dict | None:
-        """One optimizer step on the next ``grad_accum`` micro-batches; returns the scalars logged at it
-        (None on a step that logs nothing)."""
+        """One optimizer step on the next ``grad_accum`` micro-batches; returns the scalars logged
+        at it (None on a step that logs nothing)."""
         self._profiler.before_step(self.step + 1)
         self._step_start = self.loader.state_dict()  # the position of this step's first batch
         micro_batches = [next(self._data) for _ in range(self.layout.grad_accum_steps)]
-        normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps * self.loss_ranks)
+        normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps
+                                                           * self.loss_ranks)
         skipping = False  # this step had a non-finite loss and is dropped (module doc)
         for batch in micro_batches:
             self._track_attended_keys(batch)
@@ -368,7 +406,8 @@ class Trainer(StopControl):
             self.metrics.add("optim/grad_norm", self._grad_norm())
         if self.nonfinite.mode == "skip" and self.metrics.should_log(self.step):
             self.metrics.add("train/skipped_steps", float(self.nonfinite.total))
-        return self.metrics.maybe_log(self.step, self.tokens_seen, self.schedule.lr_at(self.step - 1))
+        return self.metrics.maybe_log(self.step, self.tokens_seen,
+                                      self.schedule.lr_at(self.step - 1))
 
     def _after_step(self, total: int) -> None:
         """After a step's metrics and hooks, before its checkpoint."""
@@ -379,15 +418,18 @@ class Trainer(StopControl):
             self.save()
 
     def _maybe_evaluate(self, total: int) -> None:
-        """Held-out ``eval/`` scalars before the first step, every ``eval.every_steps`` and after the last.
+        """Held-out ``eval/`` scalars before the first step, every ``eval.every_steps`` and after
+        the last.
 
-        Called after a step's metrics and before its checkpoint, so a run resumed from that checkpoint
-        does not evaluate the same step twice."""
+        Called after a step's metrics and before its checkpoint, so a run resumed from that
+        checkpoint does not evaluate the same step twice."""
         every = self.cfg.eval.every_steps
-        if self.heldout is None or not (self.step == 0 or self.step % every == 0 or self.step == total):
+        if self.heldout is None or not (self.step == 0 or self.step % every == 0
+                                        or self.step == total):
             return
         start = time.perf_counter()
-        scalars = self.heldout.run(self.engine)  # ends in an all-reduce read on the host: the GPU is done
+        # ends in an all-reduce read on the host: the GPU is done
+        scalars = self.heldout.run(self.engine)
         self.metrics.log_eval(self.step, scalars, seconds=time.perf_counter() - start)
 
     def _global_tokens(self, micro_batches) -> float:
@@ -397,15 +439,18 @@ class Trainer(StopControl):
         return max(1.0, float(t.item()))
 
     def _track_attended_keys(self, batch: dict) -> None:
-        """Keys per token of this micro-batch's documents (host-side cu_seqlens: no GPU sync), for MFU."""
+        """Keys per token of this micro-batch's documents (host-side cu_seqlens: no GPU sync), for
+        MFU."""
         ids = batch["input_ids"]
         cu = batch.get("cu_seqlens")
         # without boundaries a row is one causal document; under SP the local slice is 1/sp of it
-        keys = attended_context(cu) if cu is not None else float(ids.shape[-1] * batch.get("sp_size", 1))
+        keys = attended_context(cu) if cu is not None else float(ids.shape[-1]
+                                                                 * batch.get("sp_size", 1))
         self.metrics.add(ATTENDED, keys, weight=float(ids.numel()))
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                for k, v in batch.items()}
 
     def _grad_norm(self) -> float:
         norm = self.engine.get_global_grad_norm()
@@ -413,17 +458,19 @@ class Trainer(StopControl):
 
     def _nonfinite_stop(self) -> NonFiniteLossError:
         """Checkpoint the last good state and return the error that names the step's batch."""
-        # the last good state: parameters before this step's update, and the loader before its batches,
-        # so a resume (after lowering the LR, say) trains step ``step + 1`` on the same batch
+        # the last good state: parameters before this step's update, and the loader before its
+        # batches, so a resume (after lowering the LR, say) trains step ``step + 1`` on the same
+        # batch
         start = self._step_start
         path = self.save(loader=start)
         rows = self.layout.grad_accum_steps * self.layout.dp_size * self.cfg.data.micro_batch_size
         return NonFiniteLossError(
-            f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}) on the batch of epoch "
-            f"{start['epoch']}, packed rows {start['rows_consumed']}..{start['rows_consumed'] + rows - 1} of that "
-            f"epoch's order (data.seed={start['seed']}, {start['seq_len']} tokens per row, all data-parallel ranks); "
-            f"the last good state, positioned before that batch, is saved in {path}. Lower optim.lr or inspect that "
-            f"batch before resuming."
+            f"non-finite loss at step {self.step + 1} ({self.nonfinite.stop_reason()}) "
+            f"on the batch of epoch {start['epoch']}, packed rows "
+            f"{start['rows_consumed']}..{start['rows_consumed'] + rows - 1} of that "
+            f"epoch's order (data.seed={start['seed']}, {start['seq_len']} tokens per row, all "
+            "data-parallel ranks); the last good state, positioned before that batch, is saved in "
+            f"{path}. Lower optim.lr or inspect that batch before resuming."
         )
 
     # ------------------------------------------------------------------------------ outputs
@@ -432,44 +479,3 @@ class Trainer(StopControl):
         out = self.stage.write_output(self, Path(self.cfg.logging.run_dir) / "final")
         self.metrics.close()
         return out
-
-
-def record_run_start(cfg: RunConfig, layout, metrics: MetricsLogger, rank: int, argv: list[str] | None) -> None:
-    """Rank 0: write <run_dir>/config.yaml, hand it and the hyperparameters to the metrics writers (TB text +
-    hparams, W&B config), print the config and the batch layout (world = dp x sp, global = micro x accum x dp)."""
-    if rank != 0:
-        return
-    path = save_resolved(cfg, Path(cfg.logging.run_dir) / "config.yaml", argv=argv)
-    metrics.log_config(path.read_text(), run_hparams(cfg, layout))
-    print(format_config(cfg), flush=True)
-    print(layout.describe(), flush=True)
-
-
-def _age_note() -> str:
-    """``; process age Ns`` where the platform tells it (the wall time after this line is the exit)."""
-    age = process_age_s()
-    return "" if age is None else f"; process age {age:.1f}s"
-
-
-def run_stage(cfg: RunConfig, stage: StageSpec, argv: list[str] | None = None, **trainer_kwargs) -> Path | None:
-    """Entry point of every stage launcher: build, train, write the output, always clean up. ``stage``: the
-    stage's row of ``train.registry``; its trainer is built with ``(cfg, argv, stage=stage, **trainer_kwargs)``."""
-    start = time.time()
-    trainer = stage.trainer_cls(cfg, argv, stage=stage, **trainer_kwargs)
-    try:
-        trainer.setup()
-        t0 = time.time()
-        if trainer.rank == 0:  # the time to the first step (models, DeepSpeed, data) is what short jobs pay
-            age = process_age_s()
-            before = "" if age is None else f" (the process started {age - (t0 - start):.1f}s before it: imports, config)"
-            print(f"setup: {t0 - start:.1f}s{before}", flush=True)
-        trainer.train()
-        t1 = time.time()
-        out = trainer.finish()
-        if trainer.rank == 0:
-            print(f"{cfg.stage.name} finished in {time.time() - t0:.1f}s (training {t1 - t0:.1f}s, output "
-                  f"{time.time() - t1:.1f}s) -> {out}{_age_note()}", flush=True)
-        return out
-    finally:
-        if dist.is_initialized():
-            dist.barrier()

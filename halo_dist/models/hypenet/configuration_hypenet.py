@@ -43,8 +43,8 @@ class HypeNetConfig(PretrainedConfig):
 
     Numerical choices where the authors' reference code differs (``halo-dist import-official`` sets
     theirs; ours are the defaults):
-      rnn_output_norm ("per_head")  RMSNorm of the RNN output over each head's d_h ("per_head") or over
-                                 all H*d_h at once ("all_heads", the reference code's).
+      rnn_output_norm ("per_head")  RMSNorm of the RNN output over each head's d_h ("per_head")
+                                 or over all H*d_h at once ("all_heads", the reference code's).
       lightning_decay ("hype")   log γ_h = -2^(-8h/H) ("hype") or minus ALiBi's slopes ("alibi", the
                                  reference code's), which interleave when H is not a power of two.
 
@@ -63,15 +63,17 @@ class HypeNetConfig(PretrainedConfig):
         # shape (Qwen3-1.7B's by default)
         vocab_size: int = 151936, hidden_size: int = 2048, intermediate_size: int = 6144,
         num_hidden_layers: int = 28, num_attention_heads: int = 16, num_key_value_heads: int = 8,
-        head_dim: int | None = 128, hidden_act: str = "silu", max_position_embeddings: int = 1048576,
+        head_dim: int | None = 128, hidden_act: str = "silu",
+        max_position_embeddings: int = 1048576,
         rms_norm_eps: float = 1e-6, rope_theta: float = 1e6, tie_word_embeddings: bool = True,
         qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False,
         # mixers and HyPE
         mixer_types: list[str] | None = None, rnn_rope: bool = True, attn_rope: bool = False,
-        attn_logits_scale_base: float | None = 500.0, rnn_qk_norm: bool = True, attn_qk_norm: bool = True,
-        rnn_output_gate: bool = True, attn_output_gate: bool = True, output_gate_scale: float = 2.0,
-        attn_output_norm: bool = False, rnn_gqa_to_mha: bool = True, rnn_output_norm: str = "per_head",
-        lightning_decay: str = "hype", lightning_chunk_size: int = 64, sliding_window: int | None = 512,
+        attn_logits_scale_base: float | None = 500.0, rnn_qk_norm: bool = True,
+        attn_qk_norm: bool = True, rnn_output_gate: bool = True, attn_output_gate: bool = True,
+        output_gate_scale: float = 2.0, attn_output_norm: bool = False, rnn_gqa_to_mha: bool = True,
+        rnn_output_norm: str = "per_head", lightning_decay: str = "hype",
+        lightning_chunk_size: int = 64, sliding_window: int | None = 512,
         swa_rope: bool = True, initializer_range: float = 0.02,
         # tokens
         pad_token_id: int | None = None, bos_token_id: int | None = None,
@@ -92,10 +94,12 @@ class HypeNetConfig(PretrainedConfig):
         self.qkv_bias = qkv_bias
         self.o_bias = o_bias
         self.mlp_bias = mlp_bias
-        self.mixer_types = list(mixer_types) if mixer_types is not None else default_mixer_types(num_hidden_layers)
+        self.mixer_types = (list(mixer_types) if mixer_types is not None
+                            else default_mixer_types(num_hidden_layers))
         self.rnn_rope = rnn_rope
         self.attn_rope = attn_rope
-        self.attn_logits_scale_base = None if attn_logits_scale_base is None else float(attn_logits_scale_base)
+        self.attn_logits_scale_base = (None if attn_logits_scale_base is None
+                                       else float(attn_logits_scale_base))
         self.rnn_qk_norm = rnn_qk_norm
         self.attn_qk_norm = attn_qk_norm
         self.rnn_output_gate = rnn_output_gate
@@ -109,13 +113,9 @@ class HypeNetConfig(PretrainedConfig):
         self.sliding_window = sliding_window
         self.swa_rope = swa_rope
         self.initializer_range = initializer_range
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                         eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings,
+                         **kwargs)
         self.validate_hypenet()
 
     @property
@@ -128,19 +128,24 @@ class HypeNetConfig(PretrainedConfig):
         return [i for i, m in enumerate(self.mixer_types) if m != "attention"]
 
     def validate_hypenet(self) -> None:
-        """Reject impossible settings with a message naming the field (raised before any allocation)."""
+        """Reject impossible settings with a message naming the field (raised before any
+        allocation)."""
         if len(self.mixer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"mixer_types has {len(self.mixer_types)} entries but num_hidden_layers={self.num_hidden_layers}"
+                f"mixer_types has {len(self.mixer_types)} entries but "
+                f"num_hidden_layers={self.num_hidden_layers}"
             )
         for i, m in enumerate(self.mixer_types):
             if m not in IMPLEMENTED_MIXERS:
-                raise ValueError(f"mixer_types[{i}]={m!r} is unknown; choose from {IMPLEMENTED_MIXERS}")
+                raise ValueError(f"mixer_types[{i}]={m!r} is unknown; choose from "
+                                 f"{IMPLEMENTED_MIXERS}")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"sliding_window={w!r} must be a positive integer (tokens each query sees) or None")
+            raise ValueError(f"sliding_window={w!r} must be a positive integer (tokens each query "
+                             "sees) or None")
         if "swa" in self.mixer_types and w is None:
-            raise ValueError("mixer_types has 'swa' layers but sliding_window is None; set e.g. sliding_window=512")
+            raise ValueError("mixer_types has 'swa' layers but sliding_window is None; set e.g. "
+                             "sliding_window=512")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
@@ -150,17 +155,21 @@ class HypeNetConfig(PretrainedConfig):
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         a = self.attn_logits_scale_base
         if a is not None and (not math.isfinite(a) or a <= 1.0):
-            raise ValueError(f"attn_logits_scale_base={a} must be > 1 (log base) or None to disable scaling")
+            raise ValueError(f"attn_logits_scale_base={a} must be > 1 (log base) or None to "
+                             "disable scaling")
         if self.output_gate_scale <= 0:
             raise ValueError(f"output_gate_scale={self.output_gate_scale} must be positive")
         if self.rnn_output_norm not in RNN_OUTPUT_NORMS:
-            raise ValueError(f"rnn_output_norm={self.rnn_output_norm!r} is unknown; choose from {RNN_OUTPUT_NORMS}")
+            raise ValueError(f"rnn_output_norm={self.rnn_output_norm!r} is unknown; choose from "
+                             f"{RNN_OUTPUT_NORMS}")
         if self.lightning_decay not in LIGHTNING_DECAYS:
-            raise ValueError(f"lightning_decay={self.lightning_decay!r} is unknown; choose from {LIGHTNING_DECAYS}")
+            raise ValueError(f"lightning_decay={self.lightning_decay!r} is unknown; choose from "
+                             f"{LIGHTNING_DECAYS}")
         if self.lightning_chunk_size < 1:
             raise ValueError(f"lightning_chunk_size={self.lightning_chunk_size} must be >= 1")
         if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act={self.hidden_act!r}: only SwiGLU ('silu') MLPs are supported")
+            raise ValueError(f"hidden_act={self.hidden_act!r}: only SwiGLU ('silu') MLPs are "
+                             "supported")
 
 
 def default_mixer_types(num_layers: int, num_attn: int | None = None) -> list[str]:

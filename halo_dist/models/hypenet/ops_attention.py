@@ -1,6 +1,6 @@
-"""Softmax-attention kernels behind HypeNet's attention mixers, dispatched by device: packed (document-masked,
-optionally windowed) causal attention through flash-attn varlen, FlexAttention or SDPA with a mask; SDPA with
-GQA; chunked-prefill attention over a cache.
+"""Softmax-attention kernels behind HypeNet's attention mixers, dispatched by device: packed
+(document-masked, optionally windowed) causal attention through flash-attn varlen, FlexAttention or
+SDPA with a mask; SDPA with GQA; chunked-prefill attention over a cache.
 
 Exported with every checkpoint: torch only (flash-attn optional).
 Layout everywhere: q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]``.
@@ -22,7 +22,8 @@ except Exception:  # pragma: no cover
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """int ``[N+1]`` boundaries -> ``[total]`` segment index of every token."""
     marks = torch.zeros(total + 1, dtype=torch.int32, device=cu_seqlens.device)
-    marks.index_add_(0, cu_seqlens[1:-1].long(), torch.ones_like(cu_seqlens[1:-1], dtype=torch.int32))
+    marks.index_add_(0, cu_seqlens[1:-1].long(),
+                     torch.ones_like(cu_seqlens[1:-1], dtype=torch.int32))
     return marks[:total].cumsum(0)
 
 
@@ -46,7 +47,8 @@ def packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale, window: int 
     Returns ``[B, T, Hq, D]``.
     """
     B, T, Hq, D = q.shape
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not _HAS_FLASH_ATTN and _flex_usable():
+    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not _HAS_FLASH_ATTN
+            and _flex_usable()):
         o = _flex_document_attention(q, k, v, cu_seqlens, scale, window)
         if o is not None:
             return o
@@ -71,8 +73,9 @@ def rows_cu_seqlens(batch: int, seq_len: int, device) -> torch.Tensor:
 
 
 def sdpa(q, k, v, mask=None, is_causal=False, scale=None):
-    """torch SDPA on ``[B, T, H, D]`` tensors with GQA. On CUDA without a mask, ``enable_gqa`` lets the
-    flash kernel read the shared k/v heads in place; otherwise k/v heads are repeated to the query heads."""
+    """torch SDPA on ``[B, T, H, D]`` tensors with GQA. On CUDA without a mask, ``enable_gqa`` lets
+    the flash kernel read the shared k/v heads in place; otherwise k/v heads are repeated to the
+    query heads."""
     Hq, Hkv = q.shape[2], k.shape[2]
     if Hq != Hkv and mask is None and q.is_cuda:
         o = F.scaled_dot_product_attention(
@@ -90,11 +93,11 @@ def sdpa(q, k, v, mask=None, is_causal=False, scale=None):
     return o.transpose(1, 2)  # [B, H, T, D] -> [B, T, H, D]
 
 
-# ---- FlexAttention: packed (document-masked) causal attention on CUDA without flash-attn ----------
-# SDPA with an explicit [T, T] mask cannot use its flash kernel; FlexAttention compiles a block-sparse
-# kernel that skips blocks across documents, above the diagonal and outside the window. The block mask
-# depends only on cu_seqlens (and the window), which every layer of one forward (and its recomputation)
-# shares, so the last few are kept.
+# ---- FlexAttention: packed (document-masked) causal attention on CUDA without flash-attn ---------
+# SDPA with an explicit [T, T] mask cannot use its flash kernel; FlexAttention compiles a
+# block-sparse kernel that skips blocks across documents, above the diagonal and outside the window.
+# The block mask depends only on cu_seqlens (and the window), which every layer of one forward (and
+# its recomputation) shares, so the last few are kept.
 _FLEX: dict = {"fn": None, "failed": False, "masks": []}
 
 
@@ -105,8 +108,9 @@ def _flex_usable() -> bool:
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
-            # default dynamic=None: static for the first shape, then one dynamic-shape recompile (OPD
-            # batches change length every step; dynamic=False would recompile per length up to the limit)
+            # default dynamic=None: static for the first shape, then one dynamic-shape recompile
+            # (OPD batches change length every step; dynamic=False would recompile per length up to
+            # the limit)
             _FLEX["fn"] = torch.compile(flex_attention)
         except Exception:  # pragma: no cover - old torch
             _FLEX["failed"] = True
@@ -116,15 +120,17 @@ def _flex_usable() -> bool:
 
 def document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | None,
                         block_size: int = 128):
-    """FlexAttention ``BlockMask`` of document-causal (optionally windowed) attention over ``[B, T]`` packed rows,
-    built from the document boundaries alone in O((T / block_size)^2) memory.
+    """FlexAttention ``BlockMask`` of document-causal (optionally windowed) attention over
+    ``[B, T]`` packed rows, built from the document boundaries alone in O((T / block_size)^2)
+    memory.
 
-    ``create_block_mask`` evaluates the mask on a dense ``[T, T]`` grid first: 64 GiB at 256K tokens. Here the
-    block structure is computed directly. A query block ``[q_lo, q_hi]`` attends keys ``[lb(q_lo), q_hi]`` (the union
-    of its queries' ranges, contiguous because the lower bound ``lb(q) = max(doc_start(q), q - W + 1)`` never
-    decreases). A block is *full* (no mask needed) when its keys all precede its queries, query and key ends share a
-    document (document ids never decrease within a row) and the window covers the farthest pair; every other
-    visited block is *partial* and runs ``mask_mod``. Blocks cut by the sequence end are kept partial."""
+    ``create_block_mask`` evaluates the mask on a dense ``[T, T]`` grid first: 64 GiB at 256K
+    tokens. Here the block structure is computed directly. A query block ``[q_lo, q_hi]`` attends
+    keys ``[lb(q_lo), q_hi]`` (the union of its queries' ranges, contiguous because the lower bound
+    ``lb(q) = max(doc_start(q), q - W + 1)`` never decreases). A block is *full* (no mask needed)
+    when its keys all precede its queries, query and key ends share a document (document ids never
+    decrease within a row) and the window covers the farthest pair; every other visited block is
+    *partial* and runs ``mask_mod``. Blocks cut by the sequence end are kept partial."""
     from torch.nn.attention.flex_attention import BlockMask
 
     dev = cu_seqlens.device
@@ -132,16 +138,21 @@ def document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | 
     pos = torch.arange(T, device=dev)
     is_start = torch.ones(B, T, dtype=torch.bool, device=dev)
     is_start[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    doc_start = torch.where(is_start, pos, 0).cummax(dim=1).values  # [B, T] first position of each token's document
-    lower = doc_start if window is None else torch.maximum(doc_start, pos - window + 1)  # [B, T] first visible key
+    # [B, T] first position of each token's document
+    doc_start = torch.where(is_start, pos, 0).cummax(dim=1).values
+    # [B, T] first visible key
+    lower = doc_start if window is None else torch.maximum(doc_start, pos - window + 1)
 
     n = -(-T // block_size)
     starts = torch.arange(n, device=dev) * block_size  # [n] first token of each block
     ends = torch.clamp(starts + block_size - 1, max=T - 1)  # [n] last token of each block
-    qi, kj = starts[:, None] // block_size, starts[None, :] // block_size  # [n, 1], [1, n] block indices
-    first_kv_block = lower[:, starts] // block_size  # [B, n] first key block each query block visits
+    # [n, 1], [1, n] block indices
+    qi, kj = starts[:, None] // block_size, starts[None, :] // block_size
+    # [B, n] first key block each query block visits
+    first_kv_block = lower[:, starts] // block_size
     visited = (kj <= qi) & (kj >= first_kv_block[:, :, None])  # [B, n, n]
-    full = (ends[None, :] < starts[:, None]) & (seg[:, ends][:, :, None] == seg[:, starts][:, None, :])  # [B, n, n]
+    same_doc = seg[:, ends][:, :, None] == seg[:, starts][:, None, :]  # [B, n, n]
+    full = (ends[None, :] < starts[:, None]) & same_doc
     if window is not None:
         full = full & (ends[:, None] - starts[None, :] < window)
     if T % block_size:
@@ -151,28 +162,31 @@ def document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | 
     full = full & visited
     partial = visited & ~full
 
-    def ordered(blocks: torch.Tensor):  # [B, n, n] bool -> counts [B, 1, n], indices [B, 1, n, n] (true ones first)
-        counts = blocks.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts[:, None], order[:, None]
-
     def doc_causal(b, h, q_idx, kv_idx):
         keep = (q_idx >= kv_idx) & (seg[b, q_idx] == seg[b, kv_idx])
         if window is not None:
             keep = keep & (q_idx - kv_idx < window)
         return keep
 
-    kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full)
+    kv_num, kv_idx = _blocks_in_order(partial)
+    full_num, full_idx = _blocks_in_order(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
                                     mask_mod=doc_causal, seq_lengths=(T, T))
+
+
+def _blocks_in_order(blocks: torch.Tensor):
+    """``[B, n, n]`` bool -> counts ``[B, 1, n]``, indices ``[B, 1, n, n]`` (true ones first)."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[:, None], order[:, None]
 
 
 def _document_block_mask(cu_seqlens: torch.Tensor, B: int, T: int, window: int | None):
     # An entry holds the cu_seqlens tensor itself, so its memory cannot be reused by another batch's
     # boundaries while cached: identity + version + shape + window identify the content.
     for entry in _FLEX["masks"]:
-        if entry[0] is cu_seqlens and entry[1:4] == (cu_seqlens._version, B, T) and entry[4] == window:
+        if (entry[0] is cu_seqlens and entry[1:4] == (cu_seqlens._version, B, T)
+                and entry[4] == window):
             return entry[5]
     mask = document_block_mask(cu_seqlens, B, T, window)
     _FLEX["masks"] = [(cu_seqlens, cu_seqlens._version, B, T, window, mask)] + _FLEX["masks"][:1]
@@ -186,19 +200,23 @@ def _flex_document_attention(q, k, v, cu_seqlens, scale, window: int | None = No
         mask = _document_block_mask(cu_seqlens, B, T, window)
         o = _FLEX["fn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
                         block_mask=mask, scale=scale, enable_gqa=Hq != k.shape[2])
-    except Exception as err:  # pragma: no cover - compiler trouble: the dense-mask SDPA path still works
+    except Exception as err:  # pragma: no cover
+        # compiler trouble: the dense-mask SDPA path still works
         import warnings
 
-        warnings.warn(f"FlexAttention failed ({type(err).__name__}: {err}); using SDPA with a dense mask")
+        warnings.warn(f"FlexAttention failed ({type(err).__name__}: {err}); using SDPA with a "
+                      "dense mask")
         _FLEX["failed"] = True
         return None
     return o.transpose(1, 2)  # [B, H, T, D] -> [B, T, H, D]
 
 
 def chunk_prefill_attention(q, k, v, scale):
-    """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the queries'
-    own (chunked prefill): query i sees keys ``<= Tk - Tq + i``. q ``[B, Tq, H, D]`` -> ``[B, Tq, H, D]``.
-    CUDA: SDPA's lower-right causal bias (flash kernel, no [Tq, Tk] mask); elsewhere an explicit mask."""
+    """Causal attention of ``Tq`` new queries over ``Tk >= Tq`` keys whose last ``Tq`` are the
+    queries' own (chunked prefill): query i sees keys ``<= Tk - Tq + i``. q ``[B, Tq, H, D]`` ->
+    ``[B, Tq, H, D]``.
+    CUDA: SDPA's lower-right causal bias (flash kernel, no [Tq, Tk] mask); elsewhere an explicit
+    mask."""
     Tq, Tk = q.shape[1], k.shape[1]
     if q.is_cuda:
         from torch.nn.attention.bias import causal_lower_right
@@ -207,7 +225,8 @@ def chunk_prefill_attention(q, k, v, scale):
         if Hq != Hkv:
             k = k.repeat_interleave(Hq // Hkv, dim=2)  # [B, Tk, Hkv, D] -> [B, Tk, Hq, D]
             v = v.repeat_interleave(Hq // Hkv, dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, D]
+        # [B, H, T, D]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=causal_lower_right(Tq, Tk), scale=scale)
         return o.transpose(1, 2)  # [B, H, Tq, D] -> [B, Tq, H, D]
     causal = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
