@@ -1,5 +1,6 @@
-"""The repository passes its own ruff configuration (pyproject.toml: undefined and unused names, statement and
-syntax errors), so a stale import or a name that only exists on one code path fails here, not in a GPU job."""
+"""The repository passes its own ruff configuration (pyproject.toml: undefined and unused names,
+statement and syntax errors, lines over 100 columns), so a stale import or a name that only exists
+on one code path fails here, not in a GPU job."""
 
 import subprocess
 import sys
@@ -9,15 +10,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ruff_check_passes_on_the_repository():
-    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert "No module named ruff" not in res.stderr, "ruff is not installed: pip install -r requirements-ci.txt"
+    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert "No module named ruff" not in res.stderr, ("ruff is not installed: "
+                                                     "pip install -r requirements-ci.txt")
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
 
 
 def _imported_names(path: Path):
-    """``(line, module, name)`` of every ``from halo_dist... import name`` in ``path`` (relative imports inside
-    halo_dist resolved), at any depth: imports inside functions run only on their code path."""
+    """``(line, module, name)`` of every ``from halo_dist... import name`` in ``path`` (relative
+    imports inside halo_dist resolved), at any depth: imports inside functions run only on their
+    code path."""
     import ast
 
     rel = path.relative_to(ROOT)
@@ -38,8 +41,8 @@ def _imported_names(path: Path):
 
 
 def test_every_halo_dist_import_names_something_that_exists():
-    """Every ``from halo_dist.x import y`` in the product, launchers, tests and benchmarks names a module or an
-    attribute that exists (ruff cannot see a name that moved to another module)."""
+    """Every ``from halo_dist.x import y`` in the product, launchers, tests and benchmarks names a
+    module or an attribute that exists (ruff cannot see a name that moved to another module)."""
     import importlib
 
     files = [p for top in ("halo_dist", "launchers", "data_prep", "bench", "tests", "slurm")
