@@ -303,6 +303,32 @@ P21c)
     --tag p21c_s3c --timeout 540 --extra loss.backend=compiled model.compile=layer > "$OUT/stage3_p21c_compiled.log" 2>&1
   echo "stage 3 compiled rc=$?"
   ;;
+P22a)
+  # issue 20 item 2: which code makes stage 2's ~149 host syncs per step (bench/find_syncs.py, steps 4-5 of
+  # the 2B config, after the loop's per-micro-batch checks became one per step), beside the RWKV-7 and Mamba2
+  # fla kernel checks (one process each: their autotuning is what ran out of time before); then, if time is
+  # left, a stage-2 profile whose summary names the idle gaps
+  (TRITON_PRINT_AUTOTUNING=1 timeout 540 python3 bench/bench_mixers.py --mixers rwkv7 \
+    --out bench/results/mixers_p22a_rwkv7.json > "$OUT/mixers_p22a_rwkv7.log" 2>&1; echo "rwkv7 rc=$?"
+   cp bench/results/mixers_p22a_rwkv7.json "$OUT/" 2>/dev/null) &
+  (TRITON_PRINT_AUTOTUNING=1 timeout 540 python3 bench/bench_mixers.py --mixers mamba2 \
+    --out bench/results/mixers_p22a_mamba2.json > "$OUT/mixers_p22a_mamba2.log" 2>&1; echo "mamba2 rc=$?"
+   cp bench/results/mixers_p22a_mamba2.json "$OUT/" 2>/dev/null) &
+  timeout 300 python3 bench/find_syncs.py --skip-steps 3 --out "$OUT/syncs_stage2_p22a.json" -- \
+    launchers/stage2.py --config configs/bench/stage2_2b.yaml data.train=.bench_data/long \
+    schedule.total_steps=5 schedule.warmup_steps=4 logging.run_dir=runs/bench/syncs logging.log_every=1 \
+    checkpoint.every_steps=0 checkpoint.save_final=false model.activation_checkpointing=false \
+    data.num_workers=2 data.micro_batch_size=48 data.global_batch_size=96 model.stage1_weights=null \
+    > "$OUT/syncs_stage2_p22a.log" 2>&1; echo "find_syncs rc=$?"
+  wait
+  if [ $SECONDS -lt 330 ]; then
+    timeout $((585 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 \
+      --steps 1 7 1 --tag p22a --timeout $((570 - SECONDS)) --extra logging.profile_at_step=6 \
+      logging.profile_steps=2 > "$OUT/stages_p22a.log" 2>&1; echo "stages rc=$?"
+    cp runs/bench/stage2p22a/profile/summary.txt "$OUT/p22a_stage2_profile.txt" 2>/dev/null
+    cp runs/bench/stage2p22a/profile/summary.json "$OUT/p22a_stage2_profile.json" 2>/dev/null
+  fi
+  ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
     --tag compiled_vs_naive > "$OUT/stage2_vs_naive.log" 2>&1; echo "stage2 vs naive rc=$?"

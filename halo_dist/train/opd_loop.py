@@ -39,7 +39,7 @@ from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
 from .checkpoint import MARKER, TRAINER_STATE, rank_file
 from .schedules import LRSchedule
-from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step
+from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step, is_nonfinite
 from .trainer import Trainer, run_loss_hooks
 
 
@@ -332,7 +332,7 @@ class OPDTrainer(Trainer):
                 batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen,
                 batch.loss_mask, batch.gen_index, normalizer=normalizer, horizon=horizon)
             loss = run_loss_hooks(self, loss)
-            skipping = skipping or self._nonfinite(loss)
+            skipping = skipping or self._nonfinite(is_nonfinite(loss))
             backward_and_step(self.engine, loss, drop=skipping)
             if skipping:
                 continue

@@ -10,6 +10,9 @@ kernels? Rank 0 profiles steps ``[at, at + steps)`` (1-based, as in the progress
   summary.txt   the same as tables (also printed)
   trace.json    a Chrome trace (chrome://tracing or https://ui.perfetto.dev)
 
+On a GPU the summary also lists the device's idle gaps, each named by the host operator whose
+launch ended it and by the synchronisation that preceded it (``profile_gaps.py``).
+
 Device-busy time is the sum of the kernels' durations, so overlapping streams count twice; on one
 stream ``busy / wall`` well below 1 means the host, not the GPU, sets the pace.
 """
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from halo_dist.train.profile_gaps import format_gaps, idle_gaps
 
 TOP = 15
 # Kernel groups of a training step, by kernel name (the first match wins): where a step's device
@@ -86,8 +91,11 @@ class StepProfiler:
         prof.__exit__(None, None, None)
         steps = step - self.first + 1
         self.folder.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.folder / "trace.json"))
+        trace = self.folder / "trace.json"
+        prof.export_chrome_trace(str(trace))
         summary = summarize(prof, wall, steps, self.first)
+        if self.cuda:
+            summary["idle_gaps"] = idle_gaps(json.loads(trace.read_text()), steps)
         (self.folder / "summary.json").write_text(json.dumps(summary, indent=2))
         text = format_summary(summary)
         (self.folder / "summary.txt").write_text(text)
@@ -152,4 +160,6 @@ def format_summary(s: dict) -> str:
         lines += [f"  {title} (per step):  device ms | host ms | calls | operator"]
         lines += [f"    {r['device_ms_per_step']:9.2f} | {r['host_ms_per_step']:7.2f} | "
                   f"{r['calls_per_step']:5.0f} | {r['name']}" for r in rows]
+    if s.get("idle_gaps"):
+        lines += format_gaps(s["idle_gaps"])
     return "\n".join(lines)

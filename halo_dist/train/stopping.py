@@ -91,16 +91,20 @@ class NonFinitePolicy:
         self.consecutive, self.total = int(state.get("consecutive", 0)), int(state.get("total", 0))
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is True on any rank (one all-reduce)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+def any_rank(flag: bool | torch.Tensor, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is True on any rank: one all-reduce and one host read.
+    ``flag`` may be a 0-dim tensor already on ``device`` (filled without a host-to-device copy,
+    which would be a second synchronisation)."""
+    t = (flag.reshape(1).float() if torch.is_tensor(flag)
+         else torch.full((1,), 1.0 if flag else 0.0, device=device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
 
-def nonfinite_agreed(loss: torch.Tensor, device: torch.device) -> bool:
-    """True on every rank when ``loss`` is NaN/inf on any rank (one all-reduce of a flag)."""
-    return any_rank(not bool(torch.isfinite(loss).all()), device)
+def is_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on the loss's device, True when any element is NaN/inf. No host sync: a step
+    ORs it over its micro-batches and reads it once (:meth:`StopControl._nonfinite`)."""
+    return ~torch.isfinite(loss.detach()).all()
 
 
 class StopControl:
@@ -132,11 +136,11 @@ class StopControl:
             raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; "
                                 f"checkpoint saved in {path}")
 
-    def _nonfinite(self, loss: torch.Tensor) -> bool:
-        """Agree across ranks on a non-finite loss: False (finite), True (skip this step,
-        ``optim.nonfinite =skip``), or checkpoint the last good state and raise
-        :class:`NonFiniteLossError`."""
-        if not nonfinite_agreed(loss, self.device):
+    def _nonfinite(self, bad: torch.Tensor) -> bool:
+        """Agree across ranks on a non-finite loss (``bad``: :func:`is_nonfinite`, or several
+        OR-ed): False (finite), True (skip this step, ``optim.nonfinite=skip``), or checkpoint the
+        last good state and raise :class:`NonFiniteLossError`."""
+        if not any_rank(bad, self.device):
             return False
         if self.nonfinite.should_skip():
             if self.rank == 0:

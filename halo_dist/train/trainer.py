@@ -45,7 +45,7 @@ from .profiling import StepProfiler
 from .resume_check import check_same_run
 from .schedules import LRSchedule, make_lr_scheduler
 from .stopping import (NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step,
-                       finish_skipped_step)
+                       finish_skipped_step, is_nonfinite)
 from .teacher_identity import run_teacher_digests
 
 StepHook = Callable[[Any, int], None]
@@ -64,6 +64,11 @@ def run_loss_hooks(trainer, loss: torch.Tensor) -> torch.Tensor:
     for hook in trainer.loss_hooks:
         loss = hook(trainer, trainer.step + 1, loss)
     return loss
+
+
+def _at_least_one(count):
+    """A token count floored at 1, as a tensor on its device or a number (no host sync)."""
+    return count.clamp(min=1) if torch.is_tensor(count) else max(1, count)
 
 
 class Trainer(StopControl):
@@ -386,16 +391,22 @@ class Trainer(StopControl):
         micro_batches = [next(self._data) for _ in range(self.layout.grad_accum_steps)]
         normalizer = self._global_tokens(micro_batches) / (self.layout.grad_accum_steps
                                                            * self.loss_ranks)
-        skipping = False  # this step had a non-finite loss and is dropped (module doc)
-        for batch in micro_batches:
+        # A step with a non-finite loss in any micro-batch is dropped (module doc). The flag stays
+        # on the device and is read once, before the last backward: a read after every forward
+        # would drain the GPU's queue between each forward and its backward.
+        bad, skipping, losses = None, False, []
+        for i, batch in enumerate(micro_batches):
             self._track_attended_keys(batch)
             loss, tracked, count = self.engine(**self._to_device(batch), normalizer=normalizer)
             loss = run_loss_hooks(self, loss)
-            if not skipping:
-                skipping = self._nonfinite(loss)
-            if not skipping:
-                self.metrics.add("train/loss", tracked / max(1, int(count)), weight=count)
+            bad = is_nonfinite(loss) if bad is None else bad | is_nonfinite(loss)
+            if i == len(micro_batches) - 1:
+                skipping = self._nonfinite(bad)
+            losses.append((tracked, count))
             backward_and_step(self.engine, loss, drop=skipping)
+        if not skipping:
+            for tracked, count in losses:
+                self.metrics.add("train/loss", tracked / _at_least_one(count), weight=count)
         self.step += 1
         self.tokens_seen += self.layout.tokens_per_step
         self._profiler.after_step(self.step)
@@ -434,7 +445,8 @@ class Trainer(StopControl):
 
     def _global_tokens(self, micro_batches) -> float:
         local = sum(self.module.loss_tokens(b) for b in micro_batches)
-        t = torch.tensor([float(local)], device=self.device, dtype=torch.float64)
+        # filled on the device: a host-to-device copy would be a second synchronisation
+        t = torch.full((1,), float(local), device=self.device, dtype=torch.float64)
         dist.all_reduce(t)
         return max(1.0, float(t.item()))
 
