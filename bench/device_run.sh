@@ -32,6 +32,9 @@
 #   P21d (one GPU): the GLA/RWKV-7/Mamba2 kernel checks alone (carry .whl)
 #   P21c (one GPU): stage 3 (16K) with compiled layers and the compiled loss (carry .whl .bench_data)
 #   P21b (one GPU): pretraining 500M eager vs compiled (micro 4/8), then the GLA/RWKV-7/Mamba2 checks (carry .whl)
+#   P22a (one GPU): bench/find_syncs.py on stage 2 (2B) beside the RWKV-7 / Mamba2 kernel checks, then a stage-2
+#      profile with idle gaps | P22b: stage 2 + stage 3 + the naive baseline after the sync fixes (carry .whl
+#      .bench_data)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -328,6 +331,21 @@ P22a)
     cp runs/bench/stage2p22a/profile/summary.txt "$OUT/p22a_stage2_profile.txt" 2>/dev/null
     cp runs/bench/stage2p22a/profile/summary.json "$OUT/p22a_stage2_profile.json" 2>/dev/null
   fi
+  ;;
+P22b)
+  # issue 20 item 2 after P22a: fla's packed-batch state passes read their chunk count once per batch
+  # (halo_dist/models/fla_offsets.py). Its GPU test (bitwise fla's, fewer syncs); stage 2 (2B) with it and the
+  # naive baseline of the same run, a profile of steps 6-7 with idle gaps; then stage 2 without it
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fla_offsets.py > "$OUT/fla_offsets_test.log" 2>&1
+  echo "fla_offsets test rc=$?"; tail -3 "$OUT/fla_offsets_test.log"
+  timeout 330 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 7 1 --naive-steps 6 \
+    --tag p22b --timeout 220 --extra logging.profile_at_step=6 logging.profile_steps=2 \
+    > "$OUT/stages_p22b.log" 2>&1; echo "stages rc=$?"
+  cp runs/bench/stage2p22b/profile/summary.txt "$OUT/p22b_stage2_profile.txt" 2>/dev/null
+  cp runs/bench/stage2p22b/profile/summary.json "$OUT/p22b_stage2_profile.json" 2>/dev/null
+  HALO_FLA_CACHED_OFFSETS=0 timeout $((585 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long \
+    --no-naive --stages 2 --steps 1 6 1 --tag p22b_off --timeout $((570 - SECONDS)) \
+    > "$OUT/stages_p22b_off.log" 2>&1; echo "stages off rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -290,7 +290,8 @@ def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend
 def _counts(s_h, labels, ignore_index):
     """(valid KL tokens, valid CE tokens) as int64 tensors on the inputs' device (after
     compaction)."""
-    n = torch.tensor(s_h.shape[0], dtype=torch.int64, device=s_h.device)
+    # filled on the device: torch.tensor(..., device=cuda) is a blocking copy, a host sync per call
+    n = torch.full((), s_h.shape[0], dtype=torch.int64, device=s_h.device)
     n_ce = torch.zeros_like(n) if labels is None else (labels != ignore_index).sum()
     return n, n_ce
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig, deepspeed_config, fit_to_world
 from ..data import build_loader
+from ..models.fla_offsets import install as install_fla_offsets
 from ..models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
 from ..parallel.env import local_device
@@ -124,6 +125,8 @@ class Trainer(StopControl):
             # Distillation gradients get tiny (student ≈ teacher); x86 denormal arithmetic then runs
             # ~10-100x slower (measured: 47 s vs 4 s per demo step). GPUs flush denormals anyway.
             torch.set_flush_denormal(True)
+        if self.device.type == "cuda":
+            install_fla_offsets()  # fla's packed-batch state passes without a sync per layer
         self.schedule = LRSchedule.from_config(cfg)
 
     def _check_data(self) -> None:
