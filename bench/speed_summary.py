@@ -25,7 +25,9 @@ from bench.common import RESULTS, print_table  # noqa: E402
 SOURCES = {
     "teacher_decode": RESULTS / "decode_profile_teacher_512k.json",
     "hypenet_decode": RESULTS / "decode_profile_hypenet_512k.json",
-    "stages": RESULTS / "stages_p21a.json",
+    # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
+    "stage2": RESULTS / "stages_p22b.json",
+    "stage3": RESULTS / "stages_p21a.json",
     "opd": RESULTS / "opd_p20c.json",
     "inference": RESULTS / "inference.json",
     "pretrain": RESULTS / "pretrain_p21b.json",
@@ -57,8 +59,9 @@ def summary() -> dict:
     out["decode_bytes_bound_ratio_512k"] = hypenet["vs_bound"] if hypenet else None
     out["decode_best_variants_512k"] = {r["model"]: (r["variant"], r["step_ms"], r["bound_ms"])
                                         for r in (teacher, hypenet) if r}
-    for key in ("stage2_mfu", "stage2_speedup_vs_naive", "stage3_mfu"):
-        out[key] = (src["stages"] or {}).get(key)
+    for key in ("stage2_mfu", "stage2_speedup_vs_naive"):
+        out[key] = (src["stage2"] or {}).get(key)
+    out["stage3_mfu"] = (src["stage3"] or {}).get("stage3_mfu")
     opd = next((r for r in (src["opd"] or {}).get("results", []) if r.get("horizon") == 2048), None)
     out["opd_rollout_tokens_per_s_h2048"] = opd and opd["rollout_tokens_per_s"]
     out["opd_step_tokens_per_s_h2048"] = opd and opd["opd_tokens_per_s"]
