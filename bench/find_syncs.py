@@ -14,7 +14,8 @@ stack of each warning. On CPU nothing synchronises, so it records the operators 
 GPU (``_local_scalar_dense`` behind ``.item()``/``bool()``, ``nonzero``, ``repeat_interleave``
 without an output size, ``masked_select``, ``unique``, boolean indexing): the host-side syncs of
 our own loop show there too; those inside CUDA-only kernels (fla, flash-attn) only on a GPU.
-Steps are counted at the trainer's step boundary; ``--skip-steps`` leaves out the warm-up.
+Steps are counted at the trainer's step boundaries; ``--skip-steps`` leaves out the warm-up, and the
+last step is left out too (it also holds the final checkpoint and export), so run two steps more.
 """
 
 from __future__ import annotations
@@ -59,15 +60,23 @@ class SyncLog:
         frames = [f for f in traceback.extract_stack()
                   if not any(s in f.filename for s in SKIP_FRAMES)]
         site = tuple(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in frames[-FRAMES:])
-        self.counts[(kind, site)] += 1
+        self.counts[(self.step, kind, site)] += 1
 
     def report(self, top: int) -> dict:
-        steps = self.step - self.first_counted + 1 if self.first_counted is not None else 0
+        """Per-step counts over the counted steps but the last, which also holds what runs after
+        training (the final checkpoint and export); the last one only when it is the only one."""
+        last = self.step if self.first_counted is not None and self.step > self.first_counted \
+            else None
+        steps = 0 if self.first_counted is None else self.step - self.first_counted + (last is None)
         per = max(steps, 1)
+        counts: collections.Counter = collections.Counter()
+        for (step, kind, site), c in self.counts.items():
+            if step != last:
+                counts[(kind, site)] += c
         rows = [{"per_step": c / per, "kind": kind, "stack": list(site)}
-                for (kind, site), c in self.counts.most_common(top)]
+                for (kind, site), c in counts.most_common(top)]
         return {"steps_counted": steps, "skip_steps": self.skip_steps,
-                "syncs_per_step": sum(self.counts.values()) / per, "sites": rows}
+                "syncs_per_step": sum(counts.values()) / per, "sites": rows}
 
 
 def _short(filename: str) -> str:
