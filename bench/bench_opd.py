@@ -54,6 +54,10 @@ def parse_args(argv=None):
                    help="activation checkpointing in the student")
     p.add_argument("--static-decode", action="store_true",
                    help="rollouts through the CUDA-graph StaticDecoder")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="student and teacher layers compiled for training (model.compile=layer)")
+    p.add_argument("--compile-rollouts", action="store_true",
+                   help="the static decode step through torch.compile (opd.compile_rollouts)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, fp32")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -96,13 +100,15 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     prompts = prompts.tolist()
     # untimed: Triton compilation/autotuning and the first graph capture of this batch shape
     sample_rollouts(student, prompts, 4, eos_token_id=None, generator=g,
-                    static_cache=args.static_decode)
+                    static_cache=args.static_decode,
+                    compile_static=args.compile_rollouts)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t0 = time.perf_counter()
     gens = sample_rollouts(student, prompts, horizon, eos_token_id=None, generator=g,
-                           static_cache=args.static_decode)
+                           static_cache=args.static_decode,
+                    compile_static=args.compile_rollouts)
     sync(device)
     gen_s = time.perf_counter() - t0
     gen_mem = peak_gib(device)
@@ -163,6 +169,11 @@ def main(argv=None) -> int:
             return 2
         device, dtype, shape, attn = torch.device("cuda"), torch.bfloat16, SHAPE_2B, ATTN_2B
     student, teacher = build(shape, attn, device, dtype)
+    if args.compile_layers:
+        from halo_dist.models.hypenet.modeling_hypenet import compile_decoder_layers
+
+        compile_decoder_layers(student, "layer")
+        compile_decoder_layers(teacher, "layer")
     rows = []
     for h in args.horizons:
         try:

@@ -35,6 +35,8 @@
 #   P22a (one GPU): bench/find_syncs.py on stage 2 (2B) beside the RWKV-7 / Mamba2 kernel checks, then a stage-2
 #      profile with idle gaps | P22b: stage 2 + stage 3 + the naive baseline after the sync fixes (carry .whl
 #      .bench_data)
+#   P23a (one GPU): decode with the Triton GEMV vs cuBLAS, both shapes at 512K, and the CUDA tests (carry .whl)
+#   P23b / P23c (one GPU): OPD h2048 with compiled rollouts + compiled layers vs without; h8K (carry .whl)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -346,6 +348,33 @@ P22b)
   HALO_FLA_CACHED_OFFSETS=0 timeout $((585 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long \
     --no-naive --stages 2 --steps 1 6 1 --tag p22b_off --timeout $((570 - SECONDS)) \
     > "$OUT/stages_p22b_off.log" 2>&1; echo "stages off rc=$?"
+  ;;
+P23a)
+  # issue 20 item 1: the decode step's projections through the Triton GEMV (decode_gemv.py). Its CUDA tests and the
+  # other decode/fla CUDA tests; then both shapes at 512K with the GEMV (compiled) against cuBLAS (compiled-cublas),
+  # same process, HypeNet on a prefilled cache
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemv.py tests/test_static_decode.py \
+    tests/test_fla_offsets.py -k "cuda or gemv" > "$OUT/p23a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -3 "$OUT/p23a_cuda_tests.log"
+  timeout 220 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled-cublas compiled --out bench/results/decode_profile_hypenet_512k_p23.json \
+    > "$OUT/profile_hypenet_512k_p23.log" 2>&1; echo "hypenet 512K rc=$?"
+  timeout $((585 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
+    --variants compiled-cublas compiled --out bench/results/decode_profile_teacher_512k_p23.json \
+    > "$OUT/profile_teacher_512k_p23.log" 2>&1; echo "teacher 512K rc=$?"
+  ;;
+P23b)
+  # issue 20 item 4: OPD at horizon 2048, 256 rollouts: the compiled static step in the rollouts and compiled layers in
+  # the training step, against the same run's code path without them
+  timeout 280 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode --compile-rollouts \
+    --compile-layers --out bench/results/opd_p23.json > "$OUT/opd_p23.log" 2>&1; echo "opd compiled rc=$?"
+  timeout $((585 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode \
+    --out bench/results/opd_p23_base.json > "$OUT/opd_p23_base.log" 2>&1; echo "opd base rc=$?"
+  ;;
+P23c)
+  # issue 20 item 4: horizon 8K (64 rollouts) with both compilations
+  timeout 560 python3 bench/bench_opd.py --horizons 8192 --rollouts 64 --static-decode --compile-rollouts \
+    --compile-layers --out bench/results/opd_p23_h8k.json > "$OUT/opd_p23_h8k.log" 2>&1; echo "opd 8K rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -141,8 +141,12 @@ def test_static_decode_rollouts_sample_the_same_tokens():
     static = sample_rollouts(student, prompts, 10, eos_token_id=None, generator=gen(),
                              static_cache=True)
     assert static == dynamic and all(len(g) == 10 for g in static)
-    cfg = tiny_cfg("/tmp/unused", "opd.static_decode=true")
-    assert cfg.opd.static_decode is True
+    # opd.compile_rollouts: the step through torch.compile (float64 on CPU: the same draws)
+    compiled = sample_rollouts(student, prompts, 10, eos_token_id=None, generator=gen(),
+                               static_cache=True, compile_static=True)
+    assert compiled == dynamic
+    cfg = tiny_cfg("/tmp/unused", "opd.static_decode=true", "opd.compile_rollouts=true")
+    assert cfg.opd.static_decode is True and cfg.opd.compile_rollouts is True
 
 
 def test_bench_opd_cpu_smoke_with_static_rollouts(tmp_path):
@@ -288,6 +292,22 @@ def test_tiny_run_heldout_reverse_kl_falls(tmp_path):
     assert (record["stage"] == "opd" and record["step"] == 24
             and record["tokens"] == t.tokens_seen > 0)
     assert record["eval"]["eval/reverse_kl"] == last
+
+
+def test_compiled_layers_and_rollouts_train_like_the_eager_run(tmp_path):
+    """model.compile=layer (training forwards of student and teacher compiled, rollouts eager): the
+    same sampled tokens and, to float rounding, the same losses as the eager run
+    (opd.compile_rollouts: test_static_decode_rollouts_sample_the_same_tokens)."""
+    common = ("schedule.total_steps=3", "schedule.decay_steps=1", "opd.eval_every=0",
+              "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.every_steps=0",
+              "opd.snapshot_every=0")
+    eager = run_trainer(tiny_cfg(tmp_path / "eager", *common))
+    compiled = run_trainer(tiny_cfg(tmp_path / "compiled", *common, "model.compile=layer"))
+    assert eager.tokens_seen == compiled.tokens_seen > 0
+    want, got = (read_metrics(tmp_path / name)["train/loss"] for name in ("eager", "compiled"))
+    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3]
+    for (_, a), (_, b) in zip(got, want):
+        assert math.isclose(a, b, rel_tol=1e-4), (got, want)
 
 
 def test_rung_continuation_reproduces_the_longer_run(tmp_path):

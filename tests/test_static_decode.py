@@ -130,6 +130,27 @@ def test_compiled_static_step_equals_eager_and_compiles_once():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_static_step_compiles_once_across_prompt_widths():
+    """Decoders over prompts of different widths in caches of the same room share one compiled
+    step: nothing in it depends on the prompt's length on the host (OPD builds a decoder per
+    rollout batch, and a recompilation costs ~40 s for a 2B model)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(("attention", "lightning")).float()
+    for width in (11, 13, 6):
+        ids = torch.randint(1, 97, (2, width))
+        cache = HypeNetCache(2, max_cache_len=32)
+        with torch.no_grad():
+            nxt = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        dec = StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
+        for _ in range(2):
+            nxt = dec.step(nxt.argmax(-1))
+        assert dec.compile_error is None and dec.length == width + 2
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_static_greedy_equals_generate():
     model = tiny(("attention", "lightning", "attention", "lightning"))
     ids = torch.randint(1, 97, (2, 9))

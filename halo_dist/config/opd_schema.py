@@ -98,6 +98,9 @@ class OPDConfig(Section):
     stop_at_eos: bool = True  # a rollout ends at EOS (the EOS token itself is trained)
     # rollouts through StaticDecoder (CUDA-graph steps; same tokens as dynamic)
     static_decode: bool = True
+    # the static step through torch.compile (fuses its ~1,000 small kernels; compiles once per
+    # rollout count and cache room, the room rounded up to 256 tokens)
+    compile_rollouts: bool = False
     # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
     tokenizer: Optional[str] = None
     eos_token_id: Optional[int] = None  # default: the tokenizer's

@@ -339,9 +339,9 @@ class RunConfig(Section):
             fail("model.compile", f"{self.model.compile} needs parallel.zero_stage <= 2: ZeRO-3 "
                                   "gathers each layer's parameters in hooks that a compiled layer "
                                   "does not run (it would see empty shards)")
-        if self.stage.name not in ("stage2", "stage3", "pretrain"):
+        if self.stage.name not in ("stage2", "stage3", "pretrain", "opd"):
             fail("model.compile",
-                 f"is applied by stages 2/3 and pretrain, not {self.stage.name}: set none")
+                 f"is applied by stages 2/3, OPD and pretrain, not {self.stage.name}: set none")
 
     def _validate_opd(self) -> None:
         if (self.stage.name == "opd") != (self.opd is not None):

@@ -47,6 +47,9 @@ from transformers import GenerationConfig
 from ..config.coerce import ConfigError
 from ..errors import IncompatibleInputError
 from ..losses import fused_distill_loss
+from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
+from ..models.hypenet.generation_hypenet import _GENERATE_CACHE_KWARG
+from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from .build import check_same_vocab
 
 
@@ -185,11 +188,15 @@ class Rollout:
     source: str = ""  # prompt set name
 
 
+# compiled static rollouts: cache rooms are multiples of this (one compilation per room)
+ROOM_MULTIPLE = 256
+
+
 @torch.no_grad()
 def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0,
                     top_p: float = 1.0, eos_token_id: int | None = None, pad_token_id: int = 0,
                     stop_at_eos: bool = True, generator: torch.Generator | None = None,
-                    static_cache: bool = False) -> list[list[int]]:
+                    static_cache: bool = False, compile_static: bool = False) -> list[list[int]]:
     """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the
     student's own distribution under ``temperature`` / ``top_p`` only: the model's generation
     defaults stay out (an export carries its teacher's chat defaults, e.g. a top-k or a repetition
@@ -197,6 +204,10 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
 
     ``generator``: the draws come from a seed taken from it (see ``_sampling_seeded_by``).
     ``static_cache``: decode through ``StaticDecoder`` (a CUDA-graph replay per token on CUDA).
+    ``compile_static``: its step through ``torch.compile`` first (fuses the step's ~1,000 small
+    kernels). It compiles once per rollout count, padding or not, and cache room; the room is
+    rounded up to ``ROOM_MULTIPLE`` tokens so that prompts of similar width share a compilation.
+    Layers compiled for training (``model.compile``) run eagerly here.
     """
     if not prompts:
         return []
@@ -213,13 +224,18 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     was_training, defaults = model.training, model.generation_config
     model.eval()
     model.generation_config = GenerationConfig()
+    cache = {"cache_implementation": "static" if static_cache else None}
+    if static_cache and compile_static:
+        room = -(-(width + horizon + STATIC_WARMUP_TOKENS) // ROOM_MULTIPLE) * ROOM_MULTIPLE
+        cache = {_GENERATE_CACHE_KWARG: HypeNetCache(
+            model.config.num_hidden_layers, max_cache_len=room, static=True,
+            static_options={"compile": True})}
     try:
-        with _sampling_seeded_by(generator, device):
+        with _sampling_seeded_by(generator, device), eager_decoder_layers(model):
             out = model.generate(ids.to(device), attention_mask=mask.to(device),
                                  max_new_tokens=horizon, do_sample=True, temperature=temperature,
                                  top_p=top_p, top_k=0, eos_token_id=[eos_token_id] if early else [],
-                                 pad_token_id=pad_token_id,
-                                 cache_implementation="static" if static_cache else None)
+                                 pad_token_id=pad_token_id, **cache)
     finally:
         model.train(was_training)
         model.generation_config = defaults

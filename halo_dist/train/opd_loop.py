@@ -35,6 +35,7 @@ from ..errors import IncompatibleInputError, MissingInputError
 from ..parallel.safe_load import safe_load
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step,
                           pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
+from ..models.hypenet.modeling_hypenet import compile_decoder_layers
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
 from .checkpoint import MARKER, TRAINER_STATE, rank_file
@@ -114,6 +115,9 @@ class OPDTrainer(Trainer):
         student, teacher, self.tokenizer = build_models(cfg, **self._inject)
         if cfg.model.activation_checkpointing:
             student.model.gradient_checkpointing = True
+        # training forwards only: rollouts run the layers eagerly (``sample_rollouts``)
+        compile_decoder_layers(student, cfg.model.compile)
+        compile_decoder_layers(teacher, cfg.model.compile)
         self.eos = (opd.eos_token_id if opd.eos_token_id is not None
                     else getattr(self.tokenizer, "eos_token_id", None))
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -250,7 +254,8 @@ class OPDTrainer(Trainer):
             gens = sample_rollouts(
                 model, [p for _, p in chunk], horizon, temperature=opd.temperature, top_p=opd.top_p,
                 eos_token_id=self.eos, pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
-                generator=self.generator, static_cache=opd.static_decode)
+                generator=self.generator, static_cache=opd.static_decode,
+                compile_static=opd.compile_rollouts)
             out += [Rollout(p, g, name) for (name, p), g in zip(chunk, gens)]
         _sync(self.device)
         return out, time.perf_counter() - t0
@@ -409,7 +414,8 @@ class OPDTrainer(Trainer):
                 gens = sample_rollouts(model, chunk, horizon, temperature=opd.temperature,
                                        top_p=opd.top_p, eos_token_id=self.eos,
                                        pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
-                                       generator=gen, static_cache=opd.static_decode)
+                                       generator=gen, static_cache=opd.static_decode,
+                                       compile_static=opd.compile_rollouts)
                 rs = [Rollout(p, g) for p, g in zip(chunk, gens) if g]
                 if not rs:
                     continue

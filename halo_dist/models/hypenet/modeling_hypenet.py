@@ -14,6 +14,7 @@ without halo_dist.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,9 @@ class HypeNetDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, info: SequenceInfo,
                 cache: HypeNetCache | None = None) -> torch.Tensor:
         h = x + self.mixer(self.input_layernorm(x), info, cache)
-        return h + self.mlp(self.post_attention_layernorm(h),
-                            packed_for(cache, self.mixer.layer_idx, "mlp"))
+        idx = self.mixer.layer_idx
+        return h + self.mlp(self.post_attention_layernorm(h), packed_for(cache, idx, "mlp"),
+                            packed_for(cache, idx, "mlp_out"))
 
 
 def compile_decoder_layers(model: nn.Module, scope: str) -> nn.Module:
@@ -83,6 +85,24 @@ def compile_decoder_layers(model: nn.Module, scope: str) -> nn.Module:
             layer.post_attention_layernorm.compile()
             layer.mlp.compile()
     return model
+
+
+@contextmanager
+def eager_decoder_layers(model: nn.Module):
+    """Within the block, decoder layers that ``compile_decoder_layers`` compiled run eagerly.
+    Generation wants that: a prefill or decode step through a layer compiled for training shapes
+    would compile it again for every new shape and cache layout, and the static decoder compiles
+    its whole step itself (``StaticDecoder(compile=True)``). ``nn.Module.compile`` keeps the
+    compiled call in ``_compiled_call_impl``, which is set aside here and restored after."""
+    layers = list(model.model.layers)
+    saved = [layer._compiled_call_impl for layer in layers]
+    try:
+        for layer in layers:
+            layer._compiled_call_impl = None
+        yield model
+    finally:
+        for layer, impl in zip(layers, saved):
+            layer._compiled_call_impl = impl
 
 
 class HypeNetPreTrainedModel(PreTrainedModel):
