@@ -98,8 +98,10 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len),
                             generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
-    # untimed: Triton compilation/autotuning and the first graph capture of this batch shape
-    sample_rollouts(student, prompts, 4, eos_token_id=None, generator=g,
+    # untimed: Triton compilation/autotuning and the first graph capture of this batch shape; a
+    # compiled step is compiled per cache room, which the horizon sets: warm it up at the same one
+    warm = horizon if args.compile_rollouts else 4
+    sample_rollouts(student, prompts, warm, eos_token_id=None, generator=g,
                     static_cache=args.static_decode,
                     compile_static=args.compile_rollouts)
     if device.type == "cuda":
