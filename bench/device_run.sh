@@ -350,7 +350,8 @@ P22b)
     > "$OUT/stages_p22b_off.log" 2>&1; echo "stages off rc=$?"
   ;;
 P23a)
-  # issue 20 item 1: the decode step's projections through the Triton GEMV (decode_gemv.py). Its CUDA tests and the
+  # (ran at commit 69e96b7: the GEMV measured slower than cuBLAS and was removed after it; check that commit out to
+  # re-run) issue 20 item 1: the decode step's projections through the Triton GEMV (decode_gemv.py). Its CUDA tests and the
   # other decode/fla CUDA tests; then both shapes at 512K with the GEMV (compiled) against cuBLAS (compiled-cublas),
   # same process, HypeNet on a prefilled cache
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemv.py tests/test_static_decode.py \
@@ -378,6 +379,10 @@ P23c)
     --compile-layers --out bench/results/opd_p23c.json > "$OUT/opd_p23c.log" 2>&1; echo "opd compiled rc=$?"
   timeout $((585 - SECONDS)) python3 bench/bench_opd.py --horizons 8192 --rollouts 64 --static-decode \
     --out bench/results/opd_p23c_h8k.json > "$OUT/opd_p23c_h8k.log" 2>&1; echo "opd 8K rc=$?"
+  ;;
+P23d)  # the GPU test of fla_offsets.py with its corrected sync bound (P22b ran the earlier bound)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fla_offsets.py > "$OUT/p23d_fla_offsets_test.log" 2>&1
+  echo "fla_offsets test rc=$?"; tail -3 "$OUT/p23d_fla_offsets_test.log"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

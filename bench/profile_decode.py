@@ -18,10 +18,8 @@ depends on the cache's size, not its values):
 ``--variants`` times alternative decode paths in the same process (same weights, same cache size):
 ``graph`` (the default StaticDecoder: packed input projections, Lightning's state updated in place),
 ``baseline`` (both off: a GEMM per projection, fla's recurrent kernel and a state copy),
-``cublas`` (the projections through cuBLAS instead of the Triton GEMV),
 ``separate`` (packing off only), ``fla`` (in-place update off only), and ``compiled`` /
-``compiled-baseline`` / ``compiled-cublas`` (the same, with the step through ``torch.compile``
-before capture).
+``compiled-baseline`` (the same, with the step through ``torch.compile`` before capture).
 Writes ``bench/results/decode_profile.json``.
 
   python bench/profile_decode.py                              # H200, 512K and 32K
@@ -72,8 +70,6 @@ VARIANTS = {
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
     "compiled": dict(compile=True),
-    "cublas": dict(gemv=False),
-    "compiled-cublas": dict(compile=True, gemv=False),
     "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
 }
 
@@ -255,7 +251,6 @@ def measure(name, model, context, args, device) -> list[dict]:
                      "step_ms": ms, "bound_ms": bound_ms, "vs_bound": ms / bound_ms,
                      "setup_s": round(setup_s, 1), "graph": dec.graph is not None,
                      "error": dec.graph_error or dec.compile_error, "rel_err_vs_eager": err,
-                     "gemv_tuned": {f"{n}x{k}": v for (n, k), v in dec.gemv_report.items()},
                      **bound, **prof})
         del dec
         if not args.prefill:

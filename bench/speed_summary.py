@@ -23,12 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, print_table  # noqa: E402
 
 SOURCES = {
-    "teacher_decode": RESULTS / "decode_profile_teacher_512k.json",
-    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k.json",
+    # both shapes at 512K in one session (P23: cuBLAS and the removed Triton GEMV; best row wins)
+    "teacher_decode": RESULTS / "decode_profile_teacher_512k_p23.json",
+    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p23.json",
     # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
     "stage2": RESULTS / "stages_p22b.json",
     "stage3": RESULTS / "stages_p21a.json",
-    "opd": RESULTS / "opd_p20c.json",
+    "opd": RESULTS / "opd_p23_base.json",
+    "opd_8k": RESULTS / "opd_p23c_h8k.json",
     "inference": RESULTS / "inference.json",
     "pretrain": RESULTS / "pretrain_p21b.json",
 }
@@ -65,6 +67,10 @@ def summary() -> dict:
     opd = next((r for r in (src["opd"] or {}).get("results", []) if r.get("horizon") == 2048), None)
     out["opd_rollout_tokens_per_s_h2048"] = opd and opd["rollout_tokens_per_s"]
     out["opd_step_tokens_per_s_h2048"] = opd and opd["opd_tokens_per_s"]
+    opd8 = next((r for r in (src["opd_8k"] or {}).get("results", [])
+                 if r.get("horizon") == 8192 and "error" not in r), None)
+    out["opd_rollout_tokens_per_s_h8192"] = opd8 and opd8["rollout_tokens_per_s"]
+    out["opd_step_tokens_per_s_h8192"] = opd8 and opd8["opd_tokens_per_s"]
     out["prefill_speedup_512k"] = (src["inference"] or {}).get("prefill_speedup_512k")
     out["pretrain_mfu_transformer_500m"] = (src["pretrain"] or {}).get("transformer_mfu")
     out["pretrain_mfu_hypenet_500m"] = (src["pretrain"] or {}).get("hypenet_lightning_hype_mfu")

@@ -48,7 +48,6 @@ MODEL_FILES = (
     "static_decode.py",  # CUDA-graph decoding
     "decode_attention.py",  # its split-KV attention kernel
     "decode_lightning.py",  # its in-place Lightning state update
-    "decode_gemv.py",  # its GEMV for the projections at batch 1
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_hypenet.HypeNetConfig",

@@ -100,8 +100,7 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
             o = self._attend_with_cache(q, k, v, info, cache, scale)
         else:
             o = self._attend(q, k, v, info, scale)
-        # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
-        return self.finish(self.sp_gather(o), x, g, packed_for(cache, self.layer_idx, "mixer_out"))
+        return self.finish(self.sp_gather(o), x, g)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
 
     def _attend(self, q, k, v, info: SequenceInfo, scale: float):
         if info.cu_seqlens is not None:
@@ -134,10 +133,9 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         mask = mask | ~info.key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows
         return sdpa(q, k, v, mask=mask, scale=scale)
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None = None,
-               packed_out: PackedLinears | None = None) -> torch.Tensor:
-        """Optional per-head norm and output gate, then W_o (through ``packed_out`` when a static
-        decoder holds it). o ``[B, T, H, D]`` -> ``[B, T, d]``."""
+    def finish(self, o: torch.Tensor, x: torch.Tensor,
+               gate_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Optional per-head norm and output gate, then W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
         B, T, H, D = o.shape
         if self.config.attn_output_norm:
             o = per_head_rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps)
@@ -145,7 +143,7 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
             o = o.reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
         if self.config.attn_output_gate:
             o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
-        return linear_outputs(o, [self.o_proj], packed_out)[0]
+        return self.o_proj(o)
 
 
 class SlidingWindowAttention(HypeNetAttention):

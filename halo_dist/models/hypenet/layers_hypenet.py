@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_hypenet import HypeNetConfig
-from .decode_gemv import decode_linear
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,15 +45,12 @@ class PackedLinears:
     the output dim, the result split back. Decoding uses it (``StaticDecoder``): at batch 1 a step
     reads every weight once either way, but a lone 2048 x 2048 GEMV keeps only a fraction of a GPU's
     SMs busy, and one launch replaces three or four. The concatenation is a copy: it does not follow
-    later updates of the weights (a single linear is used as it is, without a copy).
+    later updates of the weights."""
 
-    ``gemv``: a decode step's few rows go through the Triton GEMV (``decode_gemv.py``) on CUDA."""
-
-    def __init__(self, linears: list[nn.Linear], gemv: bool = False):
+    def __init__(self, linears: list[nn.Linear]):
         weights = [lin.weight.detach() for lin in linears]
         self.sizes = [w.shape[0] for w in weights]
-        self.gemv = gemv
-        self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)  # [sum N_i, d]
+        self.weight = torch.cat(weights)  # [sum N_i, d]
         if all(lin.bias is None for lin in linears):
             self.bias = None
         else:
@@ -64,7 +60,7 @@ class PackedLinears:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x ``[..., d]`` -> one ``[..., N_i]`` output per linear."""
-        return decode_linear(x, self.weight, self.bias, self.gemv).split(self.sizes, dim=-1)
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def linear_outputs(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | None):
@@ -74,9 +70,8 @@ def linear_outputs(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLine
 
 
 def packed_for(cache, layer_idx: int, block: str) -> PackedLinears | None:
-    """The packed projections a StaticDecodeCache holds for ``block`` of layer ``layer_idx``: the
-    input projections of "mixer" or "mlp", or the output projection of "mixer_out" or "mlp_out";
-    None for any other cache, or when the decoder packs none."""
+    """The packed input projections a StaticDecodeCache holds for ``block`` ("mixer" or "mlp") of
+    layer ``layer_idx``; None for any other cache, or when the decoder packs none."""
     packs = getattr(cache, "packed", None)
     return None if packs is None else packs.get((layer_idx, block))
 
@@ -95,10 +90,9 @@ class HypeNetMLP(nn.Module):
         """The linears reading the block's input (``PackedLinears`` packs them for decoding)."""
         return [self.gate_proj, self.up_proj]
 
-    def forward(self, x, packed: PackedLinears | None = None,
-                packed_out: PackedLinears | None = None):
+    def forward(self, x, packed: PackedLinears | None = None):
         gate, up = linear_outputs(x, self.input_linears(), packed)
-        return linear_outputs(F.silu(gate) * up, [self.down_proj], packed_out)[0]
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,

@@ -63,9 +63,8 @@ class HypeNetDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, info: SequenceInfo,
                 cache: HypeNetCache | None = None) -> torch.Tensor:
         h = x + self.mixer(self.input_layernorm(x), info, cache)
-        idx = self.mixer.layer_idx
-        return h + self.mlp(self.post_attention_layernorm(h), packed_for(cache, idx, "mlp"),
-                            packed_for(cache, idx, "mlp_out"))
+        return h + self.mlp(self.post_attention_layernorm(h),
+                            packed_for(cache, self.mixer.layer_idx, "mlp"))
 
 
 def compile_decoder_layers(model: nn.Module, scope: str) -> nn.Module:

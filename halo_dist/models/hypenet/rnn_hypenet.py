@@ -121,7 +121,7 @@ class LightningMixer(RNNMixerBase):
             # static decode: the state is updated in place in the cache's fixed buffer
             # (decode_lightning.py)
             o = cache.lightning_step(self.layer_idx, q, k, v, log_decay, scale)
-            return self.finish(o, x, g, packed_for(cache, self.layer_idx, "mixer_out"))
+            return self.finish(o, x, g)
         state = None if cache is None else cache.layers[self.layer_idx]
         decode = state is not None and q.shape[1] <= 16
         # varlen kernels want the batch flattened: [B, T, h, D] -> [1, B*T, h, D]
@@ -135,17 +135,15 @@ class LightningMixer(RNNMixerBase):
         o = o.reshape(B, T, *o.shape[2:])
         if cache is not None:
             cache.set_state(self.layer_idx, final)
-        # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
-        return self.finish(self.sp_gather(o), x, g, packed_for(cache, self.layer_idx, "mixer_out"))
+        return self.finish(self.sp_gather(o), x, g)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None = None,
-               packed_out: PackedLinears | None = None) -> torch.Tensor:
-        """RMSNorm (per head by default), gate, W_o (through ``packed_out`` when a static decoder
-        holds it). o ``[B, T, H, D]`` -> ``[B, T, d]``."""
+    def finish(self, o: torch.Tensor, x: torch.Tensor,
+               gate_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm (per head by default), gate, W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
         o = rnn_output_rms_norm(o.to(x.dtype), self.o_norm.weight, self.config)
         if self.config.rnn_output_gate:
             o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
-        return linear_outputs(o, [self.o_proj], packed_out)[0]
+        return self.o_proj(o)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -241,13 +239,12 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
         if cache is not None:
             cache.set_state(self.layer_idx, final)
         # SP: [B, T, H/sp, V] -> [B, T/sp, H, V]
-        return self.finish(self.sp_gather(o), x, pre, post, g,
-                           packed_for(cache, self.layer_idx, "mixer_out"))
+        return self.finish(self.sp_gather(o), x, pre, post, g)
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None, gate_logits=None,
-               packed_out: PackedLinears | None = None) -> torch.Tensor:
-        """(+pre) RMSNorm (per head by default) (+post), gate, W_o (through ``packed_out`` when a
-        static decoder holds it). o ``[B, T, H, V]`` -> ``[B, T, d]``."""
+    def finish(self, o: torch.Tensor, x: torch.Tensor, pre=None, post=None,
+               gate_logits=None) -> torch.Tensor:
+        """(+pre) RMSNorm (per head by default) (+post), gate, W_o. o ``[B, T, H, V]`` ->
+        ``[B, T, d]``."""
         o = o.to(x.dtype)
         if pre is not None:
             o = o + pre.to(x.dtype)
@@ -256,7 +253,7 @@ class GatedRNNMixer(RNNMixerBase, metaclass=ABCMeta):
             o = o + post.to(x.dtype).flatten(2)  # [B, T, H, V] -> [B, T, H*V]
         if self.config.rnn_output_gate:
             o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
-        return linear_outputs(o, [self.o_proj], packed_out)[0]
+        return self.o_proj(o)
 
 
 class GatedDeltaNetMixer(GatedRNNMixer):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import decode_attention
-from .decode_gemv import tune_gemv
 from .decode_lightning import lightning_decode_
 from .layers_hypenet import PackedLinears
 
@@ -152,22 +151,17 @@ class StaticDecodeCache:
         return self.prompt_tokens
 
 
-def pack_input_projections(model, gemv: bool = False) -> dict:
-    """Every decoder layer's projections for the decode step: the mixer's q/k/v (and output gate)
-    and the MLP's gate/up, each group one GEMM (``PackedLinears``), and the two output projections
-    (o_proj, down_proj; single linears, not copied). A decode step at batch 1 is a chain of GEMVs,
-    and cuBLAS runs a 2048 x 2048 one at a third of the GPU's bandwidth (a 2B-shape profile
+def pack_input_projections(model) -> dict:
+    """Every decoder layer's input projections packed: the mixer's q/k/v (and output gate) and the
+    MLP's gate/up, each group one GEMM (``PackedLinears``). A decode step at batch 1 is a chain of
+    GEMVs, and cuBLAS runs a 2048 x 2048 one at a third of the GPU's bandwidth (a 2B-shape profile
     measured ~0.8 TB/s for the 4-8 MB q/k/v/o weights, 2.3 TB/s for the 25 MB MLP ones). Costs one
-    more copy of the input projections' weights while the decoder lives. ``gemv``: every one of
-    them through the Triton GEMV (``decode_gemv.py``) when the step has at most ``MAX_ROWS``
-    rows."""
+    more copy of those weights while the decoder lives."""
     packs = {}
     for layer in model.model.layers:
         idx = layer.mixer.layer_idx
-        packs[(idx, "mixer")] = PackedLinears(layer.mixer.input_linears(), gemv)
-        packs[(idx, "mlp")] = PackedLinears(layer.mlp.input_linears(), gemv)
-        packs[(idx, "mixer_out")] = PackedLinears([layer.mixer.o_proj], gemv)
-        packs[(idx, "mlp_out")] = PackedLinears([layer.mlp.down_proj], gemv)
+        packs[(idx, "mixer")] = PackedLinears(layer.mixer.input_linears())
+        packs[(idx, "mlp")] = PackedLinears(layer.mlp.input_linears())
     return packs
 
 
@@ -190,34 +184,26 @@ class StaticDecoder:
 
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
                  attention_mask: torch.Tensor | None = None, compile: bool = False,
-                 pack_projections: bool = True, lightning_in_place: bool = True,
-                 gemv: bool = True):
+                 pack_projections: bool = True, lightning_in_place: bool = True):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
         back to the eager step and is kept in ``compile_error``). ``pack_projections``: each layer's
         input projections as one GEMM (``pack_input_projections``; a copy of those weights, taken
         now: build a new decoder after the weights change). ``lightning_in_place``: Lightning's
         state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a copy into the
-        buffer). ``gemv``: with packing, a step of at most ``decode_gemv.MAX_ROWS`` rows runs every
-        projection through the Triton GEMV (tile sizes timed once per weight shape and process,
-        before the warm-up) instead of cuBLAS. The switches exist to measure what each buys
-        (bench/profile_decode.py); the defaults are the fast path."""
+        buffer). The two switches exist to measure what each buys (bench/profile_decode.py); the
+        defaults are the fast path."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
         self._step_fn = (torch.compile(self._step_body, dynamic=False) if compile
                          else self._step_body)
         self.cache = StaticDecodeCache(cache, model.config, attention_mask)
+        if pack_projections:
+            self.cache.packed = pack_input_projections(model)
         self.cache.lightning_in_place = lightning_in_place
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
-        # {(N, K): the tiles timed for that weight shape, vs cuBLAS}: shapes tuned by this decoder
-        self.gemv_report: dict = {}
-        if pack_projections:
-            self.cache.packed = pack_input_projections(model, gemv)
-            if gemv and device.type == "cuda":
-                self.gemv_report = tune_gemv([p.weight for p in self.cache.packed.values()],
-                                             rows=B)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.logits = torch.empty(B, model.config.vocab_size, device=device,
                                   dtype=model.lm_head.weight.dtype)
