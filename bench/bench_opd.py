@@ -54,6 +54,9 @@ def parse_args(argv=None):
                    help="activation checkpointing in the student")
     p.add_argument("--static-decode", action="store_true",
                    help="rollouts through the CUDA-graph StaticDecoder")
+    p.add_argument("--continuous", action="store_true",
+                   help="rollouts through continuous_rollouts (opd.continuous_batching; one slot "
+                        "per rollout here, since every row runs the full horizon)")
     p.add_argument("--compile-layers", action="store_true",
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
@@ -92,25 +95,29 @@ def sync(device):
 def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     from halo_dist.stages.opd import (OPDModule, Rollout, pack_rollouts, position_buckets,
                                       sample_rollouts)
+    from halo_dist.stages.opd_rollouts import continuous_rollouts
 
     vocab = student.config.vocab_size
     g = torch.Generator(device=device).manual_seed(horizon)
     prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len),
                             generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
+    def rollout(h: int):
+        if args.continuous:
+            return continuous_rollouts(student, prompts, h, len(prompts), eos_token_id=None,
+                                       generator=g, compile_static=args.compile_rollouts)
+        return sample_rollouts(student, prompts, h, eos_token_id=None, generator=g,
+                               static_cache=args.static_decode,
+                               compile_static=args.compile_rollouts)
+
     # untimed: Triton compilation/autotuning and the first graph capture of this batch shape; a
     # compiled step is compiled per cache room, which the horizon sets: warm it up at the same one
-    warm = horizon if args.compile_rollouts else 4
-    sample_rollouts(student, prompts, warm, eos_token_id=None, generator=g,
-                    static_cache=args.static_decode,
-                    compile_static=args.compile_rollouts)
+    rollout(horizon if args.compile_rollouts else 4)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t0 = time.perf_counter()
-    gens = sample_rollouts(student, prompts, horizon, eos_token_id=None, generator=g,
-                           static_cache=args.static_decode,
-                    compile_static=args.compile_rollouts)
+    gens = rollout(horizon)
     sync(device)
     gen_s = time.perf_counter() - t0
     gen_mem = peak_gib(device)

@@ -37,6 +37,7 @@
 #      .bench_data)
 #   P23a (one GPU): decode with the Triton GEMV vs cuBLAS, both shapes at 512K, and the CUDA tests (carry .whl)
 #   P23b / P23c (one GPU): OPD h2048 with compiled rollouts + compiled layers vs without; h8K (carry .whl)
+#   P23d: tests/test_fla_offsets.py | P24a (one GPU): continuous-batching rollouts and compiled rollouts (carry .whl)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -383,6 +384,18 @@ P23c)
 P23d)  # the GPU test of fla_offsets.py with its corrected sync bound (P22b ran the earlier bound)
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fla_offsets.py > "$OUT/p23d_fla_offsets_test.log" 2>&1
   echo "fla_offsets test rc=$?"; tail -3 "$OUT/p23d_fla_offsets_test.log"
+  ;;
+P24a)
+  # issue 20 item 4, next GPU session: the CUDA tests of per-row positions and refilled slots; OPD h2048 through
+  # continuous batching (EOS off, so it checks the path's speed against P23b's batches); compiled rollouts with a
+  # limit that fits the warm-up at the timed horizon
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_opd_rollouts.py tests/test_static_decode.py -k cuda \
+    > "$OUT/p24a_cuda_tests.log" 2>&1; echo "cuda tests rc=$?"; tail -3 "$OUT/p24a_cuda_tests.log"
+  timeout 150 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode --continuous \
+    --out bench/results/opd_p24a_continuous.json > "$OUT/opd_p24a_continuous.log" 2>&1; echo "opd continuous rc=$?"
+  timeout $((585 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode \
+    --compile-rollouts --out bench/results/opd_p24a_compiled.json > "$OUT/opd_p24a_compiled.log" 2>&1
+  echo "opd compiled rollouts rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -310,6 +310,20 @@ def test_compiled_layers_and_rollouts_train_like_the_eager_run(tmp_path):
         assert math.isclose(a, b, rel_tol=1e-4), (got, want)
 
 
+def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
+    """opd.continuous_batching: rollouts through refilled slots (stages/opd_rollouts.py); two runs
+    of the same config train identically, and the rollouts follow the generator the checkpoints
+    keep."""
+    common = ("schedule.total_steps=3", "schedule.decay_steps=1", "opd.eval_every=0",
+              "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.every_steps=0",
+              "opd.snapshot_every=0", "opd.continuous_batching=true")
+    a = run_trainer(tiny_cfg(tmp_path / "a", *common))
+    b = run_trainer(tiny_cfg(tmp_path / "b", *common))
+    assert a.tokens_seen == b.tokens_seen > 0
+    la, lb = (read_metrics(tmp_path / name)["train/loss"] for name in ("a", "b"))
+    assert la == lb and len(la) == 3 and all(math.isfinite(v) for _, v in la)
+
+
 def test_rung_continuation_reproduces_the_longer_run(tmp_path):
     """A (12 steps, WSD decay 4) -> pre-decay snapshot at step 8 -> B continues to 16 steps == C run
     16 from scratch."""

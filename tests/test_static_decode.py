@@ -56,6 +56,10 @@ def test_decode_attention_reference_equals_sdpa_over_the_valid_prefix(H, Hkv):
     got = decode_attention_torch(q, k, v, torch.tensor([valid]), 0.25)
     want = sdpa(q, k[:, :valid], v[:, :valid], scale=0.25)
     assert torch.allclose(got, want, atol=1e-12)
+    # one length per row
+    got = decode_attention_torch(q, k, v, torch.tensor([valid, 5]), 0.25)
+    assert torch.allclose(got[:1], want[:1], atol=1e-12)
+    assert torch.allclose(got[1:], sdpa(q[1:], k[1:, :5], v[1:, :5], scale=0.25), atol=1e-12)
 
 
 def test_split_plan_covers_the_buffer_in_block_multiples():
@@ -221,8 +225,11 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
         for H, Hkv in ((8, 2), (4, 4), (8, 1)):
             q = torch.randn(2, 1, H, 32)
             k, v = torch.randn(2, 300, Hkv, 32), torch.randn(2, 300, Hkv, 32)
-            for length, start in ((1, (0, 0)), (129, (0, 37)), (300, (5, 299)), (64, (63, 0))):
-                L, S = torch.tensor([length]), torch.tensor(start)
+            # one length for both rows, or one per row
+            for length, start in ((1, (0, 0)), (129, (0, 37)), (300, (5, 299)), (64, (63, 0)),
+                                  ((17, 300), (0, 2)), ((1, 64), (0, 63))):
+                L = torch.tensor(length if isinstance(length, tuple) else [length])
+                S = torch.tensor(start)
                 got = decode_attention_triton(q, k, v, L, 0.17, S, block_n=16)
                 want = decode_attention_torch(q, k, v, L, 0.17, S)
                 worst = max(worst, float((got - want).norm() / want.norm()))
@@ -331,11 +338,12 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
         assert (got - want).norm() / want.norm() < 1e-2
     q2, k2, v2 = (q.expand(2, -1, -1, -1).contiguous(), k[:1, :9000].expand(2, -1, -1, -1),
                   v[:1, :9000].expand(2, -1, -1, -1))
-    # left padding
+    # left padding, then one length per row
     start, length = torch.tensor([0, 4321], device="cuda"), torch.tensor([9000], device="cuda")
-    got = decode_attention_triton(q2, k2, v2, length, 128**-0.5, start).float()
-    want = decode_attention_torch(q2, k2, v2, length, 128**-0.5, start).float()
-    assert (got - want).norm() / want.norm() < 1e-2
+    for length in (torch.tensor([9000], device="cuda"), torch.tensor([5000, 9000], device="cuda")):
+        got = decode_attention_triton(q2, k2, v2, length, 128**-0.5, start).float()
+        want = decode_attention_torch(q2, k2, v2, length, 128**-0.5, start).float()
+        assert (got - want).norm() / want.norm() < 1e-2
     # past 2^31 elements of offset (2.1M tokens x 8 heads x 128): 64-bit addressing; the last keys
     # matter
     k = torch.zeros(1, 2_200_000, 8, 128, device="cuda", dtype=torch.bfloat16)

@@ -101,6 +101,9 @@ class OPDConfig(Section):
     # the static step through torch.compile (fuses its ~1,000 small kernels; compiles once per
     # rollout count and cache room, the room rounded up to 256 tokens)
     compile_rollouts: bool = False
+    # rollouts in rollout_batch_size slots, each restarted on the next prompt when its rollout ends
+    # (stages/opd_rollouts.py) instead of batches that wait for their longest rollout
+    continuous_batching: bool = False
     # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
     tokenizer: Optional[str] = None
     eos_token_id: Optional[int] = None  # default: the tokenizer's

@@ -38,6 +38,7 @@ from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_po
 from ..models.hypenet.modeling_hypenet import compile_decoder_layers
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
+from ..stages.opd_rollouts import continuous_rollouts
 from .checkpoint import MARKER, TRAINER_STATE, rank_file
 from .schedules import LRSchedule
 from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step, is_nonfinite
@@ -249,6 +250,15 @@ class OPDTrainer(Trainer):
         t0 = time.perf_counter()
         out = []
         model = self._generation_model()
+        if opd.continuous_batching:
+            gens = continuous_rollouts(
+                model, [p for _, p in picks], horizon, bs, temperature=opd.temperature,
+                top_p=opd.top_p, eos_token_id=self.eos, pad_token_id=self.pad,
+                stop_at_eos=opd.stop_at_eos, generator=self.generator,
+                compile_static=opd.compile_rollouts)
+            out = [Rollout(p, g, name) for (name, p), g in zip(picks, gens)]
+            _sync(self.device)
+            return out, time.perf_counter() - t0
         for i in range(0, n, bs):
             chunk = picks[i:i + bs]
             gens = sample_rollouts(

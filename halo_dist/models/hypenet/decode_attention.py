@@ -33,15 +33,16 @@ except Exception:  # pragma: no cover - depends on the environment
 
 def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
                            scale: float, start: torch.Tensor | None = None) -> torch.Tensor:
-    """q ``[B, 1, H, D]``, k/v ``[B, room, Hkv, D]``, length int ``[1]``, start int ``[B]`` (default
-    0): row b attends keys ``start[b] <= t < length`` (``start`` skips left padding) ->
+    """q ``[B, 1, H, D]``, k/v ``[B, room, Hkv, D]``, length int ``[1]`` (every row) or ``[B]`` (per
+    row), start int ``[B]`` (default 0): row b attends keys ``start[b] <= t < length[b]`` (``start``
+    skips left padding; per-row lengths let rows of one batch sit at different positions) ->
     ``[B, 1, H, D]``. Query head h reads KV head ``h // (H / Hkv)`` (repeat_interleave
     convention)."""
     B, _, H, D = q.shape
     room, Hkv = k.shape[1], k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     t = torch.arange(room, device=k.device)
-    valid = t[None, :] < length  # [1 or B, room]
+    valid = t[None, :] < length.view(-1, 1)  # [1 or B, room]
     if start is not None:
         valid = valid & (t[None, :] >= start[:, None])  # [B, room]
     valid = valid[:, None, None, :]  # [B, 1, 1, room] over [B, Hkv, G, room]
@@ -71,7 +72,7 @@ if _HAS_TRITON:
     @triton.jit
     def _split_kv_kernel(
         Q, K, V, Length, Start, O_part, M_part, L_part,
-        stride_qb, stride_qh,
+        stride_len, stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
         scale, split_len, num_splits,
@@ -85,7 +86,7 @@ if _HAS_TRITON:
         split = tl.program_id(1)
         b = (pid_bh // KV_HEADS).to(tl.int64)
         h = pid_bh % KV_HEADS
-        length = tl.load(Length)
+        length = tl.load(Length + b * stride_len)  # stride 0: one length for every row
         lo = split * split_len
         end = tl.minimum(lo + split_len, length)
         start = tl.maximum(lo, tl.load(Start + b))  # left padding of row b
@@ -146,7 +147,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     l_part = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
     _split_kv_kernel[(B * Hkv, num_splits)](
         q2, k, v, length, start, o_part, m_part, l_part,
-        q2.stride(0), q2.stride(1),
+        0 if length.numel() == 1 else 1, q2.stride(0), q2.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         scale, split_len, num_splits,

@@ -73,9 +73,12 @@ class StaticDecodeCache:
             else:
                 self.layers.append(entry.contiguous())  # [B, H, K, V] fp32, updated in place
         self.room = room  # None: no attention layer (pure RNN), unbounded
-        device = next(t for t in self._tensors()).device
-        # buffer index of the next token
-        self.pos = torch.tensor([T], dtype=torch.long, device=device)
+        first = next(t for t in self._tensors())
+        device, B = first.device, first.shape[0]
+        # [B] buffer index of each row's next token: rows advance together, but a row can be
+        # restarted on another prompt (``StaticDecoder.refill_row``)
+        self.pos = torch.full((B,), T, dtype=torch.long, device=device)
+        self.rows = torch.arange(B, device=device)  # [B], indexes the rows in per-row writes
         self.pad = self._left_pad(attention_mask, T, device)  # [B] keys to skip per row
         self.prompt_tokens = T
 
@@ -112,7 +115,7 @@ class StaticDecodeCache:
     def position_ids(self, batch: int) -> torch.Tensor:
         """``[B, 1]`` position of the next token in each row (real tokens before it), read on the
         device."""
-        pos = self.pos.view(1, 1).expand(batch, 1)
+        pos = self.pos.view(batch, 1)  # [B] -> [B, 1]
         return pos if self.pad is None else pos - self.pad[:, None]
 
     def _tensors(self):
@@ -130,13 +133,15 @@ class StaticDecodeCache:
             t.copy_(t.index_select(0, idx))
         if self.pad is not None:
             self.pad.copy_(self.pad.index_select(0, idx))
+        self.pos.copy_(self.pos.index_select(0, idx))
 
     def decode_attention(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
-        """Write k/v ``[B, 1, Hkv, D]`` at ``pos``; attend q ``[B, 1, H, D]`` over keys
-        ``0..pos``."""
+        """Write k/v ``[B, 1, Hkv, D]`` at each row's ``pos``; attend q ``[B, 1, H, D]`` over keys
+        ``pad..pos`` of its row."""
         kbuf, vbuf = self.layers[layer_idx]
-        kbuf.index_copy_(1, self.pos, k)  # [B, room, Hkv, D] <- [B, 1, Hkv, D] at pos
-        vbuf.index_copy_(1, self.pos, v)
+        # [B, room, Hkv, D] at (b, pos[b]) <- [B, Hkv, D]
+        kbuf.index_put_((self.rows, self.pos), k[:, 0])
+        vbuf.index_put_((self.rows, self.pos), v[:, 0])
         return decode_attention(q, kbuf, vbuf, self.pos + 1, scale, self.pad)
 
     def lightning_step(self, layer_idx: int, q, k, v, log_decay, scale: float) -> torch.Tensor:
@@ -207,13 +212,18 @@ class StaticDecoder:
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.logits = torch.empty(B, model.config.vocab_size, device=device,
                                   dtype=model.lm_head.weight.dtype)
-        # tokens in the cache (host side; the graph reads cache.pos)
-        self.length = self.cache.prompt_tokens
+        # tokens in each row's cache (host side; the graph reads cache.pos)
+        self.row_lengths = [self.cache.prompt_tokens] * B
         self.graph = None
         self.graph_error: str | None = None
         want_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         if want_graph:
             self._capture(warmup_steps)
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache: the longest row's (every row's, unless rows were refilled)."""
+        return max(self.row_lengths)
 
     @property
     def room_left(self) -> int | None:
@@ -297,8 +307,38 @@ class StaticDecoder:
             self.graph.replay()
         else:
             self._forward()
-        self.length += 1
+        self.row_lengths = [n + 1 for n in self.row_lengths]
         return self.logits
+
+    @torch.inference_mode()
+    def refill_row(self, row: int, prefilled) -> None:
+        """Restart row ``row`` on another prompt while the other rows go on where they are
+        (continuous batching): ``prefilled`` is a batch-1 ``HypeNetCache`` after that prompt's
+        forward; its keys/values and RNN states replace the row's, and the row's next token goes
+        to position ``len(prompt)``, with no left padding. The captured graph reads the same
+        buffers, so it needs no new capture."""
+        T = prefilled.seen_tokens
+        if self.cache.room is not None and T >= self.cache.room:
+            raise ValueError(f"a {T}-token prompt does not fit the {self.cache.room}-token buffers")
+        for entry, src in zip(self.cache.layers, prefilled.layers):
+            if isinstance(entry, tuple):  # [B, room, Hkv, D] rows <- [1, T, Hkv, D]
+                entry[0][row, :T].copy_(src[0][0])
+                entry[1][row, :T].copy_(src[1][0])
+            else:  # [B, H, K, V] <- [1, H, K, V]
+                entry[row].copy_(src[0])
+        self._place_row(row, T)
+
+    def park_row(self, row: int) -> None:
+        """A row with nothing left to decode keeps stepping with the others (the graph has a fixed
+        batch); its position goes back to 0 so that it cannot run out of room, and its outputs are
+        to be ignored."""
+        self._place_row(row, 0)
+
+    def _place_row(self, row: int, position: int) -> None:
+        self.cache.pos[row] = position
+        if self.cache.pad is not None:
+            self.cache.pad[row] = 0
+        self.row_lengths[row] = position
 
     @torch.inference_mode()
     def greedy(self, first: torch.Tensor, steps: int) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""OPD rollouts with continuous batching: a fixed number of decode slots, each restarted on the
+next prompt as soon as its rollout ends (EOS or the horizon), so that short rollouts do not wait for
+the longest one of their batch.
+
+``sample_rollouts`` (opd.py) decodes a batch through ``generate`` and holds every row until the
+last one stops; with EOS on, a batch's rows finish at very different steps and most slots idle
+through the tail. Here one ``StaticDecoder`` keeps its fixed buffers (and its CUDA graph) for the
+whole call: a finished slot gets the next prompt's keys/values and RNN states from a batch-1
+prefill (``StaticDecoder.refill_row``) and the rows go on stepping together, each at its own
+position. A slot with no prompt left is parked (``park_row``) until every slot is done.
+
+The draws come from ``torch.multinomial`` with the caller's generator (on the model's device), on
+the student's own distribution under ``temperature`` / ``top_p``; ``temperature=0`` decodes
+greedily, which is how the tests compare it with per-prompt decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
+from ..models.hypenet.modeling_hypenet import eager_decoder_layers
+from ..models.hypenet.static_decode import StaticDecoder
+
+# compiled steps: buffer rooms are multiples of this (one compilation per room)
+ROOM_MULTIPLE = 256
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """logits ``[B, V]`` -> ``[B]`` token ids: argmax when ``temperature`` is 0, else a draw from
+    softmax(logits / temperature) restricted to the smallest set of tokens whose probability
+    reaches ``top_p``."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).view(-1)
+
+
+class _Slots:
+    """The host side of the decode slots: which prompt each slot serves and its tokens so far."""
+
+    def __init__(self, model, decoder: StaticDecoder, prompts, horizon, sampling, stop_token):
+        self.model, self.decoder, self.prompts = model, decoder, prompts
+        self.horizon, self.sampling, self.stop_token = horizon, sampling, stop_token
+        self.serving: dict[int, int] = {}  # slot -> prompt index
+        self.tokens: dict[int, list[int]] = {}  # slot -> sampled tokens of its rollout
+        self.results: list[list[int] | None] = [None] * len(prompts)
+        self.queue = iter(range(decoder.tokens.shape[0], len(prompts)))
+
+    def ended(self, slot: int) -> bool:
+        toks = self.tokens[slot]
+        return len(toks) >= self.horizon or (self.stop_token is not None
+                                             and toks[-1] == self.stop_token)
+
+    def settle(self, slot: int, next_tokens: torch.Tensor) -> None:
+        """Retire the slot's rollout if it ended, and restart the slot on queued prompts (their
+        first token, sampled from the prefill, goes into ``next_tokens``) until one has not ended
+        yet, or park it."""
+        while slot in self.serving and self.ended(slot):
+            self.results[self.serving.pop(slot)] = self.tokens.pop(slot)
+            idx = next(self.queue, None)
+            if idx is None:
+                self.decoder.park_row(slot)
+                return
+            first = self._prefill_into(slot, self.prompts[idx])
+            next_tokens[slot] = first
+            self.serving[slot], self.tokens[slot] = idx, [int(first)]
+
+    @torch.no_grad()
+    def _prefill_into(self, slot: int, prompt: list[int]) -> torch.Tensor:
+        device = self.decoder.tokens.device
+        cache = HypeNetCache(self.model.config.num_hidden_layers)
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T]
+        logits = self.model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        self.decoder.refill_row(slot, cache)
+        return sample_tokens(logits, *self.sampling)[0]
+
+
+@torch.no_grad()
+def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: int, *,
+                        temperature: float = 1.0, top_p: float = 1.0,
+                        eos_token_id: int | None = None, stop_at_eos: bool = True,
+                        generator: torch.Generator | None = None, pad_token_id: int = 0,
+                        compile_static: bool = False) -> list[list[int]]:
+    """One continuation per prompt (in the prompts' order; cut after the first EOS when
+    ``stop_at_eos``), decoded in ``slots`` rows that are refilled as rollouts end.
+    ``compile_static``: the step through ``torch.compile`` (the buffers' room is rounded up to
+    ``ROOM_MULTIPLE`` tokens, so calls with similar prompts share a compilation)."""
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("an empty prompt cannot be continued")
+    if slots < 1 or horizon < 1:
+        raise ValueError(f"slots ({slots}) and horizon ({horizon}) must be positive")
+    device = next(model.parameters()).device
+    room = max(len(p) for p in prompts) + horizon + STATIC_WARMUP_TOKENS + 1
+    if compile_static:
+        room = -(-room // ROOM_MULTIPLE) * ROOM_MULTIPLE
+    first = prompts[:slots]
+    width = max(len(p) for p in first)
+    ids = torch.full((len(first), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(first), width), dtype=torch.long)
+    for b, p in enumerate(first):  # left padding
+        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    sampling = (temperature, top_p, generator)
+    was_training = model.training
+    model.eval()
+    try:
+        with eager_decoder_layers(model):
+            cache = HypeNetCache(model.config.num_hidden_layers, max_cache_len=room)
+            logits = model(ids, attention_mask=mask, cache=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]  # [B, V]
+            decoder = StaticDecoder(model, cache, attention_mask=mask, compile=compile_static)
+            return _decode(model, decoder, prompts, horizon, sampling,
+                           eos_token_id if stop_at_eos else None, logits)
+    finally:
+        model.train(was_training)
+
+
+def _decode(model, decoder, prompts, horizon, sampling, stop_token, logits) -> list[list[int]]:
+    """Step every slot until each prompt has its rollout; one host read of the sampled tokens per
+    step decides which slots ended."""
+    state = _Slots(model, decoder, prompts, horizon, sampling, stop_token)
+    nxt = sample_tokens(logits, *sampling)  # [B]
+    for slot, tok in enumerate(nxt.tolist()):
+        state.serving[slot], state.tokens[slot] = slot, [tok]
+    while True:
+        for slot in list(state.serving):
+            state.settle(slot, nxt)
+        if not state.serving:
+            return state.results
+        nxt = sample_tokens(decoder.step(nxt), *sampling)
+        for slot, tok in enumerate(nxt.tolist()):
+            if slot in state.serving:
+                state.tokens[slot].append(tok)
