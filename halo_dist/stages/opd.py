@@ -192,6 +192,23 @@ class Rollout:
 ROOM_MULTIPLE = 256
 
 
+def compiled_room(tokens: int) -> int:
+    """``tokens`` rounded up to a multiple of ``ROOM_MULTIPLE``: the KV room of a compiled static
+    step, so that calls with similar prompts and the same horizon share one compilation."""
+    return -(-tokens // ROOM_MULTIPLE) * ROOM_MULTIPLE
+
+
+def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded batch: ids and attention mask, both ``[B, longest prompt]``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, width - len(p):] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0,
                     top_p: float = 1.0, eos_token_id: int | None = None, pad_token_id: int = 0,
@@ -206,7 +223,7 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     ``static_cache``: decode through ``StaticDecoder`` (a CUDA-graph replay per token on CUDA).
     ``compile_static``: its step through ``torch.compile`` first (fuses the step's ~1,000 small
     kernels). It compiles once per rollout count, padding or not, and cache room; the room is
-    rounded up to ``ROOM_MULTIPLE`` tokens so that prompts of similar width share a compilation.
+    rounded up by ``compiled_room`` so that prompts of similar width share a compilation.
     Layers compiled for training (``model.compile``) run eagerly here.
     """
     if not prompts:
@@ -214,19 +231,15 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     if any(len(p) == 0 for p in prompts):
         raise ValueError("an empty prompt cannot be continued")
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[b, width - len(p):] = 1
+    ids, mask = left_padded(prompts, pad_token_id)
+    width = ids.shape[1]
     early = stop_at_eos and eos_token_id is not None
     was_training, defaults = model.training, model.generation_config
     model.eval()
     model.generation_config = GenerationConfig()
     cache = {"cache_implementation": "static" if static_cache else None}
     if static_cache and compile_static:
-        room = -(-(width + horizon + STATIC_WARMUP_TOKENS) // ROOM_MULTIPLE) * ROOM_MULTIPLE
+        room = compiled_room(width + horizon + STATIC_WARMUP_TOKENS)
         cache = {_GENERATE_CACHE_KWARG: HypeNetCache(
             model.config.num_hidden_layers, max_cache_len=room, static=True,
             static_options={"compile": True})}

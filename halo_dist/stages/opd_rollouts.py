@@ -21,9 +21,7 @@ import torch
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.static_decode import StaticDecoder
-
-# compiled steps: buffer rooms are multiples of this (one compilation per room)
-ROOM_MULTIPLE = 256
+from .opd import compiled_room, left_padded
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
@@ -90,8 +88,8 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
                         compile_static: bool = False) -> list[list[int]]:
     """One continuation per prompt (in the prompts' order; cut after the first EOS when
     ``stop_at_eos``), decoded in ``slots`` rows that are refilled as rollouts end.
-    ``compile_static``: the step through ``torch.compile`` (the buffers' room is rounded up to
-    ``ROOM_MULTIPLE`` tokens, so calls with similar prompts share a compilation)."""
+    ``compile_static``: the step through ``torch.compile`` (the buffers' room rounded up by
+    ``compiled_room``, so calls with similar prompts share a compilation)."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -101,15 +99,8 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
     device = next(model.parameters()).device
     room = max(len(p) for p in prompts) + horizon + STATIC_WARMUP_TOKENS + 1
     if compile_static:
-        room = -(-room // ROOM_MULTIPLE) * ROOM_MULTIPLE
-    first = prompts[:slots]
-    width = max(len(p) for p in first)
-    ids = torch.full((len(first), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(first), width), dtype=torch.long)
-    for b, p in enumerate(first):  # left padding
-        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[b, width - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
+        room = compiled_room(room)
+    ids, mask = (t.to(device) for t in left_padded(prompts[:slots], pad_token_id))
     sampling = (temperature, top_p, generator)
     was_training = model.training
     model.eval()
