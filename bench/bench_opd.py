@@ -61,6 +61,10 @@ def parse_args(argv=None):
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
+    p.add_argument("--profile", type=int, default=0, metavar="MICRO",
+                   help="after the timings, profile a training step over the first MICRO "
+                        "micro-batches (torch.profiler: kernel groups, top operators, idle gaps; "
+                        "written to /tmp/halo_dist_opd_profile/h<horizon>)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, fp32")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -136,7 +140,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
                for i in range(0, len(rollouts), micro)]
     n_gen = sum(b.num_generated for b in batches)
 
-    def step(opt=opt):  # bound now: opt is deleted after the timing
+    def step(opt=opt, batches=batches):  # bound now: opt is deleted after the timing
         for b in batches:
             loss, *_ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask,
                            b.gen_index, normalizer=float(n_gen), horizon=horizon)
@@ -153,6 +157,8 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     sync(device)
     train_s = time.perf_counter() - t0
     packed = sum(b.input_ids.shape[1] for b in batches)
+    if args.profile:
+        profile_step(step, batches[:args.profile], horizon, device)
     del opt
     student.eval()
     return {"horizon": horizon, "rollouts": args.rollouts,
@@ -161,6 +167,17 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
             "train_s": train_s, "train_packed_tokens_per_s": packed / train_s,
             "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
             "opd_tokens_per_s": n_gen / (gen_s + train_s)}
+
+
+def profile_step(step, batches, horizon: int, device) -> None:
+    """One more training step over ``batches``, under the trainer's step profiler (its summary is
+    printed and written beside a Chrome trace)."""
+    from halo_dist.train.profiling import StepProfiler
+
+    prof = StepProfiler(1, 1, Path(f"/tmp/halo_dist_opd_profile/h{horizon}"), 0, device)
+    prof.before_step(1)
+    step(batches=batches)
+    prof.after_step(1)
 
 
 def main(argv=None) -> int:

@@ -38,6 +38,7 @@
 #   P23a (one GPU): decode with the Triton GEMV vs cuBLAS, both shapes at 512K, and the CUDA tests (carry .whl)
 #   P23b / P23c (one GPU): OPD h2048 with compiled rollouts + compiled layers vs without; h8K (carry .whl)
 #   P23d: tests/test_fla_offsets.py | P24a (one GPU): continuous-batching rollouts and compiled rollouts (carry .whl)
+#   P24b: compiled reverse-KL loss, OPD h2048 with compiled rollouts + a training profile, batch-256 decode profile
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -396,6 +397,19 @@ P24a)
   timeout $((585 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode \
     --compile-rollouts --out bench/results/opd_p24a_compiled.json > "$OUT/opd_p24a_compiled.log" 2>&1
   echo "opd compiled rollouts rc=$?"
+  ;;
+P24b)
+  # issue 20 items 2/4: the compiled loss for reverse KL (OPD's objective); OPD h2048 with compiled
+  # rollouts (the decoder's buffers now freed before training) and a profile of the training step;
+  # the batch-256 decode step at the mean context of an h2048 rollout, graph vs compiled graph
+  timeout 150 python3 bench/bench_kl.py --tokens 24576 --direction reverse --backends torch,compiled \
+    --out bench/results/kl_2b_reverse_p24b.json > "$OUT/p24b_kl_reverse.log" 2>&1; echo "kl rc=$?"
+  timeout 330 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode --compile-rollouts \
+    --profile 2 --out bench/results/opd_p24b_compiled.json > "$OUT/p24b_opd.log" 2>&1; echo "opd rc=$?"
+  cp /tmp/halo_dist_opd_profile/h2048/summary.txt "$OUT/p24b_opd_train_profile.txt" 2>/dev/null
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models hypenet-2b --batch 256 --contexts 1280 \
+    --variants graph compiled --out bench/results/decode_profile_b256_p24b.json > "$OUT/p24b_decode_b256.log" 2>&1
+  echo "decode b256 rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

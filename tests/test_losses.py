@@ -420,9 +420,7 @@ def test_bad_beta(kw, match):
 def test_backend_selection(monkeypatch):
     assert kl_mod._pick_backend("auto", torch.device("cpu"), 10) == "torch"
     monkeypatch.setattr(kl_mod, "liger_available", lambda: False)
-    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10) == "compiled"  # forward KL / CE
-    # JSD: not fused
-    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10, beta=0.5) == "torch"
+    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10) == "compiled"
     assert kl_mod._pick_backend("auto", torch.device("cuda"), 0) == "torch"
     s_h, s_w, t_h, t_w, _, _ = make()
     with pytest.raises(RuntimeError, match="liger-kernel is not importable"):
@@ -548,10 +546,11 @@ def test_kl_max_position_runs_the_teacher_on_document_prefixes_only():
             torch.testing.assert_close(got[n], p.grad, rtol=1e-8, atol=1e-12)
 
 
-def test_compiled_backend_matches_the_eager_chunked_path_and_refuses_what_it_does_not_fuse():
-    """backend='compiled' (each chunk's forward KL and CE through torch.compile, inductor's CPU code
-    here) gives the torch backend's loss, sums and gradients; a shorter last chunk reuses the
-    dynamic graph."""
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.3])
+def test_compiled_backend_matches_the_eager_chunked_path(beta):
+    """backend='compiled' (each chunk's divergence and CE through torch.compile, inductor's CPU code
+    here) gives the torch backend's loss, sums and gradients for forward KL, reverse KL and the
+    generalized JSD; a shorter last chunk reuses the dynamic graph."""
     from halo_dist.losses._chunked import _COMPILED
 
     torch.manual_seed(0)
@@ -564,14 +563,13 @@ def test_compiled_backend_matches_the_eager_chunked_path_and_refuses_what_it_doe
     out = {}
     for backend in ("torch", "compiled"):
         o = fused_distill_loss(s_h, s_w, t_h, t_w, labels=labels, ce_weight=0.3, normalizer=11.0,
-                               chunk_size=16, temperature=1.5, backend=backend)
+                               chunk_size=16, temperature=1.5, beta=beta, backend=backend)
         gh, gw = torch.autograd.grad(o.loss, (s_h, s_w))
         out[backend] = (o.loss.detach(), o.kl_sum, o.ce_sum, gh, gw)
+    assert out["torch"][1] > 0
     for a, b in zip(out["torch"], out["compiled"]):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a, b)
     assert "chunk_grad" in _COMPILED
-    with pytest.raises(ValueError, match="forward KL only"):
-        fused_distill_loss(s_h, s_w, t_h, t_w, direction="reverse", backend="compiled")
 
 
 @pytest.mark.parametrize("normalizer", [13.0, torch.tensor(13, dtype=torch.int64)])

@@ -155,6 +155,34 @@ def test_compiled_static_step_compiles_once_across_prompt_widths():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_dropped_decoder_frees_its_buffers_without_the_garbage_collector(compile):
+    """OPD drops a rollout's decoder and trains next: its KV and state buffers (~25 GB for 256
+    rows of the 2B model) must go with it, not wait for a cycle collection. A bound method kept on
+    the decoder, or dynamo's tracing garbage after a compilation, used to hold them."""
+    import gc
+    import weakref
+
+    model = tiny(("attention", "lightning")).float()
+    ids = torch.randint(1, 97, (2, 5))
+    cache = HypeNetCache(2, max_cache_len=32)
+    with torch.no_grad():
+        nxt = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    gc.collect()
+    gc.disable()
+    try:
+        dec = StaticDecoder(model, cache, use_cuda_graph=False, compile=compile)
+        dec.step(nxt.argmax(-1))
+        assert dec.compile_error is None
+        buffers = [weakref.ref(t) for t in dec.cache._tensors()]
+        decoder = weakref.ref(dec)
+        del dec, cache
+        assert decoder() is None
+        assert all(b() is None for b in buffers)
+    finally:
+        gc.enable()
+
+
 def test_static_greedy_equals_generate():
     model = tiny(("attention", "lightning", "attention", "lightning"))
     ids = torch.randint(1, 97, (2, 9))

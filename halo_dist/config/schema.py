@@ -169,18 +169,15 @@ class LossConfig(Section):
     # beyond it next-token CE on the text. A teacher past its positions is a wrong target: a
     # long-context stage would teach the student its failure. null = KL everywhere
     kl_max_position: Optional[int] = None
-    # fused-loss implementation: auto (compiled on CUDA for forward KL / CE, else torch), torch
-    # (chunked, eager), compiled (each chunk's forward KL and CE fused by torch.compile: fewer
-    # passes over [chunk x vocab]), liger (needs liger-kernel)
+    # fused-loss implementation: auto (compiled on CUDA, else torch), torch (chunked, eager),
+    # compiled (each chunk's divergence and CE fused by torch.compile: fewer passes over
+    # [chunk x vocab]), liger (needs liger-kernel)
     backend: Literal["auto", "torch", "compiled", "liger"] = "auto"
 
     def validate(self) -> None:
         _positive("temperature", self.temperature)
         _non_negative("ce_weight", self.ce_weight)
         _positive("chunk_size", self.chunk_size)
-        if self.backend == "compiled" and self.objective not in ("kl", "ce"):
-            fail("backend",
-                 f"compiled fuses forward KL only; objective {self.objective} needs torch or liger")
         if self.kl_max_position is not None:
             _positive("kl_max_position", self.kl_max_position)
             if self.objective != "kl":

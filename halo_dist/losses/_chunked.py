@@ -106,15 +106,17 @@ def _forward_kl_(logq: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, 
 
 def _fused_chunk_grad(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Tensor | None,
                       kl_factor: torch.Tensor, ce_factor: torch.Tensor,
-                      inv_t: float, ignore_index: int,
+                      inv_t: float, ignore_index: int, beta: float,
                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's per-row forward KL and CE and the weighted gradient w.r.t. the raw student
-    logits, out of place so that torch.compile fuses it (backend "compiled").
+    """One chunk's per-row divergence (forward KL, reverse KL or generalized JSD, by ``beta``) and
+    CE and the weighted gradient w.r.t. the raw student logits, out of place so that torch.compile
+    fuses it (backend "compiled").
 
-    Eager, the same math (``_ce_`` + ``_log_softmax_`` + ``_forward_kl_``, then the weighting and
+    Eager, the same math (``_ce_`` + ``_log_softmax_`` + ``_divergence_``, then the weighting and
     the cast for the matmuls) makes some twenty passes over the [c, V] fp32 chunk; compiled, it is
-    the row log-sum-exps and one pointwise pass that writes the gradient once, already scaled and in
-    the matmul dtype.
+    the row log-sum-exps, one reduction per divergence term and one pointwise pass that writes the
+    gradient once, already scaled and in the matmul dtype. The formulas are ``_forward_kl_``,
+    ``_reverse_kl_`` and ``_jsd_``'s (their docstrings derive the gradients).
 
     Args:
         z: [c, V] raw student logits; tz: [c, V] raw teacher logits or None (no KL term).
@@ -123,6 +125,7 @@ def _fused_chunk_grad(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Te
             normalizer every step does not recompile); the KL's also carries the 1 / T of the chain
             rule.
         inv_t: 1 / temperature of the KL's softmaxes (CE is always at temperature 1).
+        beta: 0 forward KL, 1 reverse KL, between: the generalized JSD (a constant of the graph).
     Returns:
         kl [c], ce [c] (zeros for an absent term) and grad [c, V] in ``out_dtype``.
     """
@@ -138,11 +141,23 @@ def _fused_chunk_grad(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Te
         grad = ((z - lse).exp() - one_hot.to(z.dtype)) * (valid.unsqueeze(-1) * ce_factor)
     if tz is not None:
         zs, ts = z * inv_t, tz * inv_t
-        logq = zs - torch.logsumexp(zs, dim=-1, keepdim=True)
-        logp = ts - torch.logsumexp(ts, dim=-1, keepdim=True)
-        p = logp.exp()
-        kl = (p * (logp - logq)).sum(dim=-1)
-        g_kl = (logq.exp() - p) * kl_factor
+        logq = zs - torch.logsumexp(zs, dim=-1, keepdim=True)  # [c, V] student log-probs
+        logp = ts - torch.logsumexp(ts, dim=-1, keepdim=True)  # [c, V] teacher log-probs
+        q = logq.exp()
+        if beta == 0.0:  # KL(p || q); d/dz = q - p
+            p = logp.exp()
+            kl = (p * (logp - logq)).sum(dim=-1)
+            g_kl = q - p
+        elif beta == 1.0:  # KL(q || p); d/dz = q (log q - log p - KL)
+            kl = (q * (logq - logp)).sum(dim=-1)
+            g_kl = q * (logq - logp - kl.unsqueeze(-1))
+        else:  # beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q
+            logm = torch.logaddexp(logq + math.log1p(-beta), logp + math.log(beta))
+            kl_pm = (logp.exp() * (logp - logm)).sum(dim=-1)
+            kl_qm = (q * (logq - logm)).sum(dim=-1)
+            kl = beta * kl_pm + (1.0 - beta) * kl_qm
+            g_kl = (1.0 - beta) * q * (logq - logm - kl_qm.unsqueeze(-1))
+        g_kl = g_kl * kl_factor
         grad = g_kl if grad is None else grad + g_kl
     return kl, ce, None if grad is None else grad.to(out_dtype)
 
@@ -233,14 +248,14 @@ def _chunk(s_h, s_w, t_h, t_w, labels, cfg: ChunkConfig, scale):
     z = _mm_fp32(s_h, s_w.t())  # [c, V]
     with_ce = bool(cfg.ce_weight) and labels is not None
     tz = _mm_fp32(t_h, t_w.t()) if cfg.kl_weight else None  # [c, V] teacher logits, no grad
-    if cfg.compiled:  # forward KL and CE (kl.py refuses reverse KL and JSD)
+    if cfg.compiled:
         # 0-dim device tensors built by kernels (a host-to-device copy would make the host wait for
         # the GPU). d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
         scale_t = scale if torch.is_tensor(scale) else z.new_full((), scale)
         kl, ce, grad = compiled_chunk_grad(z, tz, labels if with_ce else None,
                                            scale_t * (cfg.kl_weight / cfg.temperature),
                                            scale_t * cfg.ce_weight, 1.0 / cfg.temperature,
-                                           cfg.ignore_index, s_h.dtype)
+                                           cfg.ignore_index, cfg.beta, s_h.dtype)
         return kl.sum(), ce.sum(), grad
     zero = z.new_zeros(())
     grad, ce_sum = None, zero

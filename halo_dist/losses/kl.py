@@ -35,9 +35,9 @@ NaN), which costs one host sync for the count.
 Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Triton
 ``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
 CPU, used by the tests as an independent cross-check), ``"compiled"`` (the torch path with each
-chunk's forward KL, CE and their gradient compiled by torch.compile into a few fused passes over the
-chunk; forward KL and CE only) and ``"auto"`` (compiled on CUDA for forward KL / CE, torch
-otherwise: the fastest of the three on the H200, BENCHMARKS.md). All return identical quantities
+chunk's divergence, CE and their gradient compiled by torch.compile into a few fused passes over the
+chunk) and ``"auto"`` (compiled on CUDA, torch on CPU: the fastest of the three on the H200,
+BENCHMARKS.md). All return identical quantities
 (see ``_liger.py`` for the conventions we adapt).
 
 ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
@@ -178,7 +178,7 @@ def _compact(mask, *xs):
     return tuple(None if x is None else x.index_select(0, idx) for x in xs)
 
 
-def _pick_backend(backend: str, device: torch.device, n_rows: int, beta: float = 0.0) -> str:
+def _pick_backend(backend: str, device: torch.device, n_rows: int) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "liger" and not liger_available():
@@ -189,12 +189,12 @@ def _pick_backend(backend: str, device: torch.device, n_rows: int, beta: float =
     if backend == "auto":
         # Measured on the H200 (BENCHMARKS.md): at 24,576 tokens x 151,936 vocab the compiled chunk
         # ran forward+backward in 171 ms vs 265 ms for the eager torch chunk, with the same error
-        # against the float64 reference, and lifted stage 2 (2B) from 54% to 63% MFU. It fuses
-        # forward KL and CE only (beta 0); other divergences, and CPU (where compiling costs more
-        # than it saves), stay on torch.
+        # against the float64 reference, and lifted stage 2 (2B) from 54% to 63% MFU; reverse KL
+        # (OPD) makes the same passes. CPU, where compiling costs more than it saves, stays on
+        # torch.
         # Liger ran 189 ms / 2.6 GiB vs torch's 178 ms / 2.0 GiB at 16K tokens: never picked by
         # auto.
-        return "compiled" if device.type == "cuda" and beta == 0.0 else "torch"
+        return "compiled" if device.type == "cuda" else "torch"
     return backend
 
 
@@ -227,7 +227,7 @@ def fused_distill_loss(
             0-dim tensor; clamp an all-reduced count with ``clamp_min(1)``); None -> 1.
         chunk_size: token rows per chunk (torch and CPU-Liger backends); None -> from budget.
         memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None. backend:
-        "auto" | "torch" | "compiled" (torch.compile per chunk: forward KL and CE) | "liger".
+        "auto" | "torch" | "compiled" (torch.compile per chunk) | "liger".
     Returns:
         DistillLossOutput (``loss`` differentiable; sums and counts for cross-rank reduction).
     """
@@ -279,10 +279,7 @@ def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend
         chunk_size = auto_chunk_size(vocab, memory_budget_bytes)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    which = _pick_backend(backend, s_h.device, n, opts["beta"])
-    if which == "compiled" and opts["beta"] != 0.0:
-        raise ValueError("backend='compiled' computes forward KL only (beta 0); got "
-                         f"beta={opts['beta']}")
+    which = _pick_backend(backend, s_h.device, n)
     return which, ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), compiled=which == "compiled",
                               **opts)
 

@@ -33,6 +33,8 @@ per-token cost.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from .decode_attention import decode_attention
@@ -201,8 +203,11 @@ class StaticDecoder:
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
-        self._step_fn = (torch.compile(self._step_body, dynamic=False) if compile
-                         else self._step_body)
+        # unbound (called with self): a bound method stored on self would be a reference cycle,
+        # and the decoder's buffers (tens of GB for a rollout batch) would outlive it until the
+        # garbage collector happens to run
+        self._step_fn = (torch.compile(StaticDecoder._step_body, dynamic=False) if compile
+                         else StaticDecoder._step_body)
         self.cache = StaticDecodeCache(cache, model.config, attention_mask)
         if pack_projections:
             self.cache.packed = pack_input_projections(model)
@@ -232,7 +237,7 @@ class StaticDecoder:
 
     @property
     def compiled(self) -> bool:
-        return self._step_fn is not self._step_body
+        return self._step_fn is not StaticDecoder._step_body
 
     def _step_body(self) -> None:
         position_ids = self.cache.position_ids(self.tokens.shape[0])  # [B, 1], no host read
@@ -246,7 +251,7 @@ class StaticDecoder:
         if self.compiled and not self._compile_checked:
             self._first_compiled_step()
         else:
-            self._step_fn()
+            self._step_fn(self)
 
     def _first_compiled_step(self) -> None:
         """Compile on the first step; on a compiler error restore the state and run the eager step
@@ -255,13 +260,17 @@ class StaticDecoder:
         pos = self.cache.pos.clone()
         try:
             with _room_for_more_compilations():
-                self._step_fn()
+                self._step_fn(self)
         except Exception as err:  # compiler trouble: keep decoding eagerly from the same state
             self.compile_error = f"{type(err).__name__}: {err}"
-            self._step_fn = self._step_body
+            self._step_fn = StaticDecoder._step_body
             self._restore(states, pos)
             self._step_body()
         self._compile_checked = True
+        # A compilation leaves dynamo's tracing objects as cyclic garbage, and they reference this
+        # decoder's cache: collect them now, or the buffers outlive the decoder until the
+        # collector happens to run (a rollout's ~25 GB stayed through OPD's training step)
+        gc.collect()
 
     @torch.inference_mode()
     def _capture(self, warmup_steps: int) -> None:
