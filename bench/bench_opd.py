@@ -61,6 +61,8 @@ def parse_args(argv=None):
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
+    p.add_argument("--skip-train", action="store_true",
+                   help="rollouts only (compare rollout paths in one call)")
     p.add_argument("--profile", type=int, default=0, metavar="MICRO",
                    help="after the timings, profile a training step over the first MICRO "
                         "micro-batches (torch.profiler: kernel groups, top operators, idle gaps; "
@@ -126,6 +128,11 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     gen_s = time.perf_counter() - t0
     gen_mem = peak_gib(device)
     sampled = sum(len(x) for x in gens)
+    row = {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len,
+           "rollout_s": gen_s, "rollout_tokens_per_s": sampled / gen_s,
+           "rollout_peak_gib": gen_mem}
+    if args.skip_train:
+        return row
 
     mod = OPDModule(student, teacher, chunk_size=args.chunk_size,
                     buckets=position_buckets(64, max(horizon, 64)))
@@ -161,10 +168,8 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
         profile_step(step, batches[:args.profile], horizon, device)
     del opt
     student.eval()
-    return {"horizon": horizon, "rollouts": args.rollouts,
-            "prompt_len": args.prompt_len, "micro": micro, "rollout_s": gen_s,
-            "rollout_tokens_per_s": sampled / gen_s, "rollout_peak_gib": gen_mem,
-            "train_s": train_s, "train_packed_tokens_per_s": packed / train_s,
+    return {**row, "micro": micro, "train_s": train_s,
+            "train_packed_tokens_per_s": packed / train_s,
             "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
             "opd_tokens_per_s": n_gen / (gen_s + train_s)}
 
@@ -194,6 +199,9 @@ def main(argv=None) -> int:
             print("no CUDA device: use --cpu-smoke", file=sys.stderr)
             return 2
         device, dtype, shape, attn = torch.device("cuda"), torch.bfloat16, SHAPE_2B, ATTN_2B
+        from halo_dist.models.fla_offsets import install
+
+        install()  # as the OPD trainer does: fla's packed state passes without a sync per layer
     student, teacher = build(shape, attn, device, dtype)
     if args.compile_layers:
         from halo_dist.models.hypenet.modeling_hypenet import compile_decoder_layers
@@ -213,6 +221,10 @@ def main(argv=None) -> int:
     for r in rows:
         if "error" in r:
             print(f"{r['horizon']:>8} {r['error']}")
+            continue
+        if "train_s" not in r:
+            print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} (rollouts only) "
+                  f"{r['rollout_peak_gib'] or 0.0:>9.1f}")
             continue
         mem = max(x for x in (r["rollout_peak_gib"], r["train_peak_gib"], 0.0) if x is not None)
         print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} "

@@ -39,6 +39,7 @@
 #   P23b / P23c (one GPU): OPD h2048 with compiled rollouts + compiled layers vs without; h8K (carry .whl)
 #   P23d: tests/test_fla_offsets.py | P24a (one GPU): continuous-batching rollouts and compiled rollouts (carry .whl)
 #   P24b: compiled reverse-KL loss, OPD h2048 with compiled rollouts + a training profile, batch-256 decode profile
+#   P24c: overlapped continuous rollouts vs generate's, the whole OPD step compiled | P24d: OPD at 8K and 32K
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -410,6 +411,28 @@ P24b)
   timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models hypenet-2b --batch 256 --contexts 1280 \
     --variants graph compiled --out bench/results/decode_profile_b256_p24b.json > "$OUT/p24b_decode_b256.log" 2>&1
   echo "decode b256 rc=$?"
+  ;;
+P24c)
+  # issue 20 item 4: continuous batching with the host reading a step's tokens while the GPU runs the next
+  # one (and the sync-free sampler), against the generate path in the same call; then the whole OPD step
+  # with compiled rollouts, compiled layers and the compiled reverse-KL loss, and its training profile
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_opd_rollouts.py -k cuda \
+    > "$OUT/p24c_cuda_tests.log" 2>&1; echo "cuda tests rc=$?"; tail -1 "$OUT/p24c_cuda_tests.log"
+  timeout 170 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --static-decode --compile-rollouts \
+    --skip-train --out bench/results/opd_p24c_generate.json > "$OUT/p24c_opd_generate.log" 2>&1
+  echo "opd generate rc=$?"
+  timeout $((590 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous \
+    --compile-rollouts --compile-layers --profile 2 --out bench/results/opd_p24c_best.json \
+    > "$OUT/p24c_opd_best.log" 2>&1; echo "opd best rc=$?"
+  cp /tmp/halo_dist_opd_profile/h2048/summary.txt "$OUT/p24c_opd_train_profile.txt" 2>/dev/null
+  ;;
+P24d)
+  # issue 20 item 4: horizons 8K (compiled continuous rollouts, compiled layers) and 32K (eager-step
+  # continuous rollouts: a compiled warm-up at the timed horizon would double the rollout time; checkpointing)
+  timeout 300 python3 bench/bench_opd.py --horizons 8192 --rollouts 64 --continuous --compile-rollouts \
+    --compile-layers --out bench/results/opd_p24d_h8k.json > "$OUT/p24d_opd_h8k.log" 2>&1; echo "h8k rc=$?"
+  timeout $((590 - SECONDS)) python3 bench/bench_opd.py --horizons 32768 --rollouts 16 --continuous \
+    --checkpointing --out bench/results/opd_p24d_h32k.json > "$OUT/p24d_opd_h32k.log" 2>&1; echo "h32k rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

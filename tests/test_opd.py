@@ -319,6 +319,7 @@ def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
               "opd.snapshot_every=0", "opd.continuous_batching=true")
     a = run_trainer(tiny_cfg(tmp_path / "a", *common))
     b = run_trainer(tiny_cfg(tmp_path / "b", *common))
+    assert a.cfg.opd.compile_rollouts and not a._compile_rollouts  # compiled on CUDA only
     assert a.tokens_seen == b.tokens_seen > 0
     la, lb = (read_metrics(tmp_path / name)["train/loss"] for name in ("a", "b"))
     assert la == lb and len(la) == 3 and all(math.isfinite(v) for _, v in la)

@@ -98,9 +98,10 @@ class OPDConfig(Section):
     stop_at_eos: bool = True  # a rollout ends at EOS (the EOS token itself is trained)
     # rollouts through StaticDecoder (CUDA-graph steps; same tokens as dynamic)
     static_decode: bool = True
-    # the static step through torch.compile (fuses its ~1,000 small kernels; compiles once per
-    # rollout count and cache room, the room rounded up to 256 tokens)
-    compile_rollouts: bool = False
+    # the static step through torch.compile, on CUDA (fuses its ~1,000 small kernels: 2B model,
+    # 256 rollouts at horizon 2048, 27.6K vs 22.3K rollout tokens/s on an H200); compiles once per
+    # rollout count and cache room (the room rounded up to 256 tokens), ~1 min each
+    compile_rollouts: bool = True
     # rollouts in rollout_batch_size slots, each restarted on the next prompt when its rollout ends
     # (stages/opd_rollouts.py) instead of batches that wait for their longest rollout
     continuous_batching: bool = False

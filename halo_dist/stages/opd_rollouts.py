@@ -9,9 +9,15 @@ whole call: a finished slot gets the next prompt's keys/values and RNN states fr
 prefill (``StaticDecoder.refill_row``) and the rows go on stepping together, each at its own
 position. A slot with no prompt left is parked (``park_row``) until every slot is done.
 
-The draws come from ``torch.multinomial`` with the caller's generator (on the model's device), on
-the student's own distribution under ``temperature`` / ``top_p``; ``temperature=0`` decodes
-greedily, which is how the tests compare it with per-prompt decoding.
+The host never waits for the GPU to go idle: it reads a step's sampled tokens (a copy to pinned
+memory, then an event) while the GPU already runs the next step, so the per-step host work (which
+slots ended, refills) hides behind the step instead of following it. A rollout that ended is
+therefore noticed one step late; that extra step's token for the slot is discarded, and the refill
+replaces the slot's cache and position anyway.
+
+The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
+caller's generator (on the model's device), by the exponential race (``sample_tokens``);
+``temperature=0`` decodes greedily, which is how the tests compare it with per-prompt decoding.
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: torch.Generator | None) -> torch.Tensor:
     """logits ``[B, V]`` -> ``[B]`` token ids: argmax when ``temperature`` is 0, else a draw from
     softmax(logits / temperature) restricted to the smallest set of tokens whose probability
-    reaches ``top_p``."""
+    reaches ``top_p``.
+
+    A draw is ``argmax_v p_v / E_v`` with ``E_v ~ Exp(1)`` independent: token v wins with
+    probability ``p_v / sum(p)`` (the exponential race, equivalent to the Gumbel-max trick). It is
+    the arithmetic of ``torch.multinomial``'s one-sample path without that function's validity
+    check, which reads the device (a host sync per decode step)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
@@ -37,7 +48,29 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).view(-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)  # [B, V]
+    # an Exp(1) draw of exactly 0 would make its token win whatever its probability
+    return probs.div_(race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(-1)
+
+
+class _TokenReader:
+    """Reads a step's sampled tokens on the host without waiting for work queued after them: an
+    asynchronous copy into pinned memory and an event recorded behind it (a plain copy on CPU)."""
+
+    def __init__(self, like: torch.Tensor):
+        cuda = like.device.type == "cuda"
+        self.host = torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+
+    def start(self, tokens: torch.Tensor) -> None:
+        self.host.copy_(tokens, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 class _Slots:
@@ -53,22 +86,22 @@ class _Slots:
 
     def ended(self, slot: int) -> bool:
         toks = self.tokens[slot]
-        return len(toks) >= self.horizon or (self.stop_token is not None
-                                             and toks[-1] == self.stop_token)
+        return bool(toks) and (len(toks) >= self.horizon
+                               or (self.stop_token is not None and toks[-1] == self.stop_token))
 
     def settle(self, slot: int, next_tokens: torch.Tensor) -> None:
-        """Retire the slot's rollout if it ended, and restart the slot on queued prompts (their
-        first token, sampled from the prefill, goes into ``next_tokens``) until one has not ended
-        yet, or park it."""
-        while slot in self.serving and self.ended(slot):
-            self.results[self.serving.pop(slot)] = self.tokens.pop(slot)
-            idx = next(self.queue, None)
-            if idx is None:
-                self.decoder.park_row(slot)
-                return
-            first = self._prefill_into(slot, self.prompts[idx])
-            next_tokens[slot] = first
-            self.serving[slot], self.tokens[slot] = idx, [int(first)]
+        """Retire the slot's rollout if it ended, and restart the slot on the next queued prompt
+        (its first token, sampled from the prefill, goes into ``next_tokens`` on the device and
+        reaches the host with the next read), or park it."""
+        if slot not in self.serving or not self.ended(slot):
+            return
+        self.results[self.serving.pop(slot)] = self.tokens.pop(slot)
+        idx = next(self.queue, None)
+        if idx is None:
+            self.decoder.park_row(slot)
+            return
+        next_tokens[slot] = self._prefill_into(slot, self.prompts[idx])
+        self.serving[slot], self.tokens[slot] = idx, []
 
     @torch.no_grad()
     def _prefill_into(self, slot: int, prompt: list[int]) -> torch.Tensor:
@@ -117,18 +150,21 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
 
 
 def _decode(model, decoder, prompts, horizon, sampling, stop_token, logits) -> list[list[int]]:
-    """Step every slot until each prompt has its rollout; one host read of the sampled tokens per
-    step decides which slots ended."""
+    """Step every slot until each prompt has its rollout. Each iteration queues the next step on
+    the GPU first, then reads the previous step's tokens and settles the slots."""
     state = _Slots(model, decoder, prompts, horizon, sampling, stop_token)
-    nxt = sample_tokens(logits, *sampling)  # [B]
-    for slot, tok in enumerate(nxt.tolist()):
-        state.serving[slot], state.tokens[slot] = slot, [tok]
+    for slot in range(decoder.tokens.shape[0]):
+        state.serving[slot], state.tokens[slot] = slot, []
+    cur = sample_tokens(logits, *sampling)  # [B] each slot's next token, on the device
+    reader = _TokenReader(cur)
     while True:
+        reader.start(cur)
+        nxt = sample_tokens(decoder.step(cur), *sampling)  # [B], queued behind the copy
+        for slot, tok in enumerate(reader.read()):
+            if slot in state.serving:
+                state.tokens[slot].append(tok)
         for slot in list(state.serving):
             state.settle(slot, nxt)
         if not state.serving:
             return state.results
-        nxt = sample_tokens(decoder.step(nxt), *sampling)
-        for slot, tok in enumerate(nxt.tolist()):
-            if slot in state.serving:
-                state.tokens[slot].append(tok)
+        cur = nxt

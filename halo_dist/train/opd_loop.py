@@ -243,6 +243,12 @@ class OPDTrainer(Trainer):
             self.save(self.snap_root)
 
     # ------------------------------------------------------------------------------ one step
+    @property
+    def _compile_rollouts(self) -> bool:
+        """``opd.compile_rollouts`` on CUDA; on CPU (tests, the demo) compiling the step would cost
+        more than it saves."""
+        return self.cfg.opd.compile_rollouts and self.device.type == "cuda"
+
     def _rollouts(self, n: int, horizon: int) -> tuple[list[Rollout], float]:
         opd = self.cfg.opd
         picks = self.curriculum.sample(n, self.step, horizon)
@@ -255,7 +261,7 @@ class OPDTrainer(Trainer):
                 model, [p for _, p in picks], horizon, bs, temperature=opd.temperature,
                 top_p=opd.top_p, eos_token_id=self.eos, pad_token_id=self.pad,
                 stop_at_eos=opd.stop_at_eos, generator=self.generator,
-                compile_static=opd.compile_rollouts)
+                compile_static=self._compile_rollouts)
             out = [Rollout(p, g, name) for (name, p), g in zip(picks, gens)]
             _sync(self.device)
             return out, time.perf_counter() - t0
@@ -265,7 +271,7 @@ class OPDTrainer(Trainer):
                 model, [p for _, p in chunk], horizon, temperature=opd.temperature, top_p=opd.top_p,
                 eos_token_id=self.eos, pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
                 generator=self.generator, static_cache=opd.static_decode,
-                compile_static=opd.compile_rollouts)
+                compile_static=self._compile_rollouts)
             out += [Rollout(p, g, name) for (name, p), g in zip(chunk, gens)]
         _sync(self.device)
         return out, time.perf_counter() - t0
@@ -425,7 +431,7 @@ class OPDTrainer(Trainer):
                                        top_p=opd.top_p, eos_token_id=self.eos,
                                        pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
                                        generator=gen, static_cache=opd.static_decode,
-                                       compile_static=opd.compile_rollouts)
+                                       compile_static=self._compile_rollouts)
                 rs = [Rollout(p, g) for p, g in zip(chunk, gens) if g]
                 if not rs:
                     continue
