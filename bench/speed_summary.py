@@ -29,8 +29,9 @@ SOURCES = {
     # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
     "stage2": RESULTS / "stages_p22b.json",
     "stage3": RESULTS / "stages_p21a.json",
-    "opd": RESULTS / "opd_p23_base.json",
-    "opd_8k": RESULTS / "opd_p23c_h8k.json",
+    # OPD: compiled continuous rollouts, compiled layers and loss (P24c); horizon 8K the same (P24d)
+    "opd": RESULTS / "opd_p24c_best.json",
+    "opd_8k": RESULTS / "opd_p24d_h8k.json",
     "inference": RESULTS / "inference.json",
     "pretrain": RESULTS / "pretrain_p21b.json",
 }
