@@ -61,6 +61,8 @@ def parse_args(argv=None):
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the rollout decoder's RNN state dtype (opd.rollout_state_dtype)")
     p.add_argument("--skip-train", action="store_true",
                    help="rollouts only (compare rollout paths in one call)")
     p.add_argument("--profile", type=int, default=0, metavar="MICRO",
@@ -108,13 +110,16 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len),
                             generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
+    state_dtype = getattr(torch, args.state_dtype)
+
     def rollout(h: int):
         if args.continuous:
             return continuous_rollouts(student, prompts, h, len(prompts), eos_token_id=None,
-                                       generator=g, compile_static=args.compile_rollouts)
+                                       generator=g, compile_static=args.compile_rollouts,
+                                       state_dtype=state_dtype)
         return sample_rollouts(student, prompts, h, eos_token_id=None, generator=g,
                                static_cache=args.static_decode,
-                               compile_static=args.compile_rollouts)
+                               compile_static=args.compile_rollouts, state_dtype=state_dtype)
 
     # untimed: Triton compilation/autotuning and the first graph capture of this batch shape; a
     # compiled step is compiled per cache room, which the horizon sets: warm it up at the same one
@@ -147,11 +152,17 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
                for i in range(0, len(rollouts), micro)]
     n_gen = sum(b.num_generated for b in batches)
 
+    micro_s: list[float] = []  # wall time of each micro-batch of the last step (synchronised)
+
     def step(opt=opt, batches=batches):  # bound now: opt is deleted after the timing
+        micro_s.clear()
         for b in batches:
+            t = time.perf_counter()
             loss, *_ = mod(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, b.loss_mask,
                            b.gen_index, normalizer=float(n_gen), horizon=horizon)
             loss.backward()
+            sync(device)  # one sync per micro-batch: negligible against ~1 s of work each
+            micro_s.append(time.perf_counter() - t)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -164,11 +175,12 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     sync(device)
     train_s = time.perf_counter() - t0
     packed = sum(b.input_ids.shape[1] for b in batches)
+    timed_micro = [round(t, 4) for t in micro_s]
     if args.profile:
         profile_step(step, batches[:args.profile], horizon, device)
     del opt
     student.eval()
-    return {**row, "micro": micro, "train_s": train_s,
+    return {**row, "micro": micro, "train_s": train_s, "micro_s": timed_micro,
             "train_packed_tokens_per_s": packed / train_s,
             "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
             "opd_tokens_per_s": n_gen / (gen_s + train_s)}

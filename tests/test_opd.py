@@ -325,6 +325,38 @@ def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
     assert la == lb and len(la) == 3 and all(math.isfinite(v) for _, v in la)
 
 
+def test_bf16_rollout_state_trains_and_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
+    """opd.rollout_state_dtype=bfloat16: rollouts decode with bf16 Lightning states and the run
+    trains (finite losses); a student with another RNN mixer, and a dtype that is not offered, are
+    refused before anything runs."""
+    from types import SimpleNamespace
+
+    import halo_dist.stages.opd_rollouts as rollouts_mod
+    from halo_dist.config.coerce import ConfigError
+    from halo_dist.train.opd_loop import rollout_state_dtype
+
+    seen = set()
+
+    class Recording(rollouts_mod.StaticDecoder):
+        def step(self, tokens):
+            seen.update(s.dtype for s in self.cache.rnn_states())
+            return super().step(tokens)
+
+    monkeypatch.setattr(rollouts_mod, "StaticDecoder", Recording)
+
+    common = ("schedule.total_steps=3", "schedule.decay_steps=1", "opd.eval_every=0",
+              "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.every_steps=0",
+              "opd.snapshot_every=0", "opd.rollout_state_dtype=bfloat16")
+    t = run_trainer(tiny_cfg(tmp_path, *common))
+    assert t.rollout_state_dtype == torch.bfloat16 and t.tokens_seen > 0
+    assert seen == {torch.bfloat16}
+    assert all(math.isfinite(v) for _, v in read_metrics(tmp_path)["train/loss"])
+    with pytest.raises(ConfigError, match="all Lightning"):
+        rollout_state_dtype(t.cfg.opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
+    with pytest.raises(ConfigError, match="rollout_state_dtype"):
+        tiny_cfg(tmp_path, "opd.rollout_state_dtype=float16")
+
+
 def test_rung_continuation_reproduces_the_longer_run(tmp_path):
     """A (12 steps, WSD decay 4) -> pre-decay snapshot at step 8 -> B continues to 16 steps == C run
     16 from scratch."""

@@ -311,6 +311,76 @@ def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference(
     assert worst < 1e-5, out.stdout
 
 
+def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
+    """A bf16 state (``StaticDecoder(state_dtype=torch.bfloat16)``): the kernel under
+    TRITON_INTERPRET=1 reads it, updates in fp32 and rounds once on the write, as the reference
+    does. Over three steps the states stay within bf16 rounding of each other (the interpreter
+    truncates where the GPU rounds to nearest: a 1-ulp difference in half the elements; the CUDA
+    test checks rounding), the outputs agree to fp32 precision after the first step, and both stay
+    within bf16 precision of the fp32-state update."""
+    script = textwrap.dedent("""
+        import torch
+        from halo_dist.models.hypenet.decode_lightning import (lightning_decode_torch,
+                                                               lightning_decode_triton)
+
+        torch.manual_seed(0)
+        B, H, K, V = 2, 2, 16, 48
+        q, k = torch.randn(B, 1, H, K), torch.randn(B, 1, H, K)
+        v = torch.randn(B, 1, H, V)
+        log_decay = -torch.rand(H)
+        s32 = torch.randn(B, H, K, V)
+        s_got, s_want = s32.bfloat16(), s32.bfloat16()
+        apart, first_out, drift = 0.0, None, 0.0
+        for _ in range(3):
+            got = lightning_decode_triton(q, k, v, log_decay, 0.3, s_got, block_v=16)
+            want = lightning_decode_torch(q, k, v, log_decay, 0.3, s_want)
+            ref = lightning_decode_torch(q, k, v, log_decay, 0.3, s32)
+            if first_out is None:
+                first_out = float((got - want).norm() / want.norm())
+            apart = max(apart, float((s_got.float() - s_want.float()).norm()
+                                     / s_want.float().norm()))
+            drift = max(drift, float((s_want.float() - s32).norm() / s32.norm()),
+                        float((want - ref).norm() / ref.norm()))
+        assert s_got.dtype == torch.bfloat16
+        print("result", apart, first_out, drift)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    apart, first_out, drift = (float(x) for x in out.stdout.split("result")[-1].split())
+    assert apart < 1e-2 and first_out < 1e-6, out.stdout  # bf16's unit roundoff is 3.9e-3
+    assert 1e-4 < drift < 1e-2, out.stdout  # bf16 rounding, not nothing and not more
+
+
+def test_static_decode_with_a_bf16_state_tracks_the_fp32_state():
+    """state_dtype=torch.bfloat16: the Lightning states live in bf16 buffers, the logits stay within
+    bf16 rounding of the fp32-state decoder's over several steps, a decoder handed back to the
+    dynamic cache returns fp32 states, and models with other RNN mixers are refused."""
+    model = tiny(("attention", "lightning", "lightning")).float()
+    cache, first = prefilled(model, B=2)
+    ref_cache = copy.deepcopy(cache)
+    half = StaticDecoder(model, cache, use_cuda_graph=False, state_dtype=torch.bfloat16)
+    full = StaticDecoder(model, ref_cache, use_cuda_graph=False)
+    assert all(s.dtype == torch.bfloat16 for s in half.cache.rnn_states())
+    nxt, worst = first, 0.0
+    for _ in range(6):
+        got, want = half.step(nxt).clone(), full.step(nxt).clone()
+        worst = max(worst, float((got - want).norm() / want.norm()))
+        nxt = want.argmax(-1)
+    assert 0 < worst < 2e-2, worst
+    cache._decoder = half
+    cache.leave_static()
+    assert all(cache.layers[i].dtype == torch.float32 for i in (1, 2))
+    gdn = tiny(("attention", "gdn")).float()
+    gdn_cache, _ = prefilled(gdn, B=1)
+    with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
+        StaticDecoder(gdn, gdn_cache, use_cuda_graph=False, state_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
+        StaticDecoder(model, prefilled(model, B=1)[0], use_cuda_graph=False,
+                      state_dtype=torch.bfloat16, lightning_in_place=False)
+
+
 def test_lightning_decode_reference_updates_the_state_in_place():
     from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch
     from halo_dist.models.hypenet.ops_rnn_torch import lightning_recurrent_torch
@@ -404,8 +474,8 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
 
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
 def test_lightning_decode_kernel_matches_the_reference_on_cuda():
-    """bf16 q/k/v, fp32 state, the 2B shape's heads, batch 1 and 256 (the graph step through it is
-    compared with the dynamic cache in
+    """bf16 q/k/v, fp32 and bf16 states, the 2B shape's heads, batch 1 and 256 (the graph step
+    through it is compared with the dynamic cache in
     test_triton_split_kv_and_graph_match_the_references_on_cuda)."""
     from halo_dist.models.hypenet.decode_lightning import (lightning_decode_torch,
                                                            lightning_decode_triton)
@@ -421,3 +491,25 @@ def test_lightning_decode_kernel_matches_the_reference_on_cuda():
         want = lightning_decode_torch(q, k, v, log_decay, 128**-0.5, s_want).float()
         assert (got - want).norm() / want.norm() < 1e-2
         assert (s_got - s_want).norm() / s_want.norm() < 1e-5
+        # a bf16 state: rounded to nearest on the write, as torch rounds the reference's update
+        # (all but a few elements identical: fp32 FMA vs mul+add can straddle a rounding boundary)
+        h_got, h_want = s_want.bfloat16(), s_want.bfloat16()
+        got = lightning_decode_triton(q, k, v, log_decay, 128**-0.5, h_got).float()
+        want = lightning_decode_torch(q, k, v, log_decay, 128**-0.5, h_want).float()
+        assert h_got.dtype == torch.bfloat16 and (got - want).norm() / want.norm() < 1e-2
+        assert (h_got != h_want).float().mean() < 1e-3
+
+
+def test_rollout_state_drift_measures_nothing_for_equal_states_and_something_for_bf16():
+    """bench/rollout_state_drift.py's measurement: two fp32-state decoders fed the same samples
+    give exactly zero KL and full argmax agreement; a bf16 state gives a positive KL; the bucket
+    table covers every decoded position."""
+    from bench.rollout_state_drift import drift
+
+    model = tiny(("attention", "lightning", "lightning")).float()
+    prompts = torch.randint(1, 97, (3, 9))
+    same = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=None)
+    assert same["kl_mean"] == 0.0 and same["argmax_agree"] == 1.0
+    half = drift(model, prompts, 20, torch.device("cpu"), 0)
+    assert half["kl_mean"] > 0.0 and half["tv_mean"] > 0.0
+    assert [b["positions"] for b in half["buckets"]] == ["1-16", "17-20"]

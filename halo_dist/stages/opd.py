@@ -198,6 +198,14 @@ def compiled_room(tokens: int) -> int:
     return -(-tokens // ROOM_MULTIPLE) * ROOM_MULTIPLE
 
 
+def static_options(compile_static: bool, state_dtype: torch.dtype | None) -> dict:
+    """The rollout decoder's ``StaticDecoder`` keyword arguments beyond the defaults."""
+    options = {"compile": True} if compile_static else {}
+    if state_dtype is not None and state_dtype != torch.float32:
+        options["state_dtype"] = state_dtype
+    return options
+
+
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts as one left-padded batch: ids and attention mask, both ``[B, longest prompt]``."""
     width = max(len(p) for p in prompts)
@@ -213,7 +221,8 @@ def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tens
 def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperature: float = 1.0,
                     top_p: float = 1.0, eos_token_id: int | None = None, pad_token_id: int = 0,
                     stop_at_eos: bool = True, generator: torch.Generator | None = None,
-                    static_cache: bool = False, compile_static: bool = False) -> list[list[int]]:
+                    static_cache: bool = False, compile_static: bool = False,
+                    state_dtype: torch.dtype | None = None) -> list[list[int]]:
     """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the
     student's own distribution under ``temperature`` / ``top_p`` only: the model's generation
     defaults stay out (an export carries its teacher's chat defaults, e.g. a top-k or a repetition
@@ -224,7 +233,9 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     ``compile_static``: its step through ``torch.compile`` first (fuses the step's ~1,000 small
     kernels). It compiles once per rollout count, padding or not, and cache room; the room is
     rounded up by ``compiled_room`` so that prompts of similar width share a compilation.
-    Layers compiled for training (``model.compile``) run eagerly here.
+    ``state_dtype``: the static decoder's RNN state dtype (``torch.bfloat16``: half the state bytes
+    per step, Lightning-only students; ``opd.rollout_state_dtype``). Layers compiled for training
+    (``model.compile``) run eagerly here.
     """
     if not prompts:
         return []
@@ -238,11 +249,12 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     model.eval()
     model.generation_config = GenerationConfig()
     cache = {"cache_implementation": "static" if static_cache else None}
-    if static_cache and compile_static:
-        room = compiled_room(width + horizon + STATIC_WARMUP_TOKENS)
+    options = static_options(compile_static, state_dtype)
+    if static_cache and options:
+        room = width + horizon + STATIC_WARMUP_TOKENS
         cache = {_GENERATE_CACHE_KWARG: HypeNetCache(
-            model.config.num_hidden_layers, max_cache_len=room, static=True,
-            static_options={"compile": True})}
+            model.config.num_hidden_layers, static=True, static_options=options,
+            max_cache_len=compiled_room(room) if compile_static else room)}
     try:
         with _sampling_seeded_by(generator, device), eager_decoder_layers(model):
             out = model.generate(ids.to(device), attention_mask=mask.to(device),

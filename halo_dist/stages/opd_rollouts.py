@@ -27,7 +27,7 @@ import torch
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.static_decode import StaticDecoder
-from .opd import compiled_room, left_padded
+from .opd import compiled_room, left_padded, static_options
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
@@ -118,11 +118,13 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
                         temperature: float = 1.0, top_p: float = 1.0,
                         eos_token_id: int | None = None, stop_at_eos: bool = True,
                         generator: torch.Generator | None = None, pad_token_id: int = 0,
-                        compile_static: bool = False) -> list[list[int]]:
+                        compile_static: bool = False,
+                        state_dtype: torch.dtype | None = None) -> list[list[int]]:
     """One continuation per prompt (in the prompts' order; cut after the first EOS when
     ``stop_at_eos``), decoded in ``slots`` rows that are refilled as rollouts end.
     ``compile_static``: the step through ``torch.compile`` (the buffers' room rounded up by
-    ``compiled_room``, so calls with similar prompts share a compilation)."""
+    ``compiled_room``, so calls with similar prompts share a compilation). ``state_dtype``: the
+    decoder's RNN state dtype (``sample_rollouts``)."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -142,7 +144,8 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
             cache = HypeNetCache(model.config.num_hidden_layers, max_cache_len=room)
             logits = model(ids, attention_mask=mask, cache=cache, use_cache=True,
                            logits_to_keep=1).logits[:, -1]  # [B, V]
-            decoder = StaticDecoder(model, cache, attention_mask=mask, compile=compile_static)
+            decoder = StaticDecoder(model, cache, attention_mask=mask,
+                                    **static_options(compile_static, state_dtype))
             return _decode(model, decoder, prompts, horizon, sampling,
                            eos_token_id if stop_at_eos else None, logits)
     finally:

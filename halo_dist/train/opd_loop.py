@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config.coerce import ConfigError
 from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
 from ..parallel.safe_load import safe_load
@@ -48,6 +49,18 @@ from .trainer import Trainer, run_loss_hooks
 # ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
+
+
+def rollout_state_dtype(opd, student_config) -> torch.dtype:
+    """``opd.rollout_state_dtype`` as a dtype, refused up front for a student with RNN layers other
+    than Lightning (only its in-place decode kernel keeps a bf16 state)."""
+    if opd.rollout_state_dtype == "float32":
+        return torch.float32
+    other = sorted({k for k in student_config.mixer_types if k not in ("attention", "lightning")})
+    if other:
+        raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} needs a student "
+                          f"whose RNN layers are all Lightning; this one has {other}")
+    return torch.bfloat16
 
 
 class OPDTrainer(Trainer):
@@ -114,6 +127,7 @@ class OPDTrainer(Trainer):
         ``OPDModule`` (student + loss) that the engine trains."""
         cfg, opd = self.cfg, self.cfg.opd
         student, teacher, self.tokenizer = build_models(cfg, **self._inject)
+        self.rollout_state_dtype = rollout_state_dtype(opd, student.config)
         if cfg.model.activation_checkpointing:
             student.model.gradient_checkpointing = True
         # training forwards only: rollouts run the layers eagerly (``sample_rollouts``)
@@ -261,7 +275,8 @@ class OPDTrainer(Trainer):
                 model, [p for _, p in picks], horizon, bs, temperature=opd.temperature,
                 top_p=opd.top_p, eos_token_id=self.eos, pad_token_id=self.pad,
                 stop_at_eos=opd.stop_at_eos, generator=self.generator,
-                compile_static=self._compile_rollouts)
+                compile_static=self._compile_rollouts,
+                state_dtype=self.rollout_state_dtype)
             out = [Rollout(p, g, name) for (name, p), g in zip(picks, gens)]
             _sync(self.device)
             return out, time.perf_counter() - t0
@@ -271,7 +286,8 @@ class OPDTrainer(Trainer):
                 model, [p for _, p in chunk], horizon, temperature=opd.temperature, top_p=opd.top_p,
                 eos_token_id=self.eos, pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
                 generator=self.generator, static_cache=opd.static_decode,
-                compile_static=self._compile_rollouts)
+                compile_static=self._compile_rollouts,
+                state_dtype=self.rollout_state_dtype)
             out += [Rollout(p, g, name) for (name, p), g in zip(chunk, gens)]
         _sync(self.device)
         return out, time.perf_counter() - t0
@@ -431,7 +447,8 @@ class OPDTrainer(Trainer):
                                        top_p=opd.top_p, eos_token_id=self.eos,
                                        pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
                                        generator=gen, static_cache=opd.static_decode,
-                                       compile_static=self._compile_rollouts)
+                                       compile_static=self._compile_rollouts,
+                                       state_dtype=self.rollout_state_dtype)
                 rs = [Rollout(p, g) for p, g in zip(chunk, gens) if g]
                 if not rs:
                     continue

@@ -111,8 +111,9 @@ class HypeNetCache(Cache):
             return
         n = dec.length
         for i, entry in enumerate(dec.cache.layers):
+            # RNN states go back in fp32 (a decoder may have kept them in bf16)
             self.layers[i] = ((entry[0][:, :n], entry[1][:, :n]) if isinstance(entry, tuple)
-                              else entry)
+                              else entry.float() if entry.dtype == torch.bfloat16 else entry)
         self.seen_tokens = n
         self._decoder = None
 

@@ -1,4 +1,4 @@
-"""One Lightning-attention decode step that updates the fp32 state in place: the RNN half of the
+"""One Lightning-attention decode step that updates the state in place: the RNN half of the
 static (CUDA-graph) decode step (``static_decode.py``).
 
 Per row b and head h, with the head's log-decay g_h:
@@ -9,6 +9,10 @@ twice. At batch 1 that is noise (1 MB per layer); for batched rollouts it domina
 rows x 16 heads x 128 x 128 fp32 = 268 MB per layer, 21 layers). Here each program owns one
 ``[K, BLOCK_V]`` tile of one (row, head) state: it reads the tile, updates it in registers and
 writes it back where it was, so the state moves once each way and no copy follows.
+
+The state is fp32 unless the caller keeps it in bf16 (``StaticDecoder(state_dtype=...)``): then it
+is read and written in bf16 and updated in fp32 registers, half the bytes of a batched step, at the
+price of one bf16 rounding of the state per token.
 
 * ``lightning_decode_torch``: the reference (in place as well); CPU and tests.
 * ``lightning_decode_triton``: the kernel (``TRITON_INTERPRET=1`` runs it on CPU fp32 tensors, which
@@ -23,6 +27,9 @@ import os
 
 import torch
 
+# dtypes the in-place kernel keeps a state in (fp32 by default; bf16 halves a batched step's bytes)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
 try:
     import triton
     import triton.language as tl
@@ -36,12 +43,16 @@ def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            log_decay: torch.Tensor, scale: float,
                            state: torch.Tensor) -> torch.Tensor:
     """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (updated
-    in place) -> o ``[B, 1, H, V]`` in q's dtype."""
-    acc = state.dtype
+    in place) -> o ``[B, 1, H, V]`` in q's dtype. The update and the output are computed in fp32 at
+    least (the state's dtype when wider); a bf16 state is rounded once, when it is written back."""
+    acc = torch.promote_types(state.dtype, torch.float32)
+    s = state.to(acc)  # the state itself when it is already fp32/fp64
     qf, kf, vf = q[:, 0].to(acc), k[:, 0].to(acc), v[:, 0].to(acc)  # [B, H, K] / [B, H, V]
     decay = log_decay.to(device=state.device, dtype=acc).exp()[None, :, None, None]  # [1, H, 1, 1]
-    state.mul_(decay).add_(kf[..., :, None] * vf[..., None, :])  # [B, H, K, V]
-    o = torch.einsum("bhk,bhkv->bhv", qf, state) * scale  # [B, H, V]
+    s.mul_(decay).add_(kf[..., :, None] * vf[..., None, :])  # [B, H, K, V]
+    o = torch.einsum("bhk,bhkv->bhv", qf, s) * scale  # [B, H, V]
+    if s is not state:
+        state.copy_(s)
     return o[:, None].to(q.dtype)  # [B, H, V] -> [B, 1, H, V]
 
 
@@ -71,9 +82,9 @@ if _HAS_TRITON:
         decay = tl.exp(tl.load(LogDecay + h).to(tl.float32))
         # [DK, BLOCK_V]
         tile = S + b * stride_sb + h * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(tile, mask=v_ok[None, :], other=0.0)
+        s = tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
         s = decay * s + k[:, None] * v[None, :]
-        tl.store(tile, s, mask=v_ok[None, :])
+        tl.store(tile, s.to(S.dtype.element_ty, fp_downcast_rounding="rtne"), mask=v_ok[None, :])
         o = tl.sum(q[:, None] * s, axis=0) * scale  # [BLOCK_V]
         tl.store(O + b * stride_ob + h * stride_oh + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
 
@@ -81,14 +92,14 @@ if _HAS_TRITON:
 def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, scale: float, state: torch.Tensor,
                             block_v: int = 32) -> torch.Tensor:
-    """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32
-    ``[B, H, K, V]``."""
+    """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
+    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32)."""
     B, _, H, DK = q.shape
     DV = v.shape[-1]
-    if (state.dtype != torch.float32 or not state.is_contiguous()
+    if (state.dtype not in STATE_DTYPES or not state.is_contiguous()
             or tuple(state.shape) != (B, H, DK, DV)):
-        raise ValueError(f"the state must be a contiguous fp32 [{B}, {H}, {DK}, {DV}] tensor, got "
-                         f"{state.dtype} {tuple(state.shape)}")
+        raise ValueError(f"the state must be a contiguous fp32 or bf16 [{B}, {H}, {DK}, {DV}] "
+                         f"tensor, got {state.dtype} {tuple(state.shape)}")
     if DK & (DK - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
                          "key dim")

@@ -38,7 +38,7 @@ import gc
 import torch
 
 from .decode_attention import decode_attention
-from .decode_lightning import lightning_decode_
+from .decode_lightning import STATE_DTYPES, lightning_decode_
 from .layers_hypenet import PackedLinears
 
 
@@ -49,14 +49,19 @@ class StaticDecodeCache:
     # {(layer, "mixer" | "mlp"): PackedLinears}: input projections as one GEMM each
     # (``pack_input_projections``)
     packed: dict | None = None
-    # Lightning layers call ``lightning_step`` (else fla's kernel + ``set_state``)
-    lightning_in_place = True
 
-    def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None):
+    def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None,
+                 state_dtype: torch.dtype | None = None, lightning_in_place: bool = True):
+        """``state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32); bf16 only
+        for models whose RNN layers are all Lightning (its in-place kernel rounds once per token,
+        other mixers' kernels would take a bf16 state as their fp32 input)."""
         kinds = model_config.mixer_types
         if "swa" in kinds:
             raise ValueError("static decode does not support sliding-window layers (rolling "
                              "cache); use the dynamic HypeNetCache")
+        # Lightning layers call ``lightning_step`` (else fla's kernel + ``set_state``)
+        self.lightning_in_place = lightning_in_place
+        self._check_state_dtype(state_dtype, kinds)
         T = cache.seen_tokens
         if T == 0:
             raise ValueError("static decode needs a prefilled cache (seen_tokens == 0)")
@@ -72,8 +77,8 @@ class StaticDecodeCache:
                 kbuf, vbuf = cache._kv_buffers[i]  # [B, room, Hkv, D], the first T valid
                 room = kbuf.shape[1] if room is None else min(room, kbuf.shape[1])
                 self.layers.append((kbuf, vbuf))
-            else:
-                self.layers.append(entry.contiguous())  # [B, H, K, V] fp32, updated in place
+            else:  # [B, H, K, V] fp32 (or state_dtype), updated in place
+                self.layers.append(entry.to(state_dtype or entry.dtype).contiguous())
         self.room = room  # None: no attention layer (pure RNN), unbounded
         first = next(t for t in self._tensors())
         device, B = first.device, first.shape[0]
@@ -83,6 +88,16 @@ class StaticDecodeCache:
         self.rows = torch.arange(B, device=device)  # [B], indexes the rows in per-row writes
         self.pad = self._left_pad(attention_mask, T, device)  # [B] keys to skip per row
         self.prompt_tokens = T
+
+    def _check_state_dtype(self, state_dtype, kinds) -> None:
+        if state_dtype is None or state_dtype == torch.float32:
+            return
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}; got {state_dtype}")
+        other = sorted({k for k in kinds if k not in ("attention", "lightning")})
+        if other or not self.lightning_in_place:
+            raise ValueError(f"a {state_dtype} RNN state needs Lightning's in-place decode kernel "
+                             f"for every RNN layer; this model also has {other or 'it off'}")
 
     @property
     def seen_tokens(self) -> int:
@@ -191,7 +206,8 @@ class StaticDecoder:
 
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
                  attention_mask: torch.Tensor | None = None, compile: bool = False,
-                 pack_projections: bool = True, lightning_in_place: bool = True):
+                 pack_projections: bool = True, lightning_in_place: bool = True,
+                 state_dtype: torch.dtype | None = None):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
         back to the eager step and is kept in ``compile_error``). ``pack_projections``: each layer's
@@ -199,7 +215,9 @@ class StaticDecoder:
         now: build a new decoder after the weights change). ``lightning_in_place``: Lightning's
         state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a copy into the
         buffer). The two switches exist to measure what each buys (bench/profile_decode.py); the
-        defaults are the fast path."""
+        defaults are the fast path. ``state_dtype``: the RNN states' dtype while decoding (None:
+        fp32, as prefilled; ``torch.bfloat16`` halves their bytes, Lightning-only models,
+        ``StaticDecodeCache``)."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
@@ -208,10 +226,10 @@ class StaticDecoder:
         # garbage collector happens to run
         self._step_fn = (torch.compile(StaticDecoder._step_body, dynamic=False) if compile
                          else StaticDecoder._step_body)
-        self.cache = StaticDecodeCache(cache, model.config, attention_mask)
+        self.cache = StaticDecodeCache(cache, model.config, attention_mask, state_dtype,
+                                       lightning_in_place)
         if pack_projections:
             self.cache.packed = pack_input_projections(model)
-        self.cache.lightning_in_place = lightning_in_place
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
