@@ -107,10 +107,10 @@ class OPDConfig(Section):
     # through StaticDecoder (whatever static_decode says). 28.6K vs 27.1K rollout tokens/s for
     # batches through generate (2B, 256 rollouts at horizon 2048, no EOS, H200): more with EOS on
     continuous_batching: bool = True
-    # the rollout decoder's RNN state dtype: bfloat16 halves the bytes of a batched rollout step
-    # (Lightning's fp32 state is ~half of them at 256 rollouts), rounding the state once per token;
-    # the training forward recomputes every log-probability in fp32 either way. Lightning-only
-    # students (the in-place decode kernel)
+    # the rollout decoder's RNN state dtype: bfloat16 halves Lightning's state bytes (~half of a
+    # 256-rollout step's), rounding the state once per token, so rollouts drift off-policy: on a
+    # converted SmolLM2 the argmax agreed with fp32's at 16% of positions 257-1024
+    # (bench/rollout_state_drift.py; measure your student before using it). Lightning-only students
     rollout_state_dtype: Literal["float32", "bfloat16"] = "float32"
     # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
     tokenizer: Optional[str] = None
