@@ -333,7 +333,7 @@ def test_bf16_rollout_state_trains_and_is_refused_where_it_cannot_run(tmp_path, 
 
     import halo_dist.stages.opd_rollouts as rollouts_mod
     from halo_dist.config.coerce import ConfigError
-    from halo_dist.train.opd_loop import rollout_state_dtype
+    from halo_dist.stages.opd import rollout_state_dtype
 
     seen = set()
 

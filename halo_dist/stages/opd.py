@@ -206,6 +206,18 @@ def static_options(compile_static: bool, state_dtype: torch.dtype | None) -> dic
     return options
 
 
+def rollout_state_dtype(opd, student_config) -> torch.dtype:
+    """``opd.rollout_state_dtype`` as a dtype, refused up front for a student with RNN layers other
+    than Lightning (only its in-place decode kernel keeps a bf16 state)."""
+    if opd.rollout_state_dtype == "float32":
+        return torch.float32
+    other = sorted({k for k in student_config.mixer_types if k not in ("attention", "lightning")})
+    if other:
+        raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} needs a student "
+                          f"whose RNN layers are all Lightning; this one has {other}")
+    return torch.bfloat16
+
+
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts as one left-padded batch: ids and attention mask, both ``[B, longest prompt]``."""
     width = max(len(p) for p in prompts)

@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config.coerce import ConfigError
 from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
 from ..parallel.safe_load import safe_load
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step,
-                          pack_rollouts, parameter_groups, position_buckets, sample_rollouts)
+                          pack_rollouts, parameter_groups, position_buckets, rollout_state_dtype,
+                          sample_rollouts)
 from ..models.hypenet.modeling_hypenet import compile_decoder_layers
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
@@ -49,18 +49,6 @@ from .trainer import Trainer, run_loss_hooks
 # ------------------------------------------------------------------------------------------------
 # The trainer
 # ------------------------------------------------------------------------------------------------
-
-
-def rollout_state_dtype(opd, student_config) -> torch.dtype:
-    """``opd.rollout_state_dtype`` as a dtype, refused up front for a student with RNN layers other
-    than Lightning (only its in-place decode kernel keeps a bf16 state)."""
-    if opd.rollout_state_dtype == "float32":
-        return torch.float32
-    other = sorted({k for k in student_config.mixer_types if k not in ("attention", "lightning")})
-    if other:
-        raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} needs a student "
-                          f"whose RNN layers are all Lightning; this one has {other}")
-    return torch.bfloat16
 
 
 class OPDTrainer(Trainer):
