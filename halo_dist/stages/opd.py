@@ -50,6 +50,7 @@ from ..losses import fused_distill_loss
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
 from ..models.hypenet.generation_hypenet import _GENERATE_CACHE_KWARG
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
+from ..models.hypenet.static_decode import mixers_without_low_precision_state
 from .build import check_same_vocab
 
 
@@ -211,7 +212,7 @@ def rollout_state_dtype(opd, student_config) -> torch.dtype:
     than Lightning (only its in-place decode kernel keeps a bf16 state)."""
     if opd.rollout_state_dtype == "float32":
         return torch.float32
-    other = sorted({k for k in student_config.mixer_types if k not in ("attention", "lightning")})
+    other = mixers_without_low_precision_state(student_config.mixer_types)
     if other:
         raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} needs a student "
                           f"whose RNN layers are all Lightning; this one has {other}")

@@ -42,6 +42,12 @@ from .decode_lightning import STATE_DTYPES, lightning_decode_
 from .layers_hypenet import PackedLinears
 
 
+def mixers_without_low_precision_state(mixer_types) -> list[str]:
+    """The model's mixer kinds that cannot decode from a bf16 RNN state: every RNN but Lightning
+    (only its in-place kernel reads the state in bf16 and updates it in fp32)."""
+    return sorted({k for k in mixer_types if k not in ("attention", "lightning")})
+
+
 class StaticDecodeCache:
     """Fixed buffers of one decode batch; the model's mixers duck-type it like ``HypeNetCache``."""
 
@@ -94,7 +100,7 @@ class StaticDecodeCache:
             return
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}; got {state_dtype}")
-        other = sorted({k for k in kinds if k not in ("attention", "lightning")})
+        other = mixers_without_low_precision_state(kinds)
         if other or not self.lightning_in_place:
             raise ValueError(f"a {state_dtype} RNN state needs Lightning's in-place decode kernel "
                              f"for every RNN layer; this model also has {other or 'it off'}")
