@@ -63,6 +63,9 @@ def parse_args(argv=None):
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the rollout decoder's RNN state dtype (opd.rollout_state_dtype)")
+    p.add_argument("--timed-steps", type=int, default=1,
+                   help="training steps timed after the warm-up one (the figures are the last "
+                        "step's; every step's time and per-micro-batch times are recorded)")
     p.add_argument("--skip-train", action="store_true",
                    help="rollouts only (compare rollout paths in one call)")
     p.add_argument("--profile", type=int, default=0, metavar="MICRO",
@@ -169,18 +172,22 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     step()  # warm-up (allocations, kernels, AdamW state)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sync(device)
-    t0 = time.perf_counter()
-    step()
-    sync(device)
-    train_s = time.perf_counter() - t0
+    steps_s, steps_micro = [], []
+    for _ in range(max(1, args.timed_steps)):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        steps_s.append(round(time.perf_counter() - t0, 4))
+        steps_micro.append([round(t, 4) for t in micro_s])
+    train_s, timed_micro = steps_s[-1], steps_micro[-1]
     packed = sum(b.input_ids.shape[1] for b in batches)
-    timed_micro = [round(t, 4) for t in micro_s]
     if args.profile:
         profile_step(step, batches[:args.profile], horizon, device)
     del opt
     student.eval()
     return {**row, "micro": micro, "train_s": train_s, "micro_s": timed_micro,
+            "train_steps_s": steps_s, "micro_s_per_step": steps_micro,
             "train_packed_tokens_per_s": packed / train_s,
             "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
             "opd_tokens_per_s": n_gen / (gen_s + train_s)}

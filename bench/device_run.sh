@@ -40,7 +40,7 @@
 #   P23d: tests/test_fla_offsets.py | P24a (one GPU): continuous-batching rollouts and compiled rollouts (carry .whl)
 #   P24b: compiled reverse-KL loss, OPD h2048 with compiled rollouts + a training profile, batch-256 decode profile
 #   P24c: overlapped continuous rollouts vs generate's, the whole OPD step compiled | P24d: OPD at 8K and 32K
-#   P25a (next): bf16 rollout states (kernel test, drift, speed), OPD per-micro-batch times | P25b: OPD at 32K
+#   P25a (next): decode kernel launch knobs, CUDA decode tests, OPD per-micro-batch times | P25b: OPD at 32K
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -436,19 +436,16 @@ P24d)
     --checkpointing --out bench/results/opd_p24d_h32k.json > "$OUT/p24d_opd_h32k.log" 2>&1; echo "h32k rc=$?"
   ;;
 P25a)
-  # next GPU session, issue 20 item 4: the bf16-state kernel's rounding on the GPU; the drift and the
-  # speed of bf16 rollout states (opd.rollout_state_dtype); the whole OPD step with per-micro-batch
-  # times (compiled layers: 0.74 s per micro-batch profiled, 0.89 s timed in P24c)
+  # issue 20: the two memory-bound decode kernels over their launch knobs (attention at 512K b1 and
+  # b256, Lightning at b256 fp32/bf16 and b1); the CUDA decode tests (bf16 state rounding); the whole
+  # OPD step timed twice with per-micro-batch times and dynamo's recompilation log (the compiled
+  # layers' missing ~4 s per step)
+  timeout 150 python3 bench/tune_decode_kernels.py > "$OUT/p25a_tune.log" 2>&1; echo "tune rc=$?"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k cuda \
     > "$OUT/p25a_cuda_tests.log" 2>&1; echo "cuda tests rc=$?"; tail -1 "$OUT/p25a_cuda_tests.log"
-  timeout 120 python3 bench/rollout_state_drift.py --model 2b-random --rows 64 --tokens 1024 \
-    > "$OUT/p25a_drift.log" 2>&1; echo "drift rc=$?"
-  timeout 170 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
-    --state-dtype bfloat16 --skip-train --out bench/results/opd_p25a_bf16_state.json \
-    > "$OUT/p25a_opd_bf16.log" 2>&1; echo "opd bf16 rc=$?"
-  timeout $((590 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous \
-    --compile-rollouts --compile-layers --out bench/results/opd_p25a_micro.json \
-    > "$OUT/p25a_opd_micro.log" 2>&1; echo "opd micro rc=$?"
+  TORCH_LOGS=recompiles timeout $((590 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 \
+    --rollouts 256 --continuous --compile-rollouts --compile-layers --timed-steps 2 \
+    --out bench/results/opd_p25a_micro.json > "$OUT/p25a_opd_micro.log" 2>&1; echo "opd micro rc=$?"
   ;;
 P25b)
   # issue 20 item 4: horizon 32K alone (16 rollouts, eager-step continuous rollouts, checkpointing)

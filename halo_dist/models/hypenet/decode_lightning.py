@@ -91,9 +91,10 @@ if _HAS_TRITON:
 
 def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, scale: float, state: torch.Tensor,
-                            block_v: int = 32) -> torch.Tensor:
+                            block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
     """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
-    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32)."""
+    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32). ``block_v`` (state
+    columns per program) and ``num_warps`` are launch knobs (``bench/tune_decode_kernels.py``)."""
     B, _, H, DK = q.shape
     DV = v.shape[-1]
     if (state.dtype not in STATE_DTYPES or not state.is_contiguous()
@@ -109,7 +110,7 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, log_decay, state, o,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         state.stride(0), state.stride(1), o.stride(0), o.stride(2),
-        scale, H=H, DK=DK, DV=DV, BLOCK_V=block_v,
+        scale, H=H, DK=DK, DV=DV, BLOCK_V=block_v, num_warps=num_warps,
     )
     return o
 

@@ -1,0 +1,151 @@
+"""Benchmark: launch settings of the two memory-bound decode kernels, against their bytes.
+
+The static decode step spends most of its time in two Triton kernels that only stream memory:
+
+* ``_split_kv_kernel`` (``decode_attention.py``): every key and value of the cache, once. At 512K
+  context and batch 1 it is 65% of HypeNet-2B's step and 88% of the teacher shape's.
+* ``_lightning_decode_kernel`` (``decode_lightning.py``): every Lightning state, read and written.
+  At 256 rollouts it is 40% of an OPD rollout step.
+
+Each is timed here alone (CUDA events, median) over a grid of its launch knobs (keys per iteration,
+warps, pipeline stages, programs per SM; state columns per program, warps), at the shapes that
+matter: batch 1 at 512K and 256 rollouts at context 1280 for attention; 256 rollouts (fp32 and bf16
+state) and batch 1 for Lightning. Each row reports the achieved bandwidth (bytes / time) and the
+ratio to the current default; every configuration's output is checked against the default's (the
+knobs change the order of floating-point work, not the result). Writes
+``bench/results/decode_kernel_tuning.json`` and prints one table per case.
+
+  python3 bench/tune_decode_kernels.py                 # H200: ~1 min (each config compiles once)
+  python3 bench/tune_decode_kernels.py --quick         # the default and a few neighbours
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
+from halo_dist.models.hypenet.decode_attention import decode_attention_triton  # noqa: E402
+from halo_dist.models.hypenet.decode_lightning import lightning_decode_triton  # noqa: E402
+
+H, HKV, D = 16, 8, 128  # HypeNet-2B / Qwen3-1.7B heads
+ATTN_DEFAULT = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4)
+LIGHT_DEFAULT = dict(block_v=32, num_warps=4)
+
+
+def attention_case(batch: int, context: int, room: int, grid: list[dict], iters: int) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(batch, room, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(batch, room, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    length = torch.tensor([context], device="cuda")
+    nbytes = 2 * batch * context * HKV * D * 2  # keys + values read once, bf16
+    ref = decode_attention_triton(q, k, v, length, D ** -0.5, **ATTN_DEFAULT).float()
+    rows, base = [], None
+    for cfg in grid:
+        try:
+            def fn(cfg=cfg):
+                return decode_attention_triton(q, k, v, length, D ** -0.5, **cfg)
+
+            err = rel_err(fn().float(), ref)
+            ms = time_cuda(fn, warmup=3, iters=iters)
+        except Exception as e:  # a config Triton cannot build (shared memory): say so, go on
+            rows.append({**cfg, "ms": None, "TB/s": None, "vs_default": None,
+                         "rel_err": f"{type(e).__name__}"})
+            continue
+        base = ms if cfg == ATTN_DEFAULT else base
+        rows.append({**cfg, "ms": ms, "TB/s": nbytes / ms / 1e9, "vs_default": None,
+                     "rel_err": err})
+    for r in rows:
+        if r["ms"] is not None and base:
+            r["vs_default"] = base / r["ms"]
+    return rows
+
+
+def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict],
+                   iters: int) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    log_decay = -torch.linspace(0.004, 0.7, H, device="cuda")
+    state0 = torch.randn(batch, H, D, D, device="cuda", generator=g).to(state_dtype)
+    nbytes = 2 * state0.numel() * state0.element_size()  # read and written once
+    ref_state = state0.clone()
+    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state, **LIGHT_DEFAULT).float()
+    rows, base = [], None
+    for cfg in grid:
+        state = state0.clone()
+        try:
+            err = rel_err(lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, **cfg)
+                          .float(), ref)
+            err = max(err, rel_err(state.float(), ref_state.float()))
+            # the state decays in place on every call: timing is unaffected, values stay finite
+            ms = time_cuda(lambda cfg=cfg, state=state: lightning_decode_triton(
+                q, k, v, log_decay, D ** -0.5, state, **cfg), warmup=3, iters=iters)
+        except Exception as e:
+            rows.append({**cfg, "ms": None, "TB/s": None, "vs_default": None,
+                         "rel_err": f"{type(e).__name__}"})
+            continue
+        base = ms if cfg == LIGHT_DEFAULT else base
+        rows.append({**cfg, "ms": ms, "TB/s": nbytes / ms / 1e9, "vs_default": None,
+                     "rel_err": err})
+    for r in rows:
+        if r["ms"] is not None and base:
+            r["vs_default"] = base / r["ms"]
+    return rows
+
+
+def grids(quick: bool) -> tuple[list[dict], list[dict]]:
+    if quick:
+        attn = [ATTN_DEFAULT, {**ATTN_DEFAULT, "block_n": 128}, {**ATTN_DEFAULT, "num_stages": 4}]
+        light = [LIGHT_DEFAULT, {**LIGHT_DEFAULT, "block_v": 16}, {**LIGHT_DEFAULT, "num_warps": 8}]
+        return attn, light
+    attn = [dict(block_n=b, num_warps=w, num_stages=s, programs_per_sm=4)
+            for b, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
+    attn += [{**ATTN_DEFAULT, "programs_per_sm": p} for p in (2, 8, 16)]
+    light = [dict(block_v=b, num_warps=w)
+             for b, w in itertools.product((8, 16, 32, 64, 128), (1, 2, 4, 8))]
+    return attn, light
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device (the CPU tests check these kernels in Triton's interpreter)",
+              file=sys.stderr)
+        return 2
+    attn_grid, light_grid = grids(args.quick)
+    cases = {}
+    for name, fn in (
+        ("attention b1 ctx 512K", lambda: attention_case(1, 524_288, 524_288 + 256, attn_grid,
+                                                         args.iters)),
+        ("attention b256 ctx 1280 (room 2304)", lambda: attention_case(256, 1280, 2304, attn_grid,
+                                                                       args.iters)),
+        ("lightning b256 fp32 state", lambda: lightning_case(256, torch.float32, light_grid,
+                                                             args.iters)),
+        ("lightning b256 bf16 state", lambda: lightning_case(256, torch.bfloat16, light_grid,
+                                                             args.iters)),
+        ("lightning b1 fp32 state", lambda: lightning_case(1, torch.float32, light_grid,
+                                                           args.iters)),
+    ):
+        cases[name] = fn()
+        print_table(cases[name], name)
+        best = min((r for r in cases[name] if r["ms"] is not None), key=lambda r: r["ms"])
+        print(f"best: {best}")
+    path = write_result("decode_kernel_tuning", {"cases": cases, "args": vars(args)}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
