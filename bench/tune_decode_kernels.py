@@ -17,6 +17,7 @@ knobs change the order of floating-point work, not the result). Writes
 
   python3 bench/tune_decode_kernels.py                 # H200: ~1 min (each config compiles once)
   python3 bench/tune_decode_kernels.py --quick         # the default and a few neighbours
+  TRITON_INTERPRET=1 .venv/bin/python bench/tune_decode_kernels.py --cpu-smoke   # checks the script
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ ATTN_DEFAULT = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4)
 LIGHT_DEFAULT = dict(block_v=32, num_warps=4)
 
 
-def attention_case(batch: int, context: int, room: int, grid: list[dict], iters: int) -> list[dict]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(batch, room, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(batch, room, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    length = torch.tensor([context], device="cuda")
-    nbytes = 2 * batch * context * HKV * D * 2  # keys + values read once, bf16
+def attention_case(batch: int, context: int, room: int, grid: list[dict], iters: int,
+                   dev: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
+    k = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
+    length = torch.tensor([context], device=dev)
+    nbytes = 2 * batch * context * HKV * D * k.element_size()  # keys + values read once
     ref = decode_attention_triton(q, k, v, length, D ** -0.5, **ATTN_DEFAULT).float()
     rows, base = [], None
     for cfg in grid:
@@ -67,13 +69,13 @@ def attention_case(batch: int, context: int, room: int, grid: list[dict], iters:
     return rows
 
 
-def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict],
-                   iters: int) -> list[dict]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], iters: int,
+                   dev: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
                for _ in range(3))
-    log_decay = -torch.linspace(0.004, 0.7, H, device="cuda")
-    state0 = torch.randn(batch, H, D, D, device="cuda", generator=g).to(state_dtype)
+    log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
+    state0 = torch.randn(batch, H, D, D, device=dev, generator=g).to(state_dtype)
     nbytes = 2 * state0.numel() * state0.element_size()  # read and written once
     ref_state = state0.clone()
     ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state, **LIGHT_DEFAULT).float()
@@ -119,30 +121,41 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes in Triton's interpreter (set TRITON_INTERPRET=1): checks the "
+                        "script, times nothing real")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device (the CPU tests check these kernels in Triton's interpreter)",
+    smoke = args.cpu_smoke
+    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--cpu-smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1",
               file=sys.stderr)
         return 2
-    attn_grid, light_grid = grids(args.quick)
+    if not smoke and not torch.cuda.is_available():
+        print("needs a CUDA device (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    attn_grid, light_grid = grids(args.quick or smoke)
+    dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    b, ctx, room, iters = (2, 100, 160, 1) if smoke else (256, 1280, 2304, args.iters)
+    long_ctx = 300 if smoke else 524_288
     cases = {}
     for name, fn in (
-        ("attention b1 ctx 512K", lambda: attention_case(1, 524_288, 524_288 + 256, attn_grid,
-                                                         args.iters)),
-        ("attention b256 ctx 1280 (room 2304)", lambda: attention_case(256, 1280, 2304, attn_grid,
-                                                                       args.iters)),
-        ("lightning b256 fp32 state", lambda: lightning_case(256, torch.float32, light_grid,
-                                                             args.iters)),
-        ("lightning b256 bf16 state", lambda: lightning_case(256, torch.bfloat16, light_grid,
-                                                             args.iters)),
-        ("lightning b1 fp32 state", lambda: lightning_case(1, torch.float32, light_grid,
-                                                           args.iters)),
+        (f"attention b1 ctx {long_ctx}", lambda: attention_case(1, long_ctx, long_ctx + 256,
+                                                                attn_grid, iters, dev, dt)),
+        (f"attention b{b} ctx {ctx} (room {room})", lambda: attention_case(b, ctx, room, attn_grid,
+                                                                           iters, dev, dt)),
+        (f"lightning b{b} fp32 state", lambda: lightning_case(b, torch.float32, light_grid, iters,
+                                                              dev, dt)),
+        (f"lightning b{b} bf16 state", lambda: lightning_case(b, torch.bfloat16, light_grid, iters,
+                                                              dev, dt)),
+        ("lightning b1 fp32 state", lambda: lightning_case(1, torch.float32, light_grid, iters,
+                                                           dev, dt)),
     ):
         cases[name] = fn()
         print_table(cases[name], name)
         best = min((r for r in cases[name] if r["ms"] is not None), key=lambda r: r["ms"])
         print(f"best: {best}")
-    path = write_result("decode_kernel_tuning", {"cases": cases, "args": vars(args)}, args.out)
+    out = "/tmp/halo_dist_tune_smoke.json" if smoke and args.out is None else args.out
+    path = write_result("decode_kernel_tuning", {"cases": cases, "args": vars(args)}, out)
     print(f"wrote {path}")
     return 0
 
