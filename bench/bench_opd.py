@@ -63,9 +63,14 @@ def parse_args(argv=None):
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the rollout decoder's RNN state dtype (opd.rollout_state_dtype)")
-    p.add_argument("--timed-steps", type=int, default=1,
+    p.add_argument("--timed-steps", type=int, default=2,
                    help="training steps timed after the warm-up one (the figures are the last "
-                        "step's; every step's time and per-micro-batch times are recorded)")
+                        "step's; every step's time and per-micro-batch times are recorded). The "
+                        "first timed step can still compile: a frame that first meets the last, "
+                        "shorter micro-batch there (P25a: 4.7 s in that one micro-batch)")
+    p.add_argument("--launch-settings", type=Path, default=None,
+                   help="decode-kernel launch settings from bench/tune_decode_kernels.py (its "
+                        "'best' entries) instead of the shipped defaults")
     p.add_argument("--skip-train", action="store_true",
                    help="rollouts only (compare rollout paths in one call)")
     p.add_argument("--profile", type=int, default=0, metavar="MICRO",
@@ -221,6 +226,10 @@ def main(argv=None) -> int:
         from halo_dist.models.fla_offsets import install
 
         install()  # as the OPD trainer does: fla's packed state passes without a sync per layer
+    if args.launch_settings is not None:
+        from bench.common import apply_launch_settings
+
+        print(f"launch settings: {apply_launch_settings(args.launch_settings)}", flush=True)
     student, teacher = build(shape, attn, device, dtype)
     if args.compile_layers:
         from halo_dist.models.hypenet.modeling_hypenet import compile_decoder_layers

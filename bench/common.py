@@ -66,6 +66,25 @@ def time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def apply_launch_settings(path) -> dict:
+    """Install the fastest decode-kernel launch settings that ``bench/tune_decode_kernels.py``
+    wrote (its ``best`` entries) into this process's ``decode_attention.LAUNCH`` /
+    ``decode_lightning.LAUNCH``: a benchmark times them end to end against the shipped defaults
+    before they become the defaults. Returns the settings applied."""
+    from halo_dist.models.hypenet import decode_attention, decode_lightning
+
+    best = json.loads(Path(path).read_text())["best"]
+    for key, cfg in best.items():
+        kernel, entry = key.split("/")
+        if kernel == "attention":
+            decode_attention.LAUNCH[entry] = dict(cfg)
+        elif kernel == "lightning":
+            decode_lightning.LAUNCH[getattr(torch, entry)] = dict(cfg)
+        else:
+            raise ValueError(f"{path}: unknown kernel {kernel!r} in 'best'")
+    return best
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp64."""
     a, b = a.double(), b.double()

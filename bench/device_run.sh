@@ -40,7 +40,8 @@
 #   P23d: tests/test_fla_offsets.py | P24a (one GPU): continuous-batching rollouts and compiled rollouts (carry .whl)
 #   P24b: compiled reverse-KL loss, OPD h2048 with compiled rollouts + a training profile, batch-256 decode profile
 #   P24c: overlapped continuous rollouts vs generate's, the whole OPD step compiled | P24d: OPD at 8K and 32K
-#   P25a (next): decode kernel launch knobs, CUDA decode tests, OPD per-micro-batch times | P25b: OPD at 32K
+#   P25a: decode kernel launch knobs, CUDA decode tests, OPD per-micro-batch times | P25b: OPD at 32K
+#   P25c: launch knobs graph-timed, OPD rollouts with the shipped vs the fastest settings, 512 rollouts
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -451,6 +452,21 @@ P25b)
   # issue 20 item 4: horizon 32K alone (16 rollouts, eager-step continuous rollouts, checkpointing)
   timeout 580 python3 bench/bench_opd.py --horizons 32768 --rollouts 16 --continuous --checkpointing \
     --out bench/results/opd_p25b_h32k.json > "$OUT/p25b_opd_h32k.log" 2>&1; echo "h32k rc=$?"
+  ;;
+P25c)
+  # issue 20 item 4: the decode kernels' launch knobs timed as one CUDA graph of back-to-back calls
+  # (P25a timed single calls: launch overhead in every figure); then OPD rollouts at h2048 with the
+  # shipped settings and with the fastest ones just measured (same call), and 512 rollouts
+  timeout 150 python3 bench/tune_decode_kernels.py > "$OUT/p25c_tune.log" 2>&1; echo "tune rc=$?"
+  timeout 150 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
+    --skip-train --out bench/results/opd_p25c_default.json > "$OUT/p25c_opd_default.log" 2>&1
+  echo "opd default rc=$?"
+  timeout 150 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
+    --skip-train --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/opd_p25c_tuned.json > "$OUT/p25c_opd_tuned.log" 2>&1; echo "opd tuned rc=$?"
+  timeout $((630 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 512 --continuous \
+    --compile-rollouts --skip-train --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/opd_p25c_512.json > "$OUT/p25c_opd_512.log" 2>&1; echo "opd 512 rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

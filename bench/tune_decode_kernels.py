@@ -7,13 +7,18 @@ The static decode step spends most of its time in two Triton kernels that only s
 * ``_lightning_decode_kernel`` (``decode_lightning.py``): every Lightning state, read and written.
   At 256 rollouts it is 40% of an OPD rollout step.
 
-Each is timed here alone (CUDA events, median) over a grid of its launch knobs (keys per iteration,
-warps, pipeline stages, programs per SM; state columns per program, warps), at the shapes that
-matter: batch 1 at 512K and 256 rollouts at context 1280 for attention; 256 rollouts (fp32 and bf16
-state) and batch 1 for Lightning. Each row reports the achieved bandwidth (bytes / time) and the
-ratio to the current default; every configuration's output is checked against the default's (the
-knobs change the order of floating-point work, not the result). Writes
-``bench/results/decode_kernel_tuning.json`` and prints one table per case.
+Each is timed here alone over a grid of its launch knobs (keys per iteration, warps, pipeline
+stages, programs per SM; state columns per program, warps), at the shapes that matter: batch 1 at
+512K and 256 rollouts at context 1280 for attention (the ``"split"`` and ``"rows"`` entries of
+``decode_attention.LAUNCH``); 256 rollouts with an fp32 and a bf16 state for Lightning
+(``decode_lightning.LAUNCH``). A timing is one CUDA graph of 10 back-to-back calls, replayed (median
+of 5, per call), as the decode step runs them: one call per pair of CUDA events would add the
+Python launch overhead to sub-millisecond kernels. Each row reports the achieved bandwidth (bytes /
+time) and the ratio to the current default; every configuration's output is checked against the
+default's (the knobs change the order of floating-point work, not the result). Writes
+``bench/results/decode_kernel_tuning.json`` (every row, and the fastest configuration per table
+entry under ``best``: ``bench/common.apply_launch_settings`` installs those in a benchmark process,
+``--launch-settings`` of bench_opd.py and profile_decode.py) and prints one table per case.
 
   python3 bench/tune_decode_kernels.py                 # H200: ~1 min (each config compiles once)
   python3 bench/tune_decode_kernels.py --quick         # the default and a few neighbours
@@ -31,36 +36,70 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
+from halo_dist.models.hypenet import decode_attention, decode_lightning  # noqa: E402
 from halo_dist.models.hypenet.decode_attention import decode_attention_triton  # noqa: E402
 from halo_dist.models.hypenet.decode_lightning import lightning_decode_triton  # noqa: E402
 
 H, HKV, D = 16, 8, 128  # HypeNet-2B / Qwen3-1.7B heads
-ATTN_DEFAULT = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4)
-LIGHT_DEFAULT = dict(block_v=32, num_warps=4)
+# the grids below are built around the defaults both kernels ship with
+ATTN_DEFAULT = dict(decode_attention.LAUNCH["split"])
+LIGHT_DEFAULT = dict(decode_lightning.LAUNCH[torch.float32])
 
 
-def attention_case(batch: int, context: int, room: int, grid: list[dict], iters: int,
-                   dev: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+def time_graph(fn, calls: int = 10, reps: int = 5) -> float:
+    """Milliseconds per call of ``fn``: ``calls`` back-to-back calls captured in one CUDA graph, the
+    median of ``reps`` replays (wall clock per call on CPU)."""
+    if not torch.cuda.is_available():
+        return time_cuda(fn, warmup=1, iters=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compilation, allocations
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def with_default(grid: list[dict], default: dict) -> list[dict]:
+    return [default] + [c for c in grid if c != default]
+
+
+def attention_case(batch: int, context: int, room: int, grid: list[dict], dev: str = "cuda",
+                   dtype=torch.bfloat16) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
     k = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
     v = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
     length = torch.tensor([context], device=dev)
     nbytes = 2 * batch * context * HKV * D * k.element_size()  # keys + values read once
-    ref = decode_attention_triton(q, k, v, length, D ** -0.5, **ATTN_DEFAULT).float()
+    default = decode_attention.LAUNCH[decode_attention.launch_regime(batch, HKV, q.device)]
+    ref = decode_attention_triton(q, k, v, length, D ** -0.5, **default).float()
     rows, base = [], None
-    for cfg in grid:
+    for cfg in with_default(grid, default):
         try:
             def fn(cfg=cfg):
                 return decode_attention_triton(q, k, v, length, D ** -0.5, **cfg)
 
             err = rel_err(fn().float(), ref)
-            ms = time_cuda(fn, warmup=3, iters=iters)
+            ms = time_graph(fn)
         except Exception as e:  # a config Triton cannot build (shared memory): say so, go on
             rows.append({**cfg, "ms": None, "TB/s": None, "vs_default": None,
                          "rel_err": f"{type(e).__name__}"})
             continue
-        base = ms if cfg == ATTN_DEFAULT else base
+        base = ms if cfg == default else base
         rows.append({**cfg, "ms": ms, "TB/s": nbytes / ms / 1e9, "vs_default": None,
                      "rel_err": err})
     for r in rows:
@@ -69,8 +108,8 @@ def attention_case(batch: int, context: int, room: int, grid: list[dict], iters:
     return rows
 
 
-def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], iters: int,
-                   dev: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: str = "cuda",
+                   dtype=torch.bfloat16) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
                for _ in range(3))
@@ -78,22 +117,23 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], iters
     state0 = torch.randn(batch, H, D, D, device=dev, generator=g).to(state_dtype)
     nbytes = 2 * state0.numel() * state0.element_size()  # read and written once
     ref_state = state0.clone()
-    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state, **LIGHT_DEFAULT).float()
+    default = decode_lightning.LAUNCH[state_dtype]
+    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state, **default).float()
     rows, base = [], None
-    for cfg in grid:
+    for cfg in with_default(grid, default):
         state = state0.clone()
         try:
             err = rel_err(lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, **cfg)
                           .float(), ref)
             err = max(err, rel_err(state.float(), ref_state.float()))
             # the state decays in place on every call: timing is unaffected, values stay finite
-            ms = time_cuda(lambda cfg=cfg, state=state: lightning_decode_triton(
-                q, k, v, log_decay, D ** -0.5, state, **cfg), warmup=3, iters=iters)
+            ms = time_graph(lambda cfg=cfg, state=state: lightning_decode_triton(
+                q, k, v, log_decay, D ** -0.5, state, **cfg))
         except Exception as e:
             rows.append({**cfg, "ms": None, "TB/s": None, "vs_default": None,
                          "rel_err": f"{type(e).__name__}"})
             continue
-        base = ms if cfg == LIGHT_DEFAULT else base
+        base = ms if cfg == default else base
         rows.append({**cfg, "ms": ms, "TB/s": nbytes / ms / 1e9, "vs_default": None,
                      "rel_err": err})
     for r in rows:
@@ -119,7 +159,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes in Triton's interpreter (set TRITON_INTERPRET=1): checks the "
@@ -135,27 +174,29 @@ def main(argv=None) -> int:
         return 2
     attn_grid, light_grid = grids(args.quick or smoke)
     dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
-    b, ctx, room, iters = (2, 100, 160, 1) if smoke else (256, 1280, 2304, args.iters)
+    b, ctx, room = (2, 100, 160) if smoke else (256, 1280, 2304)
     long_ctx = 300 if smoke else 524_288
-    cases = {}
-    for name, fn in (
-        (f"attention b1 ctx {long_ctx}", lambda: attention_case(1, long_ctx, long_ctx + 256,
-                                                                attn_grid, iters, dev, dt)),
-        (f"attention b{b} ctx {ctx} (room {room})", lambda: attention_case(b, ctx, room, attn_grid,
-                                                                           iters, dev, dt)),
-        (f"lightning b{b} fp32 state", lambda: lightning_case(b, torch.float32, light_grid, iters,
-                                                              dev, dt)),
-        (f"lightning b{b} bf16 state", lambda: lightning_case(b, torch.bfloat16, light_grid, iters,
-                                                              dev, dt)),
-        ("lightning b1 fp32 state", lambda: lightning_case(1, torch.float32, light_grid, iters,
-                                                           dev, dt)),
+    cases, best = {}, {}
+    for name, key, fn in (
+        (f"attention b1 ctx {long_ctx}", "attention/split",
+         lambda: attention_case(1, long_ctx, long_ctx + 256, attn_grid, dev, dt)),
+        (f"attention b{b} ctx {ctx} (room {room})", "attention/rows",
+         lambda: attention_case(b, ctx, room, attn_grid, dev, dt)),
+        (f"lightning b{b} fp32 state", "lightning/float32",
+         lambda: lightning_case(b, torch.float32, light_grid, dev, dt)),
+        (f"lightning b{b} bf16 state", "lightning/bfloat16",
+         lambda: lightning_case(b, torch.bfloat16, light_grid, dev, dt)),
     ):
         cases[name] = fn()
         print_table(cases[name], name)
-        best = min((r for r in cases[name] if r["ms"] is not None), key=lambda r: r["ms"])
-        print(f"best: {best}")
+        top = min((r for r in cases[name] if r["ms"] is not None), key=lambda r: r["ms"])
+        knobs = ("block_n", "num_warps", "num_stages", "programs_per_sm", "block_v")
+        best[key] = {k: top[k] for k in knobs if k in top}
+        print(f"best for {key}: {best[key]} ({top['ms']:.4f} ms, {top['vs_default']:.3f}x the "
+              "default)")
     out = "/tmp/halo_dist_tune_smoke.json" if smoke and args.out is None else args.out
-    path = write_result("decode_kernel_tuning", {"cases": cases, "args": vars(args)}, out)
+    path = write_result("decode_kernel_tuning", {"cases": cases, "best": best,
+                                                 "args": vars(args)}, out)
     print(f"wrote {path}")
     return 0
 

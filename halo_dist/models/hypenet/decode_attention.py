@@ -55,15 +55,34 @@ def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     return o.reshape(B, 1, H, D).to(q.dtype)  # [B, Hkv, G, D] -> [B, 1, H, D]
 
 
+# Launch settings of the split-KV kernel per regime (``bench/tune_decode_kernels.py`` times them on
+# the device; the result does not depend on them). "split": too few rows x KV heads to fill the GPU,
+# so each row's keys are split across programs (long-context decode at small batch). "rows": a
+# program per (row, KV head) already fills it (batched OPD rollouts).
+LAUNCH = {
+    "split": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
+    "rows": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
+}
+
+
+def _sm_count(device: torch.device) -> int:
+    return (torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 8)
+
+
+def launch_regime(batch: int, kv_heads: int, device: torch.device) -> str:
+    """``"rows"`` when one program per (row, KV head) gives four per SM, else ``"split"``."""
+    return "rows" if batch * kv_heads >= 4 * _sm_count(device) else "split"
+
+
 def split_plan(room: int, batch: int, kv_heads: int, block_n: int,
                device: torch.device, programs_per_sm: int = 4) -> tuple[int, int]:
     """``(num_splits, split_len)``: about ``programs_per_sm`` programs per SM over the whole buffer
     (fixed for a buffer, so a captured graph stays valid); splits past the valid length exit at
     once."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-           else 8)
     blocks = math.ceil(room / block_n)
-    splits = max(1, min(blocks, math.ceil(programs_per_sm * sms / max(1, batch * kv_heads))))
+    splits = max(1, min(blocks, math.ceil(programs_per_sm * _sm_count(device)
+                                          / max(1, batch * kv_heads))))
     split_len = math.ceil(blocks / splits) * block_n
     return math.ceil(room / split_len), split_len
 
@@ -129,20 +148,21 @@ if _HAS_TRITON:
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
                             scale: float, start: torch.Tensor | None = None,
-                            block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-                            programs_per_sm: int = 4) -> torch.Tensor:
-    """Split-KV decode on CUDA; same contract as ``decode_attention_torch``. ``block_n`` keys per
-    loop iteration, ``num_warps``/``num_stages`` Triton's launch settings and ``programs_per_sm``
-    the split plan's parallelism: launch knobs only, the result does not depend on them
-    (``bench/tune_decode_kernels.py`` times them). (With ``TRITON_INTERPRET=1`` it also runs on CPU
-    fp32 tensors: that is how the CPU tests check the kernel.)"""
+                            **launch) -> torch.Tensor:
+    """Split-KV decode on CUDA; same contract as ``decode_attention_torch``. ``launch`` overrides
+    the regime's ``LAUNCH`` entry: ``block_n`` keys per loop iteration, ``num_warps`` /
+    ``num_stages`` (Triton's) and ``programs_per_sm`` (the split plan's parallelism). (With
+    ``TRITON_INTERPRET=1`` it also runs on CPU fp32 tensors: that is how the CPU tests check the
+    kernel.)"""
     B, _, H, D = q.shape
     room, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
+    cfg = {**LAUNCH[launch_regime(B, Hkv, q.device)], **launch}
+    block_n = cfg["block_n"]
     if k.stride(-1) != 1 or v.stride(-1) != 1 or D & (D - 1):
         raise ValueError("decode_attention_triton needs contiguous head dims of a power-of-two "
                          "size")
-    num_splits, split_len = split_plan(room, B, Hkv, block_n, q.device, programs_per_sm)
+    num_splits, split_len = split_plan(room, B, Hkv, block_n, q.device, cfg["programs_per_sm"])
     q2 = q.reshape(B, H, D)  # [B, 1, H, D] -> [B, H, D]
     if start is None:
         start = torch.zeros(B, dtype=torch.long, device=q.device)
@@ -156,7 +176,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         v.stride(0), v.stride(1), v.stride(2),
         scale, split_len, num_splits,
         KV_HEADS=Hkv, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     # merge the splits: o = sum_s e^{m_s - m} acc_s / sum_s e^{m_s - m} l_s
     # (empty splits: m_s = -inf; every row has at least one valid key, so some split is not empty)

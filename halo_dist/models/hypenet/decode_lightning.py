@@ -29,6 +29,10 @@ import torch
 
 # dtypes the in-place kernel keeps a state in (fp32 by default; bf16 halves a batched step's bytes)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+# Launch settings per state dtype: state columns per program and warps
+# (``bench/tune_decode_kernels.py`` times them on the device; the result does not depend on them)
+LAUNCH = {torch.float32: dict(block_v=32, num_warps=4),
+          torch.bfloat16: dict(block_v=32, num_warps=4)}
 
 try:
     import triton
@@ -91,10 +95,10 @@ if _HAS_TRITON:
 
 def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, scale: float, state: torch.Tensor,
-                            block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
+                            **launch) -> torch.Tensor:
     """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
-    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32). ``block_v`` (state
-    columns per program) and ``num_warps`` are launch knobs (``bench/tune_decode_kernels.py``)."""
+    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32). ``launch``
+    (``block_v``, ``num_warps``) overrides the state dtype's ``LAUNCH`` entry."""
     B, _, H, DK = q.shape
     DV = v.shape[-1]
     if (state.dtype not in STATE_DTYPES or not state.is_contiguous()
@@ -104,13 +108,15 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if DK & (DK - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
                          "key dim")
+    cfg = {**LAUNCH[state.dtype], **launch}
+    block_v = cfg["block_v"]
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
     _lightning_decode_kernel[(B * H, triton.cdiv(DV, block_v))](
         q, k, v, log_decay, state, o,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         state.stride(0), state.stride(1), o.stride(0), o.stride(2),
-        scale, H=H, DK=DK, DV=DV, BLOCK_V=block_v, num_warps=num_warps,
+        scale, H=H, DK=DK, DV=DV, BLOCK_V=block_v, num_warps=cfg["num_warps"],
     )
     return o
 
