@@ -42,6 +42,7 @@
 #   P24c: overlapped continuous rollouts vs generate's, the whole OPD step compiled | P24d: OPD at 8K and 32K
 #   P25a: decode kernel launch knobs, CUDA decode tests, OPD per-micro-batch times | P25b: OPD at 32K
 #   P25c: launch knobs graph-timed, OPD rollouts with the shipped vs the fastest settings, 512 rollouts
+#   P25d: the whole OPD step at h2048 with the new Lightning launch defaults
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -467,6 +468,14 @@ P25c)
   timeout $((630 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 512 --continuous \
     --compile-rollouts --skip-train --launch-settings bench/results/decode_kernel_tuning.json \
     --out bench/results/opd_p25c_512.json > "$OUT/p25c_opd_512.log" 2>&1; echo "opd 512 rc=$?"
+  ;;
+P25d)
+  # issue 20 item 4: the whole OPD step at h2048 with the Lightning decode launch settings P25c chose
+  # (now the defaults); 32 equal micro-batches of 8 rollouts, so the one timed step holds no
+  # compilation (P25a: a shorter last micro-batch compiles once more in the first timed step)
+  timeout 300 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
+    --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p25d.json \
+    > "$OUT/p25d_opd.log" 2>&1; echo "opd rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
