@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -83,6 +84,21 @@ def apply_launch_settings(path) -> dict:
         else:
             raise ValueError(f"{path}: unknown kernel {kernel!r} in 'best'")
     return best
+
+
+@contextlib.contextmanager
+def launch_settings(path):
+    """``apply_launch_settings(path)`` inside the block, the previous tables restored after it (an
+    A/B of the shipped and the tuned settings in one process)."""
+    from halo_dist.models.hypenet import decode_attention, decode_lightning
+
+    saved = [(table, dict(table)) for table in (decode_attention.LAUNCH, decode_lightning.LAUNCH)]
+    try:
+        yield apply_launch_settings(path)
+    finally:
+        for table, before in saved:
+            table.clear()
+            table.update(before)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -42,7 +42,8 @@
 #   P24c: overlapped continuous rollouts vs generate's, the whole OPD step compiled | P24d: OPD at 8K and 32K
 #   P25a: decode kernel launch knobs, CUDA decode tests, OPD per-micro-batch times | P25b: OPD at 32K
 #   P25c: launch knobs graph-timed, OPD rollouts with the shipped vs the fastest settings, 512 rollouts
-#   P25d: the whole OPD step at h2048 with the new Lightning launch defaults
+#   P25d: the whole OPD step at h2048 with the new Lightning launch defaults (ran out of device time: next
+#      session, first) | P26a: the tuned split-KV settings in the 512K decode step of both shapes
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -476,6 +477,19 @@ P25d)
   timeout 300 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
     --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p25d.json \
     > "$OUT/p25d_opd.log" 2>&1; echo "opd rc=$?"
+  ;;
+P26a)
+  # next GPU session, issue 20 item 1: the split-KV launch settings P25c timed 1.11x faster at 512K
+  # (bench/results/decode_kernel_tuning.json), end to end in the decode step of both shapes: each
+  # variant with the shipped and the tuned settings in one process (rows "compiled+tuned")
+  timeout 280 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/decode_profile_hypenet_512k_p26a.json > "$OUT/p26a_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
+    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/decode_profile_teacher_512k_p26a.json > "$OUT/p26a_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

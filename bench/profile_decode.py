@@ -34,6 +34,7 @@ Writes ``bench/results/decode_profile.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -47,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_inference import (build, model_configs, prefill, rewind, rnn_states,  # noqa: E402
                                    sync)
-from bench.common import print_table, write_result  # noqa: E402
+from bench.common import launch_settings, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
 
@@ -91,6 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--profiled", type=int, default=4, help="profiled replays per variant")
     p.add_argument("--bandwidth", type=float, default=4.4e12,
                    help="bytes/s for the bytes bound (H200 ~4.4 TB/s)")
+    p.add_argument("--launch-settings", type=Path, default=None,
+                   help="also measure every variant with the decode-kernel launch settings of "
+                        "bench/tune_decode_kernels.py (rows '<variant>+tuned'), same process")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -233,20 +237,24 @@ def measure(name, model, context, args, device) -> list[dict]:
     token = torch.zeros(args.batch, dtype=torch.long, device=device)
     if args.prefill:
         cache, token, ref, saved = prefilled(model, context, args, device, room)
-    for variant in args.variants:
+    runs = [(v, None) for v in args.variants]
+    if args.launch_settings is not None:
+        runs += [(f"{v}+tuned", args.launch_settings) for v in args.variants]
+    for variant, settings in runs:
         if args.prefill:
             with torch.inference_mode():  # the prefill's tensors are inference tensors
                 rewind(cache, context, saved)
         else:
             cache = random_cache(model, args.batch, context, device, dtype, room)
-        t0 = time.perf_counter()
-        dec = StaticDecoder(model, cache, **VARIANTS[variant])
-        setup_s = time.perf_counter() - t0
-        # the step right after the prompt (after a prefill: vs eager)
-        first = dec.step(token).float().clone()
-        err = float((first - ref).norm() / ref.norm()) if args.prefill else None
-        ms = timed(dec, args.steps, device)
-        prof = profile_steps(dec, args.profiled, device)
+        with (launch_settings(settings) if settings else contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            dec = StaticDecoder(model, cache, **VARIANTS[variant.removesuffix("+tuned")])
+            setup_s = time.perf_counter() - t0
+            # the step right after the prompt (after a prefill: vs eager)
+            first = dec.step(token).float().clone()
+            err = float((first - ref).norm() / ref.norm()) if args.prefill else None
+            ms = timed(dec, args.steps, device)
+            prof = profile_steps(dec, args.profiled, device)
         rows.append({"model": name, "batch": args.batch, "context": context, "variant": variant,
                      "step_ms": ms, "bound_ms": bound_ms, "vs_bound": ms / bound_ms,
                      "setup_s": round(setup_s, 1), "graph": dec.graph is not None,

@@ -61,6 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest",
+                   help="how the bf16 state is rounded: the kernel's round-to-nearest-even, or "
+                        "stochastic rounding (an experiment: a torch version of the update in "
+                        "this script, CPU only; unbiased, so a decay below half an ulp still acts "
+                        "on average)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -164,10 +169,38 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
             "argmax_agree": float(agree.mean())}
 
 
+def stochastic_lightning_update(generator: torch.Generator):
+    """The Lightning decode update of ``decode_lightning.lightning_decode_torch`` with a bf16
+    state rounded stochastically: the fp32 result's low 16 bits plus uniform random bits, then
+    truncated (the expected value is the fp32 result)."""
+
+    def update(q, k, v, log_decay, scale, state):
+        s = state.float()
+        qf, kf, vf = q[:, 0].float(), k[:, 0].float(), v[:, 0].float()  # [B, H, K] / [B, H, V]
+        decay = log_decay.to(device=state.device, dtype=torch.float32).exp()[None, :, None, None]
+        s.mul_(decay).add_(kf[..., :, None] * vf[..., None, :])  # [B, H, K, V]
+        o = torch.einsum("bhk,bhkv->bhv", qf, s) * scale  # [B, H, V]
+        if state.dtype == torch.bfloat16:
+            noise = torch.randint(0, 1 << 16, s.shape, generator=generator, dtype=torch.int32,
+                                  device=s.device)
+            s = ((s.view(torch.int32) + noise) & ~0xFFFF).view(torch.float32)
+        state.copy_(s)
+        return o[:, None].to(q.dtype)  # [B, H, V] -> [B, 1, H, V]
+
+    return update
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     model, prompts, device = build(args)
+    if args.rounding == "stochastic":
+        if device.type != "cpu":
+            raise SystemExit("--rounding stochastic is a CPU experiment (a torch update)")
+        from halo_dist.models.hypenet import static_decode
+
+        static_decode.lightning_decode_ = stochastic_lightning_update(
+            torch.Generator().manual_seed(args.seed + 1))
     t0 = time.perf_counter()
     result = {"bf16_state": drift(model, prompts, args.tokens, device, args.seed),
               "control_fp32_perturbed_1e-3": drift(model, prompts, args.tokens, device,
@@ -181,7 +214,8 @@ def main(argv=None) -> dict:
         print(f"all positions: KL {r['kl_mean']:.3e} nats, TV {r['tv_mean']:.3e}, "
               f"argmax agree {r['argmax_agree']:.4f}")
     name = "student" if args.student is not None else args.model
-    out = args.out or RESULTS / f"rollout_state_drift_{name}.json"
+    suffix = "_stochastic" if args.rounding == "stochastic" else ""
+    out = args.out or RESULTS / f"rollout_state_drift_{name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": environment(), "args": {k: str(v) for k, v in
                                                               vars(args).items()},

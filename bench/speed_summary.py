@@ -29,9 +29,13 @@ SOURCES = {
     # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
     "stage2": RESULTS / "stages_p22b.json",
     "stage3": RESULTS / "stages_p21a.json",
-    # OPD: compiled continuous rollouts, compiled layers and loss (P24c); horizon 8K the same (P24d)
-    "opd": RESULTS / "opd_p24c_best.json",
+    # OPD: compiled continuous rollouts, compiled layers and loss, the training step timed in steady
+    # state (P25a: its first timed step held a compilation); horizon 8K the same (P24d); 512
+    # rollouts per GPU, rollouts only (P25c); horizon 32K, 16 rollouts (P25b)
+    "opd": RESULTS / "opd_p25a_micro.json",
     "opd_8k": RESULTS / "opd_p24d_h8k.json",
+    "opd_512": RESULTS / "opd_p25c_512.json",
+    "opd_32k": RESULTS / "opd_p25b_h32k.json",
     "inference": RESULTS / "inference.json",
     "pretrain": RESULTS / "pretrain_p21b.json",
 }
@@ -68,10 +72,14 @@ def summary() -> dict:
     opd = next((r for r in (src["opd"] or {}).get("results", []) if r.get("horizon") == 2048), None)
     out["opd_rollout_tokens_per_s_h2048"] = opd and opd["rollout_tokens_per_s"]
     out["opd_step_tokens_per_s_h2048"] = opd and opd["opd_tokens_per_s"]
-    opd8 = next((r for r in (src["opd_8k"] or {}).get("results", [])
-                 if r.get("horizon") == 8192 and "error" not in r), None)
-    out["opd_rollout_tokens_per_s_h8192"] = opd8 and opd8["rollout_tokens_per_s"]
-    out["opd_step_tokens_per_s_h8192"] = opd8 and opd8["opd_tokens_per_s"]
+    opd512 = next((r for r in (src["opd_512"] or {}).get("results", [])
+                   if r.get("horizon") == 2048 and "error" not in r), None)
+    out["opd_rollout_tokens_per_s_h2048_512_rollouts"] = opd512 and opd512["rollout_tokens_per_s"]
+    for horizon, key in ((8192, "opd_8k"), (32768, "opd_32k")):
+        row = next((r for r in (src[key] or {}).get("results", [])
+                    if r.get("horizon") == horizon and "error" not in r), None)
+        out[f"opd_rollout_tokens_per_s_h{horizon}"] = row and row["rollout_tokens_per_s"]
+        out[f"opd_step_tokens_per_s_h{horizon}"] = row and row.get("opd_tokens_per_s")
     out["prefill_speedup_512k"] = (src["inference"] or {}).get("prefill_speedup_512k")
     out["pretrain_mfu_transformer_500m"] = (src["pretrain"] or {}).get("transformer_mfu")
     out["pretrain_mfu_hypenet_500m"] = (src["pretrain"] or {}).get("hypenet_lightning_hype_mfu")

@@ -205,3 +205,5 @@ def test_speed_summary_reads_each_figure_from_its_result_file():
     assert out["decode_speedup_512k"] > 1 and 1 < out["decode_bytes_bound_ratio_512k"] < 3
     assert set(module.SOURCES) >= {"teacher_decode", "hypenet_decode", "opd", "opd_8k"}
     assert out["opd_rollout_tokens_per_s_h8192"] > 0 and out["opd_step_tokens_per_s_h8192"] > 0
+    assert out["opd_step_tokens_per_s_h32768"] > 0
+    assert out["opd_rollout_tokens_per_s_h2048_512_rollouts"] > 0

@@ -258,9 +258,16 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
                                   ((17, 300), (0, 2)), ((1, 64), (0, 63))):
                 L = torch.tensor(length if isinstance(length, tuple) else [length])
                 S = torch.tensor(start)
-                got = decode_attention_triton(q, k, v, L, 0.17, S, block_n=16)
                 want = decode_attention_torch(q, k, v, L, 0.17, S)
-                worst = max(worst, float((got - want).norm() / want.norm()))
+                # launch knobs change the split plan and the loop, never the result: the shipped
+                # table (no override), and a few others on one head layout
+                launches = [dict(block_n=16)]
+                if (H, Hkv) == (8, 2):
+                    launches += [{}, dict(block_n=32, programs_per_sm=1),
+                                 dict(block_n=16, programs_per_sm=16, num_stages=2)]
+                for launch in launches:
+                    got = decode_attention_triton(q, k, v, L, 0.17, S, **launch)
+                    worst = max(worst, float((got - want).norm() / want.norm()))
         print("worst", worst)
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
@@ -279,7 +286,8 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
 def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference():
     """The in-place Lightning decode kernel on CPU (TRITON_INTERPRET=1, fp32): output and updated
     state equal the torch reference for strided q/k/v (views of one packed projection), a value dim
-    that is not a multiple of the block, and three consecutive steps on the same buffer."""
+    that is not a multiple of the block, and three consecutive steps on the same buffer under three
+    launch settings."""
     script = textwrap.dedent("""
         import torch
         from halo_dist.models.hypenet.decode_lightning import (lightning_decode_torch,
@@ -296,8 +304,10 @@ def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference(
             log_decay = -torch.rand(H)
             s_got = torch.randn(B, H, K, V)
             s_want = s_got.clone()
-            for _ in range(3):  # consecutive steps on the same buffer
-                got = lightning_decode_triton(q, k, v, log_decay, 0.3, s_got, block_v=16)
+            # consecutive steps on the same buffer, each with other launch settings (the shipped
+            # table's, then overrides): the settings never change the result
+            for launch in ({}, dict(block_v=16), dict(block_v=32, num_warps=2)):
+                got = lightning_decode_triton(q, k, v, log_decay, 0.3, s_got, **launch)
                 want = lightning_decode_torch(q, k, v, log_decay, 0.3, s_want)
                 worst = max(worst, float((got - want).norm() / want.norm()),
                             float((s_got - s_want).norm() / s_want.norm()))
@@ -379,6 +389,28 @@ def test_static_decode_with_a_bf16_state_tracks_the_fp32_state():
     with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
         StaticDecoder(model, prefilled(model, B=1)[0], use_cuda_graph=False,
                       state_dtype=torch.bfloat16, lightning_in_place=False)
+
+
+def test_decode_kernels_read_their_launch_tables(monkeypatch):
+    """The launch settings come from the measured tables: the split-KV regime follows whether
+    one program per (row, KV head) fills the GPU (8 SMs stand in for a device on CPU), and each
+    kernel's default launch is its table's entry (a zero-width entry fails where the grid is sized:
+    the table is what the launch reads)."""
+    from halo_dist.models.hypenet import decode_attention, decode_lightning
+
+    cpu = torch.device("cpu")
+    assert decode_attention.launch_regime(1, 8, cpu) == "split"
+    assert decode_attention.launch_regime(4, 8, cpu) == "rows"  # 32 programs = 4 x 8 SMs
+    assert decode_attention.launch_regime(3, 8, cpu) == "split"
+    assert set(decode_attention.LAUNCH) == {"split", "rows"}
+    assert set(decode_lightning.LAUNCH) == set(decode_lightning.STATE_DTYPES)
+    if not HAS_TRITON:
+        pytest.skip("triton not installed")
+    monkeypatch.setitem(decode_lightning.LAUNCH, torch.float32, dict(block_v=0, num_warps=4))
+    q = torch.randn(1, 1, 2, 16)
+    with pytest.raises(ZeroDivisionError):  # triton.cdiv(V, block_v), before any launch
+        decode_lightning.lightning_decode_triton(q, q, q, -torch.rand(2), 0.3,
+                                                 torch.zeros(1, 2, 16, 16))
 
 
 def test_lightning_decode_reference_updates_the_state_in_place():
