@@ -7,6 +7,9 @@ The static decode step spends most of its time in two Triton kernels that only s
 * ``_lightning_decode_kernel`` (``decode_lightning.py``): every Lightning state, read and written.
   At 256 rollouts it is 40% of an OPD rollout step.
 
+It also times the rollout sampler over 256 x 151,936 logits: the torch exponential race against
+the one-pass Gumbel-max kernel (``decode_sampling.py``), each call's own random draws included.
+
 Each is timed here alone over a grid of its launch knobs (keys per iteration, warps, pipeline
 stages, programs per SM; state columns per program, warps), at the shapes that matter: batch 1 at
 512K and 256 rollouts at context 1280 for attention (the ``"split"`` and ``"rows"`` entries of
@@ -142,6 +145,46 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
     return rows
 
 
+def time_loop(fn, calls: int = 20, reps: int = 5) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls between two CUDA events (median of
+    ``reps``): for work with its own random draws, which a graph would capture once."""
+    if not torch.cuda.is_available():
+        return time_cuda(fn, warmup=1, iters=1)
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def sampler_case(batch: int, vocab: int, dev: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+    """The rollout sampler over ``[batch, vocab]`` logits: the torch exponential race against the
+    Gumbel-max kernel (``decode_sampling.py``), with the bytes each must read at least (the
+    logits once)."""
+    from halo_dist.models.hypenet.decode_sampling import (exponential_race_torch,
+                                                          gumbel_argmax_triton)
+
+    logits = torch.randn(batch, vocab, device=dev, dtype=dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    nbytes = logits.numel() * logits.element_size()
+    rows = []
+    for name, fn in (("torch exponential race",
+                      lambda: exponential_race_torch(logits, 1.0, 1.0, g)),
+                     ("triton gumbel-max", lambda: gumbel_argmax_triton(logits, 1.0, g))):
+        ms = time_loop(fn)
+        rows.append({"sampler": name, "ms": ms, "TB/s": nbytes / ms / 1e9})
+    for r in rows:
+        r["vs_torch"] = rows[0]["ms"] / r["ms"]
+    return rows
+
+
 def grids(quick: bool) -> tuple[list[dict], list[dict]]:
     if quick:
         attn = [ATTN_DEFAULT, {**ATTN_DEFAULT, "block_n": 128}, {**ATTN_DEFAULT, "num_stages": 4}]
@@ -176,6 +219,7 @@ def main(argv=None) -> int:
     dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     b, ctx, room = (2, 100, 160) if smoke else (256, 1280, 2304)
     long_ctx = 300 if smoke else 524_288
+    vocab = 1000 if smoke else 151_936
     cases, best = {}, {}
     for name, key, fn in (
         (f"attention b1 ctx {long_ctx}", "attention/split",
@@ -186,9 +230,12 @@ def main(argv=None) -> int:
          lambda: lightning_case(b, torch.float32, light_grid, dev, dt)),
         (f"lightning b{b} bf16 state", "lightning/bfloat16",
          lambda: lightning_case(b, torch.bfloat16, light_grid, dev, dt)),
+        (f"sampler b{b} vocab {vocab}", None, lambda: sampler_case(b, vocab, dev, dt)),
     ):
         cases[name] = fn()
         print_table(cases[name], name)
+        if key is None:
+            continue
         top = min((r for r in cases[name] if r["ms"] is not None), key=lambda r: r["ms"])
         knobs = ("block_n", "num_warps", "num_stages", "programs_per_sm", "block_v")
         best[key] = {k: top[k] for k in knobs if k in top}

@@ -16,8 +16,9 @@ therefore noticed one step late; that extra step's token for the slot is discard
 replaces the slot's cache and position anyway.
 
 The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
-caller's generator (on the model's device), by the exponential race (``sample_tokens``);
-``temperature=0`` decodes greedily, which is how the tests compare it with per-prompt decoding.
+caller's generator (on the model's device), without a host sync (``decode_sampling.sample_tokens``:
+one Triton pass over the logits on CUDA); ``temperature=0`` decodes greedily, which is how the tests
+compare it with per-prompt decoding.
 """
 
 from __future__ import annotations
@@ -25,32 +26,10 @@ from __future__ import annotations
 import torch
 
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
+from ..models.hypenet.decode_sampling import sample_tokens
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.static_decode import StaticDecoder
 from .opd import compiled_room, left_padded, static_options
-
-
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                  generator: torch.Generator | None) -> torch.Tensor:
-    """logits ``[B, V]`` -> ``[B]`` token ids: argmax when ``temperature`` is 0, else a draw from
-    softmax(logits / temperature) restricted to the smallest set of tokens whose probability
-    reaches ``top_p``.
-
-    A draw is ``argmax_v p_v / E_v`` with ``E_v ~ Exp(1)`` independent: token v wins with
-    probability ``p_v / sum(p)`` (the exponential race, equivalent to the Gumbel-max trick). It is
-    the arithmetic of ``torch.multinomial``'s one-sample path without that function's validity
-    check, which reads the device (a host sync per decode step)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    race = torch.empty_like(probs).exponential_(generator=generator)  # [B, V]
-    # an Exp(1) draw of exactly 0 would make its token win whatever its probability
-    return probs.div_(race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(-1)
 
 
 class _TokenReader:
