@@ -44,6 +44,7 @@
 #   P25c: launch knobs graph-timed, OPD rollouts with the shipped vs the fastest settings, 512 rollouts
 #   P25d: the whole OPD step at h2048 with the new Lightning launch defaults (ran out of device time: next
 #      session, first) | P26a: the tuned split-KV settings in the 512K decode step of both shapes
+#   P26b: the one-pass Gumbel-max sampler: CUDA test, kernel vs torch, OPD rollouts with each
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -490,6 +491,22 @@ P26a)
     --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
     --out bench/results/decode_profile_teacher_512k_p26a.json > "$OUT/p26a_teacher_512k.log" 2>&1
   echo "teacher 512K rc=$?"
+  ;;
+P26b)
+  # next GPU session, issue 20 item 4: the one-pass Gumbel-max sampler (decode_sampling.py, opt-in
+  # through HALO_DECODE_SAMPLER=triton): its CUDA test, the kernel against the torch exponential race
+  # (tune_decode_kernels' sampler table), and OPD rollouts at h2048 with each sampler, same call
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_sampling.py \
+    > "$OUT/p26b_cuda_tests.log" 2>&1; echo "cuda tests rc=$?"; tail -1 "$OUT/p26b_cuda_tests.log"
+  timeout 150 python3 bench/tune_decode_kernels.py --quick --out bench/results/decode_kernel_tuning_p26b.json \
+    > "$OUT/p26b_tune.log" 2>&1; echo "tune rc=$?"
+  timeout 150 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
+    --skip-train --out bench/results/opd_p26b_torch_sampler.json > "$OUT/p26b_opd_torch.log" 2>&1
+  echo "opd torch sampler rc=$?"
+  HALO_DECODE_SAMPLER=triton timeout $((590 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 \
+    --rollouts 256 --continuous --compile-rollouts --skip-train \
+    --out bench/results/opd_p26b_triton_sampler.json > "$OUT/p26b_opd_triton.log" 2>&1
+  echo "opd triton sampler rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

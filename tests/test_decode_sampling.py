@@ -70,9 +70,10 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
     assert int(values["distinct"]) > 40, out  # 200 draws over 50 equal tokens
 
 
-def test_sample_tokens_uses_the_reference_where_the_kernel_does_not_apply():
-    """CPU logits (and top-p) go through the exponential race: the same generator state gives the
-    reference's draws exactly; temperature 0 is the argmax."""
+def test_sample_tokens_uses_the_reference_where_the_kernel_does_not_apply(monkeypatch):
+    """CPU logits (and top-p) go through the exponential race, even with the kernel switched on:
+    the same generator state gives the reference's draws exactly; temperature 0 is the argmax."""
+    monkeypatch.setenv("HALO_DECODE_SAMPLER", "triton")
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
     for top_p in (1.0, 0.8):
         got = sample_tokens(logits, 0.9, top_p, torch.Generator().manual_seed(3))
@@ -82,10 +83,14 @@ def test_sample_tokens_uses_the_reference_where_the_kernel_does_not_apply():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gumbel_kernel_on_cuda_draws_from_the_softmax():
+def test_gumbel_kernel_on_cuda_draws_from_the_softmax(monkeypatch):
+    monkeypatch.setenv("HALO_DECODE_SAMPLER", "triton")
     x = torch.tensor([1.5, 1.0, 0.2, 0.0, -0.5, -3.0], device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     draws = sample_tokens(x.expand(100_000, 6).contiguous().bfloat16(), 1.3, 1.0, g)
+    again = sample_tokens(x.expand(100_000, 6).contiguous().bfloat16(), 1.3, 1.0,
+                          torch.Generator(device="cuda").manual_seed(0))
+    assert torch.equal(draws, again)
     freq = torch.bincount(draws, minlength=6).float() / 100_000
     want = torch.softmax(x.bfloat16().float() / 1.3, -1)
     assert (freq - want).abs().max() < 0.01

@@ -16,9 +16,8 @@ therefore noticed one step late; that extra step's token for the slot is discard
 replaces the slot's cache and position anyway.
 
 The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
-caller's generator (on the model's device), without a host sync (``decode_sampling.sample_tokens``:
-one Triton pass over the logits on CUDA); ``temperature=0`` decodes greedily, which is how the tests
-compare it with per-prompt decoding.
+caller's generator (on the model's device), without a host sync (``decode_sampling.sample_tokens``);
+``temperature=0`` decodes greedily, which is how the tests compare it with per-prompt decoding.
 """
 
 from __future__ import annotations

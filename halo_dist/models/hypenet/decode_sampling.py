@@ -16,7 +16,9 @@ memory traffic per step, about 0.5 ms of a ~9 ms rollout step on an H200.
   each row's best split. (``TRITON_INTERPRET=1`` runs it on CPU: that is how the CPU tests check
   it.)
 
-``sample_tokens`` dispatches (``HALO_DECODE_SAMPLER=torch`` forces the reference on CUDA).
+``sample_tokens`` dispatches. The kernel is opt-in (``HALO_DECODE_SAMPLER=triton``) until a GPU run
+has timed it against the reference inside the rollouts (``bench/tune_decode_kernels.py``,
+``bench/device_run.sh P26b``); the reference is the default everywhere.
 """
 
 from __future__ import annotations
@@ -115,12 +117,13 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
                   generator: torch.Generator | None) -> torch.Tensor:
     """logits ``[B, V]`` -> ``[B]`` token ids: argmax when ``temperature`` is 0, else a draw from
     softmax(logits / temperature) restricted to the smallest set of tokens whose probability
-    reaches ``top_p``; ``generator`` (on the logits' device) makes the draws reproducible. One
-    pass of a Triton kernel on CUDA when ``top_p`` is 1, the torch reference otherwise."""
+    reaches ``top_p``; ``generator`` (on the logits' device) makes the draws reproducible. The
+    torch reference, or with ``HALO_DECODE_SAMPLER=triton`` one pass of the Triton kernel on CUDA
+    when ``top_p`` is 1."""
     if temperature == 0:
         return logits.argmax(-1)
     if (logits.is_cuda and _HAS_TRITON and top_p >= 1.0 and logits.dim() == 2
             and logits.numel() < 2 ** 31
-            and os.environ.get("HALO_DECODE_SAMPLER", "triton") != "torch"):
+            and os.environ.get("HALO_DECODE_SAMPLER", "torch") == "triton"):
         return gumbel_argmax_triton(logits, temperature, generator)
     return exponential_race_torch(logits, temperature, top_p, generator)
