@@ -65,14 +65,15 @@ LAUNCH = {
 }
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 stand in for a CPU: Triton's interpreter)."""
     return (torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda" else 8)
 
 
 def launch_regime(batch: int, kv_heads: int, device: torch.device) -> str:
     """``"rows"`` when one program per (row, KV head) gives four per SM, else ``"split"``."""
-    return "rows" if batch * kv_heads >= 4 * _sm_count(device) else "split"
+    return "rows" if batch * kv_heads >= 4 * sm_count(device) else "split"
 
 
 def split_plan(room: int, batch: int, kv_heads: int, block_n: int,
@@ -81,7 +82,7 @@ def split_plan(room: int, batch: int, kv_heads: int, block_n: int,
     (fixed for a buffer, so a captured graph stays valid); splits past the valid length exit at
     once."""
     blocks = math.ceil(room / block_n)
-    splits = max(1, min(blocks, math.ceil(programs_per_sm * _sm_count(device)
+    splits = max(1, min(blocks, math.ceil(programs_per_sm * sm_count(device)
                                           / max(1, batch * kv_heads))))
     split_len = math.ceil(blocks / splits) * block_n
     return math.ceil(room / split_len), split_len

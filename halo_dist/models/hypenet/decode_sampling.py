@@ -10,15 +10,17 @@ memory traffic per step, about 0.5 ms of a ~9 ms rollout step on an H200.
   check, which reads the device: a host sync per step).
 * ``gumbel_argmax_triton``: CUDA, ``top_p = 1``: the same distribution by the Gumbel-max trick,
   ``argmax_v (x_v / T - log(-log U_v))`` with ``U_v`` uniform, in one read of the logits. The
-  uniforms come from Philox (``tl.rand``) keyed by a seed drawn from the caller's generator on the
-  device, so the draws follow that generator's state (a resumed run draws what it would have). Each
-  row's vocabulary is split across a few programs (enough to fill the GPU); a small torch step picks
-  each row's best split. (``TRITON_INTERPRET=1`` runs it on CPU: that is how the CPU tests check
+  uniforms come from Philox (``tl.rand``) keyed by a 64-bit seed drawn from the caller's generator
+  on the device: the draws are a function of that generator's state (a run resumed with its
+  generator state draws the same tokens), though not the same draws as the reference's. Each row's
+  vocabulary is split across a few programs (enough to fill the GPU); a small torch step picks each
+  row's best split. (``TRITON_INTERPRET=1`` runs it on CPU: that is how the CPU tests check
   it.)
 
-``sample_tokens`` dispatches. The kernel is opt-in (``HALO_DECODE_SAMPLER=triton``) until a GPU run
-has timed it against the reference inside the rollouts (``bench/tune_decode_kernels.py``,
-``bench/device_run.sh P26b``); the reference is the default everywhere.
+``sample_tokens`` dispatches (``kernel_applies`` says when the kernel runs). The kernel is opt-in
+(``HALO_DECODE_SAMPLER=triton``) until a GPU run has timed it against the reference inside the
+rollouts (``bench/tune_decode_kernels.py``, ``bench/device_run.sh P26b``); the reference is the
+default everywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import math
 import os
 
 import torch
+
+from .decode_attention import sm_count
 
 try:
     import triton
@@ -73,9 +77,11 @@ if _HAS_TRITON:
             ok = offs < hi
             x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
             # one uniform per (row, token) of this draw: row * V + token < 2^31 (checked by the
-            # caller); U = 0 gives -inf, a token that cannot win
+            # caller); U = 0 gives -inf, a token that cannot win; the floor keeps a U rounded up
+            # to 1 from winning whatever its logit (the reference's clamp of its Exp(1) draws)
             u = tl.rand(seed, row * V + offs)
-            s = tl.where(ok, x * inv_temp - tl.log(-tl.log(u)), float("-inf"))
+            e = tl.maximum(-tl.log(u), 1e-30)  # Exp(1)
+            s = tl.where(ok, x * inv_temp - tl.log(e), float("-inf"))
             take = s > best
             best = tl.where(take, s, best)
             arg = tl.where(take, offs, arg)
@@ -88,7 +94,8 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
                          generator: torch.Generator | None, block: int = 1024,
                          programs_per_sm: int = 8) -> torch.Tensor:
     """Same contract as ``exponential_race_torch`` with ``top_p = 1``, for ``[B, V]`` logits with
-    ``B * V < 2^31``."""
+    ``B * V < 2^31``. ``block`` tokens per loop iteration; about ``programs_per_sm`` programs per SM
+    (each row's vocabulary split into that many ranges, whole blocks each)."""
     B, V = logits.shape
     if B * V >= 2 ** 31:
         raise ValueError(f"gumbel_argmax_triton keys its uniforms by row * V + token: {B} x {V} "
@@ -96,21 +103,28 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     device = logits.device
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 8)
     # enough programs to fill the GPU, each over whole blocks of the vocabulary
     blocks = math.ceil(V / block)
-    splits = max(1, min(blocks, math.ceil(programs_per_sm * sms / B)))
+    splits = max(1, min(blocks, math.ceil(programs_per_sm * sm_count(device) / B)))
     chunk = math.ceil(blocks / splits) * block
     splits = math.ceil(V / chunk)
-    # the draw's key: the generator advances as a torch draw would, and nothing is read on the host
-    seed = torch.randint(0, 2 ** 31 - 1, (1,), device=device, generator=generator)
+    # the draw's key, from the caller's generator, on the device (nothing is read on the host);
+    # 64 bits, so that a run's ~10^5 draws do not repeat one (31 bits would, by the birthday bound)
+    seed = torch.randint(-2 ** 63, 2 ** 63 - 1, (1,), dtype=torch.int64, device=device,
+                         generator=generator)
     val = torch.empty(B, splits, device=device, dtype=torch.float32)
     idx = torch.empty(B, splits, device=device, dtype=torch.int32)
     _gumbel_argmax_kernel[(B, splits)](logits, seed, val, idx, logits.stride(0), V, chunk,
                                        1.0 / temperature, BLOCK=block)
     best = val.argmax(-1, keepdim=True)  # [B, 1] the winning split of each row
     return idx.gather(1, best).view(B).long()
+
+
+def kernel_applies(device_type: str, top_p: float, numel: int) -> bool:
+    """Whether ``sample_tokens`` draws through the Triton kernel: opted in
+    (``HALO_DECODE_SAMPLER=triton``), CUDA logits, no nucleus cut, fewer than 2^31 logits."""
+    return (os.environ.get("HALO_DECODE_SAMPLER", "torch") == "triton" and _HAS_TRITON
+            and device_type == "cuda" and top_p >= 1.0 and numel < 2 ** 31)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
@@ -122,8 +136,6 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
     when ``top_p`` is 1."""
     if temperature == 0:
         return logits.argmax(-1)
-    if (logits.is_cuda and _HAS_TRITON and top_p >= 1.0 and logits.dim() == 2
-            and logits.numel() < 2 ** 31
-            and os.environ.get("HALO_DECODE_SAMPLER", "torch") == "triton"):
+    if logits.dim() == 2 and kernel_applies(logits.device.type, top_p, logits.numel()):
         return gumbel_argmax_triton(logits, temperature, generator)
     return exponential_race_torch(logits, temperature, top_p, generator)
