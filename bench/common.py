@@ -74,16 +74,22 @@ def apply_launch_settings(path) -> dict:
     before they become the defaults. Returns the settings applied."""
     from halo_dist.models.hypenet import decode_attention, decode_lightning
 
-    best = json.loads(Path(path).read_text())["best"]
-    for key, cfg in best.items():
+    payload = json.loads(Path(path).read_text())
+    if "best" not in payload:
+        raise ValueError(f"{path}: no 'best' entry (not a bench/tune_decode_kernels.py result)")
+    for key, cfg in payload["best"].items():
         kernel, entry = key.split("/")
         if kernel == "attention":
-            decode_attention.LAUNCH[entry] = dict(cfg)
+            table, name = decode_attention.LAUNCH, entry
         elif kernel == "lightning":
-            decode_lightning.LAUNCH[getattr(torch, entry)] = dict(cfg)
+            table, name = decode_lightning.LAUNCH, getattr(torch, entry)
         else:
             raise ValueError(f"{path}: unknown kernel {kernel!r} in 'best'")
-    return best
+        if name not in table or set(cfg) - set(table[name]):
+            raise ValueError(f"{path}: 'best' entry {key} {cfg} does not match the table "
+                             f"{kernel} {table.get(name)}")
+        table[name] = {**table[name], **cfg}
+    return payload["best"]
 
 
 @contextlib.contextmanager

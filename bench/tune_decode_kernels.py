@@ -17,11 +17,13 @@ stages, programs per SM; state columns per program, warps), at the shapes that m
 (``decode_lightning.LAUNCH``). A timing is one CUDA graph of 10 back-to-back calls, replayed (median
 of 5, per call), as the decode step runs them: one call per pair of CUDA events would add the
 Python launch overhead to sub-millisecond kernels. Each row reports the achieved bandwidth (bytes /
-time) and the ratio to the current default; every configuration's output is checked against the
-default's (the knobs change the order of floating-point work, not the result). Writes
-``bench/results/decode_kernel_tuning.json`` (every row, and the fastest configuration per table
-entry under ``best``: ``bench/common.apply_launch_settings`` installs those in a benchmark process,
-``--launch-settings`` of bench_opd.py and profile_decode.py) and prints one table per case.
+time) and the ratio to the current default; every configuration's output is compared with the
+default's (``rel_err``: the knobs change the order of floating-point work, so the result moves
+within rounding). Writes ``bench/results/decode_kernel_tuning.json``: every row, and per table
+entry under ``best`` the fastest configuration that matches the default's output, or the default
+when nothing beats it by 2% (``pick_best``; ``bench/common.apply_launch_settings`` installs those
+in a benchmark process: ``--launch-settings`` of bench_opd.py and profile_decode.py). Prints one
+table per case.
 
   python3 bench/tune_decode_kernels.py                 # H200: ~1 min (each config compiles once)
   python3 bench/tune_decode_kernels.py --quick         # the default and a few neighbours
@@ -185,6 +187,21 @@ def sampler_case(batch: int, vocab: int, dev: str = "cuda", dtype=torch.bfloat16
     return rows
 
 
+def pick_best(rows: list[dict], min_gain: float = 1.02, max_err: float = 1e-2) -> dict:
+    """The fastest configuration whose output matches the default's (``rel_err <= max_err``), but
+    the default itself (the first row) unless the fastest beats it by ``min_gain``: a difference
+    within the timing noise is not a reason to change a shipped setting."""
+    valid = [r for r in rows if r["ms"] is not None and isinstance(r["rel_err"], float)
+             and r["rel_err"] <= max_err]
+    if not valid:
+        raise RuntimeError("no launch configuration ran and matched the default's output")
+    top = min(valid, key=lambda r: r["ms"])
+    default = rows[0]
+    if default["ms"] is not None and default["ms"] / top["ms"] < min_gain:
+        return default
+    return top
+
+
 def grids(quick: bool) -> tuple[list[dict], list[dict]]:
     if quick:
         attn = [ATTN_DEFAULT, {**ATTN_DEFAULT, "block_n": 128}, {**ATTN_DEFAULT, "num_stages": 4}]
@@ -236,11 +253,11 @@ def main(argv=None) -> int:
         print_table(cases[name], name)
         if key is None:
             continue
-        top = min((r for r in cases[name] if r["ms"] is not None), key=lambda r: r["ms"])
+        top = pick_best(cases[name])
         knobs = ("block_n", "num_warps", "num_stages", "programs_per_sm", "block_v")
         best[key] = {k: top[k] for k in knobs if k in top}
-        print(f"best for {key}: {best[key]} ({top['ms']:.4f} ms, {top['vs_default']:.3f}x the "
-              "default)")
+        print(f"best for {key}: {best[key]} ({top['ms']:.4f} ms, "
+              f"{top['vs_default'] or float('nan'):.3f}x the default)")
     out = "/tmp/halo_dist_tune_smoke.json" if smoke and args.out is None else args.out
     path = write_result("decode_kernel_tuning", {"cases": cases, "best": best,
                                                  "args": vars(args)}, out)

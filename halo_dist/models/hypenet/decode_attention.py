@@ -56,9 +56,9 @@ def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 
 
 # Launch settings of the split-KV kernel per regime (``bench/tune_decode_kernels.py`` times them on
-# the device; the result does not depend on them). "split": too few rows x KV heads to fill the GPU,
-# so each row's keys are split across programs (long-context decode at small batch). "rows": a
-# program per (row, KV head) already fills it (batched OPD rollouts).
+# the device; they change the result only by the order of floating-point additions). "split": too
+# few rows x KV heads to fill the GPU, so each row's keys are split across programs (long-context
+# decode at small batch). "rows": a program per (row, KV head) already fills it (batched rollouts).
 LAUNCH = {
     "split": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
     "rows": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
@@ -158,7 +158,11 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     B, _, H, D = q.shape
     room, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
-    cfg = {**LAUNCH[launch_regime(B, Hkv, q.device)], **launch}
+    regime = LAUNCH[launch_regime(B, Hkv, q.device)]
+    if set(launch) - set(regime):
+        raise ValueError(f"unknown split-KV launch settings {sorted(set(launch) - set(regime))}; "
+                         f"known: {sorted(regime)}")
+    cfg = {**regime, **launch}
     block_n = cfg["block_n"]
     if k.stride(-1) != 1 or v.stride(-1) != 1 or D & (D - 1):
         raise ValueError("decode_attention_triton needs contiguous head dims of a power-of-two "

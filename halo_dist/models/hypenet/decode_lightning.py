@@ -29,10 +29,10 @@ import torch
 
 # dtypes the in-place kernel keeps a state in (fp32 by default; bf16 halves a batched step's bytes)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
-# Launch settings per state dtype: state columns per program and warps (the result does not depend
-# on them). Measured on an H200 by ``bench/tune_decode_kernels.py`` at 256 rows (one CUDA graph of
-# back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the earlier 32 columns x 4 warps, bf16
-# 0.079 vs 0.131 ms; wider tiles keep more loads in flight per program.
+# Launch settings per state dtype: state columns per program and warps (they change the result only
+# by the order of floating-point additions). Measured on an H200 by ``bench/tune_decode_kernels.py``
+# at 256 rows (one CUDA graph of back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the
+# earlier 32 columns x 4 warps, bf16 0.079 vs 0.131 ms; wider tiles keep more loads in flight.
 LAUNCH = {torch.float32: dict(block_v=64, num_warps=8),
           torch.bfloat16: dict(block_v=128, num_warps=8)}
 
@@ -110,6 +110,10 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if DK & (DK - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
                          "key dim")
+    if set(launch) - set(LAUNCH[state.dtype]):
+        raise ValueError(f"unknown Lightning decode launch settings "
+                         f"{sorted(set(launch) - set(LAUNCH[state.dtype]))}; "
+                         f"known: {sorted(LAUNCH[state.dtype])}")
     cfg = {**LAUNCH[state.dtype], **launch}
     block_v = cfg["block_v"]
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
