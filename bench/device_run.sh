@@ -493,10 +493,10 @@ P26a)
   echo "teacher 512K rc=$?"
   ;;
 P26b)
-  # next GPU session, issue 20 item 4: the one-pass Gumbel-max sampler (decode_sampling.py, opt-in
+  # next GPU session, issue 20 item 4: the one-pass Gumbel-max sampler (stages/rollout_sampling.py, opt-in
   # through HALO_DECODE_SAMPLER=triton): its CUDA test, the kernel against the torch exponential race
   # (tune_decode_kernels' sampler table), and OPD rollouts at h2048 with each sampler, same call
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_sampling.py \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_sampling.py \
     > "$OUT/p26b_cuda_tests.log" 2>&1; echo "cuda tests rc=$?"; tail -1 "$OUT/p26b_cuda_tests.log"
   timeout 150 python3 bench/tune_decode_kernels.py --quick --out bench/results/decode_kernel_tuning_p26b.json \
     > "$OUT/p26b_tune.log" 2>&1; echo "tune rc=$?"

@@ -16,8 +16,9 @@ therefore noticed one step late; that extra step's token for the slot is discard
 replaces the slot's cache and position anyway.
 
 The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
-caller's generator (on the model's device), without a host sync (``decode_sampling.sample_tokens``);
-``temperature=0`` decodes greedily, which is how the tests compare it with per-prompt decoding.
+caller's generator (on the model's device), without a host sync
+(``rollout_sampling.sample_tokens``); ``temperature=0`` decodes greedily, which is how the tests
+compare it with per-prompt decoding.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
-from ..models.hypenet.decode_sampling import sample_tokens
+from .rollout_sampling import sample_tokens
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.static_decode import StaticDecoder
 from .opd import compiled_room, left_padded, static_options

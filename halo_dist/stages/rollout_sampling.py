@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from .decode_attention import sm_count
+from ..models.hypenet.decode_attention import sm_count
 
 try:
     import triton

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from halo_dist.models.hypenet.decode_sampling import (exponential_race_torch,
+from halo_dist.stages.rollout_sampling import (exponential_race_torch,
                                                       gumbel_argmax_triton, kernel_applies,
                                                       sample_tokens)
 
@@ -37,7 +37,7 @@ def run_interpreted(script: str) -> str:
 def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_across_splits():
     out = run_interpreted("""
         import torch
-        from halo_dist.models.hypenet.decode_sampling import gumbel_argmax_triton
+        from halo_dist.stages.rollout_sampling import gumbel_argmax_triton
 
         # 1. frequencies over 1,200 rows of the same logits at T = 0.7 (a T of 1 would be off by
         # more than 0.1 on the first token)
