@@ -83,58 +83,15 @@ def with_default(grid: list[dict], default: dict) -> list[dict]:
     return [default] + [c for c in grid if c != default]
 
 
-def attention_case(batch: int, context: int, room: int, grid: list[dict], dev: str = "cuda",
-                   dtype=torch.bfloat16) -> list[dict]:
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
-    k = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
-    v = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
-    length = torch.tensor([context], device=dev)
-    nbytes = 2 * batch * context * HKV * D * k.element_size()  # keys + values read once
-    default = decode_attention.LAUNCH[decode_attention.launch_regime(batch, HKV, q.device)]
-    ref = decode_attention_triton(q, k, v, length, D ** -0.5, **default).float()
+def sweep(grid: list[dict], default: dict, measure, nbytes: int) -> list[dict]:
+    """One row per configuration (the default first): ``measure(cfg) -> (rel_err vs the default's
+    output, ms)``, the bandwidth it reached and its speed-up over the default. A configuration
+    Triton cannot build (too much shared memory) is recorded with its error, and the sweep goes
+    on."""
     rows, base = [], None
     for cfg in with_default(grid, default):
         try:
-            def fn(cfg=cfg):
-                return decode_attention_triton(q, k, v, length, D ** -0.5, **cfg)
-
-            err = rel_err(fn().float(), ref)
-            ms = time_graph(fn)
-        except Exception as e:  # a config Triton cannot build (shared memory): say so, go on
-            rows.append({**cfg, "ms": None, "TB/s": None, "vs_default": None,
-                         "rel_err": f"{type(e).__name__}"})
-            continue
-        base = ms if cfg == default else base
-        rows.append({**cfg, "ms": ms, "TB/s": nbytes / ms / 1e9, "vs_default": None,
-                     "rel_err": err})
-    for r in rows:
-        if r["ms"] is not None and base:
-            r["vs_default"] = base / r["ms"]
-    return rows
-
-
-def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: str = "cuda",
-                   dtype=torch.bfloat16) -> list[dict]:
-    g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
-               for _ in range(3))
-    log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
-    state0 = torch.randn(batch, H, D, D, device=dev, generator=g).to(state_dtype)
-    nbytes = 2 * state0.numel() * state0.element_size()  # read and written once
-    ref_state = state0.clone()
-    default = decode_lightning.LAUNCH[state_dtype]
-    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state, **default).float()
-    rows, base = [], None
-    for cfg in with_default(grid, default):
-        state = state0.clone()
-        try:
-            err = rel_err(lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, **cfg)
-                          .float(), ref)
-            err = max(err, rel_err(state.float(), ref_state.float()))
-            # the state decays in place on every call: timing is unaffected, values stay finite
-            ms = time_graph(lambda cfg=cfg, state=state: lightning_decode_triton(
-                q, k, v, log_decay, D ** -0.5, state, **cfg))
+            err, ms = measure(cfg)
         except Exception as e:
             rows.append({**cfg, "ms": None, "TB/s": None, "vs_default": None,
                          "rel_err": f"{type(e).__name__}"})
@@ -146,6 +103,50 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
         if r["ms"] is not None and base:
             r["vs_default"] = base / r["ms"]
     return rows
+
+
+def attention_case(batch: int, context: int, room: int, grid: list[dict], dev: str = "cuda",
+                   dtype=torch.bfloat16) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
+    k = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(batch, room, HKV, D, device=dev, dtype=dtype, generator=g)
+    length = torch.tensor([context], device=dev)
+    default = decode_attention.LAUNCH[decode_attention.launch_regime(batch, HKV, q.device)]
+    ref = decode_attention_triton(q, k, v, length, D ** -0.5, **default).float()
+
+    def measure(cfg):
+        def fn():
+            return decode_attention_triton(q, k, v, length, D ** -0.5, **cfg)
+
+        return rel_err(fn().float(), ref), time_graph(fn)
+
+    # keys + values read once
+    return sweep(grid, default, measure, 2 * batch * context * HKV * D * k.element_size())
+
+
+def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: str = "cuda",
+                   dtype=torch.bfloat16) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
+               for _ in range(3))
+    log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
+    state0 = torch.randn(batch, H, D, D, device=dev, generator=g).to(state_dtype)
+    ref_state = state0.clone()
+    default = decode_lightning.LAUNCH[state_dtype]
+    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state, **default).float()
+
+    def measure(cfg):
+        state = state0.clone()
+
+        def fn():  # the state decays in place on every call: timing is unaffected
+            return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, **cfg)
+
+        err = max(rel_err(fn().float(), ref), rel_err(state.float(), ref_state.float()))
+        return err, time_graph(fn)
+
+    # every state read and written once
+    return sweep(grid, default, measure, 2 * state0.numel() * state0.element_size())
 
 
 def time_loop(fn, calls: int = 20, reps: int = 5) -> float:
