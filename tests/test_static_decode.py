@@ -62,11 +62,13 @@ def test_decode_attention_reference_equals_sdpa_over_the_valid_prefix(H, Hkv):
     assert torch.allclose(got[1:], sdpa(q[1:], k[1:, :5], v[1:, :5], scale=0.25), atol=1e-12)
 
 
-def test_split_plan_covers_the_buffer_in_block_multiples():
+def test_split_plan_fills_the_device_with_at_most_one_program_per_block():
+    cpu = torch.device("cpu")  # 8 "SMs"
     for room in (1, 63, 64, 65, 4097, 524_300):
-        splits, split_len = split_plan(room, batch=1, kv_heads=8, block_n=64,
-                                       device=torch.device("cpu"))
-        assert split_len % 64 == 0 and splits * split_len >= room > (splits - 1) * split_len
+        splits = split_plan(room, batch=1, kv_heads=8, block_n=64, device=cpu)
+        assert splits == min(-(-room // 64), 4)  # 4 programs per SM x 8 SMs / 8 KV heads
+    assert split_plan(524_300, batch=1, kv_heads=2, block_n=64, device=cpu, programs_per_sm=2) == 8
+    assert split_plan(2304, batch=256, kv_heads=8, block_n=64, device=cpu) == 1  # rows regime
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "separate"])
@@ -269,6 +271,16 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
                 for launch in launches:
                     got = decode_attention_triton(q, k, v, L, 0.17, S, **launch)
                     worst = max(worst, float((got - want).norm() / want.norm()))
+        # a buffer 4x longer than its valid keys (a cache grown by doubling, the decode room
+        # ahead): the splits divide the valid keys, wherever the buffer ends
+        q = torch.randn(1, 1, 8, 32)
+        k, v = torch.randn(1, 1200, 2, 32), torch.randn(1, 1200, 2, 32)
+        for length in (1, 65, 300):
+            L, S = torch.tensor([length]), torch.tensor([0])
+            want = decode_attention_torch(q, k, v, L, 0.17, S)
+            for launch in (dict(block_n=16, programs_per_sm=16), dict(block_n=64)):
+                got = decode_attention_triton(q, k, v, L, 0.17, S, **launch)
+                worst = max(worst, float((got - want).norm() / want.norm()))
         print("worst", worst)
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))

@@ -59,8 +59,10 @@ def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 # the device; they change the result only by the order of floating-point additions). "split": too
 # few rows x KV heads to fill the GPU, so each row's keys are split across programs (long-context
 # decode at small batch). "rows": a program per (row, KV head) already fills it (batched rollouts).
+# "split" at 512K on an H200: 2 programs per SM, 466 us per layer against 522-532 us with 4
+# (both model shapes, the whole decode step; BENCHMARKS.md).
 LAUNCH = {
-    "split": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
+    "split": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2),
     "rows": dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
 }
 
@@ -77,15 +79,14 @@ def launch_regime(batch: int, kv_heads: int, device: torch.device) -> str:
 
 
 def split_plan(room: int, batch: int, kv_heads: int, block_n: int,
-               device: torch.device, programs_per_sm: int = 4) -> tuple[int, int]:
-    """``(num_splits, split_len)``: about ``programs_per_sm`` programs per SM over the whole buffer
-    (fixed for a buffer, so a captured graph stays valid); splits past the valid length exit at
-    once."""
+               device: torch.device, programs_per_sm: int = 4) -> int:
+    """How many programs split each (row, KV head)'s keys: about ``programs_per_sm`` programs per
+    SM, at most one per ``block_n`` keys of the buffer. Fixed for a buffer (a captured graph stays
+    valid); the kernel divides each row's *valid* keys among them on the device, so spare room in
+    the buffer (a cache grown by doubling, the decode room ahead) leaves no program idle."""
     blocks = math.ceil(room / block_n)
-    splits = max(1, min(blocks, math.ceil(programs_per_sm * sm_count(device)
-                                          / max(1, batch * kv_heads))))
-    split_len = math.ceil(blocks / splits) * block_n
-    return math.ceil(room / split_len), split_len
+    return max(1, min(blocks, math.ceil(programs_per_sm * sm_count(device)
+                                        / max(1, batch * kv_heads))))
 
 
 if _HAS_TRITON:
@@ -96,21 +97,24 @@ if _HAS_TRITON:
         stride_len, stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
-        scale, split_len, num_splits,
+        scale, num_splits,
         KV_HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """One program: batch b, KV head h, keys [split * split_len, +split_len) ∩ [start[b],
-        length).
-        Writes the unnormalised output, running max and sum of its G query heads."""
+        """One program: batch b, KV head h, the ``split``-th of ``num_splits`` equal ranges (whole
+        blocks) of row b's valid keys ``[start[b], length)``. Writes the unnormalised output,
+        running max and sum of its G query heads (an empty range writes m = -inf, l = 0)."""
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = (pid_bh // KV_HEADS).to(tl.int64)
         h = pid_bh % KV_HEADS
         length = tl.load(Length + b * stride_len)  # stride 0: one length for every row
-        lo = split * split_len
-        end = tl.minimum(lo + split_len, length)
-        start = tl.maximum(lo, tl.load(Start + b))  # left padding of row b
+        first = tl.load(Start + b)  # left padding of row b
+        # this split's share of the valid keys, read from the device: the same graph serves every
+        # length, and however large the buffer, every program has keys while there are enough
+        per = tl.cdiv(tl.cdiv(length - first, num_splits), BLOCK_N) * BLOCK_N
+        start = first + split * per
+        end = tl.minimum(start + per, length)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
         g_ok = offs_g < G
@@ -167,7 +171,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     if k.stride(-1) != 1 or v.stride(-1) != 1 or D & (D - 1):
         raise ValueError("decode_attention_triton needs contiguous head dims of a power-of-two "
                          "size")
-    num_splits, split_len = split_plan(room, B, Hkv, block_n, q.device, cfg["programs_per_sm"])
+    num_splits = split_plan(room, B, Hkv, block_n, q.device, cfg["programs_per_sm"])
     q2 = q.reshape(B, H, D)  # [B, 1, H, D] -> [B, H, D]
     if start is None:
         start = torch.zeros(B, dtype=torch.long, device=q.device)
@@ -179,7 +183,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         0 if length.numel() == 1 else 1, q2.stride(0), q2.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        scale, split_len, num_splits,
+        scale, num_splits,
         KV_HEADS=Hkv, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
