@@ -25,11 +25,36 @@ except Exception:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 
+# Triton <= 3.6's interpreter under numpy >= 2.4 cannot run a loop bounded by a runtime value (int()
+# of a 1-element array); the kernel is fine there, and the CUDA test covers it on such installs
+PROBE = """
+import sys
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def _loop_over_runtime_bound(Out, n):
+    acc = 0
+    for _ in range(0, n, 1):
+        acc += 1
+    tl.store(Out, acc)
+
+try:
+    _loop_over_runtime_bound[(1,)](torch.zeros(1, dtype=torch.int32), 3)
+except Exception as err:
+    print("interpreter-broken", triton.__version__, repr(err)[:200])
+    sys.exit(0)
+"""
+
+
 def run_interpreted(script: str) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
+    out = subprocess.run([sys.executable, "-c", PROBE + textwrap.dedent(script)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    if "interpreter-broken" in out.stdout:
+        pytest.skip(f"this triton's interpreter cannot run runtime-bounded loops: {out.stdout}")
     return out.stdout
 
 
@@ -81,12 +106,13 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
 
 
 def test_the_kernel_runs_only_where_it_applies(monkeypatch):
-    """Opt-in, CUDA, no nucleus cut, keys that fit 31 bits; everything else (and CPU logits even
-    when opted in) draws through the reference, whose draws the same generator state repeats."""
+    """CUDA, no nucleus cut, keys that fit 31 bits, not opted out; everything else (CPU logits
+    too) draws through the reference, whose draws the same generator state repeats."""
     monkeypatch.delenv("HALO_DECODE_SAMPLER", raising=False)
-    assert not kernel_applies("cuda", 1.0, 1000)  # the reference is the default
-    monkeypatch.setenv("HALO_DECODE_SAMPLER", "triton")
-    assert kernel_applies("cuda", 1.0, 1000) == HAS_TRITON
+    assert kernel_applies("cuda", 1.0, 1000) == HAS_TRITON  # the kernel is the default
+    monkeypatch.setenv("HALO_DECODE_SAMPLER", "torch")
+    assert not kernel_applies("cuda", 1.0, 1000)
+    monkeypatch.delenv("HALO_DECODE_SAMPLER")
     assert not kernel_applies("cuda", 0.9, 1000)
     assert not kernel_applies("cpu", 1.0, 1000)
     assert not kernel_applies("cuda", 1.0, 2 ** 31)
