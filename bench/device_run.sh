@@ -45,6 +45,8 @@
 #   P25d: the whole OPD step at h2048 with the new Lightning launch defaults (ran out of device time: next
 #      session, first) | P26a: the tuned split-KV settings in the 512K decode step of both shapes
 #   P26b: the one-pass Gumbel-max sampler: CUDA test, kernel vs torch, OPD rollouts with each
+#   P26c: the whole OPD step at h2048 with 512 rollouts (sampler from HALO_DECODE_SAMPLER)
+#   P27a: split-KV over the valid keys: CUDA tests, 512K decode of both shapes | P27b: P25d with the sampler
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -507,6 +509,41 @@ P26b)
     --rollouts 256 --continuous --compile-rollouts --skip-train \
     --out bench/results/opd_p26b_triton_sampler.json > "$OUT/p26b_opd_triton.log" 2>&1
   echo "opd triton sampler rc=$?"
+  ;;
+P26c)
+  # issue 20 item 4: the whole OPD step at h2048 with 512 rollouts (rollouts 31.8K in P25c; training
+  # does not depend on the rollout count), 64 equal micro-batches of 8; the sampler is the caller's
+  # (HALO_DECODE_SAMPLER, from P26b's result); the arithmetic of the measured parts gave 14.8K
+  # (15.1K with a sampler worth +4.5%)
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_rollout_sampling.py \
+    > "$OUT/p26c_cuda_tests.log" 2>&1; echo "sampler tests rc=$?"; tail -1 "$OUT/p26c_cuda_tests.log"
+  timeout $((590 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 512 --continuous --compile-rollouts \
+    --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p26c_512.json \
+    > "$OUT/p26c_opd_512.log" 2>&1; echo "opd 512 rc=$? sampler=${HALO_DECODE_SAMPLER:-torch}"
+  ;;
+P27a)
+  # issue 20 item 1: the split-KV kernel now divides each row's valid keys among its programs on the
+  # device (P26a: HypeNet's prefilled 512K cache had grown by doubling to a 1M buffer, so half the
+  # programs of a plan over the whole buffer had no keys); CUDA tests, then both shapes at 512K with
+  # the shipped and the tuned split settings (same process each)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py \
+    tests/test_rollout_sampling.py -k on_cuda > "$OUT/p27a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -1 "$OUT/p27a_cuda_tests.log"
+  timeout 200 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/decode_profile_hypenet_512k_p27a.json > "$OUT/p27a_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
+    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/decode_profile_teacher_512k_p27a.json > "$OUT/p27a_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"
+  ;;
+P27b)
+  # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the shipped Lightning launch
+  # settings and the one-pass sampler (now the default): P25d's command
+  timeout 300 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
+    --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p27b.json \
+    > "$OUT/p27b_opd.log" 2>&1; echo "opd rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -23,18 +23,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, print_table  # noqa: E402
 
 SOURCES = {
-    # both shapes at 512K in one session (P23: cuBLAS and the removed Triton GEMV; best row wins)
-    "teacher_decode": RESULTS / "decode_profile_teacher_512k_p23.json",
-    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p23.json",
+    # both shapes at 512K in one session, each with the shipped and the tuned split-KV settings
+    # (P27a; the split plan over the valid keys; best row wins)
+    "teacher_decode": RESULTS / "decode_profile_teacher_512k_p27a.json",
+    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p27a.json",
     # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
     "stage2": RESULTS / "stages_p22b.json",
     "stage3": RESULTS / "stages_p21a.json",
-    # OPD: compiled continuous rollouts, compiled layers and loss, the training step timed in steady
-    # state (P25a: its first timed step held a compilation); horizon 8K the same (P24d); 512
-    # rollouts per GPU, rollouts only (P25c); horizon 32K, 16 rollouts (P25b)
-    "opd": RESULTS / "opd_p25a_micro.json",
+    # OPD: compiled continuous rollouts with the one-pass sampler, compiled layers and loss, equal
+    # micro-batches (no compilation in the timed step): 256 rollouts (P27b) and 512 (P26c);
+    # horizon 8K (P24d) and 32K, 16 rollouts (P25b), before the sampler
+    "opd": RESULTS / "opd_p27b.json",
     "opd_8k": RESULTS / "opd_p24d_h8k.json",
-    "opd_512": RESULTS / "opd_p25c_512.json",
+    "opd_512": RESULTS / "opd_p26c_512.json",
     "opd_32k": RESULTS / "opd_p25b_h32k.json",
     "inference": RESULTS / "inference.json",
     "pretrain": RESULTS / "pretrain_p21b.json",
@@ -75,6 +76,7 @@ def summary() -> dict:
     opd512 = next((r for r in (src["opd_512"] or {}).get("results", [])
                    if r.get("horizon") == 2048 and "error" not in r), None)
     out["opd_rollout_tokens_per_s_h2048_512_rollouts"] = opd512 and opd512["rollout_tokens_per_s"]
+    out["opd_step_tokens_per_s_h2048_512_rollouts"] = opd512 and opd512.get("opd_tokens_per_s")
     for horizon, key in ((8192, "opd_8k"), (32768, "opd_32k")):
         row = next((r for r in (src[key] or {}).get("results", [])
                     if r.get("horizon") == horizon and "error" not in r), None)

@@ -207,3 +207,4 @@ def test_speed_summary_reads_each_figure_from_its_result_file():
     assert out["opd_rollout_tokens_per_s_h8192"] > 0 and out["opd_step_tokens_per_s_h8192"] > 0
     assert out["opd_step_tokens_per_s_h32768"] > 0
     assert out["opd_rollout_tokens_per_s_h2048_512_rollouts"] > 0
+    assert out["opd_step_tokens_per_s_h2048_512_rollouts"] > 0
