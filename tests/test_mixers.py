@@ -15,10 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-# spawned CPU ranks: skip fla's slow import (see test_sp_mixers)
-if os.environ.get("HALO_TEST_SKIP_FLA") == "1":
-    sys.modules.setdefault("fla", None)
-
 import pytest
 import torch
 
@@ -321,8 +317,7 @@ def _sp_scenarios() -> dict:
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return run_distributed(_sp_scenarios, world_size=2, timeout=150, collective_timeout=60,
-                           env={"HALO_TEST_SKIP_FLA": "1"})
+    return run_distributed(_sp_scenarios, world_size=2, timeout=150, collective_timeout=60)
 
 
 @pytest.mark.slow
@@ -411,3 +406,16 @@ def test_convert_rejects_unknown_rnn_mixer():
 
     with pytest.raises(ConversionError, match="rnn_mixer='mamba3'"):
         convert_model(tiny_qwen3(), [0], rnn_mixer="mamba3")
+
+
+def test_a_process_without_a_gpu_does_not_import_fla():
+    """fla's kernels run only on CUDA tensors and its import takes ~3.5 s: a CPU process (a test
+    rank, a launcher refusing a config, the CPU demo) that imports the model and the engine must not
+    pay it."""
+    script = ("import sys, halo_dist.train.registry, halo_dist.models.hypenet\n"
+              "print(sorted(m for m in sys.modules if m == 'fla' or m.startswith('fla.')))")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]", res.stdout[-500:]

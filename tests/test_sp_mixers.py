@@ -13,14 +13,6 @@ model with a document spanning three shards and 2 KV heads replicated to 4.
 
 from __future__ import annotations
 
-import os
-import sys
-
-if os.environ.get("HALO_TEST_SKIP_FLA") == "1":
-    # Spawned CPU ranks only: fla's Triton kernels never run on CPU (ops_rnn.use_fla needs CUDA),
-    # but importing fla costs ~3.5 s per rank; a None entry makes ops_rnn's guarded import fail
-    # fast.
-    sys.modules.setdefault("fla", None)
 
 import pytest
 import torch
@@ -167,19 +159,14 @@ def _four_rank_scenarios() -> dict:
     return _model_scenarios(sp, SP4_MODELS)
 
 
-CHILD_ENV = {"HALO_TEST_SKIP_FLA": "1"}
-
-
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(_two_rank_scenarios, world_size=2, timeout=150, collective_timeout=60,
-                           env=CHILD_ENV)
+    return run_distributed(_two_rank_scenarios, world_size=2, timeout=150, collective_timeout=60)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_four_rank_scenarios, world_size=4, timeout=150, collective_timeout=60,
-                           env=CHILD_ENV)
+    return run_distributed(_four_rank_scenarios, world_size=4, timeout=150, collective_timeout=60)
 
 
 def _assert_golden(results: list[dict], case: str) -> None:

@@ -41,12 +41,16 @@ from .ops_rnn_torch import (
     lightning_recurrent_torch,
 )
 
-try:  # fla's Triton kernels: CUDA only
-    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+# fla's Triton kernels run only on CUDA tensors. Importing fla takes ~3.5 s, which every process on
+# a machine without a GPU (CPU runs, tests, a launcher refusing a bad config) would pay for nothing.
+_HAS_FLA = False
+if torch.cuda.is_available():
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
-    _HAS_FLA = True
-except Exception:  # pragma: no cover - depends on the environment
-    _HAS_FLA = False
+        _HAS_FLA = True
+    except Exception:  # pragma: no cover - depends on the environment
+        pass
 
 LIGHTNING_DECAYS = ("hype", "alibi")
 
