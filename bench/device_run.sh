@@ -47,6 +47,7 @@
 #   P26b: the one-pass Gumbel-max sampler: CUDA test, kernel vs torch, OPD rollouts with each
 #   P26c: the whole OPD step at h2048 with 512 rollouts (sampler from HALO_DECODE_SAMPLER)
 #   P27a: split-KV over the valid keys: CUDA tests, 512K decode of both shapes | P27b: P25d with the sampler
+#   P28a: the 512K decode step of both shapes with Inductor's max-autotune (the fixed costs)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -544,6 +545,18 @@ P27b)
   timeout 300 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
     --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p27b.json \
     > "$OUT/p27b_opd.log" 2>&1; echo "opd rc=$?"
+  ;;
+P28a)
+  # next GPU session, issue 20 item 1: the decode step's fixed costs (GEMVs off the bandwidth, ~190 norm
+  # kernels, gaps: ~2 ms per token in both shapes) with Inductor's max-autotune (its Triton GEMV
+  # templates timed against cuBLAS, coordinate-descent tuning of the norms), both shapes at 512K; a cut of
+  # 0.5 ms from both would give the 3.0x ratio
+  timeout 290 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled compiled-autotune --out bench/results/decode_profile_hypenet_512k_p28a.json \
+    > "$OUT/p28a_hypenet_512k.log" 2>&1; echo "hypenet 512K rc=$?"
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
+    --variants compiled compiled-autotune --out bench/results/decode_profile_teacher_512k_p28a.json \
+    > "$OUT/p28a_teacher_512k.log" 2>&1; echo "teacher 512K rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

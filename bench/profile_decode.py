@@ -19,7 +19,8 @@ depends on the cache's size, not its values):
 ``graph`` (the default StaticDecoder: packed input projections, Lightning's state updated in place),
 ``baseline`` (both off: a GEMM per projection, fla's recurrent kernel and a state copy),
 ``separate`` (packing off only), ``fla`` (in-place update off only), and ``compiled`` /
-``compiled-baseline`` (the same, with the step through ``torch.compile`` before capture).
+``compiled-baseline`` (the same, with the step through ``torch.compile`` before capture), and
+``compiled-autotune`` (``compiled`` in Inductor's max-autotune mode, without its CUDA graphs).
 Writes ``bench/results/decode_profile.json``.
 
   python bench/profile_decode.py                              # H200, 512K and 32K
@@ -71,6 +72,8 @@ VARIANTS = {
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
     "compiled": dict(compile=True),
+    # Inductor times Triton templates against cuBLAS for each GEMV and tunes its norm kernels
+    "compiled-autotune": dict(compile="max-autotune-no-cudagraphs"),
     "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
 }
 

@@ -136,6 +136,22 @@ def test_compiled_static_step_equals_eager_and_compiles_once():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_compile_mode_reaches_torch_compile_and_cuda_graph_modes_are_refused(monkeypatch):
+    """``compile="max-autotune-no-cudagraphs"`` is passed on as the mode (the GPU run times it:
+    ``profile_decode.py --variants compiled-autotune``); modes that capture Inductor's own CUDA
+    graphs would nest inside the decoder's and are refused before anything is built."""
+    model = tiny(("attention", "lightning"))
+    cache, _ = prefilled(model, B=1)
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    StaticDecoder(model, cache, use_cuda_graph=False, compile="max-autotune-no-cudagraphs")
+    StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
+    assert [kw["mode"] for kw in seen] == ["max-autotune-no-cudagraphs", None]
+    for mode in ("reduce-overhead", "max-autotune", "fast"):
+        with pytest.raises(ValueError, match="modes are"):
+            StaticDecoder(model, cache, use_cuda_graph=False, compile=mode)
+
+
 def test_compiled_static_step_compiles_once_across_prompt_widths():
     """Decoders over prompts of different widths in caches of the same room share one compiled
     step: nothing in it depends on the prompt's length on the host (OPD builds a decoder per

@@ -203,6 +203,10 @@ def _room_for_more_compilations(at_least: int = 256):
     return cfg.patch(**{key: max(getattr(cfg, key), at_least)})
 
 
+# torch.compile modes without Inductor's own CUDA graphs (they would nest inside the decoder's)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
 class StaticDecoder:
     """Decode one token per ``step`` from a prefilled cache, as a CUDA graph replay on CUDA.
 
@@ -211,12 +215,15 @@ class StaticDecoder:
     """
 
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
-                 attention_mask: torch.Tensor | None = None, compile: bool = False,
+                 attention_mask: torch.Tensor | None = None, compile: bool | str = False,
                  pack_projections: bool = True, lightning_in_place: bool = True,
                  state_dtype: torch.dtype | None = None):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
-        back to the eager step and is kept in ``compile_error``). ``pack_projections``: each layer's
+        back to the eager step and is kept in ``compile_error``); a string is the compile mode,
+        ``"max-autotune-no-cudagraphs"`` (Inductor times its own GEMM and norm kernels: minutes
+        more compiling) or ``"default"``; modes with Inductor's CUDA graphs are refused, the
+        decoder captures its own. ``pack_projections``: each layer's
         input projections as one GEMM (``pack_input_projections``; a copy of those weights, taken
         now: build a new decoder after the weights change). ``lightning_in_place``: Lightning's
         state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a copy into the
@@ -230,8 +237,12 @@ class StaticDecoder:
         # unbound (called with self): a bound method stored on self would be a reference cycle,
         # and the decoder's buffers (tens of GB for a rollout batch) would outlive it until the
         # garbage collector happens to run
-        self._step_fn = (torch.compile(StaticDecoder._step_body, dynamic=False) if compile
-                         else StaticDecoder._step_body)
+        if isinstance(compile, str) and compile not in COMPILE_MODES:
+            raise ValueError(f"StaticDecoder(compile={compile!r}): the modes are "
+                             f"{sorted(COMPILE_MODES)} (the decoder captures its own CUDA graph)")
+        mode = compile if isinstance(compile, str) else None
+        self._step_fn = (torch.compile(StaticDecoder._step_body, dynamic=False, mode=mode)
+                         if compile else StaticDecoder._step_body)
         self.cache = StaticDecodeCache(cache, model.config, attention_mask, state_dtype,
                                        lightning_in_place)
         if pack_projections:
