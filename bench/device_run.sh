@@ -47,7 +47,7 @@
 #   P26b: the one-pass Gumbel-max sampler: CUDA test, kernel vs torch, OPD rollouts with each
 #   P26c: the whole OPD step at h2048 with 512 rollouts (sampler from HALO_DECODE_SAMPLER)
 #   P27a: split-KV over the valid keys: CUDA tests, 512K decode of both shapes | P27b: P25d with the sampler
-#   P28a: the 512K decode step of both shapes with Inductor's max-autotune (the fixed costs)
+#   P28s: HypeNet's 32K decode step with Inductor's max-autotune (the fixed costs; did not pay)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -546,17 +546,14 @@ P27b)
     --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p27b.json \
     > "$OUT/p27b_opd.log" 2>&1; echo "opd rc=$?"
   ;;
-P28a)
-  # next GPU session, issue 20 item 1: the decode step's fixed costs (GEMVs off the bandwidth, ~190 norm
-  # kernels, gaps: ~2 ms per token in both shapes) with Inductor's max-autotune (its Triton GEMV
-  # templates timed against cuBLAS, coordinate-descent tuning of the norms), both shapes at 512K; a cut of
-  # 0.5 ms from both would give the 3.0x ratio
-  timeout 290 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
-    --variants compiled compiled-autotune --out bench/results/decode_profile_hypenet_512k_p28a.json \
-    > "$OUT/p28a_hypenet_512k.log" 2>&1; echo "hypenet 512K rc=$?"
-  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
-    --variants compiled compiled-autotune --out bench/results/decode_profile_teacher_512k_p28a.json \
-    > "$OUT/p28a_teacher_512k.log" 2>&1; echo "teacher 512K rc=$?"
+P28s)
+  # the 260 s left of session 21: does the max-autotune decode step compile and run on the H200, and
+  # what does it do to the fixed costs (GEMVs, norms, gaps: the same at any context)? HypeNet-2B, a
+  # random 32K cache, in one process
+  timeout 150 python3 bench/profile_decode.py --models hypenet-2b --contexts 32768 \
+    --variants compiled compiled-autotune --steps 16 --profiled 2 \
+    --out bench/results/decode_profile_hypenet_32k_p28s.json > "$OUT/p28s_hypenet_32k.log" 2>&1
+  echo "hypenet 32K rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -72,7 +72,7 @@ VARIANTS = {
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
     "compiled": dict(compile=True),
-    # Inductor times Triton templates against cuBLAS for each GEMV and tunes its norm kernels
+    # Inductor's own batch-1 matmuls fused with the norms (P28s: fewer kernels, the same step time)
     "compiled-autotune": dict(compile="max-autotune-no-cudagraphs"),
     "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
 }

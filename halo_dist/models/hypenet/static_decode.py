@@ -220,17 +220,17 @@ class StaticDecoder:
                  state_dtype: torch.dtype | None = None):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
-        back to the eager step and is kept in ``compile_error``); a string is the compile mode,
-        ``"max-autotune-no-cudagraphs"`` (Inductor times its own GEMM and norm kernels: minutes
-        more compiling) or ``"default"``; modes with Inductor's CUDA graphs are refused, the
-        decoder captures its own. ``pack_projections``: each layer's
-        input projections as one GEMM (``pack_input_projections``; a copy of those weights, taken
-        now: build a new decoder after the weights change). ``lightning_in_place``: Lightning's
-        state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a copy into the
-        buffer). The two switches exist to measure what each buys (bench/profile_decode.py); the
-        defaults are the fast path. ``state_dtype``: the RNN states' dtype while decoding (None:
-        fp32, as prefilled; ``torch.bfloat16`` halves their bytes, Lightning-only models,
-        ``StaticDecodeCache``)."""
+        back to the eager step and is kept in ``compile_error``); a string is the compile mode:
+        ``"max-autotune-no-cudagraphs"`` (Inductor may replace cuBLAS with its own kernels fused
+        with the norms; for HypeNet-2B on an H200 it did not pay) or ``"default"``. Modes with
+        Inductor's own CUDA graphs are refused: the decoder captures its own. ``pack_projections``:
+        each layer's input projections as one GEMM (``pack_input_projections``; a copy of those
+        weights, taken now: build a new decoder after the weights change). ``lightning_in_place``:
+        Lightning's state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a
+        copy into the buffer). The two switches exist to measure what each buys
+        (bench/profile_decode.py); the defaults are the fast path. ``state_dtype``: the RNN states'
+        dtype while decoding (None: fp32, as prefilled; ``torch.bfloat16`` halves their bytes,
+        Lightning-only models, ``StaticDecodeCache``)."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
