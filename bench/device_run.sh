@@ -80,6 +80,17 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 gather_parts() {  # the SmolLM2 GGUF travels in 3 parts over chained calls on one warm machine
   mkdir -p .gguf; for p in .xfer/*/smol.part* .xfer/*/smol.sha256; do [ -f "$p" ] && cp "$p" .gguf/; done; ls .gguf
 }
+decode_512k_tuned() {  # both shapes at 512K, shipped and tuned split-KV settings, one process
+  local tag=$1 hypenet_limit=$2
+  timeout "$hypenet_limit" python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 \
+    --prefill --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/decode_profile_hypenet_512k_$tag.json > "$OUT/${tag}_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
+    --contexts 524288 --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
+    --out bench/results/decode_profile_teacher_512k_$tag.json > "$OUT/${tag}_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"
+}
 save_autotune() {
   (cd $H && find triton -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
 }
@@ -486,14 +497,7 @@ P26a)
   # next GPU session, issue 20 item 1: the split-KV launch settings P25c timed 1.11x faster at 512K
   # (bench/results/decode_kernel_tuning.json), end to end in the decode step of both shapes: each
   # variant with the shipped and the tuned settings in one process (rows "compiled+tuned")
-  timeout 280 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
-    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
-    --out bench/results/decode_profile_hypenet_512k_p26a.json > "$OUT/p26a_hypenet_512k.log" 2>&1
-  echo "hypenet 512K rc=$?"
-  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
-    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
-    --out bench/results/decode_profile_teacher_512k_p26a.json > "$OUT/p26a_teacher_512k.log" 2>&1
-  echo "teacher 512K rc=$?"
+  decode_512k_tuned p26a 280
   ;;
 P26b)
   # next GPU session, issue 20 item 4: the one-pass Gumbel-max sampler (stages/rollout_sampling.py, opt-in
@@ -530,14 +534,7 @@ P27a)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py \
     tests/test_rollout_sampling.py -k on_cuda > "$OUT/p27a_cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; tail -1 "$OUT/p27a_cuda_tests.log"
-  timeout 200 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
-    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
-    --out bench/results/decode_profile_hypenet_512k_p27a.json > "$OUT/p27a_hypenet_512k.log" 2>&1
-  echo "hypenet 512K rc=$?"
-  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
-    --variants compiled --launch-settings bench/results/decode_kernel_tuning.json \
-    --out bench/results/decode_profile_teacher_512k_p27a.json > "$OUT/p27a_teacher_512k.log" 2>&1
-  echo "teacher 512K rc=$?"
+  decode_512k_tuned p27a 200
   ;;
 P27b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the shipped Lightning launch
