@@ -17,6 +17,9 @@ divided by the naive path's.
   # a SmolLM2-size stage-2 step's loss: eager vs compiled chunks
   python bench/bench_kl.py --tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192 \
       --backends naive,torch,compiled
+  # one chunk's divergence and gradient from its logits alone: compiled vs the triton kernel at
+  # a few launch settings, in ms and GB/s of one read of both logits and one bf16 gradient write
+  python bench/bench_kl.py --chunk-kernels --chunk-size 4096
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def parse_args(argv=None):
                    help="token subset for the fp64 checks")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/kl.json)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, JSON to /tmp")
+    p.add_argument("--chunk-kernels", action="store_true",
+                   help="only the per-chunk kernels (compiled vs triton launch settings), CUDA")
     a = p.parse_args(argv)
     if a.cpu_smoke:
         a.tokens, a.vocab, a.hidden, a.warmup, a.iters, a.check_tokens = 256, 2048, 64, 1, 2, 64
@@ -92,7 +97,8 @@ def loss_fn(backend, a):
         return lambda *x, **kw: naive_distill_loss(*x, direction=a.direction, **kw)
     return lambda *x, **kw: fused_distill_loss(*x, direction=a.direction, backend=backend,
                                                chunk_size=a.chunk_size
-                                               if backend in ("torch", "compiled") else None, **kw)
+                                               if backend in ("torch", "compiled", "triton")
+                                               else None, **kw)
 
 
 def sync(device):
@@ -192,6 +198,64 @@ def option_checks(a, device, backends):
     return results
 
 
+TRITON_LAUNCHES = [dict(block=b, num_warps=w) for b, w in
+                   ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))]
+
+
+def chunk_kernel_table(a, device) -> list[dict]:
+    """One chunk's KL (forward or reverse, T = 1) and bf16 gradient from fp32 logits of shape
+    [chunk_size, vocab]: the compiled function and the triton kernel at each launch setting, in
+    the same process; GB/s counts one read of both logits and one write of the gradient (the
+    kernel reads them twice: its floor is half that figure)."""
+    from halo_dist.losses import _triton_kl
+    from halo_dist.losses._chunked import compiled_chunk_grad
+
+    c, v = a.chunk_size or 4096, a.vocab
+    g = torch.Generator(device=device).manual_seed(0)
+    tz = torch.randn(c, v, device=device, generator=g) * 2.3
+    z = tz + 0.3 * torch.randn(c, v, device=device, generator=g)
+    beta = 0.0 if a.direction == "forward" else 1.0
+    kf, cf = torch.tensor(1e-4, device=device), torch.tensor(0.0, device=device)
+    args = (z, tz, None, kf, cf, 1.0, -100, beta, torch.bfloat16)
+    one_pass = c * v * (4 + 4 + 2)
+    rows, ref = [], None
+
+    def time_it(fn):
+        for _ in range(a.warmup + 1):
+            out = fn(*args)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            out = fn(*args)
+        sync(device)
+        return (time.perf_counter() - t0) / a.iters * 1e3, out
+
+    shipped = dict(_triton_kl.LAUNCH)
+    variants = [("compiled", None)] + [("triton", launch) for launch in TRITON_LAUNCHES]
+    for name, launch in variants:
+        if launch is not None:
+            _triton_kl.LAUNCH.update(launch)
+        ms, (kl, _, grad) = time_it(compiled_chunk_grad if launch is None
+                                    else _triton_kl.chunk_grad_triton)
+        row = {"kernel": name, **(launch or {}), "ms": ms, "gb_per_s_one_pass": one_pass / ms / 1e6}
+        if ref is None:
+            ref = (kl.clone(), grad.float())
+        else:
+            row.update(kl_rel_err=rel(kl, ref[0]), grad_rel_err=rel(grad.float(), ref[1]))
+        rows.append(row)
+        del kl, grad
+    _triton_kl.LAUNCH.clear()
+    _triton_kl.LAUNCH.update(shipped)
+    print(f"\none chunk's {a.direction} KL + bf16 gradient from fp32 logits [{c}, {v}]")
+    print(f"{'kernel':9} {'block':>6} {'warps':>5} {'ms':>8} {'GB/s 1x':>8} {'kl err':>9} "
+          f"{'grad err':>9}")
+    for r in rows:
+        e = lambda k: f"{r[k]:9.2e}" if k in r else f"{'-':>9}"  # noqa: E731
+        print(f"{r['kernel']:9} {r.get('block', '-'):>6} {r.get('num_warps', '-'):>5} "
+              f"{r['ms']:8.3f} {r['gb_per_s_one_pass']:8.0f} {e('kl_rel_err')} {e('grad_rel_err')}")
+    return rows
+
+
 def versions():
     v = {"python": platform.python_version(), "torch": torch.__version__,
          "cuda": torch.version.cuda}
@@ -232,6 +296,18 @@ def main(argv=None):
     device = torch.device("cpu" if a.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if a.cpu_smoke:
         torch.set_num_threads(1)
+    if a.chunk_kernels:
+        if device.type != "cuda":
+            raise SystemExit("--chunk-kernels times CUDA kernels: run it on a GPU")
+        rows = chunk_kernel_table(a, device)
+        result = {"device": torch.cuda.get_device_name(), "versions": versions(),
+                  "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "config": {k: v for k, v in vars(a).items() if k != "out"},
+                  "chunk_kernels": rows}
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {a.out}")
+        return result
     wanted = [b for b in a.backends.split(",") if b]
     if "liger" in wanted and not liger_available():
         print("liger-kernel not importable: skipping the liger backend")

@@ -48,6 +48,9 @@
 #   P26c: the whole OPD step at h2048 with 512 rollouts (sampler from HALO_DECODE_SAMPLER)
 #   P27a: split-KV over the valid keys: CUDA tests, 512K decode of both shapes | P27b: P25d with the sampler
 #   P28s: HypeNet's 32K decode step with Inductor's max-autotune (the fixed costs; did not pay)
+#   P29a: the triton loss kernel: CUDA test, one chunk's kernels (compiled vs triton), stage 2 with it + the naive
+#      baseline + a profile, then stage 2 with the compiled loss, same call (carry .whl .bench_data)
+#   P29b: the whole OPD step at h2048, 256 rollouts, with the triton loss (P27b's command)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -551,6 +554,34 @@ P28s)
     --variants compiled compiled-autotune --steps 16 --profiled 2 \
     --out bench/results/decode_profile_hypenet_32k_p28s.json > "$OUT/p28s_hypenet_32k.log" 2>&1
   echo "hypenet 32K rc=$?"
+  ;;
+P29a)
+  # issue 20 item 2: the loss's chunk through our Triton kernel (halo_dist/losses/_triton_kl.py: two passes
+  # over the logits; loss.backend auto now picks it on CUDA for the forward and reverse KL). Its CUDA test,
+  # one chunk's kernels (compiled vs triton at several launch settings, forward and reverse), stage 2 (2B)
+  # with it + the naive baseline of the same run + a profile of steps 6-7, then stage 2 with the compiled
+  # loss (P22b's configuration) in the same call
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_losses.py -k triton \
+    > "$OUT/p29a_loss_tests.log" 2>&1; echo "loss tests rc=$?"; tail -1 "$OUT/p29a_loss_tests.log"
+  for d in forward reverse; do
+    timeout 90 python3 bench/bench_kl.py --chunk-kernels --chunk-size 4096 --direction $d \
+      --out bench/results/kl_chunk_kernels_${d}_p29a.json > "$OUT/p29a_chunk_kernels_$d.log" 2>&1
+    echo "chunk kernels $d rc=$?"
+  done
+  timeout 330 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 7 1 --naive-steps 6 \
+    --tag p29a --timeout 220 --extra logging.profile_at_step=6 logging.profile_steps=2 \
+    > "$OUT/stages_p29a.log" 2>&1; echo "stages rc=$?"
+  cp runs/bench/stage2p29a/profile/summary.txt "$OUT/p29a_stage2_profile.txt" 2>/dev/null
+  timeout $((585 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 2 \
+    --steps 1 6 1 --tag p29a_compiled --timeout $((570 - SECONDS)) --extra loss.backend=compiled \
+    > "$OUT/stages_p29a_compiled.log" 2>&1; echo "stages compiled rc=$?"
+  ;;
+P29b)
+  # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, training on the triton reverse-KL loss
+  # (P27b's command; P27b trained on the compiled loss: 32.0K train tokens/s, 14.84K for the step)
+  timeout 300 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
+    --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p29b.json \
+    > "$OUT/p29b_opd.log" 2>&1; echo "opd rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

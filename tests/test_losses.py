@@ -14,6 +14,7 @@ from halo_dist.losses import (auto_chunk_size, fused_distill_loss, liger_availab
                               naive_distill_loss)
 from halo_dist.losses import kl as kl_mod
 from halo_dist.losses.memtrack import LiveBytes
+from triton_interp import HAS_TRITON, run_interpreted
 
 torch.set_num_threads(1)
 N, V, DS, DT = 64, 1000, 32, 48
@@ -388,7 +389,7 @@ def test_raw_liger_conventions():
     (lambda a: a.update(labels=None), "needs labels"),
     (lambda a: a.update(temperature=0.0), "temperature must be > 0"),
     (lambda a: a.update(direction="jsd"), "direction must be one of"),
-    (lambda a: a.update(backend="triton"), "backend must be one of"),
+    (lambda a: a.update(backend="cuda"), "backend must be one of"),
     (lambda a: a.update(chunk_size=0), "chunk_size must be >= 1"),
     (lambda a: a.update(normalizer=0), "normalizer must be > 0"),
     (lambda a: a.update(t_h=None), "needs teacher_hidden"),
@@ -418,10 +419,18 @@ def test_bad_beta(kw, match):
 
 
 def test_backend_selection(monkeypatch):
-    assert kl_mod._pick_backend("auto", torch.device("cpu"), 10) == "torch"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kl_mod._pick_backend("auto", cpu, 10) == "torch"
     monkeypatch.setattr(kl_mod, "liger_available", lambda: False)
-    assert kl_mod._pick_backend("auto", torch.device("cuda"), 10) == "compiled"
-    assert kl_mod._pick_backend("auto", torch.device("cuda"), 0) == "torch"
+    monkeypatch.setattr(kl_mod, "kernel_runs_on", lambda device: device.type == "cuda")
+    # on CUDA: the triton kernel for the forward and reverse KL, compiled for the JSD and fp64
+    assert kl_mod._pick_backend("auto", cuda, 10) == "triton"
+    assert kl_mod._pick_backend("auto", cuda, 10, beta=1.0) == "triton"
+    assert kl_mod._pick_backend("auto", cuda, 10, beta=0.5) == "compiled"
+    assert kl_mod._pick_backend("auto", cuda, 10, dtype=torch.float64) == "compiled"
+    assert kl_mod._pick_backend("auto", cuda, 0) == "torch"
+    monkeypatch.setattr(kl_mod, "kernel_runs_on", lambda device: False)  # no Triton
+    assert kl_mod._pick_backend("auto", cuda, 10) == "compiled"
     s_h, s_w, t_h, t_w, _, _ = make()
     with pytest.raises(RuntimeError, match="liger-kernel is not importable"):
         fused_distill_loss(s_h, s_w, t_h, t_w, backend="liger")
@@ -595,3 +604,93 @@ def test_compiled_backend_cross_entropy_alone_and_bf16_inputs_match_the_torch_ba
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(out["torch"][2:], out["compiled"][2:]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(beta=0.5), "beta=0.5"),             # the JSD: compiled backend only
+    (dict(), "cpu"),                          # CPU tensors without Triton's interpreter
+])
+def test_triton_backend_refuses_what_its_kernel_does_not_compute(kw, match):
+    s_h, s_w, t_h, t_w, _, _ = make(torch.float32)
+    with pytest.raises(ValueError, match=match):
+        fused_distill_loss(s_h, s_w, t_h, t_w, backend="triton", **kw)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_backend_in_the_interpreter_matches_the_torch_backend():
+    """backend='triton' (the two-pass kernel of ``_triton_kl.py``, run by Triton's interpreter on
+    CPU tensors) gives the torch backend's loss, sums and gradients: forward and reverse KL, a
+    temperature, the CE term with ignored labels (with and without a KL), masked tokens, a shorter
+    last chunk, a tensor normalizer, and rows of several vocabulary blocks ending in a partial one.
+    bf16 inputs: the gradient written once in bf16 against the torch backend's fp32 one."""
+    out = run_interpreted("""
+        import torch
+        from halo_dist.losses import fused_distill_loss
+        from halo_dist.losses import _triton_kl
+
+        _triton_kl.LAUNCH["block"] = 128  # 300 entries: 3 blocks per row, the last partial
+        torch.manual_seed(0)
+        n, d, v = 37, 16, 300  # chunk 16: 16 + 16 + 5 rows
+        cases = [  # (beta, temperature, kl_weight, ce_weight, masked, dtype)
+            (0.0, 1.0, 1.0, 0.0, False, torch.float32),  # stage 2
+            (0.0, 1.5, 1.0, 0.3, True, torch.float32),
+            (1.0, 1.0, 1.0, 0.0, True, torch.float32),  # OPD
+            (1.0, 2.0, 0.7, 0.4, False, torch.float32),
+            (0.0, 1.0, 0.0, 1.0, False, torch.float32),  # CE only: no teacher
+            (0.0, 1.0, 1.0, 0.2, False, torch.bfloat16),
+        ]
+        for i, (beta, temp, kl_w, ce_w, masked, dtype) in enumerate(cases):
+            s_h, t_h = torch.randn(n, d).to(dtype), torch.randn(n, d).to(dtype)
+            s_w, t_w = (torch.randn(v, d) * 0.3).to(dtype), (torch.randn(v, d) * 0.3).to(dtype)
+            s_h.requires_grad_(), s_w.requires_grad_()
+            labels = torch.randint(0, v, (n,))
+            labels[::7] = -100
+            mask = torch.rand(n) > 0.2 if masked else None
+            got = {}
+            for backend in ("torch", "triton"):
+                o = fused_distill_loss(s_h, s_w, t_h if kl_w else None, t_w if kl_w else None,
+                                       labels=labels, token_mask=mask, beta=beta,
+                                       temperature=temp, kl_weight=kl_w, ce_weight=ce_w,
+                                       normalizer=torch.tensor(11), chunk_size=16,
+                                       backend=backend)
+                gh, gw = torch.autograd.grad(o.loss, (s_h, s_w))
+                got[backend] = [o.loss.detach(), o.kl_sum, o.ce_sum, gh.float(), gw.float()]
+            sums = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                       for a, b in zip(got["triton"][:3], got["torch"][:3]))
+            grads = max(float((a - b).norm() / b.norm())
+                        for a, b in zip(got["triton"][3:], got["torch"][3:]))
+            print("case", i, sums, grads, float(got["torch"][1]), float(got["torch"][2]))
+    """)
+    rows = [line.split()[1:] for line in out.splitlines() if line.startswith("case")]
+    assert len(rows) == 6, out
+    for i, sums, grads, kl, ce in rows:
+        bf16 = i == "5"
+        assert float(sums) < 1e-5, out  # sums in fp32 on both sides
+        assert float(grads) < (1e-2 if bf16 else 1e-5), out
+        assert (float(kl) > 0) == (i != "4") and (float(ce) > 0) == (i not in ("0", "2")), out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA, Triton")
+@pytest.mark.parametrize("beta,ce", [(0.0, 0.0), (1.0, 0.0), (0.0, 0.5)])
+def test_triton_backend_on_cuda_matches_the_compiled_backend(beta, ce):
+    """On the GPU, bf16 as in training, a real vocabulary and chunk: the triton kernel and the
+    compiled chunk agree to fp32 rounding in the sums and bf16 rounding in the gradients."""
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 3000, 256, 151_936
+    t_h, t_w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) * 0.05
+    s_h = t_h + 0.3 * torch.randn(n, d, generator=g)
+    s_w = t_w + 0.01 * torch.randn(v, d, generator=g)
+    s_h, s_w, t_h, t_w = (x.cuda().bfloat16() for x in (s_h, s_w, t_h, t_w))
+    s_h.requires_grad_(), s_w.requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).cuda()
+    labels[::7] = -100
+    got = {}
+    for backend in ("compiled", "triton"):
+        o = fused_distill_loss(s_h, s_w, t_h, t_w, labels=labels, beta=beta, ce_weight=ce,
+                               normalizer=float(n), chunk_size=1024, backend=backend)
+        gh, gw = torch.autograd.grad(o.loss, (s_h, s_w))
+        got[backend] = [o.loss.detach(), o.kl_sum, o.ce_sum, gh.float(), gw.float()]
+    for a, b in zip(got["triton"][:3], got["compiled"][:3]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(got["triton"][3:], got["compiled"][3:]):
+        assert float((a - b).norm() / b.norm()) < 1e-2

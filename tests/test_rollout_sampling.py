@@ -2,60 +2,13 @@
 softmax(logits / T), splits the vocabulary without changing the winner, and follows the caller's
 generator; the dispatcher keeps the torch reference where the kernel does not apply."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from halo_dist.stages.rollout_sampling import (exponential_race_torch,
                                                       gumbel_argmax_triton, kernel_applies,
                                                       sample_tokens)
-
-REPO = Path(__file__).resolve().parents[1]
-
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the environment
-    HAS_TRITON = False
-
-
-# Triton <= 3.6's interpreter under numpy >= 2.4 cannot run a loop bounded by a runtime value (int()
-# of a 1-element array); the kernel is fine there, and the CUDA test covers it on such installs
-PROBE = """
-import sys
-import torch
-import triton
-import triton.language as tl
-
-@triton.jit
-def _loop_over_runtime_bound(Out, n):
-    acc = 0
-    for _ in range(0, n, 1):
-        acc += 1
-    tl.store(Out, acc)
-
-try:
-    _loop_over_runtime_bound[(1,)](torch.zeros(1, dtype=torch.int32), 3)
-except Exception as err:
-    print("interpreter-broken", triton.__version__, repr(err)[:200])
-    sys.exit(0)
-"""
-
-
-def run_interpreted(script: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", PROBE + textwrap.dedent(script)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    if "interpreter-broken" in out.stdout:
-        pytest.skip(f"this triton's interpreter cannot run runtime-bounded loops: {out.stdout}")
-    return out.stdout
+from triton_interp import HAS_TRITON, run_interpreted
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")

@@ -169,10 +169,11 @@ class LossConfig(Section):
     # beyond it next-token CE on the text. A teacher past its positions is a wrong target: a
     # long-context stage would teach the student its failure. null = KL everywhere
     kl_max_position: Optional[int] = None
-    # fused-loss implementation: auto (compiled on CUDA, else torch), torch (chunked, eager),
-    # compiled (each chunk's divergence and CE fused by torch.compile: fewer passes over
-    # [chunk x vocab]), liger (needs liger-kernel)
-    backend: Literal["auto", "torch", "compiled", "liger"] = "auto"
+    # fused-loss implementation: auto (on CUDA triton for the forward and reverse KL, compiled
+    # for the JSD; torch elsewhere), torch (chunked, eager), compiled (each chunk's divergence and
+    # CE fused by torch.compile: fewer passes over [chunk x vocab]), triton (our kernel: two
+    # passes over a chunk's logits; forward/reverse KL and CE), liger (needs liger-kernel)
+    backend: Literal["auto", "torch", "compiled", "triton", "liger"] = "auto"
 
     def validate(self) -> None:
         _positive("temperature", self.temperature)

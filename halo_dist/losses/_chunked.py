@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from halo_dist.losses._triton_kl import chunk_grad_triton
+
 # Bytes of transient fp32 [c, V] buffers per (token row x vocab entry) in one chunk: raw student
 # logits, teacher logits, student probabilities, teacher probabilities / softmax temporaries, the
 # CE-gradient buffer and the low-precision copy of the logit gradient. Used to size chunks.
@@ -35,8 +37,10 @@ class ChunkConfig:
     ce_weight: float
     ignore_index: int
     chunk_size: int
-    # the chunk's KL/CE and gradient through the compiled ``_fused_chunk_grad``
-    compiled: bool = False
+    # how a chunk's KL/CE and gradient are computed from its logits: "eager" (the in-place torch
+    # functions below), "compiled" (``_fused_chunk_grad`` through torch.compile) or "triton"
+    # (``_triton_kl.chunk_grad_triton``: two passes over the logits)
+    kernel: str = "eager"
 
 
 def auto_chunk_size(vocab_size: int, memory_budget_bytes: int = 2 << 30,
@@ -248,14 +252,14 @@ def _chunk(s_h, s_w, t_h, t_w, labels, cfg: ChunkConfig, scale):
     z = _mm_fp32(s_h, s_w.t())  # [c, V]
     with_ce = bool(cfg.ce_weight) and labels is not None
     tz = _mm_fp32(t_h, t_w.t()) if cfg.kl_weight else None  # [c, V] teacher logits, no grad
-    if cfg.compiled:
+    if cfg.kernel != "eager":
         # 0-dim device tensors built by kernels (a host-to-device copy would make the host wait for
         # the GPU). d/d(raw logits) = d/d(logits / T) / T: no T^2 factor (Liger's convention too).
         scale_t = scale if torch.is_tensor(scale) else z.new_full((), scale)
-        kl, ce, grad = compiled_chunk_grad(z, tz, labels if with_ce else None,
-                                           scale_t * (cfg.kl_weight / cfg.temperature),
-                                           scale_t * cfg.ce_weight, 1.0 / cfg.temperature,
-                                           cfg.ignore_index, cfg.beta, s_h.dtype)
+        fused = chunk_grad_triton if cfg.kernel == "triton" else compiled_chunk_grad
+        kl, ce, grad = fused(z, tz, labels if with_ce else None,
+                             scale_t * (cfg.kl_weight / cfg.temperature), scale_t * cfg.ce_weight,
+                             1.0 / cfg.temperature, cfg.ignore_index, cfg.beta, s_h.dtype)
         return kl.sum(), ce.sum(), grad
     zero = z.new_zeros(())
     grad, ce_sum = None, zero

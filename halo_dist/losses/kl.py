@@ -36,8 +36,10 @@ Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Tr
 ``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
 CPU, used by the tests as an independent cross-check), ``"compiled"`` (the torch path with each
 chunk's divergence, CE and their gradient compiled by torch.compile into a few fused passes over the
-chunk) and ``"auto"`` (compiled on CUDA, torch on CPU: the fastest of the three on the H200,
-BENCHMARKS.md). All return identical quantities
+chunk), ``"triton"`` (the same chunks with the forward or reverse KL, CE and their gradient from our
+Triton kernel in two passes over the chunk's logits, ``_triton_kl.py``) and ``"auto"`` (on CUDA
+triton where it applies, else compiled; torch on CPU: the fastest on the H200, BENCHMARKS.md). All
+return identical quantities
 (see ``_liger.py`` for the conventions we adapt).
 
 ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
@@ -54,10 +56,19 @@ import torch
 
 from halo_dist.losses._chunked import ChunkConfig, FusedDistillFunction, auto_chunk_size
 from halo_dist.losses._liger import liger_available, liger_chunked, liger_cuda
+from halo_dist.losses._triton_kl import kernel_runs_on
 
 DIRECTIONS = ("forward", "reverse")
 DIRECTION_BETA = {"forward": 0.0, "reverse": 1.0}  # the same divergence as a generalized-JSD beta
-BACKENDS = ("auto", "torch", "liger", "compiled")
+BACKENDS = ("auto", "torch", "liger", "compiled", "triton")
+
+
+def triton_applies(device: torch.device, beta: float, dtype: torch.dtype) -> bool:
+    """Whether the ``triton`` backend's kernel (``_triton_kl.py``) computes this loss: the forward
+    or reverse KL (not the JSD between them) of fp32 logits (inputs of at most fp32), on tensors
+    Triton runs on."""
+    return (beta in (0.0, 1.0) and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and kernel_runs_on(device))
 
 
 @dataclass
@@ -178,12 +189,20 @@ def _compact(mask, *xs):
     return tuple(None if x is None else x.index_select(0, idx) for x in xs)
 
 
-def _pick_backend(backend: str, device: torch.device, n_rows: int) -> str:
+def _pick_backend(backend: str, device: torch.device, n_rows: int, beta: float = 0.0,
+                  dtype: torch.dtype = torch.bfloat16) -> str:
+    """The backend that runs for ``backend`` on ``device``'s ``[n_rows, .]`` ``dtype`` inputs
+    with the divergence ``beta``; an explicit backend that cannot run there is refused."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "liger" and not liger_available():
         raise RuntimeError("backend='liger' but liger-kernel is not importable (pip install "
                            "liger-kernel)")
+    if backend == "triton" and not triton_applies(device, beta, dtype):
+        raise ValueError(
+            f"backend='triton' needs Triton, CUDA tensors (or TRITON_INTERPRET=1), inputs of at "
+            f"most fp32 and the forward or reverse KL (beta 0 or 1); got {device.type}, {dtype}, "
+            f"beta={beta}")
     if n_rows == 0:
         return "torch"  # nothing to compute; Liger would divide by zero rows
     if backend == "auto":
@@ -193,8 +212,12 @@ def _pick_backend(backend: str, device: torch.device, n_rows: int) -> str:
         # (OPD) makes the same passes. CPU, where compiling costs more than it saves, stays on
         # torch.
         # Liger ran 189 ms / 2.6 GiB vs torch's 178 ms / 2.0 GiB at 16K tokens: never picked by
-        # auto.
-        return "compiled" if device.type == "cuda" else "torch"
+        # auto. The triton kernel reads a chunk's logits twice where the compiled code reads them
+        # about four times (same quantities, same error against float64): it takes the forward
+        # and reverse KL; the JSD stays compiled.
+        if device.type != "cuda":
+            return "torch"
+        return "triton" if triton_applies(device, beta, dtype) else "compiled"
     return backend
 
 
@@ -225,9 +248,10 @@ def fused_distill_loss(
         kl_weight, ce_weight: weights of the two sums in ``loss``.
         normalizer: divide the weighted sum by this (e.g. the global valid-token count, a float or
             0-dim tensor; clamp an all-reduced count with ``clamp_min(1)``); None -> 1.
-        chunk_size: token rows per chunk (torch and CPU-Liger backends); None -> from budget.
-        memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None. backend:
-        "auto" | "torch" | "compiled" (torch.compile per chunk) | "liger".
+        chunk_size: token rows per chunk (every backend but CUDA Liger); None -> from budget.
+        memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None.
+        backend: "auto" | "torch" | "compiled" (torch.compile per chunk) | "triton" (our kernel
+            per chunk; forward/reverse KL) | "liger".
     Returns:
         DistillLossOutput (``loss`` differentiable; sums and counts for cross-rank reduction).
     """
@@ -242,7 +266,7 @@ def fused_distill_loss(
         raise ValueError(f"normalizer must be > 0; got {normalizer}")
     # Autocast would silently re-cast our fp32 matmuls to bf16: precision is handled explicitly.
     with torch.autocast(s_h.device.type, enabled=False):
-        if which in ("torch", "compiled"):
+        if which in ("torch", "compiled", "triton"):
             loss, kl_sum, ce_sum = FusedDistillFunction.apply(
                 s_h, student_weight, t_h, teacher_weight, labels, cfg, norm)
         else:
@@ -279,9 +303,9 @@ def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend
         chunk_size = auto_chunk_size(vocab, memory_budget_bytes)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
-    which = _pick_backend(backend, s_h.device, n)
-    return which, ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), compiled=which == "compiled",
-                              **opts)
+    which = _pick_backend(backend, s_h.device, n, opts["beta"], s_h.dtype)
+    kernel = which if which in ("compiled", "triton") else "eager"
+    return which, ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), kernel=kernel, **opts)
 
 
 def _counts(s_h, labels, ignore_index):
