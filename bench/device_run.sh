@@ -51,6 +51,8 @@
 #   P29a: the triton loss kernel: CUDA test, one chunk's kernels (compiled vs triton), stage 2 with it + the naive
 #      baseline + a profile, then stage 2 with the compiled loss, same call (carry .whl .bench_data)
 #   P29b: the whole OPD step at h2048, 256 rollouts, with the triton loss (P27b's command)
+#   P29c: stage 2 with the triton loss and DeepSpeed's bf16 overflow check through the norm alone + the naive
+#      baseline + a profile; then without the DeepSpeed change; then stage 3 (carry .whl .bench_data)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -582,6 +584,22 @@ P29b)
   timeout 300 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
     --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p29b.json \
     > "$OUT/p29b_opd.log" 2>&1; echo "opd rc=$?"
+  ;;
+P29c)
+  # issue 20 item 2 after P29a: with the loss kernel the GPU waited on the host for ~86 ms per step, mostly on
+  # DeepSpeed's bf16 per-tensor overflow pass (amax/amin/isfinite per gradient); the gradient norm now is the
+  # overflow check (parallel/deepspeed_setup.py: norm_is_the_overflow_check). Stage 2 (2B) with both + the
+  # naive baseline + a profile; stage 2 without the DeepSpeed change (HALO_DS_NORM_OVERFLOW_CHECK=0); stage 3
+  timeout 330 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 7 1 --naive-steps 6 \
+    --tag p29c --timeout 220 --extra logging.profile_at_step=6 logging.profile_steps=2 \
+    > "$OUT/stages_p29c.log" 2>&1; echo "stages rc=$?"
+  cp runs/bench/stage2p29c/profile/summary.txt "$OUT/p29c_stage2_profile.txt" 2>/dev/null
+  HALO_DS_NORM_OVERFLOW_CHECK=0 timeout 150 python3 bench/bench_stages.py --data .bench_data/long --no-naive \
+    --stages 2 --steps 1 6 1 --tag p29c_dscheck --timeout 140 > "$OUT/stages_p29c_dscheck.log" 2>&1
+  echo "stages ds check rc=$?"
+  timeout $((585 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 3 \
+    --steps 1 1 3 --tag p29c_s3 --timeout $((570 - SECONDS)) > "$OUT/stages_p29c_s3.log" 2>&1
+  echo "stage 3 rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

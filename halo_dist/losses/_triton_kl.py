@@ -34,7 +34,7 @@ except Exception:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 # vocabulary entries per loop iteration and warps per program (one program per row)
-LAUNCH = {"block": 2048, "num_warps": 8}
+LAUNCH = {"block": 2048, "num_warps": 4}
 
 
 def kernel_runs_on(device: torch.device) -> bool:

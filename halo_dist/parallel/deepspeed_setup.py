@@ -195,6 +195,7 @@ def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGr
     out = deepspeed.initialize(model=model, config=ds_config, mpu=groups, **kwargs)
     install_safe_loading(out[0])  # checkpoints are read with weights_only=True (safe_load.py)
     keep_fp32_clip_norm(out[0])
+    norm_is_the_overflow_check(out[1])
     return out
 
 
@@ -212,3 +213,48 @@ def keep_fp32_clip_norm(engine) -> None:
                                                    mpu=engine.mpu)
 
     engine.clip_fp32_gradients = clip_and_keep
+
+
+def norm_is_the_overflow_check(optimizer) -> None:
+    """ZeRO 1-2 in bf16 (DeepSpeed 0.19.8): check the gradients for inf/NaN once, through the
+    gradient norm, as DeepSpeed already does in fp32 and fp16.
+
+    By default DeepSpeed's bf16 step makes two passes over every gradient tensor: an overflow check
+    (amax, amin, two isfinite and two logical ops per tensor, then a host read), then the norm
+    (each tensor cast to fp64, then its norm). Any inf or NaN element makes the norm inf or NaN,
+    which the step already turns into the same skipped update, so the first pass adds nothing but
+    kernel launches: on the 2B stage-2 step, ~2,000 launches and ~40 ms per step of an idle GPU
+    waiting on the host (BENCHMARKS.md). Here the overflow check is left out and the norm is one
+    foreach norm of every gradient, accumulated in fp32 (torch's ``clip_grad_norm_`` does the
+    same), then DeepSpeed's own reduction over the data-parallel group and its inf/NaN sentinel.
+
+    Left as DeepSpeed has it: ZeRO-3, optimizer offload, tensor parallelism (its norm counts only
+    some parameters on some ranks), steps without a gradient norm, and any run with
+    ``HALO_DS_NORM_OVERFLOW_CHECK=0`` in its environment."""
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.dtype == torch.bfloat16
+            and optimizer.check_grad_overflow and optimizer.compute_grad_norm
+            and not optimizer.cpu_offload and optimizer.model_parallel_world_size == 1
+            and os.environ.get("HALO_DS_NORM_OVERFLOW_CHECK", "1") != "0"):
+        return
+
+    def grad_norm(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:
+            return DeepSpeedZeroOptimizer.get_grad_norm_direct(optimizer, gradients, params,
+                                                              norm_type)
+        grads = [g.detach() for g in gradients if not getattr(g, "_zero_padding", False)]
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # per tensor, fp32
+            total = torch.stack(norms).square().sum()
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=optimizer.device)
+        # this rank's partition -> the whole model's sum of squares
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        total = total.sqrt()
+        mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)  # inf/NaN -> -1: skip
+        return total
+
+    optimizer.check_overflow = lambda partition_gradients=True: None
+    optimizer.get_grad_norm_direct = grad_norm
