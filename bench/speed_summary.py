@@ -28,8 +28,8 @@ SOURCES = {
     "teacher_decode": RESULTS / "decode_profile_teacher_512k_p27a.json",
     "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p27a.json",
     # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
-    "stage2": RESULTS / "stages_p22b.json",
-    "stage3": RESULTS / "stages_p21a.json",
+    "stage2": RESULTS / "stages_p29c.json",
+    "stage3": RESULTS / "stages_p29c_s3.json",
     # OPD: compiled continuous rollouts with the one-pass sampler, compiled layers and loss, equal
     # micro-batches (no compilation in the timed step): 256 rollouts (P27b) and 512 (P26c);
     # horizon 8K (P24d) and 32K, 16 rollouts (P25b), before the sampler

@@ -213,8 +213,9 @@ def _pick_backend(backend: str, device: torch.device, n_rows: int, beta: float =
         # torch.
         # Liger ran 189 ms / 2.6 GiB vs torch's 178 ms / 2.0 GiB at 16K tokens: never picked by
         # auto. The triton kernel reads a chunk's logits twice where the compiled code reads them
-        # about four times (same quantities, same error against float64): it takes the forward
-        # and reverse KL; the JSD stays compiled.
+        # about four times (same quantities, same error against float64): 2.78 vs 4.34 ms per
+        # 4,096-token chunk (forward KL; reverse 2.81 vs 5.52). It takes the forward and reverse KL;
+        # the JSD stays compiled.
         if device.type != "cuda":
             return "torch"
         return "triton" if triton_applies(device, beta, dtype) else "compiled"
