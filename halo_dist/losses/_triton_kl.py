@@ -15,7 +15,7 @@ Each program owns one row of the chunk's fp32 ``[c, V]`` student and teacher log
 Two reads of 8 bytes per (row, token) and one 2-byte write: the floor for a divergence whose
 gradient needs both normalisers. On an H200, one 4,096 x 151,936 chunk: 2.78 ms forward KL
 (4.0 TB/s), 2.81 ms reverse, against 4.34 and 5.52 ms for torch.compile's code of the same math
-(the ``compiled`` backend, about four passes over the logits); stage 2 of the 2B model +0.9%
+(the ``compiled`` backend, about four passes over the logits); stage 2 of the 2B model +0.8%
 (BENCHMARKS.md). The generalized JSD (0 < beta < 1) is not written here: ``kl.py`` keeps it on the
 compiled backend. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors (the CPU tests).
 """
