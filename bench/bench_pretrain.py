@@ -77,8 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--runs", nargs="+", default=["eager"], metavar="MODE[:MICRO]",
                    help="settings to time per variant, in one process: eager "
                         "(model.compile=none, loss.backend=auto), compiled (model.compile=layer, "
-                        "loss.backend=compiled); :MICRO overrides --micro "
-                        "(e.g. --runs eager:4 compiled:4 compiled:8)")
+                        "loss.backend=compiled), shipped (model.compile=layer, loss.backend=auto: "
+                        "the sweep configs' settings); :MICRO overrides --micro "
+                        "(e.g. --runs eager:4 compiled:4 compiled:8 shipped:8)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--doc-len", type=int, default=1024,
                    help="packed document length (positions restart)")
@@ -105,7 +106,8 @@ def parse_args(argv=None):
 
 
 MODES = {"eager": ["model.compile=none", "loss.backend=auto"],
-         "compiled": ["model.compile=layer", "loss.backend=compiled"]}
+         "compiled": ["model.compile=layer", "loss.backend=compiled"],
+         "shipped": ["model.compile=layer", "loss.backend=auto"]}
 
 
 def parse_run(text: str, default_micro: int) -> tuple[str, int]:

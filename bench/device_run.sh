@@ -53,6 +53,7 @@
 #   P29b: the whole OPD step at h2048, 256 rollouts, with the triton loss (P27b's command)
 #   P29c: stage 2 with the triton loss and DeepSpeed's bf16 overflow check through the norm alone + the naive
 #      baseline + a profile; then without the DeepSpeed change; then stage 3 (carry .whl .bench_data)
+#   P29d: from-scratch 500M pretraining, compiled loss vs the shipped one (the triton CE kernel), micro 8 (carry .whl)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -600,6 +601,12 @@ P29c)
   timeout $((585 - SECONDS)) python3 bench/bench_stages.py --data .bench_data/long --no-naive --stages 3 \
     --steps 1 1 3 --tag p29c_s3 --timeout $((570 - SECONDS)) > "$OUT/stages_p29c_s3.log" 2>&1
   echo "stage 3 rc=$?"
+  ;;
+P29d)
+  # issue 20 item 3: the sweeps' 500M models with the loss's CE chunks through the triton kernel (loss.backend auto,
+  # what configs/sweeps ship) against the compiled loss, compiled layers, micro 8, same process per variant
+  timeout 560 python3 bench/bench_pretrain.py --steps 30 --no-checkpointing --runs compiled:8 shipped:8 \
+    --out bench/results/pretrain_p29d.json > "$OUT/pretrain_p29d.log" 2>&1; echo "pretrain rc=$?"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
