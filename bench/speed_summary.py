@@ -38,7 +38,7 @@ SOURCES = {
     "opd_512": RESULTS / "opd_p26c_512.json",
     "opd_32k": RESULTS / "opd_p25b_h32k.json",
     "inference": RESULTS / "inference.json",
-    "pretrain": RESULTS / "pretrain_p21b.json",
+    "pretrain": RESULTS / "pretrain_p29d.json",
 }
 
 
