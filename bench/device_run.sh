@@ -54,6 +54,7 @@
 #   P29c: stage 2 with the triton loss and DeepSpeed's bf16 overflow check through the norm alone + the naive
 #      baseline + a profile; then without the DeepSpeed change; then stage 3 (carry .whl .bench_data)
 #   P29d: from-scratch 500M pretraining, compiled loss vs the shipped one (the triton CE kernel), micro 8 (carry .whl)
+#   P29e: the loss kernel split into pass functions (the 60-line limit): its CUDA tests and one chunk's timing
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -607,6 +608,14 @@ P29d)
   # what configs/sweeps ship) against the compiled loss, compiled layers, micro 8, same process per variant
   timeout 560 python3 bench/bench_pretrain.py --steps 30 --no-checkpointing --runs compiled:8 shipped:8 \
     --out bench/results/pretrain_p29d.json > "$OUT/pretrain_p29d.log" 2>&1; echo "pretrain rc=$?"
+  ;;
+P29e)
+  # the same kernel as P29a's, its two passes now jit functions of their own: CUDA tests, then the chunk timing
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_losses.py -k triton \
+    > "$OUT/p29e_loss_tests.log" 2>&1; echo "loss tests rc=$?"; tail -1 "$OUT/p29e_loss_tests.log"
+  timeout 80 python3 bench/bench_kl.py --chunk-kernels --chunk-size 4096 --direction forward \
+    --out bench/results/kl_chunk_kernels_forward_p29e.json > "$OUT/p29e_chunk_kernels.log" 2>&1
+  echo "chunk kernels rc=$?"; cat "$OUT/p29e_chunk_kernels.log" | tail -10
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -2,7 +2,7 @@
 it, and two AdamW steps (with active gradient clipping) of a toy Ulysses attention block under
 ZeRO-3 with sp=1 (dp=2) and sp=2 (dp=1), and ZeRO-2 with sp=2, equal a single-process run on the
 full batch and sequence -- losses, gradient norms and weights (one launch for all layouts). bf16
-ZeRO-1 built by ``initialize_engine`` checks overflow through the gradient norm alone and still
+ZeRO-1/2 built by ``initialize_engine`` checks overflow through the gradient norm alone and still
 matches DeepSpeed's own engine step for step."""
 
 from __future__ import annotations
@@ -198,10 +198,11 @@ def test_zero3_sp_refuses_reduce_scatter_false():
         sp_loss_factor(config, ProcessGroups(ParallelLayout(2, 2), 0, None, None, None, None))
 
 
-def _bf16_zero1_run(streamlined: bool, groups: ProcessGroups, calls: list) -> dict:
-    """Two finite steps, a step whose loss is NaN (dropped by the trainers' poisoning), and a step
-    with a finite loss but inf gradients, under bf16 ZeRO-1 on 2 ranks; ``streamlined``: built by
-    ``initialize_engine`` (the norm is the overflow check), else by DeepSpeed alone."""
+def _bf16_zero_run(stage: int, streamlined: bool, groups: ProcessGroups, calls: list) -> dict:
+    """Two finite steps, a step whose loss is NaN (dropped by the trainers' poisoning), a step with
+    a finite loss but inf gradients, and a finite step, under bf16 ZeRO ``stage`` on 2 ranks;
+    ``streamlined``: built by ``initialize_engine`` (the norm is the overflow check), else by
+    DeepSpeed alone."""
     import deepspeed
 
     from halo_dist.parallel.deepspeed_setup import initialize_engine
@@ -209,7 +210,7 @@ def _bf16_zero1_run(streamlined: bool, groups: ProcessGroups, calls: list) -> di
 
     torch.manual_seed(0)
     model = ToyAttentionBlock(SequenceParallel(groups.sp_group)).to(torch.bfloat16)
-    config = {**_ds_config(dp=2, stage=1), "bf16": {"enabled": True}}
+    config = {**_ds_config(dp=2, stage=stage), "bf16": {"enabled": True}}
     engine = (initialize_engine(model, config, groups)[0] if streamlined else
               deepspeed.initialize(model=model, config=config, mpu=groups)[0])
     calls.clear()
@@ -226,9 +227,9 @@ def _bf16_zero1_run(streamlined: bool, groups: ProcessGroups, calls: list) -> di
     return {"norms": norms, "applied": applied, "weights": weights, "overflow_passes": len(calls)}
 
 
-def _bf16_zero1_both() -> dict:
-    """The streamlined engine and DeepSpeed's own, counting DeepSpeed's per-tensor overflow
-    passes."""
+def _bf16_zero_both() -> dict:
+    """The streamlined engine and DeepSpeed's own under ZeRO-1 and ZeRO-2, counting DeepSpeed's
+    per-tensor overflow passes."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from halo_dist.parallel.deepspeed_setup import init_distributed
@@ -243,23 +244,24 @@ def _bf16_zero1_both() -> dict:
         return original(self)
 
     DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial = counted
-    return {streamlined: _bf16_zero1_run(streamlined, groups, calls)
-            for streamlined in (True, False)}
+    return {(stage, streamlined): _bf16_zero_run(stage, streamlined, groups, calls)
+            for stage in (1, 2) for streamlined in (True, False)}
 
 
 @pytest.mark.slow
-def test_bf16_zero1_checks_overflow_through_the_norm_alone():
-    """bf16 ZeRO-1 built by ``initialize_engine`` skips DeepSpeed's per-tensor overflow pass (one
-    per step on DeepSpeed's own engine) and still drops exactly the steps DeepSpeed drops: a NaN
-    loss and inf gradients; its fp32 foreach norm equals DeepSpeed's fp64 one and the weights
-    after every step match."""
-    for res in run_distributed(_bf16_zero1_both, world_size=2, timeout=150, collective_timeout=60,
+def test_bf16_zero_checks_overflow_through_the_norm_alone():
+    """bf16 ZeRO-1 and ZeRO-2 built by ``initialize_engine`` skip DeepSpeed's per-tensor overflow
+    pass (one per step on DeepSpeed's own engine) and still drop exactly the steps DeepSpeed drops:
+    a NaN loss and inf gradients; their fp32 foreach norm equals DeepSpeed's fp64 one and the
+    weights after every step match."""
+    for res in run_distributed(_bf16_zero_both, world_size=2, timeout=150, collective_timeout=60,
                                env={"DS_ACCELERATOR": "cpu"}):
-        ours, theirs = res[True], res[False]
-        assert theirs["overflow_passes"] == 5 and ours["overflow_passes"] == 0
-        assert ours["applied"] == theirs["applied"] == [True, True, False, False, True]
-        finite = [0, 1, 4]
-        assert [ours["norms"][i] for i in finite] == pytest.approx(
-            [theirs["norms"][i] for i in finite], rel=1e-5)
-        assert ours["norms"][0] > CLIP  # clipping active: the norm's value matters
-        torch.testing.assert_close(ours["weights"], theirs["weights"], rtol=0, atol=0)
+        for stage in (1, 2):
+            ours, theirs = res[(stage, True)], res[(stage, False)]
+            assert theirs["overflow_passes"] == 5 and ours["overflow_passes"] == 0, stage
+            assert ours["applied"] == theirs["applied"] == [True, True, False, False, True]
+            finite = [0, 1, 4]
+            assert [ours["norms"][i] for i in finite] == pytest.approx(
+                [theirs["norms"][i] for i in finite], rel=1e-5)
+            assert ours["norms"][0] > CLIP  # clipping active: the norm's value matters
+            torch.testing.assert_close(ours["weights"], theirs["weights"], rtol=0, atol=0)

@@ -56,23 +56,18 @@ if HAS_TRITON:
         return m_new, s * rescale + tl.sum(e, 0), rescale, e
 
     @triton.jit
-    def _kl_ce_rows_kernel(Z, T, Labels, KlFactor, CeFactor, Kl, Ce, Grad,
-                           stride_z, stride_t, stride_g, V, inv_t, ignore_index,
-                           HAS_KL: tl.constexpr, HAS_CE: tl.constexpr, REVERSE: tl.constexpr,
-                           CE_OWN_LSE: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        z_row = Z + row * stride_z
-        t_row = T + row * stride_t
-        g_row = Grad + row * stride_g
+    def _row_stats(z_row, t_row, V, inv_t, HAS_KL: tl.constexpr, REVERSE: tl.constexpr,
+                   CE_OWN_LSE: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 1 over one row: ``(lse(a), lse(b), KL, lse(z))`` with ``a = z / T``, ``b = t / T``
+        (``lse(b)`` and KL 0 without a teacher; ``lse(z)`` is ``lse(a)`` unless CE_OWN_LSE)."""
         neg_inf = float("-inf")
-        m_a = tl.full((), neg_inf, tl.float32)  # student a = z / T: max, sum
+        m_a = tl.full((), neg_inf, tl.float32)  # student: running max and sum
         s_a = tl.zeros((), tl.float32)
-        m_b = tl.full((), neg_inf, tl.float32)  # teacher b = t / T: max, sum
+        m_b = tl.full((), neg_inf, tl.float32)  # teacher: running max and sum
         s_b = tl.zeros((), tl.float32)
         w = tl.zeros((), tl.float32)  # sum e^(b - m_b) (b - a) forward, e^(a - m_a) (a - b) reverse
-        m_c = tl.full((), neg_inf, tl.float32)  # raw z for the CE when T != 1: max, sum
+        m_c = tl.full((), neg_inf, tl.float32)  # raw z (the CE when T != 1): max and sum
         s_c = tl.zeros((), tl.float32)
-        # pass 1: both log-sum-exps and the divergence's weighted sum
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             ok = offs < V
@@ -90,31 +85,25 @@ if HAS_TRITON:
             if CE_OWN_LSE:
                 m_c, s_c, _, _ = _online(m_c, s_c, tl.where(ok, z, neg_inf))
         lse_a = m_a + tl.log(s_a)
-        kl = 0.0
         lse_b = 0.0
+        kl = 0.0
         if HAS_KL:
             lse_b = m_b + tl.log(s_b)
             if REVERSE:
                 kl = w / s_a + lse_b - lse_a
             else:
                 kl = w / s_b + lse_a - lse_b
-            tl.store(Kl + row, kl)
         lse_c = lse_a
         if CE_OWN_LSE:
             lse_c = m_c + tl.log(s_c)
-        ce_scale = 0.0
-        label = 0
-        if HAS_CE:
-            label = tl.load(Labels + row)
-            valid = label != ignore_index
-            label = tl.where(valid, label, 0)
-            z_label = tl.load(z_row + label).to(tl.float32)
-            tl.store(Ce + row, tl.where(valid, lse_c - z_label, 0.0))
-            ce_scale = tl.where(valid, tl.load(CeFactor), 0.0)
-        kl_scale = 0.0
-        if HAS_KL:
-            kl_scale = tl.load(KlFactor)
-        # pass 2: the weighted gradient w.r.t. the raw student logits, written once
+        return lse_a, lse_b, kl, lse_c
+
+    @triton.jit
+    def _write_grad(z_row, t_row, g_row, V, inv_t, lse_a, lse_b, kl, lse_c, kl_scale, ce_scale,
+                    label, HAS_KL: tl.constexpr, HAS_CE: tl.constexpr, REVERSE: tl.constexpr,
+                    CE_OWN_LSE: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 2 over one row: the weighted gradient w.r.t. the raw student logits, written
+        once."""
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             ok = offs < V
@@ -133,7 +122,34 @@ if HAS_TRITON:
                 if CE_OWN_LSE:
                     soft = tl.exp(z - lse_c)
                 grad += ce_scale * (soft - tl.where(offs == label, 1.0, 0.0))
-            tl.store(g_row + offs, grad.to(Grad.dtype.element_ty), mask=ok)
+            tl.store(g_row + offs, grad.to(g_row.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _kl_ce_rows_kernel(Z, T, Labels, KlFactor, CeFactor, Kl, Ce, Grad,
+                           stride_z, stride_t, stride_g, V, inv_t, ignore_index,
+                           HAS_KL: tl.constexpr, HAS_CE: tl.constexpr, REVERSE: tl.constexpr,
+                           CE_OWN_LSE: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per row of the chunk: its KL and CE, then its gradient."""
+        row = tl.program_id(0).to(tl.int64)
+        z_row = Z + row * stride_z
+        t_row = T + row * stride_t
+        lse_a, lse_b, kl, lse_c = _row_stats(z_row, t_row, V, inv_t, HAS_KL, REVERSE, CE_OWN_LSE,
+                                             BLOCK)
+        kl_scale = 0.0
+        if HAS_KL:
+            tl.store(Kl + row, kl)
+            kl_scale = tl.load(KlFactor)
+        ce_scale = 0.0
+        label = 0
+        if HAS_CE:
+            label = tl.load(Labels + row)
+            valid = label != ignore_index
+            label = tl.where(valid, label, 0)
+            z_label = tl.load(z_row + label).to(tl.float32)
+            tl.store(Ce + row, tl.where(valid, lse_c - z_label, 0.0))
+            ce_scale = tl.where(valid, tl.load(CeFactor), 0.0)
+        _write_grad(z_row, t_row, Grad + row * stride_g, V, inv_t, lse_a, lse_b, kl, lse_c,
+                    kl_scale, ce_scale, label, HAS_KL, HAS_CE, REVERSE, CE_OWN_LSE, BLOCK)
 
 
 def chunk_grad_triton(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Tensor | None,
@@ -169,7 +185,7 @@ def chunk_grad_triton(z: torch.Tensor, tz: torch.Tensor | None, labels: torch.Te
     kl_factor = kl_factor.to(device=z.device, dtype=torch.float32)
     ce_factor = ce_factor.to(device=z.device, dtype=torch.float32)
     _kl_ce_rows_kernel[(c,)](
-        z, t, labels if has_ce else kl, kl_factor, ce_factor, kl, ce, grad,
+        z, t, labels.contiguous() if has_ce else kl, kl_factor, ce_factor, kl, ce, grad,
         z.stride(0), t.stride(0), grad.stride(0), vocab, inv_t if has_kl else 1.0, ignore_index,
         HAS_KL=has_kl, HAS_CE=has_ce, REVERSE=beta == 1.0,
         CE_OWN_LSE=has_ce and has_kl and inv_t != 1.0,
