@@ -217,7 +217,7 @@ def keep_fp32_clip_norm(engine) -> None:
 
 def norm_is_the_overflow_check(optimizer) -> None:
     """ZeRO 1-2 in bf16 (DeepSpeed 0.19.8): check the gradients for inf/NaN once, through the
-    gradient norm, as DeepSpeed already does in fp32 and fp16.
+    gradient norm, as DeepSpeed already does in fp32.
 
     By default DeepSpeed's bf16 step makes two passes over every gradient tensor: an overflow check
     (amax, amin, two isfinite and two logical ops per tensor, then a host read), then the norm
