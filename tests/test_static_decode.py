@@ -4,11 +4,6 @@ Triton kernel and the graph replay are compared with the same references (the CU
 device)."""
 
 import copy
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,15 +12,9 @@ from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCaus
 from halo_dist.models.hypenet.decode_attention import decode_attention_torch, split_plan
 from halo_dist.models.hypenet.ops_attention import sdpa
 from halo_dist.models.hypenet.static_decode import StaticDecoder
+from triton_interp import HAS_TRITON, run_interpreted
 
 CUDA = torch.cuda.is_available()
-REPO = Path(__file__).resolve().parents[1]
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover
-    HAS_TRITON = False
 
 
 def tiny(mixers, **kw) -> HypeNetForCausalLM:
@@ -246,26 +235,11 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
     """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 runs it with numpy (fp32; the interpreter
     has no bf16). Several splits per row, empty splits, GQA groups, per-row left padding, 1..all
     valid keys."""
-    script = textwrap.dedent("""
-        import sys
+    script = """
         import torch
-        import triton
-        import triton.language as tl
         from halo_dist.models.hypenet.decode_attention import (decode_attention_torch,
                                                                decode_attention_triton)
 
-        @triton.jit
-        def _loop_over_program_id(Out):  # the interpreter itself: a loop bounded by a runtime value
-            acc = 0
-            for _ in range(tl.program_id(0), 4):
-                acc += 1
-            tl.store(Out + tl.program_id(0), acc)
-
-        try:
-            _loop_over_program_id[(2,)](torch.zeros(2, dtype=torch.int32))
-        except Exception as err:  # triton <= 3.6 under numpy >= 2.4: int() of a 1-element array
-            print("interpreter-broken", triton.__version__, repr(err)[:200])
-            sys.exit(0)
         torch.manual_seed(0)
         worst = 0.0
         for H, Hkv in ((8, 2), (4, 4), (8, 1)):
@@ -298,17 +272,11 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
                 got = decode_attention_triton(q, k, v, L, 0.17, S, **launch)
                 worst = max(worst, float((got - want).norm() / want.norm()))
         print("worst", worst)
-    """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    # not our kernel: the CUDA test covers it on such installs
-    if "interpreter-broken" in out.stdout:
-        pytest.skip("this triton's interpreter cannot run runtime-bounded loops: "
-                    f"{out.stdout.strip()}")
-    worst = float(out.stdout.split("worst")[-1])
-    assert worst < 1e-5, out.stdout
+    """
+    # a broken interpreter (not our kernel) skips: the CUDA test covers it on such installs
+    out = run_interpreted(script, timeout=300)
+    worst = float(out.split("worst")[-1])
+    assert worst < 1e-5, out
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -317,7 +285,7 @@ def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference(
     state equal the torch reference for strided q/k/v (views of one packed projection), a value dim
     that is not a multiple of the block, and three consecutive steps on the same buffer under three
     launch settings."""
-    script = textwrap.dedent("""
+    script = """
         import torch
         from halo_dist.models.hypenet.decode_lightning import (lightning_decode_torch,
                                                                lightning_decode_triton)
@@ -341,13 +309,10 @@ def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference(
                 worst = max(worst, float((got - want).norm() / want.norm()),
                             float((s_got - s_want).norm() / s_want.norm()))
         print("worst", worst)
-    """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    worst = float(out.stdout.split("worst")[-1])
-    assert worst < 1e-5, out.stdout
+    """
+    out = run_interpreted(script, timeout=300, probe=False)
+    worst = float(out.split("worst")[-1])
+    assert worst < 1e-5, out
 
 
 def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
@@ -357,7 +322,7 @@ def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
     truncates where the GPU rounds to nearest: a 1-ulp difference in half the elements; the CUDA
     test checks rounding), the outputs agree to fp32 precision after the first step, and both stay
     within bf16 precision of the fp32-state update."""
-    script = textwrap.dedent("""
+    script = """
         import torch
         from halo_dist.models.hypenet.decode_lightning import (lightning_decode_torch,
                                                                lightning_decode_triton)
@@ -382,14 +347,11 @@ def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
                         float((want - ref).norm() / ref.norm()))
         assert s_got.dtype == torch.bfloat16
         print("result", apart, first_out, drift)
-    """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    apart, first_out, drift = (float(x) for x in out.stdout.split("result")[-1].split())
-    assert apart < 1e-2 and first_out < 1e-6, out.stdout  # bf16's unit roundoff is 3.9e-3
-    assert 1e-4 < drift < 1e-2, out.stdout  # bf16 rounding, not nothing and not more
+    """
+    out = run_interpreted(script, timeout=300, probe=False)
+    apart, first_out, drift = (float(x) for x in out.split("result")[-1].split())
+    assert apart < 1e-2 and first_out < 1e-6, out  # bf16's unit roundoff is 3.9e-3
+    assert 1e-4 < drift < 1e-2, out  # bf16 rounding, not nothing and not more
 
 
 def test_static_decode_with_a_bf16_state_tracks_the_fp32_state():
