@@ -55,6 +55,8 @@
 #      baseline + a profile; then without the DeepSpeed change; then stage 3 (carry .whl .bench_data)
 #   P29d: from-scratch 500M pretraining, compiled loss vs the shipped one (the triton CE kernel), micro 8 (carry .whl)
 #   P29e: the loss kernel split into pass functions (the 60-line limit): its CUDA tests and one chunk's timing
+#   P30a: the fused Lightning decode step: CUDA tests, its warps, HypeNet 512K fused vs unfused, the teacher
+#      shape at 512K | P30b: the whole OPD step at h2048, 256 rollouts, with it (P27b's command)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -616,6 +618,37 @@ P29e)
   timeout 80 python3 bench/bench_kl.py --chunk-kernels --chunk-size 4096 --direction forward \
     --out bench/results/kl_chunk_kernels_forward_p29e.json > "$OUT/p29e_chunk_kernels.log" 2>&1
   echo "chunk kernels rc=$?"; cat "$OUT/p29e_chunk_kernels.log" | tail -10
+  ;;
+P30a)
+  # issue 20 item 1: the fused Lightning decode step (QK-norm, RoPE, in-place update, output norm and
+  # gate in one kernel between the layer's two GEMMs). CUDA tests (fused vs unfused decoders), the
+  # kernel's warps at 1 and 256 rows, then HypeNet-2B at 512K (prefilled; fused = compiled, vs
+  # compiled-unfused, same process) and the teacher shape at 512K for the ratio
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k on_cuda \
+    > "$OUT/p30a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -1 "$OUT/p30a_cuda_tests.log"
+  timeout 90 python3 bench/tune_decode_kernels.py --fused \
+    --out bench/results/decode_kernel_tuning_fused_p30a.json > "$OUT/p30a_fused_tuning.log" 2>&1
+  echo "fused tuning rc=$?"; tail -20 "$OUT/p30a_fused_tuning.log"
+  timeout 230 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled compiled-unfused \
+    --out bench/results/decode_profile_hypenet_512k_p30a.json > "$OUT/p30a_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p30a_hypenet_512k.log" | head -6
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
+    --contexts 524288 --variants compiled \
+    --out bench/results/decode_profile_teacher_512k_p30a.json > "$OUT/p30a_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30a_teacher_512k.log" | head -4
+  ;;
+P30b)
+  # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's
+  # command), then the rollouts alone with the fusion off (HALO_DECODE_LIGHTNING=unfused), same machine
+  timeout 300 python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous --compile-rollouts \
+    --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p30b.json \
+    > "$OUT/p30b_opd.log" 2>&1; echo "opd rc=$?"; tail -8 "$OUT/p30b_opd.log"
+  HALO_DECODE_LIGHTNING=unfused timeout $((590 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 \
+    --rollouts 256 --continuous --compile-rollouts --skip-train --timed-steps 1 \
+    --out bench/results/opd_p30b_unfused.json > "$OUT/p30b_opd_unfused.log" 2>&1
+  echo "opd unfused rc=$?"; tail -6 "$OUT/p30b_opd_unfused.log"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

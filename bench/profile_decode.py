@@ -72,6 +72,9 @@ VARIANTS = {
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
     "compiled": dict(compile=True),
+    # Lightning's norms, RoPE and gate as Inductor's kernels around the in-place update (the fused
+    # layer step is the default)
+    "compiled-unfused": dict(compile=True, fuse_lightning=False),
     # Inductor's own batch-1 matmuls fused with the norms (P28s: fewer kernels, the same step time)
     "compiled-autotune": dict(compile="max-autotune-no-cudagraphs"),
     "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),

@@ -149,6 +149,43 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
     return sweep(grid, default, measure, 2 * state0.numel() * state0.element_size())
 
 
+def fused_case(batch: int, grid: list[dict], dev: str = "cuda",
+               dtype=torch.bfloat16) -> list[dict]:
+    """The fused Lightning layer step (QK-norm, RoPE, update, output norm, gate: ``LayerEnds``),
+    fp32 state, over ``fused_warps``; the first row is the plain update with the shipped settings,
+    for its time (its ``rel_err`` is against nothing: the fused step computes more)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, z = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
+                  for _ in range(4))
+    log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
+    state0 = torch.randn(batch, H, D, D, device=dev, generator=g)
+    angles = torch.rand(batch, 1, 1, D, device=dev, generator=g) * 6.28
+    ends = decode_lightning.LayerEnds(
+        q_norm=torch.rand(D, device=dev, dtype=dtype) + 0.5,
+        k_norm=torch.rand(D, device=dev, dtype=dtype) + 0.5,
+        rope=(angles.cos().to(dtype), angles.sin().to(dtype)),
+        o_norm=torch.rand(H * D, device=dev, dtype=dtype) + 0.5,
+        gate=z.view(batch, 1, H * D), gate_scale=2.0)
+    shipped = decode_lightning.LAUNCH[torch.float32]
+    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state0.clone(), ends).float()
+    nbytes = 2 * state0.numel() * state0.element_size()
+    rows = []
+    for cfg in [None] + grid:
+        state = state0.clone()
+        if cfg is None:
+            def fn():
+                return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state)
+            label, err = f"plain update ({shipped})", None
+        else:
+            def fn(cfg=cfg):
+                return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, ends, **cfg)
+            label, err = f"fused {cfg}", rel_err(fn().float(), ref)
+        ms = time_graph(fn)
+        rows.append({"kernel": label, **(cfg or {}), "us": ms * 1e3, "TB/s": nbytes / ms / 1e9,
+                     "rel_err": err})
+    return rows
+
+
 def time_loop(fn, calls: int = 20, reps: int = 5) -> float:
     """Milliseconds per call of ``calls`` back-to-back calls between two CUDA events (median of
     ``reps``): for work with its own random draws, which a graph would capture once."""
@@ -222,6 +259,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--fused", action="store_true",
+                   help="only the fused Lightning layer step, at 1 row and at the rollout batch, "
+                        "over fused_warps (best: the fastest at the rollout batch)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes in Triton's interpreter (set TRITON_INTERPRET=1): checks the "
                         "script, times nothing real")
@@ -240,6 +280,8 @@ def main(argv=None) -> int:
     long_ctx = 300 if smoke else 524_288
     vocab = 1000 if smoke else 151_936
     cases, best = {}, {}
+    if args.fused:
+        return fused_main(args, b, dev, dt)
     for name, key, fn in (
         (f"attention b1 ctx {long_ctx}", "attention/split",
          lambda: attention_case(1, long_ctx, long_ctx + 256, attn_grid, dev, dt)),
@@ -263,6 +305,25 @@ def main(argv=None) -> int:
     out = "/tmp/halo_dist_tune_smoke.json" if smoke and args.out is None else args.out
     path = write_result("decode_kernel_tuning", {"cases": cases, "best": best,
                                                  "args": vars(args)}, out)
+    print(f"wrote {path}")
+    return 0
+
+
+def fused_main(args, batch: int, dev: str, dtype) -> int:
+    grid = [{"fused_warps": w} for w in (4, 8, 16)]
+    cases = {f"fused lightning b{b}": fused_case(b, grid, dev, dtype) for b in (1, batch)}
+    for name, rows in cases.items():
+        print_table(rows, name)
+    at_batch = [r for r in cases[f"fused lightning b{batch}"] if "fused_warps" in r]
+    shipped = next(r for r in at_batch
+                   if r["fused_warps"] == decode_lightning.LAUNCH[torch.float32]["fused_warps"])
+    top = min(at_batch, key=lambda r: r["us"])
+    top = top if shipped["us"] / top["us"] >= 1.02 else shipped
+    best = {"lightning/float32": {"fused_warps": top["fused_warps"]}}
+    print(f"best: {best}")
+    out = "/tmp/halo_dist_tune_smoke.json" if args.cpu_smoke and args.out is None else args.out
+    path = write_result("decode_kernel_tuning_fused", {"cases": cases, "best": best,
+                                                       "args": vars(args)}, out)
     print(f"wrote {path}")
     return 0
 

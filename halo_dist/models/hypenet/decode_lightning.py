@@ -14,16 +14,25 @@ The state is fp32 unless the caller keeps it in bf16 (``StaticDecoder(state_dtyp
 is read and written in bf16 and updated in fp32 registers, half the bytes of a batched step, at the
 price of one bf16 rounding of the state per token.
 
-* ``lightning_decode_torch``: the reference (in place as well); CPU and tests.
+The same kernel can also do the rest of the layer's step between its two GEMMs (``LayerEnds``):
+the QK-norm and RoPE of q/k as they come out of the packed projection, and the per-head output
+RMSNorm and sigmoid gate after the update. At batch 1 each of those was a kernel of its own (six
+kernels per Lightning layer in a compiled step, ~13 µs and five launch gaps, against ~3 µs for the
+update itself); fused, a layer's step between its GEMMs is one kernel.
+
+* ``lightning_decode_torch``: the reference for the update (in place as well); CPU and tests. The
+  reference for the fused step is the mixer's own composition (``LightningMixer.decode_in_place``).
 * ``lightning_decode_triton``: the kernel (``TRITON_INTERPRET=1`` runs it on CPU fp32 tensors, which
   is how the CPU tests check it).
 
-``lightning_decode_`` dispatches (``HALO_DECODE_LIGHTNING=torch`` forces the reference on CUDA).
+``kernel_applies`` decides where the kernel runs (CUDA; ``HALO_DECODE_LIGHTNING=torch`` forces the
+reference); ``HALO_DECODE_LIGHTNING=unfused`` keeps the fusion off (``StaticDecoder``'s default).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -33,8 +42,9 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 # by the order of floating-point additions). Measured on an H200 by ``bench/tune_decode_kernels.py``
 # at 256 rows (one CUDA graph of back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the
 # earlier 32 columns x 4 warps, bf16 0.079 vs 0.131 ms; wider tiles keep more loads in flight.
-LAUNCH = {torch.float32: dict(block_v=64, num_warps=8),
-          torch.bfloat16: dict(block_v=128, num_warps=8)}
+# ``fused_warps``: the fused layer step (``LayerEnds``), whose program spans a head's V columns.
+LAUNCH = {torch.float32: dict(block_v=64, num_warps=8, fused_warps=8),
+          torch.bfloat16: dict(block_v=128, num_warps=8, fused_warps=8)}
 
 try:
     import triton
@@ -65,70 +75,175 @@ def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 if _HAS_TRITON:
 
     @triton.jit
+    def _qk_half_pair(X, W, C, Sn, lo, hi, eps, D: tl.constexpr, NORM: tl.constexpr,
+                      ROPE: tl.constexpr):
+        """One head's q or k ``[D]`` as two fp32 halves ``[D/2]``: RMS-normalised times W (NORM),
+        then rotated by the row's cos/sin (ROPE; rotate-half, whose tables repeat after D/2)."""
+        x1 = tl.load(X + lo).to(tl.float32)
+        x2 = tl.load(X + hi).to(tl.float32)
+        if NORM:
+            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+            x1 = x1 * r * tl.load(W + lo).to(tl.float32)
+            x2 = x2 * r * tl.load(W + hi).to(tl.float32)
+        if ROPE:
+            c = tl.load(C + lo).to(tl.float32)
+            s = tl.load(Sn + lo).to(tl.float32)
+            x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
+        return x1, x2
+
+    @triton.jit
+    def _state_rows(tile, k, v, q, decay, v_ok):
+        """Rows of one state tile ``[D/2, BLOCK_V]``: S <- decay S + kᵀv, in place; returns their
+        share of q S ``[BLOCK_V]`` (from the fp32 update, before any rounding of the store)."""
+        s = tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        s = decay * s + k[:, None] * v[None, :]
+        tl.store(tile, s.to(tile.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=v_ok[None, :])
+        return tl.sum(q[:, None] * s, axis=0)
+
+    @triton.jit
     def _lightning_decode_kernel(
-        Q, K, V, LogDecay, S, O,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-        stride_sb, stride_sh, stride_ob, stride_oh,
-        scale,
-        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+        Q, K, V, G, C, Sn, QW, KW, OW, LogDecay, S, O,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_cb,
+        stride_sb, stride_sh, stride_ob,
+        scale, eps_qk, eps_o, gate_scale,
+        H: tl.constexpr, KV_GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BLOCK_V: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
+        OUT_NORM: tl.constexpr, GATE: tl.constexpr,
     ):
-        """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state."""
+        """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state (all
+        of them when OUT_NORM: the norm spans the head). Head h reads k/v head h // KV_GROUP."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
         b = (pid_bh // H).to(tl.int64)
         h = pid_bh % H
-        offs_k = tl.arange(0, DK)
+        hk = h // KV_GROUP
+        lo = tl.arange(0, DK // 2)
+        hi = lo + DK // 2
+        q1, q2 = _qk_half_pair(Q + b * stride_qb + h * stride_qh, QW, C + b * stride_cb,
+                               Sn + b * stride_cb, lo, hi, eps_qk, DK, QK_NORM, ROPE)
+        k1, k2 = _qk_half_pair(K + b * stride_kb + hk * stride_kh, KW, C + b * stride_cb,
+                               Sn + b * stride_cb, lo, hi, eps_qk, DK, QK_NORM, ROPE)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < DV
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_k).to(tl.float32)  # [DK]
-        k = tl.load(K + b * stride_kb + h * stride_kh + offs_k).to(tl.float32)  # [DK]
         # [BLOCK_V]
-        v = tl.load(V + b * stride_vb + h * stride_vh + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        v = tl.load(V + b * stride_vb + hk * stride_vh + offs_v, mask=v_ok, other=0.0)
+        v = v.to(tl.float32)
         decay = tl.exp(tl.load(LogDecay + h).to(tl.float32))
-        # [DK, BLOCK_V]
-        tile = S + b * stride_sb + h * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        s = decay * s + k[:, None] * v[None, :]
-        tl.store(tile, s.to(S.dtype.element_ty, fp_downcast_rounding="rtne"), mask=v_ok[None, :])
-        o = tl.sum(q[:, None] * s, axis=0) * scale  # [BLOCK_V]
-        tl.store(O + b * stride_ob + h * stride_oh + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
+        # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V]
+        tile = S + b * stride_sb + h * stride_sh + offs_v[None, :]
+        o = _state_rows(tile + lo[:, None] * DV, k1, v, q1, decay, v_ok)
+        o += _state_rows(tile + hi[:, None] * DV, k2, v, q2, decay, v_ok)
+        o = o * scale  # [BLOCK_V]
+        if OUT_NORM:  # RMSNorm over the head's DV outputs, times its weight
+            o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps_o)
+            o = o * tl.load(OW + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        if GATE:  # gate_scale * sigmoid(x W_z)
+            z = tl.load(G + b * stride_gb + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+            o = o * gate_scale * tl.sigmoid(z)
+        tl.store(O + b * stride_ob + h * DV + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
 
 
-def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            log_decay: torch.Tensor, scale: float, state: torch.Tensor,
-                            **launch) -> torch.Tensor:
-    """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
-    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32). ``launch``
-    (``block_v``, ``num_warps``) overrides the state dtype's ``LAUNCH`` entry."""
+@dataclass(frozen=True)
+class LayerEnds:
+    """What the fused decode step applies around one Lightning layer's state update (None leaves
+    a part out): before it, the QK-norm (weights ``[K]``) and RoPE (``rope``: this step's cos/sin,
+    ``[B, 1, 1, K]`` rotate-half tables); after it, the per-head output RMSNorm (weight ``[H*V]``)
+    and the output gate ``gate_scale * sigmoid(gate)`` (``gate``: its logits ``[B, 1, H*V]``)."""
+
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 1e-6
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    o_norm: torch.Tensor | None = None
+    o_eps: float = 1e-6
+    gate: torch.Tensor | None = None
+    gate_scale: float = 1.0
+
+
+def _check_inputs(q, k, v, state, ends: LayerEnds | None) -> None:
     B, _, H, DK = q.shape
-    DV = v.shape[-1]
+    Hkv, DV = v.shape[2], v.shape[-1]
     if (state.dtype not in STATE_DTYPES or not state.is_contiguous()
             or tuple(state.shape) != (B, H, DK, DV)):
         raise ValueError(f"the state must be a contiguous fp32 or bf16 [{B}, {H}, {DK}, {DV}] "
                          f"tensor, got {state.dtype} {tuple(state.shape)}")
-    if DK & (DK - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if DK & (DK - 1) or DK < 2 or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
                          "key dim")
+    if k.shape[2] != Hkv or H % Hkv:
+        raise ValueError(f"k/v must have the same number of heads, dividing q's {H}; got "
+                         f"{k.shape[2]} and {Hkv}")
+    if ends is None:
+        return
+    if (ends.q_norm is None) != (ends.k_norm is None):
+        raise ValueError("LayerEnds: give both QK-norm weights or neither")
+    for t in (ends.gate, *(ends.rope or ())):
+        if t is not None and (t.stride(-1) != 1 or t.shape[0] != B):
+            raise ValueError(f"LayerEnds: gate / rope tables must be [{B}, ...] with unit-stride "
+                             f"last dims, got {tuple(t.shape)}")
+
+
+def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            log_decay: torch.Tensor, scale: float, state: torch.Tensor,
+                            ends: LayerEnds | None = None, **launch) -> torch.Tensor:
+    """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
+    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32); k/v may have fewer
+    heads than q (GQA: head h reads k/v head h // (H / Hkv)). ``ends`` adds the layer's QK-norm and
+    RoPE before the update and its output norm and gate after it, in the same kernel (then a program
+    spans a head's V columns, ``fused_warps`` warps). ``launch`` (``block_v``, ``num_warps``,
+    ``fused_warps``) overrides the state dtype's ``LAUNCH`` entry."""
+    _check_inputs(q, k, v, state, ends)
     if set(launch) - set(LAUNCH[state.dtype]):
         raise ValueError(f"unknown Lightning decode launch settings "
                          f"{sorted(set(launch) - set(LAUNCH[state.dtype]))}; "
                          f"known: {sorted(LAUNCH[state.dtype])}")
     cfg = {**LAUNCH[state.dtype], **launch}
-    block_v = cfg["block_v"]
+    B, _, H, DK = q.shape
+    Hkv, DV = v.shape[2], v.shape[-1]
+    e = ends or LayerEnds()
+    out_norm = e.o_norm is not None
+    block_v, warps = ((triton.next_power_of_2(DV), cfg["fused_warps"]) if out_norm
+                      else (cfg["block_v"], cfg["num_warps"]))
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
+    cos, sin = e.rope or (q, q)  # (q: any pointer where a part is left out)
+    gate = q if e.gate is None else e.gate
     _lightning_decode_kernel[(B * H, triton.cdiv(DV, block_v))](
-        q, k, v, log_decay, state, o,
+        q, k, v, gate, cos, sin, q if e.q_norm is None else e.q_norm,
+        q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
+        log_decay, state, o,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
-        state.stride(0), state.stride(1), o.stride(0), o.stride(2),
-        scale, H=H, DK=DK, DV=DV, BLOCK_V=block_v, num_warps=cfg["num_warps"],
+        gate.stride(0), cos.stride(0) if e.rope else 0,
+        state.stride(0), state.stride(1), o.stride(0),
+        scale, e.qk_eps, e.o_eps, e.gate_scale,
+        H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
+        ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None, num_warps=warps,
     )
     return o
 
 
+# HALO_DECODE_LIGHTNING: "triton" (the default: the kernel on CUDA, fused with the layer's norms,
+# RoPE and gate), "unfused" (the kernel for the update alone), "torch" (the reference)
+DECODE_MODES = ("triton", "unfused", "torch")
+
+
+def decode_mode() -> str:
+    mode = os.environ.get("HALO_DECODE_LIGHTNING", "triton")
+    if mode not in DECODE_MODES:
+        raise ValueError(f"HALO_DECODE_LIGHTNING={mode!r}: choose from {DECODE_MODES}")
+    return mode
+
+
+def kernel_applies(x: torch.Tensor) -> bool:
+    """Whether decoding on ``x``'s device runs the kernel: CUDA with Triton, unless
+    ``HALO_DECODE_LIGHTNING=torch``."""
+    return x.is_cuda and _HAS_TRITON and decode_mode() != "torch"
+
+
 def lightning_decode_(q, k, v, log_decay, scale, state):
     """The kernel on CUDA, the reference elsewhere (or with ``HALO_DECODE_LIGHTNING=torch``)."""
-    if q.is_cuda and _HAS_TRITON and os.environ.get("HALO_DECODE_LIGHTNING", "triton") != "torch":
+    if kernel_applies(q):
         return lightning_decode_triton(q, k, v, log_decay, scale, state)
     return lightning_decode_torch(q, k, v, log_decay, scale, state)

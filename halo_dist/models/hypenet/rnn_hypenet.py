@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_hypenet import HypeNetConfig
+from .decode_lightning import LayerEnds, kernel_applies, lightning_decode_triton
 from .layers_hypenet import (
     HypeNetRMSNorm,
     PackedLinears,
@@ -106,29 +107,24 @@ class LightningMixer(RNNMixerBase):
         """x ``[B, T, d]`` -> ``[B, T, d]``; ``cache`` (decoding) holds the state ``[B, H, K, V]``.
         Under sequence parallelism T is this rank's T/sp tokens and the recurrence runs over all T
         tokens of H/sp heads."""
+        in_place = getattr(cache, "lightning_in_place", False)
+        if in_place and x.shape[1] == 1 and info.token_mask is None:
+            # static decode: the state is updated in place in the cache's fixed buffer
+            return self.o_proj(self.decode_in_place(x, info, cache))
         # [B, T, H, D]
         q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
         q, k, v = self.sp_scatter(q, k, v)  # SP: [B, T/sp, H, D] -> [B, T, H/sp, D]
-        scale = self.head_dim**-0.5  # == dividing k by sqrt(d_h)
-        # log γ_h is a fixed function of H (not a parameter or buffer, so meta-device loading cannot
-        # leave it uninitialised); under SP the decays of this rank's heads
-        log_decay = self.sp_local_heads(
-            # [H(/sp)]
-            lightning_log_decay(self.num_heads, device=x.device, decay=self.config.lightning_decay))
+        # under SP the decays of this rank's heads
+        log_decay = self.sp_local_heads(self.log_decay(x.device))  # [H(/sp)]
         B, T = q.shape[:2]
-        if getattr(cache, "lightning_in_place", False) and T == 1 and info.token_mask is None:
-            # static decode: the state is updated in place in the cache's fixed buffer
-            # (decode_lightning.py)
-            o = cache.lightning_step(self.layer_idx, q, k, v, log_decay, scale)
-            return self.finish(o, x, g)
         state = None if cache is None else cache.layers[self.layer_idx]
         decode = state is not None and q.shape[1] <= 16
         # varlen kernels want the batch flattened: [B, T, h, D] -> [1, B*T, h, D]
         if info.cu_seqlens is not None:
             q, k, v = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v))
         o, final = lightning_attention(
-            q, k, v, log_decay, scale, token_mask=info.token_mask, initial_state=state,
+            q, k, v, log_decay, self.scale, token_mask=info.token_mask, initial_state=state,
             cu_seqlens=info.cu_seqlens, chunk_size=self.config.lightning_chunk_size, decode=decode,
         )
         # [1, B*T, h, D] -> [B, T, h, D] (no-op without cu_seqlens)
@@ -137,13 +133,63 @@ class LightningMixer(RNNMixerBase):
             cache.set_state(self.layer_idx, final)
         return self.finish(self.sp_gather(o), x, g)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
 
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5  # == dividing k by sqrt(d_h)
+
+    def log_decay(self, device) -> torch.Tensor:
+        """log γ_h ``[H]``: a fixed function of H, not a parameter or buffer, so meta-device loading
+        cannot leave it uninitialised."""
+        return lightning_log_decay(self.num_heads, device=device, decay=self.config.lightning_decay)
+
     def finish(self, o: torch.Tensor, x: torch.Tensor,
                gate_logits: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm (per head by default), gate, W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
+        return self.o_proj(self.gated_output(o, x, gate_logits))
+
+    def gated_output(self, o: torch.Tensor, x: torch.Tensor,
+                     gate_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``finish`` before W_o: o ``[B, T, H, D]`` -> ``[B, T, H*D]``."""
         o = rnn_output_rms_norm(o.to(x.dtype), self.o_norm.weight, self.config)
         if self.config.rnn_output_gate:
             o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
-        return self.o_proj(o)
+        return o
+
+    def decode_in_place(self, x: torch.Tensor, info: SequenceInfo, cache) -> torch.Tensor:
+        """One token of a static decode step (``StaticDecodeCache``): x ``[B, 1, d]`` -> the output
+        before W_o ``[B, 1, H*D]``, the state updated in place in the cache's buffer. Where the
+        kernel runs (``decode_lightning.kernel_applies``) and the cache asks for it
+        (``fuse_lightning``), one kernel does everything between the two GEMMs; otherwise
+        ``project``, the update and ``gated_output``, which the kernel's tests compare it with."""
+        packed = packed_for(cache, self.layer_idx, "mixer")
+        log_decay = self.log_decay(x.device)
+        if (getattr(cache, "fuse_lightning", False) and kernel_applies(x)
+                and self.config.rnn_output_norm == "per_head"):
+            B, D = x.shape[0], self.head_dim
+            q, k, v, *g = linear_outputs(x, self.input_linears(), packed)
+            # [B, 1, H*D] -> [B, 1, H, D] (k/v: Hkv heads; the kernel reads head h // (H / Hkv))
+            q, k, v = (t.view(B, 1, -1, D) for t in (q, k, v))
+            o = lightning_decode_triton(q, k, v, log_decay, self.scale,
+                                        cache.layers[self.layer_idx],
+                                        self.decode_ends(info, g, q.dtype))
+            return o.view(B, 1, -1)  # [B, 1, H, D] -> [B, 1, H*D]
+        q, k, v, g = self.project(x, info, packed)
+        o = cache.lightning_step(self.layer_idx, q, k, v, log_decay, self.scale)
+        return self.gated_output(o, x, g)
+
+    def decode_ends(self, info: SequenceInfo, gate_logits: list, dtype) -> LayerEnds:
+        """The parts of ``decode_in_place`` the kernel fuses around the update (``dtype``: q's, as
+        ``project`` asks for the rotary tables)."""
+        cfg = self.config
+        norm = cfg.rnn_qk_norm
+        return LayerEnds(
+            q_norm=self.q_norm.weight if norm else None,
+            k_norm=self.k_norm.weight if norm else None,
+            qk_eps=self.q_norm.eps if norm else 0.0,
+            rope=info.rope(self.head_dim, cfg.rope_theta, dtype) if cfg.rnn_rope else None,
+            o_norm=self.o_norm.weight, o_eps=cfg.rms_norm_eps,
+            gate=gate_logits[0] if cfg.rnn_output_gate else None,
+            gate_scale=cfg.output_gate_scale)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:

@@ -11,7 +11,8 @@ token.
 The step is the model's own forward: ``StaticDecodeCache`` stands in for ``HypeNetCache``; attention
 layers call ``cache.decode_attention`` (write the new key/value at the device position, then the
 split-KV kernel of ``decode_attention.py`` over the valid prefix), Lightning layers
-``cache.lightning_step`` (the state updated in place, ``decode_lightning.py``) and the other RNN
+``decode_in_place`` (the state updated in place, ``decode_lightning.py``; on CUDA one kernel per
+layer between its two GEMMs) and the other RNN
 layers ``cache.set_state`` (copy into the fixed state buffer). Each layer's input projections run as
 one GEMM (``pack_input_projections``). On CPU (or with ``use_cuda_graph=False``) the same static
 step runs eagerly; tests compare it token by token with the dynamic cache.
@@ -38,7 +39,7 @@ import gc
 import torch
 
 from .decode_attention import decode_attention
-from .decode_lightning import STATE_DTYPES, lightning_decode_
+from .decode_lightning import STATE_DTYPES, decode_mode, lightning_decode_
 from .layers_hypenet import PackedLinears
 
 
@@ -57,7 +58,8 @@ class StaticDecodeCache:
     packed: dict | None = None
 
     def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None,
-                 state_dtype: torch.dtype | None = None, lightning_in_place: bool = True):
+                 state_dtype: torch.dtype | None = None, lightning_in_place: bool = True,
+                 fuse_lightning: bool = True):
         """``state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32); bf16 only
         for models whose RNN layers are all Lightning (its in-place kernel rounds once per token,
         other mixers' kernels would take a bf16 state as their fp32 input)."""
@@ -65,8 +67,11 @@ class StaticDecodeCache:
         if "swa" in kinds:
             raise ValueError("static decode does not support sliding-window layers (rolling "
                              "cache); use the dynamic HypeNetCache")
-        # Lightning layers call ``lightning_step`` (else fla's kernel + ``set_state``)
+        # Lightning layers update their state in place (``LightningMixer.decode_in_place``; else
+        # fla's kernel + ``set_state``), on CUDA in one kernel with their norms, RoPE and gate
+        # (``fuse_lightning``)
         self.lightning_in_place = lightning_in_place
+        self.fuse_lightning = fuse_lightning
         self._check_state_dtype(state_dtype, kinds)
         T = cache.seen_tokens
         if T == 0:
@@ -217,7 +222,7 @@ class StaticDecoder:
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
                  attention_mask: torch.Tensor | None = None, compile: bool | str = False,
                  pack_projections: bool = True, lightning_in_place: bool = True,
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, fuse_lightning: bool | None = None):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
         back to the eager step and is kept in ``compile_error``); a string is the compile mode:
@@ -227,7 +232,10 @@ class StaticDecoder:
         each layer's input projections as one GEMM (``pack_input_projections``; a copy of those
         weights, taken now: build a new decoder after the weights change). ``lightning_in_place``:
         Lightning's state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a
-        copy into the buffer). The two switches exist to measure what each buys
+        copy into the buffer); ``fuse_lightning``: on CUDA, that kernel also does the layer's
+        QK-norm, RoPE, output norm and gate (False: Inductor's or torch's kernels around it; None:
+        unless ``HALO_DECODE_LIGHTNING=unfused``). The three switches exist to measure what each
+        buys
         (bench/profile_decode.py); the defaults are the fast path. ``state_dtype``: the RNN states'
         dtype while decoding (None: fp32, as prefilled; ``torch.bfloat16`` halves their bytes,
         Lightning-only models, ``StaticDecodeCache``)."""
@@ -243,8 +251,10 @@ class StaticDecoder:
         mode = compile if isinstance(compile, str) else None
         self._step_fn = (torch.compile(StaticDecoder._step_body, dynamic=False, mode=mode)
                          if compile else StaticDecoder._step_body)
+        if fuse_lightning is None:
+            fuse_lightning = decode_mode() != "unfused"
         self.cache = StaticDecodeCache(cache, model.config, attention_mask, state_dtype,
-                                       lightning_in_place)
+                                       lightning_in_place, fuse_lightning)
         if pack_projections:
             self.cache.packed = pack_input_projections(model)
         device = self.cache.pos.device
