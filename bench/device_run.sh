@@ -56,7 +56,8 @@
 #   P29d: from-scratch 500M pretraining, compiled loss vs the shipped one (the triton CE kernel), micro 8 (carry .whl)
 #   P29e: the loss kernel split into pass functions (the 60-line limit): its CUDA tests and one chunk's timing
 #   P30a: the fused Lightning decode step: CUDA tests, its warps, HypeNet 512K fused vs unfused, the teacher
-#      shape at 512K | P30b: the whole OPD step at h2048, 256 rollouts, with it (P27b's command)
+#      shape at 512K | P30b: the whole OPD step at h2048, 256 rollouts, with it (P27b's command), and its
+#      rollouts unfused | P30c: P30a after removing the Inductor kernels the fused step left around it
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -638,6 +639,26 @@ P30a)
     --contexts 524288 --variants compiled \
     --out bench/results/decode_profile_teacher_512k_p30a.json > "$OUT/p30a_teacher_512k.log" 2>&1
   echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30a_teacher_512k.log" | head -4
+  ;;
+P30c)
+  # P30a's Inductor kernels around the fused step removed (the decays and rotary frequencies are the
+  # cache's constants; cos/sin computed in the kernel from the position), 4 fused warps: CUDA tests,
+  # the fused kernel's warps, HypeNet-2B at 512K (unfused first this time, then fused, same process),
+  # the teacher shape at 512K
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k on_cuda \
+    > "$OUT/p30c_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -1 "$OUT/p30c_cuda_tests.log"
+  timeout 60 python3 bench/tune_decode_kernels.py --fused \
+    --out bench/results/decode_kernel_tuning_fused_p30c.json > "$OUT/p30c_fused_tuning.log" 2>&1
+  echo "fused tuning rc=$?"; grep -B1 -A7 "^## fused" "$OUT/p30c_fused_tuning.log" | grep "fused\|plain"
+  timeout 230 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled-unfused compiled \
+    --out bench/results/decode_profile_hypenet_512k_p30c.json > "$OUT/p30c_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p30c_hypenet_512k.log" | head -6
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
+    --contexts 524288 --variants compiled \
+    --out bench/results/decode_profile_teacher_512k_p30c.json > "$OUT/p30c_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30c_teacher_512k.log" | head -4
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's

@@ -310,7 +310,7 @@ def main(argv=None) -> int:
 
 
 def fused_main(args, batch: int, dev: str, dtype) -> int:
-    grid = [{"fused_warps": w} for w in (4, 8, 16)]
+    grid = [{"fused_warps": w} for w in (2, 4, 8)]
     cases = {f"fused lightning b{b}": fused_case(b, grid, dev, dtype) for b in (1, batch)}
     for name, rows in cases.items():
         print_table(rows, name)

@@ -95,12 +95,17 @@ class HypeNetMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """HF's rotary inverse frequencies ``[D/2]`` fp32: theta^(-2i/D)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                         device=device).float() / head_dim))
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
                  dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """HF-convention rotary tables for per-document positions ``[B, T]`` -> cos/sin
     ``[B, T, 1, D]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=position_ids.device).float() / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, position_ids.device)
     freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -40,7 +40,8 @@ import torch
 
 from .decode_attention import decode_attention
 from .decode_lightning import STATE_DTYPES, decode_mode, lightning_decode_
-from .layers_hypenet import PackedLinears
+from .layers_hypenet import PackedLinears, rope_inv_freq
+from .ops_rnn import lightning_log_decay
 
 
 def mixers_without_low_precision_state(mixer_types) -> list[str]:
@@ -99,6 +100,12 @@ class StaticDecodeCache:
         self.rows = torch.arange(B, device=device)  # [B], indexes the rows in per-row writes
         self.pad = self._left_pad(attention_mask, T, device)  # [B] keys to skip per row
         self.prompt_tokens = T
+        # constants of every Lightning layer's step, made once here: computed in the step, each
+        # layer would compute them again, in kernels of their own under torch.compile
+        cfg = model_config
+        self.lightning_log_decay = lightning_log_decay(cfg.num_attention_heads, device,
+                                                       cfg.lightning_decay)  # [H] fp32
+        self.rope_inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, device)  # [D/2] fp32
 
     def _check_state_dtype(self, state_dtype, kinds) -> None:
         if state_dtype is None or state_dtype == torch.float32:
