@@ -58,6 +58,7 @@
 #   P30a: the fused Lightning decode step: CUDA tests, its warps, HypeNet 512K fused vs unfused, the teacher
 #      shape at 512K | P30b: the whole OPD step at h2048, 256 rollouts, with it (P27b's command), and its
 #      rollouts unfused | P30c: P30a after removing the Inductor kernels the fused step left around it
+#   P30d: P30c with the kernel's register spill fixed (state halves one after the other)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -659,6 +660,26 @@ P30c)
     --contexts 524288 --variants compiled \
     --out bench/results/decode_profile_teacher_512k_p30c.json > "$OUT/p30c_teacher_512k.log" 2>&1
   echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30c_teacher_512k.log" | head -4
+  ;;
+P30d)
+  # P30c's fused kernel spilled (both state halves loaded up front: 21 µs a call); the halves one after
+  # the other again, fp64 range reduction by a multiply: CUDA tests, warps, HypeNet 512K unfused then
+  # fused (same process), the teacher shape at 512K
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k "on_cuda and lightning" \
+    > "$OUT/p30d_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -1 "$OUT/p30d_cuda_tests.log"
+  timeout 60 python3 bench/tune_decode_kernels.py --fused \
+    --out bench/results/decode_kernel_tuning_fused_p30d.json > "$OUT/p30d_fused_tuning.log" 2>&1
+  echo "fused tuning rc=$?"; grep "fused {\|plain\|^## " "$OUT/p30d_fused_tuning.log"
+  timeout 230 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled-unfused compiled \
+    --out bench/results/decode_profile_hypenet_512k_p30d.json > "$OUT/p30d_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p30d_hypenet_512k.log" | head -6
+  grep "_lightning_decode_kernel" "$OUT/p30d_hypenet_512k.log"
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
+    --contexts 524288 --variants compiled \
+    --out bench/results/decode_profile_teacher_512k_p30d.json > "$OUT/p30d_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30d_teacher_512k.log" | head -4
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's

@@ -45,6 +45,7 @@ from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: 
 from halo_dist.models.hypenet import decode_attention, decode_lightning  # noqa: E402
 from halo_dist.models.hypenet.decode_attention import decode_attention_triton  # noqa: E402
 from halo_dist.models.hypenet.decode_lightning import lightning_decode_triton  # noqa: E402
+from halo_dist.models.hypenet.layers_hypenet import rope_inv_freq  # noqa: E402
 
 H, HKV, D = 16, 8, 128  # HypeNet-2B / Qwen3-1.7B heads
 # the grids below are built around the defaults both kernels ship with
@@ -159,11 +160,11 @@ def fused_case(batch: int, grid: list[dict], dev: str = "cuda",
                   for _ in range(4))
     log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
     state0 = torch.randn(batch, H, D, D, device=dev, generator=g)
-    angles = torch.rand(batch, 1, 1, D, device=dev, generator=g) * 6.28
+    positions = torch.randint(0, 524_288, (batch, 1), device=dev, generator=g)
     ends = decode_lightning.LayerEnds(
         q_norm=torch.rand(D, device=dev, dtype=dtype) + 0.5,
         k_norm=torch.rand(D, device=dev, dtype=dtype) + 0.5,
-        rope=(angles.cos().to(dtype), angles.sin().to(dtype)),
+        rope=(positions, rope_inv_freq(D, 1e6, dev)),
         o_norm=torch.rand(H * D, device=dev, dtype=dtype) + 0.5,
         gate=z.view(batch, 1, H * D), gate_scale=2.0)
     shipped = decode_lightning.LAUNCH[torch.float32]
