@@ -644,8 +644,8 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha):
     """The 2B shape's heads (16 x 128), graph steps, 1 and 8 rows, positions past 4K: the compiled
     decoder with the fused Lightning step (norms, RoPE, update, gate in one kernel) against an
     uncompiled one with torch's kernels around the in-place update. fp32 weights: the same logits
-    and states to fp32 rounding. bf16 weights: the two round at different places, so each is
-    compared with the dynamic cache's step, and the fused one may not be further from it."""
+    and states to fp32 rounding. bf16 weights: the two round in different places (the fused step
+    keeps fp32 from the projection to the gate), so only a loose bound."""
     torch.manual_seed(0)
     cfg = HypeNetConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048,
                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
@@ -677,8 +677,9 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha):
             # fp32 rounding, in another order (F.rms_norm's vs the kernel's sums, torch's cos
             # table vs the kernel's): P30c measured 3-5e-5 and 1.0-1.3e-5 at 8 rows
             assert err["apart"] < 2e-4 and state_err < 1e-4, (B, err, state_err)
-        else:
-            assert err["fused"] <= 1.25 * err["plain"] + 1e-3, (B, err)
+        else:  # the paths round in different places (P30d: 0.031 apart after 6 tokens, each
+            # ~0.02-0.03 from the dynamic cache's step); a wrong part of the step is O(1)
+            assert err["apart"] < 0.08, (B, err)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")

@@ -43,9 +43,10 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 # at 256 rows (one CUDA graph of back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the
 # earlier 32 columns x 4 warps, bf16 0.079 vs 0.131 ms; wider tiles keep more loads in flight.
 # ``fused_warps``: the fused layer step (``LayerEnds``), whose program spans a head's V columns.
-# 4 fused warps: 5.9 vs 7.2 µs (8) at 1 row, 148 vs 183 µs at 256 (H200, P30a).
-LAUNCH = {torch.float32: dict(block_v=64, num_warps=8, fused_warps=4),
-          torch.bfloat16: dict(block_v=128, num_warps=8, fused_warps=4)}
+# 2 fused warps: 5.4 µs vs 8.6 (4) and 8.4 (8) at 1 row, 144 µs vs 186 (4) at 256 rows, the plain
+# update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``).
+LAUNCH = {torch.float32: dict(block_v=64, num_warps=8, fused_warps=2),
+          torch.bfloat16: dict(block_v=128, num_warps=8, fused_warps=2)}
 
 try:
     import triton
