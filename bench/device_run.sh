@@ -697,7 +697,7 @@ P30e)
     --contexts 524288 --variants compiled \
     --out bench/results/decode_profile_teacher_512k_p30e.json > "$OUT/p30e_teacher_512k.log" 2>&1
   echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30e_teacher_512k.log" | head -4
-  timeout $((585 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous \
+  timeout $((530 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous \
     --compile-rollouts --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p30e.json \
     > "$OUT/p30e_opd.log" 2>&1; echo "opd rc=$?"; tail -8 "$OUT/p30e_opd.log"
   ;;
