@@ -59,7 +59,9 @@
 #      shape at 512K | P30b: the whole OPD step at h2048, 256 rollouts, with it (P27b's command), and its
 #      rollouts unfused | P30c: P30a after removing the Inductor kernels the fused step left around it
 #   P30d: P30c with the kernel's register spill fixed (state halves one after the other)
-#   P30e: 2 fused warps: fused CUDA test, HypeNet 512K unfused vs fused, teacher 512K, OPD h2048
+#   P30e: 2 fused warps: fused CUDA test, HypeNet 512K unfused vs fused, teacher 512K, OPD h2048 (the CUDA test and
+#      OPD ran out of their limits) | P31a (next): the fused kernel's load order x warps, HypeNet 512K shipped vs
+#      tuned, the teacher; then P30b (OPD with the fused step, not yet run)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -700,6 +702,26 @@ P30e)
   timeout $((530 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous \
     --compile-rollouts --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p30e.json \
     > "$OUT/p30e_opd.log" 2>&1; echo "opd rc=$?"; tail -8 "$OUT/p30e_opd.log"
+  ;;
+P31a)
+  # next session: the fused kernel's load order (fused_prefetch) x warps at 1 and 256 rows, then HypeNet
+  # 512K with the shipped and the best launch settings (rows compiled / compiled+tuned, same process),
+  # and the teacher shape; the fused CUDA tests first (P30e's ran out of its 100 s)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k "on_cuda and lightning" \
+    > "$OUT/p31a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -1 "$OUT/p31a_cuda_tests.log"
+  timeout 90 python3 bench/tune_decode_kernels.py --fused \
+    --out bench/results/decode_kernel_tuning_fused_p31a.json > "$OUT/p31a_fused_tuning.log" 2>&1
+  echo "fused tuning rc=$?"; grep "fused {\|plain\|^## \|best" "$OUT/p31a_fused_tuning.log"
+  timeout 260 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
+    --variants compiled --launch-settings bench/results/decode_kernel_tuning_fused_p31a.json \
+    --out bench/results/decode_profile_hypenet_512k_p31a.json > "$OUT/p31a_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p31a_hypenet_512k.log" | head -6
+  grep "_lightning_decode_kernel" "$OUT/p31a_hypenet_512k.log"
+  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
+    --contexts 524288 --variants compiled \
+    --out bench/results/decode_profile_teacher_512k_p31a.json > "$OUT/p31a_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p31a_teacher_512k.log" | head -4
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's

@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, print_table  # noqa: E402
 
 SOURCES = {
-    # both shapes at 512K in one session, each with the shipped and the tuned split-KV settings
-    # (P27a; the split plan over the valid keys; best row wins)
-    "teacher_decode": RESULTS / "decode_profile_teacher_512k_p27a.json",
-    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p27a.json",
+    # both shapes at 512K in one call (P30e: HypeNet with the fused Lightning step and without it in
+    # one process, then the teacher shape; best row wins)
+    "teacher_decode": RESULTS / "decode_profile_teacher_512k_p30e.json",
+    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p30e.json",
     # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
     "stage2": RESULTS / "stages_p29c.json",
     "stage3": RESULTS / "stages_p29c_s3.json",

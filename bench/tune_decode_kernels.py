@@ -311,16 +311,18 @@ def main(argv=None) -> int:
 
 
 def fused_main(args, batch: int, dev: str, dtype) -> int:
-    grid = [{"fused_warps": w} for w in (2, 4, 8)]
+    grid = [{"fused_warps": w, "fused_prefetch": p}
+            for p, w in itertools.product((False, True), (2, 4, 8, 16))]
     cases = {f"fused lightning b{b}": fused_case(b, grid, dev, dtype) for b in (1, batch)}
     for name, rows in cases.items():
         print_table(rows, name)
     at_batch = [r for r in cases[f"fused lightning b{batch}"] if "fused_warps" in r]
-    shipped = next(r for r in at_batch
-                   if r["fused_warps"] == decode_lightning.LAUNCH[torch.float32]["fused_warps"])
+    knobs = ("fused_warps", "fused_prefetch")
+    default = decode_lightning.LAUNCH[torch.float32]
+    shipped = next(r for r in at_batch if all(r[k] == default[k] for k in knobs))
     top = min(at_batch, key=lambda r: r["us"])
     top = top if shipped["us"] / top["us"] >= 1.02 else shipped
-    best = {"lightning/float32": {"fused_warps": top["fused_warps"]}}
+    best = {"lightning/float32": {k: top[k] for k in knobs}}
     print(f"best: {best}")
     out = "/tmp/halo_dist_tune_smoke.json" if args.cpu_smoke and args.out is None else args.out
     path = write_result("decode_kernel_tuning_fused", {"cases": cases, "best": best,

@@ -389,6 +389,8 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
                 (torch.float32, torch.bfloat16)):
             if dtype == torch.bfloat16 and not (norm and rope and gate):
                 continue
+            # both orders of the kernel's loads (the state before or after the q/k work)
+            decode_lightning.LAUNCH[dtype]["fused_prefetch"] = not gate
             cfg = HypeNetConfig(vocab_size=32, hidden_size=48, num_hidden_layers=1,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 mixer_types=["lightning"], rnn_qk_norm=norm, rnn_rope=rope,
@@ -533,13 +535,13 @@ def test_decode_kernels_read_their_launch_tables(monkeypatch):
     assert grid == (4, 4) and (kw["BLOCK_V"], kw["num_warps"]) == (16, 2)  # 64 columns / 16
     # the fused step: one program per (row, head) spanning the head's 64 columns, fused_warps
     monkeypatch.setitem(decode_lightning.LAUNCH, torch.float32,
-                        dict(block_v=16, num_warps=2, fused_warps=16))
+                        dict(block_v=16, num_warps=2, fused_warps=16, fused_prefetch=True))
     ends = decode_lightning.LayerEnds(o_norm=torch.ones(4 * 64))
     decode_lightning.lightning_decode_triton(q, q, torch.randn(1, 1, 4, 64), -torch.rand(4), 0.3,
                                              state, ends)
     grid, kw = light.launches[-1]
     assert grid == (4, 1) and (kw["BLOCK_V"], kw["num_warps"], kw["OUT_NORM"]) == (64, 16, True)
-    assert (kw["QK_NORM"], kw["ROPE"], kw["GATE"]) == (False, False, False)
+    assert (kw["QK_NORM"], kw["ROPE"], kw["GATE"], kw["PREFETCH"]) == (False, False, False, True)
     with pytest.raises(ValueError, match="unknown"):
         decode_attention.decode_attention_triton(q, kv, kv, torch.tensor([640]), 0.25, block_v=8)
     with pytest.raises(ValueError, match="unknown"):

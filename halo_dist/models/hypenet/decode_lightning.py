@@ -44,9 +44,10 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 # earlier 32 columns x 4 warps, bf16 0.079 vs 0.131 ms; wider tiles keep more loads in flight.
 # ``fused_warps``: the fused layer step (``LayerEnds``), whose program spans a head's V columns.
 # 2 fused warps: 5.4 µs vs 8.6 (4) and 8.4 (8) at 1 row, 144 µs vs 186 (4) at 256 rows, the plain
-# update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``).
-LAUNCH = {torch.float32: dict(block_v=64, num_warps=8, fused_warps=2),
-          torch.bfloat16: dict(block_v=128, num_warps=8, fused_warps=2)}
+# update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``). ``fused_prefetch``: the state's
+# loads before the q/k work (not yet timed on a GPU).
+LAUNCH = {torch.float32: dict(block_v=64, num_warps=8, fused_warps=2, fused_prefetch=False),
+          torch.bfloat16: dict(block_v=128, num_warps=8, fused_warps=2, fused_prefetch=False)}
 
 try:
     import triton
@@ -109,11 +110,11 @@ if _HAS_TRITON:
         return x1, x2
 
     @triton.jit
-    def _state_rows(tile, k, v, q, decay, v_ok):
-        """Rows of one state tile ``[D/2, BLOCK_V]``: S <- decay S + kᵀv, in place; returns their
-        share of q S ``[BLOCK_V]`` (from the fp32 update, before any rounding of the store)."""
-        s = tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        s = decay * s + k[:, None] * v[None, :]
+    def _state_rows(tile, s, k, v, q, decay, v_ok):
+        """Rows of one state tile ``[D/2, BLOCK_V]``, loaded as ``s``: S <- decay S + kᵀv, written
+        back in place; returns their share of q S ``[BLOCK_V]`` (from the fp32 update, before any
+        rounding of the store)."""
+        s = decay * s.to(tl.float32) + k[:, None] * v[None, :]
         tl.store(tile, s.to(tile.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=v_ok[None, :])
         return tl.sum(q[:, None] * s, axis=0)
@@ -126,10 +127,12 @@ if _HAS_TRITON:
         scale, eps_qk, eps_o, gate_scale,
         H: tl.constexpr, KV_GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BLOCK_V: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
-        OUT_NORM: tl.constexpr, GATE: tl.constexpr,
+        OUT_NORM: tl.constexpr, GATE: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state (all
-        of them when OUT_NORM: the norm spans the head). Head h reads k/v head h // KV_GROUP."""
+        of them when OUT_NORM: the norm spans the head). Head h reads k/v head h // KV_GROUP.
+        PREFETCH: load the state before preparing q/k, so the two overlap (the registers to hold
+        it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c)."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
@@ -140,6 +143,11 @@ if _HAS_TRITON:
         hi = lo + DK // 2
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < DV
+        # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V]
+        tile = S + b * stride_sb + h * stride_sh + offs_v[None, :]
+        if PREFETCH:
+            s1 = tl.load(tile + lo[:, None] * DV, mask=v_ok[None, :], other=0.0)
+            s2 = tl.load(tile + hi[:, None] * DV, mask=v_ok[None, :], other=0.0)
         c, s = _rope_cos_sin(Pos + b * stride_pb, InvFreq, lo, ROPE)
         q1, q2 = _qk_half_pair(Q + b * stride_qb + h * stride_qh, QW, c, s, lo, hi, eps_qk, DK,
                                QK_NORM, ROPE)
@@ -149,11 +157,12 @@ if _HAS_TRITON:
         v = tl.load(V + b * stride_vb + hk * stride_vh + offs_v, mask=v_ok, other=0.0)
         v = v.to(tl.float32)
         decay = tl.exp(tl.load(LogDecay + h).to(tl.float32))
-        # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V], one after the other:
-        # both at once held 64 KB per program in registers and spilled (a 21 µs step, P30c)
-        tile = S + b * stride_sb + h * stride_sh + offs_v[None, :]
-        o = _state_rows(tile + lo[:, None] * DV, k1, v, q1, decay, v_ok)
-        o += _state_rows(tile + hi[:, None] * DV, k2, v, q2, decay, v_ok)
+        if not PREFETCH:  # one half after the other
+            s1 = tl.load(tile + lo[:, None] * DV, mask=v_ok[None, :], other=0.0)
+        o = _state_rows(tile + lo[:, None] * DV, s1, k1, v, q1, decay, v_ok)
+        if not PREFETCH:
+            s2 = tl.load(tile + hi[:, None] * DV, mask=v_ok[None, :], other=0.0)
+        o += _state_rows(tile + hi[:, None] * DV, s2, k2, v, q2, decay, v_ok)
         o = o * scale  # [BLOCK_V]
         if OUT_NORM:  # RMSNorm over the head's DV outputs, times its weight
             o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps_o)
@@ -218,7 +227,7 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads than q (GQA: head h reads k/v head h // (H / Hkv)). ``ends`` adds the layer's QK-norm and
     RoPE before the update and its output norm and gate after it, in the same kernel (then a program
     spans a head's V columns, ``fused_warps`` warps). ``launch`` (``block_v``, ``num_warps``,
-    ``fused_warps``) overrides the state dtype's ``LAUNCH`` entry."""
+    ``fused_warps``, ``fused_prefetch``) overrides the state dtype's ``LAUNCH`` entry."""
     _check_inputs(q, k, v, state, ends)
     if set(launch) - set(LAUNCH[state.dtype]):
         raise ValueError(f"unknown Lightning decode launch settings "
@@ -244,7 +253,8 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         state.stride(0), state.stride(1), o.stride(0),
         scale, e.qk_eps, e.o_eps, e.gate_scale,
         H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
-        ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None, num_warps=warps,
+        ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None,
+        PREFETCH=out_norm and cfg["fused_prefetch"], num_warps=warps,
     )
     return o
 
