@@ -105,6 +105,29 @@ decode_512k_tuned() {  # both shapes at 512K, shipped and tuned split-KV setting
     --out bench/results/decode_profile_teacher_512k_$tag.json > "$OUT/${tag}_teacher_512k.log" 2>&1
   echo "teacher 512K rc=$?"
 }
+decode_cuda_tests() {  # TAG LIMIT PYTEST_K: the static-decode CUDA tests matching PYTEST_K
+  timeout "$2" python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k "$3" \
+    > "$OUT/$1_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -1 "$OUT/$1_cuda_tests.log"
+}
+fused_tuning() {  # TAG LIMIT: the fused Lightning step's launch settings at 1 and 256 rows
+  timeout "$2" python3 bench/tune_decode_kernels.py --fused \
+    --out "bench/results/decode_kernel_tuning_fused_$1.json" > "$OUT/$1_fused_tuning.log" 2>&1
+  echo "fused tuning rc=$?"; grep "fused {\|plain\|^## \|best" "$OUT/$1_fused_tuning.log"
+}
+hypenet_512k() {  # TAG LIMIT PROFILE_ARGS...: HypeNet-2B prefilled at 512K, one process
+  local tag=$1 limit=$2; shift 2
+  timeout "$limit" python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill "$@" \
+    --out "bench/results/decode_profile_hypenet_512k_$tag.json" > "$OUT/${tag}_hypenet_512k.log" 2>&1
+  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/${tag}_hypenet_512k.log" | head -6
+  grep "_lightning_decode_kernel" "$OUT/${tag}_hypenet_512k.log"
+}
+teacher_512k() {  # TAG LIMIT: the teacher shape at 512K, compiled graph step
+  timeout "$2" python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
+    --variants compiled --out "bench/results/decode_profile_teacher_512k_$1.json" \
+    > "$OUT/$1_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/$1_teacher_512k.log" | head -4
+}
 save_autotune() {
   (cd $H && find triton -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
 }
@@ -649,56 +672,26 @@ P30c)
   # cache's constants; cos/sin computed in the kernel from the position), 4 fused warps: CUDA tests,
   # the fused kernel's warps, HypeNet-2B at 512K (unfused first this time, then fused, same process),
   # the teacher shape at 512K
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k on_cuda \
-    > "$OUT/p30c_cuda_tests.log" 2>&1
-  echo "cuda tests rc=$?"; tail -1 "$OUT/p30c_cuda_tests.log"
-  timeout 60 python3 bench/tune_decode_kernels.py --fused \
-    --out bench/results/decode_kernel_tuning_fused_p30c.json > "$OUT/p30c_fused_tuning.log" 2>&1
-  echo "fused tuning rc=$?"; grep -B1 -A7 "^## fused" "$OUT/p30c_fused_tuning.log" | grep "fused\|plain"
-  timeout 230 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
-    --variants compiled-unfused compiled \
-    --out bench/results/decode_profile_hypenet_512k_p30c.json > "$OUT/p30c_hypenet_512k.log" 2>&1
-  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p30c_hypenet_512k.log" | head -6
-  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
-    --contexts 524288 --variants compiled \
-    --out bench/results/decode_profile_teacher_512k_p30c.json > "$OUT/p30c_teacher_512k.log" 2>&1
-  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30c_teacher_512k.log" | head -4
+  decode_cuda_tests p30c 200 on_cuda
+  fused_tuning p30c 60
+  hypenet_512k p30c 230 --variants compiled-unfused compiled
+  teacher_512k p30c $((590 - SECONDS))
   ;;
 P30d)
   # P30c's fused kernel spilled (both state halves loaded up front: 21 µs a call); the halves one after
   # the other again, fp64 range reduction by a multiply: CUDA tests, warps, HypeNet 512K unfused then
   # fused (same process), the teacher shape at 512K
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k "on_cuda and lightning" \
-    > "$OUT/p30d_cuda_tests.log" 2>&1
-  echo "cuda tests rc=$?"; tail -1 "$OUT/p30d_cuda_tests.log"
-  timeout 60 python3 bench/tune_decode_kernels.py --fused \
-    --out bench/results/decode_kernel_tuning_fused_p30d.json > "$OUT/p30d_fused_tuning.log" 2>&1
-  echo "fused tuning rc=$?"; grep "fused {\|plain\|^## " "$OUT/p30d_fused_tuning.log"
-  timeout 230 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
-    --variants compiled-unfused compiled \
-    --out bench/results/decode_profile_hypenet_512k_p30d.json > "$OUT/p30d_hypenet_512k.log" 2>&1
-  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p30d_hypenet_512k.log" | head -6
-  grep "_lightning_decode_kernel" "$OUT/p30d_hypenet_512k.log"
-  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
-    --contexts 524288 --variants compiled \
-    --out bench/results/decode_profile_teacher_512k_p30d.json > "$OUT/p30d_teacher_512k.log" 2>&1
-  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30d_teacher_512k.log" | head -4
+  decode_cuda_tests p30d 200 "on_cuda and lightning"
+  fused_tuning p30d 60
+  hypenet_512k p30d 230 --variants compiled-unfused compiled
+  teacher_512k p30d $((590 - SECONDS))
   ;;
 P30e)
   # the session's last call: 2 fused warps (P30d's tuning); the fused CUDA test, HypeNet 512K unfused
   # then fused, the teacher shape, then the whole OPD step at h2048 with what time is left
-  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py \
-    -k "fused and on_cuda and mha" > "$OUT/p30e_cuda_tests.log" 2>&1
-  echo "cuda tests rc=$?"; tail -1 "$OUT/p30e_cuda_tests.log"
-  timeout 200 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
-    --variants compiled-unfused compiled \
-    --out bench/results/decode_profile_hypenet_512k_p30e.json > "$OUT/p30e_hypenet_512k.log" 2>&1
-  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p30e_hypenet_512k.log" | head -6
-  grep "_lightning_decode_kernel" "$OUT/p30e_hypenet_512k.log"
-  timeout 110 python3 bench/profile_decode.py --models qwen3-1.7b-shape \
-    --contexts 524288 --variants compiled \
-    --out bench/results/decode_profile_teacher_512k_p30e.json > "$OUT/p30e_teacher_512k.log" 2>&1
-  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p30e_teacher_512k.log" | head -4
+  decode_cuda_tests p30e 100 "fused and on_cuda and mha"
+  hypenet_512k p30e 200 --variants compiled-unfused compiled
+  teacher_512k p30e 110
   timeout $((530 - SECONDS)) python3 bench/bench_opd.py --horizons 2048 --rollouts 256 --continuous \
     --compile-rollouts --compile-layers --micro 8 --timed-steps 1 --out bench/results/opd_p30e.json \
     > "$OUT/p30e_opd.log" 2>&1; echo "opd rc=$?"; tail -8 "$OUT/p30e_opd.log"
@@ -707,21 +700,11 @@ P31a)
   # next session: the fused kernel's load order (fused_prefetch) x warps at 1 and 256 rows, then HypeNet
   # 512K with the shipped and the best launch settings (rows compiled / compiled+tuned, same process),
   # and the teacher shape; the fused CUDA tests first (P30e's ran out of its 100 s)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k "on_cuda and lightning" \
-    > "$OUT/p31a_cuda_tests.log" 2>&1
-  echo "cuda tests rc=$?"; tail -1 "$OUT/p31a_cuda_tests.log"
-  timeout 90 python3 bench/tune_decode_kernels.py --fused \
-    --out bench/results/decode_kernel_tuning_fused_p31a.json > "$OUT/p31a_fused_tuning.log" 2>&1
-  echo "fused tuning rc=$?"; grep "fused {\|plain\|^## \|best" "$OUT/p31a_fused_tuning.log"
-  timeout 260 python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \
-    --variants compiled --launch-settings bench/results/decode_kernel_tuning_fused_p31a.json \
-    --out bench/results/decode_profile_hypenet_512k_p31a.json > "$OUT/p31a_hypenet_512k.log" 2>&1
-  echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/p31a_hypenet_512k.log" | head -6
-  grep "_lightning_decode_kernel" "$OUT/p31a_hypenet_512k.log"
-  timeout $((590 - SECONDS)) python3 bench/profile_decode.py --models qwen3-1.7b-shape \
-    --contexts 524288 --variants compiled \
-    --out bench/results/decode_profile_teacher_512k_p31a.json > "$OUT/p31a_teacher_512k.log" 2>&1
-  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/p31a_teacher_512k.log" | head -4
+  decode_cuda_tests p31a 200 "on_cuda and lightning"
+  fused_tuning p31a 90
+  hypenet_512k p31a 260 --variants compiled \
+    --launch-settings bench/results/decode_kernel_tuning_fused_p31a.json
+  teacher_512k p31a $((590 - SECONDS))
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's
