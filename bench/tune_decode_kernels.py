@@ -153,37 +153,48 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
 def fused_case(batch: int, grid: list[dict], dev: str = "cuda",
                dtype=torch.bfloat16) -> list[dict]:
     """The fused Lightning layer step (QK-norm, RoPE, update, output norm, gate: ``LayerEnds``),
-    fp32 state, over ``fused_warps``; the first row is the plain update with the shipped settings,
-    for its time (its ``rel_err`` is against nothing: the fused step computes more)."""
+    fp32 state, over ``grid``; the first row is the plain update with the shipped settings, for
+    its time (its ``rel_err`` is against nothing: the fused step computes more). The calls cycle
+    through a pool of states larger than the L2 cache (at one row, 96 states of 1 MB), so each
+    call reads its state from DRAM, as a decode step does where 2 GB of attention keys pass
+    between two Lightning layers: P30d timed back-to-back calls on one L2-resident state at 5.4
+    µs, where the same kernel took 11.4 µs in the step."""
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, z = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
                   for _ in range(4))
     log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
-    state0 = torch.randn(batch, H, D, D, device=dev, generator=g)
+    state_bytes = batch * H * D * D * 4
+    pool = [torch.randn(batch, H, D, D, device=dev, generator=g)
+            for _ in range(max(1, (96 << 20) // state_bytes) if dev == "cuda" else 2)]
     positions = torch.randint(0, 524_288, (batch, 1), device=dev, generator=g)
     ends = decode_lightning.LayerEnds(
         q_norm=torch.rand(D, device=dev, dtype=dtype) + 0.5,
         k_norm=torch.rand(D, device=dev, dtype=dtype) + 0.5,
         rope=(positions, rope_inv_freq(D, 1e6, dev)),
         o_norm=torch.rand(H * D, device=dev, dtype=dtype) + 0.5,
-        gate=z.view(batch, 1, H * D), gate_scale=2.0)
+        gate=z.view(batch, 1, H * D), gate_scale=2.0,
+        scratch=decode_lightning.split_scratch(batch, H, D, dev))
     shipped = decode_lightning.LAUNCH[torch.float32]
-    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state0.clone(), ends).float()
-    nbytes = 2 * state0.numel() * state0.element_size()
+    start = pool[0].clone()  # the timed calls update the pool's states in place
+    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, start.clone(), ends,
+                                  fused_split=1).float()
     rows = []
     for cfg in [None] + grid:
-        state = state0.clone()
+        states = itertools.cycle(pool)
         if cfg is None:
             def fn():
-                return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state)
+                return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, next(states))
             label, err = f"plain update ({shipped})", None
         else:
             def fn(cfg=cfg):
-                return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, ends, **cfg)
-            label, err = f"fused {cfg}", rel_err(fn().float(), ref)
-        ms = time_graph(fn)
-        rows.append({"kernel": label, **(cfg or {}), "us": ms * 1e3, "TB/s": nbytes / ms / 1e9,
-                     "rel_err": err})
+                return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, next(states), ends,
+                                               **cfg)
+            out = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, start.clone(), ends,
+                                          **cfg)
+            label, err = f"fused {cfg}", rel_err(out.float(), ref)
+        ms = time_graph(fn, calls=max(10, len(pool)))
+        rows.append({"kernel": label, **(cfg or {}), "us": ms * 1e3,
+                     "TB/s": 2 * state_bytes / ms / 1e9, "rel_err": err})
     return rows
 
 
@@ -261,8 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--fused", action="store_true",
-                   help="only the fused Lightning layer step, at 1 row and at the rollout batch, "
-                        "over fused_warps (best: the fastest at the rollout batch)")
+                   help="only the fused Lightning layer step: heads split over programs or not "
+                        "at 1 row, warps and load order at the rollout batch (state from DRAM)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes in Triton's interpreter (set TRITON_INTERPRET=1): checks the "
                         "script, times nothing real")
@@ -310,19 +321,41 @@ def main(argv=None) -> int:
     return 0
 
 
+def fused_grids() -> tuple[list[dict], list[dict]]:
+    """(one row: heads split over programs, or not; many rows: one program per head)."""
+    many = [{"fused_warps": w, "fused_prefetch": p, "fused_split": 1}
+            for p, w in itertools.product((False, True), (2, 4, 8))]
+    one = many + [{"fused_split": n, "split_warps": w, "split_prefetch": p}
+                  for n, p, w in itertools.product((2, 4, 8), (False, True), (1, 2, 4))]
+    return one, many
+
+
+def fastest(rows: list[dict], knobs: tuple, default: dict, min_gain: float = 1.02) -> dict:
+    """The knobs of the fastest row that matches the reference's output, or the default's when
+    nothing beats it by ``min_gain``."""
+    ok = [r for r in rows if r["rel_err"] is not None and r["rel_err"] < 1e-3 and r["us"]]
+    shipped = next((r for r in ok if all(r.get(k, default[k]) == default[k] for k in knobs)),
+                   None)
+    top = min(ok, key=lambda r: r["us"])
+    if shipped is not None and shipped["us"] / top["us"] < min_gain:
+        top = shipped
+    return {k: top[k] for k in knobs if k in top}
+
+
 def fused_main(args, batch: int, dev: str, dtype) -> int:
-    grid = [{"fused_warps": w, "fused_prefetch": p}
-            for p, w in itertools.product((False, True), (2, 4, 8, 16))]
-    cases = {f"fused lightning b{b}": fused_case(b, grid, dev, dtype) for b in (1, batch)}
+    one, many = fused_grids()
+    cases = {"fused lightning b1": fused_case(1, one, dev, dtype),
+             f"fused lightning b{batch}": fused_case(batch, many, dev, dtype)}
     for name, rows in cases.items():
         print_table(rows, name)
-    at_batch = [r for r in cases[f"fused lightning b{batch}"] if "fused_warps" in r]
-    knobs = ("fused_warps", "fused_prefetch")
     default = decode_lightning.LAUNCH[torch.float32]
-    shipped = next(r for r in at_batch if all(r[k] == default[k] for k in knobs))
-    top = min(at_batch, key=lambda r: r["us"])
-    top = top if shipped["us"] / top["us"] >= 1.02 else shipped
-    best = {"lightning/float32": {k: top[k] for k in knobs}}
+    best_one = fastest(cases["fused lightning b1"],
+                       ("fused_split", "split_warps", "split_prefetch"), default)
+    best_many = fastest(cases[f"fused lightning b{batch}"], ("fused_warps", "fused_prefetch"),
+                        default)
+    if best_one.get("fused_split", 1) == 1:  # no split wins at one row: keep the split off
+        best_one = {"fused_split": 1}
+    best = {"lightning/float32": {**best_many, **best_one}}
     print(f"best: {best}")
     out = "/tmp/halo_dist_tune_smoke.json" if args.cpu_smoke and args.out is None else args.out
     path = write_result("decode_kernel_tuning_fused", {"cases": cases, "best": best,

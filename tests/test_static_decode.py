@@ -378,19 +378,23 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
                 self.layers, self.fuse_lightning = [state], fuse
                 self.lightning_log_decay = lightning_log_decay(4)
                 self.rope_inv_freq = rope_inv_freq(16, cfg.rope_theta)
+                self.lightning_scratch = decode_lightning.split_scratch(len(state), 4, 16, "cpu")
             def lightning_step(self, i, q, k, v, log_decay, scale):
                 return decode_lightning.lightning_decode_torch(q, k, v, log_decay, scale,
                                                                self.layers[i])
 
         torch.manual_seed(0)
         worst = {}
-        for norm, rope, gate, mha, dtype in itertools.product(
+        for norm, rope, gate, mha, dtype, rows in itertools.product(
                 (True, False), (True, False), (True, False), (True, False),
-                (torch.float32, torch.bfloat16)):
+                (torch.float32, torch.bfloat16), (3, 1)):
             if dtype == torch.bfloat16 and not (norm and rope and gate):
                 continue
-            # both orders of the kernel's loads (the state before or after the q/k work)
-            decode_lightning.LAUNCH[dtype]["fused_prefetch"] = not gate
+            # both orders of the kernel's loads (the state before or after the q/k work); one
+            # row is 4 programs on the interpreter's 8 "SMs": a head split over 2 or 4 programs
+            decode_lightning.LAUNCH[dtype].update(fused_prefetch=not gate,
+                                                  split_prefetch=gate,
+                                                  fused_split=2 if mha else 4)
             cfg = HypeNetConfig(vocab_size=32, hidden_size=48, num_hidden_layers=1,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 mixer_types=["lightning"], rnn_qk_norm=norm, rnn_rope=rope,
@@ -399,17 +403,17 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
             with torch.no_grad():
                 for p in mixer.parameters():
                     p.copy_(torch.randn_like(p) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
-            state = torch.randn(3, 4, 16, 16).to(dtype)
+            state = torch.randn(rows, 4, 16, 16).to(dtype)
             got_buf = Buffers(state.clone(), True, cfg)
             want_buf = Buffers(state.clone(), False, cfg)
             for step in range(3):
-                x = torch.randn(3, 1, 48)
+                x = torch.randn(rows, 1, 48)
                 info = SequenceInfo(position_ids=torch.tensor([[5 + step], [524_287 + step],
-                                                               [step]]))
+                                                               [step]])[-rows:])
                 got = mixer.decode_in_place(x, info, got_buf)
                 want = mixer.decode_in_place(x, SequenceInfo(position_ids=info.position_ids),
                                              want_buf)
-                key = (norm, rope, gate, mha, str(dtype))
+                key = (norm, rope, gate, mha, rows, str(dtype))
                 err = max(float((got - want).norm() / want.norm()),
                           float((got_buf.layers[0].float() - want_buf.layers[0].float()).norm()
                                 / want_buf.layers[0].float().norm()))
@@ -424,24 +428,26 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
                             head_dim=16, mixer_types=["attention", "lightning"] * 2,
                             attn_output_gate=True)
         model = HypeNetForCausalLM(cfg).float().eval()
-        ids = torch.randint(1, 97, (2, 9))
-        cache = HypeNetCache(4, reserve_tokens=6)
-        with torch.no_grad():
-            first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
-        fused = StaticDecoder(model, cache, use_cuda_graph=False)
-        plain = StaticDecoder(model, copy.deepcopy(cache), use_cuda_graph=False,
-                              fuse_lightning=False)
-        nxt, model_err = first, 0.0
-        for _ in range(5):
-            a, b = fused.step(nxt).clone(), plain.step(nxt).clone()
-            model_err = max(model_err, float((a - b).norm() / b.norm()))
-            nxt = b.argmax(-1)
+        model_err = 0.0
+        for rows in (2, 1):  # one row: 4 programs < 8 "SMs", so the heads are split
+            ids = torch.randint(1, 97, (rows, 9))
+            cache = HypeNetCache(4, reserve_tokens=6)
+            with torch.no_grad():
+                first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
+            fused = StaticDecoder(model, cache, use_cuda_graph=False)
+            plain = StaticDecoder(model, copy.deepcopy(cache), use_cuda_graph=False,
+                                  fuse_lightning=False)
+            nxt = first
+            for _ in range(5):
+                a, b = fused.step(nxt).clone(), plain.step(nxt).clone()
+                model_err = max(model_err, float((a - b).norm() / b.norm()))
+                nxt = b.argmax(-1)
         print("model", model_err)
     """
     out = run_interpreted(script, timeout=600, probe=False)
     n, fp32, bf16 = out.split("layers")[-1].split("model")[0].split()
     model_err = float(out.split("model")[-1])
-    assert int(n) == 18 and float(fp32) < 1e-5, out
+    assert int(n) == 36 and float(fp32) < 1e-5, out
     # a bf16 state: the composition rounds q/k/o to nothing here (fp32 model), both round the state
     # once per token (the interpreter truncates where the GPU rounds to nearest)
     assert float(bf16) < 2e-2, out
@@ -535,13 +541,33 @@ def test_decode_kernels_read_their_launch_tables(monkeypatch):
     assert grid == (4, 4) and (kw["BLOCK_V"], kw["num_warps"]) == (16, 2)  # 64 columns / 16
     # the fused step: one program per (row, head) spanning the head's 64 columns, fused_warps
     monkeypatch.setitem(decode_lightning.LAUNCH, torch.float32,
-                        dict(block_v=16, num_warps=2, fused_warps=16, fused_prefetch=True))
+                        dict(block_v=16, num_warps=2, fused_warps=16, fused_prefetch=True,
+                             fused_split=2, split_warps=4, split_prefetch=False))
     ends = decode_lightning.LayerEnds(o_norm=torch.ones(4 * 64))
     decode_lightning.lightning_decode_triton(q, q, torch.randn(1, 1, 4, 64), -torch.rand(4), 0.3,
                                              state, ends)
     grid, kw = light.launches[-1]
     assert grid == (4, 1) and (kw["BLOCK_V"], kw["num_warps"], kw["OUT_NORM"]) == (64, 16, True)
     assert (kw["QK_NORM"], kw["ROPE"], kw["GATE"], kw["PREFETCH"]) == (False, False, False, True)
+    assert kw["V_SPLIT"] == 1  # no scratch given: no split
+    # with a scratch, fused_split programs share a head while rows x heads (4) < SMs (8)
+    scratch = decode_lightning.split_scratch(2, 4, 64, "cpu")
+    split_ends = decode_lightning.LayerEnds(o_norm=torch.ones(4 * 64), scratch=scratch)
+    decode_lightning.lightning_decode_triton(q, q, torch.randn(1, 1, 4, 64), -torch.rand(4), 0.3,
+                                             state, split_ends)
+    grid, kw = light.launches[-1]
+    assert grid == (4, 2) and (kw["BLOCK_V"], kw["V_SPLIT"], kw["BLOCK_DV"]) == (32, 2, 64)
+    assert (kw["num_warps"], kw["PREFETCH"]) == (4, False)
+    q2 = torch.randn(2, 1, 4, 16)  # 8 programs: the SMs are full, one program per head
+    decode_lightning.lightning_decode_triton(q2, q2, torch.randn(2, 1, 4, 64), -torch.rand(4),
+                                             0.3, torch.zeros(2, 4, 16, 64), split_ends)
+    grid, kw = light.launches[-1]
+    assert grid == (8, 1) and kw["V_SPLIT"] == 1
+    with pytest.raises(ValueError, match="fused_split=2 needs"):  # a scratch too small
+        decode_lightning.lightning_decode_triton(
+            q, q, torch.randn(1, 1, 4, 64), -torch.rand(4), 0.3, state,
+            decode_lightning.LayerEnds(o_norm=torch.ones(4 * 64),
+                                       scratch=decode_lightning.split_scratch(1, 2, 64, "cpu")))
     with pytest.raises(ValueError, match="unknown"):
         decode_attention.decode_attention_triton(q, kv, kv, torch.tensor([640]), 0.25, block_v=8)
     with pytest.raises(ValueError, match="unknown"):

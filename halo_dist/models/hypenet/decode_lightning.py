@@ -36,18 +36,24 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode_attention import sm_count
+
 # dtypes the in-place kernel keeps a state in (fp32 by default; bf16 halves a batched step's bytes)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 # Launch settings per state dtype: state columns per program and warps (they change the result only
 # by the order of floating-point additions). Measured on an H200 by ``bench/tune_decode_kernels.py``
 # at 256 rows (one CUDA graph of back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the
 # earlier 32 columns x 4 warps, bf16 0.079 vs 0.131 ms; wider tiles keep more loads in flight.
-# ``fused_warps``: the fused layer step (``LayerEnds``), whose program spans a head's V columns.
-# 2 fused warps: 5.4 µs vs 8.6 (4) and 8.4 (8) at 1 row, 144 µs vs 186 (4) at 256 rows, the plain
-# update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``). ``fused_prefetch``: the state's
-# loads before the q/k work (not yet timed on a GPU).
-LAUNCH = {torch.float32: dict(block_v=64, num_warps=8, fused_warps=2, fused_prefetch=False),
-          torch.bfloat16: dict(block_v=128, num_warps=8, fused_warps=2, fused_prefetch=False)}
+# ``fused_warps``, ``fused_prefetch``: the fused layer step (``LayerEnds``), one program per (row,
+# head) because its output norm spans the head's V columns; prefetch loads the state before the q/k
+# work. 2 fused warps: 5.4 µs vs 8.6 (4) and 8.4 (8) at 1 row, 144 µs vs 186 (4) at 256 rows, the
+# plain update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``).
+# ``fused_split`` (with ``split_warps``, ``split_prefetch``): programs per head while rows x heads
+# leave SMs idle. At batch 1, 16 programs on 132 SMs, each a chain of dependent loads, took 11.4 µs
+# in the 512K step where the plain update's 32 programs took 3.7.
+LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=2, fused_prefetch=False,
+                      fused_split=4, split_warps=2, split_prefetch=True)
+          for dtype, block_v in ((torch.float32, 64), (torch.bfloat16, 128))}
 
 try:
     import triton
@@ -120,17 +126,55 @@ if _HAS_TRITON:
         return tl.sum(q[:, None] * s, axis=0)
 
     @triton.jit
+    def _finish_head(o, offs_v, v_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o, gate_scale,
+                     DV: tl.constexpr, OUT_NORM: tl.constexpr, GATE: tl.constexpr):
+        """The output's columns ``offs_v`` of head h (all of them when OUT_NORM): the per-head
+        RMSNorm times its weight, the gate, the store."""
+        if OUT_NORM:  # RMSNorm over the head's DV outputs, times its weight
+            o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps_o)
+            o = o * tl.load(OW + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        if GATE:  # gate_scale * sigmoid(x W_z)
+            z = tl.load(G + b * stride_gb + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+            o = o * gate_scale * tl.sigmoid(z)
+        tl.store(O + b * stride_ob + h * DV + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
+
+    @triton.jit
+    def _finish_split_head(o, offs_v, v_ok, b, h, Part, Arrived, OW, G, O, stride_gb, stride_ob,
+                           eps_o, gate_scale, H: tl.constexpr, DV: tl.constexpr,
+                           BLOCK_DV: tl.constexpr, V_SPLIT: tl.constexpr, OUT_NORM: tl.constexpr,
+                           GATE: tl.constexpr):
+        """The output norm spans the head's V_SPLIT programs: each parks its columns ``o`` in
+        ``Part``, and the last to arrive finishes the whole head. The barrier orders every
+        thread's stores before the release; the last program resets the arrival count for the
+        next call."""
+        slot = b * H + h
+        tl.store(Part + slot * DV + offs_v, o, mask=v_ok)
+        tl.debug_barrier()
+        if tl.atomic_add(Arrived + slot, 1, sem="acq_rel") == V_SPLIT - 1:
+            tl.debug_barrier()
+            all_v = tl.arange(0, BLOCK_DV)
+            all_ok = all_v < DV
+            # [BLOCK_DV], read past L1: other SMs wrote it
+            head = tl.load(Part + slot * DV + all_v, mask=all_ok, other=0.0, cache_modifier=".cg")
+            _finish_head(head, all_v, all_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o,
+                         gate_scale, DV, OUT_NORM, GATE)
+            tl.store(Arrived + slot, 0)
+
+    @triton.jit
     def _lightning_decode_kernel(
-        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O,
+        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O, Part, Arrived,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_pb,
         stride_sb, stride_sh, stride_ob,
         scale, eps_qk, eps_o, gate_scale,
         H: tl.constexpr, KV_GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BLOCK_V: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
         OUT_NORM: tl.constexpr, GATE: tl.constexpr, PREFETCH: tl.constexpr,
+        V_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
-        """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state (all
-        of them when OUT_NORM: the norm spans the head). Head h reads k/v head h // KV_GROUP.
+        """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state. Head
+        h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head: either one program
+        holds all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
+        ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls).
         PREFETCH: load the state before preparing q/k, so the two overlap (the registers to hold
         it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c)."""
         pid_bh = tl.program_id(0)
@@ -164,13 +208,13 @@ if _HAS_TRITON:
             s2 = tl.load(tile + hi[:, None] * DV, mask=v_ok[None, :], other=0.0)
         o += _state_rows(tile + hi[:, None] * DV, s2, k2, v, q2, decay, v_ok)
         o = o * scale  # [BLOCK_V]
-        if OUT_NORM:  # RMSNorm over the head's DV outputs, times its weight
-            o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps_o)
-            o = o * tl.load(OW + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-        if GATE:  # gate_scale * sigmoid(x W_z)
-            z = tl.load(G + b * stride_gb + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-            o = o * gate_scale * tl.sigmoid(z)
-        tl.store(O + b * stride_ob + h * DV + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
+        if V_SPLIT == 1:  # this program holds the whole head
+            _finish_head(o, offs_v, v_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o, gate_scale,
+                         DV, OUT_NORM, GATE)
+        else:
+            _finish_split_head(o, offs_v, v_ok, b, h, Part, Arrived, OW, G, O, stride_gb,
+                               stride_ob, eps_o, gate_scale, H, DV, BLOCK_DV, V_SPLIT, OUT_NORM,
+                               GATE)
 
 
 @dataclass(frozen=True)
@@ -179,7 +223,9 @@ class LayerEnds:
     a part out): before it, the QK-norm (weights ``[K]``) and RoPE (``rope``: each row's position
     ``[B, 1]`` int64 and the inverse frequencies ``[K/2]`` fp32, HF's rotate-half convention);
     after it, the per-head output RMSNorm (weight ``[H*V]``) and the output gate
-    ``gate_scale * sigmoid(gate)`` (``gate``: its logits ``[B, 1, H*V]``)."""
+    ``gate_scale * sigmoid(gate)`` (``gate``: its logits ``[B, 1, H*V]``). ``scratch``
+    (``split_scratch``) lets ``fused_split`` programs share a head while the rows x heads are fewer
+    than the GPU's SMs."""
 
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -189,7 +235,16 @@ class LayerEnds:
     o_eps: float = 1e-6
     gate: torch.Tensor | None = None
     gate_scale: float = 1.0
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
+
+def split_scratch(rows: int, heads: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the fused step needs to split a head's columns over programs (``LayerEnds.scratch``):
+    each program's output columns, fp32 ``[rows*heads*dv]``, and how many of a head's programs
+    have finished, int32 ``[rows*heads]``. The kernel leaves the counts at zero, so one scratch
+    serves every layer and step of a decoder (its kernels run one after another)."""
+    return (torch.empty(rows * heads * dv, device=device, dtype=torch.float32),
+            torch.zeros(rows * heads, device=device, dtype=torch.int32))
 
 def _check_inputs(q, k, v, state, ends: LayerEnds | None) -> None:
     B, _, H, DK = q.shape
@@ -219,6 +274,20 @@ def _check_inputs(q, k, v, state, ends: LayerEnds | None) -> None:
                              f"{tuple(inv_freq.shape)}")
 
 
+def _fused_split(programs: int, dv: int, e: LayerEnds, cfg: dict, device) -> int:
+    """Programs per head of the fused step: ``fused_split`` while one per (row, head) leaves SMs
+    idle and the caller gave a scratch, else 1."""
+    split = cfg["fused_split"]
+    if split == 1 or e.scratch is None or programs >= sm_count(device):
+        return 1
+    part, arrived = e.scratch
+    if split & (split - 1) or dv % split or part.numel() < programs * dv \
+            or arrived.numel() < programs:
+        raise ValueError(f"fused_split={split} needs a power of two dividing the head's {dv} "
+                         f"columns and a scratch for {programs} heads (split_scratch)")
+    return split
+
+
 def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, scale: float, state: torch.Tensor,
                             ends: LayerEnds | None = None, **launch) -> torch.Tensor:
@@ -226,8 +295,8 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32); k/v may have fewer
     heads than q (GQA: head h reads k/v head h // (H / Hkv)). ``ends`` adds the layer's QK-norm and
     RoPE before the update and its output norm and gate after it, in the same kernel (then a program
-    spans a head's V columns, ``fused_warps`` warps). ``launch`` (``block_v``, ``num_warps``,
-    ``fused_warps``, ``fused_prefetch``) overrides the state dtype's ``LAUNCH`` entry."""
+    spans a head's V columns, or ``fused_split`` programs share it: ``_fused_split``). ``launch``
+    (keys of ``LAUNCH``) overrides the state dtype's ``LAUNCH`` entry."""
     _check_inputs(q, k, v, state, ends)
     if set(launch) - set(LAUNCH[state.dtype]):
         raise ValueError(f"unknown Lightning decode launch settings "
@@ -238,23 +307,30 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Hkv, DV = v.shape[2], v.shape[-1]
     e = ends or LayerEnds()
     out_norm = e.o_norm is not None
-    block_v, warps = ((triton.next_power_of_2(DV), cfg["fused_warps"]) if out_norm
-                      else (cfg["block_v"], cfg["num_warps"]))
+    split = _fused_split(B * H, DV, e, cfg, q.device) if out_norm else 1
+    if not out_norm:  # the plain update: tiles of block_v columns
+        block_v, warps, prefetch = cfg["block_v"], cfg["num_warps"], False
+    else:
+        block_v = triton.next_power_of_2(DV) // split
+        prefix = "split" if split > 1 else "fused"
+        warps, prefetch = cfg[f"{prefix}_warps"], cfg[f"{prefix}_prefetch"]
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
     pos, inv_freq = e.rope or (q, q)  # (q: any pointer where a part is left out)
     gate = q if e.gate is None else e.gate
+    part, arrived = e.scratch if split > 1 else (o, o)
     _lightning_decode_kernel[(B * H, triton.cdiv(DV, block_v))](
         q, k, v, gate, pos, inv_freq, q if e.q_norm is None else e.q_norm,
         q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
-        log_decay, state, o,
+        log_decay, state, o, part, arrived,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         gate.stride(0), pos.stride(0),
         state.stride(0), state.stride(1), o.stride(0),
         scale, e.qk_eps, e.o_eps, e.gate_scale,
         H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
         ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None,
-        PREFETCH=out_norm and cfg["fused_prefetch"], num_warps=warps,
+        PREFETCH=prefetch, V_SPLIT=split,
+        BLOCK_DV=triton.next_power_of_2(DV), num_warps=warps,
     )
     return o
 

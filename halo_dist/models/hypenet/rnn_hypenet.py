@@ -172,26 +172,25 @@ class LightningMixer(RNNMixerBase):
             q, k, v = (t.view(B, 1, -1, D) for t in (q, k, v))
             o = lightning_decode_triton(q, k, v, log_decay, self.scale,
                                         cache.layers[self.layer_idx],
-                                        self.decode_ends(info, g, cache.rope_inv_freq))
+                                        self.decode_ends(info, g, cache))
             return o.view(B, 1, -1)  # [B, 1, H, D] -> [B, 1, H*D]
         q, k, v, g = self.project(x, info, packed)
         o = cache.lightning_step(self.layer_idx, q, k, v, log_decay, self.scale)
         return self.gated_output(o, x, g)
 
-    def decode_ends(self, info: SequenceInfo, gate_logits: list,
-                    inv_freq: torch.Tensor) -> LayerEnds:
-        """The parts of ``decode_in_place`` the kernel fuses around the update (``inv_freq``: the
-        rotary inverse frequencies ``[D/2]``, the cache's copy)."""
+    def decode_ends(self, info: SequenceInfo, gate_logits: list, cache) -> LayerEnds:
+        """The parts of ``decode_in_place`` the kernel fuses around the update (from the cache:
+        the rotary inverse frequencies ``[D/2]`` and the kernel's scratch)."""
         cfg = self.config
         norm = cfg.rnn_qk_norm
         return LayerEnds(
             q_norm=self.q_norm.weight if norm else None,
             k_norm=self.k_norm.weight if norm else None,
             qk_eps=self.q_norm.eps if norm else 0.0,
-            rope=(info.position_ids, inv_freq) if cfg.rnn_rope else None,
+            rope=(info.position_ids, cache.rope_inv_freq) if cfg.rnn_rope else None,
             o_norm=self.o_norm.weight, o_eps=cfg.rms_norm_eps,
             gate=gate_logits[0] if cfg.rnn_output_gate else None,
-            gate_scale=cfg.output_gate_scale)
+            gate_scale=cfg.output_gate_scale, scratch=getattr(cache, "lightning_scratch", None))
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:

@@ -39,7 +39,7 @@ import gc
 import torch
 
 from .decode_attention import decode_attention
-from .decode_lightning import STATE_DTYPES, decode_mode, lightning_decode_
+from .decode_lightning import STATE_DTYPES, decode_mode, lightning_decode_, split_scratch
 from .layers_hypenet import PackedLinears, rope_inv_freq
 from .ops_rnn import lightning_log_decay
 
@@ -106,6 +106,9 @@ class StaticDecodeCache:
         self.lightning_log_decay = lightning_log_decay(cfg.num_attention_heads, device,
                                                        cfg.lightning_decay)  # [H] fp32
         self.rope_inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, device)  # [D/2] fp32
+        # where the fused Lightning step splits a head over programs (few rows)
+        self.lightning_scratch = (split_scratch(B, cfg.num_attention_heads, cfg.head_dim, device)
+                                  if "lightning" in kinds else None)
 
     def _check_state_dtype(self, state_dtype, kinds) -> None:
         if state_dtype is None or state_dtype == torch.float32:
