@@ -122,11 +122,12 @@ hypenet_512k() {  # TAG LIMIT PROFILE_ARGS...: HypeNet-2B prefilled at 512K, one
   echo "hypenet 512K rc=$?"; grep -A4 "^| model" "$OUT/${tag}_hypenet_512k.log" | head -6
   grep "_lightning_decode_kernel" "$OUT/${tag}_hypenet_512k.log"
 }
-teacher_512k() {  # TAG LIMIT: the teacher shape at 512K, compiled graph step
-  timeout "$2" python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
-    --variants compiled --out "bench/results/decode_profile_teacher_512k_$1.json" \
-    > "$OUT/$1_teacher_512k.log" 2>&1
-  echo "teacher 512K rc=$?"; grep -A3 "^| model" "$OUT/$1_teacher_512k.log" | head -4
+teacher_512k() {  # TAG LIMIT [VARIANTS...]: the teacher shape at 512K (default: the compiled graph step)
+  local tag=$1 limit=$2; shift 2
+  timeout "$limit" python3 bench/profile_decode.py --models qwen3-1.7b-shape --contexts 524288 \
+    --variants ${@:-compiled} --out "bench/results/decode_profile_teacher_512k_$tag.json" \
+    > "$OUT/${tag}_teacher_512k.log" 2>&1
+  echo "teacher 512K rc=$?"; grep -A4 "^| model" "$OUT/${tag}_teacher_512k.log" | head -6
 }
 save_autotune() {
   (cd $H && find triton -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
@@ -705,6 +706,23 @@ P31a)
   hypenet_512k p31a 260 --variants compiled \
     --launch-settings bench/results/decode_kernel_tuning_fused_p31a.json
   teacher_512k p31a $((590 - SECONDS))
+  ;;
+P32a)
+  # the batch-1 GEMV (tuned per weight shape against cuBLAS) and the fused Lightning step split over
+  # programs: their CUDA tests, the fused sweep with the state from DRAM (kept in $H for P32b), then the
+  # teacher shape at 512K on cuBLAS and with the GEMV, one process
+  timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemv.py tests/test_static_decode.py \
+    -k "on_cuda and (lightning or gemv)" > "$OUT/p32a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -3 "$OUT/p32a_cuda_tests.log"
+  fused_tuning p32a 100; cp bench/results/decode_kernel_tuning_fused_p32a.json $H/ 2>/dev/null
+  teacher_512k p32a $((590 - SECONDS)) compiled-cublas compiled
+  grep -B2 -A12 '"gemv"' bench/results/decode_profile_teacher_512k_p32a.json | head -40
+  ;;
+P32b)
+  # HypeNet-2B at 512K: cuBLAS vs the GEMV, each with the shipped and P32a's fused launch settings
+  settings=$H/decode_kernel_tuning_fused_p32a.json
+  [ -f "$settings" ] || settings=bench/results/decode_kernel_tuning_fused_p32a.json
+  hypenet_512k p32b $((590 - SECONDS)) --variants compiled-cublas compiled --launch-settings "$settings"
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's

@@ -72,6 +72,8 @@ VARIANTS = {
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
     "compiled": dict(compile=True),
+    # every projection on cuBLAS (the default takes the GEMV kernel where it won, at batch 1)
+    "compiled-cublas": dict(compile=True, gemv=False),
     # Lightning's norms, RoPE and gate as Inductor's kernels around the in-place update (the fused
     # layer step is the default)
     "compiled-unfused": dict(compile=True, fuse_lightning=False),
@@ -256,6 +258,11 @@ def measure(name, model, context, args, device) -> list[dict]:
             t0 = time.perf_counter()
             dec = StaticDecoder(model, cache, **VARIANTS[variant.removesuffix("+tuned")])
             setup_s = time.perf_counter() - t0
+            if dec.gemv_report:  # the GEMV's per-shape choice against cuBLAS (µs per weight)
+                print_table([{"shape": k, **{f: v[f] for f in ("choice", "weights", "us",
+                                                              "cublas_us", "tb_per_s",
+                                                              "cublas_tb_per_s")}}
+                             for k, v in dec.gemv_report.items()], f"{name}: GEMV vs cuBLAS")
             # the step right after the prompt (after a prefill: vs eager)
             first = dec.step(token).float().clone()
             err = float((first - ref).norm() / ref.norm()) if args.prefill else None
@@ -265,7 +272,7 @@ def measure(name, model, context, args, device) -> list[dict]:
                      "step_ms": ms, "bound_ms": bound_ms, "vs_bound": ms / bound_ms,
                      "setup_s": round(setup_s, 1), "graph": dec.graph is not None,
                      "error": dec.graph_error or dec.compile_error, "rel_err_vs_eager": err,
-                     **bound, **prof})
+                     "gemv": dec.gemv_report, **bound, **prof})
         del dec
         if not args.prefill:
             del cache

@@ -19,6 +19,7 @@ from .layers_hypenet import (
     apply_rope,
     linear_outputs,
     output_gate,
+    output_linear,
     packed_for,
     per_head_rms_norm,
 )
@@ -90,7 +91,8 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         StaticDecodeCache. Under sequence parallelism T is this rank's T/sp tokens and the kernel
         attends over all T tokens of H/sp heads."""
         # q [B, T, H, D], k/v [B, T, Hkv, D]
-        q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))
+        packed = packed_for(cache, self.layer_idx, "mixer")
+        q, k, v, g = self.project(x, info, packed)
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout
         # SP: [B, T/sp, Hkv, D] -> [B, T/sp, Hkv*f, D], sp | Hkv*f
         k, v = self.sp_replicate_kv(k, v)
@@ -100,7 +102,8 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
             o = self._attend_with_cache(q, k, v, info, cache, scale)
         else:
             o = self._attend(q, k, v, info, scale)
-        return self.finish(self.sp_gather(o), x, g)  # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
+        # SP: [B, T, H/sp, D] -> [B, T/sp, H, D]
+        return self.finish(self.sp_gather(o), x, g, packed)
 
     def _attend(self, q, k, v, info: SequenceInfo, scale: float):
         if info.cu_seqlens is not None:
@@ -133,9 +136,10 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
         mask = mask | ~info.key_mask[:, None, -Tq:, None]  # padded queries: avoid all-masked rows
         return sdpa(q, k, v, mask=mask, scale=scale)
 
-    def finish(self, o: torch.Tensor, x: torch.Tensor,
-               gate_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Optional per-head norm and output gate, then W_o. o ``[B, T, H, D]`` -> ``[B, T, d]``."""
+    def finish(self, o: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None = None,
+               packed: PackedLinears | None = None) -> torch.Tensor:
+        """Optional per-head norm and output gate, then W_o (through ``packed`` when decoding). o
+        ``[B, T, H, D]`` -> ``[B, T, d]``."""
         B, T, H, D = o.shape
         if self.config.attn_output_norm:
             o = per_head_rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps)
@@ -143,7 +147,7 @@ class HypeNetAttention(SequenceParallelMixer, nn.Module):
             o = o.reshape(B, T, H * D)  # [B, T, H, D] -> [B, T, H*D]
         if self.config.attn_output_gate:
             o = o * output_gate(x, self.g_proj, self.config.output_gate_scale, gate_logits)
-        return self.o_proj(o)
+        return output_linear(self.o_proj, o, packed)
 
 
 class SlidingWindowAttention(HypeNetAttention):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_hypenet import HypeNetConfig
+from .decode_gemv import decode_linear
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,12 +43,16 @@ class HypeNetRMSNorm(nn.Module):
 
 class PackedLinears:
     """Linears that read the same input, as one GEMM: their weights (and biases) concatenated along
-    the output dim, the result split back. Decoding uses it (``StaticDecoder``): at batch 1 a step
-    reads every weight once either way, but a lone 2048 x 2048 GEMV keeps only a fraction of a GPU's
-    SMs busy, and one launch replaces three or four. The concatenation is a copy: it does not follow
-    later updates of the weights."""
+    the output dim, the result split back; and optionally the block's output linear (W_o, the MLP's
+    down projection), which reads what the block computes from them. Decoding uses it
+    (``StaticDecoder``): at batch 1 a step reads every weight once either way, but a lone 2048 x
+    2048 GEMV keeps only a fraction of a GPU's SMs busy, and one launch replaces three or four.
+    ``gemv``: every product through ``decode_gemv.decode_linear`` (the GEMV kernel where it beat
+    cuBLAS for that shape), else cuBLAS. The concatenation is a copy: it does not follow later
+    updates of the weights."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], output: nn.Linear | None = None,
+                 gemv: bool = False):
         weights = [lin.weight.detach() for lin in linears]
         self.sizes = [w.shape[0] for w in weights]
         self.weight = torch.cat(weights)  # [sum N_i, d]
@@ -57,16 +62,33 @@ class PackedLinears:
             self.bias = torch.cat([lin.bias.detach() if lin.bias is not None
                                    else w.new_zeros(w.shape[0])
                                    for lin, w in zip(linears, weights)])
+        self.out = output
+        self.gemv = gemv
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        return decode_linear(x, weight, bias) if self.gemv else F.linear(x, weight, bias)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x ``[..., d]`` -> one ``[..., N_i]`` output per linear."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def weights(self) -> list[torch.Tensor]:
+        """The weights this pack multiplies by (for ``decode_gemv.tune_gemv``)."""
+        return [self.weight] + ([self.out.weight] if self.out is not None else [])
 
 
 def linear_outputs(x: torch.Tensor, linears: list[nn.Linear], packed: PackedLinears | None):
     """The outputs of ``linears`` on the shared input x: one GEMM through ``packed`` if given, else
     one each."""
     return packed(x) if packed is not None else tuple(lin(x) for lin in linears)
+
+
+def output_linear(linear: nn.Linear, x: torch.Tensor, packed: PackedLinears | None):
+    """A block's output linear on x: through ``packed`` when it carries it (decoding), else the
+    module."""
+    if packed is None or packed.out is not linear:
+        return linear(x)
+    return packed.linear(x, linear.weight, linear.bias)
 
 
 def packed_for(cache, layer_idx: int, block: str) -> PackedLinears | None:
@@ -92,7 +114,7 @@ class HypeNetMLP(nn.Module):
 
     def forward(self, x, packed: PackedLinears | None = None):
         gate, up = linear_outputs(x, self.input_linears(), packed)
-        return self.down_proj(F.silu(gate) * up)
+        return output_linear(self.down_proj, F.silu(gate) * up, packed)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:

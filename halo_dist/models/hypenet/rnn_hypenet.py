@@ -25,6 +25,7 @@ from .layers_hypenet import (
     apply_rope,
     linear_outputs,
     output_gate,
+    output_linear,
     packed_for,
     rnn_output_rms_norm,
 )
@@ -110,7 +111,8 @@ class LightningMixer(RNNMixerBase):
         in_place = getattr(cache, "lightning_in_place", False)
         if in_place and x.shape[1] == 1 and info.token_mask is None:
             # static decode: the state is updated in place in the cache's fixed buffer
-            return self.o_proj(self.decode_in_place(x, info, cache))
+            return output_linear(self.o_proj, self.decode_in_place(x, info, cache),
+                                 packed_for(cache, self.layer_idx, "mixer"))
         # [B, T, H, D]
         q, k, v, g = self.project(x, info, packed_for(cache, self.layer_idx, "mixer"))
         info = self.sp_enter(info, cache)  # SP: the full sequence's layout

@@ -39,6 +39,7 @@ import gc
 import torch
 
 from .decode_attention import decode_attention
+from .decode_gemv import gemv_mode, tune_gemv
 from .decode_lightning import STATE_DTYPES, decode_mode, lightning_decode_, split_scratch
 from .layers_hypenet import PackedLinears, rope_inv_freq
 from .ops_rnn import lightning_log_decay
@@ -194,17 +195,19 @@ class StaticDecodeCache:
         return self.prompt_tokens
 
 
-def pack_input_projections(model) -> dict:
+def pack_input_projections(model, gemv: bool = False) -> dict:
     """Every decoder layer's input projections packed: the mixer's q/k/v (and output gate) and the
     MLP's gate/up, each group one GEMM (``PackedLinears``). A decode step at batch 1 is a chain of
     GEMVs, and cuBLAS runs a 2048 x 2048 one at a third of the GPU's bandwidth (a 2B-shape profile
     measured ~0.8 TB/s for the 4-8 MB q/k/v/o weights, 2.3 TB/s for the 25 MB MLP ones). Costs one
-    more copy of those weights while the decoder lives."""
+    more copy of those weights while the decoder lives. Each pack also carries its block's output
+    linear, so that ``gemv`` (``decode_gemv``) reaches every projection of a layer."""
     packs = {}
     for layer in model.model.layers:
         idx = layer.mixer.layer_idx
-        packs[(idx, "mixer")] = PackedLinears(layer.mixer.input_linears())
-        packs[(idx, "mlp")] = PackedLinears(layer.mlp.input_linears())
+        packs[(idx, "mixer")] = PackedLinears(layer.mixer.input_linears(), layer.mixer.o_proj,
+                                              gemv)
+        packs[(idx, "mlp")] = PackedLinears(layer.mlp.input_linears(), layer.mlp.down_proj, gemv)
     return packs
 
 
@@ -232,7 +235,8 @@ class StaticDecoder:
     def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
                  attention_mask: torch.Tensor | None = None, compile: bool | str = False,
                  pack_projections: bool = True, lightning_in_place: bool = True,
-                 state_dtype: torch.dtype | None = None, fuse_lightning: bool | None = None):
+                 state_dtype: torch.dtype | None = None, fuse_lightning: bool | None = None,
+                 gemv: bool | None = None):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
         back to the eager step and is kept in ``compile_error``); a string is the compile mode:
@@ -244,11 +248,13 @@ class StaticDecoder:
         Lightning's state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a
         copy into the buffer); ``fuse_lightning``: on CUDA, that kernel also does the layer's
         QK-norm, RoPE, output norm and gate (False: Inductor's or torch's kernels around it; None:
-        unless ``HALO_DECODE_LIGHTNING=unfused``). The three switches exist to measure what each
-        buys
-        (bench/profile_decode.py); the defaults are the fast path. ``state_dtype``: the RNN states'
-        dtype while decoding (None: fp32, as prefilled; ``torch.bfloat16`` halves their bytes,
-        Lightning-only models, ``StaticDecodeCache``)."""
+        unless ``HALO_DECODE_LIGHTNING=unfused``). ``gemv``: the packed projections and the
+        layers' output linears through ``decode_gemv`` (the GEMV kernel for the weight shapes where
+        ``tune_gemv``, run here, timed it faster than cuBLAS; None: for one-row decoders on CUDA
+        unless ``HALO_DECODE_GEMV=cublas``; ``gemv_report`` keeps the timings). The switches exist
+        to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
+        ``state_dtype``: the RNN states' dtype while decoding (None: fp32, as prefilled;
+        ``torch.bfloat16`` halves their bytes, Lightning-only models, ``StaticDecodeCache``)."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
@@ -265,10 +271,16 @@ class StaticDecoder:
             fuse_lightning = decode_mode() != "unfused"
         self.cache = StaticDecodeCache(cache, model.config, attention_mask, state_dtype,
                                        lightning_in_place, fuse_lightning)
-        if pack_projections:
-            self.cache.packed = pack_input_projections(model)
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
+        if gemv is None:
+            gemv = B == 1 and device.type == "cuda" and gemv_mode() == "triton"
+        self.gemv_report: dict = {}
+        if pack_projections:
+            self.cache.packed = pack_input_projections(model, gemv)
+            if gemv:
+                self.gemv_report = tune_gemv([w for pack in self.cache.packed.values()
+                                              for w in pack.weights()])
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.logits = torch.empty(B, model.config.vocab_size, device=device,
                                   dtype=model.lm_head.weight.dtype)
