@@ -715,14 +715,14 @@ P32a)
     -k "on_cuda and (lightning or gemv)" > "$OUT/p32a_cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; tail -3 "$OUT/p32a_cuda_tests.log"
   fused_tuning p32a 100; cp bench/results/decode_kernel_tuning_fused_p32a.json $H/ 2>/dev/null
-  teacher_512k p32a $((590 - SECONDS)) compiled-cublas compiled
+  teacher_512k p32a $((590 - SECONDS)) compiled compiled-gemv
   grep -B2 -A12 '"gemv"' bench/results/decode_profile_teacher_512k_p32a.json | head -40
   ;;
 P32b)
   # HypeNet-2B at 512K: cuBLAS vs the GEMV, each with the shipped and P32a's fused launch settings
   settings=$H/decode_kernel_tuning_fused_p32a.json
   [ -f "$settings" ] || settings=bench/results/decode_kernel_tuning_fused_p32a.json
-  hypenet_512k p32b $((590 - SECONDS)) --variants compiled-cublas compiled --launch-settings "$settings"
+  hypenet_512k p32b $((590 - SECONDS)) --variants compiled compiled-gemv --launch-settings "$settings"
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's

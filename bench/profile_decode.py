@@ -72,8 +72,8 @@ VARIANTS = {
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
     "compiled": dict(compile=True),
-    # every projection on cuBLAS (the default takes the GEMV kernel where it won, at batch 1)
-    "compiled-cublas": dict(compile=True, gemv=False),
+    # the batch-1 GEMV kernel for the weight shapes where it beat cuBLAS (decode_gemv.tune_gemv)
+    "compiled-gemv": dict(compile=True, gemv=True),
     # Lightning's norms, RoPE and gate as Inductor's kernels around the in-place update (the fused
     # layer step is the default)
     "compiled-unfused": dict(compile=True, fuse_lightning=False),

@@ -667,13 +667,20 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
-@pytest.mark.parametrize("mha", [True, False], ids=["mha", "gqa"])
-def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha):
+@pytest.mark.parametrize("mha,split", [(True, 4), (False, 1), (False, 8)],
+                         ids=["mha-split4", "gqa", "gqa-split8"])
+def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monkeypatch):
     """The 2B shape's heads (16 x 128), graph steps, 1 and 8 rows, positions past 4K: the compiled
-    decoder with the fused Lightning step (norms, RoPE, update, gate in one kernel) against an
+    decoder with the fused Lightning step (norms, RoPE, update, gate in one kernel; a head split
+    over ``split`` programs, which finish its output norm through the scratch) against an
     uncompiled one with torch's kernels around the in-place update. fp32 weights: the same logits
     and states to fp32 rounding. bf16 weights: the two round in different places (the fused step
     keeps fp32 from the projection to the gate), so only a loose bound."""
+    from halo_dist.models.hypenet import decode_lightning
+
+    for dtype in decode_lightning.STATE_DTYPES:
+        monkeypatch.setitem(decode_lightning.LAUNCH, dtype,
+                            {**decode_lightning.LAUNCH[dtype], "fused_split": split})
     torch.manual_seed(0)
     cfg = HypeNetConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048,
                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,

@@ -19,7 +19,8 @@ them, from DRAM), and ``decode_linear`` takes the kernel only for shapes where i
 * ``tune_gemv``: the per-shape choice; ``StaticDecoder`` runs it for a batch-1 decoder on CUDA
   before its warm-up, outside any compiled or captured code.
 * ``decode_linear``: the kernel where the choice says so, ``F.linear`` elsewhere.
-  ``HALO_DECODE_GEMV=cublas`` keeps cuBLAS everywhere.
+  ``StaticDecoder(gemv=True)`` or ``HALO_DECODE_GEMV=triton`` turns it on; cuBLAS is the default
+  until the decode step has been timed with it on a GPU (phases P32a/P32b).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ GEMV_MODES = ("triton", "cublas")
 
 
 def gemv_mode() -> str:
-    """``HALO_DECODE_GEMV``: "triton" (the default: the kernel where it beat cuBLAS) or "cublas"."""
-    mode = os.environ.get("HALO_DECODE_GEMV", "triton")
+    """``HALO_DECODE_GEMV``: "cublas" (the default until a GPU run has measured the kernel in the
+    decode step) or "triton" (the kernel where ``tune_gemv`` found it faster than cuBLAS)."""
+    mode = os.environ.get("HALO_DECODE_GEMV", "cublas")
     if mode not in GEMV_MODES:
         raise ValueError(f"HALO_DECODE_GEMV={mode!r}: choose from {GEMV_MODES}")
     return mode

@@ -50,9 +50,10 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 # plain update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``).
 # ``fused_split`` (with ``split_warps``, ``split_prefetch``): programs per head while rows x heads
 # leave SMs idle. At batch 1, 16 programs on 132 SMs, each a chain of dependent loads, took 11.4 µs
-# in the 512K step where the plain update's 32 programs took 3.7.
+# in the 512K step where the plain update's 32 programs took 3.7. Off (1) until a GPU has run it:
+# the CUDA test and ``tune_decode_kernels.py --fused`` (phase P32a) decide.
 LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=2, fused_prefetch=False,
-                      fused_split=4, split_warps=2, split_prefetch=True)
+                      fused_split=1, split_warps=2, split_prefetch=True)
           for dtype, block_v in ((torch.float32, 64), (torch.bfloat16, 128))}
 
 try:

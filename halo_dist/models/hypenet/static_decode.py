@@ -251,7 +251,7 @@ class StaticDecoder:
         unless ``HALO_DECODE_LIGHTNING=unfused``). ``gemv``: the packed projections and the
         layers' output linears through ``decode_gemv`` (the GEMV kernel for the weight shapes where
         ``tune_gemv``, run here, timed it faster than cuBLAS; None: for one-row decoders on CUDA
-        unless ``HALO_DECODE_GEMV=cublas``; ``gemv_report`` keeps the timings). The switches exist
+        when ``HALO_DECODE_GEMV=triton``; ``gemv_report`` keeps the timings). The switches exist
         to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
         ``state_dtype``: the RNN states' dtype while decoding (None: fp32, as prefilled;
         ``torch.bfloat16`` halves their bytes, Lightning-only models, ``StaticDecodeCache``)."""
