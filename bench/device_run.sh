@@ -62,6 +62,9 @@
 #   P30e: 2 fused warps: fused CUDA test, HypeNet 512K unfused vs fused, teacher 512K, OPD h2048 (the CUDA test and
 #      OPD ran out of their limits) | P31a (next): the fused kernel's load order x warps, HypeNet 512K shipped vs
 #      tuned, the teacher; then P30b (OPD with the fused step, not yet run)
+#   P32a (next; replaces P31a): CUDA tests of the batch-1 GEMV and of the fused step split over programs, the fused
+#      sweep with the state from DRAM, the teacher shape at 512K cuBLAS vs GEMV | P32b (same warm machine): HypeNet
+#      512K cuBLAS vs GEMV, shipped vs P32a's fused settings; then P30b
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -711,18 +714,19 @@ P32a)
   # the batch-1 GEMV (tuned per weight shape against cuBLAS) and the fused Lightning step split over
   # programs: their CUDA tests, the fused sweep with the state from DRAM (kept in $H for P32b), then the
   # teacher shape at 512K on cuBLAS and with the GEMV, one process
-  timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_decode_gemv.py tests/test_static_decode.py \
+  timeout 260 python3 -m pytest -v -p no:cacheprovider tests/test_decode_gemv.py tests/test_static_decode.py \
     -k "on_cuda and (lightning or gemv)" > "$OUT/p32a_cuda_tests.log" 2>&1
-  echo "cuda tests rc=$?"; tail -3 "$OUT/p32a_cuda_tests.log"
+  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p32a_cuda_tests.log" | tail -12
   fused_tuning p32a 100; cp bench/results/decode_kernel_tuning_fused_p32a.json $H/ 2>/dev/null
   teacher_512k p32a $((590 - SECONDS)) compiled compiled-gemv
-  grep -B2 -A12 '"gemv"' bench/results/decode_profile_teacher_512k_p32a.json | head -40
+  grep -A8 "GEMV vs cuBLAS" "$OUT/p32a_teacher_512k.log"
   ;;
 P32b)
   # HypeNet-2B at 512K: cuBLAS vs the GEMV, each with the shipped and P32a's fused launch settings
   settings=$H/decode_kernel_tuning_fused_p32a.json
   [ -f "$settings" ] || settings=bench/results/decode_kernel_tuning_fused_p32a.json
   hypenet_512k p32b $((590 - SECONDS)) --variants compiled compiled-gemv --launch-settings "$settings"
+  grep -A8 "GEMV vs cuBLAS" "$OUT/p32b_hypenet_512k.log"
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's

@@ -66,6 +66,11 @@ def parse_args(argv=None):
                         "stochastic rounding (an experiment: a torch version of the update in "
                         "this script, CPU only; unbiased, so a decay below half an ulp still acts "
                         "on average)")
+    p.add_argument("--fast-heads-bf16", type=int, default=0, metavar="N",
+                   help="instead of a bf16 state, round only the N fastest-decaying heads of every "
+                        "Lightning state to bf16 after each token (round to nearest, as the kernel "
+                        "stores), the rest kept fp32: a head forgets a rounding at its own rate "
+                        "1 - λ, so only the slow heads should compound it")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -129,12 +134,21 @@ def build(args):
 BUCKETS = [(0, 16), (16, 64), (64, 256), (256, 1024), (1024, 4096), (4096, 1 << 30)]
 
 
+def round_fast_heads(decoder: StaticDecoder, heads: int) -> None:
+    """Round heads [0, heads) of every RNN state ``[B, H, K, V]`` to bf16 in place: Lightning's
+    heads decay fastest first (``ops_rnn.lightning_log_decay``)."""
+    for s in decoder.cache.rnn_states():
+        s[:, :heads] = s[:, :heads].to(torch.bfloat16).to(s.dtype)
+
+
 @torch.inference_mode()
 def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
-          state_dtype: torch.dtype | None = torch.bfloat16, perturb: float = 0.0) -> dict:
+          state_dtype: torch.dtype | None = torch.bfloat16, perturb: float = 0.0,
+          fast_heads_bf16: int = 0) -> dict:
     """Per-step KL, total variation and argmax agreement of the second decoder (RNN states in
-    ``state_dtype``, or fp32 perturbed once by a relative ``perturb``) against the fp32-state one,
-    both fed the fp32 decoder's samples."""
+    ``state_dtype``, or fp32 perturbed once by a relative ``perturb``, or fp32 with its
+    ``fast_heads_bf16`` fastest heads rounded to bf16 after every token) against the fp32-state
+    one, both fed the fp32 decoder's samples."""
     ids = prompts.to(device)
     cache = HypeNetCache(model.config.num_hidden_layers,
                          max_cache_len=ids.shape[1] + tokens + 8)
@@ -150,6 +164,8 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
     for _ in range(tokens):
         logp = torch.log_softmax(ref.step(nxt).float(), -1)  # [B, V]
         logq = torch.log_softmax(other.step(nxt).float(), -1)
+        if fast_heads_bf16:
+            round_fast_heads(other, fast_heads_bf16)
         p = logp.exp()
         kl.append((p * (logp - logq)).sum(-1).cpu())  # [B]
         tv.append(0.5 * (p - logq.exp()).abs().sum(-1).cpu())
@@ -202,7 +218,13 @@ def main(argv=None) -> dict:
         static_decode.lightning_decode_ = stochastic_lightning_update(
             torch.Generator().manual_seed(args.seed + 1))
     t0 = time.perf_counter()
-    result = {"bf16_state": drift(model, prompts, args.tokens, device, args.seed),
+    if args.fast_heads_bf16:
+        first = (f"bf16_fastest_{args.fast_heads_bf16}_heads",
+                 drift(model, prompts, args.tokens, device, args.seed, None,
+                       fast_heads_bf16=args.fast_heads_bf16))
+    else:
+        first = ("bf16_state", drift(model, prompts, args.tokens, device, args.seed))
+    result = {first[0]: first[1],
               "control_fp32_perturbed_1e-3": drift(model, prompts, args.tokens, device,
                                                    args.seed, None, 1e-3)}
     result["seconds"] = time.perf_counter() - t0
@@ -215,6 +237,7 @@ def main(argv=None) -> dict:
               f"argmax agree {r['argmax_agree']:.4f}")
     name = "student" if args.student is not None else args.model
     suffix = "_stochastic" if args.rounding == "stochastic" else ""
+    suffix += f"_fast{args.fast_heads_bf16}" if args.fast_heads_bf16 else ""
     out = args.out or RESULTS / f"rollout_state_drift_{name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": environment(), "args": {k: str(v) for k, v in
