@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
 from halo_dist.models.hypenet import decode_attention, decode_lightning  # noqa: E402
 from halo_dist.models.hypenet.decode_attention import decode_attention_triton  # noqa: E402
+from halo_dist.models.hypenet.decode_gemv import graph_time_ms  # noqa: E402
 from halo_dist.models.hypenet.decode_lightning import lightning_decode_triton  # noqa: E402
 from halo_dist.models.hypenet.layers_hypenet import rope_inv_freq  # noqa: E402
 
@@ -55,29 +56,10 @@ LIGHT_DEFAULT = dict(decode_lightning.LAUNCH[torch.float32])
 
 def time_graph(fn, calls: int = 10, reps: int = 5) -> float:
     """Milliseconds per call of ``fn``: ``calls`` back-to-back calls captured in one CUDA graph, the
-    median of ``reps`` replays (wall clock per call on CPU)."""
+    median of ``reps`` replays (``decode_gemv.graph_time_ms``; wall clock per call on CPU)."""
     if not torch.cuda.is_available():
         return time_cuda(fn, warmup=1, iters=1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compilation, allocations
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    return graph_time_ms(fn, calls, reps)
 
 
 def with_default(grid: list[dict], default: dict) -> list[dict]:

@@ -122,18 +122,20 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor,
     return gemv_triton(x, weight, bias, *cfg)
 
 
-def _time_us(fn, reps: int) -> float:
-    """Median of ``reps`` replays of ``fn`` captured in a CUDA graph, in µs: a step replays its
-    GEMVs from a graph too, and launched one by one from Python the few-µs kernels would be timed
-    at the host's launch rate."""
+def graph_time_ms(fn, calls: int = 1, reps: int = 5) -> float:
+    """Milliseconds per call of ``fn`` (CUDA): ``calls`` back-to-back calls captured in one CUDA
+    graph, the median of ``reps`` replays. A decode step replays its kernels from a graph too;
+    launched one by one from Python, few-µs kernels would be timed at the host's launch rate."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, warm
-        fn()
+    with torch.cuda.stream(side):  # warm-up: compilation, allocations
+        for _ in range(2):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     graph.replay()
     times = []
     for _ in range(reps):
@@ -142,7 +144,7 @@ def _time_us(fn, reps: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -175,7 +177,7 @@ def tune_gemv(weights: list[torch.Tensor], reps: int = 7, min_gain: float = 1.03
         for cfg in (None,) + CANDIDATES:
             got = (gemv_triton(x, group[0], None, *cfg) if cfg else F.linear(x, group[0])).float()
             if float((got - want).norm() / want.norm().clamp_min(1e-30)) < 2e-2:
-                per[cfg] = _time_us(lambda cfg=cfg: run(cfg), reps) / len(group)
+                per[cfg] = graph_time_ms(lambda cfg=cfg: run(cfg), reps=reps) * 1e3 / len(group)
         best = min((c for c in per if c is not None), key=per.get, default=None)
         if best is not None and per[None] / per[best] < min_gain:
             best = None
