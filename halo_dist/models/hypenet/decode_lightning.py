@@ -282,9 +282,9 @@ def _fused_split(programs: int, dv: int, e: LayerEnds, cfg: dict, device) -> int
     if split == 1 or e.scratch is None or programs >= sm_count(device):
         return 1
     part, arrived = e.scratch
-    if split & (split - 1) or dv % split or part.numel() < programs * dv \
+    if split & (split - 1) or split > dv or part.numel() < programs * dv \
             or arrived.numel() < programs:
-        raise ValueError(f"fused_split={split} needs a power of two dividing the head's {dv} "
+        raise ValueError(f"fused_split={split} needs a power of two up to the head's {dv} "
                          f"columns and a scratch for {programs} heads (split_scratch)")
     return split
 
@@ -319,8 +319,11 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
     pos, inv_freq = e.rope or (q, q)  # (q: any pointer where a part is left out)
     gate = q if e.gate is None else e.gate
-    part, arrived = e.scratch if split > 1 else (o, o)
-    _lightning_decode_kernel[(B * H, triton.cdiv(DV, block_v))](
+    programs = triton.cdiv(DV, block_v)  # per head (fewer than split when DV is not a power of 2)
+    # unused without a split: a tensor the kernel only reads stands in (never the output, which a
+    # compiler that cannot see the constexpr branch would take for one more written argument)
+    part, arrived = e.scratch if split > 1 else (log_decay, log_decay)
+    _lightning_decode_kernel[(B * H, programs)](
         q, k, v, gate, pos, inv_freq, q if e.q_norm is None else e.q_norm,
         q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
         log_decay, state, o, part, arrived,
@@ -330,7 +333,7 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale, e.qk_eps, e.o_eps, e.gate_scale,
         H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
         ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None,
-        PREFETCH=prefetch, V_SPLIT=split,
+        PREFETCH=prefetch, V_SPLIT=programs if split > 1 else 1,
         BLOCK_DV=triton.next_power_of_2(DV), num_warps=warps,
     )
     return o
