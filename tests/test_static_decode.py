@@ -760,7 +760,7 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monke
 
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
 @pytest.mark.parametrize("split", [2, 4, 8])
-def test_fused_step_split_holds_over_many_launches_in_one_graph_on_cuda(split):
+def test_fused_lightning_split_holds_over_many_launches_in_one_graph_on_cuda(split):
     """A race between a head's programs (a finisher reading a column not yet written, a count not
     reset) shows up only sometimes: 300 split launches captured in one CUDA graph and replayed,
     the scratch's columns NaN before the first, every output against one program per head."""
