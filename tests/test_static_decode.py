@@ -747,6 +747,7 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monke
             for key, x, y in (("fused", a, d), ("plain", b, d), ("apart", a, b)):
                 err[key] = max(err[key], float((x - y).norm() / y.norm()))
             nxt = d.argmax(-1)
+        assert not fused.cache.lightning_scratch[1].any()  # every head's arrivals reset
         states = zip(fused.cache.rnn_states(), plain.cache.rnn_states())
         state_err = max(float((s - t).norm() / t.norm()) for s, t in states)
         if dtype == torch.float32:
