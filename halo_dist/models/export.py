@@ -48,6 +48,7 @@ MODEL_FILES = (
     "static_decode.py",  # CUDA-graph decoding
     "decode_attention.py",  # its split-KV attention kernel
     "decode_lightning.py",  # its in-place Lightning state update
+    "decode_gemv.py",  # its batch-1 GEMV (opt-in)
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_hypenet.HypeNetConfig",
