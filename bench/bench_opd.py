@@ -57,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--continuous", action="store_true",
                    help="rollouts through continuous_rollouts (opd.continuous_batching; one slot "
                         "per rollout here, since every row runs the full horizon)")
+    p.add_argument("--rollout-streams", type=int, default=1,
+                   help="continuous rollouts' slots in this many groups, each a decoder on its own "
+                        "CUDA stream (opd.rollout_streams; with --continuous)")
     p.add_argument("--compile-layers", action="store_true",
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
@@ -124,7 +127,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
         if args.continuous:
             return continuous_rollouts(student, prompts, h, len(prompts), eos_token_id=None,
                                        generator=g, compile_static=args.compile_rollouts,
-                                       state_dtype=state_dtype)
+                                       state_dtype=state_dtype, streams=args.rollout_streams)
         return sample_rollouts(student, prompts, h, eos_token_id=None, generator=g,
                                static_cache=args.static_decode,
                                compile_static=args.compile_rollouts, state_dtype=state_dtype)
@@ -142,7 +145,8 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     gen_mem = peak_gib(device)
     sampled = sum(len(x) for x in gens)
     row = {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len,
-           "rollout_s": gen_s, "rollout_tokens_per_s": sampled / gen_s,
+           "rollout_streams": args.rollout_streams if args.continuous else 1, "rollout_s": gen_s,
+           "rollout_tokens_per_s": sampled / gen_s,
            "rollout_peak_gib": gen_mem}
     if args.skip_train:
         return row

@@ -65,6 +65,9 @@
 #   P32a (next; replaces P31a): CUDA tests of the batch-1 GEMV and of the fused step split over programs, the fused
 #      sweep with the state from DRAM, the teacher shape at 512K cuBLAS vs GEMV | P32b (same warm machine): HypeNet
 #      512K cuBLAS vs GEMV, shipped vs P32a's fused settings; then P30b
+#   P33a: the rollout slots as two groups on two CUDA streams: the groups' CUDA tests, then one decoder vs two
+#      half decoders (one after the other, and on two streams) at 256 and 512 rows | P33b: the whole h2048
+#      rollout at 512 rollouts with two groups on two streams, then with one, two processes
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -738,6 +741,24 @@ P30b)
     --rollouts 256 --continuous --compile-rollouts --skip-train --timed-steps 1 \
     --out bench/results/opd_p30b_unfused.json > "$OUT/p30b_opd_unfused.log" 2>&1
   echo "opd unfused rc=$?"; tail -6 "$OUT/p30b_opd_unfused.log"
+  ;;
+P33a)
+  # issue 20 item 4: the rollout slots as two groups, each a decoder on its own stream (opd.rollout_streams)
+  timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_opd_rollouts.py -k cuda \
+    > "$OUT/p33a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p33a_cuda_tests.log" | tail -4
+  timeout $((580 - SECONDS)) python3 bench/overlap_streams.py --rows 256 512 --groups 2 \
+    --out bench/results/overlap_streams_p33a.json > "$OUT/p33a_overlap.log" 2>&1
+  echo "overlap rc=$?"; grep -A11 "one decoder vs groups" "$OUT/p33a_overlap.log"
+  ;;
+P33b)
+  # the whole h2048 rollout, 512 rollouts: two groups on two streams, then one (P26c's 34.4K), two processes
+  for n in 2 1; do
+    timeout $(( n == 2 ? 290 : 585 - SECONDS )) python3 bench/bench_opd.py --horizons 2048 --rollouts 512 \
+      --continuous --compile-rollouts --skip-train --timed-steps 1 --rollout-streams $n \
+      --out bench/results/opd_p33b_streams$n.json > "$OUT/p33b_opd_streams$n.log" 2>&1
+    echo "opd streams=$n rc=$?"; tail -4 "$OUT/p33b_opd_streams$n.log"
+  done
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

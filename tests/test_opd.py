@@ -22,6 +22,7 @@ from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, R
                                   parameter_groups, position_buckets, sample_rollouts)
 from halo_dist.eval.tokenizers import byte_tokenizer
 from halo_dist.stages.opd_prompts import Curriculum, PromptError, build_prompt_set
+from halo_dist.stages.opd_rollouts import continuous_rollouts
 from halo_dist.models.convert import as_exact_hypenet
 from halo_dist.train.metrics import read_metrics
 
@@ -310,7 +311,7 @@ def test_compiled_layers_and_rollouts_train_like_the_eager_run(tmp_path):
         assert math.isclose(a, b, rel_tol=1e-4), (got, want)
 
 
-def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
+def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path, monkeypatch):
     """opd.continuous_batching: rollouts through refilled slots (stages/opd_rollouts.py); two runs
     of the same config train identically, and the rollouts follow the generator the checkpoints
     keep."""
@@ -323,6 +324,22 @@ def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
     assert a.tokens_seen == b.tokens_seen > 0
     la, lb = (read_metrics(tmp_path / name)["train/loss"] for name in ("a", "b"))
     assert la == lb and len(la) == 3 and all(math.isfinite(v) for _, v in la)
+    # opd.rollout_streams=2: the two slots as two groups (a group with nothing left stops drawing,
+    # so the draws, and the losses, part from the one-group run's): again a function of the seed
+    import halo_dist.train.opd_loop as loop_mod
+
+    asked = []
+
+    def recording(*args, **kw):
+        asked.append(kw["streams"])
+        return continuous_rollouts(*args, **kw)
+
+    monkeypatch.setattr(loop_mod, "continuous_rollouts", recording)
+    for name in ("c", "d"):
+        run_trainer(tiny_cfg(tmp_path / name, *common, "opd.rollout_streams=2"))
+    assert set(asked) == {2}
+    lc, ld = (read_metrics(tmp_path / name)["train/loss"] for name in ("c", "d"))
+    assert lc == ld and len(lc) == 3 and all(math.isfinite(v) for _, v in lc)
 
 
 def test_bf16_rollout_state_trains_and_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
@@ -541,6 +558,10 @@ def test_bad_prompt_sets_have_clear_errors(tmp_path):
         tiny_cfg(tmp_path, "stage.name=stage3", "loss.objective=kl")
     with pytest.raises(ConfigError, match="horizon_max"):
         tiny_cfg(tmp_path, "opd.horizon_max=8")
+    with pytest.raises(ConfigError, match="rollout_streams"):
+        tiny_cfg(tmp_path, "opd.rollout_streams=0")
+    with pytest.raises(ConfigError, match="rollout_streams: 2 groups need continuous_batching"):
+        tiny_cfg(tmp_path, "opd.rollout_streams=2", "opd.continuous_batching=false")
 
 
 def test_tokenizer_and_vocab_mismatch_are_refused():

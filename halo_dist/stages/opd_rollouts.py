@@ -15,6 +15,13 @@ slots ended, refills) hides behind the step instead of following it. A rollout t
 therefore noticed one step late; that extra step's token for the slot is discarded, and the refill
 replaces the slot's cache and position anyway.
 
+``streams`` > 1 splits the slots into that many groups, each with its own decoder and CUDA stream,
+all drawing from one queue of prompts. A rollout step is mostly memory-bound kernels (the Lightning
+states, the attention layers' keys) with compute-bound GEMMs between them; two groups' graphs
+replayed on two streams let one group's GEMMs run while the other's kernels stream memory. Each
+group's work (prefills, steps, sampling, token copies) stays on its stream; the caller's stream
+waits for every group before the call returns. On CPU the groups simply take turns.
+
 The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
 caller's generator (on the model's device), without a host sync
 (``rollout_sampling.sample_tokens``); ``temperature=0`` decodes greedily, which is how the tests
@@ -22,6 +29,8 @@ compare it with per-prompt decoding.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
@@ -52,44 +61,91 @@ class _TokenReader:
         return self.host.tolist()
 
 
-class _Slots:
-    """The host side of the decode slots: which prompt each slot serves and its tokens so far."""
+class _Work:
+    """What every group shares: the prompts, the queue of those not yet started, the results, and
+    how a rollout is sampled and when it ends."""
 
-    def __init__(self, model, decoder: StaticDecoder, prompts, horizon, sampling, stop_token):
-        self.model, self.decoder, self.prompts = model, decoder, prompts
-        self.horizon, self.sampling, self.stop_token = horizon, sampling, stop_token
-        self.serving: dict[int, int] = {}  # slot -> prompt index
-        self.tokens: dict[int, list[int]] = {}  # slot -> sampled tokens of its rollout
+    def __init__(self, model, prompts, started: int, horizon, sampling, stop_token, options):
+        self.model, self.prompts, self.horizon = model, prompts, horizon
+        self.sampling, self.stop_token, self.options = sampling, stop_token, options
+        self.queue = iter(range(started, len(prompts)))
         self.results: list[list[int] | None] = [None] * len(prompts)
-        self.queue = iter(range(decoder.tokens.shape[0], len(prompts)))
 
-    def ended(self, slot: int) -> bool:
-        toks = self.tokens[slot]
-        return bool(toks) and (len(toks) >= self.horizon
-                               or (self.stop_token is not None and toks[-1] == self.stop_token))
+    def ended(self, tokens: list[int]) -> bool:
+        return bool(tokens) and (len(tokens) >= self.horizon
+                                 or (self.stop_token is not None and tokens[-1] == self.stop_token))
 
-    def settle(self, slot: int, next_tokens: torch.Tensor) -> None:
-        """Retire the slot's rollout if it ended, and restart the slot on the next queued prompt
-        (its first token, sampled from the prefill, goes into ``next_tokens`` on the device and
-        reaches the host with the next read), or park it."""
-        if slot not in self.serving or not self.ended(slot):
-            return
-        self.results[self.serving.pop(slot)] = self.tokens.pop(slot)
-        idx = next(self.queue, None)
+
+class _Group:
+    """One decoder's slots, on its own stream: which prompt each slot serves, its tokens so far,
+    and the step in flight."""
+
+    def __init__(self, work: _Work, first: list[int], room: int, pad_token_id: int,
+                 stream: torch.cuda.Stream | None):
+        self.work, self.stream = work, stream
+        device = next(work.model.parameters()).device
+        with self.on_stream():
+            prompts = [work.prompts[i] for i in first]
+            ids, mask = (t.to(device) for t in left_padded(prompts, pad_token_id))  # [b, T]
+            cache = HypeNetCache(work.model.config.num_hidden_layers, max_cache_len=room)
+            logits = work.model(ids, attention_mask=mask, cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]  # [b, V]
+            self.decoder = StaticDecoder(work.model, cache, attention_mask=mask, **work.options)
+            self.cur = sample_tokens(logits, *work.sampling)  # [b] each slot's next token
+        self.reader = _TokenReader(self.cur)
+        self.serving = dict(enumerate(first))  # slot -> prompt index
+        self.tokens: dict[int, list[int]] = {slot: [] for slot in self.serving}
+        self.nxt: torch.Tensor | None = None
+
+    def on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def queue_step(self) -> None:
+        """Copy the current tokens out and queue the next step behind the copy."""
+        with self.on_stream():
+            self.reader.start(self.cur)
+            self.nxt = sample_tokens(self.decoder.step(self.cur), *self.work.sampling)  # [b]
+
+    def settle(self) -> bool:
+        """Read the tokens copied out by ``queue_step``, retire the rollouts that ended and refill
+        or park their slots; False once no slot serves a prompt."""
+        with self.on_stream():
+            for slot, tok in enumerate(self.reader.read()):
+                if slot in self.serving:
+                    self.tokens[slot].append(tok)
+            for slot in list(self.serving):
+                if self.work.ended(self.tokens[slot]):
+                    self._retire(slot)
+        self.cur = self.nxt
+        return bool(self.serving)
+
+    def _retire(self, slot: int) -> None:
+        """Keep the slot's rollout and restart the slot on the next queued prompt (its first token,
+        sampled from the prefill, goes into the step in flight's tokens and reaches the host with
+        the next read), or park it."""
+        work = self.work
+        work.results[self.serving.pop(slot)] = self.tokens.pop(slot)
+        idx = next(work.queue, None)
         if idx is None:
             self.decoder.park_row(slot)
             return
-        next_tokens[slot] = self._prefill_into(slot, self.prompts[idx])
+        self.nxt[slot] = self._prefill_into(slot, work.prompts[idx])
         self.serving[slot], self.tokens[slot] = idx, []
 
-    @torch.no_grad()
     def _prefill_into(self, slot: int, prompt: list[int]) -> torch.Tensor:
-        device = self.decoder.tokens.device
-        cache = HypeNetCache(self.model.config.num_hidden_layers)
-        ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T]
-        logits = self.model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        model = self.work.model
+        cache = HypeNetCache(model.config.num_hidden_layers)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.decoder.tokens.device)  # [1, T]
+        logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         self.decoder.refill_row(slot, cache)
-        return sample_tokens(logits, *self.sampling)[0]
+        return sample_tokens(logits, *self.work.sampling)[0]
+
+
+def group_slots(slots: int, groups: int) -> list[range]:
+    """``slots`` slot indices in ``groups`` contiguous runs whose sizes differ by at most one."""
+    sizes = [slots // groups + (g < slots % groups) for g in range(groups)]
+    starts = [sum(sizes[:g]) for g in range(groups)]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
 
 
 @torch.no_grad()
@@ -97,56 +153,69 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
                         temperature: float = 1.0, top_p: float = 1.0,
                         eos_token_id: int | None = None, stop_at_eos: bool = True,
                         generator: torch.Generator | None = None, pad_token_id: int = 0,
-                        compile_static: bool = False,
-                        state_dtype: torch.dtype | None = None) -> list[list[int]]:
+                        compile_static: bool = False, state_dtype: torch.dtype | None = None,
+                        streams: int = 1) -> list[list[int]]:
     """One continuation per prompt (in the prompts' order; cut after the first EOS when
     ``stop_at_eos``), decoded in ``slots`` rows that are refilled as rollouts end.
     ``compile_static``: the step through ``torch.compile`` (the buffers' room rounded up by
     ``compiled_room``, so calls with similar prompts share a compilation). ``state_dtype``: the
-    decoder's RNN state dtype (``sample_rollouts``)."""
+    decoder's RNN state dtype (``sample_rollouts``). ``streams``: the slots in that many groups,
+    each a decoder on its own CUDA stream (at most one group per slot)."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("an empty prompt cannot be continued")
-    if slots < 1 or horizon < 1:
-        raise ValueError(f"slots ({slots}) and horizon ({horizon}) must be positive")
-    device = next(model.parameters()).device
+    if slots < 1 or horizon < 1 or streams < 1:
+        raise ValueError(f"slots ({slots}), horizon ({horizon}) and streams ({streams}) must be "
+                         "positive")
     room = max(len(p) for p in prompts) + horizon + STATIC_WARMUP_TOKENS + 1
-    if compile_static:
-        room = compiled_room(room)
-    ids, mask = (t.to(device) for t in left_padded(prompts[:slots], pad_token_id))
-    sampling = (temperature, top_p, generator)
+    room = compiled_room(room) if compile_static else room
+    slots = min(slots, len(prompts))
+    work = _Work(model, prompts, slots, horizon, (temperature, top_p, generator),
+                 eos_token_id if stop_at_eos else None, static_options(compile_static, state_dtype))
     was_training = model.training
     model.eval()
     try:
         with eager_decoder_layers(model):
-            cache = HypeNetCache(model.config.num_hidden_layers, max_cache_len=room)
-            logits = model(ids, attention_mask=mask, cache=cache, use_cache=True,
-                           logits_to_keep=1).logits[:, -1]  # [B, V]
-            decoder = StaticDecoder(model, cache, attention_mask=mask,
-                                    **static_options(compile_static, state_dtype))
-            return _decode(model, decoder, prompts, horizon, sampling,
-                           eos_token_id if stop_at_eos else None, logits)
+            return _decode(work, group_slots(slots, min(streams, slots)), room, pad_token_id)
     finally:
         model.train(was_training)
 
 
-def _decode(model, decoder, prompts, horizon, sampling, stop_token, logits) -> list[list[int]]:
-    """Step every slot until each prompt has its rollout. Each iteration queues the next step on
-    the GPU first, then reads the previous step's tokens and settles the slots."""
-    state = _Slots(model, decoder, prompts, horizon, sampling, stop_token)
-    for slot in range(decoder.tokens.shape[0]):
-        state.serving[slot], state.tokens[slot] = slot, []
-    cur = sample_tokens(logits, *sampling)  # [B] each slot's next token, on the device
-    reader = _TokenReader(cur)
-    while True:
-        reader.start(cur)
-        nxt = sample_tokens(decoder.step(cur), *sampling)  # [B], queued behind the copy
-        for slot, tok in enumerate(reader.read()):
-            if slot in state.serving:
-                state.tokens[slot].append(tok)
-        for slot in list(state.serving):
-            state.settle(slot, nxt)
-        if not state.serving:
-            return state.results
-        cur = nxt
+# {device: streams}: the rollout groups' streams, kept from call to call. The caching allocator
+# keeps a freed block for its stream, so fresh streams on every call would strand each call's
+# rollout buffers (tens of GB) in pools no later call can use.
+_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+
+def _group_streams(device: torch.device, groups: int) -> list[torch.cuda.Stream | None]:
+    """One stream per group on CUDA when there are several groups; None: the caller's stream."""
+    if device.type != "cuda" or groups == 1:
+        return [None] * groups
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                          else device.index)
+    have = _STREAMS.setdefault(device, [])
+    have += [torch.cuda.Stream(device) for _ in range(groups - len(have))]
+    return have[:groups]
+
+
+def _decode(work: _Work, runs: list[range], room: int, pad_token_id: int) -> list[list[int]]:
+    """Step every group until each prompt has its rollout. Each round queues every group's next
+    step first, then reads the previous steps' tokens and settles the slots."""
+    device = next(work.model.parameters()).device
+    streams = _group_streams(device, len(runs))
+    caller = torch.cuda.current_stream(device) if streams[0] is not None else None
+    for s in streams:
+        if s is not None:
+            s.wait_stream(caller)  # the weights and whatever the caller queued come first
+    try:
+        active = [_Group(work, list(run), room, pad_token_id, s) for run, s in zip(runs, streams)]
+        while active:
+            for group in active:
+                group.queue_step()
+            active = [group for group in active if group.settle()]
+        return work.results
+    finally:
+        for s in streams:
+            if s is not None:
+                caller.wait_stream(s)  # the groups' buffers go back to the caller's stream
