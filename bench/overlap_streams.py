@@ -16,9 +16,12 @@ For each ``--rows`` R, with random bf16 weights and a random cache of ``--contex
 * ``k streams``: the same k decoders, each replayed on its own stream (the overlap);
 * ``k streams, first ahead``: the same with the first group's stream at a higher priority.
 
-A round is every decoder's step plus its sampling (``sample_tokens``, as the rollout loop does);
-the figure is the mean over ``--rounds`` rounds between two events on the caller's stream, after
-the graphs were captured and warmed up. ``tokens/s`` = R / round time.
+A round is what the rollout loop does per token: every decoder's tokens copied out to pinned memory,
+its step and sampling (``sample_tokens``) queued on its stream, then every copy read on the host.
+The figure is the mean over ``--rounds`` rounds, timed on the host between two device
+synchronisations after the graphs were captured and one round ran untimed; the groups' graphs are
+captured on their own streams and share one copy of the packed weights, as the rollouts build them.
+``tokens/s`` = R / round time.
 
   python bench/overlap_streams.py --rows 256 512 --groups 2
   python bench/overlap_streams.py --cpu-smoke     # tiny shapes on CPU: streams are a no-op there
@@ -39,7 +42,7 @@ from bench.bench_inference import build, model_configs, sync  # noqa: E402
 from bench.common import print_table, write_result  # noqa: E402
 from bench.profile_decode import random_cache, step_bytes  # noqa: E402
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
-from halo_dist.stages.opd_rollouts import group_slots  # noqa: E402
+from halo_dist.stages.opd_rollouts import TokenReader, group_slots  # noqa: E402
 from halo_dist.stages.rollout_sampling import sample_tokens  # noqa: E402
 
 
@@ -56,28 +59,45 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def decoders(model, sizes: list[int], context: int, room: int, compile_step: bool, device):
-    """A decoder of each size over its own random cache of ``context`` tokens (+ ``room``)."""
+def decoders(model, sizes: list[int], context: int, room: int, compile_step: bool, device,
+             streams) -> list[StaticDecoder]:
+    """A decoder of each size over its own random cache of ``context`` tokens (+ ``room``), the
+    first one's packed weights shared, each graph captured on its own stream (as the rollouts
+    build their groups)."""
     dtype = next(model.parameters()).dtype
-    return [StaticDecoder(model, random_cache(model, n, context, device, dtype, room),
-                          compile=compile_step) for n in sizes]
+    out = []
+    for n, stream in zip(sizes, streams):
+        cache = random_cache(model, n, context, device, dtype, room)
+        out.append(StaticDecoder(model, cache, compile=compile_step, capture_stream=stream,
+                                 packs=out[0].cache.packed if out else None))
+    return out
 
 
 def round_ms(decs, streams, rounds: int, device) -> float:
-    """Mean ms of one round: every decoder steps and samples, each on its stream (None: the
-    caller's)."""
+    """Mean ms of one round as ``continuous_rollouts`` runs it: every decoder's tokens copied out
+    and its step and sampling queued, each on its stream (None: the caller's), then every
+    decoder's copied tokens read on the host. Timed on the host between two device
+    synchronisations, after an untimed round; each call starts from the caches' first
+    position."""
     caller = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    for d in decs:
+        d.cache.pos.fill_(d.cache.prompt_tokens)
+        d.row_lengths = [d.cache.prompt_tokens] * len(d.row_lengths)
     tokens = [torch.zeros(d.tokens.shape[0], dtype=torch.long, device=device) for d in decs]
+    readers = [TokenReader(t) for t in tokens]
+    for s in streams:
+        if s is not None:
+            s.wait_stream(caller)
 
     def one_round():
         for i, (dec, s) in enumerate(zip(decs, streams)):
             with torch.cuda.stream(s) if s is not None else nullcontext():
+                readers[i].start(tokens[i])
                 tokens[i] = sample_tokens(dec.step(tokens[i]), 1.0, 1.0, None)
+        for r in readers:
+            r.read()
 
-    for s in streams:
-        if s is not None:
-            s.wait_stream(caller)
-    one_round()  # untimed
+    one_round()
     sync(device)
     t0 = time.perf_counter()
     for _ in range(rounds):
@@ -91,21 +111,21 @@ def round_ms(decs, streams, rounds: int, device) -> float:
 
 def measure(model, rows: int, k: int, args, device) -> list[dict]:
     compile_step = not args.no_compile and device.type == "cuda"
-    room = 2 * (args.rounds + 1) + 8  # tokens past the context: every step of both timings
+    room = args.rounds + 9  # every step of one timing (each timing starts from the context)
+    cuda = device.type == "cuda"
     out = []
-    one = decoders(model, [rows], args.context, room, compile_step, device)
+    one = decoders(model, [rows], args.context, room, compile_step, device, [None])
     base = round_ms(one, [None], args.rounds, device)
     out.append({"rows": rows, "config": "one", "round_ms": base})
     del one
     sizes = [len(r) for r in group_slots(rows, k)]
-    halves = decoders(model, sizes, args.context, room, compile_step, device)
-    cuda = device.type == "cuda"
-    plain = [torch.cuda.Stream(device) if cuda else None for _ in halves]
+    plain = [torch.cuda.Stream(device) if cuda else None for _ in sizes]
+    halves = decoders(model, sizes, args.context, room, compile_step, device, plain)
     # the first group's stream ahead of the others: its kernels' blocks are dispatched first, the
     # others' fill the SMs it leaves (a way out of both groups running the same kind of kernel
     # at the same time)
     ranked = [torch.cuda.Stream(device, priority=-1 if i == 0 else 0) if cuda else None
-              for i in range(len(halves))]
+              for i in range(k)]
     out.append({"rows": rows, "config": f"{k} serial",
                 "round_ms": round_ms(halves, [None] * k, args.rounds, device)})
     out.append({"rows": rows, "config": f"{k} streams",
@@ -116,7 +136,7 @@ def measure(model, rows: int, k: int, args, device) -> list[dict]:
     for r in out:
         r["tokens_per_s"] = rows / r["round_ms"] * 1e3
         r["vs_one"] = base / r["round_ms"]
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     return out
 
@@ -125,7 +145,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     if args.cpu_smoke:
-        args.rows, args.context, args.rounds = [4], 24, 2
+        args.rows, args.context, args.rounds = [4], 24, 12
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = build(model_configs(args.cpu_smoke)["hypenet-2b"], device, dtype)
     rows = []

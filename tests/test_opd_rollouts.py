@@ -129,7 +129,7 @@ def test_refilled_slots_through_the_cuda_graph():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the device runs it)")
-def test_groups_on_their_own_streams_through_cuda_graphs():
+def test_groups_on_their_own_streams_through_cuda_graphs(monkeypatch):
     """fp32 on CUDA: three groups, each a captured graph on its own stream, refilled and parked
     while the others step, give each prompt's greedy rollout alone; a second call reuses the
     streams (and their cached memory), and the caller's stream sees finished results."""
@@ -140,11 +140,38 @@ def test_groups_on_their_own_streams_through_cuda_graphs():
     free = [greedy_alone(model, p, 16, None) for p in prompts]
     eos = free[1][5]
     want = [greedy_alone(model, p, 16, eos) for p in prompts]
+    made = recorded_decoders(monkeypatch)
     for _ in range(2):
         got = continuous_rollouts(model, prompts, 16, 5, temperature=0.0, eos_token_id=eos,
                                   streams=3)
         assert got == want
-    assert len(opd_rollouts._STREAMS[torch.device("cuda", torch.cuda.current_device())]) == 3
+    # each call: three graphs, each captured on a stream of its own (its own cuBLAS workspace)
+    assert len(made) == 6 and all(d.graph is not None for d in made)
+    for call in (made[:3], made[3:]):
+        streams = [d.capture_stream for d in call]
+        assert None not in streams and len({s.cuda_stream for s in streams}) == 3
+
+
+def recorded_decoders(monkeypatch) -> list:
+    """Every StaticDecoder the rollouts build, with the stream its graph was captured on."""
+    made = []
+
+    class Recording(opd_rollouts.StaticDecoder):
+        def __init__(self, *args, capture_stream=None, **kw):
+            super().__init__(*args, capture_stream=capture_stream, **kw)
+            self.capture_stream = capture_stream
+            made.append(self)
+
+    monkeypatch.setattr(opd_rollouts, "StaticDecoder", Recording)
+    return made
+
+
+def test_groups_share_one_copy_of_the_packed_weights(monkeypatch):
+    model = tiny(("attention", "lightning"))
+    made = recorded_decoders(monkeypatch)
+    continuous_rollouts(model, [[1, 2], [3], [4, 5, 6], [7]], 4, 4, temperature=0.0, streams=3)
+    assert len(made) == 3 and made[0].cache.packed
+    assert all(d.cache.packed is made[0].cache.packed for d in made)
 
 
 def test_overlap_streams_bench_runs_every_configuration(tmp_path):

@@ -18,9 +18,12 @@ replaces the slot's cache and position anyway.
 ``streams`` > 1 splits the slots into that many groups, each with its own decoder and CUDA stream,
 all drawing from one queue of prompts. A rollout step is mostly memory-bound kernels (the Lightning
 states, the attention layers' keys) with compute-bound GEMMs between them; two groups' graphs
-replayed on two streams let one group's GEMMs run while the other's kernels stream memory. Each
-group's work (prefills, steps, sampling, token copies) stays on its stream; the caller's stream
-waits for every group before the call returns. On CPU the groups simply take turns.
+replayed on two streams let one group's GEMMs run while the other's kernels stream memory.
+The groups are built on the caller's stream (their buffers stay in its memory pool) and share one
+copy of the packed weights; each graph is captured on its group's stream, which gives it a cuBLAS
+workspace of its own (graphs sharing one would race in it). From then on each group's work (steps,
+sampling, token copies, refills) stays on its stream, and the caller's stream waits for every group
+before the call returns. On CPU the groups simply take turns.
 
 The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
 caller's generator (on the model's device), without a host sync
@@ -41,7 +44,7 @@ from ..models.hypenet.static_decode import StaticDecoder
 from .opd import compiled_room, left_padded, static_options
 
 
-class _TokenReader:
+class TokenReader:
     """Reads a step's sampled tokens on the host without waiting for work queued after them: an
     asynchronous copy into pinned memory and an event recorded behind it (a plain copy on CPU)."""
 
@@ -78,21 +81,26 @@ class _Work:
 
 class _Group:
     """One decoder's slots, on its own stream: which prompt each slot serves, its tokens so far,
-    and the step in flight."""
+    and the step in flight. Built on the caller's stream, so that the decoder's buffers (most of a
+    rollout's memory) stay in the caller's pool of the caching allocator, not the group stream's
+    (training reuses them); ``packs`` shares one group's packed weights with the others."""
 
     def __init__(self, work: _Work, first: list[int], room: int, pad_token_id: int,
-                 stream: torch.cuda.Stream | None):
+                 stream: torch.cuda.Stream | None, packs: dict | None = None):
         self.work, self.stream = work, stream
         device = next(work.model.parameters()).device
-        with self.on_stream():
-            prompts = [work.prompts[i] for i in first]
-            ids, mask = (t.to(device) for t in left_padded(prompts, pad_token_id))  # [b, T]
-            cache = HypeNetCache(work.model.config.num_hidden_layers, max_cache_len=room)
-            logits = work.model(ids, attention_mask=mask, cache=cache, use_cache=True,
-                                logits_to_keep=1).logits[:, -1]  # [b, V]
-            self.decoder = StaticDecoder(work.model, cache, attention_mask=mask, **work.options)
-            self.cur = sample_tokens(logits, *work.sampling)  # [b] each slot's next token
-        self.reader = _TokenReader(self.cur)
+        prompts = [work.prompts[i] for i in first]
+        ids, mask = (t.to(device) for t in left_padded(prompts, pad_token_id))  # [b, T]
+        cache = HypeNetCache(work.model.config.num_hidden_layers, max_cache_len=room)
+        logits = work.model(ids, attention_mask=mask, cache=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]  # [b, V]
+        # each group's graph captured on its own stream: its own cuBLAS workspace
+        self.decoder = StaticDecoder(work.model, cache, attention_mask=mask, packs=packs,
+                                     capture_stream=stream, **work.options)
+        self.cur = sample_tokens(logits, *work.sampling)  # [b] each slot's next token
+        if stream is not None:
+            self.cur.record_stream(stream)  # read there, then dropped
+        self.reader = TokenReader(self.cur)
         self.serving = dict(enumerate(first))  # slot -> prompt index
         self.tokens: dict[int, list[int]] = {slot: [] for slot in self.serving}
         self.nxt: torch.Tensor | None = None
@@ -135,7 +143,10 @@ class _Group:
     def _prefill_into(self, slot: int, prompt: list[int]) -> torch.Tensor:
         model = self.work.model
         cache = HypeNetCache(model.config.num_hidden_layers)
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.decoder.tokens.device)  # [1, T]
+        device = self.decoder.tokens.device
+        ids = torch.tensor([prompt], dtype=torch.long)  # [1, T]
+        if device.type == "cuda":  # from pinned memory: a pageable copy would wait for the step
+            ids = ids.pin_memory().to(device, non_blocking=True)
         logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         self.decoder.refill_row(slot, cache)
         return sample_tokens(logits, *self.work.sampling)[0]
@@ -182,40 +193,29 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
         model.train(was_training)
 
 
-# {device: streams}: the rollout groups' streams, kept from call to call. The caching allocator
-# keeps a freed block for its stream, so fresh streams on every call would strand each call's
-# rollout buffers (tens of GB) in pools no later call can use.
-_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
-
-
-def _group_streams(device: torch.device, groups: int) -> list[torch.cuda.Stream | None]:
-    """One stream per group on CUDA when there are several groups; None: the caller's stream."""
-    if device.type != "cuda" or groups == 1:
-        return [None] * groups
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None
-                          else device.index)
-    have = _STREAMS.setdefault(device, [])
-    have += [torch.cuda.Stream(device) for _ in range(groups - len(have))]
-    return have[:groups]
-
-
 def _decode(work: _Work, runs: list[range], room: int, pad_token_id: int) -> list[list[int]]:
     """Step every group until each prompt has its rollout. Each round queues every group's next
     step first, then reads the previous steps' tokens and settles the slots."""
     device = next(work.model.parameters()).device
-    streams = _group_streams(device, len(runs))
-    caller = torch.cuda.current_stream(device) if streams[0] is not None else None
+    several = device.type == "cuda" and len(runs) > 1
+    streams = [torch.cuda.Stream(device) if several else None for _ in runs]
+    groups = []
+    for run, stream in zip(runs, streams):
+        packs = groups[0].decoder.cache.packed if groups else None
+        groups.append(_Group(work, list(run), room, pad_token_id, stream, packs))
+    caller = torch.cuda.current_stream(device) if several else None
     for s in streams:
         if s is not None:
-            s.wait_stream(caller)  # the weights and whatever the caller queued come first
+            s.wait_stream(caller)  # the prefills, the weights: the caller's work comes first
     try:
-        active = [_Group(work, list(run), room, pad_token_id, s) for run, s in zip(runs, streams)]
+        active = list(groups)
         while active:
             for group in active:
                 group.queue_step()
             active = [group for group in active if group.settle()]
         return work.results
     finally:
+        # the groups (their buffers, graphs and cuBLAS workspaces) live until every stream is done
         for s in streams:
             if s is not None:
-                caller.wait_stream(s)  # the groups' buffers go back to the caller's stream
+                caller.wait_stream(s)

@@ -236,7 +236,8 @@ class StaticDecoder:
                  attention_mask: torch.Tensor | None = None, compile: bool | str = False,
                  pack_projections: bool = True, lightning_in_place: bool = True,
                  state_dtype: torch.dtype | None = None, fuse_lightning: bool | None = None,
-                 gemv: bool | None = None):
+                 gemv: bool | None = None, packs: dict | None = None,
+                 capture_stream: torch.cuda.Stream | None = None):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
         back to the eager step and is kept in ``compile_error``); a string is the compile mode:
@@ -254,7 +255,11 @@ class StaticDecoder:
         when ``HALO_DECODE_GEMV=triton``; ``gemv_report`` keeps the timings). The switches exist
         to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
         ``state_dtype``: the RNN states' dtype while decoding (None: fp32, as prefilled;
-        ``torch.bfloat16`` halves their bytes, Lightning-only models, ``StaticDecodeCache``)."""
+        ``torch.bfloat16`` halves their bytes, Lightning-only models, ``StaticDecodeCache``).
+        ``packs``: another decoder's ``cache.packed`` of the same model and weights, shared instead
+        of packed again. ``capture_stream``: the stream the graph is captured on (None: torch's
+        shared one). cuBLAS's workspace is chosen per stream at capture, so graphs that replay at
+        the same time on different streams must each be captured on a stream of their own."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
@@ -273,14 +278,10 @@ class StaticDecoder:
                                        lightning_in_place, fuse_lightning)
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
-        if gemv is None:
-            gemv = B == 1 and device.type == "cuda" and gemv_mode() == "triton"
         self.gemv_report: dict = {}
-        if pack_projections:
-            self.cache.packed = pack_input_projections(model, gemv)
-            if gemv:
-                self.gemv_report = tune_gemv([w for pack in self.cache.packed.values()
-                                              for w in pack.weights()])
+        if packs is not None or pack_projections:
+            self._pack(packs, B == 1 and device.type == "cuda" and gemv_mode() == "triton"
+                       if gemv is None else gemv)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.logits = torch.empty(B, model.config.vocab_size, device=device,
                                   dtype=model.lm_head.weight.dtype)
@@ -290,7 +291,18 @@ class StaticDecoder:
         self.graph_error: str | None = None
         want_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         if want_graph:
-            self._capture(warmup_steps)
+            self._capture(warmup_steps, capture_stream)
+
+    def _pack(self, packs: dict | None, gemv: bool) -> None:
+        """The layers' projections packed (``pack_input_projections``), or ``packs`` shared; with
+        ``gemv``, tuned against cuBLAS per weight shape (``gemv_report``)."""
+        if packs is not None:
+            self.cache.packed = packs
+            return
+        self.cache.packed = pack_input_projections(self.model, gemv)
+        if gemv:
+            self.gemv_report = tune_gemv([w for pack in self.cache.packed.values()
+                                          for w in pack.weights()])
 
     @property
     def length(self) -> int:
@@ -340,7 +352,7 @@ class StaticDecoder:
         gc.collect()
 
     @torch.inference_mode()
-    def _capture(self, warmup_steps: int) -> None:
+    def _capture(self, warmup_steps: int, capture_stream: torch.cuda.Stream | None) -> None:
         """Warm up eagerly on a side stream (Triton compiles, autotunes), restore the state the
         warm-up advanced, then capture one step. A failure leaves eager static steps (reason in
         graph_error)."""
@@ -358,7 +370,7 @@ class StaticDecoder:
         self._restore(states, pos)
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=capture_stream):
                 self._forward()
             self.graph = graph
         except Exception as err:  # pragma: no cover - GPU only
