@@ -67,7 +67,8 @@
 #      512K cuBLAS vs GEMV, shipped vs P32a's fused settings; then P30b
 #   P33a: the rollout slots as two groups on two CUDA streams: the groups' CUDA tests, then one decoder vs two
 #      half decoders (one after the other, and on two streams) at 256 and 512 rows | P33b: the whole h2048
-#      rollout at 512 rollouts with two groups on two streams, then with one, two processes
+#      rollout at 512 rollouts with two groups on two streams, then with one, two processes | P33c: HypeNet's
+#      compiled graph step against the eager one at 2M on real keys (a 128K prefill tiled to 2,097,152 tokens)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -759,6 +760,13 @@ P33b)
       --out bench/results/opd_p33b_streams$n.json > "$OUT/p33b_opd_streams$n.log" 2>&1
     echo "opd streams=$n rc=$?"; tail -4 "$OUT/p33b_opd_streams$n.log"
   done
+  ;;
+P33c)
+  # issue 20 item 1's last check: graph vs eager at 2M on a prefilled cache (random caches are ill-conditioned)
+  timeout 580 python3 bench/profile_decode.py --models hypenet-2b --contexts 2097152 --prefill --tile 131072 \
+    --variants compiled --steps 8 --profiled 2 --out bench/results/decode_profile_hypenet_2m_tiled_p33c.json \
+    > "$OUT/p33c_hypenet_2m.log" 2>&1
+  echo "hypenet 2M rc=$?"; grep -A4 "^| model" "$OUT/p33c_hypenet_2m.log" | head -6
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

@@ -29,6 +29,8 @@ Writes ``bench/results/decode_profile.json``.
       --out bench/results/decode_profile_b256.json
   python bench/profile_decode.py --models hypenet-2b --contexts 524288 --prefill \\
       --variants baseline graph compiled
+  python bench/profile_decode.py --models hypenet-2b --contexts 2097152 --prefill --tile 131072 \\
+      --variants compiled --steps 8 --profiled 2     # graph vs eager at 2M on real keys
   python bench/profile_decode.py --cpu-smoke                  # tiny shapes on CPU (the script runs)
 """
 
@@ -96,6 +98,10 @@ def parse_args(argv=None):
                         "compare each variant's first logits with the eager dynamic-cache step "
                         "(rel_err_vs_eager)")
     p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
+    p.add_argument("--tile", type=int, default=None,
+                   help="with --prefill: prefill only this many tokens and repeat their keys and "
+                        "values up to the context (the RNN states are the tile's): real keys at "
+                        "a length whose prefill would take too long (2M: ~8 min on an H200)")
     p.add_argument("--steps", type=int, default=32, help="timed replays per variant")
     p.add_argument("--profiled", type=int, default=4, help="profiled replays per variant")
     p.add_argument("--bandwidth", type=float, default=4.4e12,
@@ -108,6 +114,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.prefill and a.batch != 1:
         p.error("--prefill runs at batch 1")
+    if a.tile is not None and (not a.prefill or a.tile < 1):
+        p.error("--tile needs --prefill and a positive token count")
     if a.cpu_smoke:
         a.contexts, a.steps, a.profiled, a.chunk = [64], 3, 1, 48
         a.out = a.out or Path("/tmp/halo_dist_decode_profile_smoke.json")
@@ -226,10 +234,31 @@ def profile_steps(dec: StaticDecoder, steps: int, device) -> dict:
 
 
 @torch.inference_mode()
+def tiled(cache: HypeNetCache, context: int, room: int) -> HypeNetCache:
+    """A cache of ``context`` tokens (+ ``room``) whose attention layers hold ``cache``'s keys and
+    values repeated (the last copy cut short) and whose RNN states are ``cache``'s."""
+    T = cache.seen_tokens
+    out = HypeNetCache(len(cache.layers), reserve_tokens=room, max_cache_len=context + room)
+    for i, entry in enumerate(cache.layers):
+        if not isinstance(entry, tuple):
+            out.layers[i] = entry
+            continue
+        for start in range(0, context, T):  # [1, T, Hkv, D] tiles into one [1, room, Hkv, D]
+            n = min(T, context - start)
+            out.append_kv(i, entry[0][:, :n], entry[1][:, :n])
+    out.seen_tokens = context
+    return out
+
+
+@torch.inference_mode()
 def prefilled(model, context: int, args, device, room: int):
     """``(cache, next token [1], eager next-step logits [1, V] fp32, saved RNN states)`` after a
-    chunked prefill of random ids; the cache is rewound to ``context`` tokens."""
-    _, cache, token, _ = prefill(model, context, args.chunk, device, room)
+    chunked prefill of random ids (of ``args.tile`` of them, ``tiled`` up to ``context``); the
+    cache is rewound to ``context`` tokens."""
+    T = min(args.tile or context, context)
+    _, cache, token, _ = prefill(model, T, args.chunk, device, room)
+    if T < context:
+        cache = tiled(cache, context, room)
     saved = [s.clone() for s in rnn_states(cache)]
     ref = model(token.view(1, 1), cache=cache, use_cache=True).logits[:, -1].float()
     rewind(cache, context, saved)
@@ -272,6 +301,7 @@ def measure(name, model, context, args, device) -> list[dict]:
                      "step_ms": ms, "bound_ms": bound_ms, "vs_bound": ms / bound_ms,
                      "setup_s": round(setup_s, 1), "graph": dec.graph is not None,
                      "error": dec.graph_error or dec.compile_error, "rel_err_vs_eager": err,
+                     "tile": args.tile,
                      "gemv": dec.gemv_report, **bound, **prof})
         del dec
         if not args.prefill:

@@ -188,6 +188,30 @@ def test_decode_profile_smoke_compares_every_variant_with_the_eager_step(tmp_pat
     assert one["kv_GB"] * 1e9 == 2 * 100 * 1 * 8 * 4 and four["kv_GB"] == 4 * one["kv_GB"]
     assert (four["rnn_state_GB"] * 1e9 == 4 * 2 * 8 * 8 * 4 * 2
             and four["weights_GB"] == one["weights_GB"])
+    # --tile: a 5-token prefill's keys/values repeated to 12 tokens, its RNN state kept
+    cache = HypeNetCache(2)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache, use_cache=True)
+    big = module.tiled(cache, 12, room=3)
+    k, v = big.layers[0]
+    assert big.seen_tokens == 12 and k.shape[1] == 12 and big.layers[1] is cache.layers[1]
+    for t in (k, v):
+        src = cache.layers[0][t is v]
+        assert torch.equal(t[:, 5:10], src) and torch.equal(t[:, 10:], src[:, :2])
+    assert big._kv_buffers[0][0].shape[1] == 15  # one buffer: context + room, no doubling
+
+
+def test_decode_profile_on_a_tiled_prefill_compares_with_the_eager_step(tmp_path):
+    """``--tile``: the graph step against the eager one on a cache of real keys repeated past the
+    prefilled length (how 2M is checked on the H200)."""
+    out = tmp_path / "decode_profile.json"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "profile_decode.py"), "--cpu-smoke",
+                          "--prefill", "--tile", "24", "--models", "hypenet-2b", "--variants",
+                          "graph", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tile"] == 24 and row["context"] == 64 and row["rel_err_vs_eager"] < 1e-5
 
 
 def test_speed_summary_reads_each_figure_from_its_result_file():
