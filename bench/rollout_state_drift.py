@@ -71,8 +71,17 @@ def parse_args(argv=None):
                         "Lightning state to bf16 after each token (round to nearest, as the kernel "
                         "stores), the rest kept fp32: a head forgets a rounding at its own rate "
                         "1 - λ, so only the slow heads should compound it")
+    p.add_argument("--state-mantissa", type=int, default=None, metavar="BITS",
+                   help="instead of a bf16 state, round every fp32 state to BITS explicit "
+                        "mantissa bits after each token (round to nearest): 15 is a 24-bit "
+                        "state (bf16 + one more byte: 3/4 of fp32's bytes), 7 is bf16's")
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.state_mantissa is not None and not 1 <= a.state_mantissa <= 22:
+        p.error("--state-mantissa: 1 to 22 bits (fp32 has 23)")
+    if a.state_mantissa is not None and a.fast_heads_bf16:
+        p.error("--state-mantissa and --fast-heads-bf16 are two different experiments")
+    return a
 
 
 def smollm2_student(attn_layers: list[int]):
@@ -141,14 +150,24 @@ def round_fast_heads(decoder: StaticDecoder, heads: int) -> None:
         s[:, :heads] = s[:, :heads].to(torch.bfloat16).to(s.dtype)
 
 
+def round_mantissa(decoder: StaticDecoder, bits: int) -> None:
+    """Round every fp32 RNN state to ``bits`` explicit mantissa bits in place, to nearest (ties
+    away from zero): add half of the dropped part to the bit pattern, then clear it (a carry into
+    the exponent is the correct rounding up)."""
+    drop = 23 - bits
+    for s in decoder.cache.rnn_states():
+        s.view(torch.int32).add_(1 << (drop - 1)).bitwise_and_(~((1 << drop) - 1))
+
+
 @torch.inference_mode()
 def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
           state_dtype: torch.dtype | None = torch.bfloat16, perturb: float = 0.0,
-          fast_heads_bf16: int = 0) -> dict:
+          fast_heads_bf16: int = 0, mantissa: int | None = None) -> dict:
     """Per-step KL, total variation and argmax agreement of the second decoder (RNN states in
     ``state_dtype``, or fp32 perturbed once by a relative ``perturb``, or fp32 with its
-    ``fast_heads_bf16`` fastest heads rounded to bf16 after every token) against the fp32-state
-    one, both fed the fp32 decoder's samples."""
+    ``fast_heads_bf16`` fastest heads rounded to bf16 after every token, or fp32 rounded to
+    ``mantissa`` bits after every token) against the fp32-state one, both fed the fp32 decoder's
+    samples."""
     ids = prompts.to(device)
     cache = HypeNetCache(model.config.num_hidden_layers,
                          max_cache_len=ids.shape[1] + tokens + 8)
@@ -166,6 +185,8 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
         logq = torch.log_softmax(other.step(nxt).float(), -1)
         if fast_heads_bf16:
             round_fast_heads(other, fast_heads_bf16)
+        if mantissa is not None:
+            round_mantissa(other, mantissa)
         p = logp.exp()
         kl.append((p * (logp - logq)).sum(-1).cpu())  # [B]
         tv.append(0.5 * (p - logq.exp()).abs().sum(-1).cpu())
@@ -222,6 +243,10 @@ def main(argv=None) -> dict:
         first = (f"bf16_fastest_{args.fast_heads_bf16}_heads",
                  drift(model, prompts, args.tokens, device, args.seed, None,
                        fast_heads_bf16=args.fast_heads_bf16))
+    elif args.state_mantissa is not None:
+        first = (f"fp32_rounded_to_{args.state_mantissa}_mantissa_bits",
+                 drift(model, prompts, args.tokens, device, args.seed, None,
+                       mantissa=args.state_mantissa))
     else:
         first = ("bf16_state", drift(model, prompts, args.tokens, device, args.seed))
     result = {first[0]: first[1],
@@ -238,6 +263,7 @@ def main(argv=None) -> dict:
     name = "student" if args.student is not None else args.model
     suffix = "_stochastic" if args.rounding == "stochastic" else ""
     suffix += f"_fast{args.fast_heads_bf16}" if args.fast_heads_bf16 else ""
+    suffix += f"_m{args.state_mantissa}" if args.state_mantissa is not None else ""
     out = args.out or RESULTS / f"rollout_state_drift_{name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": environment(), "args": {k: str(v) for k, v in

@@ -844,3 +844,22 @@ def test_rollout_state_drift_measures_nothing_for_equal_states_and_something_for
     half = drift(model, prompts, 20, torch.device("cpu"), 0)
     assert half["kl_mean"] > 0.0 and half["tv_mean"] > 0.0
     assert [b["positions"] for b in half["buckets"]] == ["1-16", "17-20"]
+    # fp32 rounded to 15 mantissa bits per token (a 24-bit state): far closer than bf16's 7
+    fp24 = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=None, mantissa=15)
+    assert 0.0 < fp24["tv_mean"] < half["tv_mean"] / 30
+
+
+def test_rounding_to_fewer_mantissa_bits_is_to_nearest():
+    from types import SimpleNamespace
+
+    from bench.rollout_state_drift import round_mantissa
+
+    x = torch.tensor([[1 + 2**-16 + 2**-17, 1 + 2**-17, -(1 + 2**-16 + 2**-17), 1 - 2**-24, 3.0]])
+    want = torch.tensor([[1 + 2**-15, 1.0, -(1 + 2**-15), 1.0, 3.0]])
+    round_mantissa(SimpleNamespace(cache=SimpleNamespace(rnn_states=lambda: [x])), 15)
+    assert torch.equal(x, want)
+    y = torch.randn(1000) * 100
+    z = y.clone()
+    round_mantissa(SimpleNamespace(cache=SimpleNamespace(rnn_states=lambda: [z])), 7)
+    # bf16's 7 bits: the low 16 bits cleared, within half an ulp (2^-8 relative)
+    assert not (z.view(torch.int32) & 0xFFFF).any() and ((z - y).abs() <= y.abs() * 2**-8).all()
