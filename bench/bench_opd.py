@@ -64,7 +64,7 @@ def parse_args(argv=None):
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
-    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16", "float24"), default="float32",
                    help="the rollout decoder's RNN state dtype (opd.rollout_state_dtype)")
     p.add_argument("--timed-steps", type=int, default=2,
                    help="training steps timed after the warm-up one (the figures are the last "
@@ -115,13 +115,14 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     from halo_dist.stages.opd import (OPDModule, Rollout, pack_rollouts, position_buckets,
                                       sample_rollouts)
     from halo_dist.stages.opd_rollouts import continuous_rollouts
+    from halo_dist.models.hypenet.decode_lightning import FLOAT24
 
     vocab = student.config.vocab_size
     g = torch.Generator(device=device).manual_seed(horizon)
     prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len),
                             generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
-    state_dtype = getattr(torch, args.state_dtype)
+    state_dtype = FLOAT24 if args.state_dtype == "float24" else getattr(torch, args.state_dtype)
 
     def rollout(h: int):
         if args.continuous:

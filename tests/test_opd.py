@@ -342,15 +342,20 @@ def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path, monk
     assert lc == ld and len(lc) == 3 and all(math.isfinite(v) for _, v in lc)
 
 
-def test_bf16_rollout_state_trains_and_is_refused_where_it_cannot_run(tmp_path, monkeypatch):
-    """opd.rollout_state_dtype=bfloat16: rollouts decode with bf16 Lightning states and the run
-    trains (finite losses); a student with another RNN mixer, and a dtype that is not offered, are
-    refused before anything runs."""
+@pytest.mark.parametrize("name", ["bfloat16", "float24"])
+def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_path, monkeypatch,
+                                                                          name):
+    """opd.rollout_state_dtype=bfloat16 / float24: rollouts decode with Lightning states kept that
+    way (float24: bytes, ``FLOAT24``) and the run trains (finite losses); a student with another
+    RNN mixer, and a dtype that is not offered, are refused before anything runs."""
     from types import SimpleNamespace
 
     import halo_dist.stages.opd_rollouts as rollouts_mod
     from halo_dist.config.coerce import ConfigError
+    from halo_dist.models.hypenet.decode_lightning import FLOAT24
     from halo_dist.stages.opd import rollout_state_dtype
+
+    kept = {"bfloat16": torch.bfloat16, "float24": FLOAT24}[name]
 
     seen = set()
 
@@ -363,10 +368,10 @@ def test_bf16_rollout_state_trains_and_is_refused_where_it_cannot_run(tmp_path, 
 
     common = ("schedule.total_steps=3", "schedule.decay_steps=1", "opd.eval_every=0",
               "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.every_steps=0",
-              "opd.snapshot_every=0", "opd.rollout_state_dtype=bfloat16")
+              "opd.snapshot_every=0", f"opd.rollout_state_dtype={name}")
     t = run_trainer(tiny_cfg(tmp_path, *common))
-    assert t.rollout_state_dtype == torch.bfloat16 and t.tokens_seen > 0
-    assert seen == {torch.bfloat16}
+    assert t.rollout_state_dtype == kept and t.tokens_seen > 0
+    assert seen == {kept}
     assert all(math.isfinite(v) for _, v in read_metrics(tmp_path)["train/loss"])
     with pytest.raises(ConfigError, match="all Lightning"):
         rollout_state_dtype(t.cfg.opd, SimpleNamespace(mixer_types=["attention", "gdn"]))

@@ -111,11 +111,12 @@ class OPDConfig(Section):
     # that one group's GEMMs can run while another's kernels stream the Lightning states and KV
     # (stages/opd_rollouts.py). Not yet timed on a GPU: 1 (one decoder) until it is
     rollout_streams: int = 1
-    # the rollout decoder's RNN state dtype: bfloat16 halves Lightning's state bytes (~half of a
-    # 256-rollout step's), rounding the state once per token, so rollouts drift off-policy: on a
-    # converted SmolLM2 the argmax agreed with fp32's at 16% of positions 257-1024
-    # (bench/rollout_state_drift.py; measure your student before using it). Lightning-only students
-    rollout_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    # the rollout decoder's RNN state dtype (Lightning-only students), rounded once per token.
+    # bfloat16 halves Lightning's state bytes (~half of a 256-rollout step's) but rollouts drift
+    # off-policy: on a converted SmolLM2 the argmax agreed with fp32's at 16% of positions 257-1024.
+    # float24 (fp32 less its last byte) keeps 3/4 of the bytes: KL 6e-4 nats and 98.6% argmax
+    # agreement there (bench/rollout_state_drift.py; measure your student before using either)
+    rollout_state_dtype: Literal["float32", "bfloat16", "float24"] = "float32"
     # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
     tokenizer: Optional[str] = None
     eos_token_id: Optional[int] = None  # default: the tokenizer's

@@ -50,6 +50,7 @@ from ..losses import fused_distill_loss
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
 from ..models.hypenet.generation_hypenet import _GENERATE_CACHE_KWARG
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
+from ..models.hypenet.decode_lightning import FLOAT24
 from ..models.hypenet.static_decode import mixers_without_low_precision_state
 from .build import check_same_vocab
 
@@ -208,15 +209,16 @@ def static_options(compile_static: bool, state_dtype: torch.dtype | None) -> dic
 
 
 def rollout_state_dtype(opd, student_config) -> torch.dtype:
-    """``opd.rollout_state_dtype`` as a dtype, refused up front for a student with RNN layers other
-    than Lightning (only its in-place decode kernel keeps a bf16 state)."""
+    """``opd.rollout_state_dtype`` as the decoder's state dtype (float24: ``FLOAT24``), refused up
+    front for a student with RNN layers other than Lightning (only its in-place decode kernel keeps
+    a narrower state)."""
     if opd.rollout_state_dtype == "float32":
         return torch.float32
     other = mixers_without_low_precision_state(student_config.mixer_types)
     if other:
         raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} needs a student "
                           f"whose RNN layers are all Lightning; this one has {other}")
-    return torch.bfloat16
+    return FLOAT24 if opd.rollout_state_dtype == "float24" else torch.bfloat16
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from .decode_lightning import state_values
+
 # Extra KV slots a static (CUDA-graph) cache reserves: StaticDecoder's warm-up writes two tokens,
 # then rewinds.
 STATIC_WARMUP_TOKENS = 2
@@ -111,9 +113,9 @@ class HypeNetCache(Cache):
             return
         n = dec.length
         for i, entry in enumerate(dec.cache.layers):
-            # RNN states go back in fp32 (a decoder may have kept them in bf16)
+            # RNN states go back in fp32 (a decoder may have kept them in bf16 or 24 bits)
             self.layers[i] = ((entry[0][:, :n], entry[1][:, :n]) if isinstance(entry, tuple)
-                              else entry.float() if entry.dtype == torch.bfloat16 else entry)
+                              else state_values(entry))
         self.seen_tokens = n
         self._decoder = None
 

@@ -10,9 +10,14 @@ rows x 16 heads x 128 x 128 fp32 = 268 MB per layer, 21 layers). Here each progr
 ``[K, BLOCK_V]`` tile of one (row, head) state: it reads the tile, updates it in registers and
 writes it back where it was, so the state moves once each way and no copy follows.
 
-The state is fp32 unless the caller keeps it in bf16 (``StaticDecoder(state_dtype=...)``): then it
-is read and written in bf16 and updated in fp32 registers, half the bytes of a batched step, at the
-price of one bf16 rounding of the state per token.
+The state is fp32 unless the caller keeps it narrower (``StaticDecoder(state_dtype=...)``); either
+way it is updated in fp32 registers and rounded once per token when written back:
+* bf16: half the bytes, but the rounding compounds (1 − λ of the slowest heads is bf16's own
+  spacing) and moves the sampling distribution far (bench/rollout_state_drift.py);
+* ``FLOAT24``: fp32 with its last byte rounded away (15 mantissa bits, fp32's exponent), 3/4 of the
+  bytes, stored as bytes ``[B, H, K, 3V]``: per row of the state, the V elements' top two bytes
+  (their bf16 truncation, ``[..., :2V]`` as int16) and then their third bytes (``[..., 2V:]``).
+  ``pack_float24`` / ``unpack_float24`` convert.
 
 The same kernel can also do the rest of the layer's step between its two GEMMs (``LayerEnds``):
 the QK-norm and RoPE of q/k as they come out of the packed projection, and the per-head output
@@ -38,8 +43,10 @@ import torch
 
 from .decode_attention import sm_count
 
+# the storage dtype that marks a 24-bit state (bytes, ``[B, H, K, 3V]``; see the module docstring)
+FLOAT24 = torch.uint8
 # dtypes the in-place kernel keeps a state in (fp32 by default; bf16 halves a batched step's bytes)
-STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, FLOAT24)
 # Launch settings per state dtype: state columns per program and warps (they change the result only
 # by the order of floating-point additions). Measured on an H200 by ``bench/tune_decode_kernels.py``
 # at 256 rows (one CUDA graph of back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the
@@ -52,9 +59,10 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 # leave SMs idle. At batch 1, 16 programs on 132 SMs, each a chain of dependent loads, took 11.4 µs
 # in the 512K step where the plain update's 32 programs took 3.7. Off (1) until a GPU has run it:
 # the CUDA test and ``tune_decode_kernels.py --fused`` (phase P32a) decide.
+# A 24-bit state starts from fp32's settings (not yet tuned).
 LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=2, fused_prefetch=False,
                       fused_split=1, split_warps=2, split_prefetch=True)
-          for dtype, block_v in ((torch.float32, 64), (torch.bfloat16, 128))}
+          for dtype, block_v in ((torch.float32, 64), (torch.bfloat16, 128), (FLOAT24, 64))}
 
 try:
     import triton
@@ -65,20 +73,50 @@ except Exception:  # pragma: no cover - depends on the environment
     _HAS_TRITON = False
 
 
+def pack_float24(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., V]`` -> a 24-bit state's bytes ``[..., 3V]``: each element rounded to 15
+    mantissa bits (to nearest, ties away from zero: half of the dropped byte added to the bit
+    pattern, whose carry into the exponent is the right rounding up), its top two bytes first."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32) + 0x80  # [..., V]
+    hi = (bits >> 16).to(torch.int16).view(torch.uint8)  # [..., V] int16 -> [..., 2V] bytes
+    return torch.cat([hi, ((bits >> 8) & 0xFF).to(torch.uint8)], dim=-1)  # [..., 3V]
+
+
+def unpack_float24(t: torch.Tensor) -> torch.Tensor:
+    """A 24-bit state's bytes ``[..., 3V]`` -> fp32 ``[..., V]`` (the dropped byte zero)."""
+    V = t.shape[-1] // 3
+    hi = t[..., : 2 * V].contiguous().view(torch.int16).to(torch.int32) << 16  # [..., V]
+    return (hi | (t[..., 2 * V:].to(torch.int32) << 8)).view(torch.float32)
+
+
+def stored_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A state ``[B, H, K, V]`` as the in-place kernel keeps it in ``dtype`` (contiguous)."""
+    return pack_float24(x) if dtype == FLOAT24 else x.to(dtype).contiguous()
+
+
+def state_values(state: torch.Tensor) -> torch.Tensor:
+    """A kept state as numbers ``[B, H, K, V]``, fp32 at least (the inverse of ``stored_state``,
+    up to its rounding)."""
+    if state.dtype == FLOAT24:
+        return unpack_float24(state)
+    return state.to(torch.promote_types(state.dtype, torch.float32))
+
+
 def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            log_decay: torch.Tensor, scale: float,
                            state: torch.Tensor) -> torch.Tensor:
-    """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (updated
-    in place) -> o ``[B, 1, H, V]`` in q's dtype. The update and the output are computed in fp32 at
-    least (the state's dtype when wider); a bf16 state is rounded once, when it is written back."""
-    acc = torch.promote_types(state.dtype, torch.float32)
-    s = state.to(acc)  # the state itself when it is already fp32/fp64
+    """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (or a
+    24-bit state's bytes ``[B, H, K, 3V]``; updated in place) -> o ``[B, 1, H, V]`` in q's dtype.
+    The update and the output are computed in fp32 at least (the state's dtype when wider); a bf16
+    or 24-bit state is rounded once, when it is written back."""
+    s = state_values(state)  # the state itself when it is already fp32/fp64
+    acc = s.dtype
     qf, kf, vf = q[:, 0].to(acc), k[:, 0].to(acc), v[:, 0].to(acc)  # [B, H, K] / [B, H, V]
     decay = log_decay.to(device=state.device, dtype=acc).exp()[None, :, None, None]  # [1, H, 1, 1]
     s.mul_(decay).add_(kf[..., :, None] * vf[..., None, :])  # [B, H, K, V]
     o = torch.einsum("bhk,bhkv->bhv", qf, s) * scale  # [B, H, V]
     if s is not state:
-        state.copy_(s)
+        state.copy_(stored_state(s, state.dtype))
     return o[:, None].to(q.dtype)  # [B, H, V] -> [B, 1, H, V]
 
 
@@ -117,13 +155,29 @@ if _HAS_TRITON:
         return x1, x2
 
     @triton.jit
-    def _state_rows(tile, s, k, v, q, decay, v_ok):
-        """Rows of one state tile ``[D/2, BLOCK_V]``, loaded as ``s``: S <- decay S + kᵀv, written
-        back in place; returns their share of q S ``[BLOCK_V]`` (from the fp32 update, before any
-        rounding of the store)."""
-        s = decay * s.to(tl.float32) + k[:, None] * v[None, :]
-        tl.store(tile, s.to(tile.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=v_ok[None, :])
+    def _load_rows(tile, tile_lo, v_ok, STATE24: tl.constexpr):
+        """The state at ``tile`` (pointers ``[R, BLOCK_V]``) as fp32. A 24-bit state: its top two
+        bytes (int16) at ``tile``, its third byte at ``tile_lo``."""
+        if STATE24:
+            hi = tl.load(tile, mask=v_ok[None, :], other=0).to(tl.int32)
+            lo = tl.load(tile_lo, mask=v_ok[None, :], other=0).to(tl.int32)  # zero-extended
+            return ((hi << 16) | (lo << 8)).to(tl.float32, bitcast=True)
+        return tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _state_rows(tile, tile_lo, s, k, v, q, decay, v_ok, STATE24: tl.constexpr):
+        """Rows of one state tile ``[D/2, BLOCK_V]``, loaded as ``s`` (fp32): S <- decay S + kᵀv,
+        written back in place (bf16: rounded to nearest even; 24 bits: to nearest, ties away, as
+        ``pack_float24``); returns their share of q S ``[BLOCK_V]`` (from the fp32 update, before
+        any rounding of the store)."""
+        s = decay * s + k[:, None] * v[None, :]
+        if STATE24:
+            bits = s.to(tl.int32, bitcast=True) + 0x80
+            tl.store(tile, (bits >> 16).to(tl.int16), mask=v_ok[None, :])
+            tl.store(tile_lo, ((bits >> 8) & 0xFF).to(tl.uint8), mask=v_ok[None, :])
+        else:
+            tl.store(tile, s.to(tile.dtype.element_ty, fp_downcast_rounding="rtne"),
+                     mask=v_ok[None, :])
         return tl.sum(q[:, None] * s, axis=0)
 
     @triton.jit
@@ -163,21 +217,24 @@ if _HAS_TRITON:
 
     @triton.jit
     def _lightning_decode_kernel(
-        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O, Part, Arrived,
+        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, SLo, O, Part, Arrived,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_pb,
-        stride_sb, stride_sh, stride_ob,
+        stride_sb, stride_sh, stride_lb, stride_lh, stride_ob,
         scale, eps_qk, eps_o, gate_scale,
         H: tl.constexpr, KV_GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BLOCK_V: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
         OUT_NORM: tl.constexpr, GATE: tl.constexpr, PREFETCH: tl.constexpr,
-        V_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr,
+        V_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr, SK: tl.constexpr, LK: tl.constexpr,
+        STATE24: tl.constexpr,
     ):
         """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state. Head
         h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head: either one program
         holds all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
         ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls).
         PREFETCH: load the state before preparing q/k, so the two overlap (the registers to hold
-        it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c)."""
+        it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c). A state
+        row is SK elements of S apart; a 24-bit state (STATE24) keeps its third bytes in SLo, rows
+        LK bytes apart."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
@@ -190,9 +247,12 @@ if _HAS_TRITON:
         v_ok = offs_v < DV
         # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V]
         tile = S + b * stride_sb + h * stride_sh + offs_v[None, :]
+        tile_lo = SLo + b * stride_lb + h * stride_lh + offs_v[None, :]
+        t1, l1 = tile + lo[:, None] * SK, tile_lo + lo[:, None] * LK
+        t2, l2 = tile + hi[:, None] * SK, tile_lo + hi[:, None] * LK
         if PREFETCH:
-            s1 = tl.load(tile + lo[:, None] * DV, mask=v_ok[None, :], other=0.0)
-            s2 = tl.load(tile + hi[:, None] * DV, mask=v_ok[None, :], other=0.0)
+            s1 = _load_rows(t1, l1, v_ok, STATE24)
+            s2 = _load_rows(t2, l2, v_ok, STATE24)
         c, s = _rope_cos_sin(Pos + b * stride_pb, InvFreq, lo, ROPE)
         q1, q2 = _qk_half_pair(Q + b * stride_qb + h * stride_qh, QW, c, s, lo, hi, eps_qk, DK,
                                QK_NORM, ROPE)
@@ -203,11 +263,11 @@ if _HAS_TRITON:
         v = v.to(tl.float32)
         decay = tl.exp(tl.load(LogDecay + h).to(tl.float32))
         if not PREFETCH:  # one half after the other
-            s1 = tl.load(tile + lo[:, None] * DV, mask=v_ok[None, :], other=0.0)
-        o = _state_rows(tile + lo[:, None] * DV, s1, k1, v, q1, decay, v_ok)
+            s1 = _load_rows(t1, l1, v_ok, STATE24)
+        o = _state_rows(t1, l1, s1, k1, v, q1, decay, v_ok, STATE24)
         if not PREFETCH:
-            s2 = tl.load(tile + hi[:, None] * DV, mask=v_ok[None, :], other=0.0)
-        o += _state_rows(tile + hi[:, None] * DV, s2, k2, v, q2, decay, v_ok)
+            s2 = _load_rows(t2, l2, v_ok, STATE24)
+        o += _state_rows(t2, l2, s2, k2, v, q2, decay, v_ok, STATE24)
         o = o * scale  # [BLOCK_V]
         if V_SPLIT == 1:  # this program holds the whole head
             _finish_head(o, offs_v, v_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o, gate_scale,
@@ -250,10 +310,15 @@ def split_scratch(rows: int, heads: int, dv: int, device) -> tuple[torch.Tensor,
 def _check_inputs(q, k, v, state, ends: LayerEnds | None) -> None:
     B, _, H, DK = q.shape
     Hkv, DV = v.shape[2], v.shape[-1]
+    width = 3 * DV if state.dtype == FLOAT24 else DV  # a 24-bit state's row: 3 bytes per column
     if (state.dtype not in STATE_DTYPES or not state.is_contiguous()
-            or tuple(state.shape) != (B, H, DK, DV)):
+            or tuple(state.shape) != (B, H, DK, width)):
         raise ValueError(f"the state must be a contiguous fp32 or bf16 [{B}, {H}, {DK}, {DV}] "
-                         f"tensor, got {state.dtype} {tuple(state.shape)}")
+                         f"tensor or a 24-bit state's bytes [{B}, {H}, {DK}, {3 * DV}], got "
+                         f"{state.dtype} {tuple(state.shape)}")
+    if state.dtype == FLOAT24 and DV % 2:
+        raise ValueError(f"a 24-bit state needs an even value dim (its top two bytes are read as "
+                         f"int16 pairs), got {DV}")
     if DK & (DK - 1) or DK < 2 or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
                          "key dim")
@@ -293,7 +358,8 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, scale: float, state: torch.Tensor,
                             ends: LayerEnds | None = None, **launch) -> torch.Tensor:
     """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
-    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32); k/v may have fewer
+    ``[B, H, K, V]`` or a 24-bit state's bytes ``[B, H, K, 3V]`` (bf16: half the bytes per step,
+    24 bits: 3/4; the arithmetic stays fp32; V even for 24 bits); k/v may have fewer
     heads than q (GQA: head h reads k/v head h // (H / Hkv)). ``ends`` adds the layer's QK-norm and
     RoPE before the update and its output norm and gate after it, in the same kernel (then a program
     spans a head's V columns, or ``fused_split`` programs share it: ``_fused_split``). ``launch``
@@ -323,18 +389,23 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # unused without a split: a tensor the kernel only reads stands in (never the output, which a
     # compiler that cannot see the constexpr branch would take for one more written argument)
     part, arrived = e.scratch if split > 1 else (log_decay, log_decay)
+    # a 24-bit state [B, H, K, 3V] bytes: its top two bytes as int16 [B, H, K, 3V/2] (the first V
+    # of each row) and its third bytes [..., 2V:]; else the state twice (the second unread)
+    state24 = state.dtype == FLOAT24
+    s_hi, s_lo = (state.view(torch.int16), state[..., 2 * DV:]) if state24 else (state, state)
     _lightning_decode_kernel[(B * H, programs)](
         q, k, v, gate, pos, inv_freq, q if e.q_norm is None else e.q_norm,
         q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
-        log_decay, state, o, part, arrived,
+        log_decay, s_hi, s_lo, o, part, arrived,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         gate.stride(0), pos.stride(0),
-        state.stride(0), state.stride(1), o.stride(0),
+        s_hi.stride(0), s_hi.stride(1), s_lo.stride(0), s_lo.stride(1), o.stride(0),
         scale, e.qk_eps, e.o_eps, e.gate_scale,
         H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
         ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None,
         PREFETCH=prefetch, V_SPLIT=programs if split > 1 else 1,
-        BLOCK_DV=triton.next_power_of_2(DV), num_warps=warps,
+        BLOCK_DV=triton.next_power_of_2(DV), SK=s_hi.stride(2), LK=s_lo.stride(2),
+        STATE24=state24, num_warps=warps,
     )
     return o
 

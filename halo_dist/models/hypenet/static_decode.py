@@ -40,7 +40,8 @@ import torch
 
 from .decode_attention import decode_attention
 from .decode_gemv import gemv_mode, tune_gemv
-from .decode_lightning import STATE_DTYPES, decode_mode, lightning_decode_, split_scratch
+from .decode_lightning import (STATE_DTYPES, decode_mode, lightning_decode_, split_scratch,
+                               stored_state)
 from .layers_hypenet import PackedLinears, rope_inv_freq
 from .ops_rnn import lightning_log_decay
 
@@ -62,9 +63,10 @@ class StaticDecodeCache:
     def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None,
                  state_dtype: torch.dtype | None = None, lightning_in_place: bool = True,
                  fuse_lightning: bool = True):
-        """``state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32); bf16 only
-        for models whose RNN layers are all Lightning (its in-place kernel rounds once per token,
-        other mixers' kernels would take a bf16 state as their fp32 input)."""
+        """``state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32); bf16 or
+        ``FLOAT24`` (fp32 less its last byte, kept as bytes) only for models whose RNN layers are
+        all Lightning (its in-place kernel rounds once per token, other mixers' kernels would take
+        such a state as their fp32 input)."""
         kinds = model_config.mixer_types
         if "swa" in kinds:
             raise ValueError("static decode does not support sliding-window layers (rolling "
@@ -90,8 +92,8 @@ class StaticDecodeCache:
                 kbuf, vbuf = cache._kv_buffers[i]  # [B, room, Hkv, D], the first T valid
                 room = kbuf.shape[1] if room is None else min(room, kbuf.shape[1])
                 self.layers.append((kbuf, vbuf))
-            else:  # [B, H, K, V] fp32 (or state_dtype), updated in place
-                self.layers.append(entry.to(state_dtype or entry.dtype).contiguous())
+            else:  # [B, H, K, V] fp32 (or as state_dtype keeps it), updated in place
+                self.layers.append(stored_state(entry, state_dtype or entry.dtype))
         self.room = room  # None: no attention layer (pure RNN), unbounded
         first = next(t for t in self._tensors())
         device, B = first.device, first.shape[0]
@@ -115,7 +117,9 @@ class StaticDecodeCache:
         if state_dtype is None or state_dtype == torch.float32:
             return
         if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}; got {state_dtype}")
+            raise ValueError("state_dtype must be torch.float32, torch.bfloat16 or "
+                             "decode_lightning.FLOAT24 (24 bits, kept as bytes); got "
+                             f"{state_dtype}")
         other = mixers_without_low_precision_state(kinds)
         if other or not self.lightning_in_place:
             raise ValueError(f"a {state_dtype} RNN state needs Lightning's in-place decode kernel "
@@ -255,7 +259,8 @@ class StaticDecoder:
         when ``HALO_DECODE_GEMV=triton``; ``gemv_report`` keeps the timings). The switches exist
         to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
         ``state_dtype``: the RNN states' dtype while decoding (None: fp32, as prefilled;
-        ``torch.bfloat16`` halves their bytes, Lightning-only models, ``StaticDecodeCache``).
+        ``torch.bfloat16`` halves their bytes, ``decode_lightning.FLOAT24`` keeps 3/4 of them;
+        Lightning-only models, ``StaticDecodeCache``).
         ``packs``: another decoder's ``cache.packed`` of the same model and weights, shared instead
         of packed again. ``capture_stream``: the stream the graph is captured on (None: torch's
         shared one). cuBLAS's workspace is chosen per stream at capture, so graphs that replay at
@@ -412,8 +417,8 @@ class StaticDecoder:
             if isinstance(entry, tuple):  # [B, room, Hkv, D] rows <- [1, T, Hkv, D]
                 entry[0][row, :T].copy_(src[0][0])
                 entry[1][row, :T].copy_(src[1][0])
-            else:  # [B, H, K, V] <- [1, H, K, V]
-                entry[row].copy_(src[0])
+            else:  # [B, H, K, V] <- [1, H, K, V] (as the decoder keeps its states)
+                entry[row].copy_(stored_state(src[0], entry.dtype))
         self._place_row(row, T)
 
     def park_row(self, row: int) -> None:
