@@ -69,6 +69,8 @@
 #      half decoders (one after the other, and on two streams) at 256 and 512 rows | P33b: the whole h2048
 #      rollout at 512 rollouts with two groups on two streams, then with one, two processes | P33c: HypeNet's
 #      compiled graph step against the eager one at 2M on real keys (a 128K prefill tiled to 2,097,152 tokens)
+#   P33d: the 24-bit rollout state: its CUDA tests, the kernels' table at 256 rows (fp32 / bf16 / 24-bit
+#      states), then the h2048 rollouts at 512 with a 24-bit and with an fp32 state, two processes
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -767,6 +769,22 @@ P33c)
     --variants compiled --steps 8 --profiled 2 --out bench/results/decode_profile_hypenet_2m_tiled_p33c.json \
     > "$OUT/p33c_hypenet_2m.log" 2>&1
   echo "hypenet 2M rc=$?"; grep -A4 "^| model" "$OUT/p33c_hypenet_2m.log" | head -6
+  ;;
+P33d)
+  # issue 20 item 4: the 24-bit Lightning state (3/4 of fp32's bytes; decode_lightning.FLOAT24): its CUDA
+  # tests, the h2048 rollouts at 512 with it and with fp32 (two processes), then the kernels' table
+  timeout 100 python3 -m pytest -v -p no:cacheprovider tests/test_float24_state.py -k cuda \
+    > "$OUT/p33d_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p33d_cuda_tests.log" | tail -3
+  for dt in float24 float32; do
+    timeout 230 python3 bench/bench_opd.py --horizons 2048 --rollouts 512 --continuous --compile-rollouts \
+      --skip-train --timed-steps 1 --state-dtype $dt --out bench/results/opd_p33d_$dt.json \
+      > "$OUT/p33d_opd_$dt.log" 2>&1
+    echo "opd $dt rc=$?"; tail -4 "$OUT/p33d_opd_$dt.log"
+  done
+  timeout $((585 - SECONDS)) python3 bench/tune_decode_kernels.py --quick \
+    --out bench/results/decode_kernel_tuning_p33d.json > "$OUT/p33d_tuning.log" 2>&1
+  echo "tuning rc=$?"; grep -A4 "## lightning" "$OUT/p33d_tuning.log"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

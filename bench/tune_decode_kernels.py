@@ -114,7 +114,8 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
     q, k, v = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
                for _ in range(3))
     log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
-    state0 = torch.randn(batch, H, D, D, device=dev, generator=g).to(state_dtype)
+    state0 = decode_lightning.stored_state(torch.randn(batch, H, D, D, device=dev, generator=g),
+                                           state_dtype)
     ref_state = state0.clone()
     default = decode_lightning.LAUNCH[state_dtype]
     ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state, **default).float()
@@ -125,7 +126,9 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
         def fn():  # the state decays in place on every call: timing is unaffected
             return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, **cfg)
 
-        err = max(rel_err(fn().float(), ref), rel_err(state.float(), ref_state.float()))
+        err = max(rel_err(fn().float(), ref),
+                  rel_err(decode_lightning.state_values(state),
+                          decode_lightning.state_values(ref_state)))
         return err, time_graph(fn)
 
     # every state read and written once
@@ -285,6 +288,8 @@ def main(argv=None) -> int:
          lambda: lightning_case(b, torch.float32, light_grid, dev, dt)),
         (f"lightning b{b} bf16 state", "lightning/bfloat16",
          lambda: lightning_case(b, torch.bfloat16, light_grid, dev, dt)),
+        (f"lightning b{b} 24-bit state", "lightning/uint8",  # decode_lightning.FLOAT24
+         lambda: lightning_case(b, decode_lightning.FLOAT24, light_grid, dev, dt)),
         (f"sampler b{b} vocab {vocab}", None, lambda: sampler_case(b, vocab, dev, dt)),
     ):
         cases[name] = fn()
