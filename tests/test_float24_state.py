@@ -172,3 +172,27 @@ def test_float24_kernel_matches_the_reference_on_cuda():
         plain_s = s.clone()
         dl.lightning_decode_triton(q, k, v, log_decay, 128**-0.5, plain_s)
         assert (fused_s != plain_s).float().mean() < 1e-3
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@torch.no_grad()
+def test_compiled_graph_step_with_a_float24_state_on_cuda():
+    """The rollouts' path (OPD's compile_rollouts): a compiled, graphed decoder whose Lightning
+    states are 24-bit, against an eager decoder keeping them the same way (fp32 model, 4 rows,
+    6 tokens): torch.compile sees the kernel's writes to the state's bytes."""
+    model = tiny(("attention", "lightning", "lightning")).cuda()
+    ids = torch.randint(1, 97, (4, 37), device="cuda")
+    cache = HypeNetCache(3, reserve_tokens=16)
+    first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
+    twin = copy.deepcopy(cache)
+    fast = StaticDecoder(model, cache, compile=True, state_dtype=FLOAT24)
+    slow = StaticDecoder(model, twin, use_cuda_graph=False, state_dtype=FLOAT24)
+    assert fast.graph is not None and fast.compile_error is None
+    nxt = first
+    for _ in range(6):
+        got, want = fast.step(nxt).clone(), slow.step(nxt).clone()
+        assert (got - want).norm() / want.norm() < 1e-4
+        nxt = want.argmax(-1)
+    for a, b in zip(fast.cache.rnn_states(), slow.cache.rnn_states()):
+        a, b = unpack_float24(a), unpack_float24(b)
+        assert (a - b).norm() / b.norm() < 1e-5

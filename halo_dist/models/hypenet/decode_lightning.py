@@ -217,9 +217,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _lightning_decode_kernel(
-        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, SLo, O, Part, Arrived,
+        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O, Part, Arrived,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_pb,
-        stride_sb, stride_sh, stride_lb, stride_lh, stride_ob,
+        stride_sb, stride_sh, stride_ob,
         scale, eps_qk, eps_o, gate_scale,
         H: tl.constexpr, KV_GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BLOCK_V: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
@@ -233,8 +233,10 @@ if _HAS_TRITON:
         ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls).
         PREFETCH: load the state before preparing q/k, so the two overlap (the registers to hold
         it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c). A state
-        row is SK elements of S apart; a 24-bit state (STATE24) keeps its third bytes in SLo, rows
-        LK bytes apart."""
+        row is SK elements of S apart. A 24-bit state (STATE24): S is its bytes; a row's top two
+        bytes are read as SK int16 apart, its third bytes at 2 DV bytes into the row, LK bytes
+        apart (one tensor argument: two aliasing views of it would confuse torch.compile's
+        analysis of what the kernel writes)."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
@@ -246,8 +248,13 @@ if _HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < DV
         # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V]
-        tile = S + b * stride_sb + h * stride_sh + offs_v[None, :]
-        tile_lo = SLo + b * stride_lb + h * stride_lh + offs_v[None, :]
+        base = S + b * stride_sb + h * stride_sh
+        if STATE24:
+            tile = base.to(tl.pointer_type(tl.int16)) + offs_v[None, :]
+            tile_lo = base + 2 * DV + offs_v[None, :]
+        else:
+            tile = base + offs_v[None, :]
+            tile_lo = tile  # unread
         t1, l1 = tile + lo[:, None] * SK, tile_lo + lo[:, None] * LK
         t2, l2 = tile + hi[:, None] * SK, tile_lo + hi[:, None] * LK
         if PREFETCH:
@@ -389,22 +396,19 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # unused without a split: a tensor the kernel only reads stands in (never the output, which a
     # compiler that cannot see the constexpr branch would take for one more written argument)
     part, arrived = e.scratch if split > 1 else (log_decay, log_decay)
-    # a 24-bit state [B, H, K, 3V] bytes: its top two bytes as int16 [B, H, K, 3V/2] (the first V
-    # of each row) and its third bytes [..., 2V:]; else the state twice (the second unread)
     state24 = state.dtype == FLOAT24
-    s_hi, s_lo = (state.view(torch.int16), state[..., 2 * DV:]) if state24 else (state, state)
     _lightning_decode_kernel[(B * H, programs)](
         q, k, v, gate, pos, inv_freq, q if e.q_norm is None else e.q_norm,
         q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
-        log_decay, s_hi, s_lo, o, part, arrived,
+        log_decay, state, o, part, arrived,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         gate.stride(0), pos.stride(0),
-        s_hi.stride(0), s_hi.stride(1), s_lo.stride(0), s_lo.stride(1), o.stride(0),
+        state.stride(0), state.stride(1), o.stride(0),
         scale, e.qk_eps, e.o_eps, e.gate_scale,
         H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
         ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None,
         PREFETCH=prefetch, V_SPLIT=programs if split > 1 else 1,
-        BLOCK_DV=triton.next_power_of_2(DV), SK=s_hi.stride(2), LK=s_lo.stride(2),
+        BLOCK_DV=triton.next_power_of_2(DV), SK=3 * DV // 2 if state24 else DV, LK=3 * DV,
         STATE24=state24, num_warps=warps,
     )
     return o
