@@ -45,7 +45,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, environment, print_table  # noqa: E402
 from halo_dist.models.hypenet import HypeNetCache  # noqa: E402
-from halo_dist.models.hypenet.decode_lightning import FLOAT24  # noqa: E402
+from halo_dist.models.hypenet.decode_lightning import (FLOAT24, pack_float24,  # noqa: E402
+                                                       unpack_float24)
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
 
 SMOLLM2_ATTN = [1, 5, 9, 13, 17, 21, 25, 29]  # 8 of 30 layers, about HypeNet-2B's share (7 of 28)
@@ -180,8 +181,14 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
     ref = StaticDecoder(model, cache)
     other = StaticDecoder(model, twin, state_dtype=state_dtype)
     g = torch.Generator(device=device).manual_seed(seed)
-    for s in other.cache.rnn_states():
-        s.mul_(1 + perturb * torch.randn(s.shape, generator=g, device=device, dtype=s.dtype))
+    for s in other.cache.rnn_states():  # (drawn even when perturb is 0: the same samples)
+        values = unpack_float24(s) if s.dtype == FLOAT24 else s
+        values.mul_(1 + perturb * torch.randn(values.shape, generator=g, device=device,
+                                              dtype=values.dtype))
+        if s.dtype == FLOAT24:
+            s.copy_(pack_float24(values))
+    if mantissa is not None:  # the prefilled state too, as a decoder keeping it narrower does
+        round_mantissa(other, mantissa)
     nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g).view(-1)
     kl, tv, agree = [], [], []
     for _ in range(tokens):

@@ -847,6 +847,11 @@ def test_rollout_state_drift_measures_nothing_for_equal_states_and_something_for
     # fp32 rounded to 15 mantissa bits per token (a 24-bit state): far closer than bf16's 7
     fp24 = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=None, mantissa=15)
     assert 0.0 < fp24["tv_mean"] < half["tv_mean"] / 30
+    # the decoder's own 24-bit state rounds the same way, at the write
+    from halo_dist.models.hypenet.decode_lightning import FLOAT24
+
+    real = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=FLOAT24)
+    assert real["tv_mean"] == fp24["tv_mean"] and real["kl_mean"] == fp24["kl_mean"]
 
 
 def test_rounding_to_fewer_mantissa_bits_is_to_nearest():
