@@ -84,8 +84,12 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.state_mantissa is not None and not 1 <= a.state_mantissa <= 22:
         p.error("--state-mantissa: 1 to 22 bits (fp32 has 23)")
-    if a.state_mantissa is not None and a.fast_heads_bf16:
-        p.error("--state-mantissa and --fast-heads-bf16 are two different experiments")
+    chosen = [name for name, on in (("--state-mantissa", a.state_mantissa is not None),
+                                    ("--fast-heads-bf16", a.fast_heads_bf16),
+                                    ("--state-dtype float24", a.state_dtype == "float24"),
+                                    ("--rounding stochastic", a.rounding == "stochastic")) if on]
+    if len(chosen) > 1:
+        p.error(f"{' and '.join(chosen)} are different experiments: choose one")
     return a
 
 

@@ -34,6 +34,14 @@ def test_packing_keeps_15_mantissa_bits_rounded_to_nearest():
     assert torch.equal(unpack_float24(pack_float24(back)), back)  # already representable
     assert torch.equal(state_values(stored_state(y, FLOAT24)), back)
     assert stored_state(y, torch.bfloat16).dtype == torch.bfloat16
+    # inf and NaN stay what they are (+0x80 would carry NaN 0x7FFFFFFF over into -0.0, and
+    # dropping the last byte of NaN 0x7F800001 would leave inf)
+    special = torch.tensor([0x7FFFFFFF, 0x7F800001, -1, 0x7F800000, 0xFF800000 - 2**32, 0],
+                           dtype=torch.int32).view(torch.float32)
+    back = unpack_float24(pack_float24(special))
+    assert back[:3].isnan().all() and torch.equal(back[3:], special[3:])
+    with pytest.raises(ValueError, match="even last dim"):
+        pack_float24(torch.randn(2, 5))
 
 
 def test_kernel_keeps_a_float24_state_like_the_reference():
@@ -88,10 +96,15 @@ def test_the_kernel_refuses_a_float24_state_it_cannot_read():
     q = k = torch.randn(1, 1, 2, 8)
     v = torch.randn(1, 1, 2, 5)
     with pytest.raises(ValueError, match="even value dim"):
-        lightning_decode_triton(q, k, v, -torch.rand(2), 0.3, pack_float24(torch.randn(1, 2, 8, 5)))
+        lightning_decode_triton(q, k, v, -torch.rand(2), 0.3,
+                                torch.zeros(1, 2, 8, 15, dtype=torch.uint8))
+    v6 = torch.randn(1, 1, 2, 6)
+    odd_start = torch.zeros(2 * 8 * 18 + 1, dtype=torch.uint8)[1:].view(1, 2, 8, 18)
+    with pytest.raises(ValueError, match="even start address"):
+        lightning_decode_triton(q, k, v6, -torch.rand(2), 0.3, odd_start)
     with pytest.raises(ValueError, match=r"24-bit state's bytes \[1, 2, 8, 18\]"):
-        lightning_decode_triton(q, k, torch.randn(1, 1, 2, 6), -torch.rand(2), 0.3,
-                                pack_float24(torch.randn(1, 2, 8, 5)))
+        lightning_decode_triton(q, k, v6, -torch.rand(2), 0.3,
+                                pack_float24(torch.randn(1, 2, 8, 4)))
 
 
 def tiny(mixers) -> HypeNetForCausalLM:

@@ -74,10 +74,18 @@ except Exception:  # pragma: no cover - depends on the environment
 
 
 def pack_float24(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[..., V]`` -> a 24-bit state's bytes ``[..., 3V]``: each element rounded to 15
-    mantissa bits (to nearest, ties away from zero: half of the dropped byte added to the bit
+    """fp32 ``[..., V]`` (V even) -> a 24-bit state's bytes ``[..., 3V]``: each element rounded to
+    15 mantissa bits (to nearest, ties away from zero: half of the dropped byte added to the bit
     pattern, whose carry into the exponent is the right rounding up), its top two bytes first."""
-    bits = x.to(torch.float32).contiguous().view(torch.int32) + 0x80  # [..., V]
+    if x.shape[-1] % 2:
+        raise ValueError(f"a 24-bit state needs an even last dim (its top two bytes are read as "
+                         f"int16 pairs), got {x.shape[-1]}")
+    bits = x.to(torch.float32).contiguous().view(torch.int32)  # [..., V]
+    # inf and NaN (all-ones exponent) as they are: a carry would turn them into other numbers; a
+    # NaN keeps its quiet bit, so that dropping its last byte cannot make it inf
+    special = (bits & 0x7F800000) == 0x7F800000
+    nan = special & ((bits & 0x7FFFFF) != 0)
+    bits = torch.where(special, torch.where(nan, bits | 0x400000, bits), bits + 0x80)
     hi = (bits >> 16).to(torch.int16).view(torch.uint8)  # [..., V] int16 -> [..., 2V] bytes
     return torch.cat([hi, ((bits >> 8) & 0xFF).to(torch.uint8)], dim=-1)  # [..., 3V]
 
@@ -172,7 +180,12 @@ if _HAS_TRITON:
         any rounding of the store)."""
         s = decay * s + k[:, None] * v[None, :]
         if STATE24:
-            bits = s.to(tl.int32, bitcast=True) + 0x80
+            bits = s.to(tl.int32, bitcast=True)
+            # round to nearest, except inf/NaN (all-ones exponent: a carry would change them; a
+            # NaN keeps its quiet bit, so that dropping its last byte cannot make it inf)
+            special = (bits & 0x7F800000) == 0x7F800000
+            nan = special & ((bits & 0x7FFFFF) != 0)
+            bits = tl.where(special, tl.where(nan, bits | 0x400000, bits), bits + 0x80)
             tl.store(tile, (bits >> 16).to(tl.int16), mask=v_ok[None, :])
             tl.store(tile_lo, ((bits >> 8) & 0xFF).to(tl.uint8), mask=v_ok[None, :])
         else:
@@ -323,9 +336,9 @@ def _check_inputs(q, k, v, state, ends: LayerEnds | None) -> None:
         raise ValueError(f"the state must be a contiguous fp32 or bf16 [{B}, {H}, {DK}, {DV}] "
                          f"tensor or a 24-bit state's bytes [{B}, {H}, {DK}, {3 * DV}], got "
                          f"{state.dtype} {tuple(state.shape)}")
-    if state.dtype == FLOAT24 and DV % 2:
-        raise ValueError(f"a 24-bit state needs an even value dim (its top two bytes are read as "
-                         f"int16 pairs), got {DV}")
+    if state.dtype == FLOAT24 and (DV % 2 or state.data_ptr() % 2):
+        raise ValueError(f"a 24-bit state needs an even value dim and an even start address (its "
+                         f"top two bytes are read as int16 pairs), got {DV}")
     if DK & (DK - 1) or DK < 2 or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
                          "key dim")
