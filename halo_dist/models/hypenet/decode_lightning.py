@@ -173,6 +173,16 @@ if _HAS_TRITON:
         return tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
 
     @triton.jit
+    def _state_tiles(base, offs_v, DV: tl.constexpr, STATE24: tl.constexpr):
+        """Pointers to columns ``offs_v`` of a head's state row 0 at ``base``. A 24-bit state
+        (STATE24): ``base`` points at its bytes; the rows' top two bytes are read as int16, their
+        third bytes start 2 DV bytes into the row (one tensor argument: two aliasing views of it
+        would confuse torch.compile's analysis of what the kernel writes)."""
+        if STATE24:
+            return base.to(tl.pointer_type(tl.int16)) + offs_v[None, :], base + 2 * DV + offs_v
+        return base + offs_v[None, :], base + offs_v  # (the second unread)
+
+    @triton.jit
     def _state_rows(tile, tile_lo, s, k, v, q, decay, v_ok, STATE24: tl.constexpr):
         """Rows of one state tile ``[D/2, BLOCK_V]``, loaded as ``s`` (fp32): S <- decay S + kᵀv,
         written back in place (bf16: rounded to nearest even; 24 bits: to nearest, ties away, as
@@ -245,11 +255,8 @@ if _HAS_TRITON:
         holds all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
         ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls).
         PREFETCH: load the state before preparing q/k, so the two overlap (the registers to hold
-        it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c). A state
-        row is SK elements of S apart. A 24-bit state (STATE24): S is its bytes; a row's top two
-        bytes are read as SK int16 apart, its third bytes at 2 DV bytes into the row, LK bytes
-        apart (one tensor argument: two aliasing views of it would confuse torch.compile's
-        analysis of what the kernel writes)."""
+        it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c). State rows
+        are SK elements apart (``_state_tiles``; a 24-bit state's third bytes LK apart)."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
@@ -261,15 +268,9 @@ if _HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < DV
         # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V]
-        base = S + b * stride_sb + h * stride_sh
-        if STATE24:
-            tile = base.to(tl.pointer_type(tl.int16)) + offs_v[None, :]
-            tile_lo = base + 2 * DV + offs_v[None, :]
-        else:
-            tile = base + offs_v[None, :]
-            tile_lo = tile  # unread
-        t1, l1 = tile + lo[:, None] * SK, tile_lo + lo[:, None] * LK
-        t2, l2 = tile + hi[:, None] * SK, tile_lo + hi[:, None] * LK
+        tile, tile_lo = _state_tiles(S + b * stride_sb + h * stride_sh, offs_v, DV, STATE24)
+        t1, l1 = tile + lo[:, None] * SK, tile_lo[None, :] + lo[:, None] * LK
+        t2, l2 = tile + hi[:, None] * SK, tile_lo[None, :] + hi[:, None] * LK
         if PREFETCH:
             s1 = _load_rows(t1, l1, v_ok, STATE24)
             s2 = _load_rows(t2, l2, v_ok, STATE24)

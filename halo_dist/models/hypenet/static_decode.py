@@ -261,10 +261,9 @@ class StaticDecoder:
         ``state_dtype``: the RNN states' dtype while decoding (None: fp32, as prefilled;
         ``torch.bfloat16`` halves their bytes, ``decode_lightning.FLOAT24`` keeps 3/4 of them;
         Lightning-only models, ``StaticDecodeCache``).
-        ``packs``: another decoder's ``cache.packed`` of the same model and weights, shared instead
-        of packed again. ``capture_stream``: the stream the graph is captured on (None: torch's
-        shared one). cuBLAS's workspace is chosen per stream at capture, so graphs that replay at
-        the same time on different streams must each be captured on a stream of their own."""
+        ``packs``: another decoder's ``cache.packed`` (same weights), shared. ``capture_stream``
+        (None: torch's shared one): graphs replaying at once on different streams need streams of
+        their own at capture (cuBLAS's workspace is per stream)."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
