@@ -64,7 +64,7 @@
 #      tuned, the teacher; then P30b (OPD with the fused step, not yet run)
 #   P32a (next; replaces P31a): CUDA tests of the batch-1 GEMV and of the fused step split over programs, the fused
 #      sweep with the state from DRAM, the teacher shape at 512K cuBLAS vs GEMV | P32b (same warm machine): HypeNet
-#      512K cuBLAS vs GEMV, shipped vs P32a's fused settings; then P30b
+#      512K cuBLAS vs GEMV, shipped vs P32a's fused settings, then P33c's 2M check; then P30b
 #   P33a: the rollout slots as two groups on two CUDA streams: the groups' CUDA tests, then one decoder vs two
 #      half decoders (one after the other, and on two streams) at 256 and 512 rows | P33b: the whole h2048
 #      rollout at 512 rollouts with two groups on two streams, then with one, two processes | P33c: HypeNet's
@@ -137,6 +137,13 @@ teacher_512k() {  # TAG LIMIT [VARIANTS...]: the teacher shape at 512K (default:
     --variants ${@:-compiled} --out "bench/results/decode_profile_teacher_512k_$tag.json" \
     > "$OUT/${tag}_teacher_512k.log" 2>&1
   echo "teacher 512K rc=$?"; grep -A4 "^| model" "$OUT/${tag}_teacher_512k.log" | head -6
+}
+hypenet_2m_tiled() {  # TAG LIMIT: issue 20 item 1's last check, graph vs eager at 2M on a prefilled cache
+  # (random caches are ill-conditioned): a 128K prefill's keys and values tiled to 2,097,152 tokens
+  timeout "$2" python3 bench/profile_decode.py --models hypenet-2b --contexts 2097152 --prefill --tile 131072 \
+    --variants compiled --steps 8 --profiled 2 --out "bench/results/decode_profile_hypenet_2m_tiled_$1.json" \
+    > "$OUT/$1_hypenet_2m.log" 2>&1
+  echo "hypenet 2M rc=$?"; grep -A4 "^| model" "$OUT/$1_hypenet_2m.log" | head -6
 }
 save_autotune() {
   (cd $H && find triton -name '*.autotune.json' | tar -czf "$OUT/autotune.tgz" -T -) || true
@@ -731,8 +738,9 @@ P32b)
   # HypeNet-2B at 512K: cuBLAS vs the GEMV, each with the shipped and P32a's fused launch settings
   settings=$H/decode_kernel_tuning_fused_p32a.json
   [ -f "$settings" ] || settings=bench/results/decode_kernel_tuning_fused_p32a.json
-  hypenet_512k p32b $((590 - SECONDS)) --variants compiled compiled-gemv --launch-settings "$settings"
+  hypenet_512k p32b 330 --variants compiled compiled-gemv --launch-settings "$settings"
   grep -A8 "GEMV vs cuBLAS" "$OUT/p32b_hypenet_512k.log"
+  hypenet_2m_tiled p32b $((590 - SECONDS))  # P33c's check, in the same warm call
   ;;
 P30b)
   # issue 20 item 4: the whole OPD step at h2048, 256 rollouts, with the fused Lightning step (P27b's
@@ -764,11 +772,7 @@ P33b)
   done
   ;;
 P33c)
-  # issue 20 item 1's last check: graph vs eager at 2M on a prefilled cache (random caches are ill-conditioned)
-  timeout 580 python3 bench/profile_decode.py --models hypenet-2b --contexts 2097152 --prefill --tile 131072 \
-    --variants compiled --steps 8 --profiled 2 --out bench/results/decode_profile_hypenet_2m_tiled_p33c.json \
-    > "$OUT/p33c_hypenet_2m.log" 2>&1
-  echo "hypenet 2M rc=$?"; grep -A4 "^| model" "$OUT/p33c_hypenet_2m.log" | head -6
+  hypenet_2m_tiled p33c 580
   ;;
 P33d)
   # issue 20 item 4: the 24-bit Lightning state (3/4 of fp32's bytes; decode_lightning.FLOAT24): its CUDA
