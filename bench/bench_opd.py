@@ -66,6 +66,9 @@ def parse_args(argv=None):
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
     p.add_argument("--state-dtype", choices=("float32", "bfloat16", "float24"), default="float32",
                    help="the rollout decoder's RNN state dtype (opd.rollout_state_dtype)")
+    p.add_argument("--state-write-every", type=int, default=1,
+                   help="the rollout decoder writes its Lightning states every n tokens "
+                        "(opd.rollout_state_write_every)")
     p.add_argument("--timed-steps", type=int, default=2,
                    help="training steps timed after the warm-up one (the figures are the last "
                         "step's; every step's time and per-micro-batch times are recorded). The "
@@ -115,7 +118,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     from halo_dist.stages.opd import (OPDModule, Rollout, pack_rollouts, position_buckets,
                                       sample_rollouts)
     from halo_dist.stages.opd_rollouts import continuous_rollouts
-    from halo_dist.models.hypenet.decode_lightning import FLOAT24
+    from halo_dist.models.hypenet.lightning_state import FLOAT24
 
     vocab = student.config.vocab_size
     g = torch.Generator(device=device).manual_seed(horizon)
@@ -123,15 +126,18 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
                             generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
     state_dtype = FLOAT24 if args.state_dtype == "float24" else getattr(torch, args.state_dtype)
+    options = {"state_dtype": state_dtype}
+    if args.state_write_every > 1:
+        options["state_write_every"] = args.state_write_every
 
     def rollout(h: int):
         if args.continuous:
             return continuous_rollouts(student, prompts, h, len(prompts), eos_token_id=None,
                                        generator=g, compile_static=args.compile_rollouts,
-                                       state_dtype=state_dtype, streams=args.rollout_streams)
+                                       decoder_options=options, streams=args.rollout_streams)
         return sample_rollouts(student, prompts, h, eos_token_id=None, generator=g,
                                static_cache=args.static_decode,
-                               compile_static=args.compile_rollouts, state_dtype=state_dtype)
+                               compile_static=args.compile_rollouts, decoder_options=options)
 
     # untimed: Triton compilation/autotuning and the first graph capture of this batch shape; a
     # compiled step is compiled per cache room, which the horizon sets: warm it up at the same one
@@ -146,7 +152,9 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     gen_mem = peak_gib(device)
     sampled = sum(len(x) for x in gens)
     row = {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len,
-           "rollout_streams": args.rollout_streams if args.continuous else 1, "rollout_s": gen_s,
+           "rollout_streams": args.rollout_streams if args.continuous else 1,
+           "state_dtype": args.state_dtype, "state_write_every": args.state_write_every,
+           "rollout_s": gen_s,
            "rollout_tokens_per_s": sampled / gen_s,
            "rollout_peak_gib": gen_mem}
     if args.skip_train:

@@ -71,6 +71,7 @@
 #      compiled graph step against the eager one at 2M on real keys (a 128K prefill tiled to 2,097,152 tokens)
 #   P33d: the 24-bit rollout state: its CUDA tests, the kernels' table at 256 rows (fp32 / bf16 / 24-bit
 #      states), then the h2048 rollouts at 512 with a 24-bit and with an fp32 state, two processes
+#   P34a: the Lightning state written every 4 tokens in 24 bits: CUDA tests, h2048 rollouts at 512 vs fp32 every token
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -775,7 +776,7 @@ P33c)
   hypenet_2m_tiled p33c 580
   ;;
 P33d)
-  # issue 20 item 4: the 24-bit Lightning state (3/4 of fp32's bytes; decode_lightning.FLOAT24): its CUDA
+  # issue 20 item 4: the 24-bit Lightning state (3/4 of fp32's bytes; lightning_state.FLOAT24): its CUDA
   # tests, the h2048 rollouts at 512 with it and with fp32 (two processes), then the kernels' table
   timeout 100 python3 -m pytest -v -p no:cacheprovider tests/test_float24_state.py -k cuda \
     > "$OUT/p33d_cuda_tests.log" 2>&1
@@ -789,6 +790,21 @@ P33d)
   timeout $((585 - SECONDS)) python3 bench/tune_decode_kernels.py --quick \
     --out bench/results/decode_kernel_tuning_p33d.json > "$OUT/p33d_tuning.log" 2>&1
   echo "tuning rc=$?"; grep -A4 "## lightning" "$OUT/p33d_tuning.log"
+  ;;
+P34a)
+  # issue 20 item 4: rollouts with the Lightning state written every 4 tokens and kept in 24 bits
+  # (lightning_state.py): the CUDA tests of both, then h2048 rollouts at 512, fp32 state written
+  # every token (P26c's 34.4K) vs 24 bits written every 4, two processes
+  timeout 120 python3 -m pytest -v -p no:cacheprovider tests/test_float24_state.py \
+    tests/test_deferred_state.py -k cuda > "$OUT/p34a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p34a_cuda_tests.log" | tail -5
+  for v in "float32 1 220" "float24 4 $((585 - 220 - SECONDS))"; do
+    set -- $v
+    timeout "$3" python3 bench/bench_opd.py --horizons 2048 \
+      --rollouts 512 --continuous --compile-rollouts --skip-train --timed-steps 1 --state-dtype $1 \
+      --state-write-every $2 --out bench/results/opd_p34a_$1_every$2.json > "$OUT/p34a_opd_$1_$2.log" 2>&1
+    echo "opd $1 every $2 rc=$?"; tail -4 "$OUT/p34a_opd_$1_$2.log"
+  done
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \

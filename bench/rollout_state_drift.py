@@ -45,8 +45,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, environment, print_table  # noqa: E402
 from halo_dist.models.hypenet import HypeNetCache  # noqa: E402
-from halo_dist.models.hypenet.decode_lightning import (FLOAT24, pack_float24,  # noqa: E402
-                                                       unpack_float24)
+from halo_dist.models.hypenet.lightning_state import (FLOAT24, pack_float24,  # noqa: E402
+                                                      unpack_float24)
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
 
 SMOLLM2_ATTN = [1, 5, 9, 13, 17, 21, 25, 29]  # 8 of 30 layers, about HypeNet-2B's share (7 of 28)

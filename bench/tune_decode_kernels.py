@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
-from halo_dist.models.hypenet import decode_attention, decode_lightning  # noqa: E402
+from halo_dist.models.hypenet import decode_attention, decode_lightning, lightning_state  # noqa: E402
 from halo_dist.models.hypenet.decode_attention import decode_attention_triton  # noqa: E402
 from halo_dist.models.hypenet.decode_gemv import graph_time_ms  # noqa: E402
 from halo_dist.models.hypenet.decode_lightning import lightning_decode_triton  # noqa: E402
@@ -114,7 +114,7 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
     q, k, v = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)
                for _ in range(3))
     log_decay = -torch.linspace(0.004, 0.7, H, device=dev)
-    state0 = decode_lightning.stored_state(torch.randn(batch, H, D, D, device=dev, generator=g),
+    state0 = lightning_state.stored_state(torch.randn(batch, H, D, D, device=dev, generator=g),
                                            state_dtype)
     ref_state = state0.clone()
     default = decode_lightning.LAUNCH[state_dtype]
@@ -127,8 +127,8 @@ def lightning_case(batch: int, state_dtype: torch.dtype, grid: list[dict], dev: 
             return lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state, **cfg)
 
         err = max(rel_err(fn().float(), ref),
-                  rel_err(decode_lightning.state_values(state),
-                          decode_lightning.state_values(ref_state)))
+                  rel_err(lightning_state.state_values(state),
+                          lightning_state.state_values(ref_state)))
         return err, time_graph(fn)
 
     # every state read and written once
@@ -288,8 +288,8 @@ def main(argv=None) -> int:
          lambda: lightning_case(b, torch.float32, light_grid, dev, dt)),
         (f"lightning b{b} bf16 state", "lightning/bfloat16",
          lambda: lightning_case(b, torch.bfloat16, light_grid, dev, dt)),
-        (f"lightning b{b} 24-bit state", "lightning/uint8",  # decode_lightning.FLOAT24
-         lambda: lightning_case(b, decode_lightning.FLOAT24, light_grid, dev, dt)),
+        (f"lightning b{b} 24-bit state", "lightning/uint8",  # lightning_state.FLOAT24
+         lambda: lightning_case(b, lightning_state.FLOAT24, light_grid, dev, dt)),
         (f"sampler b{b} vocab {vocab}", None, lambda: sampler_case(b, vocab, dev, dt)),
     ):
         cases[name] = fn()

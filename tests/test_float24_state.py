@@ -1,4 +1,4 @@
-"""The 24-bit Lightning state (``decode_lightning.FLOAT24``): fp32 less its last byte, rounded to
+"""The 24-bit Lightning state (``lightning_state.FLOAT24``): fp32 less its last byte, rounded to
 nearest, kept as bytes ``[B, H, K, 3V]``. The packing's rounding and layout; the kernel (Triton's
 interpreter) against the torch reference, plain and fused; whole static decoders against the
 fp32-state one; refills, the hand-back to the dynamic cache, and OPD's option."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
-from halo_dist.models.hypenet.decode_lightning import (FLOAT24, pack_float24, state_values,
-                                                       stored_state, unpack_float24)
+from halo_dist.models.hypenet.lightning_state import (FLOAT24, pack_float24, state_values,
+                                                      stored_state, unpack_float24)
 from halo_dist.models.hypenet.static_decode import StaticDecoder
 from triton_interp import run_interpreted
 
@@ -54,6 +54,7 @@ def test_kernel_keeps_a_float24_state_like_the_reference():
     script = """
         import torch
         from halo_dist.models.hypenet import decode_lightning as dl
+        from halo_dist.models.hypenet.lightning_state import pack_float24, unpack_float24
 
         torch.manual_seed(0)
         B, H, K, V = 2, 4, 16, 24
@@ -64,7 +65,7 @@ def test_kernel_keeps_a_float24_state_like_the_reference():
             v = torch.randn(B, 1, H, V)
             log_decay = -torch.rand(H)
             s32 = torch.randn(B, H, K, V)
-            got_s, want_s = dl.pack_float24(s32), dl.pack_float24(s32)
+            got_s, want_s = pack_float24(s32), pack_float24(s32)
             # the fused step's parts after the update (its output norm and gate, a head split
             # over programs); they leave the state as the plain update does
             ends = dl.LayerEnds(o_norm=torch.ones(H * V), gate=torch.randn(B, 1, H * V),
@@ -75,7 +76,7 @@ def test_kernel_keeps_a_float24_state_like_the_reference():
                 if not fused:
                     worst_out = max(worst_out, float((got - want).norm() / want.norm()))
                 ref = dl.lightning_decode_torch(q, k, v, log_decay, 0.3, s32)
-                a, b = dl.unpack_float24(got_s), dl.unpack_float24(want_s)
+                a, b = unpack_float24(got_s), unpack_float24(want_s)
                 apart = max(apart, float((a - b).norm() / b.norm()))
                 differ = max(differ, float((a != b).float().mean()))
                 drift = max(drift, float((b - s32).norm() / s32.norm()))
@@ -151,13 +152,13 @@ def test_opd_takes_float24_for_lightning_students_only():
     from types import SimpleNamespace
 
     from halo_dist.config.coerce import ConfigError
-    from halo_dist.stages.opd import rollout_state_dtype
+    from halo_dist.stages.opd import rollout_decoder_options
 
-    opd = SimpleNamespace(rollout_state_dtype="float24")
-    assert rollout_state_dtype(opd, SimpleNamespace(mixer_types=["attention", "lightning"])) \
-        == FLOAT24
+    opd = SimpleNamespace(rollout_state_dtype="float24", rollout_state_write_every=1)
+    assert rollout_decoder_options(opd, SimpleNamespace(mixer_types=["attention", "lightning"])) \
+        == {"state_dtype": FLOAT24}
     with pytest.raises(ConfigError, match="all Lightning"):
-        rollout_state_dtype(opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
+        rollout_decoder_options(opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")

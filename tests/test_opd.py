@@ -342,39 +342,43 @@ def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path, monk
     assert lc == ld and len(lc) == 3 and all(math.isfinite(v) for _, v in lc)
 
 
-@pytest.mark.parametrize("name", ["bfloat16", "float24"])
+@pytest.mark.parametrize("name,every", [("bfloat16", 1), ("float24", 1), ("float32", 3)])
 def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_path, monkeypatch,
-                                                                          name):
-    """opd.rollout_state_dtype=bfloat16 / float24: rollouts decode with Lightning states kept that
-    way (float24: bytes, ``FLOAT24``) and the run trains (finite losses); a student with another
-    RNN mixer, and a dtype that is not offered, are refused before anything runs."""
+                                                                          name, every):
+    """opd.rollout_state_dtype=bfloat16 / float24, opd.rollout_state_write_every=3: rollouts decode
+    with Lightning states kept that way (float24: bytes, ``FLOAT24``; writes deferred: held
+    tokens' slots) and the run trains (finite losses); a student with another RNN mixer, and a
+    dtype that is not offered, are refused before anything runs."""
     from types import SimpleNamespace
 
     import halo_dist.stages.opd_rollouts as rollouts_mod
     from halo_dist.config.coerce import ConfigError
-    from halo_dist.models.hypenet.decode_lightning import FLOAT24
-    from halo_dist.stages.opd import rollout_state_dtype
+    from halo_dist.models.hypenet.lightning_state import FLOAT24
+    from halo_dist.stages.opd import rollout_decoder_options
 
-    kept = {"bfloat16": torch.bfloat16, "float24": FLOAT24}[name]
+    kept = {"bfloat16": torch.bfloat16, "float24": FLOAT24, "float32": torch.float32}[name]
 
-    seen = set()
+    seen, held = set(), set()
 
     class Recording(rollouts_mod.StaticDecoder):
         def step(self, tokens):
             seen.update(s.dtype for s in self.cache.rnn_states())
+            held.update(d.every for d in self.cache.deferred.values())
             return super().step(tokens)
 
     monkeypatch.setattr(rollouts_mod, "StaticDecoder", Recording)
 
     common = ("schedule.total_steps=3", "schedule.decay_steps=1", "opd.eval_every=0",
               "data.global_batch_size=4", "data.micro_batch_size=2", "checkpoint.every_steps=0",
-              "opd.snapshot_every=0", f"opd.rollout_state_dtype={name}")
+              "opd.snapshot_every=0", f"opd.rollout_state_dtype={name}",
+              f"opd.rollout_state_write_every={every}")
     t = run_trainer(tiny_cfg(tmp_path, *common))
-    assert t.rollout_state_dtype == kept and t.tokens_seen > 0
-    assert seen == {kept}
+    assert t.tokens_seen > 0
+    assert t.rollout_decoder_options.get("state_dtype", torch.float32) == kept
+    assert seen == {kept} and held == ({every} if every > 1 else set())
     assert all(math.isfinite(v) for _, v in read_metrics(tmp_path)["train/loss"])
     with pytest.raises(ConfigError, match="all Lightning"):
-        rollout_state_dtype(t.cfg.opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
+        rollout_decoder_options(t.cfg.opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
     with pytest.raises(ConfigError, match="rollout_state_dtype"):
         tiny_cfg(tmp_path, "opd.rollout_state_dtype=float16")
 

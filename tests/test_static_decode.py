@@ -553,13 +553,13 @@ def test_decode_kernels_read_their_launch_tables(monkeypatch):
     one program per (row, KV head) fills the GPU (8 SMs stand in for a device on CPU), each
     kernel launches with its table entry unless the call overrides it, and an unknown setting is
     refused."""
-    from halo_dist.models.hypenet import decode_attention, decode_lightning
+    from halo_dist.models.hypenet import decode_attention, decode_lightning, lightning_state
 
     cpu = torch.device("cpu")
     assert decode_attention.launch_regime(1, 8, cpu) == "split"
     assert decode_attention.launch_regime(4, 8, cpu) == "rows"  # 32 programs = 4 x 8 SMs
     assert decode_attention.launch_regime(3, 8, cpu) == "split"
-    assert set(decode_lightning.LAUNCH) == set(decode_lightning.STATE_DTYPES)
+    assert set(decode_lightning.LAUNCH) == set(lightning_state.STATE_DTYPES)
     if not HAS_TRITON:
         pytest.skip("triton not installed")
     attn, light = _LaunchRecorder(), _LaunchRecorder()
@@ -717,9 +717,9 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monke
     uncompiled one with torch's kernels around the in-place update. fp32 weights: the same logits
     and states to fp32 rounding. bf16 weights: the two round in different places (the fused step
     keeps fp32 from the projection to the gate), so only a loose bound."""
-    from halo_dist.models.hypenet import decode_lightning
+    from halo_dist.models.hypenet import decode_lightning, lightning_state
 
-    for dtype in decode_lightning.STATE_DTYPES:
+    for dtype in lightning_state.STATE_DTYPES:
         monkeypatch.setitem(decode_lightning.LAUNCH, dtype,
                             {**decode_lightning.LAUNCH[dtype], "fused_split": split})
     torch.manual_seed(0)
@@ -848,7 +848,7 @@ def test_rollout_state_drift_measures_nothing_for_equal_states_and_something_for
     fp24 = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=None, mantissa=15)
     assert 0.0 < fp24["tv_mean"] < half["tv_mean"] / 30
     # the decoder's own 24-bit state rounds the same way, at the write
-    from halo_dist.models.hypenet.decode_lightning import FLOAT24
+    from halo_dist.models.hypenet.lightning_state import FLOAT24
 
     real = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=FLOAT24)
     assert real["tv_mean"] == fp24["tv_mean"] and real["kl_mean"] == fp24["kl_mean"]

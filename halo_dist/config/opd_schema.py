@@ -117,6 +117,11 @@ class OPDConfig(Section):
     # float24 (fp32 less its last byte) keeps 3/4 of the bytes: KL 6e-4 nats and 98.6% argmax
     # agreement there (bench/rollout_state_drift.py; measure your student before using either)
     rollout_state_dtype: Literal["float32", "bfloat16", "float24"] = "float32"
+    # the rollout decoder writes its Lightning states back every n tokens and holds the tokens
+    # between as k/v beside them (Lightning-only students; models/hypenet/lightning_state.py): the
+    # state moves 1 + 1/n times per token instead of 2, with the same outputs up to fp32
+    # rounding. Not yet timed on a GPU: 1 (every token) until it is
+    rollout_state_write_every: int = 1
     # default: the teacher's; "bytes" = UTF-8 bytes (eval/tokenizers.py; tiny runs)
     tokenizer: Optional[str] = None
     eos_token_id: Optional[int] = None  # default: the tokenizer's
@@ -155,6 +160,7 @@ class OPDConfig(Section):
         if self.rollout_batch_size is not None:
             _positive("rollout_batch_size", self.rollout_batch_size)
         _positive("rollout_streams", self.rollout_streams)
+        _positive("rollout_state_write_every", self.rollout_state_write_every)
         if self.rollout_streams > 1 and not self.continuous_batching:
             fail("rollout_streams", f"{self.rollout_streams} groups need "
                  "continuous_batching: true (generate's batches decode as one)")

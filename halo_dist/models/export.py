@@ -48,6 +48,7 @@ MODEL_FILES = (
     "static_decode.py",  # CUDA-graph decoding
     "decode_attention.py",  # its split-KV attention kernel
     "decode_lightning.py",  # its in-place Lightning state update
+    "lightning_state.py",  # how that state is kept (24 bits, deferred writes)
     "decode_gemv.py",  # its batch-1 GEMV (opt-in)
 )
 AUTO_MAP = {

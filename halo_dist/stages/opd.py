@@ -50,7 +50,7 @@ from ..losses import fused_distill_loss
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
 from ..models.hypenet.generation_hypenet import _GENERATE_CACHE_KWARG
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
-from ..models.hypenet.decode_lightning import FLOAT24
+from ..models.hypenet.lightning_state import FLOAT24
 from ..models.hypenet.static_decode import mixers_without_low_precision_state
 from .build import check_same_vocab
 
@@ -200,25 +200,28 @@ def compiled_room(tokens: int) -> int:
     return -(-tokens // ROOM_MULTIPLE) * ROOM_MULTIPLE
 
 
-def static_options(compile_static: bool, state_dtype: torch.dtype | None) -> dict:
+def static_options(compile_static: bool, decoder_options: dict | None) -> dict:
     """The rollout decoder's ``StaticDecoder`` keyword arguments beyond the defaults."""
-    options = {"compile": True} if compile_static else {}
-    if state_dtype is not None and state_dtype != torch.float32:
-        options["state_dtype"] = state_dtype
-    return options
+    return {**({"compile": True} if compile_static else {}), **(decoder_options or {})}
 
 
-def rollout_state_dtype(opd, student_config) -> torch.dtype:
-    """``opd.rollout_state_dtype`` as the decoder's state dtype (float24: ``FLOAT24``), refused up
-    front for a student with RNN layers other than Lightning (only its in-place decode kernel keeps
-    a narrower state)."""
-    if opd.rollout_state_dtype == "float32":
-        return torch.float32
+def rollout_decoder_options(opd, student_config) -> dict:
+    """``StaticDecoder`` options for the rollouts' Lightning states from ``opd.rollout_state_dtype``
+    (float24: ``FLOAT24``) and ``opd.rollout_state_write_every`` (empty: the defaults), refused up
+    front for a student with RNN layers other than Lightning (only its in-place decode kernel
+    keeps a narrower state or defers its writes)."""
+    options = {}
+    if opd.rollout_state_dtype != "float32":
+        options["state_dtype"] = (FLOAT24 if opd.rollout_state_dtype == "float24"
+                                  else torch.bfloat16)
+    if opd.rollout_state_write_every > 1:
+        options["state_write_every"] = opd.rollout_state_write_every
     other = mixers_without_low_precision_state(student_config.mixer_types)
-    if other:
-        raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} needs a student "
-                          f"whose RNN layers are all Lightning; this one has {other}")
-    return FLOAT24 if opd.rollout_state_dtype == "float24" else torch.bfloat16
+    if options and other:
+        raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} and "
+                          f"opd.rollout_state_write_every={opd.rollout_state_write_every} need a "
+                          f"student whose RNN layers are all Lightning; this one has {other}")
+    return options
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +240,7 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
                     top_p: float = 1.0, eos_token_id: int | None = None, pad_token_id: int = 0,
                     stop_at_eos: bool = True, generator: torch.Generator | None = None,
                     static_cache: bool = False, compile_static: bool = False,
-                    state_dtype: torch.dtype | None = None) -> list[list[int]]:
+                    decoder_options: dict | None = None) -> list[list[int]]:
     """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the
     student's own distribution under ``temperature`` / ``top_p`` only: the model's generation
     defaults stay out (an export carries its teacher's chat defaults, e.g. a top-k or a repetition
@@ -248,8 +251,8 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     ``compile_static``: its step through ``torch.compile`` first (fuses the step's ~1,000 small
     kernels). It compiles once per rollout count, padding or not, and cache room; the room is
     rounded up by ``compiled_room`` so that prompts of similar width share a compilation.
-    ``state_dtype``: the static decoder's RNN state dtype (``torch.bfloat16``: half the state bytes
-    per step, Lightning-only students; ``opd.rollout_state_dtype``). Layers compiled for training
+    ``decoder_options``: the static decoder's Lightning state options (``rollout_decoder_options``:
+    a narrower state, writes deferred). Layers compiled for training
     (``model.compile``) run eagerly here.
     """
     if not prompts:
@@ -264,7 +267,7 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     model.eval()
     model.generation_config = GenerationConfig()
     cache = {"cache_implementation": "static" if static_cache else None}
-    options = static_options(compile_static, state_dtype)
+    options = static_options(compile_static, decoder_options)
     if static_cache and options:
         room = width + horizon + STATIC_WARMUP_TOKENS
         cache = {_GENERATE_CACHE_KWARG: HypeNetCache(

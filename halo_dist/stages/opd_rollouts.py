@@ -164,14 +164,14 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
                         temperature: float = 1.0, top_p: float = 1.0,
                         eos_token_id: int | None = None, stop_at_eos: bool = True,
                         generator: torch.Generator | None = None, pad_token_id: int = 0,
-                        compile_static: bool = False, state_dtype: torch.dtype | None = None,
+                        compile_static: bool = False, decoder_options: dict | None = None,
                         streams: int = 1) -> list[list[int]]:
     """One continuation per prompt (in the prompts' order; cut after the first EOS when
     ``stop_at_eos``), decoded in ``slots`` rows that are refilled as rollouts end.
     ``compile_static``: the step through ``torch.compile`` (the buffers' room rounded up by
-    ``compiled_room``, so calls with similar prompts share a compilation). ``state_dtype``: the
-    decoder's RNN state dtype (``sample_rollouts``). ``streams``: the slots in that many groups,
-    each a decoder on its own CUDA stream (at most one group per slot)."""
+    ``compiled_room``, so calls with similar prompts share a compilation). ``decoder_options``:
+    the decoder's Lightning state options (``sample_rollouts``). ``streams``: the slots in that
+    many groups, each a decoder on its own CUDA stream (at most one group per slot)."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -183,7 +183,8 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
     room = compiled_room(room) if compile_static else room
     slots = min(slots, len(prompts))
     work = _Work(model, prompts, slots, horizon, (temperature, top_p, generator),
-                 eos_token_id if stop_at_eos else None, static_options(compile_static, state_dtype))
+                 eos_token_id if stop_at_eos else None,
+                 static_options(compile_static, decoder_options))
     was_training = model.training
     model.eval()
     try:

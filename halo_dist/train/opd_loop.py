@@ -34,8 +34,8 @@ from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
 from ..parallel.safe_load import safe_load
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step,
-                          pack_rollouts, parameter_groups, position_buckets, rollout_state_dtype,
-                          sample_rollouts)
+                          pack_rollouts, parameter_groups, position_buckets,
+                          rollout_decoder_options, sample_rollouts)
 from ..models.hypenet.modeling_hypenet import compile_decoder_layers
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
@@ -115,7 +115,7 @@ class OPDTrainer(Trainer):
         ``OPDModule`` (student + loss) that the engine trains."""
         cfg, opd = self.cfg, self.cfg.opd
         student, teacher, self.tokenizer = build_models(cfg, **self._inject)
-        self.rollout_state_dtype = rollout_state_dtype(opd, student.config)
+        self.rollout_decoder_options = rollout_decoder_options(opd, student.config)
         if cfg.model.activation_checkpointing:
             student.model.gradient_checkpointing = True
         # training forwards only: rollouts run the layers eagerly (``sample_rollouts``)
@@ -264,7 +264,7 @@ class OPDTrainer(Trainer):
                 top_p=opd.top_p, eos_token_id=self.eos, pad_token_id=self.pad,
                 stop_at_eos=opd.stop_at_eos, generator=self.generator,
                 compile_static=self._compile_rollouts,
-                state_dtype=self.rollout_state_dtype, streams=opd.rollout_streams)
+                decoder_options=self.rollout_decoder_options, streams=opd.rollout_streams)
             out = [Rollout(p, g, name) for (name, p), g in zip(picks, gens)]
             _sync(self.device)
             return out, time.perf_counter() - t0
@@ -275,7 +275,7 @@ class OPDTrainer(Trainer):
                 eos_token_id=self.eos, pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
                 generator=self.generator, static_cache=opd.static_decode,
                 compile_static=self._compile_rollouts,
-                state_dtype=self.rollout_state_dtype)
+                decoder_options=self.rollout_decoder_options)
             out += [Rollout(p, g, name) for (name, p), g in zip(chunk, gens)]
         _sync(self.device)
         return out, time.perf_counter() - t0
@@ -436,7 +436,7 @@ class OPDTrainer(Trainer):
                                        pad_token_id=self.pad, stop_at_eos=opd.stop_at_eos,
                                        generator=gen, static_cache=opd.static_decode,
                                        compile_static=self._compile_rollouts,
-                                       state_dtype=self.rollout_state_dtype)
+                                       decoder_options=self.rollout_decoder_options)
                 rs = [Rollout(p, g) for p, g in zip(chunk, gens) if g]
                 if not rs:
                     continue

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .decode_lightning import state_values
 
 # Extra KV slots a static (CUDA-graph) cache reserves: StaticDecoder's warm-up writes two tokens,
 # then rewinds.
@@ -113,9 +112,10 @@ class HypeNetCache(Cache):
             return
         n = dec.length
         for i, entry in enumerate(dec.cache.layers):
-            # RNN states go back in fp32 (a decoder may have kept them in bf16 or 24 bits)
+            # RNN states go back in fp32 (a decoder may have kept them in bf16 or 24 bits, and
+            # held its last tokens beside them)
             self.layers[i] = ((entry[0][:, :n], entry[1][:, :n]) if isinstance(entry, tuple)
-                              else state_values(entry))
+                              else dec.cache.rnn_state_values(i))
         self.seen_tokens = n
         self._decoder = None
 

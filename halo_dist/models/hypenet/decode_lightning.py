@@ -10,14 +10,9 @@ rows x 16 heads x 128 x 128 fp32 = 268 MB per layer, 21 layers). Here each progr
 ``[K, BLOCK_V]`` tile of one (row, head) state: it reads the tile, updates it in registers and
 writes it back where it was, so the state moves once each way and no copy follows.
 
-The state is fp32 unless the caller keeps it narrower (``StaticDecoder(state_dtype=...)``); either
-way it is updated in fp32 registers and rounded once per token when written back:
-* bf16: half the bytes, but the rounding compounds (1 − λ of the slowest heads is bf16's own
-  spacing) and moves the sampling distribution far (bench/rollout_state_drift.py);
-* ``FLOAT24``: fp32 with its last byte rounded away (15 mantissa bits, fp32's exponent), 3/4 of the
-  bytes, stored as bytes ``[B, H, K, 3V]``: per row of the state, the V elements' top two bytes
-  (their bf16 truncation, ``[..., :2V]`` as int16) and then their third bytes (``[..., 2V:]``).
-  ``pack_float24`` / ``unpack_float24`` convert.
+The state is fp32 unless the caller keeps it narrower (bf16, or the 24-bit ``FLOAT24``), and a
+batched caller can defer its writes over several tokens (``DeferredWrites``): ``lightning_state.py``
+says how a state is kept.
 
 The same kernel can also do the rest of the layer's step between its two GEMMs (``LayerEnds``):
 the QK-norm and RoPE of q/k as they come out of the packed projection, and the per-head output
@@ -42,11 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from .decode_attention import sm_count
-
-# the storage dtype that marks a 24-bit state (bytes, ``[B, H, K, 3V]``; see the module docstring)
-FLOAT24 = torch.uint8
-# dtypes the in-place kernel keeps a state in (fp32 by default; bf16 halves a batched step's bytes)
-STATE_DTYPES = (torch.float32, torch.bfloat16, FLOAT24)
+from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_step_torch,
+                              state_values, stored_state)
 # Launch settings per state dtype: state columns per program and warps (they change the result only
 # by the order of floating-point additions). Measured on an H200 by ``bench/tune_decode_kernels.py``
 # at 256 rows (one CUDA graph of back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the
@@ -73,53 +65,23 @@ except Exception:  # pragma: no cover - depends on the environment
     _HAS_TRITON = False
 
 
-def pack_float24(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[..., V]`` (V even) -> a 24-bit state's bytes ``[..., 3V]``: each element rounded to
-    15 mantissa bits (to nearest, ties away from zero: half of the dropped byte added to the bit
-    pattern, whose carry into the exponent is the right rounding up), its top two bytes first."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"a 24-bit state needs an even last dim (its top two bytes are read as "
-                         f"int16 pairs), got {x.shape[-1]}")
-    bits = x.to(torch.float32).contiguous().view(torch.int32)  # [..., V]
-    # inf and NaN (all-ones exponent) as they are: a carry would turn them into other numbers; a
-    # NaN keeps its quiet bit, so that dropping its last byte cannot make it inf
-    special = (bits & 0x7F800000) == 0x7F800000
-    nan = special & ((bits & 0x7FFFFF) != 0)
-    bits = torch.where(special, torch.where(nan, bits | 0x400000, bits), bits + 0x80)
-    hi = (bits >> 16).to(torch.int16).view(torch.uint8)  # [..., V] int16 -> [..., 2V] bytes
-    return torch.cat([hi, ((bits >> 8) & 0xFF).to(torch.uint8)], dim=-1)  # [..., 3V]
-
-
-def unpack_float24(t: torch.Tensor) -> torch.Tensor:
-    """A 24-bit state's bytes ``[..., 3V]`` -> fp32 ``[..., V]`` (the dropped byte zero)."""
-    V = t.shape[-1] // 3
-    hi = t[..., : 2 * V].contiguous().view(torch.int16).to(torch.int32) << 16  # [..., V]
-    return (hi | (t[..., 2 * V:].to(torch.int32) << 8)).view(torch.float32)
-
-
-def stored_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A state ``[B, H, K, V]`` as the in-place kernel keeps it in ``dtype`` (contiguous)."""
-    return pack_float24(x) if dtype == FLOAT24 else x.to(dtype).contiguous()
-
-
-def state_values(state: torch.Tensor) -> torch.Tensor:
-    """A kept state as numbers ``[B, H, K, V]``, fp32 at least (the inverse of ``stored_state``,
-    up to its rounding)."""
-    if state.dtype == FLOAT24:
-        return unpack_float24(state)
-    return state.to(torch.promote_types(state.dtype, torch.float32))
-
-
 def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           log_decay: torch.Tensor, scale: float,
-                           state: torch.Tensor) -> torch.Tensor:
+                           log_decay: torch.Tensor, scale: float, state: torch.Tensor,
+                           deferred: DeferredWrites | None = None) -> torch.Tensor:
     """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (or a
     24-bit state's bytes ``[B, H, K, 3V]``; updated in place) -> o ``[B, 1, H, V]`` in q's dtype.
     The update and the output are computed in fp32 at least (the state's dtype when wider); a bf16
-    or 24-bit state is rounded once, when it is written back."""
+    or 24-bit state is rounded once, when it is written back. ``deferred``: the state is written
+    only at each row's ``every``-th token, the tokens between held there."""
     s = state_values(state)  # the state itself when it is already fp32/fp64
     acc = s.dtype
     qf, kf, vf = q[:, 0].to(acc), k[:, 0].to(acc), v[:, 0].to(acc)  # [B, H, K] / [B, H, V]
+    if deferred is not None:
+        group = qf.shape[1] // kf.shape[1]  # GQA: k/v head h // group serves query head h
+        kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
+        o, s = deferred_step_torch(s, qf, kf, vf, log_decay, deferred)
+        state.copy_(stored_state(s, state.dtype))
+        return (o * scale)[:, None].to(q.dtype)  # [B, H, V] -> [B, 1, H, V]
     decay = log_decay.to(device=state.device, dtype=acc).exp()[None, :, None, None]  # [1, H, 1, 1]
     s.mul_(decay).add_(kf[..., :, None] * vf[..., None, :])  # [B, H, K, V]
     o = torch.einsum("bhk,bhkv->bhv", qf, s) * scale  # [B, H, V]
@@ -129,6 +91,8 @@ def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 if _HAS_TRITON:
+    from .lightning_state import deferred_rows, held_output, hold_token, load_rows, state_tiles, \
+        store_rows
 
     @triton.jit
     def _rope_cos_sin(Pos, InvFreq, lo, ROPE: tl.constexpr):
@@ -163,44 +127,12 @@ if _HAS_TRITON:
         return x1, x2
 
     @triton.jit
-    def _load_rows(tile, tile_lo, v_ok, STATE24: tl.constexpr):
-        """The state at ``tile`` (pointers ``[R, BLOCK_V]``) as fp32. A 24-bit state: its top two
-        bytes (int16) at ``tile``, its third byte at ``tile_lo``."""
-        if STATE24:
-            hi = tl.load(tile, mask=v_ok[None, :], other=0).to(tl.int32)
-            lo = tl.load(tile_lo, mask=v_ok[None, :], other=0).to(tl.int32)  # zero-extended
-            return ((hi << 16) | (lo << 8)).to(tl.float32, bitcast=True)
-        return tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _state_tiles(base, offs_v, DV: tl.constexpr, STATE24: tl.constexpr):
-        """Pointers to columns ``offs_v`` of a head's state row 0 at ``base``. A 24-bit state
-        (STATE24): ``base`` points at its bytes; the rows' top two bytes are read as int16, their
-        third bytes start 2 DV bytes into the row (one tensor argument: two aliasing views of it
-        would confuse torch.compile's analysis of what the kernel writes)."""
-        if STATE24:
-            return base.to(tl.pointer_type(tl.int16)) + offs_v[None, :], base + 2 * DV + offs_v
-        return base + offs_v[None, :], base + offs_v  # (the second unread)
-
-    @triton.jit
     def _state_rows(tile, tile_lo, s, k, v, q, decay, v_ok, STATE24: tl.constexpr):
         """Rows of one state tile ``[D/2, BLOCK_V]``, loaded as ``s`` (fp32): S <- decay S + kᵀv,
-        written back in place (bf16: rounded to nearest even; 24 bits: to nearest, ties away, as
-        ``pack_float24``); returns their share of q S ``[BLOCK_V]`` (from the fp32 update, before
-        any rounding of the store)."""
+        written back in place; returns their share of q S ``[BLOCK_V]`` (from the fp32 update,
+        before any rounding of the store)."""
         s = decay * s + k[:, None] * v[None, :]
-        if STATE24:
-            bits = s.to(tl.int32, bitcast=True)
-            # round to nearest, except inf/NaN (all-ones exponent: a carry would change them; a
-            # NaN keeps its quiet bit, so that dropping its last byte cannot make it inf)
-            special = (bits & 0x7F800000) == 0x7F800000
-            nan = special & ((bits & 0x7FFFFF) != 0)
-            bits = tl.where(special, tl.where(nan, bits | 0x400000, bits), bits + 0x80)
-            tl.store(tile, (bits >> 16).to(tl.int16), mask=v_ok[None, :])
-            tl.store(tile_lo, ((bits >> 8) & 0xFF).to(tl.uint8), mask=v_ok[None, :])
-        else:
-            tl.store(tile, s.to(tile.dtype.element_ty, fp_downcast_rounding="rtne"),
-                     mask=v_ok[None, :])
+        store_rows(tile, tile_lo, s, v_ok, STATE24)
         return tl.sum(q[:, None] * s, axis=0)
 
     @triton.jit
@@ -239,8 +171,37 @@ if _HAS_TRITON:
             tl.store(Arrived + slot, 0)
 
     @triton.jit
+    def _written_step(t1, l1, t2, l2, s1, s2, q1, q2, k1, k2, v, g, v_ok, PREFETCH: tl.constexpr,
+                      STATE24: tl.constexpr):
+        """Each token written back: both halves of the tile (``s1``/``s2`` loaded already with
+        PREFETCH, else here one after the other) -> q S ``[BLOCK_V]``."""
+        decay = tl.exp(g)
+        if not PREFETCH:
+            s1 = load_rows(t1, l1, v_ok, STATE24)
+        o = _state_rows(t1, l1, s1, k1, v, q1, decay, v_ok, STATE24)
+        if not PREFETCH:
+            s2 = load_rows(t2, l2, v_ok, STATE24)
+        return o + _state_rows(t2, l2, s2, k2, v, q2, decay, v_ok, STATE24)
+
+    @triton.jit
+    def _deferred_step(t1, l1, t2, l2, q1, q2, k1, k2, v, g, j, PK, PV, lo, hi, offs_v, v_ok,
+                       first, DK: tl.constexpr, DV: tl.constexpr, EVERY: tl.constexpr,
+                       STATE24: tl.constexpr):
+        """Writes deferred (``lightning_state.DeferredWrites``): this token is the row's held slot
+        j; its state is written only at j = EVERY-1 -> q S_t ``[BLOCK_V]``. No program reads the
+        slot it writes, and the head's programs read only slots below j."""
+        o = (tl.sum(q1 * k1, 0) + tl.sum(q2 * k2, 0)) * v
+        o += held_output(q1, q2, PK, PV, lo, hi, offs_v, v_ok, j, g, DK, DV, EVERY)
+        o += deferred_rows(t1, l1, q1, k1, v, PK, PV, lo, offs_v, v_ok, j, g, DK, DV, EVERY,
+                           STATE24)
+        o += deferred_rows(t2, l2, q2, k2, v, PK, PV, hi, offs_v, v_ok, j, g, DK, DV, EVERY,
+                           STATE24)
+        hold_token(k1, k2, v, PK, PV, lo, hi, offs_v, v_ok, j, first, DK, DV, EVERY)
+        return o
+
+    @triton.jit
     def _lightning_decode_kernel(
-        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O, Part, Arrived,
+        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O, Part, Arrived, Cur, Base, PK, PV,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_pb,
         stride_sb, stride_sh, stride_ob,
         scale, eps_qk, eps_o, gate_scale,
@@ -248,15 +209,15 @@ if _HAS_TRITON:
         BLOCK_V: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
         OUT_NORM: tl.constexpr, GATE: tl.constexpr, PREFETCH: tl.constexpr,
         V_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr, SK: tl.constexpr, LK: tl.constexpr,
-        STATE24: tl.constexpr,
+        STATE24: tl.constexpr, EVERY: tl.constexpr,
     ):
         """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state. Head
-        h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head: either one program
-        holds all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
-        ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls).
-        PREFETCH: load the state before preparing q/k, so the two overlap (the registers to hold
-        it need enough warps: both halves with 4 warps spilled, 21 µs a call in P30c). State rows
-        are SK elements apart (``_state_tiles``; a 24-bit state's third bytes LK apart)."""
+        h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head: one program holds
+        all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
+        ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls). PREFETCH: load the
+        state before preparing q/k, so the two overlap (both halves with 4 warps spilled in P30c).
+        State rows are SK elements apart (a 24-bit state's third bytes LK). EVERY > 1: writes
+        deferred, slots ``PK``/``PV``, positions ``Cur``/``Base`` (``DeferredWrites``)."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
@@ -268,27 +229,29 @@ if _HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < DV
         # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V]
-        tile, tile_lo = _state_tiles(S + b * stride_sb + h * stride_sh, offs_v, DV, STATE24)
+        tile, tile_lo = state_tiles(S + b * stride_sb + h * stride_sh, offs_v, DV, STATE24)
         t1, l1 = tile + lo[:, None] * SK, tile_lo[None, :] + lo[:, None] * LK
         t2, l2 = tile + hi[:, None] * SK, tile_lo[None, :] + hi[:, None] * LK
         if PREFETCH:
-            s1 = _load_rows(t1, l1, v_ok, STATE24)
-            s2 = _load_rows(t2, l2, v_ok, STATE24)
+            s1, s2 = load_rows(t1, l1, v_ok, STATE24), load_rows(t2, l2, v_ok, STATE24)
+        else:  # (stand-ins: _written_step loads them)
+            s1, s2 = v_ok, v_ok
         c, s = _rope_cos_sin(Pos + b * stride_pb, InvFreq, lo, ROPE)
         q1, q2 = _qk_half_pair(Q + b * stride_qb + h * stride_qh, QW, c, s, lo, hi, eps_qk, DK,
                                QK_NORM, ROPE)
         k1, k2 = _qk_half_pair(K + b * stride_kb + hk * stride_kh, KW, c, s, lo, hi, eps_qk, DK,
                                QK_NORM, ROPE)
-        # [BLOCK_V]
         v = tl.load(V + b * stride_vb + hk * stride_vh + offs_v, mask=v_ok, other=0.0)
-        v = v.to(tl.float32)
-        decay = tl.exp(tl.load(LogDecay + h).to(tl.float32))
-        if not PREFETCH:  # one half after the other
-            s1 = _load_rows(t1, l1, v_ok, STATE24)
-        o = _state_rows(t1, l1, s1, k1, v, q1, decay, v_ok, STATE24)
-        if not PREFETCH:
-            s2 = _load_rows(t2, l2, v_ok, STATE24)
-        o += _state_rows(t2, l2, s2, k2, v, q2, decay, v_ok, STATE24)
+        v = v.to(tl.float32)  # [BLOCK_V]
+        g = tl.load(LogDecay + h).to(tl.float32)
+        if EVERY == 1:
+            o = _written_step(t1, l1, t2, l2, s1, s2, q1, q2, k1, k2, v, g, v_ok, PREFETCH, STATE24)
+        else:
+            j = (tl.load(Cur + b) - tl.load(Base + b)) % EVERY  # the token's held slot
+            slot = (b * H + h) * (EVERY - 1)
+            o = _deferred_step(t1, l1, t2, l2, q1, q2, k1, k2, v, g, j, PK + slot * DK,
+                               PV + slot * DV, lo, hi, offs_v, v_ok, pid_v == 0, DK, DV, EVERY,
+                               STATE24)
         o = o * scale  # [BLOCK_V]
         if V_SPLIT == 1:  # this program holds the whole head
             _finish_head(o, offs_v, v_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o, gate_scale,
@@ -375,55 +338,76 @@ def _fused_split(programs: int, dv: int, e: LayerEnds, cfg: dict, device) -> int
     return split
 
 
+def _check_deferred(d: DeferredWrites, B: int, H: int, DK: int, DV: int) -> None:
+    n = d.keys.shape[2] if d.keys.dim() == 4 else 0
+    want = {"keys": ((B, H, n, DK), torch.float32), "values": ((B, H, n, DV), torch.float32),
+            "pos": ((B,), torch.long), "base": ((B,), torch.long)}
+    for name, (shape, dtype) in want.items():
+        t = getattr(d, name)
+        if n < 1 or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"DeferredWrites.{name} must be a contiguous {dtype} {shape} tensor "
+                             f"(deferred_writes makes them), got {t.dtype} {tuple(t.shape)}")
+
+
+def _launch_shape(cfg: dict, e: LayerEnds, B: int, H: int, DV: int, device,
+                  deferred: bool) -> tuple[int, int, bool, int]:
+    """(columns per program, warps, prefetch, programs per head when a head is split)."""
+    if e.o_norm is None:  # the plain update: tiles of block_v columns
+        return cfg["block_v"], cfg["num_warps"], False, 1
+    split = _fused_split(B * H, DV, e, cfg, device)
+    prefix = "split" if split > 1 else "fused"
+    # deferred writes read the state's halves one after the other (no prefetch)
+    prefetch = cfg[f"{prefix}_prefetch"] and not deferred
+    return triton.next_power_of_2(DV) // split, cfg[f"{prefix}_warps"], prefetch, split
+
+
 def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             log_decay: torch.Tensor, scale: float, state: torch.Tensor,
-                            ends: LayerEnds | None = None, **launch) -> torch.Tensor:
+                            ends: LayerEnds | None = None, deferred: DeferredWrites | None = None,
+                            **launch) -> torch.Tensor:
     """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
     ``[B, H, K, V]`` or a 24-bit state's bytes ``[B, H, K, 3V]`` (bf16: half the bytes per step,
     24 bits: 3/4; the arithmetic stays fp32; V even for 24 bits); k/v may have fewer
     heads than q (GQA: head h reads k/v head h // (H / Hkv)). ``ends`` adds the layer's QK-norm and
     RoPE before the update and its output norm and gate after it, in the same kernel (then a program
-    spans a head's V columns, or ``fused_split`` programs share it: ``_fused_split``). ``launch``
-    (keys of ``LAUNCH``) overrides the state dtype's ``LAUNCH`` entry."""
+    spans a head's V columns, or ``fused_split`` programs share it: ``_fused_split``). ``deferred``:
+    the state written every few tokens (``lightning_state``). ``launch`` (keys of ``LAUNCH``)
+    overrides the state dtype's ``LAUNCH`` entry."""
     _check_inputs(q, k, v, state, ends)
     if set(launch) - set(LAUNCH[state.dtype]):
         raise ValueError(f"unknown Lightning decode launch settings "
                          f"{sorted(set(launch) - set(LAUNCH[state.dtype]))}; "
                          f"known: {sorted(LAUNCH[state.dtype])}")
-    cfg = {**LAUNCH[state.dtype], **launch}
     B, _, H, DK = q.shape
     Hkv, DV = v.shape[2], v.shape[-1]
+    if deferred is not None:
+        _check_deferred(deferred, B, H, DK, DV)
     e = ends or LayerEnds()
-    out_norm = e.o_norm is not None
-    split = _fused_split(B * H, DV, e, cfg, q.device) if out_norm else 1
-    if not out_norm:  # the plain update: tiles of block_v columns
-        block_v, warps, prefetch = cfg["block_v"], cfg["num_warps"], False
-    else:
-        block_v = triton.next_power_of_2(DV) // split
-        prefix = "split" if split > 1 else "fused"
-        warps, prefetch = cfg[f"{prefix}_warps"], cfg[f"{prefix}_prefetch"]
+    block_v, warps, prefetch, split = _launch_shape({**LAUNCH[state.dtype], **launch}, e, B, H,
+                                                    DV, q.device, deferred is not None)
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
     pos, inv_freq = e.rope or (q, q)  # (q: any pointer where a part is left out)
     gate = q if e.gate is None else e.gate
     programs = triton.cdiv(DV, block_v)  # per head (fewer than split when DV is not a power of 2)
-    # unused without a split: a tensor the kernel only reads stands in (never the output, which a
-    # compiler that cannot see the constexpr branch would take for one more written argument)
+    # unused parts: a tensor the kernel only reads stands in (never the output, which a compiler
+    # that cannot see the constexpr branch would take for one more written argument)
     part, arrived = e.scratch if split > 1 else (log_decay, log_decay)
+    d = deferred or DeferredWrites(log_decay, log_decay, log_decay, log_decay)
     state24 = state.dtype == FLOAT24
     _lightning_decode_kernel[(B * H, programs)](
         q, k, v, gate, pos, inv_freq, q if e.q_norm is None else e.q_norm,
         q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
-        log_decay, state, o, part, arrived,
+        log_decay, state, o, part, arrived, d.pos, d.base, d.keys, d.values,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         gate.stride(0), pos.stride(0),
         state.stride(0), state.stride(1), o.stride(0),
         scale, e.qk_eps, e.o_eps, e.gate_scale,
         H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
-        ROPE=e.rope is not None, OUT_NORM=out_norm, GATE=e.gate is not None,
+        ROPE=e.rope is not None, OUT_NORM=e.o_norm is not None, GATE=e.gate is not None,
         PREFETCH=prefetch, V_SPLIT=programs if split > 1 else 1,
         BLOCK_DV=triton.next_power_of_2(DV), SK=3 * DV // 2 if state24 else DV, LK=3 * DV,
-        STATE24=state24, num_warps=warps,
+        STATE24=state24, EVERY=deferred.every if deferred is not None else 1, num_warps=warps,
     )
     return o
 
@@ -446,8 +430,8 @@ def kernel_applies(x: torch.Tensor) -> bool:
     return x.is_cuda and _HAS_TRITON and decode_mode() != "torch"
 
 
-def lightning_decode_(q, k, v, log_decay, scale, state):
+def lightning_decode_(q, k, v, log_decay, scale, state, deferred: DeferredWrites | None = None):
     """The kernel on CUDA, the reference elsewhere (or with ``HALO_DECODE_LIGHTNING=torch``)."""
     if kernel_applies(q):
-        return lightning_decode_triton(q, k, v, log_decay, scale, state)
-    return lightning_decode_torch(q, k, v, log_decay, scale, state)
+        return lightning_decode_triton(q, k, v, log_decay, scale, state, deferred=deferred)
+    return lightning_decode_torch(q, k, v, log_decay, scale, state, deferred)

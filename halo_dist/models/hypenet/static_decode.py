@@ -40,8 +40,9 @@ import torch
 
 from .decode_attention import decode_attention
 from .decode_gemv import gemv_mode, tune_gemv
-from .decode_lightning import (STATE_DTYPES, decode_mode, lightning_decode_, split_scratch,
-                               stored_state)
+from .decode_lightning import decode_mode, lightning_decode_, split_scratch
+from .lightning_state import (STATE_DTYPES, DeferredWrites, deferred_values, deferred_writes,
+                              state_values, stored_state)
 from .layers_hypenet import PackedLinears, rope_inv_freq
 from .ops_rnn import lightning_log_decay
 
@@ -62,11 +63,13 @@ class StaticDecodeCache:
 
     def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None,
                  state_dtype: torch.dtype | None = None, lightning_in_place: bool = True,
-                 fuse_lightning: bool = True):
+                 fuse_lightning: bool = True, state_write_every: int = 1):
         """``state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32); bf16 or
         ``FLOAT24`` (fp32 less its last byte, kept as bytes) only for models whose RNN layers are
         all Lightning (its in-place kernel rounds once per token, other mixers' kernels would take
-        such a state as their fp32 input)."""
+        such a state as their fp32 input). ``state_write_every``: Lightning states written back
+        every n tokens, the tokens between held as k/v (``lightning_state.DeferredWrites``; the
+        same Lightning-only models)."""
         kinds = model_config.mixer_types
         if "swa" in kinds:
             raise ValueError("static decode does not support sliding-window layers (rolling "
@@ -76,7 +79,7 @@ class StaticDecodeCache:
         # (``fuse_lightning``)
         self.lightning_in_place = lightning_in_place
         self.fuse_lightning = fuse_lightning
-        self._check_state_dtype(state_dtype, kinds)
+        self._check_state_options(state_dtype, state_write_every, kinds)
         T = cache.seen_tokens
         if T == 0:
             raise ValueError("static decode needs a prefilled cache (seen_tokens == 0)")
@@ -112,18 +115,32 @@ class StaticDecodeCache:
         # where the fused Lightning step splits a head over programs (few rows)
         self.lightning_scratch = (split_scratch(B, cfg.num_attention_heads, cfg.head_dim, device)
                                   if "lightning" in kinds else None)
+        self.deferred = self._defer_writes(state_write_every, cfg)
 
-    def _check_state_dtype(self, state_dtype, kinds) -> None:
-        if state_dtype is None or state_dtype == torch.float32:
-            return
-        if state_dtype not in STATE_DTYPES:
+    def _check_state_options(self, state_dtype, state_write_every, kinds) -> None:
+        if not isinstance(state_write_every, int) or state_write_every < 1:
+            raise ValueError(f"state_write_every must be an int >= 1, got {state_write_every!r}")
+        if state_dtype is not None and state_dtype not in STATE_DTYPES:
             raise ValueError("state_dtype must be torch.float32, torch.bfloat16 or "
-                             "decode_lightning.FLOAT24 (24 bits, kept as bytes); got "
+                             "lightning_state.FLOAT24 (24 bits, kept as bytes); got "
                              f"{state_dtype}")
+        wants = [f"a {state_dtype} RNN state"] if state_dtype not in (None, torch.float32) else []
+        wants += [f"state_write_every={state_write_every}"] if state_write_every > 1 else []
         other = mixers_without_low_precision_state(kinds)
-        if other or not self.lightning_in_place:
-            raise ValueError(f"a {state_dtype} RNN state needs Lightning's in-place decode kernel "
+        if wants and (other or not self.lightning_in_place):
+            raise ValueError(f"{' and '.join(wants)} needs Lightning's in-place decode kernel "
                              f"for every RNN layer; this model also has {other or 'it off'}")
+
+    def _defer_writes(self, every: int, cfg) -> dict[int, DeferredWrites]:
+        """Per Lightning layer, its held tokens' slots (empty: every token written). Every layer
+        counts from the same ``state_base`` ``[B]``: where each row's states were last written
+        whole (the prefill here; ``StaticDecoder._place_row`` for a refill)."""
+        if every == 1:
+            return {}
+        self.state_base = self.pos.clone()
+        B, H, D = self.pos.shape[0], cfg.num_attention_heads, cfg.head_dim
+        return {i: deferred_writes(B, H, D, D, every, self.pos, self.state_base)
+                for i, kind in enumerate(cfg.mixer_types) if kind == "lightning"}
 
     @property
     def seen_tokens(self) -> int:
@@ -168,6 +185,18 @@ class StaticDecodeCache:
     def rnn_states(self) -> list[torch.Tensor]:
         return [e for e in self.layers if not isinstance(e, tuple)]
 
+    def step_buffers(self) -> list[torch.Tensor]:
+        """What a step changes besides the KV buffers and ``pos``: the RNN states and the held
+        tokens' slots (a warm-up restores them)."""
+        return self.rnn_states() + [t for d in self.deferred.values() for t in (d.keys, d.values)]
+
+    def rnn_state_values(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s RNN state as fp32 numbers ``[B, H, K, V]``, held tokens folded
+        in (what the dynamic cache gets back)."""
+        s = state_values(self.layers[layer_idx])
+        d = self.deferred.get(layer_idx)
+        return s if d is None else deferred_values(s, d, self.lightning_log_decay)
+
     def select_rows_(self, idx: torch.Tensor) -> None:
         """Rows ``idx`` (as many as the batch: a beam-search reorder) of every buffer, in place, so
         a captured graph keeps reading the same addresses."""
@@ -176,6 +205,9 @@ class StaticDecodeCache:
             t.copy_(t.index_select(0, idx))
         if self.pad is not None:
             self.pad.copy_(self.pad.index_select(0, idx))
+        for t in [t for d in self.deferred.values() for t in (d.keys, d.values)] + (
+                [self.state_base] if self.deferred else []):
+            t.copy_(t.index_select(0, idx))
         self.pos.copy_(self.pos.index_select(0, idx))
 
     def decode_attention(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
@@ -190,7 +222,8 @@ class StaticDecodeCache:
     def lightning_step(self, layer_idx: int, q, k, v, log_decay, scale: float) -> torch.Tensor:
         """Lightning's state update in the fixed buffer, in place; q/k ``[B, 1, H, K]``, v
         ``[B, 1, H, V]`` -> o ``[B, 1, H, V]``."""
-        return lightning_decode_(q, k, v, log_decay, scale, self.layers[layer_idx])
+        return lightning_decode_(q, k, v, log_decay, scale, self.layers[layer_idx],
+                                 self.deferred.get(layer_idx))
 
     def set_state(self, layer_idx: int, state: torch.Tensor) -> None:
         self.layers[layer_idx].copy_(state)
@@ -241,7 +274,7 @@ class StaticDecoder:
                  pack_projections: bool = True, lightning_in_place: bool = True,
                  state_dtype: torch.dtype | None = None, fuse_lightning: bool | None = None,
                  gemv: bool | None = None, packs: dict | None = None,
-                 capture_stream: torch.cuda.Stream | None = None):
+                 capture_stream: torch.cuda.Stream | None = None, state_write_every: int = 1):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
         back to the eager step and is kept in ``compile_error``); a string is the compile mode:
@@ -258,9 +291,9 @@ class StaticDecoder:
         ``tune_gemv``, run here, timed it faster than cuBLAS; None: for one-row decoders on CUDA
         when ``HALO_DECODE_GEMV=triton``; ``gemv_report`` keeps the timings). The switches exist
         to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
-        ``state_dtype``: the RNN states' dtype while decoding (None: fp32, as prefilled;
-        ``torch.bfloat16`` halves their bytes, ``decode_lightning.FLOAT24`` keeps 3/4 of them;
-        Lightning-only models, ``StaticDecodeCache``).
+        ``state_dtype``: the RNN states' dtype (None: fp32; bf16 halves their bytes, ``FLOAT24``
+        keeps 3/4); ``state_write_every``: states written back every n tokens (``DeferredWrites``);
+        both for Lightning-only models (``lightning_state``, ``StaticDecodeCache``).
         ``packs``: another decoder's ``cache.packed`` (same weights), shared. ``capture_stream``
         (None: torch's shared one): graphs replaying at once on different streams need streams of
         their own at capture (cuBLAS's workspace is per stream)."""
@@ -279,7 +312,7 @@ class StaticDecoder:
         if fuse_lightning is None:
             fuse_lightning = decode_mode() != "unfused"
         self.cache = StaticDecodeCache(cache, model.config, attention_mask, state_dtype,
-                                       lightning_in_place, fuse_lightning)
+                                       lightning_in_place, fuse_lightning, state_write_every)
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
         self.gemv_report: dict = {}
@@ -339,7 +372,7 @@ class StaticDecoder:
     def _first_compiled_step(self) -> None:
         """Compile on the first step; on a compiler error restore the state and run the eager step
         instead."""
-        states = [s.clone() for s in self.cache.rnn_states()]
+        states = [s.clone() for s in self.cache.step_buffers()]
         pos = self.cache.pos.clone()
         try:
             with _room_for_more_compilations():
@@ -363,7 +396,7 @@ class StaticDecoder:
         if self.room_left is not None and self.room_left < warmup_steps:
             raise ValueError(f"the cache has room for {self.room_left} more tokens; need "
                              f"{warmup_steps} to warm up")
-        states = [s.clone() for s in self.cache.rnn_states()]
+        states = [s.clone() for s in self.cache.step_buffers()]
         pos = self.cache.pos.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -383,7 +416,7 @@ class StaticDecoder:
         # (capture records kernels without running them: the restored state stands)
 
     def _restore(self, states: list[torch.Tensor], pos: torch.Tensor) -> None:
-        for live, saved in zip(self.cache.rnn_states(), states):
+        for live, saved in zip(self.cache.step_buffers(), states):
             live.copy_(saved)
         self.cache.pos.copy_(pos)
 
@@ -428,6 +461,8 @@ class StaticDecoder:
 
     def _place_row(self, row: int, position: int) -> None:
         self.cache.pos[row] = position
+        if self.cache.deferred:  # the row's states were just written whole
+            self.cache.state_base[row] = position
         if self.cache.pad is not None:
             self.cache.pad[row] = 0
         self.row_lengths[row] = position

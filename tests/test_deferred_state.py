@@ -1,0 +1,201 @@
+"""Deferred Lightning state writes (``lightning_state.DeferredWrites``): a row writes its state back
+every ``every`` tokens and holds the tokens between as k/v. The torch reference and the kernel
+(Triton's interpreter; plain, fused, a head split over programs; fp32 and 24-bit states) against
+the state written every token; whole static decoders; refills, the hand-back, warm-up restores."""
+
+import copy
+
+import pytest
+import torch
+
+from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
+from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch
+from halo_dist.models.hypenet.lightning_state import (FLOAT24, deferred_values, deferred_writes)
+from halo_dist.models.hypenet.static_decode import StaticDecoder
+from triton_interp import run_interpreted
+
+CUDA = torch.cuda.is_available()
+
+
+def held_rows(B, H, K, V, every, held, pos0=7):
+    """Rows already holding ``held[b]`` tokens (random slots), positions from ``pos0``."""
+    pos = torch.full((B,), pos0, dtype=torch.long) + torch.arange(B)
+    d = deferred_writes(B, H, K, V, every, pos, pos - torch.tensor(held), torch.float64)
+    d.keys.normal_()
+    d.values.normal_()
+    return d
+
+
+@pytest.mark.parametrize("every", [2, 4, 5])
+def test_reference_matches_the_state_written_every_token(every):
+    """fp64: each token's output and, after any number of tokens, the state with its held tokens
+    folded in equal the plain update's, for rows at different held counts (GQA k/v)."""
+    torch.manual_seed(0)
+    B, H, Hkv, K, V = 3, 4, 2, 8, 6
+    d = held_rows(B, H, K, V, every, [0, 1 % every, (every - 1)])
+    log_decay = -torch.rand(H, dtype=torch.float64)
+    s = torch.randn(B, H, K, V, dtype=torch.float64)
+    true = deferred_values(s, d, log_decay)  # the state every row stands for
+    for t in range(2 * every + 1):
+        q, k = torch.randn(B, 1, H, K, dtype=torch.float64), torch.randn(B, 1, Hkv, K,
+                                                                          dtype=torch.float64)
+        v = torch.randn(B, 1, Hkv, V, dtype=torch.float64)
+        got = lightning_decode_torch(q, k, v, log_decay, 0.5, s, d)
+        rep = (k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))
+        want = lightning_decode_torch(q, *rep, log_decay, 0.5, true)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), t
+        d.pos.add_(1)
+        assert torch.allclose(deferred_values(s, d, log_decay), true, rtol=1e-12, atol=1e-12), t
+    # a row at its last slot wrote its state whole: it holds nothing
+    assert (d.held() == (torch.tensor([0, 1 % every, every - 1]) + 2 * every + 1) % every).all()
+
+
+def test_kernel_defers_like_the_reference():
+    """Under TRITON_INTERPRET=1, fp32 and 24-bit states, every 2 and 4, rows at different held
+    counts, GQA: the plain kernel and the fused step (output norm and gate; one program per head,
+    and a head split over 4 at one row) against the same kernel writing every token, token by
+    token, and the folded states against the written ones."""
+    script = """
+        import torch
+        from halo_dist.models.hypenet import decode_lightning as dl
+        from halo_dist.models.hypenet.lightning_state import (FLOAT24, deferred_values,
+                                                              deferred_writes, state_values,
+                                                              stored_state)
+
+        torch.manual_seed(0)
+        H, Hkv, K, V = 4, 2, 16, 24
+        worst = {}
+        cases = [(3, False, dict(block_v=8)), (3, True, dict(fused_split=1)),
+                 (1, True, dict(fused_split=4))]
+        for every in (2, 4):
+            for dtype in (torch.float32, FLOAT24):
+                for B, fused, launch in cases:
+                    log_decay = -torch.rand(H)
+                    pos = torch.arange(B) + 5
+                    d = deferred_writes(B, H, K, V, every, pos, pos - torch.arange(B) % every)
+                    d.keys.normal_(), d.values.normal_()
+                    s = stored_state(torch.randn(B, H, K, V), dtype)
+                    plain = stored_state(deferred_values(state_values(s), d, log_decay), dtype)
+                    ends = dl.LayerEnds(
+                        o_norm=torch.rand(H * V) + 0.5, gate=torch.randn(B, 1, H * V),
+                        scratch=dl.split_scratch(B, H, V, "cpu")) if fused else None
+                    for t in range(every + 2):
+                        q, k = torch.randn(B, 1, H, K), torch.randn(B, 1, Hkv, K)
+                        v = torch.randn(B, 1, Hkv, V)
+                        got = dl.lightning_decode_triton(q, k, v, log_decay, 0.3, s, ends,
+                                                         deferred=d, **launch)
+                        want = dl.lightning_decode_triton(q, k, v, log_decay, 0.3, plain, ends,
+                                                          **launch)
+                        d.pos.add_(1)
+                        a = deferred_values(state_values(s), d, log_decay)
+                        b = state_values(plain)
+                        for key, x, y in (("out", got, want), ("state", a, b)):
+                            key += "32" if dtype == torch.float32 else "24"
+                            worst[key] = max(worst.get(key, 0.0), float((x - y).norm() / y.norm()))
+        print("result", *(worst[k] for k in ("out32", "state32", "out24", "state24")))
+    """
+    out = run_interpreted(script, timeout=400, probe=False)
+    out32, state32, out24, state24 = (float(x) for x in out.split("result")[-1].split())
+    assert out32 < 1e-6 and state32 < 1e-6, out
+    # 24 bits: the two round at different tokens (every token vs every few), each rounding < 2^-16
+    assert out24 < 2**-13 and state24 < 2**-13, out
+
+
+def test_kernel_refuses_malformed_deferred_writes():
+    from halo_dist.models.hypenet.decode_lightning import lightning_decode_triton
+
+    B, H, K, V = 2, 2, 8, 8
+    q = k = torch.randn(B, 1, H, K)
+    v = torch.randn(B, 1, H, V)
+    pos = torch.zeros(B, dtype=torch.long)
+    d = deferred_writes(B, H, K, V, 3, pos, pos)
+    bad = deferred_writes(B, H, K, V + 2, 3, pos, pos)
+    with pytest.raises(ValueError, match=r"DeferredWrites.values must be"):
+        lightning_decode_triton(q, k, v, -torch.rand(H), 1.0, torch.zeros(B, H, K, V),
+                                deferred=bad)
+    assert d.every == 3
+    with pytest.raises(ValueError, match="every >= 2"):
+        deferred_writes(B, H, K, V, 1, pos, pos)
+
+
+def tiny(mixers) -> HypeNetForCausalLM:
+    torch.manual_seed(0)
+    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=len(mixers), num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, mixer_types=list(mixers))
+    return HypeNetForCausalLM(cfg).float().eval()
+
+
+def prefill(model, ids, reserve=40):
+    cache = HypeNetCache(model.config.num_hidden_layers, reserve_tokens=reserve)
+    first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
+    return cache, first
+
+
+@pytest.mark.parametrize("state_dtype", [None, FLOAT24])
+@torch.no_grad()
+def test_static_decoder_with_deferred_writes_tracks_the_plain_one(state_dtype):
+    """CPU (torch reference) decoders, 3 rows, 11 tokens fed to both: the same logits to fp32
+    rounding (24 bits: to its rounding); a refill mid-cycle restarts the row's count; the
+    hand-back to the dynamic cache folds the held tokens in."""
+    model = tiny(("attention", "lightning", "lightning"))
+    ids = torch.randint(1, 97, (3, 9))
+    plain_cache, first = prefill(model, ids)
+    lazy_cache, _ = prefill(model, ids)
+    plain = StaticDecoder(model, plain_cache, use_cuda_graph=False, state_dtype=state_dtype)
+    lazy = StaticDecoder(model, lazy_cache, use_cuda_graph=False, state_dtype=state_dtype,
+                         state_write_every=4)
+    tok = first
+    other, _ = prefill(model, torch.randint(1, 97, (1, 6)))
+    for t in range(11):
+        if t == 6:  # row 1 restarts on another prompt, 2 tokens into a cycle of 4
+            for dec in (plain, lazy):
+                dec.refill_row(1, copy.deepcopy(other))
+        want = plain.step(tok).clone()
+        got = lazy.step(tok)
+        tol = 1e-5 if state_dtype is None else 2e-3
+        assert (got - want).abs().max() / want.abs().max() < tol, t
+        tok = want.argmax(-1)
+    assert lazy.cache.deferred and not plain.cache.deferred
+    for i in (1, 2):  # the states handed back, held tokens folded in
+        a, b = lazy.cache.rnn_state_values(i), plain.cache.rnn_state_values(i)
+        assert (a - b).norm() / b.norm() < (1e-6 if state_dtype is None else 2e-4)
+    lazy_cache._decoder, plain_cache._decoder = lazy, plain
+    lazy_cache.leave_static()
+    plain_cache.leave_static()
+    for a, b in zip(lazy_cache.layers[1:], plain_cache.layers[1:]):
+        assert a.dtype == torch.float32 and (a - b).norm() / b.norm() < 2e-4
+
+
+def test_deferred_writes_need_lightning_everywhere():
+    model = tiny(("attention", "lightning", "gdn"))
+    cache, _ = prefill(model, torch.randint(1, 97, (2, 6)))
+    with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
+        StaticDecoder(model, cache, use_cuda_graph=False, state_write_every=4)
+    model = tiny(("attention", "lightning"))
+    cache, _ = prefill(model, torch.randint(1, 97, (2, 6)))
+    with pytest.raises(ValueError, match="state_write_every"):
+        StaticDecoder(model, cache, use_cuda_graph=False, state_write_every=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@torch.no_grad()
+def test_compiled_graph_step_with_deferred_writes_on_cuda():
+    """The rollouts' path: a compiled, graphed decoder writing its 24-bit states every 4 tokens
+    against an eager one writing fp32 states every token (fp32 model, 4 rows, 10 tokens): the
+    kernel's writes to the held slots are seen by torch.compile, and the warm-up's steps are
+    undone (the slots restored with the states)."""
+    model = tiny(("attention", "lightning", "lightning")).cuda()
+    ids = torch.randint(1, 97, (4, 37), device="cuda")
+    lazy_cache, first = prefill(model, ids)
+    plain_cache, _ = prefill(model, ids)
+    lazy = StaticDecoder(model, lazy_cache, compile=True, state_dtype=FLOAT24,
+                         state_write_every=4)
+    assert lazy.graph is not None and lazy.compile_error is None
+    plain = StaticDecoder(model, plain_cache, use_cuda_graph=False)
+    tok = first
+    for t in range(10):
+        want = plain.step(tok).clone()
+        got = lazy.step(tok)
+        assert (got - want).norm() / want.norm() < 1e-4, t
+        tok = want.argmax(-1)
