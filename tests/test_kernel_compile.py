@@ -1,0 +1,68 @@
+"""The decode kernels compile for an H100/H200 (sm_90) on a machine without a GPU.
+
+Triton's interpreter (the CPU tests of the kernels' numbers) runs a kernel as Python and never
+sees the code generator's rules: a jit function whose constexpr branches return different types,
+for one, runs in the interpreter and fails to compile on a GPU. Here each kernel goes through
+Triton's whole compiler to PTX and a cubin (the ptxas that ships with Triton) for every branch
+its constexprs choose, so such a kernel fails on CPU, not in a device session."""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - depends on the Triton version
+    pytest.skip("this Triton has no ahead-of-time compile API", allow_module_level=True)
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int) -> str:
+    """``fn`` compiled with pointer/scalar ``types`` by argument name and ``constexprs``; scalars
+    not named are i64 strides or fp32 -> its PTX."""
+    sig, const = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            const[(i,)] = constexprs[name]
+        else:
+            sig[name] = types.get(name, "i64" if name.startswith("stride") else "fp32")
+    kernel = triton.compile(ASTSource(fn, sig, const), target=H100,
+                            options={"num_warps": num_warps})
+    return kernel.asm["ptx"]
+
+
+LIGHTNING_POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", G="*bf16", Pos="*i64",
+                          InvFreq="*fp32", QW="*bf16", KW="*bf16", OW="*bf16", LogDecay="*fp32",
+                          O="*bf16", Part="*fp32", Arrived="*i32", Cur="*i64", Base="*i64",
+                          PK="*fp32", PV="*fp32")
+
+
+# (written every n tokens, 24-bit state, fused layer step, programs per head, prefetch)
+@pytest.mark.parametrize("every,state24,fused,split,prefetch", [
+    (1, False, False, 1, False), (1, False, True, 1, True), (1, True, True, 4, True),
+    (4, True, False, 1, False), (4, True, True, 1, False), (2, False, True, 4, False)])
+def test_lightning_decode_kernel_compiles(every, state24, fused, split, prefetch):
+    from halo_dist.models.hypenet import decode_lightning as dl
+
+    dv = 128
+    ptx = compile_for_sm90(
+        dl._lightning_decode_kernel, {**LIGHTNING_POINTERS, "S": "*u8" if state24 else "*fp32"},
+        dict(H=16, KV_GROUP=1, DK=128, DV=dv, BLOCK_V=dv // split if fused else 64,
+             QK_NORM=fused, ROPE=fused, OUT_NORM=fused, GATE=fused, PREFETCH=prefetch,
+             V_SPLIT=split, BLOCK_DV=dv, SK=3 * dv // 2 if state24 else dv, LK=3 * dv,
+             STATE24=state24, EVERY=every), num_warps=2 if fused else 8)
+    assert ".entry _lightning_decode_kernel" in ptx
+    if split > 1:  # the last of a head's programs finishes it: an acquire-release count
+        assert "atom" in ptx and "acq_rel" in ptx
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_kernel_compiles(bias):
+    from halo_dist.models.hypenet import decode_gemv
+
+    ptx = compile_for_sm90(decode_gemv._gemv_kernel,
+                           dict(X="*bf16", W="*bf16", Bias="*bf16", Y="*bf16", N="i32"),
+                           dict(K=2048, BLOCK_N=8, BLOCK_K=512, HAS_BIAS=bias), num_warps=4)
+    assert ".entry _gemv_kernel" in ptx
