@@ -393,12 +393,13 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # unused parts: a tensor the kernel only reads stands in (never the output, which a compiler
     # that cannot see the constexpr branch would take for one more written argument)
     part, arrived = e.scratch if split > 1 else (log_decay, log_decay)
-    d = deferred or DeferredWrites(log_decay, log_decay, log_decay, log_decay)
+    held = ((deferred.pos, deferred.base, deferred.keys, deferred.values) if deferred is not None
+            else (log_decay,) * 4)
     state24 = state.dtype == FLOAT24
     _lightning_decode_kernel[(B * H, programs)](
         q, k, v, gate, pos, inv_freq, q if e.q_norm is None else e.q_norm,
         q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
-        log_decay, state, o, part, arrived, d.pos, d.base, d.keys, d.values,
+        log_decay, state, o, part, arrived, *held,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         gate.stride(0), pos.stride(0),
         state.stride(0), state.stride(1), o.stride(0),
