@@ -72,6 +72,7 @@
 #   P33d: the 24-bit rollout state: its CUDA tests, the kernels' table at 256 rows (fp32 / bf16 / 24-bit
 #      states), then the h2048 rollouts at 512 with a 24-bit and with an fp32 state, two processes
 #   P34a: the Lightning state written every 4 tokens in 24 bits: CUDA tests, h2048 rollouts at 512 vs fp32 every token
+#   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -805,6 +806,19 @@ P34a)
       --state-write-every $2 --out bench/results/opd_p34a_$1_every$2.json > "$OUT/p34a_opd_$1_$2.log" 2>&1
     echo "opd $1 every $2 rc=$?"; tail -4 "$OUT/p34a_opd_$1_$2.log"
   done
+  ;;
+P34b)
+  # decode in one call (P32a + P32b compressed, no tuning sweep): the split step's race test and the
+  # GEMV's CUDA test, HypeNet-2B at 512K prefilled (cuBLAS vs GEMV, shipped vs a head split over 4
+  # programs at batch 1), then the teacher shape (cuBLAS vs GEMV)
+  timeout 90 python3 -m pytest -v -p no:cacheprovider tests/test_decode_gemv.py tests/test_static_decode.py \
+    -k "split_holds or gemv_tuning" > "$OUT/p34b_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p34b_cuda_tests.log" | tail -8
+  echo '{"best": {"lightning/float32": {"fused_split": 4}}}' > $H/split4.json
+  hypenet_512k p34b 300 --variants compiled compiled-gemv --launch-settings $H/split4.json
+  grep -A8 "GEMV vs cuBLAS" "$OUT/p34b_hypenet_512k.log"
+  teacher_512k p34b $((590 - SECONDS)) compiled compiled-gemv
+  grep -A8 "GEMV vs cuBLAS" "$OUT/p34b_teacher_512k.log"
   ;;
 N1)
   timeout 560 python3 bench/bench_stages.py --data .bench_data/long --stages 2 --steps 1 8 1 --naive-steps 6 \
