@@ -1,17 +1,19 @@
 """Deferred Lightning state writes (``lightning_state.DeferredWrites``): a row writes its state back
 every ``every`` tokens and holds the tokens between as k/v. The torch reference and the kernel
 (Triton's interpreter; plain, fused, a head split over programs; fp32 and 24-bit states) against
-the state written every token; whole static decoders; refills, the hand-back, warm-up restores."""
+the state written every token; whole static decoders with a refill and the hand-back; on CUDA, the
+compiled graph step (its warm-up restores the slots)."""
 
 import copy
 
 import pytest
 import torch
 
-from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
+from halo_dist.models.hypenet import HypeNetCache
 from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch
-from halo_dist.models.hypenet.lightning_state import (FLOAT24, deferred_values, deferred_writes)
+from halo_dist.models.hypenet.lightning_state import FLOAT24, deferred_values, deferred_writes
 from halo_dist.models.hypenet.static_decode import StaticDecoder
+from test_float24_state import tiny
 from triton_interp import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -116,14 +118,6 @@ def test_kernel_refuses_malformed_deferred_writes():
     assert d.every == 3
     with pytest.raises(ValueError, match="every >= 2"):
         deferred_writes(B, H, K, V, 1, pos, pos)
-
-
-def tiny(mixers) -> HypeNetForCausalLM:
-    torch.manual_seed(0)
-    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=len(mixers), num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, mixer_types=list(mixers))
-    return HypeNetForCausalLM(cfg).float().eval()
 
 
 def prefill(model, ids, reserve=40):
