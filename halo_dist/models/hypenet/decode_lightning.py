@@ -190,6 +190,7 @@ if _HAS_TRITON:
         """Writes deferred (``lightning_state.DeferredWrites``): this token is the row's held slot
         j; its state is written only at j = EVERY-1 -> q S_t ``[BLOCK_V]``. No program reads the
         slot it writes, and the head's programs read only slots below j."""
+        j = tl.where(j < 0, j + EVERY, j)  # Triton's % keeps the dividend's sign; torch's does not
         o = (tl.sum(q1 * k1, 0) + tl.sum(q2 * k2, 0)) * v
         o += held_output(q1, q2, PK, PV, lo, hi, offs_v, v_ok, j, g, DK, DV, EVERY)
         o += deferred_rows(t1, l1, q1, k1, v, PK, PV, lo, offs_v, v_ok, j, g, DK, DV, EVERY,

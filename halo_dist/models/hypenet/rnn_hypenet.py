@@ -175,7 +175,7 @@ class LightningMixer(RNNMixerBase):
             o = lightning_decode_triton(q, k, v, log_decay, self.scale,
                                         cache.layers[self.layer_idx],
                                         self.decode_ends(info, g, cache),
-                                        cache.deferred.get(self.layer_idx))
+                                        getattr(cache, "deferred", {}).get(self.layer_idx))
             return o.view(B, 1, -1)  # [B, 1, H, D] -> [B, 1, H*D]
         q, k, v, g = self.project(x, info, packed)
         o = cache.lightning_step(self.layer_idx, q, k, v, log_decay, self.scale)
