@@ -126,7 +126,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
                             generator=torch.Generator().manual_seed(0))
     prompts = prompts.tolist()
     state_dtype = FLOAT24 if args.state_dtype == "float24" else getattr(torch, args.state_dtype)
-    # the defaults add no option (an option routes sample_rollouts through a HypeNetCache of its own)
+    # the defaults add no option (any option gives sample_rollouts a HypeNetCache of its own)
     options = {"state_dtype": state_dtype} if state_dtype != torch.float32 else {}
     if args.state_write_every > 1:
         options["state_write_every"] = args.state_write_every
