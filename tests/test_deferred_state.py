@@ -1,8 +1,8 @@
 """Deferred Lightning state writes (``lightning_state.DeferredWrites``): a row writes its state back
 every ``every`` tokens and holds the tokens between as k/v. The torch reference and the kernel
 (Triton's interpreter; plain, fused, a head split over programs; fp32 and 24-bit states) against
-the state written every token; whole static decoders with a refill and the hand-back; on CUDA, the
-compiled graph step (its warm-up restores the slots)."""
+the state written every token; whole static decoders with a refill, a beam reorder and the
+hand-back; on CUDA, the compiled graph step (its warm-up undone)."""
 
 import copy
 
@@ -161,6 +161,41 @@ def test_static_decoder_with_deferred_writes_tracks_the_plain_one(state_dtype):
         assert a.dtype == torch.float32 and (a - b).norm() / b.norm() < 2e-4
 
 
+@torch.no_grad()
+def test_beam_reorder_moves_the_held_tokens_with_their_rows():
+    """A beam-search reorder (rows repeated and dropped) while the rows hold different numbers of
+    tokens (one was refilled mid-cycle): the held slots, each row's cycle start and its position
+    move together, so the decoder writing every 4 tokens goes on matching the plain one."""
+    model = tiny(("attention", "lightning", "lightning"))
+    ids = torch.randint(1, 97, (3, 9))
+    caches = [prefill(model, ids)[0] for _ in range(2)]
+    first = prefill(model, ids)[1]
+    plain, lazy = (StaticDecoder(model, c, use_cuda_graph=False, state_write_every=every)
+                   for c, every in zip(caches, (1, 4)))
+    for cache, dec in zip(caches, (plain, lazy)):
+        cache._decoder = dec  # what HypeNetCache.reorder_cache reorders in place
+    other, _ = prefill(model, torch.randint(1, 97, (1, 6)))
+    tok = first
+    for t in range(12):
+        if t == 2:  # row 0 restarts: 2 tokens out of step with rows 1 and 2
+            for dec in (plain, lazy):
+                dec.refill_row(0, copy.deepcopy(other))
+        if t == 5:  # new beams continue rows 2, 0, 0 (row 0 holds 3 tokens, row 2 holds 1)
+            held = lazy.cache.deferred[1].held().tolist()
+            assert held[0] != held[2], held
+            for cache in caches:
+                cache.reorder_cache(torch.tensor([2, 0, 0]))
+            assert lazy.cache.deferred[1].held().tolist() == [held[2], held[0], held[0]]
+            tok = tok[[2, 0, 0]]
+        want = plain.step(tok).clone()
+        got = lazy.step(tok)
+        assert (got - want).abs().max() / want.abs().max() < 1e-5, t
+        tok = want.argmax(-1)
+    for i in (1, 2):
+        a, b = lazy.cache.rnn_state_values(i), plain.cache.rnn_state_values(i)
+        assert (a - b).norm() / b.norm() < 1e-6
+
+
 def test_deferred_writes_need_lightning_everywhere():
     model = tiny(("attention", "lightning", "gdn"))
     cache, _ = prefill(model, torch.randint(1, 97, (2, 6)))
@@ -173,18 +208,19 @@ def test_deferred_writes_need_lightning_everywhere():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@pytest.mark.parametrize("every", [2, 4])
 @torch.no_grad()
-def test_compiled_graph_step_with_deferred_writes_on_cuda():
-    """The rollouts' path: a compiled, graphed decoder writing its 24-bit states every 4 tokens
-    against an eager one writing fp32 states every token (fp32 model, 4 rows, 10 tokens): the
-    kernel's writes to the held slots are seen by torch.compile, and the warm-up's steps are
-    undone (the slots restored with the states)."""
+def test_compiled_graph_step_with_deferred_writes_on_cuda(every):
+    """The rollouts' path: a compiled, graphed decoder writing its 24-bit states every ``every``
+    tokens against an eager one writing fp32 states every token (fp32 model, 4 rows, 10 tokens):
+    the kernel's writes to the held slots are seen by torch.compile. With every 2 the second of
+    the 2 warm-up steps folds its tokens into the state, so a warm-up left in the state fails."""
     model = tiny(("attention", "lightning", "lightning")).cuda()
     ids = torch.randint(1, 97, (4, 37), device="cuda")
     lazy_cache, first = prefill(model, ids)
     plain_cache, _ = prefill(model, ids)
     lazy = StaticDecoder(model, lazy_cache, compile=True, state_dtype=FLOAT24,
-                         state_write_every=4)
+                         state_write_every=every)
     assert lazy.graph is not None and lazy.compile_error is None
     plain = StaticDecoder(model, plain_cache, use_cuda_graph=False)
     tok = first
