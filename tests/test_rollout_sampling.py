@@ -17,14 +17,14 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
         import torch
         from halo_dist.stages.rollout_sampling import gumbel_argmax_triton
 
-        # 1. frequencies over 1,200 rows of the same logits at T = 0.7 (a T of 1 would be off by
+        # 1. frequencies over 600 rows of the same logits at T = 0.7 (a T of 1 would be off by
         # more than 0.1 on the first token)
         x = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
         want = torch.softmax(x / 0.7, -1)
         assert (want - torch.softmax(x, -1)).abs().max() > 0.1
         g = torch.Generator().manual_seed(0)
-        draws = gumbel_argmax_triton(x.expand(1200, 5).contiguous(), 0.7, g, block=16)
-        freq = torch.bincount(draws, minlength=5) / 1200
+        draws = gumbel_argmax_triton(x.expand(600, 5).contiguous(), 0.7, g, block=16)
+        freq = torch.bincount(draws, minlength=5) / 600
         print("freq_err", float((freq - want).abs().max()))
 
         # 2. a 5,000-token vocabulary in blocks of 256 over 20 programs per row: at T = 1e-3 the
@@ -37,9 +37,9 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
 
         # 2b. the distribution across splits: 32 tokens in 4 programs of 8 per row
         x = torch.linspace(2.0, -2.0, 32)
-        draws = gumbel_argmax_triton(x.expand(600, 32).contiguous(), 1.0, g, block=8,
+        draws = gumbel_argmax_triton(x.expand(300, 32).contiguous(), 1.0, g, block=8,
                                      programs_per_sm=1000)
-        mass = (torch.bincount(draws, minlength=32) / 600).view(4, 8).sum(1)
+        mass = (torch.bincount(draws, minlength=32) / 300).view(4, 8).sum(1)
         print("split_mass_err", float((mass - torch.softmax(x, -1).view(4, 8).sum(1)).abs().max()))
 
         # 3. the caller's generator decides the draws; rows of one draw are independent
@@ -51,9 +51,10 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
               "distinct", len(set(a.tolist())))
     """)
     values = dict(zip(out.split()[::2], out.split()[1::2]))
-    assert float(values["freq_err"]) < 0.04, out  # 1,200 draws: <= 0.015 standard error
+    # 600 draws: <= 0.02 standard error; a temperature ignored is off by > 0.1
+    assert float(values["freq_err"]) < 0.05, out
     assert values["argmax_ok"] == "True", out
-    assert float(values["split_mass_err"]) < 0.06, out  # 600 draws: <= 0.02 standard error
+    assert float(values["split_mass_err"]) < 0.08, out  # 300 draws: <= 0.029 standard error
     assert values["same_seed"] == "True" and values["other_seed"] == "True", out
     assert int(values["distinct"]) > 40, out  # 200 draws over 50 equal tokens
 
