@@ -19,23 +19,20 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
     """``extra_args(parser)`` adds launcher flags; ``on_check(cfg, args)`` runs instead of training
     when the launcher's ``--check`` flag is given."""
     from .config import parse_run_args
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg, args = parse_run_args(argv, description=doc, prog=f"launchers/{stage}.py",
+                               extra_args=extra_args)
+    # torch, transformers and the stages load only now (~5 s): a config mistake is reported at once
     from .train.entry import run_stage
     from .train.registry import stage_spec
     from .train.stopping import StopRequested
 
-    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         spec = stage_spec(stage)
-    except HaloUserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cfg, args = parse_run_args(argv, description=doc, prog=f"launchers/{stage}.py",
-                               extra_args=extra_args)
-    if cfg.stage.name != stage:
-        print(f"error: this is the {stage} launcher but the config says "
-              f"stage.name={cfg.stage.name}", file=sys.stderr)
-        return 2
-    try:
+        if cfg.stage.name != stage:
+            raise HaloUserError(f"this is the {stage} launcher but the config says "
+                                f"stage.name={cfg.stage.name}")
         if on_check is not None and getattr(args, "check", False):
             on_check(cfg, args)
             return 0
@@ -59,10 +56,9 @@ def launch_pretrain(doc: str | None = None, argv: list[str] | None = None) -> in
 def launch_opd(doc: str | None = None, argv: list[str] | None = None) -> int:
     """``launchers/opd.py``: :func:`launch` for stage opd, then the process group is torn down (the
     OPD trainer creates its own when none exists)."""
-    import torch.distributed as dist
-
     try:
         return launch("opd", doc, argv)
     finally:
-        if dist.is_initialized():
+        dist = sys.modules.get("torch.distributed")  # not imported: no group to tear down
+        if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
