@@ -72,6 +72,8 @@
 #   P33d: the 24-bit rollout state: its CUDA tests, the kernels' table at 256 rows (fp32 / bf16 / 24-bit
 #      states), then the h2048 rollouts at 512 with a 24-bit and with an fp32 state, two processes
 #   P34a: the Lightning state written every 4 tokens in 24 bits: CUDA tests, h2048 rollouts at 512 vs fp32 every token
+#   P34c: P34a after the fp64-scalar fix (P34a: the compiled 24-bit kernel failed to compile, fp32 every
+#      token 27.4K without compiled layers)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
@@ -805,6 +807,21 @@ P34a)
       --rollouts 512 --continuous --compile-rollouts --skip-train --timed-steps 1 --state-dtype $1 \
       --state-write-every $2 --out bench/results/opd_p34a_$1_every$2.json > "$OUT/p34a_opd_$1_$2.log" 2>&1
     echo "opd $1 every $2 rc=$?"; tail -4 "$OUT/p34a_opd_$1_$2.log"
+  done
+  ;;
+P34c)
+  # P34a again after the fix of its failures (Inductor passes the kernel's float scalars as fp64;
+  # the Lightning kernel now keeps them out of its fp32 math): the CUDA tests, then h2048 rollouts
+  # at 512, 24 bits written every 4 first, then the fp32 state written every token (the baseline)
+  timeout 100 python3 -m pytest -v -p no:cacheprovider tests/test_float24_state.py \
+    tests/test_deferred_state.py -k cuda > "$OUT/p34c_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p34c_cuda_tests.log" | tail -5
+  for v in "float24 4 230" "float32 1 $((555 - 230 - SECONDS))"; do
+    set -- $v
+    timeout "$3" python3 bench/bench_opd.py --horizons 2048 \
+      --rollouts 512 --continuous --compile-rollouts --skip-train --timed-steps 1 --state-dtype $1 \
+      --state-write-every $2 --out bench/results/opd_p34c_$1_every$2.json > "$OUT/p34c_opd_$1_$2.log" 2>&1
+    echo "opd $1 every $2 rc=$?"; tail -4 "$OUT/p34c_opd_$1_$2.log"
   done
   ;;
 P34b)

@@ -164,8 +164,10 @@ def test_opd_takes_float24_for_lightning_students_only():
 @pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
 def test_float24_kernel_matches_the_reference_on_cuda():
     """bf16 q/k/v, the 2B shape's heads, batch 1 and 256: the kernel rounds the 24-bit state as
-    ``pack_float24`` does (all but a few elements identical: fp32 FMA vs mul+add can straddle a
-    rounding boundary), plain and fused."""
+    ``pack_float24`` does, plain and fused. The kernel's fp32 update (FMA) and the reference's
+    differ by about an fp32 ulp on many elements, and an ulp moves the rounding of the dropped byte
+    for ~1/256 of them: the H200 showed 0.42% of the elements one 24-bit step apart. A rounding
+    bug (truncating, say) would move half of them."""
     from halo_dist.models.hypenet import decode_lightning as dl
 
     torch.manual_seed(0)
@@ -179,7 +181,7 @@ def test_float24_kernel_matches_the_reference_on_cuda():
         want = dl.lightning_decode_torch(q, k, v, log_decay, 128**-0.5, want_s).float()
         assert (got - want).norm() / want.norm() < 1e-2
         a, b = unpack_float24(got_s), unpack_float24(want_s)
-        assert (a != b).float().mean() < 1e-3 and (a - b).norm() / b.norm() < 1e-6
+        assert (a != b).float().mean() < 0.02 and (a - b).norm() / b.norm() < 1e-5
         ends = dl.LayerEnds(o_norm=torch.ones(16 * 128, device="cuda"))
         fused_s = s.clone()
         dl.lightning_decode_triton(q, k, v, log_decay, 128**-0.5, fused_s, ends)

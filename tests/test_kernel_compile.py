@@ -18,16 +18,18 @@ except ImportError:  # pragma: no cover - depends on the Triton version
 H100 = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int) -> str:
+def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int,
+                     floats: str = "fp32") -> str:
     """``fn`` compiled with pointer/scalar ``types`` by argument name and ``constexprs``; scalars
-    not named are i64 strides or fp32 -> its PTX."""
+    not named are i64 strides or ``floats`` -> its PTX. A direct launch passes Python floats as
+    fp32; Inductor, re-launching a kernel inside a compiled step, passes them as fp64."""
     sig, const = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             const[(i,)] = constexprs[name]
         else:
-            sig[name] = types.get(name, "i64" if name.startswith("stride") else "fp32")
+            sig[name] = types.get(name, "i64" if name.startswith("stride") else floats)
     kernel = triton.compile(ASTSource(fn, sig, const), target=H100,
                             options={"num_warps": num_warps})
     return kernel.asm["ptx"]
@@ -39,23 +41,39 @@ LIGHTNING_POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", G="*bf16", Pos="*i64"
                           PK="*fp32", PV="*fp32")
 
 
+def fp64_ops(ptx: str) -> list[str]:
+    """The fp64 instructions of a PTX listing, by opcode (parameters and their loads aside)."""
+    return sorted(line.split()[0] for line in ptx.splitlines()
+                  if ".f64" in line and not line.strip().startswith((".param", "ld.param")))
+
+
 # (written every n tokens, 24-bit state, fused layer step, programs per head, prefetch)
 @pytest.mark.parametrize("every,state24,fused,split,prefetch", [
     (1, False, False, 1, False), (1, False, True, 1, True), (1, True, True, 4, True),
     (4, True, False, 1, False), (4, True, True, 1, False), (2, False, True, 4, False)])
 def test_lightning_decode_kernel_compiles(every, state24, fused, split, prefetch):
+    """Every branch compiles with fp32 scalars (a direct launch) and with fp64 ones (Inductor's),
+    and the two compute alike: an fp64 scale or epsilon must not carry the state's update into
+    fp64 (twice the registers; a 24-bit state's bit-casts refuse it). The fp64 both share is
+    libdevice's reduction of large sin/cos arguments (RoPE at positions past ~100K)."""
     from halo_dist.models.hypenet import decode_lightning as dl
 
     dv = 128
-    ptx = compile_for_sm90(
+    ptx = {floats: compile_for_sm90(
         dl._lightning_decode_kernel, {**LIGHTNING_POINTERS, "S": "*u8" if state24 else "*fp32"},
         dict(H=16, KV_GROUP=1, DK=128, DV=dv, BLOCK_V=dv // split if fused else 64,
              QK_NORM=fused, ROPE=fused, OUT_NORM=fused, GATE=fused, PREFETCH=prefetch,
              V_SPLIT=split, BLOCK_DV=dv, SK=3 * dv // 2 if state24 else dv, LK=3 * dv,
-             STATE24=state24, EVERY=every), num_warps=2 if fused else 8)
-    assert ".entry _lightning_decode_kernel" in ptx
+             STATE24=state24, EVERY=every), num_warps=2 if fused else 8, floats=floats)
+        for floats in ("fp32", "fp64")}
+    assert ".entry _lightning_decode_kernel" in ptx["fp32"]
+    extra = fp64_ops(ptx["fp64"])
+    for op in fp64_ops(ptx["fp32"]):
+        extra.remove(op)
+    # what is left: the conversions of the 4 scalars to fp32
+    assert all(op.startswith("cvt.") for op in extra), extra
     if split > 1:  # the last of a head's programs finishes it: an acquire-release count
-        assert "atom" in ptx and "acq_rel" in ptx
+        assert "atom" in ptx["fp32"] and "acq_rel" in ptx["fp32"]
 
 
 @pytest.mark.parametrize("bias", [False, True])

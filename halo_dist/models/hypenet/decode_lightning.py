@@ -119,7 +119,9 @@ if _HAS_TRITON:
         x1 = tl.load(X + lo).to(tl.float32)
         x2 = tl.load(X + hi).to(tl.float32)
         if NORM:
-            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+            # (a float scalar arrives as fp64 from Inductor: kept out of the fp32 math here and
+            # below, or the state's update turns fp64)
+            r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + tl.cast(eps, tl.float32))
             x1 = x1 * r * tl.load(W + lo).to(tl.float32)
             x2 = x2 * r * tl.load(W + hi).to(tl.float32)
         if ROPE:
@@ -141,11 +143,11 @@ if _HAS_TRITON:
         """The output's columns ``offs_v`` of head h (all of them when OUT_NORM): the per-head
         RMSNorm times its weight, the gate, the store."""
         if OUT_NORM:  # RMSNorm over the head's DV outputs, times its weight
-            o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps_o)
+            o = o * tl.rsqrt(tl.sum(o * o, 0) / DV + tl.cast(eps_o, tl.float32))
             o = o * tl.load(OW + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         if GATE:  # gate_scale * sigmoid(x W_z)
             z = tl.load(G + b * stride_gb + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-            o = o * gate_scale * tl.sigmoid(z)
+            o = o * tl.cast(gate_scale, tl.float32) * tl.sigmoid(z)
         tl.store(O + b * stride_ob + h * DV + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
 
     @triton.jit
@@ -253,7 +255,7 @@ if _HAS_TRITON:
             o = _deferred_step(t1, l1, t2, l2, q1, q2, k1, k2, v, g, j, PK + slot * DK,
                                PV + slot * DV, lo, hi, offs_v, v_ok, pid_v == 0, DK, DV, EVERY,
                                STATE24)
-        o = o * scale  # [BLOCK_V]
+        o = o * tl.cast(scale, tl.float32)  # [BLOCK_V] (Inductor passes an fp64 scale)
         if V_SPLIT == 1:  # this program holds the whole head
             _finish_head(o, offs_v, v_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o, gate_scale,
                          DV, OUT_NORM, GATE)
