@@ -102,6 +102,28 @@ def test_packed_linears_equal_the_separate_linears():
         torch.testing.assert_close(got, lin(x), rtol=0, atol=1e-14)
 
 
+@torch.no_grad()
+def test_a_failed_compilation_warns_and_decodes_eagerly_from_the_same_state():
+    """A compiler error on the first step (here a stand-in step function that raises after
+    changing the state, as a half-run graph could) is said in a RuntimeWarning; the state is
+    restored and the eager step gives the eager decoder's logits."""
+    model = tiny(("attention", "lightning")).float()
+    cache, first = prefilled(model, B=2)
+    eager = StaticDecoder(model, copy.deepcopy(cache), use_cuda_graph=False)
+    broken = StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
+
+    def fails(dec):
+        dec.cache.pos.add_(1)
+        dec.cache.rnn_states()[0].mul_(2.0)
+        raise RuntimeError("InductorError: stand-in")
+
+    broken._step_fn = fails
+    with pytest.warns(RuntimeWarning, match="torch.compile failed.*stand-in"):
+        got = broken.step(first).clone()
+    assert broken.compile_error == "RuntimeError: InductorError: stand-in"
+    torch.testing.assert_close(got, eager.step(first), rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_static_step_equals_eager_and_compiles_once():
     """compile=True (Inductor fuses the step before capture on CUDA): same logits as the eager
     static step, one compilation for every step (a guard on a per-token host value would recompile

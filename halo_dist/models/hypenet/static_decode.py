@@ -35,6 +35,7 @@ per-token cost.
 from __future__ import annotations
 
 import gc
+import warnings
 
 import torch
 
@@ -379,6 +380,9 @@ class StaticDecoder:
                 self._step_fn(self)
         except Exception as err:  # compiler trouble: keep decoding eagerly from the same state
             self.compile_error = f"{type(err).__name__}: {err}"
+            # said aloud: a rollout batch on the eager step runs several times slower
+            warnings.warn(f"StaticDecoder: torch.compile failed, decoding with the eager step "
+                          f"({self.compile_error[:300]})", RuntimeWarning, stacklevel=2)
             self._step_fn = StaticDecoder._step_body
             self._restore(states, pos)
             self._step_body()
@@ -412,6 +416,8 @@ class StaticDecoder:
             self.graph = graph
         except Exception as err:  # pragma: no cover - GPU only
             self.graph_error = f"{type(err).__name__}: {err}"
+            warnings.warn(f"StaticDecoder: CUDA graph capture failed, stepping without a graph "
+                          f"({self.graph_error[:300]})", RuntimeWarning, stacklevel=2)
             torch.cuda.synchronize()
         # (capture records kernels without running them: the restored state stands)
 
