@@ -816,7 +816,8 @@ P34c)
   timeout 100 python3 -m pytest -v -p no:cacheprovider tests/test_float24_state.py \
     tests/test_deferred_state.py -k cuda > "$OUT/p34c_cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p34c_cuda_tests.log" | tail -5
-  for v in "float24 4 230" "float32 1 $((${P34C_END:-555} - 230 - SECONDS))"; do
+  first=${P34C_FIRST:-230}
+  for v in "float24 4 $first" "float32 1 $((${P34C_END:-555} - first - SECONDS))"; do
     set -- $v
     timeout "$3" python3 bench/bench_opd.py --horizons 2048 \
       --rollouts 512 --continuous --compile-rollouts --skip-train --timed-steps 1 --state-dtype $1 \
