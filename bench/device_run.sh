@@ -74,6 +74,7 @@
 #   P34a: the Lightning state written every 4 tokens in 24 bits: CUDA tests, h2048 rollouts at 512 vs fp32 every token
 #   P34c: P34a after the fp64-scalar fix (P34a: the compiled 24-bit kernel failed to compile, fp32 every
 #      token 27.4K without compiled layers)
+#   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
@@ -824,6 +825,16 @@ P34c)
       --state-write-every $2 --out bench/results/opd_p34c_$1_every$2.json > "$OUT/p34c_opd_$1_$2.log" 2>&1
     echo "opd $1 every $2 rc=$?"; tail -4 "$OUT/p34c_opd_$1_$2.log"
   done
+  ;;
+P34d)
+  # what little device time is left after P34c's machine was taken back: the 24-bit state written
+  # every 4 tokens alone (h2048, 512 rollouts; P34a's fp32 baseline, same flags: 27.4K); a compile
+  # failure shows as StaticDecoder's RuntimeWarning in the log
+  timeout ${P34D_LIMIT:-200} python3 bench/bench_opd.py --horizons 2048 --rollouts 512 --continuous \
+    --compile-rollouts --skip-train --timed-steps 1 --state-dtype float24 --state-write-every 4 \
+    --out bench/results/opd_p34d_float24_every4.json > "$OUT/p34d_opd.log" 2>&1
+  echo "opd float24 every 4 rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p34d_opd.log" | head -3
+  tail -3 "$OUT/p34d_opd.log"
   ;;
 P34b)
   # decode in one call (P32a + P32b compressed, no tuning sweep): the split step's race test and the
