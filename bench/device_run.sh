@@ -72,6 +72,7 @@
 #   P33d: the 24-bit rollout state: its CUDA tests, the kernels' table at 256 rows (fp32 / bf16 / 24-bit
 #      states), then the h2048 rollouts at 512 with a 24-bit and with an fp32 state, two processes
 #   P34a: the Lightning state written every 4 tokens in 24 bits: CUDA tests, h2048 rollouts at 512 vs fp32 every token
+#   P35a: P34c with compiled layers on either card (H100: 384 rollouts, H200: 512)
 #   P34c: P34a after the fp64-scalar fix (P34a: the compiled 24-bit kernel failed to compile, fp32 every
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
@@ -835,6 +836,24 @@ P34d)
     --out bench/results/opd_p34d_float24_every4.json > "$OUT/p34d_opd.log" 2>&1
   echo "opd float24 every 4 rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p34d_opd.log" | head -3
   tail -3 "$OUT/p34d_opd.log"
+  ;;
+P35a)
+  # P34c on whichever card comes, both runs with compiled layers (the shipped OPD settings): an H100's
+  # 78 GiB holds 384 rollouts at h2048 (512 peaked at 76.0 GiB on the H200 in P34a), an H200 takes 512
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  r=${P35_ROLLOUTS:-$([ "${mem:-0}" -gt 100000 ] && echo 512 || echo 384)}
+  timeout 100 python3 -m pytest -v -p no:cacheprovider tests/test_float24_state.py \
+    tests/test_deferred_state.py -k cuda > "$OUT/p35a_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p35a_cuda_tests.log" | tail -5
+  first=${P35_FIRST:-240}
+  for v in "float24 4 $first" "float32 1 $((${P35_END:-560} - first - SECONDS))"; do
+    set -- $v
+    timeout "$3" python3 bench/bench_opd.py --horizons 2048 --rollouts "$r" --continuous \
+      --compile-rollouts --compile-layers --skip-train --timed-steps 1 --state-dtype $1 \
+      --state-write-every $2 --out bench/results/opd_p35a_$1_every$2.json > "$OUT/p35a_opd_$1_$2.log" 2>&1
+    echo "opd $1 every $2 rollouts $r rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35a_opd_$1_$2.log" | head -3
+    tail -3 "$OUT/p35a_opd_$1_$2.log"
+  done
   ;;
 P34b)
   # decode in one call (P32a + P32b compressed, no tuning sweep): the split step's race test and the
