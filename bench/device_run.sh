@@ -73,6 +73,7 @@
 #      states), then the h2048 rollouts at 512 with a 24-bit and with an fp32 state, two processes
 #   P34a: the Lightning state written every 4 tokens in 24 bits: CUDA tests, h2048 rollouts at 512 vs fp32 every token
 #   P35a: P34c with compiled layers on either card (H100: 384 rollouts, H200: 512)
+#   P35b: the compiled rollout step alone at 512 rows, fp32 / every 4 / 24 bits / both, kernel profiles
 #   P34c: P34a after the fp64-scalar fix (P34a: the compiled 24-bit kernel failed to compile, fp32 every
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
@@ -854,6 +855,15 @@ P35a)
     echo "opd $1 every $2 rollouts $r rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35a_opd_$1_$2.log" | head -3
     tail -3 "$OUT/p35a_opd_$1_$2.log"
   done
+  ;;
+P35b)
+  # why 24 bits written every 4 tokens gained 0.9% in P35a's rollouts (predicted ~15%): the compiled
+  # graph step alone at an OPD rollout's shape (512 rows, the h2048 rollout's mean context of 1280)
+  # with each state option, kernel times by group; P35a's loop ran 14.5 ms per token step
+  timeout ${P35B_LIMIT:-400} python3 bench/profile_decode.py --models hypenet-2b --batch 512 \
+    --contexts 1280 --variants compiled compiled-every4 compiled-float24 compiled-float24-every4 \
+    --out bench/results/decode_profile_b512_p35b.json > "$OUT/p35b_profile_b512.log" 2>&1
+  echo "b512 profile rc=$?"; grep -B2 -A12 "step_ms\|variant" "$OUT/p35b_profile_b512.log" | head -60
   ;;
 P34b)
   # decode in one call (P32a + P32b compressed, no tuning sweep): the split step's race test and the
