@@ -84,3 +84,19 @@ def test_gemv_kernel_compiles(bias):
                            dict(X="*bf16", W="*bf16", Bias="*bf16", Y="*bf16", N="i32"),
                            dict(K=2048, BLOCK_N=8, BLOCK_K=512, HAS_BIAS=bias), num_warps=4)
     assert ".entry _gemv_kernel" in ptx
+
+
+def test_split_kv_kernel_computes_in_fp32_under_either_scale_type():
+    """The split-KV attention kernel compiles, and an fp64 ``scale`` (Inductor's) adds nothing
+    but its conversion: the logits tile, running max and sum stay fp32."""
+    from halo_dist.models.hypenet import decode_attention as da
+
+    ptx = {floats: compile_for_sm90(
+        da._split_kv_kernel,
+        dict(Q="*bf16", K="*bf16", V="*bf16", Length="*i64", Start="*i64", O_part="*fp32",
+             M_part="*fp32", L_part="*fp32", num_splits="i32"),
+        dict(KV_HEADS=8, G=2, BLOCK_G=16, D=128, BLOCK_N=64), num_warps=4, floats=floats)
+        for floats in ("fp32", "fp64")}
+    assert ".entry _split_kv_kernel" in ptx["fp32"]
+    assert fp64_ops(ptx["fp32"]) == []
+    assert all(op.startswith("cvt.") for op in fp64_ops(ptx["fp64"])), fp64_ops(ptx["fp64"])

@@ -131,9 +131,9 @@ if _HAS_TRITON:
             k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + h * stride_kh
                         + offs_d[None, :],
                         mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            # fp32 whatever the scale's type: Inductor re-launching this kernel inside a compiled
-            # step passes Python floats as fp64, which would turn the running max into fp64
-            s = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [BLOCK_G, BLOCK_N]
+            # the scale cast first: Inductor re-launching this kernel inside a compiled step
+            # passes Python floats as fp64, which would make the logits tile fp64 math
+            s = tl.dot(q, tl.trans(k)) * tl.cast(scale, tl.float32)  # [BLOCK_G, BLOCK_N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
