@@ -870,7 +870,7 @@ P34b)
   # GEMV's CUDA test, HypeNet-2B at 512K prefilled (cuBLAS vs GEMV, shipped vs a head split over 4
   # programs at batch 1), then the teacher shape (cuBLAS vs GEMV)
   timeout 90 python3 -m pytest -v -p no:cacheprovider tests/test_decode_gemv.py tests/test_static_decode.py \
-    -k "split_holds or gemv_tuning" > "$OUT/p34b_cuda_tests.log" 2>&1
+    -k "split_holds or gemv_tuning or split_kv_and_graph" > "$OUT/p34b_cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p34b_cuda_tests.log" | tail -8
   echo '{"best": {"lightning/float32": {"fused_split": 4}}}' > $H/split4.json
   hypenet_512k p34b 300 --variants compiled compiled-gemv --launch-settings $H/split4.json
