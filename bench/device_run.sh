@@ -74,6 +74,7 @@
 #   P34a: the Lightning state written every 4 tokens in 24 bits: CUDA tests, h2048 rollouts at 512 vs fp32 every token
 #   P35a: P34c with compiled layers on either card (H100: 384 rollouts, H200: 512)
 #   P35b: the compiled rollout step alone at 512 rows, fp32 / every 4 / 24 bits / both, kernel profiles
+#   P35c: h2048 rollouts at 512 (H100: 384), fp32 state written every 4 tokens vs every token
 #   P34c: P34a after the fp64-scalar fix (P34a: the compiled 24-bit kernel failed to compile, fp32 every
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
@@ -854,6 +855,22 @@ P35a)
       --state-write-every $2 --out bench/results/opd_p35a_$1_every$2.json > "$OUT/p35a_opd_$1_$2.log" 2>&1
     echo "opd $1 every $2 rollouts $r rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35a_opd_$1_$2.log" | head -3
     tail -3 "$OUT/p35a_opd_$1_$2.log"
+  done
+  ;;
+P35c)
+  # P35b (H100, the step alone at 512 rows): fp32 written every 4 tokens 14.9 ms vs every token 17.9;
+  # 24 bits slowed the kernel (23.3 ms every token, 15.9 every 4). The h2048 rollouts with the fp32
+  # state written every 4 tokens, then the every-token baseline, same call, compiled layers
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  r=${P35_ROLLOUTS:-$([ "${mem:-0}" -gt 100000 ] && echo 512 || echo 384)}
+  first=${P35_FIRST:-200}
+  for v in "4 $first" "1 $((${P35_END:-450} - first - SECONDS))"; do
+    set -- $v
+    timeout "$2" python3 bench/bench_opd.py --horizons 2048 --rollouts "$r" --continuous \
+      --compile-rollouts --compile-layers --skip-train --timed-steps 1 --state-write-every $1 \
+      --out bench/results/opd_p35c_float32_every$1.json > "$OUT/p35c_opd_float32_$1.log" 2>&1
+    echo "opd float32 every $1 rollouts $r rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35c_opd_float32_$1.log" | head -3
+    tail -3 "$OUT/p35c_opd_float32_$1.log"
   done
   ;;
 P35b)
