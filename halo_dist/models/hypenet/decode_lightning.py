@@ -51,10 +51,14 @@ from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_st
 # leave SMs idle. At batch 1, 16 programs on 132 SMs, each a chain of dependent loads, took 11.4 µs
 # in the 512K step where the plain update's 32 programs took 3.7. Off (1) until a GPU has run it:
 # the CUDA test and ``tune_decode_kernels.py --fused`` (phase P32a) decide.
-# A 24-bit state starts from fp32's settings (not yet tuned).
-LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=2, fused_prefetch=False,
+# The narrower states take 4 fused warps: at 2, a thread's share of the tile and the work of
+# narrowing it overflow its 255 registers (ptxas, sm_90: the 24-bit state spills ~1.5 KB a thread,
+# bf16 written every 4 tokens 32 B; tests/test_kernel_compile.py), and the 24-bit kernel took
+# 591 µs per layer at 512 rows against fp32's 370 (H100, P35b). 4 warps: not yet timed.
+LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=warps, fused_prefetch=False,
                       fused_split=1, split_warps=2, split_prefetch=True)
-          for dtype, block_v in ((torch.float32, 64), (torch.bfloat16, 128), (FLOAT24, 64))}
+          for dtype, block_v, warps in ((torch.float32, 64, 2), (torch.bfloat16, 128, 4),
+                                        (FLOAT24, 64, 4))}
 
 try:
     import triton
