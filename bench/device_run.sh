@@ -896,8 +896,8 @@ P35b)
   # graph step alone at an OPD rollout's shape (512 rows, the h2048 rollout's mean context of 1280)
   # with each state option, kernel times by group; P35a's loop ran 14.5 ms per token step
   timeout ${P35B_LIMIT:-400} python3 bench/profile_decode.py --models hypenet-2b --batch 512 \
-    --contexts 1280 --variants compiled compiled-every4 compiled-float24 compiled-float24-every4 \
-    --out bench/results/decode_profile_b512_p35b.json > "$OUT/p35b_profile_b512.log" 2>&1
+    --contexts 1280 --variants ${P35B_VARIANTS:-compiled compiled-every4 compiled-float24 compiled-float24-every4} \
+    --out bench/results/decode_profile_b512_${P35B_TAG:-p35b}.json > "$OUT/${P35B_TAG:-p35b}_profile_b512.log" 2>&1
   echo "b512 profile rc=$?"; grep -B2 -A12 "step_ms\|variant" "$OUT/p35b_profile_b512.log" | head -60
   ;;
 P34b)
