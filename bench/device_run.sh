@@ -898,7 +898,7 @@ P35b)
   timeout ${P35B_LIMIT:-400} python3 bench/profile_decode.py --models hypenet-2b --batch 512 \
     --contexts 1280 --variants ${P35B_VARIANTS:-compiled compiled-every4 compiled-float24 compiled-float24-every4} \
     --out bench/results/decode_profile_b512_${P35B_TAG:-p35b}.json > "$OUT/${P35B_TAG:-p35b}_profile_b512.log" 2>&1
-  echo "b512 profile rc=$?"; grep -B2 -A12 "step_ms\|variant" "$OUT/p35b_profile_b512.log" | head -60
+  echo "b512 profile rc=$?"; grep -B2 -A12 "step_ms\|variant" "$OUT/${P35B_TAG:-p35b}_profile_b512.log" | head -60
   ;;
 P34b)
   # decode in one call (P32a + P32b compressed, no tuning sweep): the split step's race test and the
