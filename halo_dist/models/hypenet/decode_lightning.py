@@ -53,8 +53,9 @@ from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_st
 # the CUDA test and ``tune_decode_kernels.py --fused`` (phase P32a) decide.
 # The narrower states take 4 fused warps: at 2, a thread's share of the tile and the work of
 # narrowing it overflow its 255 registers (ptxas, sm_90: the 24-bit state spills ~1.5 KB a thread,
-# bf16 written every 4 tokens 32 B; tests/test_kernel_compile.py), and the 24-bit kernel took
-# 591 µs per layer at 512 rows against fp32's 370 (H100, P35b). 4 warps: not yet timed.
+# bf16 written every 4 tokens 32 B; tests/test_kernel_compile.py). H100, 512 rows, µs per layer:
+# 24 bits written every token 591 (2 warps) -> 369 (4), every 4 tokens 310 -> 338; fp32 370 and
+# 258 (P35b, P35e). bf16 on 4 warps: not yet timed.
 LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=warps, fused_prefetch=False,
                       fused_split=1, split_warps=2, split_prefetch=True)
           for dtype, block_v, warps in ((torch.float32, 64, 2), (torch.bfloat16, 128, 4),
