@@ -75,7 +75,6 @@
 #   P35a: P34c with compiled layers on either card (H100: 384 rollouts, H200: 512)
 #   P35b: the compiled rollout step alone at 512 rows, fp32 / every 4 / 24 bits / both, kernel profiles
 #   P35c: h2048 rollouts at 512 (H100: 384), fp32 state written every 4 tokens vs every token
-#   P35d (H200): 512 rollouts, fp32 every 4, 24 bits every 4 on 4 warps, then fp32 every token
 #   P34c: P34a after the fp64-scalar fix (P34a: the compiled 24-bit kernel failed to compile, fp32 every
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
@@ -872,23 +871,6 @@ P35c)
       --out bench/results/opd_p35c_float32_every$1.json > "$OUT/p35c_opd_float32_$1.log" 2>&1
     echo "opd float32 every $1 rollouts $r rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35c_opd_float32_$1.log" | head -3
     tail -3 "$OUT/p35c_opd_float32_$1.log"
-  done
-  ;;
-P35d)
-  # the headline candidate on the H200 (512 rollouts, h2048): fp32 written every 4 tokens (P35c, H100:
-  # +14.8% over every token); then the 24-bit state every 4 with the fused kernel on 4 warps (the
-  # shipped launch now; at 2 its unpacking spilled registers); then the every-token baseline while
-  # time is left
-  for v in "float32 4 ${P35D_FIRST:-170}" "float24 4 ${P35D_SECOND:-150}" \
-           "float32 1 $((${P35_END:-400} - SECONDS))"; do
-    set -- $v
-    [ "$3" -gt 60 ] || { echo "no time left for $1 every $2"; continue; }
-    timeout "$3" python3 bench/bench_opd.py --horizons 2048 --rollouts 512 --continuous \
-      --compile-rollouts --compile-layers --skip-train --timed-steps 1 --state-dtype $1 \
-      --state-write-every $2 --out bench/results/opd_p35d_$1_every$2.json \
-      > "$OUT/p35d_opd_$1_$2.log" 2>&1
-    echo "opd $1 every $2 rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35d_opd_$1_$2.log" | head -3
-    tail -2 "$OUT/p35d_opd_$1_$2.log"
   done
   ;;
 P35b)
