@@ -111,6 +111,20 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 gather_parts() {  # the SmolLM2 GGUF travels in 3 parts over chained calls on one warm machine
   mkdir -p .gguf; for p in .xfer/*/smol.part* .xfer/*/smol.sha256; do [ -f "$p" ] && cp "$p" .gguf/; done; ls .gguf
 }
+rollouts_h2048() {  # TAG DTYPE EVERY LIMIT: h2048 rollouts with compiled layers (the shipped OPD
+  # settings); an H100's 78 GiB holds 384 of them (512 peaked at 76-80 GiB on the H200), an H200 512
+  local tag=$1 dtype=$2 every=$3 limit=$4 mem r
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  r=${P35_ROLLOUTS:-$([ "${mem:-0}" -gt 100000 ] && echo 512 || echo 384)}
+  [ "$limit" -gt 60 ] || { echo "no time left for $dtype every $every"; return; }
+  timeout "$limit" python3 bench/bench_opd.py --horizons 2048 --rollouts "$r" --continuous \
+    --compile-rollouts --compile-layers --skip-train --timed-steps 1 --state-dtype "$dtype" \
+    --state-write-every "$every" --out "bench/results/opd_${tag}_${dtype}_every$every.json" \
+    > "$OUT/${tag}_opd_${dtype}_$every.log" 2>&1
+  echo "opd $dtype every $every rollouts $r rc=$?"
+  grep -E "RuntimeWarning|Error" "$OUT/${tag}_opd_${dtype}_$every.log" | head -3
+  tail -3 "$OUT/${tag}_opd_${dtype}_$every.log"
+}
 decode_512k_tuned() {  # both shapes at 512K, shipped and tuned split-KV settings, one process
   local tag=$1 hypenet_limit=$2
   timeout "$hypenet_limit" python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 \
@@ -840,38 +854,21 @@ P34d)
   tail -3 "$OUT/p34d_opd.log"
   ;;
 P35a)
-  # P34c on whichever card comes, both runs with compiled layers (the shipped OPD settings): an H100's
-  # 78 GiB holds 384 rollouts at h2048 (512 peaked at 76.0 GiB on the H200 in P34a), an H200 takes 512
-  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  r=${P35_ROLLOUTS:-$([ "${mem:-0}" -gt 100000 ] && echo 512 || echo 384)}
+  # P34c on whichever card comes, both runs with compiled layers (the shipped OPD settings)
   timeout 100 python3 -m pytest -v -p no:cacheprovider tests/test_float24_state.py \
     tests/test_deferred_state.py -k cuda > "$OUT/p35a_cuda_tests.log" 2>&1
   echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p35a_cuda_tests.log" | tail -5
   first=${P35_FIRST:-240}
-  for v in "float24 4 $first" "float32 1 $((${P35_END:-560} - first - SECONDS))"; do
-    set -- $v
-    timeout "$3" python3 bench/bench_opd.py --horizons 2048 --rollouts "$r" --continuous \
-      --compile-rollouts --compile-layers --skip-train --timed-steps 1 --state-dtype $1 \
-      --state-write-every $2 --out bench/results/opd_p35a_$1_every$2.json > "$OUT/p35a_opd_$1_$2.log" 2>&1
-    echo "opd $1 every $2 rollouts $r rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35a_opd_$1_$2.log" | head -3
-    tail -3 "$OUT/p35a_opd_$1_$2.log"
-  done
+  rollouts_h2048 p35a float24 4 "$first"
+  rollouts_h2048 p35a float32 1 $((${P35_END:-560} - first - SECONDS))
   ;;
 P35c)
   # P35b (H100, the step alone at 512 rows): fp32 written every 4 tokens 14.9 ms vs every token 17.9;
   # 24 bits slowed the kernel (23.3 ms every token, 15.9 every 4). The h2048 rollouts with the fp32
   # state written every 4 tokens, then the every-token baseline, same call, compiled layers
-  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  r=${P35_ROLLOUTS:-$([ "${mem:-0}" -gt 100000 ] && echo 512 || echo 384)}
   first=${P35_FIRST:-200}
-  for v in "4 $first" "1 $((${P35_END:-450} - first - SECONDS))"; do
-    set -- $v
-    timeout "$2" python3 bench/bench_opd.py --horizons 2048 --rollouts "$r" --continuous \
-      --compile-rollouts --compile-layers --skip-train --timed-steps 1 --state-write-every $1 \
-      --out bench/results/opd_p35c_float32_every$1.json > "$OUT/p35c_opd_float32_$1.log" 2>&1
-    echo "opd float32 every $1 rollouts $r rc=$?"; grep -E "RuntimeWarning|Error" "$OUT/p35c_opd_float32_$1.log" | head -3
-    tail -3 "$OUT/p35c_opd_float32_$1.log"
-  done
+  rollouts_h2048 p35c float32 4 "$first"
+  rollouts_h2048 p35c float32 1 $((${P35_END:-450} - first - SECONDS))
   ;;
 P35b)
   # why 24 bits written every 4 tokens gained 0.9% in P35a's rollouts (predicted ~15%): the compiled
