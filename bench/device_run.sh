@@ -79,6 +79,8 @@
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
+#   P36a: P34b on an H200 without the tests or the split | P36b: P35c's every-token baseline alone | P36c:
+#      h2048 rollouts at 640 (fp32 written every 4 tokens)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
 #      launcher (carry .whl .bench_data): DP scaling, stage 3 at 1M / 2M under SP, OPD on 4 GPUs, the 9B step
 #   K: 2 GPUs: SP=2 stage 3 at 64K, 2 steps (steady state), then the largest context: 256K, else 128K (issue 9)
@@ -878,6 +880,20 @@ P35b)
     --contexts 1280 --variants ${P35B_VARIANTS:-compiled compiled-every4 compiled-float24 compiled-float24-every4} \
     --out bench/results/decode_profile_b512_${P35B_TAG:-p35b}.json > "$OUT/${P35B_TAG:-p35b}_profile_b512.log" 2>&1
   echo "b512 profile rc=$?"; grep -B2 -A12 "step_ms\|variant" "$OUT/${P35B_TAG:-p35b}_profile_b512.log" | head -60
+  ;;
+P36a)
+  # P34b on an H200 without its CUDA tests (they passed on an H100) or the split over 4 programs
+  # (slower on the H100): HypeNet-2B at 512K prefilled, then the teacher shape, cuBLAS vs GEMV
+  hypenet_512k p36a 300 --variants compiled compiled-gemv
+  teacher_512k p36a $((590 - SECONDS)) compiled compiled-gemv
+  ;;
+P36b)
+  # the every-token baseline of P35c's H200 run (its limit left it no time), same warm machine
+  rollouts_h2048 p36b float32 1 $((${P36_END:-330} - SECONDS))
+  ;;
+P36c)
+  # more rows than P35c's 512 (an H200 holds them): do the loop's fixed costs amortize?
+  P35_ROLLOUTS=${P36_ROLLOUTS:-640} rollouts_h2048 p36c float32 4 $((${P36_END:-330} - SECONDS))
   ;;
 P34b)
   # decode in one call (P32a + P32b compressed, no tuning sweep): the split step's race test and the

@@ -78,9 +78,11 @@ VARIANTS = {
     "baseline": dict(pack_projections=False, lightning_in_place=False),
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
+    # the shipped decoder: at batch 1 on CUDA, the GEMV kernel for the weight shapes where it beat
+    # cuBLAS (decode_gemv.tune_gemv) unless HALO_DECODE_GEMV=cublas
     "compiled": dict(compile=True),
-    # the batch-1 GEMV kernel for the weight shapes where it beat cuBLAS (decode_gemv.tune_gemv)
     "compiled-gemv": dict(compile=True, gemv=True),
+    "compiled-cublas": dict(compile=True, gemv=False),
     # Lightning's norms, RoPE and gate as Inductor's kernels around the in-place update (the fused
     # layer step is the default)
     "compiled-unfused": dict(compile=True, fuse_lightning=False),

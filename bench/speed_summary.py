@@ -23,17 +23,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, print_table  # noqa: E402
 
 SOURCES = {
-    # both shapes at 512K in one call (P30e: HypeNet with the fused Lightning step and without it in
-    # one process, then the teacher shape; best row wins)
-    "teacher_decode": RESULTS / "decode_profile_teacher_512k_p30e.json",
-    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p30e.json",
+    # both shapes at 512K in one call on an H200 (P36a: each with cuBLAS and with the batch-1 GEMV,
+    # now the default; best row wins)
+    "teacher_decode": RESULTS / "decode_profile_teacher_512k_p36a.json",
+    "hypenet_decode": RESULTS / "decode_profile_hypenet_512k_p36a.json",
     # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
     "stage2": RESULTS / "stages_p29c.json",
     "stage3": RESULTS / "stages_p29c_s3.json",
     # OPD: compiled continuous rollouts with the one-pass sampler, compiled layers and loss, equal
-    # micro-batches (no compilation in the timed step): 256 rollouts (P27b) and 512 (P26c);
+    # micro-batches (no compilation in the timed step), the state written every token: 256
+    # rollouts (P27b) and 512 (P26c);
     # horizon 8K (P24d) and 32K, 16 rollouts (P25b), before the sampler
     "opd": RESULTS / "opd_p27b.json",
+    # the rollouts alone with the shipped rollout settings (the fp32 state written every 4 tokens),
+    # 640 rollouts on an H200 (P36c)
+    "opd_rollouts": RESULTS / "opd_p36c_float32_every4.json",
     "opd_8k": RESULTS / "opd_p24d_h8k.json",
     "opd_512": RESULTS / "opd_p26c_512.json",
     "opd_32k": RESULTS / "opd_p25b_h32k.json",
@@ -71,7 +75,9 @@ def summary() -> dict:
         out[key] = (src["stage2"] or {}).get(key)
     out["stage3_mfu"] = (src["stage3"] or {}).get("stage3_mfu")
     opd = next((r for r in (src["opd"] or {}).get("results", []) if r.get("horizon") == 2048), None)
-    out["opd_rollout_tokens_per_s_h2048"] = opd and opd["rollout_tokens_per_s"]
+    rollouts = next((r for r in (src["opd_rollouts"] or {}).get("results", [])
+                     if r.get("horizon") == 2048), None) or opd
+    out["opd_rollout_tokens_per_s_h2048"] = rollouts and rollouts["rollout_tokens_per_s"]
     out["opd_step_tokens_per_s_h2048"] = opd and opd["opd_tokens_per_s"]
     opd512 = next((r for r in (src["opd_512"] or {}).get("results", [])
                    if r.get("horizon") == 2048 and "error" not in r), None)

@@ -49,8 +49,8 @@ from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_st
 # plain update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``).
 # ``fused_split`` (with ``split_warps``, ``split_prefetch``): programs per head while rows x heads
 # leave SMs idle. At batch 1, 16 programs on 132 SMs, each a chain of dependent loads, took 11.4 µs
-# in the 512K step where the plain update's 32 programs took 3.7. Off (1) until a GPU has run it:
-# the CUDA test and ``tune_decode_kernels.py --fused`` (phase P32a) decide.
+# in the 512K step where the plain update's 32 programs took 3.7. Off (1): split over 4 programs on
+# an H100 the kernel took 5.5 µs against 6.3, but the 512K step 7.30 ms against 7.05 (P34b).
 # The narrower states take 4 fused warps: at 2, a thread's share of the tile and the work of
 # narrowing it overflow its 255 registers (ptxas, sm_90: the 24-bit state spills ~1.5 KB a thread,
 # bf16 written every 4 tokens 32 B; tests/test_kernel_compile.py). H100, 512 rows, µs per layer:

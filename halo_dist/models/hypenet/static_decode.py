@@ -290,7 +290,7 @@ class StaticDecoder:
         unless ``HALO_DECODE_LIGHTNING=unfused``). ``gemv``: the packed projections and the
         layers' output linears through ``decode_gemv`` (the GEMV kernel for the weight shapes where
         ``tune_gemv``, run here, timed it faster than cuBLAS; None: for one-row decoders on CUDA
-        when ``HALO_DECODE_GEMV=triton``; ``gemv_report`` keeps the timings). The switches exist
+        unless ``HALO_DECODE_GEMV=cublas``; ``gemv_report`` keeps the timings). The switches exist
         to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
         ``state_dtype``: the RNN states' dtype (None: fp32; bf16 halves their bytes, ``FLOAT24``
         keeps 3/4); ``state_write_every``: states written back every n tokens (``DeferredWrites``);
