@@ -79,6 +79,10 @@ def parse_args(argv=None):
                         "'best' entries) instead of the shipped defaults")
     p.add_argument("--skip-train", action="store_true",
                    help="rollouts only (compare rollout paths in one call)")
+    p.add_argument("--rollout-phases", action="store_true",
+                   help="with --continuous: after the timed rollouts, time their two set-up phases "
+                        "alone (the prompts' batched prefill; the decoder's construction with its "
+                        "warm-up steps and graph capture) and report the decode loop as the rest")
     p.add_argument("--profile", type=int, default=0, metavar="MICRO",
                    help="after the timings, profile a training step over the first MICRO "
                         "micro-batches (torch.profiler: kernel groups, top operators, idle gaps; "
@@ -112,6 +116,42 @@ def peak_gib(device) -> float | None:
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def rollout_phases(student, prompts: list[list[int]], horizon: int, options: dict, args,
+                   device) -> dict:
+    """Seconds of the two phases ``continuous_rollouts`` runs before its decode loop, each timed
+    alone the way it runs them (one group, every prompt in a slot): the prompts' batched prefill
+    through the eager layers, then the ``StaticDecoder``'s construction (its buffers, packed
+    weights, warm-up steps and graph capture; its compiled step is already compiled by the timed
+    call, which had the same cache room)."""
+    from halo_dist.models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
+    from halo_dist.models.hypenet.modeling_hypenet import eager_decoder_layers
+    from halo_dist.models.hypenet.static_decode import StaticDecoder
+    from halo_dist.stages.opd import compiled_room, left_padded, static_options
+
+    room = max(len(p) for p in prompts) + horizon + STATIC_WARMUP_TOKENS + 1
+    room = compiled_room(room) if args.compile_rollouts else room
+    ids, mask = (t.to(device) for t in left_padded(prompts, 0))  # [b, T]
+    was_training = student.training
+    student.eval()
+    try:
+        with eager_decoder_layers(student):
+            sync(device)
+            t0 = time.perf_counter()
+            cache = HypeNetCache(student.config.num_hidden_layers, max_cache_len=room)
+            student(ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+            sync(device)
+            t1 = time.perf_counter()
+            decoder = StaticDecoder(student, cache, attention_mask=mask,
+                                    **static_options(args.compile_rollouts, options))
+            sync(device)
+            t2 = time.perf_counter()
+    finally:
+        student.train(was_training)
+    del decoder, cache
+    return {"prefill_s": t1 - t0, "decoder_s": t2 - t1}
 
 
 def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
@@ -151,6 +191,8 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     sync(device)
     gen_s = time.perf_counter() - t0
     gen_mem = peak_gib(device)
+    phases = (rollout_phases(student, prompts, horizon, options, args, device)
+              if args.rollout_phases and args.continuous else {})
     sampled = sum(len(x) for x in gens)
     row = {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len,
            "rollout_streams": args.rollout_streams if args.continuous else 1,
@@ -158,6 +200,9 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
            "rollout_s": gen_s,
            "rollout_tokens_per_s": sampled / gen_s,
            "rollout_peak_gib": gen_mem}
+    if phases:
+        loop_s = gen_s - phases["prefill_s"] - phases["decoder_s"]
+        row.update(phases, loop_s=loop_s, loop_ms_per_step=loop_s / horizon * 1e3)
     if args.skip_train:
         return row
 
@@ -272,6 +317,12 @@ def main(argv=None) -> int:
         print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} "
               f"{r['train_packed_tokens_per_s']:>21.0f} {r['train_sampled_tokens_per_s']:>22.0f} "
               f"{r['opd_tokens_per_s']:>10.0f} {mem:>9.1f}")
+    for r in rows:
+        if "loop_s" in r:
+            print(f"h{r['horizon']} rollout {r['rollout_s']:.2f} s = prefill "
+                  f"{r['prefill_s']:.2f} + decoder set-up {r['decoder_s']:.2f} + loop "
+                  f"{r['loop_s']:.2f} "
+                  f"({r['loop_ms_per_step']:.2f} ms per step)")
     out = args.out or (Path("/tmp/halo_dist_opd_smoke.json") if args.cpu_smoke
                        else RESULTS / "opd.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,7 @@
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
+#   P37a (next, H200): the h2048 rollouts' set-up phases timed alone, then the 512-row step alone
 #   P36a: P34b on an H200 without the tests or the split | P36b: P35c's every-token baseline alone | P36c:
 #      h2048 rollouts at 640 (fp32 written every 4 tokens)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
@@ -121,7 +122,7 @@ rollouts_h2048() {  # TAG DTYPE EVERY LIMIT: h2048 rollouts with compiled layers
   [ "$limit" -gt 60 ] || { echo "no time left for $dtype every $every"; return; }
   timeout "$limit" python3 bench/bench_opd.py --horizons 2048 --rollouts "$r" --continuous \
     --compile-rollouts --compile-layers --skip-train --timed-steps 1 --state-dtype "$dtype" \
-    --state-write-every "$every" --out "bench/results/opd_${tag}_${dtype}_every$every.json" \
+    --state-write-every "$every" ${ROLLOUT_EXTRA:-} --out "bench/results/opd_${tag}_${dtype}_every$every.json" \
     > "$OUT/${tag}_opd_${dtype}_$every.log" 2>&1
   echo "opd $dtype every $every rollouts $r rc=$?"
   grep -E "RuntimeWarning|Error" "$OUT/${tag}_opd_${dtype}_$every.log" | head -3
@@ -894,6 +895,19 @@ P36b)
 P36c)
   # more rows than P35c's 512 (an H200 holds them): do the loop's fixed costs amortize?
   P35_ROLLOUTS=${P36_ROLLOUTS:-640} rollouts_h2048 p36c float32 4 $((${P36_END:-330} - SECONDS))
+  ;;
+P37a)
+  # where the H200's h2048 rollout loop spends beyond its step (P35c: 13.4 ms per 512-row step; the
+  # step alone scaled from the H100's profile: ~11.3): the shipped rollouts (fp32 every 4, 512) with
+  # their prefill and decoder set-up timed alone, then the compiled step alone at 512 rows and the
+  # rollout's mean context, kernel groups
+  ROLLOUT_EXTRA=--rollout-phases rollouts_h2048 p37a float32 4 ${P37_FIRST:-300}
+  grep "ms per step" "$OUT/p37a_opd_float32_4.log"
+  timeout $((${P37_END:-560} - SECONDS)) python3 bench/profile_decode.py --models hypenet-2b --batch 512 \
+    --contexts 1280 --variants compiled-every4 --out bench/results/decode_profile_b512_p37a.json \
+    > "$OUT/p37a_profile_b512.log" 2>&1
+  echo "b512 profile rc=$?"; grep -A3 "^| model" "$OUT/p37a_profile_b512.log" | head -5
+  grep -A10 "kernel time by group" "$OUT/p37a_profile_b512.log" | head -12
   ;;
 P34b)
   # decode in one call (P32a + P32b compressed, no tuning sweep): the split step's race test and the

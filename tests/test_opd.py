@@ -165,6 +165,22 @@ def test_bench_opd_cpu_smoke_with_static_rollouts(tmp_path):
     assert [r["micro"] for r in rows] == [64 // (16 + r["horizon"]) for r in rows]
 
 
+def test_bench_opd_times_the_rollouts_set_up_phases(tmp_path):
+    """--rollout-phases: the continuous rollouts' prefill and decoder construction, each timed
+    alone, and the loop as the rest of the timed call."""
+    out = tmp_path / "opd.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_opd.py"), "--cpu-smoke",
+                          "--continuous", "--skip-train", "--rollout-phases", "--horizons", "16",
+                          "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["prefill_s"] > 0 and row["decoder_s"] > 0
+    assert row["loop_s"] == pytest.approx(row["rollout_s"] - row["prefill_s"] - row["decoder_s"])
+    assert row["loop_ms_per_step"] == pytest.approx(row["loop_s"] / 16 * 1e3)
+    assert "h16 rollout" in run.stdout and "ms per step" in run.stdout
+
+
 # ------------------------------------------------------------------------------------------ horizon
 def test_plateau_detector_fires_on_a_flat_series_not_on_a_falling_one():
     d = PlateauDetector(window=5, patience=2, min_rel_improvement=0.05)
