@@ -79,7 +79,8 @@
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
-#   P37a (next, H200): the h2048 rollouts' set-up phases timed alone, then the 512-row step alone
+#   P37a (next, H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
+#      alone, then the 512-row step alone
 #   P36a: P34b on an H200 without the tests or the split | P36b: P35c's every-token baseline alone | P36c:
 #      h2048 rollouts at 640 (fp32 written every 4 tokens)
 #   MG4a/MG4b/MG4c (nvidia-h200-x4), MG8a/MG8b/MG8c (nvidia-h200-x8): issue 21 through bench/multigpu.py and the OPD
@@ -896,12 +897,29 @@ P36c)
   # more rows than P35c's 512 (an H200 holds them): do the loop's fixed costs amortize?
   P35_ROLLOUTS=${P36_ROLLOUTS:-640} rollouts_h2048 p36c float32 4 $((${P36_END:-330} - SECONDS))
   ;;
+P37s)
+  # the sampler alone (P37a's first part), on whichever card comes
+  timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_rollout_sampling.py -k cuda \
+    > "$OUT/p37s_sampler_test.log" 2>&1
+  echo "sampler cuda test rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/p37s_sampler_test.log" | tail -2
+  timeout 60 python3 bench/tune_decode_kernels.py --sampler \
+    --out bench/results/decode_kernel_tuning_sampler_p37s.json > "$OUT/p37s_sampler.log" 2>&1
+  echo "sampler timing rc=$?"; grep -A4 "sampler b" "$OUT/p37s_sampler.log" | head -14
+  ;;
 P37a)
   # where the H200's h2048 rollout loop spends beyond its step (P35c: 13.4 ms per 512-row step; the
   # step alone scaled from the H100's profile: ~11.3): the shipped rollouts (fp32 every 4, 512) with
   # their prefill and decoder set-up timed alone, then the compiled step alone at 512 rows and the
-  # rollout's mean context, kernel groups
-  ROLLOUT_EXTRA=--rollout-phases rollouts_h2048 p37a float32 4 ${P37_FIRST:-300}
+  # rollout's mean context, kernel groups. First the sampler with four uniforms per Philox call: its
+  # CUDA test, then its time against the torch race at 256 and 512 rows (P26b, one uniform per
+  # call: 0.209 vs the race's 0.664 ms at 256 rows)
+  timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_rollout_sampling.py -k cuda \
+    > "$OUT/p37a_sampler_test.log" 2>&1
+  echo "sampler cuda test rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/p37a_sampler_test.log" | tail -2
+  timeout 60 python3 bench/tune_decode_kernels.py --sampler \
+    --out bench/results/decode_kernel_tuning_sampler_p37a.json > "$OUT/p37a_sampler.log" 2>&1
+  echo "sampler timing rc=$?"; grep -A4 "^## sampler\|sampler b" "$OUT/p37a_sampler.log" | head -14
+  ROLLOUT_EXTRA=--rollout-phases rollouts_h2048 p37a float32 4 $((${P37_FIRST:-360} - SECONDS))
   grep "ms per step" "$OUT/p37a_opd_float32_4.log"
   timeout $((${P37_END:-560} - SECONDS)) python3 bench/profile_decode.py --models hypenet-2b --batch 512 \
     --contexts 1280 --variants compiled-every4 --out bench/results/decode_profile_b512_p37a.json \

@@ -259,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--fused", action="store_true",
                    help="only the fused Lightning layer step: heads split over programs or not "
                         "at 1 row, warps and load order at the rollout batch (state from DRAM)")
+    p.add_argument("--sampler", action="store_true",
+                   help="only the rollout sampler, at the rollouts' 256 and 512 rows")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes in Triton's interpreter (set TRITON_INTERPRET=1): checks the "
                         "script, times nothing real")
@@ -277,6 +279,12 @@ def main(argv=None) -> int:
     long_ctx = 300 if smoke else 524_288
     vocab = 1000 if smoke else 151_936
     cases, best = {}, {}
+    if args.sampler:
+        for rows in ((2, 4) if smoke else (256, 512)):
+            name = f"sampler b{rows} vocab {vocab}"
+            cases[name] = sampler_case(rows, vocab, dev, dt)
+            print_table(cases[name], name)
+        return write_cases(cases, best, args)
     if args.fused:
         return fused_main(args, b, dev, dt)
     for name, key, fn in (
@@ -301,7 +309,11 @@ def main(argv=None) -> int:
         best[key] = {k: top[k] for k in knobs if k in top}
         print(f"best for {key}: {best[key]} ({top['ms']:.4f} ms, "
               f"{top['vs_default'] or float('nan'):.3f}x the default)")
-    out = "/tmp/halo_dist_tune_smoke.json" if smoke and args.out is None else args.out
+    return write_cases(cases, best, args)
+
+
+def write_cases(cases: dict, best: dict, args) -> int:
+    out = "/tmp/halo_dist_tune_smoke.json" if args.cpu_smoke and args.out is None else args.out
     path = write_result("decode_kernel_tuning", {"cases": cases, "best": best,
                                                  "args": vars(args)}, out)
     print(f"wrote {path}")

@@ -17,14 +17,14 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
         import torch
         from halo_dist.stages.rollout_sampling import gumbel_argmax_triton
 
-        # 1. frequencies over 600 rows of the same logits at T = 0.7 (a T of 1 would be off by
+        # 1. frequencies over 400 rows of the same logits at T = 0.7 (a T of 1 would be off by
         # more than 0.1 on the first token)
         x = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
         want = torch.softmax(x / 0.7, -1)
         assert (want - torch.softmax(x, -1)).abs().max() > 0.1
         g = torch.Generator().manual_seed(0)
-        draws = gumbel_argmax_triton(x.expand(600, 5).contiguous(), 0.7, g, block=16)
-        freq = torch.bincount(draws, minlength=5) / 600
+        draws = gumbel_argmax_triton(x.expand(400, 5).contiguous(), 0.7, g, block=16)
+        freq = torch.bincount(draws, minlength=5) / 400
         print("freq_err", float((freq - want).abs().max()))
 
         # 2. a 5,000-token vocabulary in blocks of 256 over 20 programs per row: at T = 1e-3 the
@@ -37,26 +37,28 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
 
         # 2b. the distribution across splits: 32 tokens in 4 programs of 8 per row
         x = torch.linspace(2.0, -2.0, 32)
-        draws = gumbel_argmax_triton(x.expand(300, 32).contiguous(), 1.0, g, block=8,
+        draws = gumbel_argmax_triton(x.expand(200, 32).contiguous(), 1.0, g, block=8,
                                      programs_per_sm=1000)
-        mass = (torch.bincount(draws, minlength=32) / 300).view(4, 8).sum(1)
+        mass = (torch.bincount(draws, minlength=32) / 200).view(4, 8).sum(1)
         print("split_mass_err", float((mass - torch.softmax(x, -1).view(4, 8).sum(1)).abs().max()))
 
-        # 3. the caller's generator decides the draws; rows of one draw are independent
-        flat = torch.zeros(200, 50)
-        a = gumbel_argmax_triton(flat, 1.0, torch.Generator().manual_seed(5), block=64)
-        b = gumbel_argmax_triton(flat, 1.0, torch.Generator().manual_seed(5), block=64)
-        c = gumbel_argmax_triton(flat, 1.0, torch.Generator().manual_seed(6), block=64)
+        # 3. the caller's generator decides the draws; every (row, token) has its own uniform:
+        # 16 equal tokens in 2 blocks of 8 (4 uniforms per Philox call: 2 tokens a quarter),
+        # each block its own program. A uniform shared across rows, blocks, programs or a call's
+        # quarters makes ties, which the first token wins: some tokens would never be drawn
+        flat = torch.zeros(100, 16)
+        a, b, c = (gumbel_argmax_triton(flat, 1.0, torch.Generator().manual_seed(seed), block=8,
+                                        programs_per_sm=1000) for seed in (5, 5, 6))
         print("same_seed", torch.equal(a, b), "other_seed", not torch.equal(a, c),
               "distinct", len(set(a.tolist())))
     """)
     values = dict(zip(out.split()[::2], out.split()[1::2]))
-    # 600 draws: <= 0.02 standard error; a temperature ignored is off by > 0.1
+    # 400 draws: <= 0.025 standard error; a temperature ignored is off by > 0.1
     assert float(values["freq_err"]) < 0.05, out
     assert values["argmax_ok"] == "True", out
-    assert float(values["split_mass_err"]) < 0.08, out  # 300 draws: <= 0.029 standard error
+    assert float(values["split_mass_err"]) < 0.08, out  # 200 draws: <= 0.035 standard error
     assert values["same_seed"] == "True" and values["other_seed"] == "True", out
-    assert int(values["distinct"]) > 40, out  # 200 draws over 50 equal tokens
+    assert int(values["distinct"]) >= 14, out  # 100 draws over 16 equal tokens: all 16 at 97%
 
 
 def test_the_kernel_runs_only_where_it_applies(monkeypatch):
@@ -96,3 +98,27 @@ def test_gumbel_kernel_on_cuda_draws_from_the_softmax():
     logits[torch.arange(256, device="cuda"), top] = 20.0
     got = gumbel_argmax_triton(logits, 1e-3, torch.Generator(device="cuda").manual_seed(1))
     assert torch.equal(got, top)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_sampler_benchmark_runs_both_samplers(tmp_path):
+    """bench/tune_decode_kernels.py --sampler on CPU (Triton's interpreter): both samplers at two
+    row counts, timed and written (the device run times them at 256 and 512 rows)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tune.json"
+    run = subprocess.run([sys.executable, str(repo / "bench" / "tune_decode_kernels.py"),
+                          "--sampler", "--cpu-smoke", "--out", str(out)], cwd=repo,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert sorted(cases) == ["sampler b2 vocab 1000", "sampler b4 vocab 1000"]
+    for rows in cases.values():
+        assert [r["sampler"] for r in rows] == ["torch exponential race", "triton gumbel-max"]
+        assert all(r["ms"] > 0 for r in rows)

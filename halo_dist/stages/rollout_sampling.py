@@ -10,12 +10,12 @@ memory traffic per step, about 0.5 ms of a ~9 ms rollout step on an H200.
   check, which reads the device: a host sync per step).
 * ``gumbel_argmax_triton``: CUDA, ``top_p = 1``: the same distribution by the Gumbel-max trick,
   ``argmax_v (x_v / T - log(-log U_v))`` with ``U_v`` uniform, in one read of the logits. The
-  uniforms come from Philox (``tl.rand``) keyed by a 64-bit seed drawn from the caller's generator
-  on the device: the draws are a function of that generator's state (a run resumed with its
-  generator state draws the same tokens), though not the same draws as the reference's. Each row's
-  vocabulary is split across a few programs (enough to fill the GPU); a small torch step picks each
-  row's best split. (``TRITON_INTERPRET=1`` runs it on CPU: that is how the CPU tests check
-  it.)
+  uniforms come from Philox (``tl.rand4x``, four per call) keyed by a 64-bit seed drawn from the
+  caller's generator on the device: the draws are a function of that generator's state (a run
+  resumed with its generator state draws the same tokens), though not the same draws as the
+  reference's. Each row's vocabulary is split across a few programs (enough to fill the GPU); a
+  small torch step picks each row's best split. (``TRITON_INTERPRET=1`` runs it on CPU: that is
+  how the CPU tests check it.)
 
 ``sample_tokens`` dispatches (``kernel_applies`` says when the kernel runs): the kernel wherever it
 applies (on an H200, 0.21 vs 0.66 ms for 256 x 151,936 bf16 logits; OPD rollouts at horizon 2048
@@ -58,10 +58,32 @@ def exponential_race_torch(logits: torch.Tensor, temperature: float, top_p: floa
 if _HAS_TRITON:
 
     @triton.jit
-    def _gumbel_argmax_kernel(Logits, Seed, Val, Idx, stride_row, V, chunk, inv_temp,
-                              BLOCK: tl.constexpr):
+    def _race(base, offs, hi, u, inv_temp, best, arg):
+        """One slice of tokens ``offs`` against the running best: perturbed logits
+        ``x / T - log(-log U)``. U = 0 gives -inf, a token that cannot win; the floor keeps a U
+        rounded up to 1 from winning whatever its logit (the reference's clamp of its Exp(1)
+        draws)."""
+        ok = offs < hi
+        x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
+        e = tl.maximum(-tl.log(u), 1e-30)  # Exp(1)
+        s = tl.where(ok, x * inv_temp - tl.log(e), float("-inf"))
+        take = s > best
+        return tl.where(take, s, best), tl.where(take, offs, arg)
+
+    @triton.jit
+    def _gumbel_argmax_kernel(Logits, Seed, Val, Idx, stride_row, V, chunk, keys_per_row,
+                              inv_temp, BLOCK: tl.constexpr):
         """One program: row ``row``, vocabulary ``[split * chunk, +chunk)``. Writes the best
-        perturbed logit of its range and that token's id."""
+        perturbed logit of its range and that token's id.
+
+        The uniforms come four per Philox call (``tl.rand4x``): a call costs ~100 integer
+        operations, which bound the kernel when each token took one call of its own (0.21 ms for
+        256 x 151,936 logits on an H200, where the logits' bytes take ~0.02 ms). Block ``b`` of
+        ``BLOCK`` tokens uses the keys ``row * keys_per_row + b * BLOCK / 4 + j``, ``j`` <
+        ``BLOCK / 4``; the call's k-th uniform goes to token ``b * BLOCK + k * BLOCK / 4 + j``.
+        So every (row, token) has its own uniform, and the blocks of every split of a row use
+        disjoint keys."""
+        Q: tl.constexpr = BLOCK // 4
         row = tl.program_id(0)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -69,21 +91,15 @@ if _HAS_TRITON:
         lo = split * chunk
         hi = tl.minimum(lo + chunk, V)
         base = Logits + row.to(tl.int64) * stride_row
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        arg = tl.zeros([BLOCK], tl.int32)
-        for start in range(lo, hi, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            ok = offs < hi
-            x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
-            # one uniform per (row, token) of this draw: row * V + token < 2^31 (checked by the
-            # caller); U = 0 gives -inf, a token that cannot win; the floor keeps a U rounded up
-            # to 1 from winning whatever its logit (the reference's clamp of its Exp(1) draws)
-            u = tl.rand(seed, row * V + offs)
-            e = tl.maximum(-tl.log(u), 1e-30)  # Exp(1)
-            s = tl.where(ok, x * inv_temp - tl.log(e), float("-inf"))
-            take = s > best
-            best = tl.where(take, s, best)
-            arg = tl.where(take, offs, arg)
+        best = tl.full([Q], float("-inf"), tl.float32)
+        arg = tl.zeros([Q], tl.int32)
+        j = tl.arange(0, Q)
+        for start in range(lo, hi, BLOCK):  # lo and chunk are whole blocks
+            u0, u1, u2, u3 = tl.rand4x(seed, row * keys_per_row + start // 4 + j)
+            best, arg = _race(base, start + j, hi, u0, inv_temp, best, arg)
+            best, arg = _race(base, start + Q + j, hi, u1, inv_temp, best, arg)
+            best, arg = _race(base, start + 2 * Q + j, hi, u2, inv_temp, best, arg)
+            best, arg = _race(base, start + 3 * Q + j, hi, u3, inv_temp, best, arg)
         top = tl.max(best, 0)
         tl.store(Val + row * splits + split, top)
         tl.store(Idx + row * splits + split, tl.min(tl.where(best == top, arg, V), 0))
@@ -96,6 +112,8 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
     ``B * V < 2^31``. ``block`` tokens per loop iteration; about ``programs_per_sm`` programs per SM
     (each row's vocabulary split into that many ranges, whole blocks each)."""
     B, V = logits.shape
+    if block < 4 or block & (block - 1):
+        raise ValueError(f"gumbel_argmax_triton: block must be a power of 2 >= 4, got {block}")
     if B * V >= 2 ** 31:
         raise ValueError(f"gumbel_argmax_triton keys its uniforms by row * V + token: {B} x {V} "
                          "logits need 64-bit keys")
@@ -113,8 +131,9 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
                          generator=generator)
     val = torch.empty(B, splits, device=device, dtype=torch.float32)
     idx = torch.empty(B, splits, device=device, dtype=torch.int32)
+    keys_per_row = blocks * block // 4  # one Philox key per 4 tokens of the row's whole blocks
     _gumbel_argmax_kernel[(B, splits)](logits, seed, val, idx, logits.stride(0), V, chunk,
-                                       1.0 / temperature, BLOCK=block)
+                                       keys_per_row, 1.0 / temperature, BLOCK=block)
     best = val.argmax(-1, keepdim=True)  # [B, 1] the winning split of each row
     return idx.gather(1, best).view(B).long()
 
