@@ -192,7 +192,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     gen_s = time.perf_counter() - t0
     gen_mem = peak_gib(device)
     phases = (rollout_phases(student, prompts, horizon, options, args, device)
-              if args.rollout_phases and args.continuous else {})
+              if args.rollout_phases else {})
     sampled = sum(len(x) for x in gens)
     row = {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len,
            "rollout_streams": args.rollout_streams if args.continuous else 1,
@@ -270,6 +270,10 @@ def profile_step(step, batches, horizon: int, device) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.rollout_phases and (not args.continuous or args.rollout_streams > 1):
+        print("--rollout-phases times the set-up of continuous rollouts in one group: it needs "
+              "--continuous and --rollout-streams 1", file=sys.stderr)
+        return 2
     torch.set_num_threads(1 if args.cpu_smoke else torch.get_num_threads())
     if args.cpu_smoke:
         device, dtype, shape, attn = torch.device("cpu"), torch.float32, SHAPE_TINY, [1]

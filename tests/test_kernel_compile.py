@@ -166,5 +166,6 @@ def test_sampler_kernel_runs_one_philox_call_per_four_tokens_without_spilling(tm
              chunk="i32", keys_per_row="i32"),
         dict(BLOCK=block), num_warps=warps, aligned=True)
     calls_per_thread = block // 4 // (32 * warps)
-    assert len(re.findall(r"mul\.hi\.u32", ptx)) <= 20 * calls_per_thread
+    # at least half the rounds' multiplies (a few fold into constants): the count means something
+    assert 10 * calls_per_thread <= len(re.findall(r"mul\.hi\.u32", ptx)) <= 20 * calls_per_thread
     assert ptxas_spills(ptx, tmp_path) == 0

@@ -179,6 +179,11 @@ def test_bench_opd_times_the_rollouts_set_up_phases(tmp_path):
     assert row["loop_s"] == pytest.approx(row["rollout_s"] - row["prefill_s"] - row["decoder_s"])
     assert row["loop_ms_per_step"] == pytest.approx(row["loop_s"] / 16 * 1e3)
     assert "h16 rollout" in run.stdout and "ms per step" in run.stdout
+    # its split assumes one group: refused with two streams
+    two = subprocess.run([sys.executable, str(REPO / "bench" / "bench_opd.py"), "--cpu-smoke",
+                          "--continuous", "--rollout-streams", "2", "--rollout-phases"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 2 and "--rollout-streams 1" in two.stderr, two.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ horizon

@@ -112,12 +112,22 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
     """Same contract as ``exponential_race_torch`` with ``top_p = 1``, for ``[B, V]`` logits with
     ``B * V < 2^31``. ``block`` tokens per loop iteration; about ``programs_per_sm`` programs per SM
     (each row's vocabulary split into that many ranges, whole blocks each)."""
+    val, idx = gumbel_splits(logits, temperature, generator, block, programs_per_sm)
+    best = val.argmax(-1, keepdim=True)  # [B, 1] the winning split of each row
+    return idx.gather(1, best).view(-1).long()
+
+
+def gumbel_splits(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+                  block: int = 1024, programs_per_sm: int = 8
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's launch: per row and vocabulary split, the best perturbed logit ``[B, splits]``
+    (fp32) and its token ``[B, splits]`` (int32); splits of ``chunk`` tokens, whole blocks."""
     B, V = logits.shape
     if block < 4 or block & (block - 1):
         raise ValueError(f"gumbel_argmax_triton: block must be a power of 2 >= 4, got {block}")
     if B * V >= 2 ** 31:
-        raise ValueError(f"gumbel_argmax_triton keys its uniforms by row * V + token: {B} x {V} "
-                         "logits need 64-bit keys")
+        raise ValueError(f"gumbel_argmax_triton: {B} x {V} logits are 2^31 or more; the kernel "
+                         "indexes rows and tokens with 32-bit integers")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     device = logits.device
@@ -135,8 +145,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
     keys_per_row = blocks * block // 4  # one Philox key per 4 tokens of the row's whole blocks
     _gumbel_argmax_kernel[(B, splits)](logits, seed, val, idx, logits.stride(0), V, chunk,
                                        keys_per_row, 1.0 / temperature, BLOCK=block)
-    best = val.argmax(-1, keepdim=True)  # [B, 1] the winning split of each row
-    return idx.gather(1, best).view(B).long()
+    return val, idx
 
 
 def kernel_applies(device_type: str, top_p: float, numel: int) -> bool:
