@@ -129,6 +129,15 @@ rollouts_h2048() {  # TAG DTYPE EVERY LIMIT: h2048 rollouts with compiled layers
   grep -E "RuntimeWarning|Error" "$OUT/${tag}_opd_${dtype}_$every.log" | head -3
   tail -3 "$OUT/${tag}_opd_${dtype}_$every.log"
 }
+sampler_check() {  # TAG: the rollout sampler's CUDA test, then its time against the torch race at
+  # 256 and 512 rows
+  timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_rollout_sampling.py -k cuda \
+    > "$OUT/$1_sampler_test.log" 2>&1
+  echo "sampler cuda test rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/$1_sampler_test.log" | tail -2
+  timeout 60 python3 bench/tune_decode_kernels.py --sampler \
+    --out "bench/results/decode_kernel_tuning_sampler_$1.json" > "$OUT/$1_sampler.log" 2>&1
+  echo "sampler timing rc=$?"; grep -A4 "sampler b" "$OUT/$1_sampler.log" | head -14
+}
 decode_512k_tuned() {  # both shapes at 512K, shipped and tuned split-KV settings, one process
   local tag=$1 hypenet_limit=$2
   timeout "$hypenet_limit" python3 bench/profile_decode.py --models hypenet-2b --contexts 524288 \
@@ -899,12 +908,7 @@ P36c)
   ;;
 P37s)
   # the sampler alone (P37a's first part), on whichever card comes
-  timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_rollout_sampling.py -k cuda \
-    > "$OUT/p37s_sampler_test.log" 2>&1
-  echo "sampler cuda test rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/p37s_sampler_test.log" | tail -2
-  timeout 60 python3 bench/tune_decode_kernels.py --sampler \
-    --out bench/results/decode_kernel_tuning_sampler_p37s.json > "$OUT/p37s_sampler.log" 2>&1
-  echo "sampler timing rc=$?"; grep -A4 "sampler b" "$OUT/p37s_sampler.log" | head -14
+  sampler_check p37s
   ;;
 P37a)
   # where the H200's h2048 rollout loop spends beyond its step (P35c: 13.4 ms per 512-row step; the
@@ -913,12 +917,7 @@ P37a)
   # rollout's mean context, kernel groups. First the sampler with four uniforms per Philox call: its
   # CUDA test, then its time against the torch race at 256 and 512 rows (P26b, one uniform per
   # call: 0.209 vs the race's 0.664 ms at 256 rows)
-  timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_rollout_sampling.py -k cuda \
-    > "$OUT/p37a_sampler_test.log" 2>&1
-  echo "sampler cuda test rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/p37a_sampler_test.log" | tail -2
-  timeout 60 python3 bench/tune_decode_kernels.py --sampler \
-    --out bench/results/decode_kernel_tuning_sampler_p37a.json > "$OUT/p37a_sampler.log" 2>&1
-  echo "sampler timing rc=$?"; grep -A4 "^## sampler\|sampler b" "$OUT/p37a_sampler.log" | head -14
+  sampler_check p37a
   ROLLOUT_EXTRA=--rollout-phases rollouts_h2048 p37a float32 4 $((${P37_FIRST:-360} - SECONDS))
   grep "ms per step" "$OUT/p37a_opd_float32_4.log"
   timeout $((${P37_END:-560} - SECONDS)) python3 bench/profile_decode.py --models hypenet-2b --batch 512 \
