@@ -126,22 +126,19 @@ def rollout_phases(student, prompts: list[list[int]], horizon: int, options: dic
     through the eager layers, then the ``StaticDecoder``'s construction (its buffers, packed
     weights, warm-up steps and graph capture; its compiled step is already compiled by the timed
     call, which had the same cache room)."""
-    from halo_dist.models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
     from halo_dist.models.hypenet.modeling_hypenet import eager_decoder_layers
     from halo_dist.models.hypenet.static_decode import StaticDecoder
-    from halo_dist.stages.opd import compiled_room, left_padded, static_options
+    from halo_dist.stages.opd import static_options
+    from halo_dist.stages.opd_rollouts import prefill_prompts, rollout_room
 
-    room = max(len(p) for p in prompts) + horizon + STATIC_WARMUP_TOKENS + 1
-    room = compiled_room(room) if args.compile_rollouts else room
-    ids, mask = (t.to(device) for t in left_padded(prompts, 0))  # [b, T]
+    room = rollout_room(prompts, horizon, args.compile_rollouts)
     was_training = student.training
     student.eval()
     try:
         with eager_decoder_layers(student):
             sync(device)
             t0 = time.perf_counter()
-            cache = HypeNetCache(student.config.num_hidden_layers, max_cache_len=room)
-            student(ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+            cache, mask, _ = prefill_prompts(student, prompts, room, 0)
             sync(device)
             t1 = time.perf_counter()
             decoder = StaticDecoder(student, cache, attention_mask=mask,

@@ -88,12 +88,8 @@ class _Group:
     def __init__(self, work: _Work, first: list[int], room: int, pad_token_id: int,
                  stream: torch.cuda.Stream | None, packs: dict | None = None):
         self.work, self.stream = work, stream
-        device = next(work.model.parameters()).device
-        prompts = [work.prompts[i] for i in first]
-        ids, mask = (t.to(device) for t in left_padded(prompts, pad_token_id))  # [b, T]
-        cache = HypeNetCache(work.model.config.num_hidden_layers, max_cache_len=room)
-        logits = work.model(ids, attention_mask=mask, cache=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1]  # [b, V]
+        cache, mask, logits = prefill_prompts(work.model, [work.prompts[i] for i in first], room,
+                                              pad_token_id)
         # each group's graph captured on its own stream: its own cuBLAS workspace
         self.decoder = StaticDecoder(work.model, cache, attention_mask=mask, packs=packs,
                                      capture_stream=stream, **work.options)
@@ -152,6 +148,25 @@ class _Group:
         return sample_tokens(logits, *self.work.sampling)[0]
 
 
+def rollout_room(prompts: list[list[int]], horizon: int, compile_static: bool) -> int:
+    """The decode buffers' room for ``prompts`` continued by ``horizon`` tokens (rounded up by
+    ``compiled_room`` for a compiled step, so that calls with similar prompts share a
+    compilation)."""
+    room = max(len(p) for p in prompts) + horizon + STATIC_WARMUP_TOKENS + 1
+    return compiled_room(room) if compile_static else room
+
+
+def prefill_prompts(model, prompts: list[list[int]], room: int, pad_token_id: int):
+    """The prompts' batched, left-padded forward into a cache with ``room`` tokens of space ->
+    (cache, attention mask ``[b, T]``, last-position logits ``[b, V]``)."""
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in left_padded(prompts, pad_token_id))  # [b, T]
+    cache = HypeNetCache(model.config.num_hidden_layers, max_cache_len=room)
+    logits = model(ids, attention_mask=mask, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]  # [b, V]
+    return cache, mask, logits
+
+
 def group_slots(slots: int, groups: int) -> list[range]:
     """``slots`` slot indices in ``groups`` contiguous runs whose sizes differ by at most one."""
     sizes = [slots // groups + (g < slots % groups) for g in range(groups)]
@@ -179,8 +194,7 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
     if slots < 1 or horizon < 1 or streams < 1:
         raise ValueError(f"slots ({slots}), horizon ({horizon}) and streams ({streams}) must be "
                          "positive")
-    room = max(len(p) for p in prompts) + horizon + STATIC_WARMUP_TOKENS + 1
-    room = compiled_room(room) if compile_static else room
+    room = rollout_room(prompts, horizon, compile_static)
     slots = min(slots, len(prompts))
     work = _Work(model, prompts, slots, horizon, (temperature, top_p, generator),
                  eos_token_id if stop_at_eos else None,
