@@ -79,6 +79,8 @@
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
+#   P37h (any card): the sampler, then two rollout groups on two streams vs one (overlap_streams)
+#   P37i: the h2048 rollouts as two groups, then one (P37I_FIRST: when the first process must end)
 #   P37a (next, H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
 #      alone, then the 512-row step alone
 #   P36a: P34b on an H200 without the tests or the split | P36b: P35c's every-token baseline alone | P36c:
@@ -905,6 +907,26 @@ P36b)
 P36c)
   # more rows than P35c's 512 (an H200 holds them): do the loop's fixed costs amortize?
   P35_ROLLOUTS=${P36_ROLLOUTS:-640} rollouts_h2048 p36c float32 4 $((${P36_END:-330} - SECONDS))
+  ;;
+P37h)
+  # on whichever card comes (an H100 holds both): the sampler (P37a's first part), then the rollout
+  # slots as two groups on two streams (never timed yet): their CUDA test, then one decoder vs two
+  # at 256 and 512 rows, fp32 states written every 4 tokens (the shipped rollout setting)
+  sampler_check p37h
+  timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_opd_rollouts.py -k cuda \
+    > "$OUT/p37h_cuda_tests.log" 2>&1
+  echo "groups cuda test rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p37h_cuda_tests.log" | tail -4
+  timeout $((580 - SECONDS)) python3 bench/overlap_streams.py --rows 256 512 --groups 2 \
+    --out bench/results/overlap_streams_p37h.json > "$OUT/p37h_overlap.log" 2>&1
+  echo "overlap rc=$?"; grep -A11 "one decoder vs groups" "$OUT/p37h_overlap.log"
+  ;;
+P37i)
+  # the whole h2048 rollout (fp32 every 4, compiled layers) as two groups on two streams, then as one
+  # group, two processes; R rows (default: 384 on an H100, 512 on an H200)
+  for n in 2 1; do
+    ROLLOUT_EXTRA="--rollout-streams $n" rollouts_h2048 p37i_streams$n float32 4 \
+      $(( n == 2 ? ${P37I_FIRST:-290} - SECONDS : 585 - SECONDS ))
+  done
   ;;
 P37s)
   # the sampler alone (P37a's first part), on whichever card comes

@@ -23,7 +23,7 @@ synchronisations after the graphs were captured and one round ran untimed; the g
 captured on their own streams and share one copy of the packed weights, as the rollouts build them.
 ``tokens/s`` = R / round time.
 
-  python bench/overlap_streams.py --rows 256 512 --groups 2
+  python bench/overlap_streams.py --rows 256 512 --groups 2   # fp32 states written every 4 tokens
   python bench/overlap_streams.py --cpu-smoke     # tiny shapes on CPU: streams are a no-op there
 """
 
@@ -54,13 +54,16 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=1280)
     p.add_argument("--rounds", type=int, default=30, help="timed rounds per configuration")
     p.add_argument("--no-compile", action="store_true", help="plain graphs (compiled: shipped)")
+    p.add_argument("--state-write-every", type=int, default=4,
+                   help="Lightning states written back every n tokens (4: what "
+                        "configs/opd/hypenet_2b.yaml ships for rollouts)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
 
 def decoders(model, sizes: list[int], context: int, room: int, compile_step: bool, device,
-             streams) -> list[StaticDecoder]:
+             streams, write_every: int) -> list[StaticDecoder]:
     """A decoder of each size over its own random cache of ``context`` tokens (+ ``room``), the
     first one's packed weights shared, each graph captured on its own stream (as the rollouts
     build their groups)."""
@@ -69,7 +72,8 @@ def decoders(model, sizes: list[int], context: int, room: int, compile_step: boo
     for n, stream in zip(sizes, streams):
         cache = random_cache(model, n, context, device, dtype, room)
         out.append(StaticDecoder(model, cache, compile=compile_step, capture_stream=stream,
-                                 packs=out[0].cache.packed if out else None))
+                                 packs=out[0].cache.packed if out else None,
+                                 state_write_every=write_every))
     return out
 
 
@@ -114,13 +118,15 @@ def measure(model, rows: int, k: int, args, device) -> list[dict]:
     room = args.rounds + 9  # every step of one timing (each timing starts from the context)
     cuda = device.type == "cuda"
     out = []
-    one = decoders(model, [rows], args.context, room, compile_step, device, [None])
+    one = decoders(model, [rows], args.context, room, compile_step, device, [None],
+                   args.state_write_every)
     base = round_ms(one, [None], args.rounds, device)
     out.append({"rows": rows, "config": "one", "round_ms": base})
     del one
     sizes = [len(r) for r in group_slots(rows, k)]
     plain = [torch.cuda.Stream(device) if cuda else None for _ in sizes]
-    halves = decoders(model, sizes, args.context, room, compile_step, device, plain)
+    halves = decoders(model, sizes, args.context, room, compile_step, device, plain,
+                      args.state_write_every)
     # the first group's stream ahead of the others: its kernels' blocks are dispatched first, the
     # others' fill the SMs it leaves (a way out of both groups running the same kind of kernel
     # at the same time)
@@ -158,6 +164,7 @@ def main(argv=None) -> dict:
     print_table([{k: r[k] for k in ("rows", "config", "round_ms", "tokens_per_s", "vs_one")}
                  for r in rows], f"rollout step at context {args.context}: one decoder vs groups")
     payload = {"rows": rows, "context": args.context, "compiled": not args.no_compile,
+               "state_write_every": args.state_write_every,
                "command": " ".join(sys.argv)}
     print(f"\nwrote {write_result('overlap_streams', payload, args.out)}")
     return payload
