@@ -321,8 +321,10 @@ class StaticDecoder:
             self._pack(packs, B == 1 and device.type == "cuda" and gemv_mode() == "triton"
                        if gemv is None else gemv)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
-        self.logits = torch.empty(B, model.config.vocab_size, device=device,
-                                  dtype=model.lm_head.weight.dtype)
+        # the last step's logits [B, V]: the head's own output, not a copy (at 512 rollout rows
+        # a copy moves 2 x 155 MB per step); under the graph, the captured step's output tensor,
+        # which every replay rewrites in place
+        self.logits: torch.Tensor | None = None
         # tokens in each row's cache (host side; the graph reads cache.pos)
         self.row_lengths = [self.cache.prompt_tokens] * B
         self.graph = None
@@ -356,28 +358,29 @@ class StaticDecoder:
     def compiled(self) -> bool:
         return self._step_fn is not StaticDecoder._step_body
 
-    def _step_body(self) -> None:
+    def _step_body(self) -> torch.Tensor:
+        """One step: the next-token logits ``[B, V]``."""
         position_ids = self.cache.position_ids(self.tokens.shape[0])  # [B, 1], no host read
         out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True,
                          return_dict=True)
-        self.logits.copy_(out.logits[:, -1])
         self.cache.pos.add_(1)
+        return out.logits[:, -1]  # [B, 1, V] -> [B, V]
 
     @torch.inference_mode()
     def _forward(self) -> None:
         if self.compiled and not self._compile_checked:
-            self._first_compiled_step()
+            self.logits = self._first_compiled_step()
         else:
-            self._step_fn(self)
+            self.logits = self._step_fn(self)
 
-    def _first_compiled_step(self) -> None:
+    def _first_compiled_step(self) -> torch.Tensor:
         """Compile on the first step; on a compiler error restore the state and run the eager step
-        instead."""
+        instead. Returns the step's logits."""
         states = [s.clone() for s in self.cache.step_buffers()]
         pos = self.cache.pos.clone()
         try:
             with _room_for_more_compilations():
-                self._step_fn(self)
+                logits = self._step_fn(self)
         except Exception as err:  # compiler trouble: keep decoding eagerly from the same state
             self.compile_error = f"{type(err).__name__}: {err}"
             # said aloud: a rollout batch on the eager step runs several times slower
@@ -385,12 +388,13 @@ class StaticDecoder:
                           f"({self.compile_error[:300]})", RuntimeWarning, stacklevel=2)
             self._step_fn = StaticDecoder._step_body
             self._restore(states, pos)
-            self._step_body()
+            logits = self._step_body()
         self._compile_checked = True
         # A compilation leaves dynamo's tracing objects as cyclic garbage, and they reference this
         # decoder's cache: collect them now, or the buffers outlive the decoder until the
         # collector happens to run (a rollout's ~25 GB stayed through OPD's training step)
         gc.collect()
+        return logits
 
     @torch.inference_mode()
     def _capture(self, warmup_steps: int, capture_stream: torch.cuda.Stream | None) -> None:
