@@ -922,11 +922,13 @@ P37h)
   ;;
 P37i)
   # the whole h2048 rollout (fp32 every 4, compiled layers) as two groups on two streams, then as one
-  # group, two processes; R rows (default: 384 on an H100, 512 on an H200)
+  # group (its prefill and decoder set-up timed alone too), two processes; R rows (default: 384 on an
+  # H100, 512 on an H200)
   for n in 2 1; do
-    ROLLOUT_EXTRA="--rollout-streams $n" rollouts_h2048 p37i_streams$n float32 4 \
-      $(( n == 2 ? ${P37I_FIRST:-290} - SECONDS : 585 - SECONDS ))
+    ROLLOUT_EXTRA="--rollout-streams $n $([ $n = 1 ] && echo --rollout-phases)" \
+      rollouts_h2048 p37i_streams$n float32 4 $(( n == 2 ? ${P37I_FIRST:-290} - SECONDS : 585 - SECONDS ))
   done
+  grep "ms per step" "$OUT/p37i_streams1_opd_float32_4.log"
   ;;
 P37s)
   # the sampler alone (P37a's first part), on whichever card comes
