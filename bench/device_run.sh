@@ -79,6 +79,7 @@
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
+#   P37j: the headline in one call: the sampler, then h2048 rollouts (640 on an H200) as one group and as two
 #   P37h (any card): the sampler, then two rollout groups on two streams vs one (overlap_streams)
 #   P37i: the h2048 rollouts as two groups, then one (P37I_FIRST: when the first process must end)
 #   P37a (next, H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
@@ -929,6 +930,18 @@ P37i)
       rollouts_h2048 p37i_streams$n float32 4 $(( n == 2 ? ${P37I_FIRST:-290} - SECONDS : 585 - SECONDS ))
   done
   grep "ms per step" "$OUT/p37i_streams1_opd_float32_4.log"
+  ;;
+P37j)
+  # the headline in one call (an H200: 640 rollouts): the sampler with four uniforms per Philox call
+  # (CUDA test, timing), then h2048 rollouts (fp32 every 4, compiled layers, the step returning the
+  # head's own logits) as one group, then as two groups on two streams; an H100 runs 384
+  sampler_check p37j
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  rows=${P37_ROLLOUTS:-$([ "${mem:-0}" -gt 100000 ] && echo 640 || echo 384)}
+  P35_ROLLOUTS=$rows ROLLOUT_EXTRA="--rollout-streams 1" rollouts_h2048 p37j_streams1 float32 4 \
+    $((${P37J_FIRST:-340} - SECONDS))
+  P35_ROLLOUTS=$rows ROLLOUT_EXTRA="--rollout-streams 2" rollouts_h2048 p37j_streams2 float32 4 \
+    $((585 - SECONDS))
   ;;
 P37s)
   # the sampler alone (P37a's first part), on whichever card comes
