@@ -79,6 +79,7 @@
 #      token 27.4K without compiled layers)
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
+#   P37d (H200): the sampler's CUDA test, the 512K decode ratio in one process (bench/decode_ratio.py), 640 rollouts
 #   P37j: the headline in one call: the sampler, then h2048 rollouts (640 on an H200) as one group and as two
 #   P37h (any card): the sampler, then two rollout groups on two streams vs one (overlap_streams)
 #   P37i: the h2048 rollouts as two groups, then one (P37I_FIRST: when the first process must end)
@@ -930,6 +931,18 @@ P37i)
       rollouts_h2048 p37i_streams$n float32 4 $(( n == 2 ? ${P37I_FIRST:-290} - SECONDS : 585 - SECONDS ))
   done
   grep "ms per step" "$OUT/p37i_streams1_opd_float32_4.log"
+  ;;
+P37d)
+  # an H200 (the two 512K caches take ~75 GB): the sampler's CUDA test, the 512K decode speed-up
+  # with both models in one process, timed in alternating rounds (bench/decode_ratio.py), then the
+  # h2048 rollouts at 640 (one group, the shipped settings; P36c: 38.9K)
+  timeout 60 python3 -m pytest -v -p no:cacheprovider tests/test_rollout_sampling.py -k cuda \
+    > "$OUT/p37d_sampler_test.log" 2>&1
+  echo "sampler cuda test rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/p37d_sampler_test.log" | tail -2
+  timeout $((${P37D_DECODE_END:-300} - SECONDS)) python3 bench/decode_ratio.py --context 524288 \
+    --rounds 12 --steps 24 --out bench/results/decode_ratio_512k_p37d.json > "$OUT/p37d_decode_ratio.log" 2>&1
+  echo "decode ratio rc=$?"; grep -A4 "^| model" "$OUT/p37d_decode_ratio.log"; grep "speed-up" "$OUT/p37d_decode_ratio.log"
+  P35_ROLLOUTS=${P37_ROLLOUTS:-640} rollouts_h2048 p37d float32 4 $((${P37D_END:-570} - SECONDS))
   ;;
 P37j)
   # the headline in one call (an H200: 640 rollouts): the sampler with four uniforms per Philox call

@@ -232,3 +232,22 @@ def test_speed_summary_reads_each_figure_from_its_result_file():
     assert out["opd_step_tokens_per_s_h32768"] > 0
     assert out["opd_rollout_tokens_per_s_h2048_512_rollouts"] > 0
     assert out["opd_step_tokens_per_s_h2048_512_rollouts"] > 0
+
+
+def test_decode_ratio_alternates_the_two_models_and_takes_the_median_round_ratio(tmp_path):
+    """bench/decode_ratio.py on CPU: both models timed in alternating rounds in one process; the
+    speed-up is the median of each round's teacher / HypeNet step, and every round timed both."""
+    sys.path.insert(0, str(REPO))
+    from bench.decode_ratio import main
+
+    out = main(["--cpu-smoke", "--out", str(tmp_path / "ratio.json")])
+    times = out["times_ms"]
+    assert [len(t) for t in times.values()] == [3, 3] and all(
+        t > 0 for ts in times.values() for t in ts)
+    ratios = [a / b for a, b in zip(times["qwen3-1.7b-shape"], times["hypenet-2b"])]
+    assert out["round_ratios"] == ratios and out["decode_speedup"] == sorted(ratios)[1]
+    student = out["rows"][1]
+    assert (student["model"] == "hypenet-2b"
+            and out["decode_bytes_bound_ratio"] == student["vs_bound"])
+    written = json.loads((tmp_path / "ratio.json").read_text())
+    assert written["decode_speedup"] == out["decode_speedup"]
