@@ -81,6 +81,7 @@
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   P37d (H200): the sampler's CUDA test, the 512K decode ratio in one process (bench/decode_ratio.py), 640 rollouts
 #   P37j: the headline in one call: the sampler, then h2048 rollouts (640 on an H200) as one group and as two
+#   P37g: P37h within a small budget (the sampler, then the overlap at 512 rows only)
 #   P37h (any card): the sampler, then two rollout groups on two streams vs one (overlap_streams)
 #   P37i: the h2048 rollouts as two groups, then one (P37I_FIRST: when the first process must end)
 #   P37a (next, H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
@@ -909,6 +910,14 @@ P36b)
 P36c)
   # more rows than P35c's 512 (an H200 holds them): do the loop's fixed costs amortize?
   P35_ROLLOUTS=${P36_ROLLOUTS:-640} rollouts_h2048 p36c float32 4 $((${P36_END:-330} - SECONDS))
+  ;;
+P37g)
+  # P37h within a small budget: the sampler (CUDA test, timing), then one decoder vs two groups at 512
+  # rows only (fp32 states written every 4 tokens), ending by P37G_END seconds
+  sampler_check p37g
+  timeout $((${P37G_END:-380} - SECONDS)) python3 bench/overlap_streams.py --rows 512 --groups 2 \
+    --rounds 20 --out bench/results/overlap_streams_p37g.json > "$OUT/p37g_overlap.log" 2>&1
+  echo "overlap rc=$?"; grep -A6 "one decoder vs groups" "$OUT/p37g_overlap.log"
   ;;
 P37h)
   # on whichever card comes (an H100 holds both): the sampler (P37a's first part), then the rollout
