@@ -321,10 +321,7 @@ class StaticDecoder:
             self._pack(packs, B == 1 and device.type == "cuda" and gemv_mode() == "triton"
                        if gemv is None else gemv)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
-        # the last step's logits [B, V]: the head's own output, not a copy (at 512 rollout rows
-        # a copy moves 2 x 155 MB per step); under the graph, the captured step's output tensor,
-        # which every replay rewrites in place
-        self.logits: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # the head's own output (``_step_body``)
         # tokens in each row's cache (host side; the graph reads cache.pos)
         self.row_lengths = [self.cache.prompt_tokens] * B
         self.graph = None
@@ -359,7 +356,9 @@ class StaticDecoder:
         return self._step_fn is not StaticDecoder._step_body
 
     def _step_body(self) -> torch.Tensor:
-        """One step: the next-token logits ``[B, V]``."""
+        """One step: the next-token logits ``[B, V]``, the head's own output, not a copy (at 512
+        rollout rows a copy moved 2 x 155 MB per step); under the graph, the captured output
+        tensor, which every replay rewrites in place."""
         position_ids = self.cache.position_ids(self.tokens.shape[0])  # [B, 1], no host read
         out = self.model(self.tokens, position_ids=position_ids, cache=self.cache, use_cache=True,
                          return_dict=True)
