@@ -80,11 +80,9 @@
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   P37d (H200): the sampler's CUDA test, the 512K decode ratio in one process (bench/decode_ratio.py), 640 rollouts
-#   P37j: the headline in one call: the sampler, then h2048 rollouts (640 on an H200) as one group and as two
-#   P37g: P37h within a small budget (the sampler, then the overlap at 512 rows only)
-#   P37h (any card): the sampler, then two rollout groups on two streams vs one (overlap_streams)
-#   P37i: the h2048 rollouts as two groups, then one (P37I_FIRST: when the first process must end)
-#   P37a (next, H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
+#   P37g: the sampler (CUDA test, timing), then one rollout decoder vs two streams at 512 rows (ran:
+#      two streams do not pay)
+#   P37a (H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
 #      alone, then the 512-row step alone
 #   P36a: P34b on an H200 without the tests or the split | P36b: P35c's every-token baseline alone | P36c:
 #      h2048 rollouts at 640 (fp32 written every 4 tokens)
@@ -912,34 +910,12 @@ P36c)
   P35_ROLLOUTS=${P36_ROLLOUTS:-640} rollouts_h2048 p36c float32 4 $((${P36_END:-330} - SECONDS))
   ;;
 P37g)
-  # P37h within a small budget: the sampler (CUDA test, timing), then one decoder vs two groups at 512
-  # rows only (fp32 states written every 4 tokens), ending by P37G_END seconds
+  # the sampler (CUDA test, timing), then one decoder vs two groups on two streams at 512 rows (fp32
+  # states written every 4 tokens), ending by P37G_END seconds
   sampler_check p37g
   timeout $((${P37G_END:-380} - SECONDS)) python3 bench/overlap_streams.py --rows 512 --groups 2 \
     --rounds 20 --out bench/results/overlap_streams_p37g.json > "$OUT/p37g_overlap.log" 2>&1
   echo "overlap rc=$?"; grep -A6 "one decoder vs groups" "$OUT/p37g_overlap.log"
-  ;;
-P37h)
-  # on whichever card comes (an H100 holds both): the sampler (P37a's first part), then the rollout
-  # slots as two groups on two streams (never timed yet): their CUDA test, then one decoder vs two
-  # at 256 and 512 rows, fp32 states written every 4 tokens (the shipped rollout setting)
-  sampler_check p37h
-  timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_opd_rollouts.py -k cuda \
-    > "$OUT/p37h_cuda_tests.log" 2>&1
-  echo "groups cuda test rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p37h_cuda_tests.log" | tail -4
-  timeout $((580 - SECONDS)) python3 bench/overlap_streams.py --rows 256 512 --groups 2 \
-    --out bench/results/overlap_streams_p37h.json > "$OUT/p37h_overlap.log" 2>&1
-  echo "overlap rc=$?"; grep -A11 "one decoder vs groups" "$OUT/p37h_overlap.log"
-  ;;
-P37i)
-  # the whole h2048 rollout (fp32 every 4, compiled layers) as two groups on two streams, then as one
-  # group (its prefill and decoder set-up timed alone too), two processes; R rows (default: 384 on an
-  # H100, 512 on an H200)
-  for n in 2 1; do
-    ROLLOUT_EXTRA="--rollout-streams $n $([ $n = 1 ] && echo --rollout-phases)" \
-      rollouts_h2048 p37i_streams$n float32 4 $(( n == 2 ? ${P37I_FIRST:-290} - SECONDS : 585 - SECONDS ))
-  done
-  grep "ms per step" "$OUT/p37i_streams1_opd_float32_4.log"
   ;;
 P37d)
   # an H200 (the two 512K caches take ~75 GB): the sampler's CUDA test, the 512K decode speed-up
@@ -952,18 +928,6 @@ P37d)
     --rounds 12 --steps 24 --out bench/results/decode_ratio_512k_p37d.json > "$OUT/p37d_decode_ratio.log" 2>&1
   echo "decode ratio rc=$?"; grep -A4 "^| model" "$OUT/p37d_decode_ratio.log"; grep "speed-up" "$OUT/p37d_decode_ratio.log"
   P35_ROLLOUTS=${P37_ROLLOUTS:-640} rollouts_h2048 p37d float32 4 $((${P37D_END:-570} - SECONDS))
-  ;;
-P37j)
-  # the headline in one call (an H200: 640 rollouts): the sampler with four uniforms per Philox call
-  # (CUDA test, timing), then h2048 rollouts (fp32 every 4, compiled layers, the step returning the
-  # head's own logits) as one group, then as two groups on two streams; an H100 runs 384
-  sampler_check p37j
-  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  rows=${P37_ROLLOUTS:-$([ "${mem:-0}" -gt 100000 ] && echo 640 || echo 384)}
-  P35_ROLLOUTS=$rows ROLLOUT_EXTRA="--rollout-streams 1" rollouts_h2048 p37j_streams1 float32 4 \
-    $((${P37J_FIRST:-340} - SECONDS))
-  P35_ROLLOUTS=$rows ROLLOUT_EXTRA="--rollout-streams 2" rollouts_h2048 p37j_streams2 float32 4 \
-    $((585 - SECONDS))
   ;;
 P37s)
   # the sampler alone (P37a's first part), on whichever card comes
