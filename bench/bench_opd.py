@@ -57,9 +57,6 @@ def parse_args(argv=None):
     p.add_argument("--continuous", action="store_true",
                    help="rollouts through continuous_rollouts (opd.continuous_batching; one slot "
                         "per rollout here, since every row runs the full horizon)")
-    p.add_argument("--rollout-streams", type=int, default=1,
-                   help="continuous rollouts' slots in this many groups, each a decoder on its own "
-                        "CUDA stream (opd.rollout_streams; with --continuous)")
     p.add_argument("--compile-layers", action="store_true",
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
@@ -172,7 +169,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
         if args.continuous:
             return continuous_rollouts(student, prompts, h, len(prompts), eos_token_id=None,
                                        generator=g, compile_static=args.compile_rollouts,
-                                       decoder_options=options, streams=args.rollout_streams)
+                                       decoder_options=options)
         return sample_rollouts(student, prompts, h, eos_token_id=None, generator=g,
                                static_cache=args.static_decode,
                                compile_static=args.compile_rollouts, decoder_options=options)
@@ -192,7 +189,6 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
               if args.rollout_phases else {})
     sampled = sum(len(x) for x in gens)
     row = {"horizon": horizon, "rollouts": args.rollouts, "prompt_len": args.prompt_len,
-           "rollout_streams": args.rollout_streams if args.continuous else 1,
            "state_dtype": args.state_dtype, "state_write_every": args.state_write_every,
            "rollout_s": gen_s,
            "rollout_tokens_per_s": sampled / gen_s,
@@ -267,9 +263,9 @@ def profile_step(step, batches, horizon: int, device) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.rollout_phases and (not args.continuous or args.rollout_streams > 1):
-        print("--rollout-phases times the set-up of continuous rollouts in one group: it needs "
-              "--continuous and --rollout-streams 1", file=sys.stderr)
+    if args.rollout_phases and not args.continuous:
+        print("--rollout-phases times the set-up of continuous rollouts: it needs --continuous",
+              file=sys.stderr)
         return 2
     torch.set_num_threads(1 if args.cpu_smoke else torch.get_num_threads())
     if args.cpu_smoke:

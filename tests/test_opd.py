@@ -22,7 +22,6 @@ from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, R
                                   parameter_groups, position_buckets, sample_rollouts)
 from halo_dist.eval.tokenizers import byte_tokenizer
 from halo_dist.stages.opd_prompts import Curriculum, PromptError, build_prompt_set
-from halo_dist.stages.opd_rollouts import continuous_rollouts
 from halo_dist.models.convert import as_exact_hypenet
 from halo_dist.train.metrics import read_metrics
 
@@ -179,11 +178,12 @@ def test_bench_opd_times_the_rollouts_set_up_phases(tmp_path):
     assert row["loop_s"] == pytest.approx(row["rollout_s"] - row["prefill_s"] - row["decoder_s"])
     assert row["loop_ms_per_step"] == pytest.approx(row["loop_s"] / 16 * 1e3)
     assert "h16 rollout" in run.stdout and "ms per step" in run.stdout
-    # its split assumes one group: refused with two streams
-    two = subprocess.run([sys.executable, str(REPO / "bench" / "bench_opd.py"), "--cpu-smoke",
-                          "--continuous", "--rollout-streams", "2", "--rollout-phases"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 2 and "--rollout-streams 1" in two.stderr, two.stderr[-2000:]
+    # it times continuous rollouts' set-up: refused for generate's batches
+    batches = subprocess.run([sys.executable, str(REPO / "bench" / "bench_opd.py"), "--cpu-smoke",
+                              "--rollout-phases"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+    assert batches.returncode == 2 and "needs --continuous" in batches.stderr, \
+        batches.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ horizon
@@ -332,7 +332,7 @@ def test_compiled_layers_and_rollouts_train_like_the_eager_run(tmp_path):
         assert math.isclose(a, b, rel_tol=1e-4), (got, want)
 
 
-def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path, monkeypatch):
+def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
     """opd.continuous_batching: rollouts through refilled slots (stages/opd_rollouts.py); two runs
     of the same config train identically, and the rollouts follow the generator the checkpoints
     keep."""
@@ -345,22 +345,6 @@ def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path, monk
     assert a.tokens_seen == b.tokens_seen > 0
     la, lb = (read_metrics(tmp_path / name)["train/loss"] for name in ("a", "b"))
     assert la == lb and len(la) == 3 and all(math.isfinite(v) for _, v in la)
-    # opd.rollout_streams=2: the two slots as two groups (a group with nothing left stops drawing,
-    # so the draws, and the losses, part from the one-group run's): again a function of the seed
-    import halo_dist.train.opd_loop as loop_mod
-
-    asked = []
-
-    def recording(*args, **kw):
-        asked.append(kw["streams"])
-        return continuous_rollouts(*args, **kw)
-
-    monkeypatch.setattr(loop_mod, "continuous_rollouts", recording)
-    for name in ("c", "d"):
-        run_trainer(tiny_cfg(tmp_path / name, *common, "opd.rollout_streams=2"))
-    assert set(asked) == {2}
-    lc, ld = (read_metrics(tmp_path / name)["train/loss"] for name in ("c", "d"))
-    assert lc == ld and len(lc) == 3 and all(math.isfinite(v) for _, v in lc)
 
 
 @pytest.mark.parametrize("name,every", [("bfloat16", 1), ("float24", 1), ("float32", 3)])
@@ -588,10 +572,6 @@ def test_bad_prompt_sets_have_clear_errors(tmp_path):
         tiny_cfg(tmp_path, "stage.name=stage3", "loss.objective=kl")
     with pytest.raises(ConfigError, match="horizon_max"):
         tiny_cfg(tmp_path, "opd.horizon_max=8")
-    with pytest.raises(ConfigError, match="rollout_streams"):
-        tiny_cfg(tmp_path, "opd.rollout_streams=0")
-    with pytest.raises(ConfigError, match="rollout_streams: 2 groups need continuous_batching"):
-        tiny_cfg(tmp_path, "opd.rollout_streams=2", "opd.continuous_batching=false")
 
 
 def test_tokenizer_and_vocab_mismatch_are_refused():

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
-from halo_dist.stages import opd_rollouts
 from halo_dist.stages.opd_rollouts import continuous_rollouts, sample_tokens
 
 
@@ -47,11 +46,11 @@ def test_refilled_slots_decode_each_prompt_as_it_would_alone(mixers):
     eos = free[0][3]
     want = [greedy_alone(model, p, horizon, eos) for p in prompts]
     assert len({len(w) for w in want}) > 1, want
-    # slots x groups: one group, groups of uneven size, a group per slot, more groups than slots
-    for slots, streams in ((1, 1), (3, 1), (7, 1), (9, 1), (5, 2), (4, 3), (3, 3), (2, 4)):
+    # one slot, fewer slots than prompts, one per prompt, more slots than prompts
+    for slots in (1, 3, 7, 9):
         got = continuous_rollouts(model, prompts, horizon, slots, temperature=0.0,
-                                  eos_token_id=eos, streams=streams)
-        assert got == want, (slots, streams)
+                                  eos_token_id=eos)
+        assert got == want, slots
     assert continuous_rollouts(model, prompts, horizon, 3, temperature=0.0, eos_token_id=eos,
                                stop_at_eos=False) == free
 
@@ -67,9 +66,6 @@ def test_sampled_rollouts_follow_the_generator_and_stop_at_eos():
     a, b = run(3), run(3)
     assert a == b and all(len(x) == 12 for x in a)
     assert run(4) != a
-    # two groups draw from the one generator in a fixed order: reproducible
-    two = run(3, streams=2)
-    assert two == run(3, streams=2) and all(len(x) == 12 for x in two)
     eos = a[0][4]
     cut = run(3, eos_token_id=eos)
     assert all(x[-1] == eos and eos not in x[:-1] or (len(x) == 12 and eos not in x) for x in cut)
@@ -109,8 +105,8 @@ def test_bad_arguments_are_refused():
         continuous_rollouts(model, [[1], []], 4, 2)
     with pytest.raises(ValueError, match="positive"):
         continuous_rollouts(model, [[1]], 4, 0)
-    with pytest.raises(ValueError, match=r"streams \(0\)"):
-        continuous_rollouts(model, [[1]], 4, 2, streams=0)
+    with pytest.raises(ValueError, match=r"horizon \(0\)"):
+        continuous_rollouts(model, [[1]], 0, 2)
     assert continuous_rollouts(model, [], 4, 2) == []
 
 
@@ -126,63 +122,3 @@ def test_refilled_slots_through_the_cuda_graph():
     want = [greedy_alone(model, p, 16, eos) for p in prompts]
     got = continuous_rollouts(model, prompts, 16, 2, temperature=0.0, eos_token_id=eos)
     assert got == want
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the device runs it)")
-def test_groups_on_their_own_streams_through_cuda_graphs(monkeypatch):
-    """fp32 on CUDA: three groups, each a captured graph on its own stream, refilled and parked
-    while the others step, give each prompt's greedy rollout alone; a second call reuses the
-    streams (and their cached memory), and the caller's stream sees finished results."""
-    model = tiny(("attention", "lightning", "attention", "lightning")).float().cuda()
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 97, (n,), generator=g).tolist()
-               for n in (5, 40, 3, 17, 9, 26, 11, 2, 30)]
-    free = [greedy_alone(model, p, 16, None) for p in prompts]
-    eos = free[1][5]
-    want = [greedy_alone(model, p, 16, eos) for p in prompts]
-    made = recorded_decoders(monkeypatch)
-    for _ in range(2):
-        got = continuous_rollouts(model, prompts, 16, 5, temperature=0.0, eos_token_id=eos,
-                                  streams=3)
-        assert got == want
-    # each call: three graphs, each captured on a stream of its own (its own cuBLAS workspace)
-    assert len(made) == 6 and all(d.graph is not None for d in made)
-    for call in (made[:3], made[3:]):
-        streams = [d.capture_stream for d in call]
-        assert None not in streams and len({s.cuda_stream for s in streams}) == 3
-
-
-def recorded_decoders(monkeypatch) -> list:
-    """Every StaticDecoder the rollouts build, with the stream its graph was captured on."""
-    made = []
-
-    class Recording(opd_rollouts.StaticDecoder):
-        def __init__(self, *args, capture_stream=None, **kw):
-            super().__init__(*args, capture_stream=capture_stream, **kw)
-            self.capture_stream = capture_stream
-            made.append(self)
-
-    monkeypatch.setattr(opd_rollouts, "StaticDecoder", Recording)
-    return made
-
-
-def test_groups_share_one_copy_of_the_packed_weights(monkeypatch):
-    model = tiny(("attention", "lightning"))
-    made = recorded_decoders(monkeypatch)
-    continuous_rollouts(model, [[1, 2], [3], [4, 5, 6], [7]], 4, 4, temperature=0.0, streams=3)
-    assert len(made) == 3 and made[0].cache.packed
-    assert all(d.cache.packed is made[0].cache.packed for d in made)
-
-
-def test_overlap_streams_bench_runs_every_configuration(tmp_path):
-    """bench/overlap_streams.py on CPU (tiny shapes; streams are a no-op there): one decoder, the
-    groups one after the other and on their streams, each timed and compared with one decoder."""
-    from bench.overlap_streams import main
-
-    out = main(["--cpu-smoke", "--groups", "2", "3", "--out", str(tmp_path / "o.json")])
-    assert [r["config"] for r in out["rows"]] == [
-        "one", "2 serial", "2 streams", "2 streams, first ahead",
-        "one", "3 serial", "3 streams", "3 streams, first ahead"]
-    assert all(r["round_ms"] > 0 and r["tokens_per_s"] > 0 for r in out["rows"])
-    assert all(r["vs_one"] == 1.0 for r in out["rows"] if r["config"] == "one")
-    assert (tmp_path / "o.json").exists()

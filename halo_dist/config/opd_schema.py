@@ -107,11 +107,6 @@ class OPDConfig(Section):
     # through StaticDecoder (whatever static_decode says). 28.6K vs 27.1K rollout tokens/s for
     # batches through generate (2B, 256 rollouts at horizon 2048, no EOS, H200): more with EOS on
     continuous_batching: bool = True
-    # continuous batching's slots in this many groups, each a decoder on its own CUDA stream, so
-    # that one group's GEMMs can run while another's kernels stream the Lightning states and KV
-    # (stages/opd_rollouts.py). Measured, nothing overlaps: at 512 rows (H100) two streams ran as
-    # slow as the two groups one after the other, 9% slower than one decoder. Keep 1
-    rollout_streams: int = 1
     # the rollout decoder's RNN state dtype (Lightning-only students), rounded once per token.
     # bfloat16 halves Lightning's state bytes (~half of a 256-rollout step's) but rollouts drift
     # off-policy: on a converted SmolLM2 the argmax agreed with fp32's at 16% of positions 257-1024.
@@ -160,11 +155,7 @@ class OPDConfig(Section):
         _non_negative("min_steps_per_horizon", self.min_steps_per_horizon)
         if self.rollout_batch_size is not None:
             _positive("rollout_batch_size", self.rollout_batch_size)
-        _positive("rollout_streams", self.rollout_streams)
         _positive("rollout_state_write_every", self.rollout_state_write_every)
-        if self.rollout_streams > 1 and not self.continuous_batching:
-            fail("rollout_streams", f"{self.rollout_streams} groups need "
-                 "continuous_batching: true (generate's batches decode as one)")
         _positive("temperature", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")

@@ -15,16 +15,6 @@ slots ended, refills) hides behind the step instead of following it. A rollout t
 therefore noticed one step late; that extra step's token for the slot is discarded, and the refill
 replaces the slot's cache and position anyway.
 
-``streams`` > 1 splits the slots into that many groups, each with its own decoder and CUDA stream,
-all drawing from one queue of prompts. A rollout step is mostly memory-bound kernels (the Lightning
-states, the attention layers' keys) with compute-bound GEMMs between them; two groups' graphs
-replayed on two streams let one group's GEMMs run while the other's kernels stream memory.
-The groups are built on the caller's stream (their buffers stay in its memory pool) and share one
-copy of the packed weights; each graph is captured on its group's stream, which gives it a cuBLAS
-workspace of its own (graphs sharing one would race in it). From then on each group's work (steps,
-sampling, token copies, refills) stays on its stream, and the caller's stream waits for every group
-before the call returns. On CPU the groups simply take turns.
-
 The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
 caller's generator (on the model's device), without a host sync
 (``rollout_sampling.sample_tokens``); ``temperature=0`` decodes greedily, which is how the tests
@@ -32,8 +22,6 @@ compare it with per-prompt decoding.
 """
 
 from __future__ import annotations
-
-from contextlib import nullcontext
 
 import torch
 
@@ -65,7 +53,7 @@ class TokenReader:
 
 
 class _Work:
-    """What every group shares: the prompts, the queue of those not yet started, the results, and
+    """The call's prompts, the queue of those not yet started, the results, and
     how a rollout is sampled and when it ends."""
 
     def __init__(self, model, prompts, started: int, horizon, sampling, stop_token, options):
@@ -79,47 +67,35 @@ class _Work:
                                  or (self.stop_token is not None and tokens[-1] == self.stop_token))
 
 
-class _Group:
-    """One decoder's slots, on its own stream: which prompt each slot serves, its tokens so far,
-    and the step in flight. Built on the caller's stream, so that the decoder's buffers (most of a
-    rollout's memory) stay in the caller's pool of the caching allocator, not the group stream's
-    (training reuses them); ``packs`` shares one group's packed weights with the others."""
+class _Slots:
+    """The decoder's slots: which prompt each slot serves, its tokens so far, and the step in
+    flight."""
 
-    def __init__(self, work: _Work, first: list[int], room: int, pad_token_id: int,
-                 stream: torch.cuda.Stream | None, packs: dict | None = None):
-        self.work, self.stream = work, stream
+    def __init__(self, work: _Work, first: list[int], room: int, pad_token_id: int):
+        self.work = work
         cache, mask, logits = prefill_prompts(work.model, [work.prompts[i] for i in first], room,
                                               pad_token_id)
-        # each group's graph captured on its own stream: its own cuBLAS workspace
-        self.decoder = StaticDecoder(work.model, cache, attention_mask=mask, packs=packs,
-                                     capture_stream=stream, **work.options)
+        self.decoder = StaticDecoder(work.model, cache, attention_mask=mask, **work.options)
         self.cur = sample_tokens(logits, *work.sampling)  # [b] each slot's next token
-        if stream is not None:
-            self.cur.record_stream(stream)  # read there, then dropped
         self.reader = TokenReader(self.cur)
         self.serving = dict(enumerate(first))  # slot -> prompt index
         self.tokens: dict[int, list[int]] = {slot: [] for slot in self.serving}
         self.nxt: torch.Tensor | None = None
 
-    def on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
-
     def queue_step(self) -> None:
         """Copy the current tokens out and queue the next step behind the copy."""
-        with self.on_stream():
-            self.reader.start(self.cur)
-            self.nxt = sample_tokens(self.decoder.step(self.cur), *self.work.sampling)  # [b]
+        self.reader.start(self.cur)
+        self.nxt = sample_tokens(self.decoder.step(self.cur), *self.work.sampling)  # [b]
 
     def settle(self) -> bool:
         """Read the tokens copied out by ``queue_step``, retire the rollouts that ended and refill
         or park their slots; False once no slot serves a prompt."""
-        with self.on_stream():
-            for slot, tok in enumerate(self.reader.read()):
-                if slot in self.serving:
-                    self.tokens[slot].append(tok)
-            for slot in list(self.serving):
-                if self.work.ended(self.tokens[slot]):
-                    self._retire(slot)
+        for slot, tok in enumerate(self.reader.read()):
+            if slot in self.serving:
+                self.tokens[slot].append(tok)
+        for slot in list(self.serving):
+            if self.work.ended(self.tokens[slot]):
+                self._retire(slot)
         self.cur = self.nxt
         return bool(self.serving)
 
@@ -167,33 +143,24 @@ def prefill_prompts(model, prompts: list[list[int]], room: int, pad_token_id: in
     return cache, mask, logits
 
 
-def group_slots(slots: int, groups: int) -> list[range]:
-    """``slots`` slot indices in ``groups`` contiguous runs whose sizes differ by at most one."""
-    sizes = [slots // groups + (g < slots % groups) for g in range(groups)]
-    starts = [sum(sizes[:g]) for g in range(groups)]
-    return [range(s, s + n) for s, n in zip(starts, sizes)]
-
-
 @torch.no_grad()
 def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: int, *,
                         temperature: float = 1.0, top_p: float = 1.0,
                         eos_token_id: int | None = None, stop_at_eos: bool = True,
                         generator: torch.Generator | None = None, pad_token_id: int = 0,
-                        compile_static: bool = False, decoder_options: dict | None = None,
-                        streams: int = 1) -> list[list[int]]:
+                        compile_static: bool = False,
+                        decoder_options: dict | None = None) -> list[list[int]]:
     """One continuation per prompt (in the prompts' order; cut after the first EOS when
     ``stop_at_eos``), decoded in ``slots`` rows that are refilled as rollouts end.
     ``compile_static``: the step through ``torch.compile`` (the buffers' room rounded up by
     ``compiled_room``, so calls with similar prompts share a compilation). ``decoder_options``:
-    the decoder's Lightning state options (``sample_rollouts``). ``streams``: the slots in that
-    many groups, each a decoder on its own CUDA stream (at most one group per slot)."""
+    the decoder's Lightning state options (``sample_rollouts``)."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("an empty prompt cannot be continued")
-    if slots < 1 or horizon < 1 or streams < 1:
-        raise ValueError(f"slots ({slots}), horizon ({horizon}) and streams ({streams}) must be "
-                         "positive")
+    if slots < 1 or horizon < 1:
+        raise ValueError(f"slots ({slots}) and horizon ({horizon}) must be positive")
     room = rollout_room(prompts, horizon, compile_static)
     slots = min(slots, len(prompts))
     work = _Work(model, prompts, slots, horizon, (temperature, top_p, generator),
@@ -203,34 +170,17 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
     model.eval()
     try:
         with eager_decoder_layers(model):
-            return _decode(work, group_slots(slots, min(streams, slots)), room, pad_token_id)
+            return _decode(work, slots, room, pad_token_id)
     finally:
         model.train(was_training)
 
 
-def _decode(work: _Work, runs: list[range], room: int, pad_token_id: int) -> list[list[int]]:
-    """Step every group until each prompt has its rollout. Each round queues every group's next
-    step first, then reads the previous steps' tokens and settles the slots."""
-    device = next(work.model.parameters()).device
-    several = device.type == "cuda" and len(runs) > 1
-    streams = [torch.cuda.Stream(device) if several else None for _ in runs]
-    groups = []
-    for run, stream in zip(runs, streams):
-        packs = groups[0].decoder.cache.packed if groups else None
-        groups.append(_Group(work, list(run), room, pad_token_id, stream, packs))
-    caller = torch.cuda.current_stream(device) if several else None
-    for s in streams:
-        if s is not None:
-            s.wait_stream(caller)  # the prefills, the weights: the caller's work comes first
-    try:
-        active = list(groups)
-        while active:
-            for group in active:
-                group.queue_step()
-            active = [group for group in active if group.settle()]
-        return work.results
-    finally:
-        # the groups (their buffers, graphs and cuBLAS workspaces) live until every stream is done
-        for s in streams:
-            if s is not None:
-                caller.wait_stream(s)
+def _decode(work: _Work, slots: int, room: int, pad_token_id: int) -> list[list[int]]:
+    """Step the slots until each prompt has its rollout: queue the next step, then read the
+    previous step's tokens and settle the slots while it runs."""
+    run = _Slots(work, list(range(slots)), room, pad_token_id)
+    while True:
+        run.queue_step()
+        if not run.settle():
+            return work.results
+

@@ -264,7 +264,7 @@ class OPDTrainer(Trainer):
                 top_p=opd.top_p, eos_token_id=self.eos, pad_token_id=self.pad,
                 stop_at_eos=opd.stop_at_eos, generator=self.generator,
                 compile_static=self._compile_rollouts,
-                decoder_options=self.rollout_decoder_options, streams=opd.rollout_streams)
+                decoder_options=self.rollout_decoder_options)
             out = [Rollout(p, g, name) for (name, p), g in zip(picks, gens)]
             _sync(self.device)
             return out, time.perf_counter() - t0

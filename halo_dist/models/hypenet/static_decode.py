@@ -274,8 +274,7 @@ class StaticDecoder:
                  attention_mask: torch.Tensor | None = None, compile: bool | str = False,
                  pack_projections: bool = True, lightning_in_place: bool = True,
                  state_dtype: torch.dtype | None = None, fuse_lightning: bool | None = None,
-                 gemv: bool | None = None, packs: dict | None = None,
-                 capture_stream: torch.cuda.Stream | None = None, state_write_every: int = 1):
+                 gemv: bool | None = None, state_write_every: int = 1):
         """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
         fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
         back to the eager step and is kept in ``compile_error``); a string is the compile mode:
@@ -294,10 +293,7 @@ class StaticDecoder:
         to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
         ``state_dtype``: the RNN states' dtype (None: fp32; bf16 halves their bytes, ``FLOAT24``
         keeps 3/4); ``state_write_every``: states written back every n tokens (``DeferredWrites``);
-        both for Lightning-only models (``lightning_state``, ``StaticDecodeCache``).
-        ``packs``: another decoder's ``cache.packed`` (same weights), shared. ``capture_stream``
-        (None: torch's shared one): graphs replaying at once on different streams need streams of
-        their own at capture (cuBLAS's workspace is per stream)."""
+        both for Lightning-only models (``lightning_state``, ``StaticDecodeCache``)."""
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
@@ -317,8 +313,8 @@ class StaticDecoder:
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
         self.gemv_report: dict = {}
-        if packs is not None or pack_projections:
-            self._pack(packs, B == 1 and device.type == "cuda" and gemv_mode() == "triton"
+        if pack_projections:
+            self._pack(B == 1 and device.type == "cuda" and gemv_mode() == "triton"
                        if gemv is None else gemv)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None  # the head's own output (``_step_body``)
@@ -328,14 +324,11 @@ class StaticDecoder:
         self.graph_error: str | None = None
         want_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         if want_graph:
-            self._capture(warmup_steps, capture_stream)
+            self._capture(warmup_steps)
 
-    def _pack(self, packs: dict | None, gemv: bool) -> None:
-        """The layers' projections packed (``pack_input_projections``), or ``packs`` shared; with
-        ``gemv``, tuned against cuBLAS per weight shape (``gemv_report``)."""
-        if packs is not None:
-            self.cache.packed = packs
-            return
+    def _pack(self, gemv: bool) -> None:
+        """The layers' projections packed (``pack_input_projections``); with ``gemv``, tuned
+        against cuBLAS per weight shape (``gemv_report``)."""
         self.cache.packed = pack_input_projections(self.model, gemv)
         if gemv:
             self.gemv_report = tune_gemv([w for pack in self.cache.packed.values()
@@ -396,7 +389,7 @@ class StaticDecoder:
         return logits
 
     @torch.inference_mode()
-    def _capture(self, warmup_steps: int, capture_stream: torch.cuda.Stream | None) -> None:
+    def _capture(self, warmup_steps: int) -> None:
         """Warm up eagerly on a side stream (Triton compiles, autotunes), restore the state the
         warm-up advanced, then capture one step. A failure leaves eager static steps (reason in
         graph_error)."""
@@ -414,7 +407,7 @@ class StaticDecoder:
         self._restore(states, pos)
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=capture_stream):
+            with torch.cuda.graph(graph):
                 self._forward()
             self.graph = graph
         except Exception as err:  # pragma: no cover - GPU only
