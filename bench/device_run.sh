@@ -65,9 +65,7 @@
 #   P32a (next; replaces P31a): CUDA tests of the batch-1 GEMV and of the fused step split over programs, the fused
 #      sweep with the state from DRAM, the teacher shape at 512K cuBLAS vs GEMV | P32b (same warm machine): HypeNet
 #      512K cuBLAS vs GEMV, shipped vs P32a's fused settings, then P33c's 2M check; then P30b
-#   P33a: the rollout slots as two groups on two CUDA streams: the groups' CUDA tests, then one decoder vs two
-#      half decoders (one after the other, and on two streams) at 256 and 512 rows | P33b: the whole h2048
-#      rollout at 512 rollouts with two groups on two streams, then with one, two processes | P33c: HypeNet's
+#   P33c: HypeNet's
 #      compiled graph step against the eager one at 2M on real keys (a 128K prefill tiled to 2,097,152 tokens)
 #   P33d: the 24-bit rollout state: its CUDA tests, the kernels' table at 256 rows (fp32 / bf16 / 24-bit
 #      states), then the h2048 rollouts at 512 with a 24-bit and with an fp32 state, two processes
@@ -80,8 +78,10 @@
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   P37d (H200): the sampler's CUDA test, the 512K decode ratio in one process (bench/decode_ratio.py), 640 rollouts
-#   P37g: the sampler (CUDA test, timing), then one rollout decoder vs two streams at 512 rows (ran:
-#      two streams do not pay)
+#   P38a (H200): the 512K decode ratio in one process (bench/decode_ratio.py), then 640 rollouts with the
+#      state written every 4 tokens (the baseline of P38b) | P38b (H200, the same warm machine): 640 and 768
+#      rollouts written every 8 tokens | P38h (an H100): the rollout and deferred-state CUDA tests, then 384
+#      rollouts written every 4 and every 8 tokens, one machine
 #   P37a (H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
 #      alone, then the 512-row step alone
 #   P36a: P34b on an H200 without the tests or the split | P36b: P35c's every-token baseline alone | P36c:
@@ -791,24 +791,6 @@ P30b)
     --out bench/results/opd_p30b_unfused.json > "$OUT/p30b_opd_unfused.log" 2>&1
   echo "opd unfused rc=$?"; tail -6 "$OUT/p30b_opd_unfused.log"
   ;;
-P33a)
-  # issue 20 item 4: the rollout slots as two groups, each a decoder on its own stream (opd.rollout_streams)
-  timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_opd_rollouts.py -k cuda \
-    > "$OUT/p33a_cuda_tests.log" 2>&1
-  echo "cuda tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/p33a_cuda_tests.log" | tail -4
-  timeout $((580 - SECONDS)) python3 bench/overlap_streams.py --rows 256 512 --groups 2 \
-    --out bench/results/overlap_streams_p33a.json > "$OUT/p33a_overlap.log" 2>&1
-  echo "overlap rc=$?"; grep -A11 "one decoder vs groups" "$OUT/p33a_overlap.log"
-  ;;
-P33b)
-  # the whole h2048 rollout, 512 rollouts: two groups on two streams, then one (P26c's 34.4K), two processes
-  for n in 2 1; do
-    timeout $(( n == 2 ? 290 : 585 - SECONDS )) python3 bench/bench_opd.py --horizons 2048 --rollouts 512 \
-      --continuous --compile-rollouts --skip-train --timed-steps 1 --rollout-streams $n \
-      --out bench/results/opd_p33b_streams$n.json > "$OUT/p33b_opd_streams$n.log" 2>&1
-    echo "opd streams=$n rc=$?"; tail -4 "$OUT/p33b_opd_streams$n.log"
-  done
-  ;;
 P33c)
   hypenet_2m_tiled p33c 580
   ;;
@@ -909,14 +891,6 @@ P36c)
   # more rows than P35c's 512 (an H200 holds them): do the loop's fixed costs amortize?
   P35_ROLLOUTS=${P36_ROLLOUTS:-640} rollouts_h2048 p36c float32 4 $((${P36_END:-330} - SECONDS))
   ;;
-P37g)
-  # the sampler (CUDA test, timing), then one decoder vs two groups on two streams at 512 rows (fp32
-  # states written every 4 tokens), ending by P37G_END seconds
-  sampler_check p37g
-  timeout $((${P37G_END:-380} - SECONDS)) python3 bench/overlap_streams.py --rows 512 --groups 2 \
-    --rounds 20 --out bench/results/overlap_streams_p37g.json > "$OUT/p37g_overlap.log" 2>&1
-  echo "overlap rc=$?"; grep -A6 "one decoder vs groups" "$OUT/p37g_overlap.log"
-  ;;
 P37d)
   # an H200 (the two 512K caches take ~75 GB): the sampler's CUDA test, the 512K decode speed-up
   # with both models in one process, timed in alternating rounds (bench/decode_ratio.py), then the
@@ -928,6 +902,29 @@ P37d)
     --rounds 12 --steps 24 --out bench/results/decode_ratio_512k_p37d.json > "$OUT/p37d_decode_ratio.log" 2>&1
   echo "decode ratio rc=$?"; grep -A4 "^| model" "$OUT/p37d_decode_ratio.log"; grep "speed-up" "$OUT/p37d_decode_ratio.log"
   P35_ROLLOUTS=${P37_ROLLOUTS:-640} rollouts_h2048 p37d float32 4 $((${P37D_END:-570} - SECONDS))
+  ;;
+P38a)
+  # an H200 (the two 512K caches take ~75 GB): the 512K decode speed-up with both models in one
+  # process, alternating timed rounds, then h2048 rollouts at 640 written every 4 tokens (P36c: 38.9K)
+  timeout $((${P38_DECODE_END:-310} - SECONDS)) python3 bench/decode_ratio.py --context 524288 \
+    --rounds 12 --steps 24 --out bench/results/decode_ratio_512k_p38a.json > "$OUT/p38a_decode_ratio.log" 2>&1
+  echo "decode ratio rc=$?"; grep -A4 "^| model" "$OUT/p38a_decode_ratio.log"; grep "speed-up" "$OUT/p38a_decode_ratio.log"
+  P35_ROLLOUTS=640 rollouts_h2048 p38a float32 4 $((${P38_END:-575} - SECONDS))
+  ;;
+P38b)
+  # writes deferred over 8 tokens: the state moves 1 + 1/8 times per token instead of 1 + 1/4 (fold
+  # as a loop, 4 fused warps), at 640 rows (against P38a's every 4) and 768
+  P35_ROLLOUTS=640 rollouts_h2048 p38b float32 8 $((${P38_FIRST:-280} - SECONDS))
+  P35_ROLLOUTS=768 rollouts_h2048 p38b768 float32 8 $((${P38_END:-575} - SECONDS))
+  ;;
+P38h)
+  # an H100: the CUDA tests of rollouts and deferred states, then 384 rollouts at h2048 written every
+  # 4 and every 8 tokens, the same machine
+  timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_opd_rollouts.py tests/test_deferred_state.py \
+    tests/test_static_decode.py -k "cuda or graph" > "$OUT/p38h_cuda_tests.log" 2>&1
+  echo "cuda tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/p38h_cuda_tests.log" | tail -4
+  P35_ROLLOUTS=384 rollouts_h2048 p38h float32 4 $((${P38_FIRST:-360} - SECONDS))
+  P35_ROLLOUTS=384 rollouts_h2048 p38h float32 8 $((${P38_END:-580} - SECONDS))
   ;;
 P37s)
   # the sampler alone (P37a's first part), on whichever card comes
