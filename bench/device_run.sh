@@ -78,10 +78,9 @@
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   P37d (H200): the sampler's CUDA test, the 512K decode ratio in one process (bench/decode_ratio.py), 640 rollouts
-#   P38a (H200): the 512K decode ratio in one process (bench/decode_ratio.py), then 640 rollouts with the
-#      state written every 4 tokens (the baseline of P38b) | P38b (H200, the same warm machine): 640 and 768
-#      rollouts written every 8 tokens | P38h (an H100): the rollout and deferred-state CUDA tests, then 384
-#      rollouts written every 4 and every 8 tokens, one machine
+#   P38a (H200): the 512K decode ratio in one process (bench/decode_ratio.py), then 768 rollouts (fp32
+#      written every 4 tokens; P36c: 640 made 38.9K) | P38h (an H100; ran: every 8 made 0.81x of every 4):
+#      the rollout and deferred-state CUDA tests, then 384 rollouts written every 4 and every 8 tokens
 #   P37a (H200): the sampler (CUDA test, timing), the h2048 rollouts with their set-up phases timed
 #      alone, then the 512-row step alone
 #   P36a: P34b on an H200 without the tests or the split | P36b: P35c's every-token baseline alone | P36c:
@@ -905,17 +904,12 @@ P37d)
   ;;
 P38a)
   # an H200 (the two 512K caches take ~75 GB): the 512K decode speed-up with both models in one
-  # process, alternating timed rounds, then h2048 rollouts at 640 written every 4 tokens (P36c: 38.9K)
+  # process, alternating timed rounds, then h2048 rollouts at 768 (fp32 written every 4 tokens; P36c:
+  # 640 made 38.9K at 94.6 GiB)
   timeout $((${P38_DECODE_END:-310} - SECONDS)) python3 bench/decode_ratio.py --context 524288 \
     --rounds 12 --steps 24 --out bench/results/decode_ratio_512k_p38a.json > "$OUT/p38a_decode_ratio.log" 2>&1
   echo "decode ratio rc=$?"; grep -A4 "^| model" "$OUT/p38a_decode_ratio.log"; grep "speed-up" "$OUT/p38a_decode_ratio.log"
-  P35_ROLLOUTS=640 rollouts_h2048 p38a float32 4 $((${P38_END:-575} - SECONDS))
-  ;;
-P38b)
-  # writes deferred over 8 tokens: the state moves 1 + 1/8 times per token instead of 1 + 1/4 (fold
-  # as a loop, 4 fused warps), at 640 rows (against P38a's every 4) and 768
-  P35_ROLLOUTS=640 rollouts_h2048 p38b float32 8 $((${P38_FIRST:-280} - SECONDS))
-  P35_ROLLOUTS=768 rollouts_h2048 p38b768 float32 8 $((${P38_END:-575} - SECONDS))
+  P35_ROLLOUTS=${P38_ROLLOUTS:-768} rollouts_h2048 p38a float32 4 $((${P38_END:-575} - SECONDS))
   ;;
 P38h)
   # an H100: the CUDA tests of rollouts and deferred states, then 384 rollouts at h2048 written every

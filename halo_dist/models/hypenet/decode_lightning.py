@@ -56,11 +56,8 @@ from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_st
 # bf16 written every 4 tokens 32 B; tests/test_kernel_compile.py). H100, 512 rows, µs per layer:
 # 24 bits written every token 591 (2 warps) -> 369 (4), every 4 tokens 310 -> 338; fp32 370 and
 # 258 (P35b, P35e). bf16 on 4 warps: not yet timed.
-# ``long_defer_warps``: the fused step's warps when writes are deferred over more than 4 tokens.
-# Their fold runs as a loop (``lightning_state.deferred_rows``), and at 2 warps the fp32 tile
-# still spills 40 B a thread with 5-7 held tokens (none at 4 warps; tests/test_kernel_compile.py).
 LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=warps, fused_prefetch=False,
-                      fused_split=1, split_warps=2, split_prefetch=True, long_defer_warps=4)
+                      fused_split=1, split_warps=2, split_prefetch=True)
           for dtype, block_v, warps in ((torch.float32, 64, 2), (torch.bfloat16, 128, 4),
                                         (FLOAT24, 64, 4))}
 
@@ -360,23 +357,16 @@ def _check_deferred(d: DeferredWrites, B: int, H: int, DK: int, DV: int) -> None
                              f"(deferred_writes makes them), got {t.dtype} {tuple(t.shape)}")
 
 
-def fused_warps(cfg: dict, every: int) -> int:
-    """Warps of the fused step (a program per row and head) writing its state every ``every``
-    tokens."""
-    return cfg["long_defer_warps"] if every > 4 else cfg["fused_warps"]
-
-
 def _launch_shape(cfg: dict, e: LayerEnds, B: int, H: int, DV: int, device,
-                  every: int) -> tuple[int, int, bool, int]:
+                  deferred: bool) -> tuple[int, int, bool, int]:
     """(columns per program, warps, prefetch, programs per head when a head is split)."""
     if e.o_norm is None:  # the plain update: tiles of block_v columns
         return cfg["block_v"], cfg["num_warps"], False, 1
     split = _fused_split(B * H, DV, e, cfg, device)
     prefix = "split" if split > 1 else "fused"
     # deferred writes read the state's halves one after the other (no prefetch)
-    prefetch = cfg[f"{prefix}_prefetch"] and every == 1
-    warps = cfg["split_warps"] if split > 1 else fused_warps(cfg, every)
-    return triton.next_power_of_2(DV) // split, warps, prefetch, split
+    prefetch = cfg[f"{prefix}_prefetch"] and not deferred
+    return triton.next_power_of_2(DV) // split, cfg[f"{prefix}_warps"], prefetch, split
 
 
 def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -401,9 +391,8 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if deferred is not None:
         _check_deferred(deferred, B, H, DK, DV)
     e = ends or LayerEnds()
-    every = deferred.every if deferred is not None else 1
     block_v, warps, prefetch, split = _launch_shape({**LAUNCH[state.dtype], **launch}, e, B, H,
-                                                    DV, q.device, every)
+                                                    DV, q.device, deferred is not None)
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
     pos, inv_freq = e.rope or (q, q)  # (q: any pointer where a part is left out)
@@ -427,7 +416,7 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ROPE=e.rope is not None, OUT_NORM=e.o_norm is not None, GATE=e.gate is not None,
         PREFETCH=prefetch, V_SPLIT=programs if split > 1 else 1,
         BLOCK_DV=triton.next_power_of_2(DV), SK=3 * DV // 2 if state24 else DV, LK=3 * DV,
-        STATE24=state24, EVERY=every, num_warps=warps,
+        STATE24=state24, EVERY=deferred.every if deferred is not None else 1, num_warps=warps,
     )
     return o
 

@@ -225,15 +225,6 @@ if _HAS_TRITON:
         return o
 
     @triton.jit
-    def _fold_held(s, PK, PV, i, offs_k, offs_v, v_ok, g, DK: tl.constexpr, DV: tl.constexpr,
-                   EVERY: tl.constexpr):
-        """``s`` plus held token i's λ^{EVERY-1-i} k_iᵀ v_i (rows ``offs_k``, columns
-        ``offs_v``)."""
-        ki = tl.load(PK + i * DK + offs_k)
-        vi = tl.load(PV + i * DV + offs_v, mask=v_ok, other=0.0)
-        return s + tl.exp(g * (EVERY - 1 - i)) * ki[:, None] * vi[None, :]
-
-    @triton.jit
     def deferred_rows(tile, tile_lo, q, k, v, PK, PV, offs_k, offs_v, v_ok, j, g,
                        DK: tl.constexpr, DV: tl.constexpr, EVERY: tl.constexpr,
                        STATE24: tl.constexpr):
@@ -244,14 +235,10 @@ if _HAS_TRITON:
         o = tl.exp(g * (j + 1).to(tl.float32)) * tl.sum(q[:, None] * s, axis=0)
         if j == EVERY - 1:
             s = tl.exp(g * EVERY) * s + k[:, None] * v[None, :]
-            # unrolled, the held tokens' loads are hoisted ahead of the tile's update; past 4 of
-            # them that spills the tile at sm_90 (7 held: 100 B a thread at 2 warps), so a loop
-            if EVERY <= 4:
-                for i in tl.static_range(EVERY - 1):
-                    s = _fold_held(s, PK, PV, i, offs_k, offs_v, v_ok, g, DK, DV, EVERY)
-            else:
-                for i in range(EVERY - 1):
-                    s = _fold_held(s, PK, PV, i, offs_k, offs_v, v_ok, g, DK, DV, EVERY)
+            for i in tl.static_range(EVERY - 1):
+                ki = tl.load(PK + i * DK + offs_k)
+                vi = tl.load(PV + i * DV + offs_v, mask=v_ok, other=0.0)
+                s += tl.exp(g * (EVERY - 1 - i)) * ki[:, None] * vi[None, :]
             store_rows(tile, tile_lo, s, v_ok, STATE24)
         return o
 
