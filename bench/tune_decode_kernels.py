@@ -7,7 +7,7 @@ The static decode step spends most of its time in two Triton kernels that only s
 * ``_lightning_decode_kernel`` (``decode_lightning.py``): every Lightning state, read and written.
   At 256 rollouts it is 40% of an OPD rollout step.
 
-It also times the rollout sampler over 256 x 151,936 logits: the torch exponential race against
+It also times the rollout sampler over 256-768 x 151,936 logits: the torch exponential race against
 the one-pass Gumbel-max kernel (``halo_dist/stages/rollout_sampling.py``), each call's own random
 draws included.
 
@@ -215,7 +215,9 @@ def sampler_case(batch: int, vocab: int, dev: str = "cuda", dtype=torch.bfloat16
     rows = []
     for name, fn in (("torch exponential race",
                       lambda: exponential_race_torch(logits, 1.0, 1.0, g)),
-                     ("triton gumbel-max", lambda: gumbel_argmax_triton(logits, 1.0, g))):
+                     ("triton gumbel-max", lambda: gumbel_argmax_triton(logits, 1.0, g)),
+                     ("triton gumbel-max, block 4096",
+                      lambda: gumbel_argmax_triton(logits, 1.0, g, block=4096))):
         ms = time_loop(fn)
         rows.append({"sampler": name, "ms": ms, "TB/s": nbytes / ms / 1e9})
     for r in rows:
@@ -260,7 +262,7 @@ def main(argv=None) -> int:
                    help="only the fused Lightning layer step: heads split over programs or not "
                         "at 1 row, warps and load order at the rollout batch (state from DRAM)")
     p.add_argument("--sampler", action="store_true",
-                   help="only the rollout sampler, at the rollouts' 256 and 512 rows")
+                   help="only the rollout sampler, at the rollouts' 256, 512 and 768 rows")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes in Triton's interpreter (set TRITON_INTERPRET=1): checks the "
                         "script, times nothing real")
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
     vocab = 1000 if smoke else 151_936
     cases, best = {}, {}
     if args.sampler:
-        for rows in ((2, 4) if smoke else (256, 512)):
+        for rows in ((2, 4) if smoke else (256, 512, 768)):
             name = f"sampler b{rows} vocab {vocab}"
             cases[name] = sampler_case(rows, vocab, dev, dt)
             print_table(cases[name], name)

@@ -153,10 +153,13 @@ def test_fused_lightning_step_does_not_spill_at_its_shipped_launch(state, every,
 
 
 def test_sampler_kernel_runs_one_philox_call_per_four_tokens_without_spilling(tmp_path):
-    """The rollout sampler at its launch (1,024 tokens per loop, 4 warps): Philox-4x32 (10 rounds,
-    two 32-bit high multiplies each) once per 4 tokens, so at most 20 ``mul.hi`` per 4 tokens of
-    a thread's share of the loop body. One call per token (the earlier kernel, bound by that
-    integer work: 0.21 ms for 256 x 151,936 logits on an H200) compiled to 112."""
+    """The rollout sampler at its launch (1,024 tokens per loop, 4 warps), as CUDA compiles it:
+    Philox-4x32 (10 rounds, two 32-bit high multiplies each) once per 4 tokens, so at most 20
+    ``mul.hi`` per 4 tokens of a thread's share of a block (one call per token, the first kernel,
+    bound by that integer work: 0.21 ms for 256 x 151,936 logits on an H200, compiled to 112), and
+    its two logarithms per token as one ``lg2.approx`` each (Triton's own log is a ~20-instruction
+    polynomial). The block's body is compiled twice: whole blocks, and the row's last one,
+    masked."""
     from halo_dist.stages import rollout_sampling as rs
 
     block, warps = 1024, 4
@@ -164,8 +167,11 @@ def test_sampler_kernel_runs_one_philox_call_per_four_tokens_without_spilling(tm
         rs._gumbel_argmax_kernel,
         dict(Logits="*bf16", Seed="*i64", Val="*fp32", Idx="*i32", stride_row="i32", V="i32",
              chunk="i32", keys_per_row="i32"),
-        dict(BLOCK=block), num_warps=warps, aligned=True)
-    calls_per_thread = block // 4 // (32 * warps)
+        dict(BLOCK=block, FAST=True), num_warps=warps, aligned=True)
+    tokens = block // (32 * warps)  # a thread's tokens per block
+    bodies = 2
     # at least half the rounds' multiplies (a few fold into constants): the count means something
-    assert 10 * calls_per_thread <= len(re.findall(r"mul\.hi\.u32", ptx)) <= 20 * calls_per_thread
+    assert (10 * tokens // 4 * bodies <= len(re.findall(r"mul\.hi\.u32", ptx))
+            <= 20 * tokens // 4 * bodies)
+    assert len(re.findall(r"lg2\.approx", ptx)) == 2 * tokens * bodies
     assert ptxas_spills(ptx, tmp_path) == 0

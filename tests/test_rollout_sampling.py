@@ -127,8 +127,9 @@ def test_gumbel_kernel_on_cuda_draws_from_the_softmax():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_sampler_benchmark_runs_both_samplers(tmp_path):
-    """bench/tune_decode_kernels.py --sampler on CPU (Triton's interpreter): both samplers at two
-    row counts, timed and written (the device run times them at 256 and 512 rows)."""
+    """bench/tune_decode_kernels.py --sampler on CPU (Triton's interpreter): both samplers (the
+    kernel at two block sizes) at two row counts, timed and written (the device run times them at
+    256, 512 and 768 rows)."""
     import json
     import os
     import subprocess
@@ -145,5 +146,6 @@ def test_sampler_benchmark_runs_both_samplers(tmp_path):
     cases = json.loads(out.read_text())["cases"]
     assert sorted(cases) == ["sampler b2 vocab 1000", "sampler b4 vocab 1000"]
     for rows in cases.values():
-        assert [r["sampler"] for r in rows] == ["torch exponential race", "triton gumbel-max"]
+        assert [r["sampler"] for r in rows] == ["torch exponential race", "triton gumbel-max",
+                                                "triton gumbel-max, block 4096"]
         assert all(r["ms"] > 0 for r in rows)

@@ -14,7 +14,9 @@ memory traffic per step, about 0.5 ms of a ~9 ms rollout step on an H200.
   caller's generator on the device: the draws are a function of that generator's state (a run
   resumed with its generator state draws the same tokens), though not the same draws as the
   reference's. Each row's vocabulary is split across a few programs (enough to fill the GPU); a
-  small torch step picks each row's best split. (``TRITON_INTERPRET=1`` runs it on CPU: that is
+  small torch step picks each row's best split. On CUDA the two logarithms per token are one
+  ``lg2.approx`` each (relative error ~2^-22, far below what could move a draw), in base 2, which
+  keeps the argmax. (``TRITON_INTERPRET=1`` runs it on CPU with Triton's polynomial log: that is
   how the CPU tests check it.)
 
 ``sample_tokens`` dispatches (``kernel_applies`` says when the kernel runs): the kernel wherever it
@@ -32,6 +34,8 @@ import os
 import torch
 
 from ..models.hypenet.decode_attention import sm_count
+
+LOG2_E = 1.0 / math.log(2.0)
 
 try:
     import triton
@@ -58,25 +62,56 @@ def exponential_race_torch(logits: torch.Tensor, temperature: float, top_p: floa
 
 
 if _HAS_TRITON:
+    try:  # lg2.approx through libdevice: CUDA only (Triton's interpreter has no libdevice)
+        from triton.language.extra.cuda.libdevice import fast_log2f
+    except ImportError:  # pragma: no cover - depends on the Triton version
+        fast_log2f = None
 
     @triton.jit
-    def _race(base, offs, hi, u, inv_temp, best, arg):
-        """One slice of tokens ``offs`` against the running best: perturbed logits
-        ``x / T - log(-log U)``. U = 0 gives -inf, a token that cannot win; the floor keeps a U
-        rounded up to 1 from winning whatever its logit (the reference's clamp of its Exp(1)
-        draws)."""
-        ok = offs < hi
-        x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
-        e = tl.maximum(-tl.log(u), 1e-30)  # Exp(1)
-        s = tl.where(ok, x * inv_temp - tl.log(e), float("-inf"))
+    def _log2(x, FAST: tl.constexpr):
+        """log2 x: one MUFU instruction (``lg2.approx``, relative error ~2^-22) with FAST, else
+        Triton's polynomial (~20 instructions; the interpreter's path)."""
+        if FAST:
+            return fast_log2f(x)
+        return tl.log2(x)
+
+    @triton.jit
+    def _race(base, offs, hi, u, scale, best, arg, MASKED: tl.constexpr, FAST: tl.constexpr):
+        """One slice of tokens ``offs`` against the running best: the Gumbel-max perturbed logits
+        ``x / T - ln(-ln U)`` in base 2, ``x log2(e) / T - log2(-log2 U)`` (the same over ln 2,
+        less a constant: the same argmax; ``scale`` = log2(e) / T). U = 0 gives -inf, a token that
+        cannot win; the floor keeps a U rounded up to 1 from winning whatever its logit (the
+        reference's clamp of its Exp(1) draws). MASKED: the slice may pass ``hi`` (a row's last,
+        partial block); whole blocks load without a mask, which lets the loads vectorize."""
+        if MASKED:
+            ok = offs < hi
+            x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(base + offs).to(tl.float32)
+        e = tl.maximum(-_log2(u, FAST), 1e-30)  # Exp(1) / ln 2
+        s = x * scale - _log2(e, FAST)
+        if MASKED:
+            s = tl.where(ok, s, float("-inf"))
         take = s > best
         return tl.where(take, s, best), tl.where(take, offs, arg)
 
     @triton.jit
+    def _block(base, start, hi, seed, first_key, scale, best, arg, Q: tl.constexpr,
+               MASKED: tl.constexpr, FAST: tl.constexpr):
+        """The 4Q tokens from ``start``: one Philox call per 4 of them (keys ``first_key + j``),
+        its k-th uniform for token ``start + k Q + j``."""
+        j = tl.arange(0, Q)
+        u0, u1, u2, u3 = tl.rand4x(seed, first_key + j)
+        best, arg = _race(base, start + j, hi, u0, scale, best, arg, MASKED, FAST)
+        best, arg = _race(base, start + Q + j, hi, u1, scale, best, arg, MASKED, FAST)
+        best, arg = _race(base, start + 2 * Q + j, hi, u2, scale, best, arg, MASKED, FAST)
+        return _race(base, start + 3 * Q + j, hi, u3, scale, best, arg, MASKED, FAST)
+
+    @triton.jit
     def _gumbel_argmax_kernel(Logits, Seed, Val, Idx, stride_row, V, chunk, keys_per_row,
-                              inv_temp, BLOCK: tl.constexpr):
+                              scale, BLOCK: tl.constexpr, FAST: tl.constexpr):
         """One program: row ``row``, vocabulary ``[split * chunk, +chunk)``. Writes the best
-        perturbed logit of its range and that token's id.
+        perturbed logit of its range (base 2, ``_race``) and that token's id.
 
         The uniforms come four per Philox call (``tl.rand4x``): a call costs ~100 integer
         operations, which bound the kernel when each token took one call of its own (0.21 ms for
@@ -84,7 +119,8 @@ if _HAS_TRITON:
         ``BLOCK`` tokens uses the keys ``row * keys_per_row + b * BLOCK / 4 + j``, ``j`` <
         ``BLOCK / 4``; the call's k-th uniform goes to token ``b * BLOCK + k * BLOCK / 4 + j``.
         So every (row, token) has its own uniform, and the blocks of every split of a row use
-        disjoint keys."""
+        disjoint keys. The two logarithms per token were the other half of the work: Triton's
+        polynomial log is ~20 instructions, ``lg2.approx`` one (FAST)."""
         Q: tl.constexpr = BLOCK // 4
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -92,16 +128,17 @@ if _HAS_TRITON:
         seed = tl.load(Seed)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, V)
+        whole = lo + (hi - lo) // BLOCK * BLOCK  # lo and chunk are whole blocks
         base = Logits + row.to(tl.int64) * stride_row
+        keys = row * keys_per_row
         best = tl.full([Q], float("-inf"), tl.float32)
         arg = tl.zeros([Q], tl.int32)
-        j = tl.arange(0, Q)
-        for start in range(lo, hi, BLOCK):  # lo and chunk are whole blocks
-            u0, u1, u2, u3 = tl.rand4x(seed, row * keys_per_row + start // 4 + j)
-            best, arg = _race(base, start + j, hi, u0, inv_temp, best, arg)
-            best, arg = _race(base, start + Q + j, hi, u1, inv_temp, best, arg)
-            best, arg = _race(base, start + 2 * Q + j, hi, u2, inv_temp, best, arg)
-            best, arg = _race(base, start + 3 * Q + j, hi, u3, inv_temp, best, arg)
+        for start in range(lo, whole, BLOCK):
+            best, arg = _block(base, start, hi, seed, keys + start // 4, scale, best, arg, Q,
+                               False, FAST)
+        if whole < hi:  # the vocabulary's last, partial block
+            best, arg = _block(base, whole, hi, seed, keys + whole // 4, scale, best, arg, Q,
+                               True, FAST)
         top = tl.max(best, 0)
         tl.store(Val + row * splits + split, top)
         tl.store(Idx + row * splits + split, tl.min(tl.where(best == top, arg, V), 0))
@@ -122,7 +159,8 @@ def gumbel_splits(logits: torch.Tensor, temperature: float, generator: torch.Gen
                   block: int = 1024, programs_per_sm: int = 8
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch: per row and vocabulary split, the best perturbed logit ``[B, splits]``
-    (fp32) and its token ``[B, splits]`` (int32); splits of ``chunk`` tokens, whole blocks."""
+    (fp32, base 2: ``_race``) and its token ``[B, splits]`` (int32); splits of ``chunk`` tokens,
+    whole blocks."""
     B, V = logits.shape
     if block < 4 or block & (block - 1):
         raise ValueError(f"gumbel_argmax_triton: block must be a power of 2 >= 4, got {block}")
@@ -144,8 +182,10 @@ def gumbel_splits(logits: torch.Tensor, temperature: float, generator: torch.Gen
     val = torch.empty(B, splits, device=device, dtype=torch.float32)
     idx = torch.empty(B, splits, device=device, dtype=torch.int32)
     keys_per_row = blocks * block // 4  # one Philox key per 4 tokens of the row's whole blocks
+    fast = device.type == "cuda" and fast_log2f is not None
     _gumbel_argmax_kernel[(B, splits)](logits, seed, val, idx, logits.stride(0), V, chunk,
-                                       keys_per_row, 1.0 / temperature, BLOCK=block)
+                                       keys_per_row, LOG2_E / temperature, BLOCK=block,
+                                       FAST=fast)
     return val, idx
 
 
