@@ -78,6 +78,8 @@
 #   P34d: P34c's 24-bit rollouts alone (P34c's machine was taken back mid-call)
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   P37d (H200): the sampler's CUDA test, the 512K decode ratio in one process (bench/decode_ratio.py), 640 rollouts
+#   P38s: the sampler with lg2.approx (its CUDA test, then its time at 256, 512 and 768 rows, blocks of 1,024
+#      and 4,096 tokens) | P39a (H200): P38s, then 768 rollouts at h2048 (P38a, the old sampler: 39.7K)
 #   P38a (H200): the 512K decode ratio in one process (bench/decode_ratio.py), then 768 rollouts (fp32
 #      written every 4 tokens; P36c: 640 made 38.9K) | P38h (an H100; ran: every 8 made 0.81x of every 4):
 #      the rollout and deferred-state CUDA tests, then 384 rollouts written every 4 and every 8 tokens
@@ -138,7 +140,7 @@ sampler_check() {  # TAG: the rollout sampler's CUDA test, then its time against
   echo "sampler cuda test rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/$1_sampler_test.log" | tail -2
   timeout 60 python3 bench/tune_decode_kernels.py --sampler \
     --out "bench/results/decode_kernel_tuning_sampler_$1.json" > "$OUT/$1_sampler.log" 2>&1
-  echo "sampler timing rc=$?"; grep -A4 "sampler b" "$OUT/$1_sampler.log" | head -14
+  echo "sampler timing rc=$?"; grep -A5 "sampler b" "$OUT/$1_sampler.log" | head -24
 }
 decode_512k_tuned() {  # both shapes at 512K, shipped and tuned split-KV settings, one process
   local tag=$1 hypenet_limit=$2
@@ -910,6 +912,15 @@ P38a)
     --rounds 12 --steps 24 --out bench/results/decode_ratio_512k_p38a.json > "$OUT/p38a_decode_ratio.log" 2>&1
   echo "decode ratio rc=$?"; grep -A4 "^| model" "$OUT/p38a_decode_ratio.log"; grep "speed-up" "$OUT/p38a_decode_ratio.log"
   P35_ROLLOUTS=${P38_ROLLOUTS:-768} rollouts_h2048 p38a float32 4 $((${P38_END:-575} - SECONDS))
+  ;;
+P38s)
+  sampler_check p38s
+  ;;
+P39a)
+  # the sampler with lg2.approx, then the rollouts it is for: 768 at h2048, fp32 written every 4
+  # tokens (P38a with the old sampler: 39.7K; predicted ~40.0-40.3K)
+  sampler_check p39a
+  P35_ROLLOUTS=768 rollouts_h2048 p39a float32 4 $((${P39_END:-400} - SECONDS))
   ;;
 P38h)
   # an H100: the CUDA tests of rollouts and deferred states, then 384 rollouts at h2048 written every
