@@ -153,16 +153,16 @@ def test_fused_lightning_step_does_not_spill_at_its_shipped_launch(state, every,
 
 
 def test_sampler_kernel_runs_one_philox_call_per_four_tokens_without_spilling(tmp_path):
-    """The rollout sampler at its launch (1,024 tokens per loop, 4 warps), as CUDA compiles it:
-    Philox-4x32 (10 rounds, two 32-bit high multiplies each) once per 4 tokens, so at most 20
-    ``mul.hi`` per 4 tokens of a thread's share of a block (one call per token, the first kernel,
-    bound by that integer work: 0.21 ms for 256 x 151,936 logits on an H200, compiled to 112), and
-    its two logarithms per token as one ``lg2.approx`` each (Triton's own log is a ~20-instruction
-    polynomial). The block's body is compiled twice: whole blocks, and the row's last one,
-    masked."""
+    """The rollout sampler at its launch (``SAMPLER_BLOCK`` tokens per loop, 4 warps), as CUDA
+    compiles it: Philox-4x32 (10 rounds, two 32-bit high multiplies each) once per 4 tokens, so
+    at most 20 ``mul.hi`` per 4 tokens of a thread's share of a block (one call per token, the
+    first kernel, bound by that integer work: 0.21 ms for 256 x 151,936 logits on an H200,
+    compiled to 112), and its two logarithms per token as one ``lg2.approx`` each (Triton's own
+    log is a ~20-instruction polynomial). The block's body is compiled twice: whole blocks, and
+    the row's last one, masked."""
     from halo_dist.stages import rollout_sampling as rs
 
-    block, warps = 1024, 4
+    block, warps = rs.SAMPLER_BLOCK, 4
     ptx = compile_for_sm90(
         rs._gumbel_argmax_kernel,
         dict(Logits="*bf16", Seed="*i64", Val="*fp32", Idx="*i32", stride_row="i32", V="i32",

@@ -20,9 +20,9 @@ memory traffic per step, about 0.5 ms of a ~9 ms rollout step on an H200.
   how the CPU tests check it.)
 
 ``sample_tokens`` dispatches (``kernel_applies`` says when the kernel runs): the kernel wherever it
-applies (for 256 x 151,936 bf16 logits: 0.15 ms against the reference's 0.86 on an H100, four
-uniforms per Philox call; the first version, one call per token, took 0.21 ms against 0.66 on an
-H200, and OPD rollouts at horizon 2048 gained 8.5%: BENCHMARKS.md), the reference elsewhere;
+applies (for 256 x 151,936 bf16 logits on an H100: 0.106 ms against the reference's 0.85; 0.15
+with the polynomial logs; the first version, one Philox call per token, took 0.21 ms against 0.66
+on an H200, and OPD rollouts at horizon 2048 gained 8.5%: BENCHMARKS.md), the reference elsewhere;
 ``HALO_DECODE_SAMPLER=torch`` forces the reference.
 """
 
@@ -36,6 +36,10 @@ import torch
 from ..models.hypenet.decode_attention import sm_count
 
 LOG2_E = 1.0 / math.log(2.0)
+# tokens per loop iteration of the kernel: 8 per thread at 4 warps, loaded 16 bytes at a time. On an
+# H100 (P38s, bench/tune_decode_kernels.py --sampler) 0.106 / 0.135 / 0.192 ms at 256 / 512 / 768
+# rows x 151,936 against 0.111 / 0.155 / 0.223 ms with blocks of 1,024
+SAMPLER_BLOCK = 4096
 
 try:
     import triton
@@ -145,7 +149,7 @@ if _HAS_TRITON:
 
 
 def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
-                         generator: torch.Generator | None, block: int = 1024,
+                         generator: torch.Generator | None, block: int = SAMPLER_BLOCK,
                          programs_per_sm: int = 8) -> torch.Tensor:
     """Same contract as ``exponential_race_torch`` with ``top_p = 1``, for ``[B, V]`` logits with
     ``B * V < 2^31``. ``block`` tokens per loop iteration; about ``programs_per_sm`` programs per SM
@@ -156,7 +160,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temperature: float,
 
 
 def gumbel_splits(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
-                  block: int = 1024, programs_per_sm: int = 8
+                  block: int = SAMPLER_BLOCK, programs_per_sm: int = 8
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch: per row and vocabulary split, the best perturbed logit ``[B, splits]``
     (fp32, base 2: ``_race``) and its token ``[B, splits]`` (int32); splits of ``chunk`` tokens,
