@@ -893,3 +893,20 @@ def test_a_checkpoint_config_with_the_removed_backend_key_is_the_same_run(tmp_pa
     assert compare(saved, current) == ([], [])
     saved["opd"]["horizon_max"] = 64
     assert compare(saved, current)[0] == ["opd.horizon_max: 64 -> 32"]
+
+
+def test_the_removed_rollout_streams_key_resumes_only_where_one_decoder_ran(tmp_path):
+    """``opd.rollout_streams`` is gone (one decoder steps every slot): a config that sets it is
+    told so, a checkpoint saved with 1 resumes, and one saved with 2 (its rollouts drew in two
+    groups) is refused, since today's rollouts would not continue its draws."""
+    from halo_dist.config import to_dict
+    from halo_dist.train.resume_check import compare
+
+    with pytest.raises(ConfigError, match=r"opd.rollout_streams was removed; one decoder"):
+        tiny_cfg(tmp_path, "opd.rollout_streams=1")
+    current = to_dict(tiny_cfg(tmp_path))
+    saved = json.loads(json.dumps(current))
+    saved["opd"]["rollout_streams"] = 1
+    assert compare(saved, current) == ([], [])
+    saved["opd"]["rollout_streams"] = 2
+    assert compare(saved, current)[0] == ["opd.rollout_streams: 2 -> removed (runs as 1)"]

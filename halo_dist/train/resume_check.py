@@ -11,7 +11,8 @@ layout, compilation and activation checkpointing.
 
 A checkpoint's config is read at today's layout: a key that ``RunConfig.MOVED_KEYS`` places in
 another section is compared there, one in ``RunConfig.REMOVED_KEYS`` is left out (what it chose, the
-trainer checks where it matters, e.g. OPD refuses a checkpoint of its removed torch backend), and a
+trainer checks where it matters, e.g. OPD refuses a checkpoint of its removed torch backend; a value
+other than the one ``RunConfig.REMOVED_KEYS_RUN_AS`` names is refused here), and a
 key that is null on one side and absent on the other (an optional section or field the other side's
 code does not write) is the same setting.
 """
@@ -51,10 +52,15 @@ def _covered(key: str, prefixes: tuple[str, ...]) -> bool:
 
 def compare(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """``(refused, allowed)``: one ``key: saved -> current`` line per differing setting."""
-    a = {moved_to(key, RunConfig.MOVED_KEYS) or key: value for key, value in flatten(saved).items()
-         if key not in RunConfig.REMOVED_KEYS}  # a removed setting no longer changes the run
+    flat = flatten(saved)
+    # a removed setting no longer changes the run, unless it held a value today's code cannot run
+    refused = [f"{key}: {flat[key]!r} -> removed (runs as {value!r})"
+               for key, value in RunConfig.REMOVED_KEYS_RUN_AS.items()
+               if key in flat and flat[key] != value]
+    a = {moved_to(key, RunConfig.MOVED_KEYS) or key: value for key, value in flat.items()
+         if key not in RunConfig.REMOVED_KEYS}
     b = flatten(current)
-    refused, allowed = [], []
+    allowed = []
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, UNSET), b.get(key, UNSET)
         if old == new or (old is None and key not in b) or (new is None and key not in a):
