@@ -202,6 +202,34 @@ def test_decode_profile_smoke_compares_every_variant_with_the_eager_step(tmp_pat
     assert big._kv_buffers[0][0].shape[1] == 15  # one buffer: context + room, no doubling
 
 
+def test_decode_step_time_counts_the_state_writing_step_once_per_period(monkeypatch):
+    """profile_decode.timed on a decoder whose states are written every 4 tokens: the step time is
+    the median of whole periods' means, so the writing step (one in four, dearer) counts; a median
+    of single steps would report a cheap step. With writes every token, the median step."""
+    sys.path.insert(0, str(REPO))
+    from types import SimpleNamespace
+
+    import bench.profile_decode as pd
+
+    clock = [0.0]
+    monkeypatch.setattr(pd.time, "perf_counter", lambda: clock[0])
+
+    def decoder(every: int, cost_ms):
+        calls = [0]
+
+        def step(token):
+            clock[0] += cost_ms(calls[0]) / 1e3
+            calls[0] += 1
+        deferred = {3: SimpleNamespace(every=every)} if every > 1 else {}
+        return SimpleNamespace(step=step, tokens=torch.zeros(2, 1),
+                               cache=SimpleNamespace(deferred=deferred))
+
+    writes = decoder(4, lambda i: 4.0 if i % 4 == 3 else 1.0)  # [1, 1, 1, 4] per period
+    assert pd.timed(writes, 17, torch.device("cpu")) == pytest.approx(1.75)
+    plain = decoder(1, lambda i: 9.0 if i == 0 else 2.0 + (i % 2))  # first call slow, then 3, 2, ..
+    assert pd.timed(plain, 5, torch.device("cpu")) == pytest.approx(2.5)
+
+
 def test_decode_profile_on_a_tiled_prefill_compares_with_the_eager_step(tmp_path):
     """``--tile``: the graph step against the eager one on a cache of real keys repeated past the
     prefilled length (how 2M is checked on the H200)."""
