@@ -47,6 +47,26 @@ def environment() -> dict:
     return env
 
 
+# Bytes per second a decode step's bytes bound is computed at: the H200's 4.4 TB/s is about 92% of
+# its 4.8 TB/s datasheet figure (what a large streaming read reaches), and the H100 SXM gets the
+# same fraction of its 3.35 TB/s. Another card needs --bandwidth.
+DECODE_BANDWIDTH = (("H200", 4.4e12), ("H100", 3.07e12))
+
+
+def decode_bandwidth(override: float | None) -> float:
+    """Bytes/s for the bytes bound: ``override`` if given, else this card's entry in
+    ``DECODE_BANDWIDTH`` (CPU smoke runs, whose bound means nothing, get the H200's)."""
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return DECODE_BANDWIDTH[0][1]
+    name = torch.cuda.get_device_name(0).upper()
+    for key, bps in DECODE_BANDWIDTH:
+        if key in name:
+            return bps
+    raise SystemExit(f"no bytes-bound bandwidth known for {name!r}: pass --bandwidth (bytes/s)")
+
+
 def time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
     """Median milliseconds of ``fn()`` (CUDA events on GPU, wall clock on CPU)."""
     for _ in range(warmup):

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_inference import build, model_configs, sync  # noqa: E402
-from bench.common import print_table, write_result  # noqa: E402
+from bench.common import decode_bandwidth, print_table, write_result  # noqa: E402
 from bench.profile_decode import random_cache, step_bytes, timed  # noqa: E402
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
 
@@ -48,8 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=524288)
     p.add_argument("--rounds", type=int, default=12, help="timed rounds per model, alternating")
     p.add_argument("--steps", type=int, default=24, help="graph replays per round")
-    p.add_argument("--bandwidth", type=float, default=4.4e12,
-                   help="bytes/s for the bytes bound (H200 ~4.4 TB/s)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="bytes/s for the bytes bound (default: this card's entry in "
+                        "bench.common.DECODE_BANDWIDTH: H200 4.4e12, H100 3.07e12)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -72,6 +73,7 @@ def decoder(name: str, args, device, dtype):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.bandwidth = decode_bandwidth(args.bandwidth)
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     models, decs = {}, {}
@@ -105,7 +107,8 @@ def main(argv=None) -> dict:
           f"(rounds: min {min(ratios):.3f}, max {max(ratios):.3f}); ratio of medians "
           f"{rows[0]['step_ms'] / rows[1]['step_ms']:.3f}")
     payload = {"rows": rows, "context": args.context, "rounds": args.rounds,
-               "steps": args.steps, "times_ms": times, "round_ratios": ratios,
+               "steps": args.steps, "bandwidth_Bps": args.bandwidth, "times_ms": times,
+               "round_ratios": ratios,
                "decode_speedup": speedup,
                "decode_bytes_bound_ratio": rows[1]["vs_bound"],
                "command": " ".join(sys.argv)}

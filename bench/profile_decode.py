@@ -55,7 +55,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_inference import (build, model_configs, prefill, rewind, rnn_states,  # noqa: E402
                                    sync)
-from bench.common import launch_settings, print_table, write_result  # noqa: E402
+from bench.common import decode_bandwidth, launch_settings, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.lightning_state import FLOAT24  # noqa: E402
 from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
@@ -116,8 +116,9 @@ def parse_args(argv=None):
                         "a length whose prefill would take too long (2M: ~8 min on an H200)")
     p.add_argument("--steps", type=int, default=32, help="timed replays per variant")
     p.add_argument("--profiled", type=int, default=4, help="profiled replays per variant")
-    p.add_argument("--bandwidth", type=float, default=4.4e12,
-                   help="bytes/s for the bytes bound (H200 ~4.4 TB/s)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="bytes/s for the bytes bound (default: this card's entry in "
+                        "bench.common.DECODE_BANDWIDTH: H200 4.4e12, H100 3.07e12)")
     p.add_argument("--launch-settings", type=Path, default=None,
                    help="also measure every variant with the decode-kernel launch settings of "
                         "bench/tune_decode_kernels.py (rows '<variant>+tuned'), same process")
@@ -352,6 +353,7 @@ def report(rows: list[dict]) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.bandwidth = decode_bandwidth(args.bandwidth)
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     configs = model_configs(args.cpu_smoke)

@@ -285,3 +285,19 @@ def test_decode_ratio_alternates_the_two_models_and_takes_the_median_round_ratio
             and out["decode_bytes_bound_ratio"] == student["vs_bound"])
     written = json.loads((tmp_path / "ratio.json").read_text())
     assert written["decode_speedup"] == out["decode_speedup"]
+
+
+def test_the_bytes_bound_uses_the_cards_bandwidth_or_refuses_an_unknown_card(monkeypatch):
+    """The decode benches' bytes bound is computed at the card's own bandwidth (an H100 at the
+    H200's 4.4 TB/s would look 1.43x slower than it is); an unknown card needs --bandwidth."""
+    sys.path.insert(0, str(REPO))
+    from bench import common
+
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    for name, bps in [("NVIDIA H200", 4.4e12), ("NVIDIA H100 80GB HBM3", 3.07e12)]:
+        monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda i, n=name: n)
+        assert common.decode_bandwidth(None) == bps and common.decode_bandwidth(2e12) == 2e12
+    monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda i: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SystemExit, match="A100.*--bandwidth"):
+        common.decode_bandwidth(None)
+    assert common.decode_bandwidth(1.9e12) == 1.9e12
