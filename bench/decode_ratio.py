@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=24, help="graph replays per round")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="bytes/s for the bytes bound (default: this card's entry in "
-                        "bench.common.DECODE_BANDWIDTH: H200 4.4e12, H100 3.07e12)")
+                        "bench.common.DECODE_BANDWIDTH: H200 4.4e12, H100 3.35e12)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)

@@ -118,7 +118,7 @@ def parse_args(argv=None):
     p.add_argument("--profiled", type=int, default=4, help="profiled replays per variant")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="bytes/s for the bytes bound (default: this card's entry in "
-                        "bench.common.DECODE_BANDWIDTH: H200 4.4e12, H100 3.07e12)")
+                        "bench.common.DECODE_BANDWIDTH: H200 4.4e12, H100 3.35e12)")
     p.add_argument("--launch-settings", type=Path, default=None,
                    help="also measure every variant with the decode-kernel launch settings of "
                         "bench/tune_decode_kernels.py (rows '<variant>+tuned'), same process")

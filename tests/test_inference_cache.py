@@ -294,7 +294,7 @@ def test_the_bytes_bound_uses_the_cards_bandwidth_or_refuses_an_unknown_card(mon
     from bench import common
 
     monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
-    for name, bps in [("NVIDIA H200", 4.4e12), ("NVIDIA H100 80GB HBM3", 3.07e12)]:
+    for name, bps in [("NVIDIA H200", 4.4e12), ("NVIDIA H100 80GB HBM3", 3.35e12)]:
         monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda i, n=name: n)
         assert common.decode_bandwidth(None) == bps and common.decode_bandwidth(2e12) == 2e12
     monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda i: "NVIDIA A100-SXM4-80GB")
