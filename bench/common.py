@@ -47,9 +47,9 @@ def environment() -> dict:
     return env
 
 
-# Bytes per second a decode step's bytes bound is computed at: the H200's 4.4 TB/s is about 92% of
-# its 4.8 TB/s datasheet figure (its split-KV attention has reached ~4.0); the H100 SXM gets its
-# whole 3.35 TB/s datasheet figure, because its split-KV attention reads 3.22 TB/s at 2M. Another card
+# Bytes per second a decode step's bytes bound is computed at. The H200's 4.4 TB/s is about 92% of
+# its 4.8 TB/s datasheet figure (its split-KV attention has reached ~4.0). The H100 SXM gets its
+# whole 3.35 TB/s datasheet figure: its split-KV attention reads 3.22 TB/s at 2M. Another card
 # needs --bandwidth.
 DECODE_BANDWIDTH = (("H200", 4.4e12), ("H100", 3.35e12))
 
