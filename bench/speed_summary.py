@@ -38,8 +38,9 @@ SOURCES = {
     # horizon 8K (P24d) and 32K, 16 rollouts (P25b), before the sampler
     "opd": RESULTS / "opd_p27b.json",
     # the rollouts alone with the shipped rollout settings (the fp32 state written every 4 tokens),
-    # 768 rollouts on an H200 (P38a; 896 made the same, P38c)
-    "opd_rollouts": RESULTS / "opd_p38a_float32_every4.json",
+    # 768 rollouts on an H200 with the lg2.approx sampler in 4,096-token blocks (P39a; the older
+    # sampler made 39.7K at 768 and at 896 rows, P38a/P38c)
+    "opd_rollouts": RESULTS / "opd_p39a_float32_every4.json",
     "opd_8k": RESULTS / "opd_p24d_h8k.json",
     "opd_512": RESULTS / "opd_p26c_512.json",
     "opd_32k": RESULTS / "opd_p25b_h32k.json",
