@@ -79,7 +79,8 @@
 #   P34b: decode in one call: split/GEMV CUDA tests, HypeNet 512K cuBLAS vs GEMV x shipped vs split 4, the teacher
 #   P37d (H200): the sampler's CUDA test, the 512K decode ratio in one process (bench/decode_ratio.py), 640 rollouts
 #   P38s: the sampler with lg2.approx (its CUDA test, then its time at 256, 512 and 768 rows, blocks of 1,024
-#      and 4,096 tokens) | P39a (H200): P38s, then 768 rollouts at h2048 (P38a, the old sampler: 39.7K)
+#      and 4,096 tokens) | P39a (H200; ran: 40.7K): P38s, then 768 rollouts at h2048 (P38a, the old
+#      sampler: 39.7K) | P39b (H200): P39a's rollouts twice more, one machine (their spread)
 #   P38a (H200): the 512K decode ratio in one process (bench/decode_ratio.py), then 768 rollouts (fp32
 #      written every 4 tokens; P36c: 640 made 38.9K) | P38h (an H100; ran: every 8 made 0.81x of every 4):
 #      the rollout and deferred-state CUDA tests, then 384 rollouts written every 4 and every 8 tokens
@@ -921,6 +922,12 @@ P39a)
   # tokens (P38a with the old sampler: 39.7K; predicted ~40.0-40.3K)
   sampler_check p39a
   P35_ROLLOUTS=768 rollouts_h2048 p39a float32 4 $((${P39_END:-400} - SECONDS))
+  ;;
+P39b)
+  # P39a's 768 rollouts at h2048 twice more in two processes on one machine: the spread of the 40.7K
+  # (one batch each) against the 40K goal
+  P35_ROLLOUTS=768 rollouts_h2048 p39b float32 4 250
+  P35_ROLLOUTS=768 rollouts_h2048 p39c float32 4 $((575 - SECONDS))
   ;;
 P38h)
   # an H100: the CUDA tests of rollouts and deferred states, then 384 rollouts at h2048 written every
