@@ -100,3 +100,29 @@ def test_long_chunks_do_not_overflow():
     o_ref, _ = lightning_recurrent_torch(q, k, v, g, 1.0)
     assert torch.isfinite(o).all()
     torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_documents_do_not_recompile_a_compiled_caller():
+    """The per-document loop reads the boundaries on the host and runs outside torch.compile: a
+    compiled layer (model.compile on CPU) meets a new document layout in every micro-batch, and
+    tracing the loop compiled it again for each one (9 recompilations in a 3-step tiny run). Once
+    the first change of document count has made the shapes dynamic, nothing compiles again."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    def layer(q, k, v, g, cu):
+        return lightning_chunk_torch(q, k, v, g, 0.5, None, cu, 4)[0] * 2
+
+    step = torch.compile(layer, backend=counter)
+    H, D, T = 2, 4, 16
+    frames = []
+    for bounds in ([0, 5, 16], [0, 3, 7, 16], [0, 9, 16], [0, 2, 4, 11, 16], [0, 1, 6, 16],
+                   [0, 1, 2, 3, 16]):
+        q, k, v = (torch.randn(1, T, H, D) for _ in range(3))
+        g = -torch.rand(1, T, H)
+        cu = torch.tensor(bounds)
+        torch.testing.assert_close(step(q, k, v, g, cu), layer(q, k, v, g, cu))
+        frames.append(counter.frame_count)
+    assert frames[2:] == [frames[1]] * 4, frames

@@ -82,27 +82,16 @@ def lightning_chunk_torch(q, k, v, g, scale, initial_state=None, cu_seqlens=None
         cu_seqlens: int ``[N+1]`` segment boundaries; the state resets at each boundary.
     Returns ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32)``.
     """
-    dtype = q.dtype
-    # fp32 at least; fp64 stays fp64 (tests)
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    dtype, acc = q.dtype, _acc(q)
     q, k, v, g = q.to(acc), k.to(acc), v.to(acc), g.to(acc)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if cu_seqlens is None:
-        state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
-        o, state = _chunk_one(q, k, v, g, scale, state, chunk_size)
-        return o.to(dtype), state
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the batch must be flattened to B=1, got B={B}")
-    bounds = cu_seqlens.tolist()
-    outs, states = [], []
-    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        state = (q.new_zeros(1, H, K, V) if initial_state is None
-                 else initial_state[n : n + 1].to(acc))
-        o, state = _chunk_one(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, state, chunk_size)
-        outs.append(o)
-        states.append(state)
-    return torch.cat(outs, dim=1).to(dtype), torch.cat(states, dim=0)
+    o, state = _varlen(_lightning_chunk_one, cu_seqlens, (q, k, v, g), initial_state, scale=scale,
+                       chunk_size=chunk_size)
+    return o.to(dtype), state
+
+
+def _lightning_chunk_one(q, k, v, g, scale, initial_state=None, chunk_size=64):
+    """:func:`_chunk_one` from ``initial_state`` (zeros when None), in ``_varlen``'s signature."""
+    return _chunk_one(q, k, v, g, scale, _zero_state(q, v, initial_state, q.dtype), chunk_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,6 +115,14 @@ def _varlen(fn, cu_seqlens, seq_tensors, initial_state, **kw):
     if seq_tensors[0].shape[0] != 1:
         raise ValueError("with cu_seqlens the batch must be flattened to B=1, got "
                          f"B={seq_tensors[0].shape[0]}")
+    return _per_document(fn, cu_seqlens, seq_tensors, initial_state, **kw)
+
+
+# The loop reads the boundaries on the host: traced by torch.compile (model.compile on CPU, where
+# these references run), every new number or length of documents in a micro-batch would compile
+# the loop again, so it runs eagerly between the compiled parts of a layer.
+@torch.compiler.disable(reason="a Python loop over host-read document boundaries")
+def _per_document(fn, cu_seqlens, seq_tensors, initial_state, **kw):
     bounds = cu_seqlens.tolist()
     outs, states = [], []
     for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
