@@ -29,6 +29,8 @@ PE=${PE:-}                    # model.pe of stages 1-2: empty (HyPE) or all_rope
 ATTN_LAYERS=${ATTN_LAYERS:-}  # keep these attention layers (an ablation keeps the HyPE run's) instead of selecting
 TEACHER_EVAL=${TEACHER_EVAL:-}  # none: the teacher's figures come from the HyPE run (same harness)
 LOSS_BACKEND=${LOSS_BACKEND:-}  # loss.backend of stages 2-3 (compiled: see R1's eager-vs-compiled loss table)
+SEED=${SEED:-}                # training seed of stages 1-3 (empty: the preset's; another seed is another results file)
+SPEED=${SPEED:-1}             # 0: skip the pair's speed step (a recipe change does not change it)
 # NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
@@ -58,6 +60,8 @@ install() {
 bundle() {
   local tag=$1
   cp bench/results/real_conversion*.json bench/results/real_conversion*.png "$W/" 2>/dev/null
+  # the teacher's reference figures this run computed (a later run copies them instead)
+  cp -r bench/results/reference_figures "$W/" 2>/dev/null
   (cd $W && tar -czf "$OUT/real_$tag.tgz" --exclude='*.safetensors' --exclude='*.tar' --exclude='*.npy' \
      --exclude='checkpoints' --exclude='stash' --exclude='site' --exclude='triton' --exclude='inductor' --exclude='pycache' --exclude='cache' --exclude='hf' \
      --exclude='smol.gguf*' --exclude='text' --exclude='tokenizer' --exclude='tokenizer_src' --exclude='*.jsonl.xz' --exclude='warmup_wiki.jsonl' --exclude='inputs' --exclude='trace.json' --exclude='niah_prompts' . 2>/dev/null)
@@ -130,7 +134,8 @@ R2|R3)
       && mv $W/smol.gguf.tmp $W/smol.gguf
   fi
   $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \
-    --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+    --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" \
+    ${SEED:+--seed $SEED} $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac

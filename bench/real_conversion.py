@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import RESULTS, environment  # noqa: E402
 from halo_dist.config import PE_ROPE  # noqa: E402
 from halo_dist.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
+from halo_dist.eval.scorecard import read_eval, scorecard  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
 PAUSED = 3
@@ -57,7 +58,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("corpus", "prompts", "warmup", "run", "collect", "compare"):
+    for name in ("corpus", "prompts", "warmup", "run", "collect", "compare", "compare-runs"):
         c = sub.add_parser(name)
         c.add_argument("--work", type=Path, required=True,
                        help="work folder: corpus/, run/, warmup.json")
@@ -100,6 +101,17 @@ def parse_args(argv=None):
     r.add_argument("--teacher-eval", choices=("", *TEACHER_EVAL_CHOICES), default="",
                    help="empty: the preset's (with-stages); none: the teacher's figures come from "
                         "another run")
+    r.add_argument("--seed", type=int, default=None,
+                   help="training seed of stages 1-3 (default: the preset's); the results file "
+                        "then names it (real_conversion_seed<N>.json)")
+    r.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the pair's prefill and decode speed after the evaluations (a "
+                        "recipe change does not change it: --no-speed saves ~1 GPU-minute)")
+    c = sub.choices["compare-runs"]
+    c.add_argument("--base", type=Path, required=True,
+                   help="results file of the baseline run (real_conversion*.json)")
+    c.add_argument("--arm", type=Path, required=True,
+                   help="results file of the run with one change")
     c = sub.choices["compare"]
     c.add_argument("--pe", choices=tuple(k for k in PE_ROPE if k != "hype"), default="all_rope",
                    help="the ablation arm compared with the HyPE run (both results files must "
@@ -250,6 +262,11 @@ def settings_for(a) -> DemoSettings:
     s.attn_layers = a.attn_layers
     s.teacher_eval = a.teacher_eval or s.teacher_eval
     s.loss_backend = a.loss_backend
+    # the teacher's figures, computed once per teacher, harness and settings (committed: a later
+    # run on a fresh machine copies them instead of evaluating the teacher again)
+    s.teacher_reference = str(a.results / "reference_figures")
+    if a.seed is not None:
+        s.seed = a.seed
     return s
 
 
@@ -266,7 +283,8 @@ def cmd_run(a) -> int:
     try:
         align_teacher_tokenizer(a.work)
         demo.main()
-        speed(a, demo)
+        if a.speed:
+            speed(a, demo)
     except DemoPaused as e:
         print(f"[real] paused: {e}. Run the same command again to continue.", flush=True)
         code = PAUSED
@@ -309,7 +327,7 @@ def align_teacher_tokenizer(work: Path) -> None:
     from halo_dist.assets.teacher import smollm2_teacher_dir
     from halo_dist.data.errors import DataError
     from halo_dist.data.manifest import check_tokenizer
-    from halo_dist.eval.niah import tokenizer_identity
+    from halo_dist.eval.tokenizers import tokenizer_identity
 
     teacher, corpus = smollm2_teacher_dir(), work / "corpus" / "all"
     try:
@@ -374,8 +392,8 @@ def collect(a, partial: bool = False) -> Path:
     run = a.work / "run"
     a.results.mkdir(parents=True, exist_ok=True)
     result = summarize(a.work)
-    result["complete"] = not partial and (run / "speed.json").exists()
-    stem = result_stem(result["pe"])
+    result["complete"] = not partial and (run / "eval" / "student" / "DONE").exists()
+    stem = result_stem(result["pe"], (result["settings"] or {}).get("seed"))
     path = a.results / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2, default=str))
     pictures(run, a.results, stem)
@@ -383,10 +401,11 @@ def collect(a, partial: bool = False) -> Path:
     return path
 
 
-def result_stem(pe: str) -> str:
-    """``real_conversion`` for the HyPE recipe, ``real_conversion_<pe>`` for an ablation (kept side
-    by side)."""
-    return "real_conversion" if pe in ("", "hype") else f"real_conversion_{pe}"
+def result_stem(pe: str, seed: int | None = None) -> str:
+    """``real_conversion`` for the HyPE recipe at the preset's seed, ``real_conversion_<pe>`` for
+    an ablation and ``..._seed<N>`` for another seed (kept side by side)."""
+    stem = "real_conversion" if pe in ("", "hype") else f"real_conversion_{pe}"
+    return stem if seed in (None, DemoSettings.seed) else f"{stem}_seed{seed}"
 
 
 def _read(path: Path):
@@ -445,44 +464,38 @@ def sharing_rates(path: Path, windows: list[dict]) -> dict:
                    "mfu": med(rs, "perf/mfu")} for name, rs in groups.items()}
 
 
-def niah_cell(report: dict | None, task: str, length: int) -> float | None:
-    if not report:
-        return None
-    rows = [r for r in report["records"] if r["task"] == task and r["length"] == length]
-    return sum(r["correct"] for r in rows) / len(rows) if rows else None
+NIAH_LENGTHS = ("2K", "4K", "8K", "16K", "32K", "64K")
 
 
 def summarize(work: Path) -> dict:
-    from halo_dist.eval.niah import parse_length
-
+    """Every figure of the run: the scorecard (teacher vs student with intervals), its headline
+    keys, the goals, the stages' throughput and curves, selection, calibration, speed, timings."""
     run = work / "run"
     windows = _read(run / "background.json") or []
     stages = {s: stage_summary(run / s, windows) for s in ("stage1", "stage2", "stage3")}
     kl = lambda s, i: (stages[s].get("eval", {}).get("eval/kl")  # noqa: E731
                        or [[None, None]])[i][1]
-    csr = {w: _read(run / "eval" / w / "csr.json") for w in ("teacher", "student")}
-    niah = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
-    ppl = {w: _read(run / "eval" / w / "ppl.json") for w in ("teacher", "student")}
-    c_t, c_s = (csr[w]["csr"] if csr[w] else None for w in ("teacher", "student"))
+    evals = {w: read_eval(run / "eval" / w, w) for w in ("teacher", "student")}
+    card = scorecard(evals["teacher"], evals["student"])
     settings = _read(run / "settings.json")
+    tokens = {k: stages[k].get("tokens") for k in stages}
     out = {
         # model.pe of stages 1-2: hype, or an ablation (all_rope, ...)
-        "pe": (settings or {}).get("pe") or "hype",
-        "csr_teacher": c_t, "csr_student": c_s,
-        "csr_ratio": c_s / c_t if c_t and c_s is not None else None,
-        "niah_s1_student_16k": niah_cell(niah["student"], "niah_single_1", parse_length("16K")),
-        "niah_s1_teacher_16k": niah_cell(niah["teacher"], "niah_single_1", parse_length("16K")),
-        "niah_s1_student_32k": niah_cell(niah["student"], "niah_single_1", parse_length("32K")),
+        "pe": (settings or {}).get("pe") or "hype", "seed": (settings or {}).get("seed"),
+        **headline(card),
         # "after stage 1" = the hybrid that stage 2 starts from: stage-1 RNN layers + the selected
         # attention
         "kl_heldout_stage1": kl("stage2", 0), "kl_heldout_stage2": kl("stage2", -1),
-        "kl_heldout_stage3": kl("stage3", -1), "tokens_stage1": stages["stage1"].get("tokens"),
-        "tokens_stage2": stages["stage2"].get("tokens"),
-        "tokens_stage3": stages["stage3"].get("tokens"), "gpu_minutes": gpu_minutes(work),
-        "goals": {"csr_ratio >= 0.95": None, "niah_s1_student_16k >= 0.9": None,
-                  "niah_s1_student_32k >= 0.9": None,
-                  "kl_heldout_stage2 < kl_heldout_stage1 / 2": None}, "stages": stages, "ppl": ppl,
-        "csr": csr, "niah_summary": {w: (r or {}).get("summary") for w, r in niah.items()},
+        "kl_heldout_stage3": kl("stage3", -1),
+        **{f"tokens_{k}": v for k, v in tokens.items()}, "gpu_minutes": gpu_minutes(work),
+        "scorecard": card, "stages": stages, "ppl": {w: e["ppl"] for w, e in evals.items()},
+        "csr": {w: e["csr"] for w, e in evals.items()},
+        "niah_summary": {w: (e["niah"] or {}).get("summary") for w, e in evals.items()},
+        # every prompt's outcome: another run's student is compared with this one prompt by
+        # prompt (compare-runs)
+        "niah_records": {w: [{k: r[k] for k in ("task", "length", "depth", "key", "correct")}
+                             for r in (e["niah"] or {}).get("records", [])]
+                         for w, e in evals.items()},
         "selection": _read(run / "select" / "selection.json"),
         "calibration": _read(run / "calibrate.json"), "speed": _read(run / "speed.json"),
         "timings_s": _read(run / "timings.json"), "background": windows,
@@ -490,16 +503,47 @@ def summarize(work: Path) -> dict:
         "warmup": _read(work / "warmup.json"), "settings": settings,
         "pieces": _read(work / "pieces.json"), "environment": environment(),
     }
-    g = out["goals"]
-    if c_s is not None and c_t:
-        g["csr_ratio >= 0.95"] = out["csr_ratio"] >= 0.95
-    for key in ("niah_s1_student_16k", "niah_s1_student_32k"):
-        if out[key] is not None:
-            g[f"{key} >= 0.9"] = out[key] >= 0.9
+    trained = sum(v for v in tokens.values() if v)
+    out["tokens_per_gpu_minute"] = (trained / out["gpu_minutes"]
+                                    if trained and out["gpu_minutes"] else None)
+    out["goals"] = goals(out)
+    return out
+
+
+def headline(card: dict) -> dict:
+    """The figures the goals and README's table quote: NIAH-S1 cells of both models (rate, n and
+    Wilson interval), the CSR ratio and margin ratio, the perplexity ratio."""
+    from halo_dist.eval.niah import parse_length
+
+    cells = card["niah"].get("niah_single_1", {}).get("cells", {})
+    out = {f"niah_s1_{who}_{L.lower()}": cells.get(parse_length(L), {}).get(who)
+           for L in NIAH_LENGTHS for who in ("student", "teacher")}
+    mean = card["csr"].get("mean", {})
+    out.update(csr_teacher=mean.get("teacher"), csr_student=mean.get("student"),
+               csr_ratio=mean.get("ratio"),
+               csr_margin_ratio=(mean.get("margin") or {}).get("ratio"),
+               ppl_ratio=card["ppl"].get("ratio"))
+    return out
+
+
+def goals(out: dict) -> dict:
+    """The conversion's goals, each True / False, or None where its figure was not measured."""
+    def at_least(key, bound):
+        v = out.get(key)
+        v = v.get("rate") if isinstance(v, dict) else v
+        return None if v is None else v >= bound
+
+    g = {f"niah_s1_student_{L} >= 0.9": at_least(f"niah_s1_student_{L}", 0.9)
+         for L in ("2k", "4k", "8k")}
+    g.update({f"niah_s1_student_{L} >= 0.8": at_least(f"niah_s1_student_{L}", 0.8)
+              for L in ("16k", "32k")})
+    g["csr_ratio >= 0.95"] = at_least("csr_ratio", 0.95)
+    g["csr_margin_ratio >= 0.8"] = at_least("csr_margin_ratio", 0.8)
+    g["ppl_ratio <= 1.15"] = None if out.get("ppl_ratio") is None else out["ppl_ratio"] <= 1.15
     if out["kl_heldout_stage1"] is not None and out["kl_heldout_stage2"] is not None:
         g["kl_heldout_stage2 < kl_heldout_stage1 / 2"] = (
             out["kl_heldout_stage2"] < out["kl_heldout_stage1"] / 2)
-    return out
+    return g
 
 
 def gpu_minutes(work: Path) -> float | None:
@@ -549,8 +593,8 @@ def cmd_compare(a) -> int:
            "attn_layers": {"hype": layers(hype), a.pe: layers(arm)},
            "tokens": {k: {"hype": hype.get(f"tokens_{k}"), a.pe: arm.get(f"tokens_{k}")}
                       for k in ("stage1", "stage2", "stage3")},
-           "calibrated_a": {"hype": (hype.get("calibration") or {}).get("best_a"),
-                            a.pe: (arm.get("calibration") or {}).get("best_a")},
+           "calibrated_a": {"hype": (hype.get("calibration") or {}).get("chosen_a"),
+                            a.pe: (arm.get("calibration") or {}).get("chosen_a")},
            "sources": {"hype": str(hype_path.name), a.pe: str(arm_path.name)},
            "environment": environment()}
     path = a.results / f"real_ablation_{a.pe}.json"
@@ -558,6 +602,30 @@ def cmd_compare(a) -> int:
     print(ablation_table(out))
     _ablation_png(out, a.results / f"real_ablation_{a.pe}_niah.png")
     print(f"[real] wrote {path}")
+    return 0
+
+
+def cmd_compare_runs(a) -> int:
+    """One change against its baseline: the students' paired differences per NIAH cell, CSR task
+    and held-out CE (same prompts, items and rows), printed and written to
+    ``compare_<arm stem>.json``."""
+    from halo_dist.eval.scorecard import compare, compare_markdown
+
+    runs = {}
+    for name, path in (("base", a.base), ("arm", a.arm)):
+        if not path.exists():
+            raise SystemExit(f"error: --{name} {path}: no such results file")
+        r = _read(path)
+        runs[name] = {"niah": {"records": (r.get("niah_records") or {}).get("student") or []},
+                      "csr": (r.get("csr") or {}).get("student"),
+                      "ppl": (r.get("ppl") or {}).get("student")}
+    diff = compare(runs["base"], runs["arm"])
+    table = compare_markdown(diff, a.base.stem, a.arm.stem)
+    print(table)
+    out = a.results / f"compare_{a.arm.stem}.json"
+    out.write_text(json.dumps({"base": str(a.base), "arm": str(a.arm), "diff": diff,
+                               "table": table}, indent=2, default=str))
+    print(f"[real] wrote {out}")
     return 0
 
 
@@ -723,7 +791,7 @@ def main(argv=None) -> int:
     if a.cpu_rehearsal and a.results == RESULTS:
         a.results = a.work / "results"  # a rehearsal's figures are not results
     commands = {"corpus": cmd_corpus, "prompts": cmd_prompts, "warmup": cmd_warmup, "run": cmd_run,
-                "collect": cmd_collect, "compare": cmd_compare}
+                "collect": cmd_collect, "compare": cmd_compare, "compare-runs": cmd_compare_runs}
     return commands[a.command](a)
 
 

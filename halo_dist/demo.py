@@ -105,6 +105,7 @@ class Demo(StepRunner):
                 "--config", str(REPO / s.config_dir / f"{stage}.yaml"),
                 f"data.train={data or self.out / 'data'}", f"logging.run_dir={self.out / stage}",
                 f"data.global_batch_size={global_batch}", f"data.micro_batch_size={micro}",
+                f"data.seed={s.seed}",
                 f"logging.log_every={self.log_every(stage)}", *compile_, *pe, *final, *overrides]
 
     def log_every(self, stage: str) -> int:
@@ -237,7 +238,20 @@ class Demo(StepRunner):
         return self.halo("eval-niah", "--prompts-only", "--model", tokenizer, "--prompt-cache",
                          str(self.niah_prompt_cache), "--lengths", s.niah_lengths, "--depths",
                          s.niah_depths, "--samples", str(s.niah_samples),
-                         "--output-dir", str(self.niah_prompt_cache))
+                         "--output-dir", str(self.niah_prompt_cache),
+                         *self.niah_task_args("--tasks"))
+
+    def niah_task_args(self, flag: str) -> list[str]:
+        return [flag, self.s.niah_tasks] if self.s.niah_tasks else []
+
+    @property
+    def teacher_reference(self) -> str:
+        """Where the teacher's reference figures live ('' when the demo evaluates it every run)."""
+        if self.s.teacher_reference == "off":
+            return ""
+        from .assets import cache_dir
+
+        return self.s.teacher_reference or str(cache_dir() / "reference_figures")
 
     def suite_args(self, who: str, model: str, data: str,
                    parts: tuple[str, ...] = ("niah", "csr", "ppl"),
@@ -255,6 +269,9 @@ class Demo(StepRunner):
                 str(self.niah_prompt_cache), "--done-marker", marker, *self.eval_args()]
         if s.niah_static_decode:
             args.append("--niah-static-decode")
+        args += self.niah_task_args("--niah-tasks")
+        if who == "teacher" and self.teacher_reference:
+            args += ["--reference-cache", self.teacher_reference]
         if s.ppl_seq_len and "ppl" in parts:
             args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows",
                      str(s.ppl_rows)]

@@ -17,6 +17,7 @@ def write_report(out: Path, layers: list[int], seconds: float) -> Path:
     lines = ["# halo_dist demo report", "",
              f"SmolLM2-135M -> HypeNet with attention layers {layers} (of 30), offline, "
              f"{seconds / 60:.1f} min in this invocation (`timings.json` adds up every piece).", ""]
+    lines += _scorecard_section(out)
     lines += _training_section(out, pics)
     lines += _calibration_section(out)
     lines += _niah_section(out, pics)
@@ -25,8 +26,7 @@ def write_report(out: Path, layers: list[int], seconds: float) -> Path:
     table = csr_table(out)
     if table:
         png = csr_png(table, pics / "csr.png")
-        lines += [f"![CSR]({png.relative_to(out)})", "", _markdown_table(table), ""]
-    lines += _perplexity_section(out)
+        lines += [f"![CSR]({png.relative_to(out)})", ""]
     lines += ["## Files", "",
               "- exported student: `hypenet/` (loads with "
               "`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`)",
@@ -61,10 +61,14 @@ def _calibration_section(out: Path) -> list[str]:
              else None)
     if not calib:
         return []
+    chosen = calib.get("chosen_a")
     lines = ["## Logits-scaling calibration", "",
-             f"held-out loss at {calib.get('seq_len')} tokens by base a (the best is written "
-             "into `hypenet/config.json`):", "", "| a | loss |", "|---|---|"]
-    lines += [f"| {p.get('a')} | {p.get('loss', float('nan')):.4f} |"
+             f"held-out loss at {calib.get('seq_len')} tokens by base a; chosen and written into "
+             f"`hypenet/config.json`: **a = {'none' if chosen is None else chosen}** "
+             f"({calib.get('why', '')})", "", "| a | loss | rows |", "|---|---|---|"]
+    lines += [f"| {'none' if p.get('a') is None else p.get('a')}"
+              f"{' (chosen)' if p.get('a') == chosen else ''} | "
+              f"{p.get('loss', float('nan')):.4f} | {len(p.get('row_losses', []))} |"
               for p in calib.get("curve", [])]
     return lines + [""]
 
@@ -83,17 +87,16 @@ def _niah_section(out: Path, pics: Path) -> list[str]:
     return lines
 
 
-def _perplexity_section(out: Path) -> list[str]:
-    """The held-out perplexity table of the models evaluated on it."""
-    ppl = {who: json.loads(p.read_text())
-           for who in ("teacher", "student") if (p := out / "eval" / who / "ppl.json").exists()}
-    if not ppl:
+def _scorecard_section(out: Path) -> list[str]:
+    """Teacher against student: every NIAH cell, CSR task and the perplexity with its n and 95%
+    interval."""
+    from .eval.scorecard import markdown, read_eval, scorecard
+
+    card = scorecard(read_eval(out / "eval" / "teacher", "teacher"),
+                     read_eval(out / "eval" / "student", "student"))
+    if not any(card.values()):
         return []
-    lines = ["## Held-out perplexity", "",
-             "| model | tokens/row | rows | CE (nats) | perplexity |", "|---|---|---|---|---|"]
-    lines += [f"| {who} | {r['seq_len']} | {r['rows']} | {r['ce']:.4f} | {r['ppl']:.2f} |"
-              for who, r in ppl.items()]
-    return lines + [""]
+    return ["## Teacher vs student", "", markdown(card), ""]
 
 
 def csr_table(out: Path) -> dict[str, dict[str, float]]:
@@ -107,14 +110,6 @@ def csr_table(out: Path) -> dict[str, dict[str, float]]:
             table[who] = {t: m["acc_norm"] if "acc_norm" in m else m["acc"]
                           for t, m in tasks.items() if "acc" in m}
     return table
-
-
-def _markdown_table(table: dict[str, dict[str, float]]) -> str:
-    tasks = sorted({t for row in table.values() for t in row})
-    head = "| model | " + " | ".join(tasks) + " |\n|---|" + "---|" * len(tasks)
-    rows = [f"| {m} | " + " | ".join(f"{row.get(t, float('nan')):.3f}" for t in tasks) + " |"
-            for m, row in table.items()]
-    return "\n".join([head, *rows])
 
 
 def csr_png(table: dict[str, dict[str, float]], path: Path) -> Path:

@@ -43,9 +43,15 @@ class DemoSettings:
     kl_rows: int = 4
     calib_grid: str = "none,50,200,500,2000"
     calib_rows: int = 2
+    # training seed of stages 1-3 (data.seed: the data order and every per-rank RNG); two seeds of
+    # one recipe measure how far its figures move from run to run
+    seed: int = 1234
     niah_lengths: str = "256,512"
+    # each task optionally @LENGTH, its longest prompt (niah_single_2@8K); empty: all three, every
+    # length
+    niah_tasks: str = ""
     niah_depths: str = "3"
-    niah_samples: int = 1  # prompts per (task, length, depth) cell
+    niah_samples: int = 1  # prompts per (task, depth) at each length
     niah_batch: int = 4
     niah_batch_tokens: int = 0  # > 0: prompts per batch = tokens // length (at most niah_batch)
     # the student's NIAH through HypeNet's static (CUDA-graph) cache
@@ -70,6 +76,10 @@ class DemoSettings:
     # idle) or "none" (an ablation compared with a run that evaluated the same teacher through the
     # same harness)
     teacher_eval: str = "at-end"
+    # folder of the teacher's reference figures: its evaluation is computed once per teacher,
+    # harness and settings and then copied (empty: $HALO_CACHE/reference_figures; "off": evaluate
+    # the teacher in every run)
+    teacher_reference: str = ""
     # the student's NIAH in one process and its CSR + perplexity in another, at the same time. Off
     # for one GPU: NIAH's greedy decode is a chain of small kernels, and a GPU time-sliced with
     # CSR's large batches made each decode step ~150 ms on an H200 (NIAH 203 s beside a 71-s CSR,
@@ -87,16 +97,19 @@ class DemoSettings:
     @classmethod
     def h200(cls, out: str) -> "DemoSettings":
         """One H200: 20M / 60M / 10M tokens in stages 1 / 2 / 3 (about half the paper's 1.35 tokens
-        per teacher parameter, what 20 minutes allow), full CSR sets, NIAH from 2K to 64K (8x the
-        teacher's trained positions), 5 depths x 4 prompts per cell. The calibration grid spans the
-        bases the earlier runs chose (500, with 200 within 0.001 of it; 100 and 5000 were never near
-        the best)."""
+        per teacher parameter, what 20 minutes allow), full CSR sets. NIAH-S1 from 2K to 64K (8x
+        the teacher's trained positions), S2 and S3 to 8K, at 11 depths (0, 0.1, .., 1) x 5
+        needles: 50 prompts per cell inside the haystack, 5 at its end reported apart. The
+        calibration grid spans the bases the earlier runs chose (500, with 200 within 0.001 of it;
+        100 and 5000 were never near the best)."""
         return cls(out=out, config_dir="configs/demo_h200", seq_len=512, long_seq_len=16384,
                    stage1_steps=306, stage2_steps=916, stage3_steps=77, global_batch=128,
                    micro_batch=128, stage3_global_batch=8, stage3_micro_batch=4,
                    compile="layer", select_items=64, select_length=2048, kl_rows=64,
                    calib_grid="none,200,500,1000,2000", calib_rows=8,
-                   niah_lengths="2K,4K,8K,16K,32K,64K", niah_depths="5", niah_samples=4,
+                   niah_lengths="2K,4K,8K,16K,32K,64K",
+                   niah_tasks="niah_single_1,niah_single_2@8K,niah_single_3@8K",
+                   niah_depths="11", niah_samples=5,
                    niah_batch=16, niah_batch_tokens=262144, niah_static_decode=True,
                    csr_tasks="hellaswag,arc_easy,arc_challenge,piqa,winogrande", csr_limit=0,
                    csr_batch=128, ppl_seq_len=2048, ppl_rows=64, device="cuda", dtype="bf16",

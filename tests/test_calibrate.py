@@ -57,8 +57,10 @@ def test_cli_writes_the_best_a_into_config(hypenet_folder, tmp_path, capsys):
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     report = json.loads((tmp_path / "curve.json").read_text())
-    best = min(report["curve"], key=lambda p: p["loss"])["a"]
-    assert report["best_a"] == best
+    lowest = min(report["curve"], key=lambda p: p["loss"])["a"]
+    # the model was trained at a = 500, which the grid lacks: no scaling is the reference
+    best = lowest if report["gain"] and report["why"].endswith("outside the noise") else None
+    assert report["chosen_a"] == best and report["lowest_loss_a"] == lowest
     assert (json.loads((hypenet_folder / "config.json").read_text())["attn_logits_scale_base"]
             == best)
     assert all(f"{'none' if p['a'] is None else format(p['a'], 'g'):>6} |" in printed
@@ -79,3 +81,23 @@ def test_bad_models_are_refused(tmp_path, capsys):
     assert "no attention layers" in capsys.readouterr().err
     assert cli.main(["calibrate-scaling", "--model", str(tmp_path / "nope")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def _point(a, rows):
+    return {"a": a, "loss": sum(rows) / len(rows), "row_losses": rows, "tail_loss": 0.0,
+            "row_tail_losses": rows}
+
+
+def test_a_base_replaces_the_trained_one_only_when_it_wins_beyond_the_noise():
+    trained = _point(500.0, [3.0, 3.2, 2.9, 3.1, 3.0, 3.3])
+    # lower on average, but row by row it wins some and loses some: noise
+    noisy = _point(200.0, [2.8, 3.3, 2.7, 3.2, 2.9, 3.35])
+    choice = cal.choose([_point(None, [3.5] * 6), noisy, trained], 500.0)
+    assert choice["point"] is trained and "within the noise" in choice["why"]
+    # lower on every row by 0.05 +- 0.01: a real gain
+    clear = _point(200.0, [x - 0.05 + 0.01 * (i % 2) for i, x in enumerate(trained["row_losses"])])
+    choice = cal.choose([clear, trained], 500.0)
+    assert choice["point"] is clear and choice["gain"]["nats"] > 0
+    # a trained value missing from the grid: no scaling is what the others must beat
+    none = _point(None, [3.0, 3.2, 2.9, 3.1, 3.0, 3.3])
+    assert cal.choose([none, noisy], 500.0)["point"] is none

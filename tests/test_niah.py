@@ -7,9 +7,9 @@ import pytest
 from conftest import tiny_qwen3
 
 from halo_dist import cli
-from halo_dist.eval import niah, niah_report
+from halo_dist.eval import niah, niah_report, stats
 from halo_dist.eval.errors import EvalError
-from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer
+from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer, tokenizer_identity
 
 
 @pytest.fixture(scope="module")
@@ -79,30 +79,50 @@ def test_length_and_depth_parsing():
 
 
 def test_scoring_summary_reports_and_heatmap(tmp_path, monkeypatch):
-    """An oracle 'model' answers every prompt correctly except those at depth 0: table and heatmap
-    follow."""
+    """An oracle 'model' answers every prompt correctly except those at depth 0: the cells count
+    the needles inside the haystack with their intervals, depth 1.0 is reported apart, and table
+    and heatmap follow."""
     def oracle(model, tokenizer, rows, max_new_tokens, static=False):
         texts = []
         for r in rows:
             text = tokenizer.decode(r)
             value = text.split(" is: ")[1].split(".")[0]
-            texts.append(f" {value}." if text.index(" is: ") > 600 else " 0000000.")
+            texts.append(f" {value}." if text.index(" is: ") > 0.3 * len(text) else " 0000000.")
         return texts
 
     monkeypatch.setattr(niah, "greedy_generate", oracle)
-    cfg = niah.NiahConfig(["niah_single_1", "niah_single_2"], [1024, 2048], [0.0, 1.0],
-                          samples_per_cell=1)
+    cfg = niah.NiahConfig(["niah_single_1", "niah_single_2"], [1024, 2048], [0.0, 0.5, 1.0],
+                          samples_per_cell=1, max_length={"niah_single_2": 1024})
     report = {"model": "oracle", **niah.run_niah(None, byte_tokenizer(), cfg, log=lambda m: None)}
     s = report["summary"]["niah_single_1"]
-    assert s["by_cell"][1024] == {0.0: 0.0, 1.0: 1.0} and s["mean"] == 0.5
+    assert s["by_cell"][1024] == {0.0: 0.0, 0.5: 1.0, 1.0: 1.0} and s["mean"] == 0.5
+    assert s["cells"][1024] == {"correct": 1, "n": 2, "rate": 0.5,
+                                "ci95": list(stats.wilson(1, 2))}
+    assert s["end"][2048]["correct"] == 1 and s["end"][2048]["n"] == 1
+    # niah_single_2 stops at its own longest length
+    assert list(report["summary"]["niah_single_2"]["cells"]) == [1024]
     paths = niah_report.write_reports(report, tmp_path, "oracle")
     assert (paths["heatmap"].stat().st_size > 1000
             and paths["heatmap"].read_bytes()[:4] == b"\x89PNG")
     table = paths["markdown"].read_text()
-    assert "| niah_single_1 | 50.0 | 50.0 | 50.0 |" in table and "1K" in table and "2K" in table
+    assert "| niah_single_1 | 50% [9-91] n=2 | 50% [9-91] n=2 |" in table, table
+    assert "| niah_single_1 (needle at depth 1.0) | 100% [21-100] n=1 |" in table
+    assert "| niah_single_2 | 50% [9-91] n=2 | – |" in table
     saved = json.loads(paths["json"].read_text())
-    assert len(saved["records"]) == 8 and all(r["prompt_tokens"] == r["length"]
+    assert len(saved["records"]) == 9 and all(r["prompt_tokens"] == r["length"]
                                               for r in saved["records"])
+
+
+def test_wilson_interval_and_task_specs():
+    assert stats.wilson(20, 20)[0] == pytest.approx(0.8389, abs=1e-4)  # 20 of 20: not [1, 1]
+    lo, hi = stats.wilson(10, 50)
+    assert (lo, hi) == (pytest.approx(0.1124, abs=1e-4), pytest.approx(0.3304, abs=1e-4))
+    assert stats.wilson(0, 0) == (0.0, 1.0)
+    assert niah.parse_tasks("niah_single_1, niah_single_3@8K") == (
+        ["niah_single_1", "niah_single_3"], {"niah_single_3": 8192})
+    for bad in ("niah_single_9", "", "niah_single_1@8X"):
+        with pytest.raises(EvalError):
+            niah.parse_tasks(bad)
 
 
 def test_batched_greedy_decoding_on_a_tiny_hypenet():
@@ -187,9 +207,9 @@ def test_prompt_cache_returns_the_built_prompts_and_keys_on_everything_they_depe
         assert source == "built"
     assert len(files()) == 5
     # transformers sets padding/truncation on the backend per call: not part of the identity
-    key = niah.tokenizer_identity(smol_tokenizer)
+    key = tokenizer_identity(smol_tokenizer)
     smol_tokenizer("a b", padding="max_length", max_length=8, truncation=True)
-    assert niah.tokenizer_identity(smol_tokenizer) == key
+    assert tokenizer_identity(smol_tokenizer) == key
 
 
 def test_prompts_only_builds_the_cache_that_eval_niah_then_reads(tmp_path, capsys):

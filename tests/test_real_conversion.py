@@ -36,15 +36,22 @@ def test_summary_and_pictures_from_the_h200_run(tmp_path):
     out = rc.summarize(tmp_path)
     recorded = json.loads((RESULTS / "real_conversion_s8.json").read_text())
     for key in ("kl_heldout_stage1", "kl_heldout_stage2", "kl_heldout_stage3", "tokens_stage1",
-                "tokens_stage2", "tokens_stage3", "niah_s1_teacher_16k", "niah_s1_student_16k",
-                "niah_s1_student_32k", "csr_teacher"):
+                "tokens_stage2", "tokens_stage3", "csr_teacher"):
         assert out[key] == recorded[key], key
+    # NIAH cells count the needles inside the haystack (depth < 1), with n and a Wilson interval
+    records = json.loads((RESULTS / "real_niah_student.json").read_text())["records"]
+    inside = [r["correct"] for r in records
+              if r["task"] == "niah_single_1" and r["length"] == 16384 and r["depth"] < 1]
+    cell = out["niah_s1_student_16k"]
+    assert (cell["correct"], cell["n"]) == (sum(inside), len(inside)) and len(inside) > 0
+    assert cell["ci95"][0] <= cell["rate"] <= cell["ci95"][1]
+    assert out["scorecard"]["niah"]["niah_single_1"]["end"][16384]["student"]["n"] > 0
     for stage in ("stage1", "stage2", "stage3"):  # the throughput figures BENCHMARKS.md reports
         for key in ("tokens_per_s", "mfu", "peak_mem_gib", "sharing"):
             assert out["stages"][stage][key] == recorded["stages"][stage][key], (stage, key)
     assert (out["tokens_stage2"] == 916 * 128 * 512
             and out["goals"]["kl_heldout_stage2 < kl_heldout_stage1 / 2"])
-    assert out["goals"]["niah_s1_student_16k >= 0.9"] is False
+    assert out["goals"]["niah_s1_student_16k >= 0.8"] is False
     assert out["csr_student"] is None and out["csr_ratio"] is None  # not run: null, never invented
     made = rc.pictures(run, tmp_path)
     # CSR needs both models
@@ -98,7 +105,7 @@ def test_ablation_compare_lines_up_both_runs_niah_and_refuses_a_mislabelled_file
     hype = {"pe": "hype",
             "niah_summary": {"teacher": summary((1.0, 0.0)), "student": summary((0.4, 0.05))},
             "csr_teacher": 0.46, "csr_student": 0.41, "selection": {"attn_layers": [7, 18]},
-            "calibration": {"best_a": 200.0}}
+            "calibration": {"chosen_a": 200.0}}
     arm = {"pe": "all_rope", "niah_summary": {"teacher": None, "student": summary((0.9, 0.0))},
            "csr_student": 0.43, "settings": {"attn_layers": "7,18"}}
     (tmp_path / "real_conversion.json").write_text(json.dumps(hype))

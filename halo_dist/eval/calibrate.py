@@ -1,8 +1,13 @@
 """Calibrate the logits-scaling base a of a trained HypeNet.
 
 Attention layers scale queries by s_t = ln(t + a) / ln(a). After training, a is grid-searched by the
-held-out next-token loss on long documents at a target length; the best a is written into the
+held-out next-token loss on long documents at a target length; the chosen a is written into the
 exported folder's ``config.json`` (atomically) and the loss curve is printed.
+
+The choice resists noise: the a the model was trained with (its config's) stays unless another base
+lowers the loss by more than two standard errors of the row-by-row difference (the same rows score
+every base, so the difference is paired). A few thousand tokens cannot tell bases 0.01 nats apart,
+and swapping the trained value for noise is a change nobody asked for.
 
 Data (``--data``): a manifest of pre-tokenized shards (its ``heldout`` split, packed at the target
 length with document boundaries: use a long-document set so positions reach the target), ``wiki``
@@ -120,9 +125,12 @@ def long_batches(data: str, tokenizer, seq_len: int, n_rows: int, batch_size: in
 
 @torch.no_grad()
 def heldout_loss(model, batches: list[dict], chunk_tokens: int = 4096) -> dict:
-    """Mean next-token CE over all tokens and over the second half of each row (``tail_loss``)."""
+    """Mean next-token CE over all tokens and over the second half of each row (``tail_loss``), and
+    each row's mean CE (``row_losses``, in batch order: the rows are the independent units a
+    standard error or a paired comparison of two models counts)."""
     device = next(model.parameters()).device
     total, count, tail_total, tail_count = 0.0, 0, 0.0, 0
+    rows, tail_rows = [], []
     for batch in batches:
         kwargs = {k: batch[k].to(device) for k in ("position_ids", "cu_seqlens") if k in batch}
         if "max_seqlen" in batch:
@@ -131,21 +139,41 @@ def heldout_loss(model, batches: list[dict], chunk_tokens: int = 4096) -> dict:
         hidden = model(batch["input_ids"].to(device), return_hidden_only=True, **kwargs)
         labels = batch["labels"].to(device)
         T = labels.shape[1]
+        # [B * T] per-token losses, 0 where ignored
+        losses = _token_losses(model, hidden.flatten(0, 1), labels.flatten(), chunk_tokens)
+        valid = (labels != IGNORE).flatten()
         tail = torch.zeros_like(labels, dtype=torch.bool)
         tail[:, T // 2 :] = True
-        h, y, t = hidden.flatten(0, 1), labels.flatten(), tail.flatten()
-        for s in range(0, h.shape[0], chunk_tokens):
-            losses = F.cross_entropy(model.lm_head(h[s : s + chunk_tokens]).float(),
-                                     y[s : s + chunk_tokens], ignore_index=IGNORE, reduction="none")
-            valid = y[s : s + chunk_tokens] != IGNORE
-            total += float(losses[valid].sum())
-            count += int(valid.sum())
-            in_tail = valid & t[s : s + chunk_tokens]
-            tail_total += float(losses[in_tail].sum())
-            tail_count += int(in_tail.sum())
+        in_tail = valid & tail.flatten()
+        total += float(losses.sum())
+        count += int(valid.sum())
+        tail_total += float(losses[in_tail].sum())
+        tail_count += int(in_tail.sum())
+        # [B * T] -> [B, T]: one mean per row, over the row and over its second half
+        rows += _row_means(losses.view(-1, T), valid.view(-1, T))
+        tail_rows += _row_means(losses.view(-1, T), in_tail.view(-1, T))
     if count == 0:
         raise EvalError("the calibration batches hold no scored tokens")
-    return {"loss": total / count, "tail_loss": tail_total / max(1, tail_count), "tokens": count}
+    return {"loss": total / count, "tail_loss": tail_total / max(1, tail_count), "tokens": count,
+            "row_losses": rows, "row_tail_losses": tail_rows}
+
+
+def _row_means(losses: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """[B, T] losses and mask -> the mean loss of each row's masked positions (rows with none
+    left out)."""
+    sums, counts = (losses * mask).sum(1), mask.sum(1)
+    return [float(x / c) for x, c in zip(sums, counts) if c > 0]
+
+
+def _token_losses(model, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int):
+    """Next-token CE of every position ([N, d] hidden states, [N] labels) in float32, through the
+    head a chunk of positions at a time (a full [N, vocab] logits tensor would not fit at 16K)."""
+    out = torch.zeros(labels.shape[0], dtype=torch.float32, device=labels.device)
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        out[s : s + chunk_tokens] = F.cross_entropy(
+            model.lm_head(hidden[s : s + chunk_tokens]).float(), labels[s : s + chunk_tokens],
+            ignore_index=IGNORE, reduction="none")
+    return out
 
 
 def grid_search(model, batches: list[dict], grid: list[float | None], log=print) -> list[dict]:
@@ -169,9 +197,35 @@ def best_point(curve: list[dict], by: str = "loss") -> dict:
     return min(curve, key=lambda p: p[by])
 
 
-def format_curve(curve: list[dict], by: str = "loss", width: int = 40) -> str:
-    """A text plot of the loss curve (one bar per a; the chosen a is starred)."""
+def choose(curve: list[dict], trained_a, by: str = "loss") -> dict:
+    """The chosen point and why: the lowest loss replaces the trained a (or no scaling, when the
+    trained a is not in the grid) only when its paired row-by-row gain exceeds two standard
+    errors."""
+    from .stats import paired_difference
+
     best = best_point(curve, by)
+    reference = next((p for p in curve if p["a"] == trained_a), None) or next(
+        (p for p in curve if p["a"] is None), best)
+    rows = "row_losses" if by == "loss" else "row_tail_losses"
+    if best is reference or len(best.get(rows, [])) < 2:
+        return {"point": best, "reference_a": reference["a"], "gain": None,
+                "why": "the lowest loss" + (" is the reference" if best is reference else "")}
+    # loss(best) - loss(reference), row by row: negative is a gain
+    diff = paired_difference(best[rows], reference[rows])
+    clears = diff["ci95"][1] < 0
+    why = (f"a = {_fmt_a(best['a'])} beats a = {_fmt_a(reference['a'])} by "
+           f"{-diff['diff']:.4f} nats (95% CI {-diff['ci95'][1]:.4f} to {-diff['ci95'][0]:.4f}, "
+           f"{diff['n']} rows): " + ("outside the noise" if clears else "within the noise, kept "
+                                    f"a = {_fmt_a(reference['a'])}"))
+    return {"point": best if clears else reference, "reference_a": reference["a"],
+            "gain": {"nats": -diff["diff"], "se": diff["se"], "rows": diff["n"]}, "why": why}
+
+
+def format_curve(curve: list[dict], by: str = "loss", chosen: dict | None = None,
+                 width: int = 40) -> str:
+    """A text plot of the loss curve (one bar per a; the chosen a, by default the lowest, is
+    starred)."""
+    best = chosen or best_point(curve, by)
     lo, hi = min(p[by] for p in curve), max(p[by] for p in curve)
     lines = [f"{'a':>6} | {by:>9} | "]
     for p in curve:
@@ -193,15 +247,19 @@ def calibrate(folder: str | Path, grid: list[float | None], data: str = "wiki", 
     check_hypenet_folder(folder)
     model, tokenizer = load_folder(folder, device, dtype, trust_remote_code)
     batches = long_batches(data, tokenizer, seq_len, n_rows, batch_size, model.config.vocab_size)
+    trained_a = model.config.attn_logits_scale_base
     curve = grid_search(model, batches, grid, log)
-    best = best_point(curve, by)
-    log(format_curve(curve, by))
+    choice = choose(curve, trained_a, by)
+    log(format_curve(curve, by, choice["point"]))
+    log(choice["why"])
     if write:
-        write_scale_base(folder, best["a"])
-        log(f"wrote attn_logits_scale_base = {_fmt_a(best['a'])} into "
+        write_scale_base(folder, choice["point"]["a"])
+        log(f"wrote attn_logits_scale_base = {_fmt_a(choice['point']['a'])} into "
             f"{Path(folder) / 'config.json'}")
     return {"model": str(folder), "seq_len": seq_len, "data": data, "select_by": by, "curve": curve,
-            "best_a": best["a"]}
+            "trained_a": trained_a, "chosen_a": choice["point"]["a"],
+            "lowest_loss_a": best_point(curve, by)["a"], "gain": choice["gain"],
+            "why": choice["why"]}
 
 
 def load_folder(folder, device: str = "cpu", dtype=torch.float32, trust_remote_code: bool = False):

@@ -300,7 +300,9 @@ def _add_niah(sub) -> None:
     p.add_argument("--model", required=True,
                    help="model folder (HypeNet or any HF causal LM) or 'smollm2'")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3")
+    p.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3",
+                   help="NIAH tasks, each optionally @LENGTH, its longest prompt "
+                        "(niah_single_1,niah_single_2@8K)")
     p.add_argument("--lengths", default="4K",
                    help="comma-separated prompt lengths in model tokens: 4K,8K,...,1M")
     p.add_argument("--depths", default="5",
@@ -326,20 +328,18 @@ def _add_niah(sub) -> None:
 
 
 def cmd_eval_niah(args) -> int:
-    from .niah import TASKS, NiahConfig, parse_depths, parse_lengths, run_niah
+    from .niah import NiahConfig, parse_depths, parse_lengths, parse_tasks, run_niah
     from .niah_report import write_reports
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in TASKS]
-    if bad or not tasks:
-        raise EvalError(f"unknown NIAH tasks {bad}; choose from {', '.join(TASKS)}")
+    tasks, max_length = parse_tasks(args.tasks)
     if args.samples < 1 or args.batch_size < 1:
         raise EvalError("--samples and --batch-size must be >= 1")
     if args.prompts_only and not args.prompt_cache:
         raise EvalError("--prompts-only needs --prompt-cache (the folder the prompts go to)")
     cfg = NiahConfig(tasks, parse_lengths(args.lengths), parse_depths(args.depths),
                      args.samples, args.batch_size, args.max_new_tokens, args.seed,
-                     static_decode=args.static_decode, prompt_cache=args.prompt_cache)
+                     static_decode=args.static_decode, prompt_cache=args.prompt_cache,
+                     max_length=max_length)
     if args.prompts_only:
         from .niah import build_prompt_cache
 

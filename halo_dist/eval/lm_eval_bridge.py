@@ -12,11 +12,17 @@ The summary's ``csr`` is the mean over the CSR tasks present of ``acc_norm`` whe
 it and ``acc`` otherwise (WinoGrande, whose partial evaluation scores the same tokens for both
 options);
 ``csr_tasks`` lists those tasks, and the printed table labels the mean with them.
+
+Every task's score comes with its n, standard error and chance level (the mean over items of one
+over the number of choices), and with each item's outcome (``items``, a string of 0/1 in document
+order): two models scored on the same items are then compared item by item
+(``stats.paired_difference``), which resolves differences far smaller than either score's own error.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -128,8 +134,8 @@ def run_lm_eval(
         tokenizer.pad_token = tokenizer.eos_token
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     out = simple_evaluate(model=lm, tasks=loaded, limit=limit, task_manager=manager,
-                          num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
-    return summarize(out["results"], tasks, names)
+                          num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=0)
+    return summarize(out["results"], tasks, names, out.get("samples") or {})
 
 
 def load_task(manager, name: str) -> list:
@@ -156,20 +162,46 @@ def load_task(manager, name: str) -> list:
     return [loaded["tasks"][name]] if name in loaded["tasks"] else list(loaded["tasks"].values())
 
 
-def summarize(results: dict, tasks: list[str], names: list[str]) -> dict:
+def summarize(results: dict, tasks: list[str], names: list[str],
+              samples: dict | None = None) -> dict:
     """Flatten lm-eval's ``"acc,none"`` keys; ``csr`` = mean over the CSR tasks present of acc_norm
-    where defined, else acc (WinoGrande reports acc only)."""
+    where defined, else acc (WinoGrande reports acc only), with ``csr_se`` and ``csr_chance``; per
+    task also ``stderr``, ``chance`` and ``items`` where lm-eval logged the samples."""
     table = {}
     for task, name in zip(tasks, names):
         raw = results.get(name, {})
         table[task] = {("n" if k == "sample_len" else k.split(",")[0]): v for k, v in raw.items()
                        if isinstance(v, (int, float)) and "stderr" not in k}
+        table[task].update(_uncertainty(table[task], (samples or {}).get(name)))
     scored = {t: csr_score(table[t]) for t in tasks if t in CSR_TASKS}
     scored = {t: v for t, v in scored.items() if v is not None}
     # csr_tasks says which tasks the mean covers: a mean of two tasks must not read as the five-task
     # CSR
-    return {"tasks": table, "csr": sum(scored.values()) / len(scored) if scored else None,
-            "csr_tasks": list(scored)}
+    k = len(scored)
+    errors = [table[t].get("stderr") for t in scored]
+    chances = [table[t].get("chance") for t in scored]
+    return {"tasks": table, "csr": sum(scored.values()) / k if k else None,
+            "csr_tasks": list(scored),
+            # the mean of k independent task scores: its error is the root sum of squares over k
+            "csr_se": (math.sqrt(sum(e * e for e in errors)) / k
+                       if k and None not in errors else None),
+            "csr_chance": sum(chances) / k if k and None not in chances else None}
+
+
+def _uncertainty(metrics: dict, logged: list | None) -> dict:
+    """A task's standard error and, from lm-eval's logged samples, its chance level and the 0/1
+    outcome of each item under the task's CSR metric (document order)."""
+    from .stats import mean_se
+
+    score, n = csr_score(metrics), metrics.get("n")
+    out = {"stderr": mean_se(score, int(n)) if score is not None and n else None}
+    if logged:
+        metric = "acc_norm" if "acc_norm" in metrics else "acc"
+        ordered = sorted(logged, key=lambda x: x["doc_id"])
+        # one loglikelihood request per choice: chance is 1 / choices, averaged over the items
+        out["chance"] = sum(1.0 / len(x["arguments"]) for x in ordered) / len(ordered)
+        out["items"] = "".join("1" if x[metric] else "0" for x in ordered)
+    return out
 
 
 def csr_score(metrics: dict) -> float | None:
@@ -178,12 +210,15 @@ def csr_score(metrics: dict) -> float | None:
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| task | acc | acc_norm |", "|---|---|---|"]
+    """Per task: acc, acc_norm, the CSR score's standard error, n and chance; then the mean."""
+    lines = ["| task | acc | acc_norm | ± s.e. | n | chance |", "|---|---|---|---|---|---|"]
+    pct = lambda v: "–" if v is None else f"{100 * v:.1f}"  # noqa: E731
     for task, m in summary["tasks"].items():
-        fmt = lambda k: f"{100 * m[k]:.1f}" if k in m else "–"  # noqa: E731
-        lines.append(f"| {task} | {fmt('acc')} | {fmt('acc_norm')} |")
+        lines.append(f"| {task} | {pct(m.get('acc'))} | {pct(m.get('acc_norm'))} | "
+                     f"{pct(m.get('stderr'))} | {m.get('n', '–')} | {pct(m.get('chance'))} |")
     if summary.get("csr") is not None:
-        lines.append(f"| **{csr_label(summary)}** | | {100 * summary['csr']:.1f} |")
+        lines.append(f"| **{csr_label(summary)}** | | {100 * summary['csr']:.1f} | "
+                     f"{pct(summary.get('csr_se'))} | | {pct(summary.get('csr_chance'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -28,8 +28,14 @@ from pathlib import Path
 import torch
 
 from .errors import EvalError
+from .niah_report import cell_line, summarize
+from .tokenizers import tokenizer_identity
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
+# What a report's figures depend on besides the model: prompts (templates, haystacks, lengths),
+# decoding and scoring. Reference figures (a teacher's, reused across runs) are keyed by it: change
+# it whenever one of those changes.
+HARNESS_VERSION = 2
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 TEMPLATE = (
@@ -93,6 +99,24 @@ def parse_length(text: str) -> int:
 
 def parse_lengths(text: str) -> list[int]:
     return [parse_length(t) for t in str(text).split(",") if t.strip()]
+
+
+def parse_tasks(text: str) -> tuple[list[str], dict[str, int]]:
+    """``niah_single_1,niah_single_2@8K`` -> the tasks and each one's longest length (if given)."""
+    tasks, max_length = [], {}
+    for item in (t.strip() for t in str(text).split(",")):
+        if not item:
+            continue
+        name, _, cap = item.partition("@")
+        if name not in TASKS:
+            raise EvalError(f"unknown NIAH task {name!r}; choose from {', '.join(TASKS)} (each "
+                            "optionally @LENGTH, its longest prompt: niah_single_2@8K)")
+        tasks.append(name)
+        if cap:
+            max_length[name] = parse_length(cap)
+    if not tasks:
+        raise EvalError(f"no NIAH task given; choose from {', '.join(TASKS)}")
+    return tasks, max_length
 
 
 def parse_depths(text: str) -> list[float]:
@@ -355,6 +379,12 @@ class NiahConfig:
     # a folder of built prompt cells (see PromptCache): teacher and student, or a re-run, tokenize
     # the haystacks once (about 0.35 s of CPU per 64K prompt)
     prompt_cache: str | None = None
+    # task -> its longest length (``niah_single_2@8K``): the harder tasks can stop where the goals
+    # that use them stop, which halves a 64K evaluation's prompts
+    max_length: dict = field(default_factory=dict)
+
+    def lengths_for(self, task: str) -> list[int]:
+        return [L for L in self.lengths if L <= self.max_length.get(task, L)]
 
     def batch_for(self, length: int) -> int:
         if self.batch_tokens <= 0:
@@ -369,16 +399,17 @@ def run_niah(model, tokenizer, cfg: NiahConfig, corpus: list[str] | None = None,
     cache = PromptCache(cfg.prompt_cache, builder) if cfg.prompt_cache else None
     records = []
     for task in cfg.tasks:
-        for length in cfg.lengths:
+        for length in cfg.lengths_for(task):
             t0 = time.time()
             samples, source = (cache.cell(task, length, cfg) if cache
                                else (build_cell(builder, task, length, cfg), "built"))
             t1 = time.time()
-            records += _decode_and_score(model, tokenizer, samples, cfg)
-            acc = sum(r["correct"] for r in records[-len(samples):]) / len(samples)
-            log(f"{task} @ {length}: accuracy {acc:.3f} over {len(samples)} prompts "
-                f"({time.time() - t0:.1f}s; prompts {source} in {t1 - t0:.1f}s)")
-    return {"config": asdict(cfg), "records": records, "summary": summarize(records)}
+            cell = _decode_and_score(model, tokenizer, samples, cfg)
+            records += cell
+            log(f"{task} @ {length}: {cell_line(cell)} ({time.time() - t0:.1f}s; prompts {source} "
+                f"in {t1 - t0:.1f}s)")
+    return {"config": asdict(cfg), "records": records, "summary": summarize(records),
+            "harness": HARNESS_VERSION}
 
 
 def build_prompt_cache(tokenizer, cfg: NiahConfig, corpus: list[str] | None = None,
@@ -390,7 +421,7 @@ def build_prompt_cache(tokenizer, cfg: NiahConfig, corpus: list[str] | None = No
         raise EvalError("building prompts needs a prompt cache folder")
     cache = PromptCache(cfg.prompt_cache, NiahBuilder(tokenizer, corpus, cfg.seed))
     for task in cfg.tasks:
-        for length in cfg.lengths:
+        for length in cfg.lengths_for(task):
             t0 = time.time()
             samples, source = cache.cell(task, length, cfg)
             log(f"{task} @ {length}: {len(samples)} prompts {source} ({time.time() - t0:.1f}s)")
@@ -444,20 +475,6 @@ class PromptCache:
         return self._base
 
 
-def tokenizer_identity(tokenizer) -> str:
-    """sha256 of what turns text into ids: a fast tokenizer's serialisation (normaliser,
-    pre-tokeniser, vocabulary, merges, added tokens) without its padding and truncation state, which
-    transformers changes per call; else the vocabulary and the tokenizer's class."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        spec = json.loads(backend.to_str())
-        spec.pop("padding", None), spec.pop("truncation", None)
-        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-    from ..data.manifest import vocab_sha256
-
-    return f"{type(tokenizer).__name__}:{vocab_sha256(tokenizer)}"
-
-
 def _decode_and_score(model, tokenizer, samples: list[NiahSample], cfg: NiahConfig) -> list[dict]:
     out = []
     step = cfg.batch_for(max(x.length for x in samples)) if samples else 1
@@ -476,25 +493,3 @@ def _decode_and_score(model, tokenizer, samples: list[NiahSample], cfg: NiahConf
                 "prompt_tokens": len(x.input_ids),
             })
     return out
-
-
-def summarize(records: list[dict]) -> dict:
-    """``{task: {"by_length": {L: acc}, "by_cell": {L: {depth: acc}}, "mean": acc}}``."""
-    summary: dict = {}
-    for r in records:
-        cell = summary.setdefault(r["task"], {"cells": {}})["cells"].setdefault(
-            r["length"], {}).setdefault(r["depth"], [])
-        cell.append(bool(r["correct"]))
-    for task, entry in summary.items():
-        cells = entry.pop("cells")
-        entry["by_cell"] = {L: {d: sum(v) / len(v) for d, v in ds.items()}
-                            for L, ds in cells.items()}
-        entry["by_length"] = {L: _mean([x for v in ds.values() for x in v])
-                              for L, ds in cells.items()}
-        entry["mean"] = _mean([x for ds in cells.values() for v in ds.values() for x in v])
-    return summary
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0

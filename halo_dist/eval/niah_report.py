@@ -1,9 +1,58 @@
-"""NIAH reports: the JSON, a task x length Markdown table and depth x length heatmaps of a
-``niah.run_niah`` report (``summary`` as ``niah.summarize`` makes it)."""
+"""NIAH summaries and reports: the JSON, a task x length Markdown table and depth x length
+heatmaps of a ``niah.run_niah`` report.
+
+A cell is one (task, length). Its figure is the rate over the needles placed inside the haystack
+(depths below 1.0), with its Wilson interval and n. Needles at depth 1.0 sit right before the
+question, where a model that only remembers the last few hundred tokens (an RNN layer's recency)
+finds them without retrieving anything: they are reported apart (``end``), never mixed into the
+cell.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from .stats import format_rate, rate
+
+END_DEPTH = 1.0
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per task: ``cells`` {length: rate dict over depths < 1}, ``end`` {length: rate dict at depth
+    1.0}, ``by_length`` {length: the cell's rate} (the end rate where a length has only end
+    needles), ``by_cell`` {length: {depth: rate}} for the heatmap, and ``mean`` over the cells'
+    prompts."""
+    grouped: dict = {}
+    for r in records:
+        grouped.setdefault(r["task"], {}).setdefault(r["length"], {}).setdefault(
+            r["depth"], []).append(bool(r["correct"]))
+    summary = {}
+    for task, lengths in grouped.items():
+        entry: dict = {"cells": {}, "end": {}, "by_cell": {}, "by_length": {}}
+        inside_all = []
+        for L, depths in lengths.items():
+            inside = [x for d, v in depths.items() if d < END_DEPTH for x in v]
+            end = [x for d, v in depths.items() if d >= END_DEPTH for x in v]
+            entry["by_cell"][L] = {d: sum(v) / len(v) for d, v in depths.items()}
+            if inside:
+                entry["cells"][L] = rate(sum(inside), len(inside))
+            if end:
+                entry["end"][L] = rate(sum(end), len(end))
+            entry["by_length"][L] = (entry["cells"].get(L) or entry["end"][L])["rate"]
+            inside_all += inside or end
+        entry["mean"] = sum(inside_all) / len(inside_all) if inside_all else 0.0
+        summary[task] = entry
+    return summary
+
+
+def cell_line(records: list[dict]) -> str:
+    """One cell's figures for a log line: ``inside 85% [73-92] n=50; at the end 5/5``."""
+    inside = [r["correct"] for r in records if r["depth"] < END_DEPTH]
+    end = [r["correct"] for r in records if r["depth"] >= END_DEPTH]
+    parts = [f"inside {format_rate(rate(sum(inside), len(inside)))}"] if inside else []
+    if end:
+        parts.append(f"at the end {sum(end)}/{len(end)}")
+    return "; ".join(parts)
 
 
 def format_length(n: int) -> str:
@@ -13,15 +62,27 @@ def format_length(n: int) -> str:
 
 
 def markdown_table(summary: dict, title: str = "") -> str:
-    """Task x length accuracy table (percent), one row per task plus their mean."""
-    lengths = sorted({L for e in summary.values() for L in e["by_length"]})
+    """Task x length table: each cell's rate with its 95% Wilson interval and n (needles inside the
+    haystack), then one row per task of the needles at depth 1.0."""
+    lengths = sorted({int(L) for e in summary.values() for L in e["by_length"]})
     lines = [f"### {title}"] if title else []
-    lines.append("| task | " + " | ".join(format_length(L) for L in lengths) + " | mean |")
-    lines.append("|---|" + "---|" * (len(lengths) + 1))
-    for task, e in summary.items():
-        cells = [f"{100 * e['by_length'][L]:.1f}" if L in e["by_length"] else "–" for L in lengths]
-        lines.append(f"| {task} | " + " | ".join(cells) + f" | {100 * e['mean']:.1f} |")
+    lines.append("| task | " + " | ".join(format_length(L) for L in lengths) + " |")
+    lines.append("|---|" + "---|" * len(lengths))
+    for part, label in (("cells", ""), ("end", " (needle at depth 1.0)")):
+        for task, e in summary.items():
+            row = _by_int_length(e.get(part, {}))
+            if row:
+                lines.append(f"| {task}{label} | "
+                             + " | ".join(format_rate(row.get(L)) for L in lengths) + " |")
+    lines.append("\n95% Wilson intervals; n = prompts. A cell counts needles inside the haystack "
+                 "(depths below 1.0); needles at depth 1.0, right before the question, are listed "
+                 "apart.")
     return "\n".join(lines) + "\n"
+
+
+def _by_int_length(cells: dict) -> dict:
+    """Length keys as ints (a summary read back from JSON has them as strings)."""
+    return {int(L): v for L, v in cells.items()}
 
 
 def heatmap(summary: dict, path: str | Path, title: str = "NIAH") -> Path:
@@ -59,7 +120,7 @@ def write_reports(report: dict, out_dir: str | Path, name: str = "niah") -> dict
 
     out_dir = Path(out_dir)
     paths = {"json": write_json_atomic(out_dir / f"{name}.json", report)}
-    md = markdown_table(report["summary"], title=report.get("model", name))
+    md = markdown_table(report["summary"], title=f"{name}: NIAH")
     (out_dir / f"{name}.md").write_text(md)
     paths["markdown"] = out_dir / f"{name}.md"
     paths["heatmap"] = heatmap(report["summary"], out_dir / f"{name}_heatmap.png",

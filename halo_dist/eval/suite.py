@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
 from .errors import EvalError
+from .reference import ReferenceCache
 
 EXAMPLE = (
     "examples:\n"
@@ -51,6 +53,9 @@ def add_suite_command(sub) -> None:
                    help="file stem of the NIAH reports (e.g. teacher, student)")
     p.add_argument("--niah-lengths", default="4K",
                    help="comma-separated prompt lengths in model tokens ('' skips)")
+    p.add_argument("--niah-tasks", default="",
+                   help="NIAH tasks, each optionally @LENGTH, its longest prompt "
+                        "(niah_single_1,niah_single_2@8K; default: the three at every length)")
     p.add_argument("--niah-depths", default="5",
                    help="needle depths as fractions or a count of evenly spaced ones")
     p.add_argument("--niah-samples", type=int, default=1,
@@ -74,6 +79,11 @@ def add_suite_command(sub) -> None:
     p.add_argument("--ppl-split", default="heldout")
     p.add_argument("--ppl-seq-len", type=int, default=2048)
     p.add_argument("--ppl-rows", type=int, default=32)
+    p.add_argument("--reference-cache", default="",
+                   help="folder of reference figures: a part computed before for the same model "
+                        "files, harness and settings is copied from there instead of evaluated "
+                        "again, and a part computed now is stored there (a teacher evaluated "
+                        "once for all its conversions)")
     p.add_argument("--done-marker", nargs="?", const="DONE", default=None, metavar="NAME",
                    help="write <output-dir>/NAME (default DONE) once every part asked for is "
                         "written; two suites sharing a folder (e.g. NIAH in one process, CSR in "
@@ -111,6 +121,10 @@ def cmd_eval_suite(args) -> int:
     for name, (wanted, path) in parts.items():
         if wanted and name not in todo:
             print(f"{name}: already done ({path})")
+    keys = _reference_keys(args, todo) if args.reference_cache else {}
+    cache = ReferenceCache(args.reference_cache) if keys else None
+    todo = [name for name in todo if not (cache and _reuse(cache, name, keys[name], args,
+                                                           parts[name][1]))]
     if todo:
         model, tokenizer, label = load_model(args.model, args.device, args.dtype,
                                              trust_remote_code=args.trust_remote_code)
@@ -119,6 +133,9 @@ def cmd_eval_suite(args) -> int:
             {"niah": _niah, "csr": _csr, "ppl": _ppl}[name](model, tokenizer, label, args,
                                                             parts[name][1])
             print(f"{name}: done in {time.time() - t0:.0f}s -> {parts[name][1]}", flush=True)
+            if cache:
+                print(f"{name}: stored as reference figures "
+                      f"{cache.store(name, keys[name], parts[name][1])}", flush=True)
     if args.done_marker:
         out.mkdir(parents=True, exist_ok=True)
         (out / args.done_marker).write_text(
@@ -126,13 +143,59 @@ def cmd_eval_suite(args) -> int:
     return 0
 
 
+def _reference_keys(args, parts: list[str]) -> dict[str, str]:
+    """Each part's reference key: the model folder's files and the settings that part depends on."""
+    from ..assets.teacher import resolve_model_arg
+    from ..models.convert import resolve_teacher
+    from .reference import model_identity, part_key
+
+    model_id = model_identity(resolve_teacher(resolve_model_arg(args.model)).path)
+    common = {"dtype": args.dtype, "device": args.device.split(":")[0]}
+    keys = {}
+    for name in parts:
+        if name == "niah":
+            settings = {"tasks": args.niah_tasks, "lengths": args.niah_lengths,
+                        "depths": args.niah_depths, "samples": args.niah_samples,
+                        "batch": [args.niah_batch_size, args.niah_batch_tokens],
+                        "static": args.niah_static_decode}
+        elif name == "csr":
+            settings = {"tasks": args.csr_tasks, "limit": args.csr_limit,
+                        "batch": args.csr_batch_size}
+        else:  # the held-out text itself, by its shards' checksums
+            settings = {"data": _heldout_fingerprint(args), "split": args.ppl_split,
+                        "seq_len": args.ppl_seq_len, "rows": args.ppl_rows}
+        keys[name] = part_key(name, model_id, {**common, **settings})
+    return keys
+
+
+def _heldout_fingerprint(args) -> str:
+    from ..data.manifest import load_manifest
+
+    return load_manifest(args.ppl_data, args.ppl_split).fingerprint()
+
+
+def _reuse(cache, name: str, key: str, args, path: Path) -> bool:
+    """Copy a part's reference figures into the output (NIAH: with its table and heatmap)."""
+    if not cache.fetch(name, key, path):
+        return False
+    if name == "niah":  # its table and heatmap; the summary again from the records (int lengths)
+        from .niah_report import summarize, write_reports
+
+        report = json.loads(path.read_text())
+        write_reports({**report, "summary": summarize(report["records"])}, path.parent, args.name)
+    print(f"{name}: reference figures reused ({cache.path(name, key)})", flush=True)
+    return True
+
+
 def _niah(model, tokenizer, label, args, path: Path) -> None:
-    from .niah import TASKS, NiahConfig, parse_depths, parse_lengths, run_niah
+    from .niah import TASKS, NiahConfig, parse_depths, parse_lengths, parse_tasks, run_niah
     from .niah_report import write_reports
 
-    cfg = NiahConfig(list(TASKS), parse_lengths(args.niah_lengths), parse_depths(args.niah_depths),
+    tasks, max_length = parse_tasks(args.niah_tasks or ",".join(TASKS))
+    cfg = NiahConfig(tasks, parse_lengths(args.niah_lengths), parse_depths(args.niah_depths),
                      args.niah_samples, args.niah_batch_size, batch_tokens=args.niah_batch_tokens,
-                     static_decode=args.niah_static_decode, prompt_cache=args.niah_prompt_cache)
+                     static_decode=args.niah_static_decode, prompt_cache=args.niah_prompt_cache,
+                     max_length=max_length)
     report = {"model": label, **run_niah(model, tokenizer, cfg)}
     paths = write_reports(report, path.parent, args.name)
     print(paths["markdown"].read_text())
@@ -154,17 +217,23 @@ def _ppl(model, tokenizer, label, args, path: Path) -> None:
     from .calibrate import heldout_loss
     from .proxies import heldout_shard_batches
     from .selection import write_json_atomic
+    from .stats import Z95
 
     batch_size = min(8, args.ppl_rows)
     batches = heldout_shard_batches(args.ppl_data, args.ppl_seq_len,
                                     max(1, args.ppl_rows // batch_size), batch_size,
                                     split=args.ppl_split)
     result = heldout_loss(_with_document_masks(model), batches)
+    rows = result["row_losses"]
+    # the rows are the independent units: the error of the mean CE is their spread over sqrt(n)
+    se = statistics.stdev(rows) / math.sqrt(len(rows)) if len(rows) > 1 else float("nan")
     report = {"model": label, "data": str(args.ppl_data),
               "split": args.ppl_split, "seq_len": args.ppl_seq_len,
-              "rows": sum(int(b["input_ids"].shape[0]) for b in batches), "ce": result["loss"],
-              "ppl": math.exp(result["loss"]), "tail_ce": result["tail_loss"],
-              "tokens": result["tokens"]}
+              "rows": len(rows), "ce": result["loss"], "ce_se": se,
+              "ppl": math.exp(result["loss"]),
+              "ppl_ci95": [math.exp(result["loss"] - Z95 * se),
+                           math.exp(result["loss"] + Z95 * se)],
+              "tail_ce": result["tail_loss"], "tokens": result["tokens"], "row_ce": rows}
     print(json.dumps(report))
     write_json_atomic(path, report)
 

@@ -4,9 +4,15 @@ tests).
 Ids 0..255 are the raw UTF-8 bytes; ``<eos>`` = 256 and ``<pad>`` = 257, so a model with a
 vocabulary of at least 258 entries accepts every id. Text round-trips exactly and one byte is one
 token, which keeps token-length arithmetic in tests obvious.
+
+``tokenizer_identity`` says whether two tokenizer objects turn text into the same ids (prompt caches
+and reference figures are keyed by it).
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 BYTE_VOCAB = 258
 
@@ -42,3 +48,17 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """sha256 of what turns text into ids: a fast tokenizer's serialisation (normaliser,
+    pre-tokeniser, vocabulary, merges, added tokens) without its padding and truncation state, which
+    transformers changes per call; else the vocabulary and the tokenizer's class."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("padding", None), spec.pop("truncation", None)
+        return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    from ..data.manifest import vocab_sha256
+
+    return f"{type(tokenizer).__name__}:{vocab_sha256(tokenizer)}"
