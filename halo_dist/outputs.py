@@ -74,18 +74,19 @@ def write_output(output: str | os.PathLike, fill: Callable[[Path], None], kind: 
                  overwrite: bool = False, inputs: Mapping[str, object] | None = None) -> Path:
     """Build ``output`` with ``fill(folder)`` (which writes the files into ``folder``) and rename it
     into place; ``kind`` names what it holds in the marker (``hf-model``, ``stage1``)."""
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(output)
-    check_output(output, inputs, overwrite)
-    tmp = _new_temp(output, "tmp")
-    try:
+    output, tmp = Path(output), None
+    try:  # a read-only or full disk may refuse the first mkdir already
+        output.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(output)
+        check_output(output, inputs, overwrite)
+        tmp = _new_temp(output, "tmp")
         _write_marker(tmp, kind, files=None)  # claims the folder: the cleanup knows it as ours
         fill(tmp)
         _finish(tmp, kind)
         _swap_in(tmp, output, overwrite)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         code = write_errno(err)
         if code is None:
             raise
@@ -176,8 +177,9 @@ def _check_existing(output: Path, overwrite: bool) -> None:
     if marker is None or not isinstance(marker.get("files"), list):
         some = ", ".join(sorted(present)[:3])
         raise OutputRefusedError(
-            f"refusing to write {output}: it holds files halo_dist did not write ({some}; an output "
-            f"of halo_dist holds {MARKER}); choose another output folder, or move them away")
+            f"refusing to write {output}: it holds files halo_dist did not write ({some}; an "
+            f"output of halo_dist holds {MARKER}); choose another output folder, or move them "
+            "away")
     extra = sorted(present - set(marker["files"]) - {MARKER})
     if extra:
         raise OutputRefusedError(
