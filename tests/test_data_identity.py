@@ -176,14 +176,13 @@ def test_a_resume_compares_data_train_by_content(datasets, tmp_path):
     """The checkpoint's loader recorded its shards' fingerprint: the same shards under another path
     resume; other shards under the old path are refused."""
     from halo_dist.config import ConfigError, save_resolved
-    from halo_dist.data import data_fingerprint
     from halo_dist.train.resume_check import check_same_run
 
     qwen = datasets["qwen"]
     ckpt = tmp_path / "step-00000002"
     ckpt.mkdir()
     save_resolved(stage_config(qwen), ckpt / "config.yaml")
-    state = {"loader": {"fingerprint": data_fingerprint(qwen)}}
+    state = {"loader": build_loader(qwen, 64, 2).state_dict()}  # what the trainer saves
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     moved = shutil.copytree(qwen, tmp_path / "moved")
     check_same_run(ckpt, stage_config(moved), None, announce=False)
