@@ -47,13 +47,14 @@ def wiki_spec(lang: str = "en-us") -> dict:
     return {"kind": "wiki-offline", "lang": lang}
 
 
-def iter_texts(spec: dict) -> Iterator[str | None]:
-    """Yield every document text of ``spec`` in order (None/'' for records without text)."""
+def iter_texts(spec: dict) -> Iterator[str]:
+    """Yield every document text of ``spec`` in order ('' for an empty record; a record whose text
+    is not a string is refused)."""
     for _, text in iter_labeled(spec):
         yield text
 
 
-def iter_labeled(spec: dict) -> Iterator[tuple[str, str | None]]:
+def iter_labeled(spec: dict) -> Iterator[tuple[str, str]]:
     """Yield (source label, text) for every document of ``spec`` in order.
 
     The label names where the document came from, so the manifest can count each input's share of
@@ -83,25 +84,46 @@ def file_labels(spec: dict) -> list[str]:
     return [os.path.relpath(p, common) for p in paths]
 
 
-def _open_text(path: str):
-    return (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz")
-            else open(path, encoding="utf-8"))
+def _open_bytes(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _field(rec, field: str, path: str, where: str):
+def _decode(raw: bytes, path: str, first_line: int = 1) -> str:
+    """``raw`` (starting at line ``first_line`` of ``path``) as text; invalid UTF-8 is refused
+    naming the line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + raw.count(b"\n", 0, e.start)
+        column = e.start - raw.rfind(b"\n", 0, e.start)
+        raise DataError(f"invalid UTF-8 on line {line} (byte {column} of the line): the input "
+                        "must be UTF-8 text; re-encode the file", path, f"line {line}") from None
+
+
+def _field(rec, field: str, path: str, where: str) -> str:
+    """The text of record ``rec``: a string, or refused naming the record (a number, a list or null
+    is a broken record, not an empty document)."""
     if not isinstance(rec, dict):
         raise DataError(f"record at {where} is not an object", path, where)
     if field not in rec:
         raise DataError(f"record at {where} has no text field '{field}'", path, field)
-    return rec[field]
+    return _text(rec[field], field, path, where)
 
 
-def _iter_file(path: str, field: str, txt_doc: str) -> Iterator[str | None]:
+def _text(value, field: str, path: str, where: str) -> str:
+    if not isinstance(value, str):
+        what = "null" if value is None else type(value).__name__
+        raise DataError(f"record at {where}: its text field '{field}' is not a string ({what}); "
+                        "fix or drop the record", path, where)
+    return value
+
+
+def _iter_file(path: str, field: str, txt_doc: str) -> Iterator[str]:
     if path.endswith(".parquet"):
         yield from _iter_parquet(path, field)
     elif ".txt" in os.path.basename(path):
-        with _open_text(path) as f:
-            text = f.read()
+        with _open_bytes(path) as f:
+            text = _decode(f.read(), path)
         if txt_doc == "file":
             yield text
         elif txt_doc == "line":
@@ -112,32 +134,33 @@ def _iter_file(path: str, field: str, txt_doc: str) -> Iterator[str | None]:
         yield from _iter_json(path, field)
 
 
-def _iter_json(path: str, field: str) -> Iterator[str | None]:
-    with _open_text(path) as f:
-        first = f.readline()
-        while first and not first.strip():
-            first = f.readline()
-        if first.lstrip().startswith("["):  # a JSON array of records
+def _iter_json(path: str, field: str) -> Iterator[str]:
+    with _open_bytes(path) as f:  # bytes: a decoding error can name its line
+        first_line, first = 0, b""
+        for first_line, first in enumerate(f, 1):
+            if first.strip():
+                break
+        if first.lstrip().startswith(b"["):  # a JSON array of records
             try:
-                records = json.loads(first + f.read())
+                records = json.loads(_decode(first + f.read(), path, first_line))
             except json.JSONDecodeError as e:
                 raise DataError(f"invalid JSON ({e})", path) from None
             for i, rec in enumerate(records):
                 yield _field(rec, field, path, f"[{i}]")
             return
         f.seek(0)
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(_decode(raw, path, lineno))
             except json.JSONDecodeError as e:
                 raise DataError(f"invalid JSON on line {lineno} ({e.msg})", path,
                                 f"line {lineno}") from None
             yield _field(rec, field, path, f"line {lineno}")
 
 
-def _iter_parquet(path: str, field: str) -> Iterator[str | None]:
+def _iter_parquet(path: str, field: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     try:
@@ -147,11 +170,14 @@ def _iter_parquet(path: str, field: str) -> Iterator[str | None]:
     if field not in pf.schema_arrow.names:
         raise DataError(f"parquet has no column '{field}' (has {pf.schema_arrow.names})", path,
                         field)
+    row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-        yield from batch.column(0).to_pylist()
+        for value in batch.column(0).to_pylist():
+            yield _text(value, field, path, f"row {row}")
+            row += 1
 
 
-def _iter_hf(spec: dict) -> Iterator[str | None]:
+def _iter_hf(spec: dict) -> Iterator[str]:
     import datasets
 
     ds = datasets.load_dataset(spec["name"], spec["config"], split=spec["split"], streaming=True)

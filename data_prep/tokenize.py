@@ -157,8 +157,10 @@ class SplitWriter:
     """Rolls one split's documents into ``shard-%06d.tar`` files of about ``shard_tokens``
     tokens."""
 
-    def __init__(self, out: Path, split: str, shard_tokens: int, records: list, next_doc: int):
+    def __init__(self, out: Path, split: str, shard_tokens: int, records: list, next_doc: int,
+                 vocab_sha256: str | None = None):
         self.out, self.split, self.shard_tokens = out, split, shard_tokens
+        self.vocab_sha256 = vocab_sha256  # in every shard's header (data/shards.py)
         self.records, self.next_doc = records, next_doc  # resume: docs < next_doc are done
         self.resume_doc = next_doc
         self.done_tokens = sum(r["tokens"] for r in records)
@@ -185,7 +187,8 @@ class SplitWriter:
             count["docs"] += 1
             count["tokens"] += len(tokens)
         if self.writer is None:
-            self.writer = ShardWriter(self.out / self.split / f"shard-{len(self.records):06d}.tar")
+            self.writer = ShardWriter(self.out / self.split / f"shard-{len(self.records):06d}.tar",
+                                      self.vocab_sha256)
             self.first_doc = doc
         pieces = split_pieces(tokens, max_doc_tokens)
         for j, piece in enumerate(pieces):
@@ -276,7 +279,7 @@ def _batches(spec: dict, start: int, max_docs: int | None, want, size: int) -> I
             break
         if i < start or not want(i):
             continue
-        batch.append((i, label, text if isinstance(text, str) and text.strip() else None))
+        batch.append((i, label, text if text.strip() else None))  # sources: always a str
         if len(batch) >= size:
             yield batch
             batch = []
@@ -331,7 +334,8 @@ def _run_locked(args: argparse.Namespace, out: Path) -> dict:
     names = SPLITS if args.heldout_fraction > 0 else ("train",)
     writers = {n: SplitWriter(out, n, args.shard_tokens,
                               list(prev["splits"][n]["shards"]) if prev else [],
-                              prev["resume"][n]["next_doc"] if prev else 0) for n in names}
+                              prev["resume"][n]["next_doc"] if prev else 0,
+                              tok_info["vocab_sha256"]) for n in names}
     saved = {k: v for k, v in vars(args).items() if k not in ("func",)}
     start = min(w.next_doc for w in writers.values())
     if prev:

@@ -11,6 +11,7 @@ import sys
 import time
 
 from .errors import HaloUserError
+from .outputs import add_overwrite_flag
 
 EXAMPLES = {
     "convert": (
@@ -68,7 +69,7 @@ def cmd_convert(args) -> int:
     t0 = time.time()
     student = convert(
         resolve_model_arg(args.teacher), parse_layers(args.attn_layers), args.output,
-        stage1_weights=args.stage1_weights, dtype=dtype, **overrides,
+        stage1_weights=args.stage1_weights, dtype=dtype, overwrite=args.overwrite, **overrides,
     )
     print(f"converted in {time.time() - t0:.1f}s: {describe(student)} -> {args.output}")
     return 0
@@ -79,7 +80,7 @@ def cmd_import_official(args) -> int:
     from .models.official import import_official
 
     t0 = time.time()
-    model = import_official(args.folder, args.output)
+    model = import_official(args.folder, args.output, overwrite=args.overwrite)
     print(f"imported in {time.time() - t0:.1f}s: {describe(model)} -> {args.output}")
     return 0
 
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0-based layers kept as softmax attention, e.g. 2,3,6")
     c.add_argument("--output", required=True,
                    help="output folder (HF format, loads with trust_remote_code)")
+    add_overwrite_flag(c)
     c.add_argument("--stage1-weights", help="safetensors of stage-1 trained RNN layers")
     c.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     c.add_argument("--logits-scale-base", type=float,
@@ -141,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("folder", help="their Hugging Face folder (config.json + safetensors)")
     i.add_argument("--output", required=True,
                    help="output folder (HF HypeNet, loads with trust_remote_code)")
+    add_overwrite_flag(i)
     i.set_defaults(func=cmd_import_official)
 
     g = sub.add_parser("generate", help="greedy generation from a model folder",
@@ -175,15 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # CPU evaluation: denormal arithmetic is 10-100x slower (see train/trainer.py)
     torch.set_flush_denormal(True)
-    from .models.convert import ConversionError
-    from .train.export_checkpoint import ExportError
-
-    from .eval.errors import EvalError
-    from .models.trust import UntrustedCodeError
-    from .parallel.safe_load import UnsafeCheckpointError
-
-    except_types = (UserError, ConversionError, FileNotFoundError, ExportError, EvalError,
-                    UntrustedCodeError, UnsafeCheckpointError)
+    # user mistakes (HaloUserError) and a missing file print one line; anything else is a bug
+    except_types = (HaloUserError, FileNotFoundError)
     try:
         return args.func(args)
     except except_types as e:

@@ -611,7 +611,8 @@ halo_pipeline_step_body() {  # what the job of step $1 runs (printed instead in 
             halo_mark_done "$RUNS/calibrate"
             ;;
         export)
-            halo_one_cmd "$HALO_CLI" export --checkpoint "$RUNS/stage3/checkpoints" --output "$MODEL_OUT"
+            # --overwrite: a re-run of this step replaces its own earlier export (nothing else)
+            halo_one_cmd "$HALO_CLI" export --checkpoint "$RUNS/stage3/checkpoints" --output "$MODEL_OUT" --overwrite
             halo_exec - "${HALO_CMD[@]}"
             halo_copy_scaling_cmd "$RUNS/stage3/final" "$MODEL_OUT"
             halo_exec - "${HALO_CMD[@]}"

@@ -69,7 +69,8 @@ def test_a_stage1_aligner_state_under_wrapper_prefixes_becomes_the_file_conversi
              for k, v in layer.mixer.state_dict().items()}
     weights = stage1_state_dict(state)
     assert set(weights) == {k for k in all_rnn.state_dict() if ".mixer." in k}
-    path = save_stage1_weights(weights, tmp_path, 4, "tiny", rnn_rope=all_rnn.config.rnn_rope)
+    path = save_stage1_weights(weights, tmp_path / "s1", 4, "tiny",
+                               rnn_rope=all_rnn.config.rnn_rope)
     sd = conv.convert_model(teacher, [0, 2], stage1_weights=path).state_dict()
     for i in (1, 3):
         assert torch.equal(sd[f"model.layers.{i}.mixer.q_proj.weight"],
@@ -220,7 +221,7 @@ def test_stage1_weights_aligned_with_another_rnn_rope_are_refused(qwen3_folder, 
 
     _, teacher = qwen3_folder
     # e.g. stage 1 ran pe=all_nope
-    path = save_stage1_weights({}, tmp_path, 4, "tiny", rnn_rope=False)
+    path = save_stage1_weights({}, tmp_path / "s1", 4, "tiny", rnn_rope=False)
     with pytest.raises(conv.ConversionError,
                        match="aligned with rnn_rope=false, this student has rnn_rope=true"):
         conv.convert_model(teacher, [0], stage1_weights=path)

@@ -220,7 +220,7 @@ def test_export_replaces_atomically(tmp_path):
     student = convert_model(tiny_qwen3(), [0])
     target = tmp_path / "m"
     export_hypenet(student, target)
-    export_hypenet(student, target)  # re-export over an existing folder
+    export_hypenet(student, target, overwrite=True)  # re-export over an earlier export
     assert (target / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 

@@ -240,3 +240,19 @@ def test_weights_that_do_not_fit_are_named_and_the_cli_says_so_in_one_line(tmp_p
     write_folder(ours, {**their_config(), "rnn_output_norm": "per_head"}, {})
     assert main(["import-official", str(ours), "--output", str(tmp_path / "out")]) == 2
     assert "already a halo_dist HypeNet" in capsys.readouterr().err
+
+
+def test_the_output_may_not_be_their_folder_nor_hold_it(tmp_path, capsys):
+    """Issue 55 item 1: `import-official DIR --output DIR` replaced their checkpoint with ours."""
+    from halo_dist.cli import main
+
+    cfg = their_config()
+    folder = write_folder(tmp_path / "theirs", cfg, their_weights(cfg))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for output in (folder, tmp_path):
+        for extra in ([], ["--overwrite"]):
+            assert main(["import-official", str(folder), "--output", str(output), *extra]) == 2
+            errors = [line for line in capsys.readouterr().err.splitlines()
+                      if line.startswith("error:")]
+            assert len(errors) == 1 and "checkpoint folder" in errors[0], errors
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -216,7 +216,7 @@ def test_m_i_runs_the_rnn_layer_with_the_rope_stage1_aligned_it_with(tiny_setup,
 
     root, teacher = tiny_setup
     base = teacher_as_hypenet(teacher)
-    path = save_stage1_weights(load_file(str(root / "s1.safetensors")), tmp_path, 4, "tiny",
+    path = save_stage1_weights(load_file(str(root / "s1.safetensors")), tmp_path / "s1", 4, "tiny",
                                rnn_rope=False)
     assert Stage1Weights(path, base).mixer(1).config.rnn_rope is False
     assert Stage1Weights(root / "s1.safetensors", base).mixer(1).config.rnn_rope is True

@@ -18,16 +18,16 @@ from typing import Sequence
 
 from .errors import DataError
 from .loader import PackedLoader
-from .manifest import (Manifest, ShardInfo, check_tokenizer, load_manifest, tokenizer_info,
-                       vocab_sha256)
+from .manifest import (Manifest, ShardInfo, check_tokenizer, load_manifest, refuse_duplicates,
+                       tokenizer_info, vocab_sha256)
 from .packing import IGNORE_INDEX, pack_batch, sp_slice
 from .shards import ShardWriter, scan_shard
-from .stream import TokenStream, check_shard
+from .stream import TokenStream, check_identity, check_shard, max_token_id
 
 __all__ = ["DataError", "PackedLoader", "Manifest", "ShardInfo", "TokenStream", "ShardWriter",
            "IGNORE_INDEX", "build_loader", "resolve_shards", "check_tokenizer", "load_manifest",
            "tokenizer_info", "vocab_sha256", "pack_batch", "sp_slice", "scan_shard", "check_shard",
-           "verify_share"]
+           "verify_share", "data_fingerprint", "check_share_fits"]
 log = logging.getLogger(__name__)
 
 
@@ -47,24 +47,35 @@ def resolve_shards(data, split: str = "train",
     """Shards of ``data``: a manifest (file, folder or :class:`Manifest`), a tar path/glob, or a
     list of them.
 
-    A bare shard list has no manifest: each shard is scanned for its counts (no checksum).
+    A bare shard list has no manifest: each shard is scanned for its counts (no checksum). A shard
+    listed twice is refused (``refuse_duplicates``).
     """
     if isinstance(data, Manifest):
+        refuse_duplicates(data.shards, data.path)
         return data.shards, data
     if isinstance(data, (str, os.PathLike)):
         p = Path(data)
         if p.suffix == ".json" or p.is_dir():
             m = load_manifest(p, split, allow_incomplete)
+            refuse_duplicates(m.shards, m.path)
             return m.shards, m
         data = [data]
     paths = _expand(list(data))
     if not paths:
         raise DataError("empty shard list")
+    refuse_duplicates([ShardInfo(path) for path in paths])
     infos = []
     for path in paths:
         ix = scan_shard(path)
         infos.append(ShardInfo(path, ix.num_samples, ix.num_tokens, os.path.getsize(path), None))
     return infos, None
+
+
+def data_fingerprint(data, split: str = "train") -> str:
+    """What identifies the token stream of ``data`` wherever it lies (the shards' names, counts and
+    checksums): the fingerprint a loader over all of its shards records in its state."""
+    shards, _ = resolve_shards(data, split)
+    return Manifest(None, split, shards).fingerprint()
 
 
 def verify_share(data, split: str, rank: int, world: int) -> list[str]:
@@ -74,6 +85,25 @@ def verify_share(data, split: str, rank: int, world: int) -> list[str]:
     training starts instead of when it is first read, hours later."""
     shards, _ = resolve_shards(data, split)
     return [msg for _, msg in _bad_shards(shards[rank::world])]
+
+
+def check_share_fits(data, split: str, vocab: int | None, rank: int, world: int) -> list[str]:
+    """This rank's share of the shards (every ``world``-th, from ``rank``) holds what the manifest
+    says (each shard's dtype and tokenizer: :func:`check_identity`) and only token ids below
+    ``vocab`` (None: not checked). Reads each shard's header; a shard without one is scanned.
+    Returns one message per shard that does not fit (empty: all fit)."""
+    shards, _ = resolve_shards(data, split)
+    bad = []
+    for info in shards[rank::world]:
+        try:
+            top = max_token_id(info, check_identity(info))
+        except DataError as e:
+            bad.append(str(e))
+            continue
+        if vocab is not None and top >= vocab:
+            bad.append(f"{info.path} holds token id {top}, beyond the model's vocabulary of "
+                       f"{vocab:,} ids")
+    return bad
 
 
 def _bad_shards(shards: list[ShardInfo]) -> list[tuple[ShardInfo, str]]:
@@ -141,6 +171,6 @@ def build_loader(data, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp
     # what is left to check on first use
     lazy = "sha256" if verify == "sha256" and not skip_corrupt else "size"
     stream = TokenStream(shards, seed, shuffle, shuffle_window, lazy)
-    fp = Manifest(None, split, shards).fingerprint()
+    fp = Manifest(None, split, shards).fingerprint()  # as data_fingerprint
     return PackedLoader(stream, seq_len, micro_batch_size, dp_rank, dp_size, sp_rank, sp_size,
                         num_workers, max_epochs, prefetch_factor, pin_memory, fp, skipped)

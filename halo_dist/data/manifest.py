@@ -30,7 +30,10 @@ _SHARD_KEYS = ("path", "samples", "tokens", "bytes", "sha256")
 
 @dataclass
 class ShardInfo:
-    """One shard as the manifest (or a scan) describes it; unknown fields are None."""
+    """One shard as the manifest (or a scan) describes it; unknown fields are None. ``dtype`` and
+    ``vocab_sha256``: what the manifest says every shard of it holds (its token dtype and its
+    tokenizer's vocabulary), checked against the shard's own header (``shards.read_shard_header``)
+    when it is used."""
 
     path: str
     samples: int | None = None
@@ -38,6 +41,8 @@ class ShardInfo:
     bytes: int | None = None
     sha256: str | None = None
     docs: int | None = None
+    dtype: str | None = None
+    vocab_sha256: str | None = None
 
 
 @dataclass
@@ -103,6 +108,8 @@ def load_manifest(path: str | os.PathLike, split: str = "train",
     entries = _require(splits[split], "shards", list, path, where)
     if not entries:
         raise DataError(f"split '{split}' has no shards", path, f"{where}shards")
+    tokenizer = raw.get("tokenizer") if isinstance(raw.get("tokenizer"), dict) else {}
+    vocab = tokenizer.get("vocab_sha256")
     shards = []
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
@@ -110,8 +117,23 @@ def load_manifest(path: str | os.PathLike, split: str = "train",
         for k in _SHARD_KEYS:
             _require(e, k, str if k in ("path", "sha256") else int, path, f"{where}shards[{i}].")
         shards.append(ShardInfo(str(path.parent / e["path"]), e["samples"], e["tokens"], e["bytes"],
-                                e["sha256"], e.get("docs")))
-    return Manifest(str(path), split, shards, raw.get("tokenizer", {}), raw.get("dtype"), raw)
+                                e["sha256"], e.get("docs"), raw.get("dtype"), vocab))
+    return Manifest(str(path), split, shards, tokenizer, raw.get("dtype"), raw)
+
+
+def refuse_duplicates(shards: list[ShardInfo], where: object = None) -> None:
+    """A shard listed twice, under its own name or as a copy (the same sha256), would be trained on
+    twice per epoch: refused, naming both."""
+    seen: dict[object, str] = {}
+    for s in shards:
+        keys = [("path", os.path.realpath(s.path))] + ([("sha256", s.sha256)] if s.sha256 else [])
+        for kind, key in keys:
+            if (kind, key) in seen:
+                how = ("listed twice" if kind == "path" else
+                       f"listed twice: a copy of {seen[(kind, key)]} (the same sha256)")
+                raise DataError(f"shard {s.path} is {how}; its tokens would be trained on twice "
+                                "per epoch: drop one", where or s.path, "shards")
+            seen[(kind, key)] = s.path
 
 
 def vocab_sha256(tokenizer) -> str:

@@ -8,6 +8,14 @@ document, stored as consecutive tar members sharing a key ``d<doc:012d>p<piece:0
 - ``<key>.piece.json`` (only for documents split into pieces):
   ``{"doc": int, "piece": int, "num_pieces": int, "continues": bool}``.
 
+A shard written by :class:`ShardWriter` starts with a pax global header (tar's own metadata
+record, which tar readers and webdataset skip) saying what its tokens are: ``halo_dist.dtype``,
+``halo_dist.vocab_sha256`` (the tokenizer's vocabulary, as in the manifest) and
+``halo_dist.max_id`` (the largest token id). :func:`read_shard_header` reads it from the first
+kilobyte, so every shard of a large set can be checked against the manifest's tokenizer and the
+model's vocabulary before training, without reading its tokens; the header is part of the shard's
+bytes, so its sha256 covers it.
+
 ``wds.WebDataset(url).decode()`` reads these shards as they are. The loader instead indexes each
 shard once (tar headers and npy headers only: :func:`scan_shard`) and reads token slices straight
 from an ``mmap`` (:class:`ShardReader`), which makes exact random-access resume cheap.
@@ -35,6 +43,8 @@ BLOCK = 512
 _KEY_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's key/extension split
 _NPY_DESCR = re.compile(rb"'descr':\s*'([<>|=]?[a-zA-Z]\d+)'")
 _NPY_SHAPE = re.compile(rb"'shape':\s*\((\d+),?\)")
+HEADER_PREFIX = "halo_dist."
+_MAX_ID_DIGITS = 10  # fixed width: the header is written first and the final value patched in
 
 
 def sample_key(doc: int, piece: int) -> str:
@@ -63,20 +73,33 @@ class ShardWriter:
 
     Usage::
 
-        with ShardWriter(path) as w:
+        with ShardWriter(path, vocab_sha256=...) as w:
             w.add(doc, piece, num_pieces, tokens)   # tokens: [n] uint16/uint32
         record = w.record    # {"samples", "docs", "tokens", "bytes", "sha256"}
 
-    If the block raises, the tmp file is deleted and nothing appears under ``path``.
+    The shard's header (module doc) records the tokens' dtype, their largest id and
+    ``vocab_sha256`` (the tokenizer's identity, when given). If the block raises, the tmp file is
+    deleted and nothing appears under ``path``.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, vocab_sha256: str | None = None):
         self.path = Path(path)
         self._ctx = atomic_open(self.path)
         self._file = self._ctx.__enter__()
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
-        self.samples = self.docs = self.tokens = 0
+        self._tar: tarfile.TarFile | None = None  # opened by the first sample: its dtype is known
+        self._header: dict[str, str] = {} if vocab_sha256 is None else {
+            f"{HEADER_PREFIX}vocab_sha256": vocab_sha256}
+        self.samples = self.docs = self.tokens = self.max_id = 0
         self.record: dict | None = None
+
+    def _open(self, dtype: np.dtype) -> tarfile.TarFile:
+        """The header (tarfile writes none for a USTAR archive), then the tar after it."""
+        self._header = {f"{HEADER_PREFIX}dtype": np.dtype(dtype).name, **self._header}
+        self._file.write(tarfile.TarInfo.create_pax_global_header(self._header_values()))
+        return tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+
+    def _header_values(self) -> dict[str, str]:
+        return {**self._header, f"{HEADER_PREFIX}max_id": f"{self.max_id:0{_MAX_ID_DIGITS}d}"}
 
     def _member(self, name: str, data: bytes) -> None:
         info = tarfile.TarInfo(name)
@@ -89,6 +112,8 @@ class ShardWriter:
         """Append one sample (a whole document, or piece ``piece`` of ``num_pieces``)."""
         if tokens.ndim != 1 or len(tokens) == 0:
             raise ValueError(f"sample {sample_key(doc, piece)} needs a non-empty 1-D token array")
+        if self._tar is None:
+            self._tar = self._open(tokens.dtype)
         key = sample_key(doc, piece)
         self._member(f"{key}.{TOKENS_EXT}", npy_bytes(tokens))
         if num_pieces > 1:
@@ -98,10 +123,18 @@ class ShardWriter:
         self.samples += 1
         self.docs += int(piece == num_pieces - 1)
         self.tokens += len(tokens)
+        self.max_id = max(self.max_id, int(tokens.max()))
 
     def close(self) -> dict:
-        """Finish the tar, fsync and rename it into place; return its manifest record."""
+        """Finish the tar (its header with the largest id), fsync and rename it into place; return
+        its manifest record."""
+        if self._tar is None:
+            self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
         self._tar.close()
+        if self._header:  # the same length: only the digits of max_id change
+            self._file.seek(0)
+            self._file.write(tarfile.TarInfo.create_pax_global_header(self._header_values()))
+            self._file.seek(0, os.SEEK_END)
         self._ctx.__exit__(None, None, None)
         self.record = {"samples": self.samples, "docs": self.docs, "tokens": self.tokens,
                        "bytes": self.path.stat().st_size, "sha256": sha256_file(self.path)}
@@ -110,7 +143,8 @@ class ShardWriter:
     def abort(self, exc: BaseException | None = None) -> None:
         """Drop the tmp file; nothing is written under the final name."""
         try:
-            self._tar.close()
+            if self._tar is not None:
+                self._tar.close()
         except Exception:
             pass
         err = exc if exc is not None else RuntimeError("aborted")
@@ -127,6 +161,30 @@ class ShardWriter:
             self.close()
         else:
             self.abort(exc)
+
+
+def read_shard_header(path: str | os.PathLike) -> dict[str, str]:
+    """The ``halo_dist.*`` fields of a shard's header (module doc), without the prefix: ``dtype``,
+    ``max_id``, ``vocab_sha256``; empty for a shard without one (another tool's, or an older
+    data_prep's). Reads the first kilobyte or so."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(BLOCK)
+            if len(head) < BLOCK or head[156:157] != b"g":
+                return {}
+            size = _octal(head[124:136], path, "pax header")
+            data = f.read(min(size, 1 << 16))
+    except OSError as e:
+        raise DataError(f"cannot open shard: {e.strerror}", path) from None
+    fields, pos = {}, 0
+    while pos < len(data) and data[pos:pos + 1].isdigit():
+        length, _, rest = data[pos:].partition(b" ")
+        record = rest[:int(length) - len(length) - 2]  # "<length> <key>=<value>\n"
+        key, _, value = record.decode("utf-8", "replace").partition("=")
+        if key.startswith(HEADER_PREFIX):
+            fields[key[len(HEADER_PREFIX):]] = value
+        pos += int(length)
+    return fields
 
 
 @dataclass

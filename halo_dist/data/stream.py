@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import DataError
 from .manifest import ShardInfo
-from .shards import ShardIndex, ShardReader, scan_shard, sha256_file
+from .shards import ShardIndex, ShardReader, read_shard_header, scan_shard, sha256_file
 
 log = logging.getLogger(__name__)
 VERIFY_MODES = ("none", "size", "sha256", "full")
@@ -33,7 +33,8 @@ def check_shard(info: ShardInfo, verify: str) -> ShardIndex | None:
     ``"sha256"``/``"full"``.
 
     ``size``: file exists with the recorded byte size. ``sha256``/``full``: also structure,
-    sample/token counts and checksum. Raises DataError naming file and key.
+    sample/token counts, dtype and tokenizer (:func:`check_identity`) and checksum. Raises
+    DataError naming file and key.
     """
     if verify == "none":
         return None
@@ -48,6 +49,7 @@ def check_shard(info: ShardInfo, verify: str) -> ShardIndex | None:
         return None
     index = scan_shard(info.path)
     check_counts(info, index)
+    check_identity(info, index=index)
     if info.sha256 is not None and sha256_file(info.path) != info.sha256:
         raise DataError("shard sha256 differs from the manifest (corrupt or replaced)", info.path,
                         "sha256")
@@ -62,6 +64,38 @@ def check_counts(info: ShardInfo, index: ShardIndex) -> None:
     if info.tokens is not None and index.num_tokens != info.tokens:
         raise DataError(f"shard holds {index.num_tokens} tokens, manifest says {info.tokens}",
                         info.path, "tokens")
+
+
+def check_identity(info: ShardInfo, header: dict | None = None,
+                   index: ShardIndex | None = None) -> dict:
+    """Refuse a shard that is not what its manifest says every shard is (``info.dtype``,
+    ``info.vocab_sha256``): its header's dtype and tokenizer, or for a shard without a header the
+    dtype of its samples (``index``). Returns the header (``read_shard_header`` unless given)."""
+    header = read_shard_header(info.path) if header is None else header
+    dtype = header.get("dtype") or (index.dtype.name if index is not None else None)
+    if info.dtype and dtype and dtype != info.dtype:
+        raise DataError(f"shard holds {dtype} tokens, its manifest says {info.dtype}: a shard of "
+                        "another data set?", info.path, "dtype")
+    vocab = header.get("vocab_sha256")
+    if info.vocab_sha256 and vocab and vocab != info.vocab_sha256:
+        raise DataError(f"shard was tokenized with another tokenizer than its manifest's "
+                        f"(vocabulary sha256 {vocab[:12]}…, the manifest's "
+                        f"{info.vocab_sha256[:12]}…): a shard of another data set?", info.path,
+                        "tokenizer.vocab_sha256")
+    return header
+
+
+def max_token_id(info: ShardInfo, header: dict | None = None) -> int:
+    """The largest token id in a shard: its header's record, else read from its tokens (one numpy
+    pass over the shard: shards of another tool or an older data_prep)."""
+    header = read_shard_header(info.path) if header is None else header
+    if header.get("max_id", "").isdigit():
+        return int(header["max_id"])
+    reader = ShardReader(scan_shard(info.path))
+    try:
+        return max(int(reader.tokens(i).max()) for i in range(reader.index.num_samples))
+    finally:
+        reader.close()
 
 
 @dataclass
@@ -129,6 +163,7 @@ class TokenStream:
             if index is None:
                 index = scan_shard(info.path)
                 check_counts(info, index)
+                check_identity(info, index=index)
             self._indices[sid] = index
         return self._indices[sid]
 

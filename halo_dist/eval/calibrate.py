@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -74,16 +72,14 @@ def check_hypenet_folder(folder: str | Path) -> dict:
 
 
 def write_scale_base(folder: str | Path, a: float | None) -> Path:
-    """Set ``attn_logits_scale_base`` in ``<folder>/config.json`` (temp file + rename)."""
+    """Set ``attn_logits_scale_base`` in ``<folder>/config.json`` (``outputs.write_text_atomic``:
+    temp file + rename, under the umask: the export stays readable to whom it was)."""
+    from ..outputs import write_text_atomic
+
     path = Path(folder) / "config.json"
     cfg = json.loads(path.read_text())
     cfg["attn_logits_scale_base"] = a
-    fd, tmp = tempfile.mkstemp(prefix=".config.json.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -163,8 +163,12 @@ def _add_select(sub) -> None:
 
 
 def cmd_select_layers(args) -> int:
+    from ..outputs import check_output_file
     from . import selection as sel
 
+    for path in (args.output, args.results_out):
+        if path:
+            check_output_file(path)  # before the layers are evaluated, not after
     if args.from_results and args.teacher:
         raise EvalError("give either --from-results (rank only) or --teacher (evaluate), not both")
     given = parse_int_list(args.given, "--given") if args.given else None
@@ -381,8 +385,11 @@ def _add_calibrate(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
+    from ..outputs import check_output_file
     from .calibrate import calibrate, check_hypenet_folder, parse_grid
 
+    if args.output:
+        check_output_file(args.output)  # before the grid search, not after it
     grid = parse_grid(args.grid)
     if args.seq_len < 2 or args.rows < 1 or args.batch_size < 1:
         raise EvalError("--seq-len must be >= 2, --rows and --batch-size >= 1")
@@ -420,8 +427,11 @@ def _add_eval_lm(sub) -> None:
 
 
 def cmd_eval_lm(args) -> int:
+    from ..outputs import check_output_file
     from .lm_eval_bridge import markdown, run_lm_eval
 
+    if args.output:
+        check_output_file(args.output)  # before the evaluation, not after it
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if args.limit is not None and args.limit < 1:
         raise EvalError("--limit must be >= 1")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from .errors import EvalError
@@ -104,18 +103,11 @@ def save_results(path: str | os.PathLike, results: dict[int, dict]) -> Path:
 
 
 def write_json_atomic(path: str | os.PathLike, payload) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, default=_json_default)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """``payload`` as indented JSON at ``path`` (``outputs.write_text_atomic``: whole or not at
+    all, under the umask; a folder there is refused)."""
+    from ..outputs import write_text_atomic
+
+    return write_text_atomic(path, json.dumps(payload, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(x):

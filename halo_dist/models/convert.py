@@ -381,13 +381,20 @@ def convert(
     stage1_weights: str | None = None,
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
+    overwrite: bool = False,
     **overrides,
 ) -> HypeNetForCausalLM:
     """Full conversion: validate config -> load teacher -> transfer -> (optionally) export to
-    ``output``."""
+    ``output`` (an earlier export of ours there is replaced only with ``overwrite``)."""
+    from ..outputs import check_output
+
     source = resolve_teacher(teacher)
     # fails before any weight loads
     cfg = student_config(load_teacher_config(source), attn_layers, **overrides)
+    inputs = {"teacher": Path(source.path) / (source.gguf_file or ""),
+              "stage-1 weights": stage1_weights}
+    if output is not None:  # refused before any weight loads
+        check_output(output, inputs, overwrite)
     if stage1_weights is not None and not Path(stage1_weights).exists():
         raise ConversionError(f"stage-1 weights file {stage1_weights} does not exist")
     teacher_model = load_teacher(source, dtype)
@@ -407,7 +414,7 @@ def convert(
         export_hypenet(student, output, tokenizer=tok,
                        generation_config=teacher_generation_config(source),
                        extra={"stage": "convert", "teacher": teacher,
-                              "attn_layers": cfg.attn_layers})
+                              "attn_layers": cfg.attn_layers}, overwrite=overwrite, inputs=inputs)
     assert cfg.to_dict()["mixer_types"] == student.config.mixer_types
     return student
 

@@ -2,8 +2,9 @@
 
 The folder holds safetensors weights, ``config.json`` with an ``auto_map``,
 ``generation_config.json`` (the teacher's when given), the tokenizer (if given, with its chat
-template), exactly our model files, a model card (``README.md``) and the run record
-(``halo_dist.json``), so ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
+template), exactly our model files, a model card (``README.md``), the run record
+(``halo_dist.json``) and the marker of an output of ours (``outputs.MARKER``: what lets a later
+export replace it), so ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``
 works in a fresh process without halo_dist installed. Nothing else (no teacher, no training code) is
 written.
 
@@ -18,13 +19,13 @@ import copy
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import HaloUserError
+from ..outputs import write_output
 from .model_card import model_card
 
 # the model classes import transformers: loaded when a model is built, not with this module
@@ -115,14 +116,15 @@ def meta_model_with(weights: dict, config, source: str = "state dict") -> HypeNe
 
 def write_hf_folder(state: dict, config, output: str | os.PathLike, tokenizer=None,
                     record: dict | None = None, generation_config=None,
-                    run_config: dict | None = None, source: str = "state dict") -> Path:
+                    run_config: dict | None = None, source: str = "state dict",
+                    overwrite: bool = False, inputs: dict | None = None) -> Path:
     """Trained weights -> a complete HF HypeNet folder at ``output``, atomically, ``DONE`` written
     last.
 
     ``state``: the model's weights under any wrapper prefixes; ``config``: its HypeNetConfig.
     ``record``: the run record (halo_dist.json, the model card, and the content of ``DONE``);
     ``run_config``: the resolved run config for ``run_config.json``; ``tokenizer`` /
-    ``generation_config`` as in :func:`export_hypenet`.
+    ``generation_config`` / ``overwrite`` / ``inputs`` as in :func:`export_hypenet`.
     Nothing is written when a weight is missing (:class:`ExportError`).
     """
     model = model_from_state(state, config, source)
@@ -130,53 +132,59 @@ def write_hf_folder(state: dict, config, output: str | os.PathLike, tokenizer=No
              else {"run_config.json": json.dumps(run_config, indent=2, default=str)})
     files[DONE_FILE] = json.dumps(record or {}, indent=2, default=str)
     return export_hypenet(model, output, tokenizer=tokenizer, extra=record,
-                          generation_config=generation_config, files=files)
+                          generation_config=generation_config, files=files, overwrite=overwrite,
+                          inputs=inputs)
 
 
 def export_hypenet(model: HypeNetForCausalLM, output: str | os.PathLike,
                    tokenizer=None, extra: dict | None = None, generation_config=None,
-                   files: dict[str, str] | None = None) -> Path:
-    """Write the folder atomically: build it in a sibling temp dir, then rename into place.
+                   files: dict[str, str] | None = None, overwrite: bool = False,
+                   inputs: dict | None = None) -> Path:
+    """Write the folder atomically (``outputs.write_output``: built in a hidden sibling, then
+    renamed into place).
 
     ``extra``: the run record (stage, teacher, steps, tokens, held-out evaluation, ``history`` of
     the stages before) for halo_dist.json and the model card. ``generation_config``: the teacher's
     GenerationConfig, the export's generation defaults (default: the special tokens of the model's
     config). ``files``: name -> text, written last, in order, before the folder is renamed into
     place (e.g. a ``DONE`` marker).
-    An existing ``output`` is replaced only after the new folder is complete.
+    An existing ``output`` is replaced only when it is an earlier output of ours and ``overwrite``
+    is set, and only after the new folder is complete; ``inputs`` (what the caller read, e.g.
+    ``{"teacher": path}``) may not be, hold or lie inside ``output``.
     """
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    own_generation = model.generation_config
-    try:
-        model.config.auto_map = dict(AUTO_MAP)
-        if generation_config is not None:
-            model.generation_config = copy.deepcopy(generation_config)
-        model.save_pretrained(tmp, safe_serialization=True)
-        src = Path(__file__).parent / "hypenet"
-        for name in MODEL_FILES:
-            shutil.copyfile(src / name, tmp / name)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-            _drop_foreign_code(tmp)
-        if extra:
-            (tmp / RECORD_FILE).write_text(json.dumps(extra, indent=2, default=str))
-        card = model_card(model.config,
-                          json.loads(json.dumps(extra, default=str)) if extra else None,
-                          tokenizer=tokenizer is not None,
-                          chat_template=bool(getattr(tokenizer, "chat_template", None)),
-                          generation=model.generation_config.to_diff_dict())
-        (tmp / "README.md").write_text(card)
+    def fill(tmp: Path) -> None:
+        _write_model_folder(model, tmp, tokenizer, extra, generation_config)
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
-        _replace_dir(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    own_generation = model.generation_config
+    try:
+        return write_output(output, fill, "hf-model", overwrite=overwrite, inputs=inputs)
     finally:
         model.generation_config = own_generation
-    return output
+
+
+def _write_model_folder(model: HypeNetForCausalLM, folder: Path, tokenizer, extra: dict | None,
+                        generation_config) -> None:
+    """Weights, config, our model files, the tokenizer, the run record and the model card."""
+    model.config.auto_map = dict(AUTO_MAP)
+    if generation_config is not None:
+        model.generation_config = copy.deepcopy(generation_config)
+    model.save_pretrained(folder, safe_serialization=True)
+    src = Path(__file__).parent / "hypenet"
+    for name in MODEL_FILES:
+        shutil.copyfile(src / name, folder / name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+        _drop_foreign_code(folder)
+    if extra:
+        (folder / RECORD_FILE).write_text(json.dumps(extra, indent=2, default=str))
+    card = model_card(model.config,
+                      json.loads(json.dumps(extra, default=str)) if extra else None,
+                      tokenizer=tokenizer is not None,
+                      chat_template=bool(getattr(tokenizer, "chat_template", None)),
+                      generation=model.generation_config.to_diff_dict())
+    (folder / "README.md").write_text(card)
 
 
 def read_record(folder: str | os.PathLike) -> dict | None:
@@ -213,15 +221,3 @@ def _drop_foreign_code(folder: Path) -> None:
         data = json.loads(path.read_text())
         if isinstance(data, dict) and data.pop("auto_map", None) is not None:
             path.write_text(json.dumps(data, indent=2, ensure_ascii=False))
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Swap ``new`` into ``target``; the old folder is removed only after the rename succeeded."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(new, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, target)

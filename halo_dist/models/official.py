@@ -199,13 +199,17 @@ def official_state_dict(theirs: dict[str, torch.Tensor],
     return ours
 
 
-def import_official(folder: str | os.PathLike,
-                    output: str | os.PathLike | None = None) -> HypeNetForCausalLM:
+def import_official(folder: str | os.PathLike, output: str | os.PathLike | None = None,
+                    overwrite: bool = False) -> HypeNetForCausalLM:
     """Their folder -> our model (and, with ``output``, our self-contained export with their
-    tokenizer)."""
+    tokenizer; an earlier export of ours there is replaced only with ``overwrite``)."""
+    from ..outputs import check_output
     from .convert import build_student
 
     folder = Path(folder)
+    inputs = {"checkpoint folder": folder}
+    if output is not None:  # refused before any weight loads
+        check_output(output, inputs, overwrite)
     if not (folder / "config.json").is_file():
         raise ImportOfficialError(f"{folder} has no config.json")
     theirs = json.loads((folder / "config.json").read_text())
@@ -225,5 +229,6 @@ def import_official(folder: str | os.PathLike,
             tok = AutoTokenizer.from_pretrained(folder)
         export_hypenet(model, output, tokenizer=tok,
                        extra={"imported_from": {"folder": str(folder.resolve()),
-                                                "format": "thunlp/hybrid-linear-attention"}})
+                                                "format": "thunlp/hybrid-linear-attention"}},
+                       overwrite=overwrite, inputs=inputs)
     return model

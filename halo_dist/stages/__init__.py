@@ -20,12 +20,14 @@ from __future__ import annotations
 from .build import (build_distill_module, build_stage1_module, check_student_init_pe,
                     student_overrides)
 from .distill import StudentWithLoss
-from .output import (export_generation_config, gathered_state_dict, lineage, run_record,
-                     teacher_tokenizer, write_distill_output, write_stage1_output)
+from .output import (check_stage_output, export_generation_config, gathered_state_dict, lineage,
+                     run_record, stage_inputs, teacher_tokenizer, write_distill_output,
+                     write_stage1_output)
 from .protocol import StageModule, StageSpec
 from .stage1 import STAGE1_FILE, Stage1Aligner
 
 __all__ = ["STAGE1_FILE", "StudentWithLoss", "Stage1Aligner", "StageModule", "StageSpec",
-           "build_distill_module", "build_stage1_module", "check_student_init_pe",
-           "export_generation_config", "gathered_state_dict", "lineage", "run_record",
-           "student_overrides", "teacher_tokenizer", "write_distill_output", "write_stage1_output"]
+           "build_distill_module", "build_stage1_module", "check_stage_output",
+           "check_student_init_pe", "export_generation_config", "gathered_state_dict", "lineage",
+           "run_record", "stage_inputs", "student_overrides", "teacher_tokenizer",
+           "write_distill_output", "write_stage1_output"]

@@ -110,6 +110,26 @@ def _record(trainer) -> dict:
                          else {"attn_layers": list(cfg.model.attn_layers)}))
 
 
+def stage_inputs(cfg: RunConfig) -> dict:
+    """What a stage reads that its ``final/`` may not be, hold or lie inside (the teacher's folder,
+    the initial student, the stage-1 weights), by the config key that names it."""
+    from .teacher import teacher_path
+
+    m = cfg.model
+    teacher = None if m.teacher in (None, "random") else teacher_path(m.teacher)
+    return {"model.teacher": teacher, "model.student_init": m.student_init,
+            "model.stage1_weights": m.stage1_weights}
+
+
+def check_stage_output(cfg: RunConfig) -> Path:
+    """Before anything is built: the stage can write ``<run_dir>/final`` when it ends (empty,
+    absent, or an earlier output of ours, which it replaces; apart from the inputs), or refuses
+    now. Returns the folder."""
+    from ..outputs import check_output
+
+    return check_output(Path(cfg.logging.run_dir) / "final", stage_inputs(cfg), overwrite=True)
+
+
 def write_distill_output(trainer, folder: Path) -> Path | None:
     """Stages 2/3: the student as an HF HypeNet folder. Rank 0 writes; all ranks call."""
     from ..models.export import write_hf_folder
@@ -120,7 +140,8 @@ def write_distill_output(trainer, folder: Path) -> Path | None:
     cfg = trainer.cfg
     return write_hf_folder(state, trainer.module.student.config, folder,
                            tokenizer=teacher_tokenizer(cfg), record=_record(trainer),
-                           generation_config=export_generation_config(cfg), run_config=to_dict(cfg))
+                           generation_config=export_generation_config(cfg), run_config=to_dict(cfg),
+                           overwrite=True, inputs=stage_inputs(cfg))
 
 
 def write_stage1_output(trainer, folder: Path) -> Path | None:
@@ -129,8 +150,8 @@ def write_stage1_output(trainer, folder: Path) -> Path | None:
     if trainer.rank != 0:
         return None
     cfg, module = trainer.cfg, trainer.module
-    path = save_stage1_weights(stage1_state_dict(state), folder, len(module.mixers),
-                               cfg.model.teacher, rnn_rope=module.student_config.rnn_rope)
-    (folder / "run_config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
-    (folder / "DONE").write_text(json.dumps(_record(trainer), indent=2, default=str))
-    return path
+    files = {"run_config.json": json.dumps(to_dict(cfg), indent=2, default=str),
+             "DONE": json.dumps(_record(trainer), indent=2, default=str)}
+    return save_stage1_weights(stage1_state_dict(state), folder, len(module.mixers),
+                               cfg.model.teacher, rnn_rope=module.student_config.rnn_rope,
+                               files=files, overwrite=True, inputs=stage_inputs(cfg))

@@ -228,7 +228,7 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
     (``logits_scaling_in_training=false``: the reference code's inference-only scaling).
     """
     from ..models.export import write_hf_folder
-    from .output import gathered_state_dict, run_record
+    from .output import gathered_state_dict, run_record, stage_inputs
 
     state = gathered_state_dict(trainer)
     if trainer.rank != 0:
@@ -243,7 +243,7 @@ def write_pretrain_output(trainer, folder: Path) -> Path | None:
                         seq_len=cfg.data.seq_len, arch=cfg.pretrain.arch, pe=cfg.model.pe,
                         rnn_mixer=cfg.model.rnn_mixer)
     return write_hf_folder(state, config, folder, tokenizer=tokenizer, record=record,
-                           run_config=to_dict(cfg))
+                           run_config=to_dict(cfg), overwrite=True, inputs=stage_inputs(cfg))
 
 
 # ---------------------------------------------------------------------------------------- --check

@@ -113,23 +113,26 @@ def stage1_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def save_stage1_weights(weights: dict[str, torch.Tensor], folder: str | Path, num_layers: int,
-                        teacher: str, rnn_rope: bool = True) -> Path:
-    """Atomic write of the stage-1 file (+ metadata conversion checks against: the layer count, and
-    the RNN RoPE of ``model.pe`` the layers were aligned with, which a stage-2 student must
-    share)."""
-    import os
+                        teacher: str, rnn_rope: bool = True, files: dict[str, str] | None = None,
+                        overwrite: bool = False, inputs: dict | None = None) -> Path:
+    """Write the folder holding the stage-1 file (+ ``files``: name -> text, written after it) at
+    once (``outputs.write_output``: an earlier output of ours there is replaced only with
+    ``overwrite``; ``inputs`` may not be, hold or lie inside it); returns the file's path.
 
+    The file's metadata holds what conversion checks against: the layer count, and the RNN RoPE of
+    ``model.pe`` the layers were aligned with, which a stage-2 student must share."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / STAGE1_FILE
-    tmp = folder / f".{STAGE1_FILE}.tmp"
-    save_file(weights, str(tmp),
-              metadata={"num_hidden_layers": str(num_layers), "teacher": str(teacher),
-                        "rnn_rope": "true" if rnn_rope else "false"})
-    os.replace(tmp, path)
-    return path
+    from ..outputs import write_output
+
+    def fill(tmp: Path) -> None:
+        save_file(weights, str(tmp / STAGE1_FILE),
+                  metadata={"num_hidden_layers": str(num_layers), "teacher": str(teacher),
+                            "rnn_rope": "true" if rnn_rope else "false"})
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
+
+    return write_output(folder, fill, "stage1", overwrite=overwrite, inputs=inputs) / STAGE1_FILE
 
 
 def resolve_stage1_file(path: str | Path) -> Path:

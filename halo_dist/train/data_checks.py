@@ -12,11 +12,33 @@ from .evaluation import HeldoutEval
 
 
 def check_training_data(cfg, rank: int, world: int) -> None:
-    """The held-out split exists, the shards fit the model's vocabulary and (``data.verify=full``)
-    are intact; collective (every rank calls it)."""
+    """The held-out split exists, every shard fits the manifest and the model's vocabulary and
+    (``data.verify=full``) is intact; collective (every rank calls it)."""
     HeldoutEval.check_config(cfg)
-    check_data_vocabulary(cfg)
+    check_data_vocabulary(cfg, rank, world)
     verify_data(cfg, rank, world)
+
+
+def _sources(cfg) -> list[tuple[object, str]]:
+    """The shards a run reads: the training split, and the held-out one when it evaluates."""
+    sources = [(cfg.data.train, "train")]
+    if cfg.eval.every_steps:
+        sources.append((cfg.data.eval or cfg.data.train, cfg.eval.split))
+    return sources
+
+
+def _everyone(bad: list[str], world: int) -> list[str]:
+    """The messages of every rank, in rank order (one rank: no process group needed)."""
+    if world == 1:
+        return bad
+    everyone: list[list[str]] = [[] for _ in range(world)]
+    dist.all_gather_object(everyone, bad)
+    return [msg for rank_bad in everyone for msg in rank_bad]
+
+
+def _listing(bad: list[str]) -> str:
+    more = f" (and {len(bad) - 1} more: {'; '.join(bad[1:4])})" if len(bad) > 1 else ""
+    return f"{bad[0]}{more}"
 
 
 def verify_data(cfg, rank: int, world: int) -> None:
@@ -28,34 +50,45 @@ def verify_data(cfg, rank: int, world: int) -> None:
     from ..data.errors import DataError
 
     t0 = time.time()
-    sources = [(cfg.data.train, "train")]
-    if cfg.eval.every_steps:
-        sources.append((cfg.data.eval or cfg.data.train, cfg.eval.split))
-    bad = [msg for data, split in sources for msg in verify_share(data, split, rank, world)]
-    everyone: list[list[str]] = [[] for _ in range(world)]
-    dist.all_gather_object(everyone, bad)
-    bad = [msg for rank_bad in everyone for msg in rank_bad]
+    bad = _everyone([msg for data, split in _sources(cfg)
+                     for msg in verify_share(data, split, rank, world)], world)
     if bad:
-        more = f" (and {len(bad) - 1} more: {'; '.join(bad[1:4])})" if len(bad) > 1 else ""
-        raise DataError(f"data.verify=full found {len(bad)} bad shard(s): {bad[0]}{more}; "
+        raise DataError(f"data.verify=full found {len(bad)} bad shard(s): {_listing(bad)}; "
                         "re-create them, or drop them from the manifest")
     if rank == 0:
         print(f"data: shards verified (sizes, counts, sha256) in {time.time() - t0:.1f}s over "
               f"{world} rank(s)", flush=True)
 
 
-def check_data_vocabulary(cfg) -> None:
-    """Refuse shards whose token ids the model cannot embed (otherwise an IndexError in the
-    embedding at step 1). Compares the manifest's tokenizer size with the model's vocabulary; bare
-    shards without a manifest carry no size and are not checked here (nor scanned: the loader reads
-    them once, later)."""
-    from ..data import load_manifest
+def check_data_vocabulary(cfg, rank: int, world: int) -> None:
+    """Refuse shards the model cannot train on, before anything is built (otherwise an IndexError
+    in the embedding at step 1, or silently another tokenizer's tokens): the manifest's tokenizer
+    size against the model's vocabulary, then every shard (the ranks split them) against the
+    manifest's dtype and tokenizer and its largest token id against the vocabulary. A shard's
+    header (data/shards.py) holds all three, so this reads about a kilobyte per shard; a shard
+    without one (another tool's, an older data_prep's) has its tokens scanned once."""
+    from ..data import check_share_fits
     from ..data.errors import DataError
     from ..stages.teacher import model_vocab_size
 
-    source = Path(str(cfg.data.train))
-    vocab = model_vocab_size(cfg) if source.suffix == ".json" or source.is_dir() else None
-    if vocab is None:
+    vocab = model_vocab_size(cfg)
+    if vocab is not None:
+        _check_manifest_vocabulary(cfg.data.train, vocab)
+    bad = _everyone([msg for data, split in _sources(cfg)
+                     for msg in check_share_fits(data, split, vocab, rank, world)], world)
+    if bad:
+        raise DataError(f"{len(bad)} shard(s) do not fit this run: {_listing(bad)}; tokenize "
+                        "the data with the teacher's tokenizer, or drop those shards")
+
+
+def _check_manifest_vocabulary(source, vocab: int) -> None:
+    """The manifest's tokenizer is no larger than the model's vocabulary (bare shards: nothing to
+    compare)."""
+    from ..data import load_manifest
+    from ..data.errors import DataError
+
+    source = Path(str(source))
+    if not (source.suffix == ".json" or source.is_dir()):
         return
     manifest = load_manifest(source, "train")
     size = (manifest.tokenizer or {}).get("vocab_size")

@@ -43,15 +43,19 @@ def consolidated_state(ckpt: Path) -> dict:
                                                                      tag=ckpt.name)
 
 
-def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
-    """The checkpoint's trained weights -> ``output`` (stage 1: the RNN-layer file; else an HF
-    folder)."""
+def export_checkpoint(checkpoint: str | Path, output: str | Path, overwrite: bool = False) -> Path:
+    """The checkpoint's trained weights -> the folder ``output`` (stage 1: the RNN-layer file; else
+    an HF folder); an earlier export of ours there is replaced only with ``overwrite``."""
     from ..models.export import write_hf_folder
     from ..models.hypenet import HypeNetConfig
+    from ..outputs import check_output
     from ..stages.stage1 import save_stage1_weights, stage1_state_dict
     from .checkpoint import TRAINER_STATE
 
     ckpt = resolve_checkpoint(checkpoint)
+    # the run folder around the checkpoint is an input too: --output RUN would replace it
+    inputs = {"checkpoint": ckpt, "checkpoint folder": checkpoint}
+    check_output(output, inputs, overwrite)  # before the shards are read
     state_file = ckpt / TRAINER_STATE
     if not state_file.exists():
         raise ExportError(f"{state_file} is missing: not a halo_dist checkpoint")
@@ -61,7 +65,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
     if meta["stage"] == "stage1":
         return save_stage1_weights(stage1_state_dict(weights), output,
                                    cfg_dict["num_hidden_layers"], meta.get("teacher", "?"),
-                                   rnn_rope=cfg_dict.get("rnn_rope", True))
+                                   rnn_rope=cfg_dict.get("rnn_rope", True), overwrite=overwrite,
+                                   inputs=inputs)
     config = HypeNetConfig(**{k: v for k, v in cfg_dict.items()
                               if k not in ("auto_map", "architectures")})
     record = {"stage": meta.get("stage", "checkpoint"), "step": meta["step"],
@@ -69,7 +74,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path) -> Path:
               "checkpoint": str(ckpt)}
     return write_hf_folder(weights, config, output, tokenizer=run_tokenizer(ckpt),
                            record={k: v for k, v in record.items() if v is not None},
-                           source=f"checkpoint {ckpt}")
+                           source=f"checkpoint {ckpt}", overwrite=overwrite, inputs=inputs)
 
 
 def run_tokenizer(ckpt: Path):
@@ -87,7 +92,7 @@ def run_tokenizer(ckpt: Path):
 
 
 def cmd_export(args) -> int:
-    out = export_checkpoint(args.checkpoint, args.output)
+    out = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out}")
     if (out / "config.json").exists() and not (out / "tokenizer_config.json").exists():
         print(f"note: {out} holds no tokenizer (the run's teacher has none, or it does not load "
@@ -99,6 +104,8 @@ def register_export_command(sub) -> None:
     """Add `export` to the `halo-dist` parser."""
     import argparse
 
+    from ..outputs import add_overwrite_flag
+
     e = sub.add_parser("export",
                        help="consolidate a training checkpoint (ZeRO shards) into an HF folder",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,4 +113,5 @@ def register_export_command(sub) -> None:
                    help="a step-N folder, or a checkpoints folder (newest complete)")
     e.add_argument("--output", required=True,
                    help="output folder (HF HypeNet) or folder for rnn_layers.safetensors")
+    add_overwrite_flag(e)
     e.set_defaults(func=cmd_export)

@@ -470,19 +470,22 @@ class OPDTrainer(Trainer):
     def finish(self) -> Path | None:
         """Write the student as an HF HypeNet folder under ``<run_dir>/final`` (rank 0)."""
         from ..models.export import write_hf_folder
-        from ..stages import export_generation_config, run_record
+        from ..stages import export_generation_config, run_record, stage_inputs
 
         out = None
         student = self._generation_model()  # under ZeRO-3 the gathered replica (collective)
-        if self.rank == 0:
-            folder = Path(self.cfg.logging.run_dir) / "final"
-            record = run_record(self.cfg, self.step, self.tokens_seen, self.metrics,
-                                horizon=self.horizon.horizon)
-            out = write_hf_folder(student.state_dict(), student.config, folder,
-                                  tokenizer=self.tokenizer, record=record,
-                                  generation_config=export_generation_config(self.cfg))
-        self.metrics.close()
-        _barrier()
+        try:
+            if self.rank == 0:
+                folder = Path(self.cfg.logging.run_dir) / "final"
+                record = run_record(self.cfg, self.step, self.tokens_seen, self.metrics,
+                                    horizon=self.horizon.horizon)
+                out = write_hf_folder(student.state_dict(), student.config, folder,
+                                      tokenizer=self.tokenizer, record=record,
+                                      generation_config=export_generation_config(self.cfg),
+                                      overwrite=True, inputs=stage_inputs(self.cfg))
+        finally:  # a failed write (disk full) still meets the other ranks here, then raises
+            self.metrics.close()
+            _barrier()
         return out
 
 

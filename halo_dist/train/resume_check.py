@@ -4,7 +4,8 @@ What defines the run must match, or the resume is refused with the list of diffe
 the model (teacher, shape, attention layers, mixers, scaling, dtype, initial weights), stage
 pretrain's variant, shape and init (the whole ``pretrain`` section), on-policy distillation's
 ``opd`` section, the data (shards, sequence length, global batch, seed, shuffling, held-out split)
-and the objective. What only changes how the run proceeds may differ and is printed: step counts and
+and the objective; ``data.train`` by content: the same shards under another path are the same
+data. What only changes how the run proceeds may differ and is printed: step counts and
 schedule (checked on its own against the saved LR), optimizer settings (e.g. a lower LR after a
 non-finite stop), logging, checkpoint and evaluation cadence, micro batch and workers, parallel
 layout, compilation and activation checkpointing.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ConfigError, RunConfig
 from ..config.coerce import moved_to
@@ -50,8 +51,11 @@ def _covered(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
-def compare(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """``(refused, allowed)``: one ``key: saved -> current`` line per differing setting."""
+def compare(saved: dict, current: dict,
+            same_content: Callable[[str], bool] | None = None) -> tuple[list[str], list[str]]:
+    """``(refused, allowed)``: one ``key: saved -> current`` line per differing setting.
+    ``same_content(key)``: whether a path setting that must match names the same content under
+    another path (allowed then)."""
     flat = flatten(saved)
     # a removed setting no longer changes the run, unless it held a value today's code cannot run
     refused = [f"{key}: {flat[key]!r} -> removed (runs as {value!r})"
@@ -66,14 +70,18 @@ def compare(saved: dict, current: dict) -> tuple[list[str], list[str]]:
         if old == new or (old is None and key not in b) or (new is None and key not in a):
             continue
         line = f"{key}: {old!r} -> {new!r}"
-        (refused if _covered(key, MUST_MATCH) and not _covered(key, MAY_CHANGE)
-         else allowed).append(line)
+        must = _covered(key, MUST_MATCH) and not _covered(key, MAY_CHANGE)
+        if must and same_content is not None and same_content(key):
+            must, line = False, f"{line} (the same shards)"
+        (refused if must else allowed).append(line)
     return refused, allowed
 
 
-def check_resume_config(checkpoint: Path, current: dict, announce: bool = True) -> list[str]:
+def check_resume_config(checkpoint: Path, current: dict, announce: bool = True,
+                        same_content: Callable[[str], bool] | None = None) -> list[str]:
     """Refuse (ConfigError) to resume ``checkpoint`` with a config that defines another run; return
-    (and print, if ``announce``) the settings that changed and are allowed to."""
+    (and print, if ``announce``) the settings that changed and are allowed to (``same_content`` as
+    in :func:`compare`)."""
     from ..config.resolved import _resolved_data
 
     path = checkpoint / "config.yaml"
@@ -81,7 +89,7 @@ def check_resume_config(checkpoint: Path, current: dict, announce: bool = True) 
         raise ConfigError(f"{checkpoint} holds no config.yaml: cannot tell whether resuming "
                           "it continues the same run (start a new run folder, or set "
                           "checkpoint.resume=never)")
-    refused, allowed = compare(_resolved_data(path)["config"], current)
+    refused, allowed = compare(_resolved_data(path)["config"], current, same_content)
     if refused:
         raise ConfigError(f"refusing to resume {checkpoint}: the run it belongs to differs in\n  "
                           + "\n  ".join(refused)
@@ -101,6 +109,16 @@ def check_same_run(checkpoint: Path, cfg, teacher_files: dict, announce: bool = 
     from .checkpoint import TRAINER_STATE
     from .teacher_identity import check_same_teacher
 
-    check_resume_config(checkpoint, to_dict(cfg), announce=announce)
-    saved = json.loads((checkpoint / TRAINER_STATE).read_text()).get("teacher_files")
-    check_same_teacher(saved, teacher_files, checkpoint)
+    state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    check_resume_config(checkpoint, to_dict(cfg), announce=announce,
+                        same_content=lambda key: key == "data.train" and _same_shards(state, cfg))
+    check_same_teacher(state.get("teacher_files"), teacher_files, checkpoint)
+
+
+def _same_shards(state: dict, cfg) -> bool:
+    """Whether ``data.train`` holds the shards the checkpoint's loader read (their names, counts and
+    checksums: the loader's fingerprint), wherever they lie now."""
+    from ..data import data_fingerprint
+
+    saved = (state.get("loader") or {}).get("fingerprint")
+    return bool(saved) and saved == data_fingerprint(cfg.data.train, "train")

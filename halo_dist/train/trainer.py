@@ -1,8 +1,9 @@
 """The teacher-student engine: one Trainer runs HALO stages 1, 2 and 3 on DeepSpeed.
 
 Order of construction (fixed, see ``Trainer.setup``): distributed + process groups -> validate the
-batch layout -> check the shards -> the teacher's identity and the checkpoint to resume, refused if
-it belongs to another run (nothing is built yet) -> teacher (frozen, replicated) -> stage module
+batch layout -> check the shards and ``final/`` -> the teacher's identity and the checkpoint to
+resume, refused if it belongs to another run (nothing is built yet) -> teacher (frozen, replicated)
+-> stage module
 (student + loss) -> sequence parallelism injected into every mixer -> activation checkpointing ->
 DeepSpeed engine (ZeRO stage from the config, partitioned over all dp*sp ranks) -> loader ->
 checkpoint manager -> resume -> metrics -> signal handlers. A subclass replaces what is built
@@ -35,6 +36,7 @@ from ..models.fla_offsets import install as install_fla_offsets
 from ..models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
 from ..parallel.env import local_device
+from ..stages.output import check_stage_output
 from ..stages.protocol import StageModule, StageSpec
 from ..errors import IncompatibleInputError
 from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
@@ -100,6 +102,7 @@ class Trainer(StopControl):
         shared."""
         self._start()
         self._check_data()
+        check_stage_output(self.cfg)  # the output folder the run ends with, before it starts
         self._find_resume()
         self._build()
         self.ckpt = CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
