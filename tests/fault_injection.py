@@ -1,4 +1,5 @@
-"""Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses.
+"""Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses, a file system
+that fills up.
 
 The trainers (``halo_dist.train.trainer.Trainer`` and its subclasses,
 ``halo_dist.train.opd_loop.OPDTrainer`` among them) expose ``step_hooks`` and ``loss_hooks`` lists
@@ -6,7 +7,7 @@ that product code leaves empty. A test that builds a trainer itself appends the 
 that runs a launcher in a subprocess runs it through this file::
 
     python tests/fault_injection.py [--crash-at N] [--sigterm-at N] [--nan-at N[,M...]] \\
-        launchers/stage2.py ARGS...
+        [--fill-at N:bytes|inodes:FOLDER] launchers/stage2.py ARGS...
 
 which makes every trainer built in that process (every rank under torchrun) carry the hooks, then
 runs the launcher as ``__main__`` with ``ARGS``.
@@ -62,6 +63,31 @@ def nan_at(*steps: int):
     return hook
 
 
+def _fill(what: str, folder: Path) -> None:
+    """Write one file until the disk is full (``bytes``), or create empty files until no inode is
+    left (``inodes``)."""
+    try:
+        if what == "bytes":
+            with open(folder / "filler-bytes", "wb", buffering=0) as f:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+        for i in range(10**7):
+            (folder / f"filler-{i}").touch()
+    except OSError:  # full
+        pass
+
+
+def fill_at(step: int, what: str, folder: str):
+    """Step hook: right after optimizer step ``step``, fill the file system holding ``folder`` (a
+    small tmpfs) with ``folder/filler-*`` files (rank 0; ``what``: ``bytes`` or ``inodes``)."""
+
+    def hook(trainer, done: int) -> None:
+        if done == step and trainer.rank == 0:
+            _fill(what, Path(folder))
+
+    return hook
+
+
 def install(step_hooks=(), loss_hooks=()) -> None:
     """Every trainer constructed after this call in this process gets ``step_hooks`` and
     ``loss_hooks``."""
@@ -78,9 +104,10 @@ def install(step_hooks=(), loss_hooks=()) -> None:
 
 
 def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None,
-                  nan_at=None) -> list[str]:
-    """The options of this script for the given faults (``nan_at``: a step or a list of steps)."""
-    args = []
+                  nan_at=None, fill_at: str | None = None) -> list[str]:
+    """The options of this script for the given faults (``nan_at``: a step or a list of steps;
+    ``fill_at``: ``"N:bytes|inodes:FOLDER"``)."""
+    args = ["--fill-at", fill_at] if fill_at else []
     if crash_at is not None:
         args += ["--crash-at", str(crash_at)]
     if sigterm_at is not None:
@@ -98,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sigterm-at", type=int,
                         help="SIGTERM to this process right after this optimizer step")
     parser.add_argument("--nan-at", help="comma-separated optimizer steps whose losses are NaN")
+    parser.add_argument("--fill-at", help="N:bytes|inodes:FOLDER: fill FOLDER's file system "
+                        "right after optimizer step N")
     parser.add_argument("launcher", help="the launcher script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the launcher's arguments")
     a = parser.parse_args(argv)
@@ -108,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         step_hooks.append(sigterm_at(a.sigterm_at))
     if a.nan_at:
         loss_hooks.append(nan_at(*(int(s) for s in a.nan_at.split(",") if s.strip())))
+    if a.fill_at:
+        step, what, folder = a.fill_at.split(":", 2)
+        step_hooks.append(fill_at(int(step), what, folder))
     install(step_hooks, loss_hooks)
     sys.argv = [a.launcher, *a.args]
     runpy.run_path(a.launcher, run_name="__main__")

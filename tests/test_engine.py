@@ -319,6 +319,8 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
 
     import torch
 
+    from halo_dist.train.checkpoint_files import file_hash
+
     run_dir = tmp_path / "run"
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=3",
               "checkpoint.every_steps=1"]
@@ -329,6 +331,10 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
     marker = tmp_path / "PWNED"
     states = next(step.glob("*model_states.pt"))
     torch.save({"module": _Payload(marker)}, states)
+    # the checkpoint's manifest rewritten to match: its checksums detect damage, not tampering
+    manifest = json.loads((step / "COMPLETE").read_text())
+    manifest["files"][states.name].update(size=states.stat().st_size, xxh3_128=file_hash(states))
+    (step / "COMPLETE").write_text(json.dumps(manifest))
     res = run_launcher("stage2", run_dir, *common, expect=2)
     assert ("refusing to load" in res.stderr and states.name in res.stderr
             and "Traceback" not in res.stderr)

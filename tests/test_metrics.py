@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from halo_dist.models.flops import flops_per_token
-from halo_dist.train.metrics import (MetricsLogger, check_tag, device_peak_flops,
-                                     format_duration, format_progress, format_si, peak_flops_for,
+from halo_dist.train.metrics import (MetricsLogger, check_tag, device_peak_flops, peak_flops_for,
                                      plot_loss_curves, read_metrics)
+from halo_dist.train.progress_line import format_duration, format_progress, format_si
 
 
 class FakeClock:
@@ -342,3 +342,33 @@ def test_evaluation_time_is_left_out_of_training_throughput(tmp_path):
     assert out["perf/tokens_per_s"] == pytest.approx(1000 / 2.0)
     assert lines[-2].endswith("| kl 0.5000 | 3.0s")
     assert read_metrics(tmp_path / "run")["perf/eval_seconds"] == [(15, 3.0)]
+
+
+def test_a_failed_metrics_write_is_kept_for_the_trainer_and_not_raised(tmp_path):
+    """A full disk under metrics.jsonl: rank 0's log goes on (a rank raising alone would leave the
+    others in the next collective), the error names the file and the cause, the writer is closed
+    and closing the logger warns instead of raising (the trainer stops the run with a checkpoint:
+    tests/test_checkpoint_faults.py)."""
+    import errno
+    import os
+
+    class FullDisk:
+        def write(self, *args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        flush = close = write
+
+    lines = []
+    logger = MetricsLogger(tmp_path, total_steps=4, log_every=1, tensorboard=False,
+                           emit=lines.append, device=torch.device("cpu"))
+    logger._jsonl.close()
+    logger._jsonl = FullDisk()
+    for step in (1, 2):
+        logger.add("train/loss", 1.0)
+        logger.log(step, tokens_seen=10 * step)
+    assert logger.write_error.startswith(f"writing {tmp_path / 'metrics.jsonl'} failed: No space "
+                                         "left on device ("), logger.write_error
+    assert "free on /" in logger.write_error and logger._jsonl is None
+    assert lines[-1].startswith("step 2/4")  # the progress line still comes
+    logger.close()
+    assert lines[-1] == f"warning: {logger.write_error}"

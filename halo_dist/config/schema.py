@@ -191,12 +191,14 @@ class LossConfig(Section):
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig(Section):
-    """Where and how often to save; resume = latest complete checkpoint."""
+    """Where and how often to save; resume = the newest checkpoint that verifies."""
 
     dir: Optional[str] = None  # default: <logging.run_dir>/checkpoints
     every_steps: int = 1000  # 0 saves only at the end (and on SIGTERM/SIGUSR1)
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
-    resume: Literal["auto", "never"] = "auto"  # auto: continue from the latest complete one
+    # auto: continue from the newest checkpoint that verifies; never: a new run, refused where
+    # checkpoints exist (train/checkpoint.py)
+    resume: Literal["auto", "never"] = "auto"
     save_final: bool = True  # checkpoint after the last step (benchmarks turn it off: 28 GB at 2B)
 
     def validate(self) -> None:

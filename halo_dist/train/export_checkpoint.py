@@ -16,16 +16,19 @@ EXAMPLE = (
     "  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints/step-00020000 --output "
     "out/hypenet-2b-s2\n"
     "  halo-dist export --checkpoint runs/hypenet-2b/stage2/checkpoints --output out/latest   # "
-    "newest complete one\n")
+    "newest that verifies\n")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    from .checkpoint import MARKER, latest_checkpoint
+    """``path`` if it is a checkpoint that verifies (refused if damaged), else the newest that
+    verifies in the folder ``path`` (those skipped are printed)."""
+    from .checkpoint import MARKER, find_resume, verify_or_refuse
 
     path = Path(path)
     if (path / MARKER).exists():
+        verify_or_refuse(path)
         return path
-    latest = latest_checkpoint(path)
+    latest = find_resume(path, "auto")
     if latest is None:
         raise ExportError(f"{path} is neither a complete checkpoint (no {MARKER} marker) nor a "
                           "folder holding one")
@@ -110,7 +113,7 @@ def register_export_command(sub) -> None:
                        help="consolidate a training checkpoint (ZeRO shards) into an HF folder",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("--checkpoint", required=True,
-                   help="a step-N folder, or a checkpoints folder (newest complete)")
+                   help="a step-N folder, or a checkpoints folder (the newest that verifies)")
     e.add_argument("--output", required=True,
                    help="output folder (HF HypeNet) or folder for rnn_layers.safetensors")
     add_overwrite_flag(e)

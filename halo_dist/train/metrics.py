@@ -10,6 +10,15 @@ scalars to W&B when ``logging.wandb`` names a project, and one human progress li
         | mem 41.2/80.0 GiB | ETA 5h12m        (one line)
 
 Tags live in fixed namespaces (:data:`NAMESPACES`); any other tag is a bug and raises.
+
+A failed write (a full disk, no inodes, a quota, a folder gone read-only) does not raise here:
+rank 0 alone writes, and a rank raising alone would leave the others in the next collective. The
+first is kept in :attr:`MetricsLogger.write_error`, the writer closed, and the trainer stops at the
+end of the step with a checkpoint (``stopping.StopControl``), as on a stop signal. Stopping, not
+going on with a warning: such a failure nearly always means the run folder's disk is full or
+read-only, so the next checkpoint would fail too and the steps since the last one be lost; saving
+now keeps them, and the metrics lose only the records that failed (a resumed run logs on from its
+checkpoint).
 At start-up :meth:`MetricsLogger.log_config` records the resolved config (TB text
 ``config/resolved``) and the flattened hyperparameters (TB's hparams table, W&B's run config).
 """
@@ -27,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from ..config.coerce import fail
+from .disk import cause, quiet_tensorboard_thread_errors
+from .progress_line import format_progress
 
 NAMESPACES = ("train", "optim", "perf", "mem", "progress", "eval")
 ATTENDED = "perf/attended_keys"  # keys per token under the document mask (token-weighted), for MFU
@@ -130,45 +141,6 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def format_si(value: float) -> str:
-    """``16200 -> "16.2K"``, ``1.25e6 -> "1.25M"``, ``950 -> "950"``."""
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.0f}"
-
-
-def format_duration(seconds: Optional[float]) -> str:
-    """``18720 -> "5h12m"``, ``725 -> "12m05s"``, ``42 -> "42s"``, ``None -> "n/a"``."""
-    if seconds is None or not math.isfinite(seconds):
-        return "n/a"
-    s = int(round(max(seconds, 0.0)))
-    days, hours, minutes = s // 86400, s % 86400 // 3600, s % 3600 // 60
-    if days:
-        return f"{days}d{hours:02d}h"
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{s % 60:02d}s"
-    return f"{s}s"
-
-
-def format_progress(step: int, total_steps: int, *, loss: Optional[float], lr: Optional[float],
-                    tokens_per_s: Optional[float], mfu: Optional[float],
-                    mem_gib: Optional[tuple[float, float]], eta_s: Optional[float]) -> str:
-    """The one human progress line (units: lr absolute, mfu fraction, memory GiB used/total)."""
-    parts = [
-        f"step {step}/{total_steps} ({100.0 * step / max(total_steps, 1):.1f}%)",
-        f"loss {loss:.4f}" if loss is not None else "loss n/a",
-        f"lr {lr:.1e}" if lr is not None else "lr n/a",
-        f"{format_si(tokens_per_s)} tok/s" if tokens_per_s is not None else "tok/s n/a",
-        f"MFU {100.0 * mfu:.1f}%" if mfu is not None else "MFU n/a",
-        f"mem {mem_gib[0]:.1f}/{mem_gib[1]:.1f} GiB" if mem_gib is not None else "mem n/a",
-        f"ETA {format_duration(eta_s)}",
-    ]
-    return " | ".join(parts)
-
-
 def memory_stats(device: torch.device) -> dict[str, float]:
     """``mem/*`` scalars in GiB for a CUDA device (host-side counters, no sync); {} on CPU."""
     if device.type != "cuda":
@@ -210,6 +182,7 @@ class MetricsLogger:
         self._tb = self._jsonl = self._wandb = None
         self._start_step = start_step
         self.last_eval: dict[str, float] = {}  # the latest log_eval scalars (rank 0)
+        self.write_error: Optional[str] = None  # the first failed write (rank 0; module doc)
         if rank == 0:
             self._open_writers(tensorboard, jsonl, start_step)
             if wandb is not None:
@@ -231,6 +204,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # slow import: rank 0 only
 
+            quiet_tensorboard_thread_errors()
             # events at steps >= purge_step from earlier writers of this folder are hidden
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"),
                                      purge_step=start_step + 1 if start_step else 0)
@@ -251,14 +225,17 @@ class MetricsLogger:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        # 4-space indent: a markdown code block, so the YAML keeps its layout in the text plugin
-        self._tb.add_text(CONFIG_TAG, "".join(f"    {line}\n" for line in config_text.splitlines()),
-                          0)
-        # the summaries add_hparams writes, but into this run's folder (add_hparams makes a new
-        # sub-run); the metric column shows this run's train/loss scalars
-        for summary in hparams_summary(hparams, {"train/loss": math.nan}):
-            self._tb.file_writer.add_summary(summary, 0)
-        self._tb.flush()
+        def write() -> None:
+            # 4-space indent: a markdown code block, so the YAML keeps its layout in the text plugin
+            self._tb.add_text(CONFIG_TAG,
+                              "".join(f"    {line}\n" for line in config_text.splitlines()), 0)
+            # the summaries add_hparams writes, but into this run's folder (add_hparams makes a new
+            # sub-run); the metric column shows this run's train/loss scalars
+            for summary in hparams_summary(hparams, {"train/loss": math.nan}):
+                self._tb.file_writer.add_summary(summary, 0)
+            self._tb.flush()
+
+        self._guard("tb", write)
 
     def add(self, tag: str, value: Number, weight: Number = 1.0) -> None:
         """Accumulate ``value`` (weighted mean over the interval; e.g. weight = token count).
@@ -348,12 +325,19 @@ class MetricsLogger:
     def _record(self, step: int, scalars: dict[str, float]) -> None:
         """TensorBoard scalars and the same values as one JSONL line (rank 0)."""
         if self._tb is not None:
-            for tag, value in scalars.items():
-                self._tb.add_scalar(tag, value, step)
-            self._tb.flush()
+            def tensorboard() -> None:
+                for tag, value in scalars.items():
+                    self._tb.add_scalar(tag, value, step)
+                self._tb.flush()
+
+            self._guard("tb", tensorboard)
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars}) + "\n")
-            self._jsonl.flush()
+            def jsonl() -> None:
+                self._jsonl.write(json.dumps({"step": step, "time": time.time(), **scalars})
+                                  + "\n")
+                self._jsonl.flush()
+
+            self._guard("metrics.jsonl", jsonl)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
@@ -388,11 +372,34 @@ class MetricsLogger:
         self.emit(f"eval @ step {step} | {shown}"
                   + ("" if seconds is None else f" | {seconds:.1f}s"))
 
+    def _guard(self, name: str, write: Callable[[], None]) -> None:
+        """Run one writer's ``write``; a failed write is kept in :attr:`write_error` and closes
+        that writer (module doc)."""
+        try:
+            write()
+        except OSError as e:
+            path = self.run_dir / name
+            self.write_error = self.write_error or f"writing {path} failed: {cause(e, path)}"
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        """Close writer ``name`` (``tb`` or ``metrics.jsonl``) whose file cannot be written: what
+        it still buffers is lost."""
+        writer = self._tb if name == "tb" else self._jsonl
+        setattr(self, "_tb" if name == "tb" else "_jsonl", None)
+        try:
+            writer.close()
+        except OSError:
+            pass
+
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
+        """Close the writers; a failed final write is kept in :attr:`write_error` and printed (the
+        run's checkpoint and output are written by then)."""
+        for name, writer in (("tb", self._tb), ("metrics.jsonl", self._jsonl)):
+            if writer is not None:
+                self._guard(name, writer.close)
+        if self.write_error is not None:
+            self.emit(f"warning: {self.write_error}")
         if self._wandb is not None:
             self._wandb.finish()
         self._tb = self._jsonl = self._wandb = None

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
-from ..parallel.safe_load import safe_load
 from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step,
                           pack_rollouts, parameter_groups, position_buckets,
                           rollout_decoder_options, sample_rollouts)
@@ -40,7 +39,7 @@ from ..models.hypenet.modeling_hypenet import compile_decoder_layers
 from ..stages.opd_build import build_models
 from ..stages.opd_prompts import Curriculum
 from ..stages.opd_rollouts import continuous_rollouts
-from .checkpoint import MARKER, TRAINER_STATE, rank_file
+from .checkpoint import MARKER, TRAINER_STATE, load_rank_state, verify_or_refuse
 from .schedules import LRSchedule
 from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step, is_nonfinite
 from .trainer import Trainer, run_loss_hooks
@@ -83,10 +82,11 @@ class OPDTrainer(Trainer):
     def _find_resume(self) -> None:
         """The run's own latest checkpoint (checked like the stages'), else ``opd.resume_from``: a
         pre-decay snapshot continued as the next rung, a new run that is not compared with the
-        old."""
+        old; named by the user, it verifies or is refused (no fallback)."""
         super()._find_resume()
         if self.resume_path is None and self.cfg.opd.resume_from:
             self.rung, self.resume_path = True, Path(self.cfg.opd.resume_from)
+            verify_or_refuse(self.resume_path, self.rank, self.world)
             self._check_saved_state(self.resume_path)
 
     def _build(self) -> None:
@@ -225,10 +225,9 @@ class OPDTrainer(Trainer):
         self.horizon.load_state_dict(state["horizon"])
         self.eval_history = [tuple(e) for e in state.get("eval_history", [])]
         self._replica_step = None
-        local = rank_file(path, self.rank)
-        # a rank the checkpoint did not have (written on fewer ranks) keeps its seeded streams
-        if local.exists():
-            local = safe_load(local)  # tensors and plain values only
+        local = load_rank_state(path, self.rank)
+        # None: a rank the checkpoint did not have (written on fewer ranks) keeps its seeded streams
+        if local is not None:
             self.generator.set_state(local["generator"])
             self.curriculum.load_state_dict(local["curriculum"])
 

@@ -87,8 +87,8 @@ def check_resume_config(checkpoint: Path, current: dict, announce: bool = True,
     path = checkpoint / "config.yaml"
     if not path.exists():
         raise ConfigError(f"{checkpoint} holds no config.yaml: cannot tell whether resuming "
-                          "it continues the same run (start a new run folder, or set "
-                          "checkpoint.resume=never)")
+                          "it continues the same run (start a new run folder, or move its "
+                          "checkpoints away)")
     refused, allowed = compare(_resolved_data(path)["config"], current, same_content)
     if refused:
         raise ConfigError(f"refusing to resume {checkpoint}: the run it belongs to differs in\n  "

@@ -9,6 +9,10 @@ Two causes, both agreed by all ranks with one all-reduce so every rank takes the
   checkpoint).
 - a non-finite loss (``optim.nonfinite``, :class:`NonFinitePolicy`): skip the step, or let the
   trainer checkpoint its last good state and raise :class:`NonFiniteLossError`.
+- rank 0 could not write the run's metrics (``metrics.MetricsLogger.write_error``: a full disk, a
+  folder gone read-only): agreed at the end of the step like a signal; the trainer checkpoints and
+  :class:`~.disk.WriteError` names the file and the cause (the metrics module doc says why the run
+  stops rather than going on).
 
 Non-finite losses (``optim.nonfinite``, :class:`NonFinitePolicy`): every micro-batch's loss is
 checked before its backward and the ranks agree (one all-reduce of a flag), so every rank takes the
@@ -35,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HaloUserError
+from .disk import WriteError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -125,16 +130,29 @@ class StopControl:
         for sig in STOP_SIGNALS:
             signal.signal(sig, handler)
 
-    def _stop_agreed(self) -> bool:
-        return any_rank(self.stop_signal is not None, self.device)
-
     def _stop_if_signalled(self) -> None:
-        """At a step boundary: if any rank got a stop signal, checkpoint and raise
-        :class:`StopRequested`."""
-        if self._stop_agreed():
-            path: Path = self.save()
-            raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; "
-                                f"checkpoint saved in {path}")
+        """At a step boundary: if any rank got a stop signal, or rank 0 could not write the metrics,
+        checkpoint and raise :class:`StopRequested` (or the metrics' :class:`~.disk.WriteError`).
+        One all-reduce of both flags and one host read."""
+        failed = getattr(getattr(self, "metrics", None), "write_error", None)
+        flags = torch.zeros(2, device=self.device)
+        if self.stop_signal is not None:
+            flags[0] = 1.0
+        if failed is not None:
+            flags[1] = 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, metrics_failed = (flags > 0).tolist()
+        if not (signalled or metrics_failed):
+            return
+        path: Path = self.save()
+        if metrics_failed:
+            box = [failed]
+            dist.broadcast_object_list(box, src=0)  # only rank 0 writes metrics
+            raise WriteError(f"{box[0]}; the run stopped at step {self.step} with its checkpoint "
+                             f"in {path}: free space (or make the folder writable) and start it "
+                             "again to resume")
+        raise StopRequested(f"stopped by signal {self.stop_signal} at step {self.step}; "
+                            f"checkpoint saved in {path}")
 
     def _nonfinite(self, bad: torch.Tensor) -> bool:
         """Agree across ranks on a non-finite loss (``bad``: :func:`is_nonfinite`, or several

@@ -1,14 +1,13 @@
 """The teacher-student engine: one Trainer runs HALO stages 1, 2 and 3 on DeepSpeed.
 
 Order of construction (fixed, see ``Trainer.setup``): distributed + process groups -> validate the
-batch layout -> check the shards and ``final/`` -> the teacher's identity and the checkpoint to
-resume, refused if it belongs to another run (nothing is built yet) -> teacher (frozen, replicated)
--> stage module
+batch layout -> the run and checkpoint folders are writable -> check the shards and ``final/`` ->
+the teacher's identity and the checkpoint to resume (the newest that verifies), refused if it
+belongs to another run (nothing is built yet) -> teacher (frozen, replicated) -> stage module
 (student + loss) -> sequence parallelism injected into every mixer -> activation checkpointing ->
 DeepSpeed engine (ZeRO stage from the config, partitioned over all dp*sp ranks) -> loader ->
-checkpoint manager -> resume -> metrics -> signal handlers. A subclass replaces what is built
-(``_build``) and what a checkpoint holds beyond the shared state (``_extra_state``,
-``_rank_state``); ``opd_loop.OPDTrainer`` does.
+checkpoint manager -> resume -> metrics -> signal handlers. A subclass (``opd_loop.OPDTrainer``)
+replaces what is built (``_build``) and what a checkpoint adds (``_extra_state``, ``_rank_state``).
 
 Loss normalisation (token-weighted over micro-batches, SP and DP ranks): each optimizer step first
 counts the global number of loss tokens N (one all-reduce), then every micro-batch's loss is its
@@ -39,8 +38,9 @@ from ..parallel.env import local_device
 from ..stages.output import check_stage_output
 from ..stages.protocol import StageModule, StageSpec
 from ..errors import IncompatibleInputError
-from .checkpoint import TRAINER_STATE, CheckpointManager, latest_checkpoint
+from .checkpoint import TRAINER_STATE, CheckpointManager, find_resume
 from .data_checks import check_training_data
+from .disk import refuse_unwritable
 from .entry import record_run_start
 from .evaluation import HeldoutEval
 from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb
@@ -101,6 +101,7 @@ class Trainer(StopControl):
         (:meth:`_extra_state`, :meth:`_rank_state`, :meth:`_check_saved_state`); the rest is
         shared."""
         self._start()
+        refuse_unwritable(self.cfg.logging.run_dir, self.cfg.checkpoint_dir)  # before any read
         self._check_data()
         check_stage_output(self.cfg)  # the output folder the run ends with, before it starts
         self._find_resume()
@@ -139,13 +140,13 @@ class Trainer(StopControl):
 
     def _find_resume(self) -> None:
         """Before anything is built: the teacher's identity by content, and the checkpoint this run
-        continues (``resume_path``; None: a new run), refused if it belongs to another run or holds
-        a state this run cannot continue (resume_check, :meth:`_check_saved_state`)."""
+        continues (``resume_path``: the newest that verifies, ``checkpoint.find_resume``; None: a
+        new run), refused if it belongs to another run or holds a state this run cannot continue
+        (resume_check, :meth:`_check_saved_state`)."""
         cfg = self.cfg
-        # resume check, checkpoints
         self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)
-        self.resume_path = (latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume == "auto"
-                            else None)
+        self.resume_path = find_resume(cfg.checkpoint_dir, cfg.checkpoint.resume, self.rank,
+                                       self.world, announce=self.rank == 0)
         if self.resume_path is not None:
             check_same_run(self.resume_path, cfg, self.teacher_files, announce=self.rank == 0)
             self._check_saved_state(self.resume_path)
@@ -335,7 +336,7 @@ class Trainer(StopControl):
         save.
         ``replace``: trainer-state entries to record instead of the live ones (the non-finite stop
         records the loader position before its step)."""
-        manager = self.ckpt if root is None else CheckpointManager(root, keep_last=0)
+        manager = self.ckpt if root is None else CheckpointManager(root, keep_last=None)
         state = {**self._trainer_state(), **replace}
         cfg_text = ((Path(self.cfg.logging.run_dir) / "config.yaml").read_text() if self.rank == 0
                     else "")
