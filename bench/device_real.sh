@@ -31,6 +31,8 @@ TEACHER_EVAL=${TEACHER_EVAL:-}  # none: the teacher's figures come from the HyPE
 LOSS_BACKEND=${LOSS_BACKEND:-}  # loss.backend of stages 2-3 (compiled: see R1's eager-vs-compiled loss table)
 SEED=${SEED:-}                # training seed of stages 1-3 (empty: the preset's; another seed is another results file)
 SPEED=${SPEED:-1}             # 0: skip the pair's speed step (a recipe change does not change it)
+TAG=${TAG:-}                  # an experiment's name: real_conversion_<tag>.json beside the baseline's
+SELECT_CSR_OFFSET=${SELECT_CSR_OFFSET:-}  # the selection score's offset on the CSR drop (empty: the paper's 1e-6)
 # NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
@@ -135,7 +137,8 @@ R2|R3)
   fi
   $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \
     --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" \
-    ${SEED:+--seed $SEED} $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+    ${SEED:+--seed $SEED} ${TAG:+--tag $TAG} ${SELECT_CSR_OFFSET:+--select-csr-offset $SELECT_CSR_OFFSET} \
+    $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac

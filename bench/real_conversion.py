@@ -104,9 +104,16 @@ def parse_args(argv=None):
     r.add_argument("--seed", type=int, default=None,
                    help="training seed of stages 1-3 (default: the preset's); the results file "
                         "then names it (real_conversion_seed<N>.json)")
+    r.add_argument("--select-csr-offset", type=float, default=None,
+                   help="added to each layer's CSR drop in the selection score (default: the "
+                        "preset's 1e-6, the paper's)")
     r.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the pair's prefill and decode speed after the evaluations (a "
                         "recipe change does not change it: --no-speed saves ~1 GPU-minute)")
+    for name in ("run", "collect"):
+        sub.choices[name].add_argument(
+            "--tag", default="", help="an experiment's name: its results go to "
+            "real_conversion_<tag>.json, beside the baseline's (compare them with compare-runs)")
     c = sub.choices["compare-runs"]
     c.add_argument("--base", type=Path, required=True,
                    help="results file of the baseline run (real_conversion*.json)")
@@ -267,6 +274,8 @@ def settings_for(a) -> DemoSettings:
     s.teacher_reference = str(a.results / "reference_figures")
     if a.seed is not None:
         s.seed = a.seed
+    if a.select_csr_offset is not None:
+        s.select_csr_offset = a.select_csr_offset
     return s
 
 
@@ -393,7 +402,8 @@ def collect(a, partial: bool = False) -> Path:
     a.results.mkdir(parents=True, exist_ok=True)
     result = summarize(a.work)
     result["complete"] = not partial and (run / "eval" / "student" / "DONE").exists()
-    stem = result_stem(result["pe"], (result["settings"] or {}).get("seed"))
+    stem = result_stem(result["pe"], (result["settings"] or {}).get("seed"),
+                       a.tag)
     path = a.results / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2, default=str))
     pictures(run, a.results, stem)
@@ -401,10 +411,12 @@ def collect(a, partial: bool = False) -> Path:
     return path
 
 
-def result_stem(pe: str, seed: int | None = None) -> str:
+def result_stem(pe: str, seed: int | None = None, tag: str = "") -> str:
     """``real_conversion`` for the HyPE recipe at the preset's seed, ``real_conversion_<pe>`` for
-    an ablation and ``..._seed<N>`` for another seed (kept side by side)."""
+    an ablation, ``..._<tag>`` for a named experiment and ``..._seed<N>`` for another seed (kept
+    side by side)."""
     stem = "real_conversion" if pe in ("", "hype") else f"real_conversion_{pe}"
+    stem += f"_{tag}" if tag else ""
     return stem if seed in (None, DemoSettings.seed) else f"{stem}_seed{seed}"
 
 

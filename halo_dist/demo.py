@@ -202,7 +202,8 @@ class Demo(StepRunner):
             "--num-attn", str(s.num_attn), "--output", str(out / "select" / "selection.json"),
             "--results-out", str(out / "select" / "results.json"), "--resume", "--recall-items",
             str(s.select_items), "--recall-length", str(s.select_length), "--heldout", data,
-            "--kl-rows", str(s.kl_rows), "--kl-seq-len", str(s.seq_len), *self.eval_args()),
+            "--kl-rows", str(s.kl_rows), "--kl-seq-len", str(s.seq_len),
+            "--csr-offset", str(s.select_csr_offset), *self.eval_args()),
                  out / "select" / "selection.json")
         layers = json.loads((out / "select" / "selection.json").read_text())["attn_layers"]
         print(f"[demo] selected attention layers {layers}", flush=True)

@@ -39,6 +39,9 @@ class DemoSettings:
     # differs
     attn_layers: str = ""
     select_items: int = 6  # retrieval prompts per layer for the recall proxy
+    # added to each layer's CSR drop in the selection score (1e-6: the paper's; see
+    # eval/selection.py)
+    select_csr_offset: float = 1e-6
     select_length: int = 256
     kl_rows: int = 4
     calib_grid: str = "none,50,200,500,2000"

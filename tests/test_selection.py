@@ -44,6 +44,34 @@ def test_baseline_methods():
         sel.select_layers("given", 28, given=[30])
 
 
+def test_a_csr_offset_keeps_the_same_layers_on_two_stage1_runs(tmp_path, capsys):
+    """The real SmolLM2 conversion's per-layer results of two stage-1 runs of one recipe (an H200's
+    and an H100's): the paper's 1e-6 keeps layers 27 and 29, whose replacement costs no recall,
+    and trades the recall-critical layer 23 for 25 on one of them; an offset of 0.01 keeps the
+    same set on both, layer 23 included."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    runs = [json.loads((results / "real_s12_selection.json").read_text())["results"],
+            json.loads((results / "real_conversion.json").read_text())["selection"]["results"]]
+    kept = {}
+    for n, raw in enumerate(runs):
+        src = tmp_path / f"run{n}.json"
+        src.write_text(json.dumps(raw))
+        for offset in ("1e-6", "0.01"):
+            out = tmp_path / f"sel{n}_{offset}.json"
+            assert cli.main(["select-layers", "--from-results", str(src), "--num-attn", "7",
+                             "--csr-offset", offset, "--output", str(out)]) == 0
+            kept[n, offset] = json.loads(out.read_text())["attn_layers"]
+    assert kept[0, "1e-6"] == [7, 18, 19, 21, 23, 27, 29]
+    assert kept[1, "1e-6"] == [7, 18, 19, 21, 25, 27, 29]
+    assert kept[0, "0.01"] == kept[1, "0.01"] == [3, 7, 16, 18, 19, 21, 23]
+    capsys.readouterr()
+    assert cli.main(["select-layers", "--from-results", str(src), "--csr-offset", "0",
+                     "--output", str(tmp_path / "x.json")]) == 2
+    assert "--csr-offset" in capsys.readouterr().err
+
+
 def test_from_results_round_trip(tmp_path):
     src, out = tmp_path / "results.json", tmp_path / "sel.json"
     raw = {str(i): {"recall": r, "csr": c, "squad": r / 2} for i, (r, c) in TABLE.items()}

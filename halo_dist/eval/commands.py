@@ -134,6 +134,9 @@ def _add_select(sub) -> None:
                    help="selection JSON (attn_layers, scores, ranking, results)")
     p.add_argument("--method", choices=("halo", "even", "latter-half", "given"), default="halo")
     p.add_argument("--num-attn", type=int, help="k attention layers to keep (default floor(L/4))")
+    p.add_argument("--csr-offset", type=float, default=1e-6,
+                   help="added to each layer's CSR drop in the HALO score (default 1e-6, the "
+                        "paper's); 0.01 keeps a tie in the CSR proxy from deciding a slot")
     p.add_argument("--from-results", help="rank this per-layer results file instead of evaluating")
     p.add_argument("--teacher", help="teacher HF folder / hub id / 'smollm2' (evaluating path)")
     p.add_argument("--stage1-weights", help="stage-1 safetensors holding every layer's RNN mixer")
@@ -171,12 +174,14 @@ def cmd_select_layers(args) -> int:
             check_output_file(path)  # before the layers are evaluated, not after
     if args.from_results and args.teacher:
         raise EvalError("give either --from-results (rank only) or --teacher (evaluate), not both")
+    sel.check_csr_offset(args.csr_offset)
     given = parse_int_list(args.given, "--given") if args.given else None
     if args.method != "halo":
         L = args.num_layers or _layer_count(args)
         payload = sel.select_layers(args.method, L, args.num_attn, given=given)
     elif args.from_results:
-        payload = sel.select_from_results_file(args.from_results, args.num_attn, args.num_layers)
+        payload = sel.select_from_results_file(args.from_results, args.num_attn, args.num_layers,
+                                               args.csr_offset)
     else:
         payload = _evaluate_and_select(args)
     sel.write_json_atomic(args.output, payload)
@@ -221,7 +226,7 @@ def _evaluate_and_select(args) -> dict:
     evaluator = make_evaluator(args, tokenizer, base.config.vocab_size)
     t0 = time.time()
     results = evaluate_layers(base, stage1, evaluator, results_out, args.resume)
-    payload = sel.select_layers("halo", L, k, results)
+    payload = sel.select_layers("halo", L, k, results, csr_offset=args.csr_offset)
     payload.update(evaluator=args.evaluator, teacher=args.teacher,
                    stage1_weights=args.stage1_weights, results_file=results_out,
                    results={str(i): r for i, r in results.items()},

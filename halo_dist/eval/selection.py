@@ -7,6 +7,14 @@ The HALO score of layer i, from M(i) = the teacher with only layer i replaced by
 R = recall, C = commonsense (CSR), both in [0, 1]. A large s_i means that replacing layer i costs
 much recall for little CSR, so layer i stays softmax attention: keep the top k (default floor(L/4)).
 
+The 1e-6 is the paper's and the default (it reproduces the paper's kept sets). With it the layer of
+the best CSR proxy always wins a slot, whatever its recall: its denominator is ~1e-6, so any recall
+drop, even one prompt of 64, scores ~1e4; a layer whose replacement costs no recall at all but the
+least CSR is kept, and a recall-critical layer can lose its slot to CSR-proxy noise in the fourth
+digit. ``csr_offset`` (``--csr-offset``) replaces the 1e-6 by a CSR drop below which differences
+are not resolved: on four stage-1 runs of SmolLM2-135M (two machines, two corpus mixes) every offset
+from 0.01 to 0.05 kept the same layers within a corpus mix, where 1e-6 kept three different sets.
+
 A *results file* is JSON ``{"<layer>": {"recall": r, "csr": c, ...extra keys}}``; evaluation writes
 it incrementally (:func:`save_results` is atomic) and ranking only reads it, so the two are
 separable and resumable. The evaluation loop itself lives in :mod:`halo_dist.eval.layerwise`.
@@ -121,11 +129,19 @@ def _json_default(x):
 # ------------------------------------------------------------------------------------------------
 
 
-def halo_scores(results: dict[int, dict]) -> dict[int, float]:
-    """s_i = (max_j R_j - R_i) / (max_j C_j - C_i + 1e-6) for every layer of ``results``."""
+def halo_scores(results: dict[int, dict], csr_offset: float = EPS) -> dict[int, float]:
+    """s_i = (max_j R_j - R_i) / (max_j C_j - C_i + csr_offset) for every layer of ``results``."""
+    check_csr_offset(csr_offset)
     max_r = max(r["recall"] for r in results.values())
     max_c = max(r["csr"] for r in results.values())
-    return {i: (max_r - r["recall"]) / (max_c - r["csr"] + EPS) for i, r in sorted(results.items())}
+    return {i: (max_r - r["recall"]) / (max_c - r["csr"] + csr_offset)
+            for i, r in sorted(results.items())}
+
+
+def check_csr_offset(csr_offset: float) -> float:
+    if not (math.isfinite(csr_offset) and 0 < csr_offset <= 1):
+        raise EvalError(f"--csr-offset must lie in (0, 1], got {csr_offset}")
+    return csr_offset
 
 
 def top_k(scores: dict[int, float], k: int) -> list[int]:
@@ -172,7 +188,7 @@ def check_given(given: list[int], num_layers: int) -> list[int]:
 
 def select_layers(
     method: str, num_layers: int, k: int | None = None, results: dict[int, dict] | None = None,
-    given: list[int] | None = None,
+    given: list[int] | None = None, csr_offset: float = EPS,
 ) -> dict:
     """Run one selection method and return the selection payload (``attn_layers``, ``scores``, ...).
 
@@ -194,7 +210,7 @@ def select_layers(
                 raise EvalError("method 'halo' needs per-layer results (--from-results FILE or an "
                                 "evaluator)")
             _check_layer_set(results, num_layers, "results")
-            scores = halo_scores(results)
+            scores = halo_scores(results, csr_offset)
             layers = top_k(scores, k)
         elif method == "even":
             layers = even_layers(num_layers, k)
@@ -206,16 +222,18 @@ def select_layers(
         "num_attn": k,
         "attn_layers": layers,
         "scores": {str(i): s for i, s in scores.items()},
+        "csr_offset": csr_offset if method == "halo" else None,
         "ranking": [int(i) for i in sorted(scores, key=lambda i: (-scores[i], i))],
     }
 
 
-def select_from_results_file(path, k: int | None = None, num_layers: int | None = None) -> dict:
+def select_from_results_file(path, k: int | None = None, num_layers: int | None = None,
+                             csr_offset: float = EPS) -> dict:
     """``--from-results``: rank a saved results file (L = its layer count unless given)."""
     results = load_results(path)
     L = num_layers if num_layers is not None else max(results) + 1
     _check_layer_set(results, L, str(path))
-    payload = select_layers("halo", L, k, results)
+    payload = select_layers("halo", L, k, results, csr_offset=csr_offset)
     payload["results"] = {str(i): r for i, r in results.items()}
     payload["results_file"] = str(path)
     return payload
