@@ -33,6 +33,7 @@ SEED=${SEED:-}                # training seed of stages 1-3 (empty: the preset's
 SPEED=${SPEED:-1}             # 0: skip the pair's speed step (a recipe change does not change it)
 TAG=${TAG:-}                  # an experiment's name: real_conversion_<tag>.json beside the baseline's
 SELECT_CSR_OFFSET=${SELECT_CSR_OFFSET:-}  # the selection score's offset on the CSR drop (empty: the paper's 1e-6)
+STAGE2_SEQ_LEN=${STAGE2_SEQ_LEN:-}  # stage 2's context (empty: the preset's 512; the tokens per step stay)
 # NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
@@ -138,6 +139,7 @@ R2|R3)
   $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \
     --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" \
     ${SEED:+--seed $SEED} ${TAG:+--tag $TAG} ${SELECT_CSR_OFFSET:+--select-csr-offset $SELECT_CSR_OFFSET} \
+    ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} \
     $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;

@@ -104,6 +104,9 @@ def parse_args(argv=None):
     r.add_argument("--seed", type=int, default=None,
                    help="training seed of stages 1-3 (default: the preset's); the results file "
                         "then names it (real_conversion_seed<N>.json)")
+    r.add_argument("--stage2-seq-len", type=int, default=None,
+                   help="stage 2's context (default: the preset's 512); the rows per step shrink "
+                        "to keep its tokens per step")
     r.add_argument("--select-csr-offset", type=float, default=None,
                    help="added to each layer's CSR drop in the selection score (default: the "
                         "preset's 1e-6, the paper's)")
@@ -276,6 +279,8 @@ def settings_for(a) -> DemoSettings:
         s.seed = a.seed
     if a.select_csr_offset is not None:
         s.select_csr_offset = a.select_csr_offset
+    if a.stage2_seq_len is not None:
+        s.stage2_seq_len = a.stage2_seq_len
     return s
 
 

@@ -60,6 +60,7 @@ class Demo(StepRunner):
             raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it "
                                 "empty: hype)")
         self.given_layers = parse_layers(s.attn_layers, s.num_attn)
+        self.stage2_shape()  # a stage-2 context that cannot keep the tokens per step fails here
 
     # ------------------------------------------------------------------ pipeline steps
     def prune_checkpoints(self, stage: str) -> None:
@@ -81,10 +82,24 @@ class Demo(StepRunner):
     def eval_args(self) -> list[str]:
         return ["--device", self.s.device, "--dtype", self.s.dtype]
 
+    def stage2_shape(self) -> tuple[int, int, int]:
+        """Stage 2's (context, global batch, micro batch): ``stage2_seq_len`` with as many rows as
+        keep the tokens of a step (and so of the stage) those of ``seq_len`` rows."""
+        s = self.s
+        seq = s.stage2_seq_len or s.seq_len
+        tokens = s.global_batch * s.seq_len
+        if seq <= 0 or tokens % seq:
+            raise DemoStepError(f"--stage2-seq-len {seq}: a step's {tokens} tokens "
+                                f"(--global-batch {s.global_batch} x --seq-len {s.seq_len}) are "
+                                "not a whole number of rows of that length")
+        rows = tokens // seq
+        return seq, rows, min(s.micro_batch, rows)
+
     def launcher(self, stage: str, *overrides: str) -> list[str]:
         s = self.s
-        global_batch, micro = ((s.stage3_global_batch, s.stage3_micro_batch) if stage == "stage3"
-                               else (s.global_batch, s.micro_batch))
+        global_batch, micro = {"stage1": (s.global_batch, s.micro_batch),
+                               "stage2": self.stage2_shape()[1:],
+                               "stage3": (s.stage3_global_batch, s.stage3_micro_batch)}[stage]
         data = (s.data_long or s.data) if stage == "stage3" else s.data
         compile_ = {"stage1": [], "stage2": [f"model.compile={s.compile}"],
                     "stage3": [f"model.compile={s.stage3_compile}"]}[stage]
@@ -158,7 +173,7 @@ class Demo(StepRunner):
         self.run("stage2", self.launcher("stage2", layer_arg,
                                          f"model.stage1_weights={out / 'stage1' / 'final'}",
                                          f"schedule.total_steps={s.stage2_steps}",
-                                         f"data.seq_len={s.seq_len}",
+                                         f"data.seq_len={self.stage2_shape()[0]}",
                                          f"schedule.warmup_steps={warmup2}"),
                  out / "stage2" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage2")

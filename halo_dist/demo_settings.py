@@ -17,6 +17,9 @@ class DemoSettings:
     config_dir: str = "configs/demo"  # stage1/2/3.yaml of the demo
     seq_len: int = 256  # stage 1/2 context
     long_seq_len: int = 1024  # stage 3 context (and calibration length)
+    # stage 2's context (0: seq_len); its rows per step shrink so that a step keeps
+    # global_batch x seq_len tokens and the stage its token budget
+    stage2_seq_len: int = 0
     stage1_steps: int = 12
     stage2_steps: int = 14
     stage3_steps: int = 4

@@ -343,3 +343,21 @@ def test_cpu_steps_that_run_at_once_share_the_threads(tmp_path, monkeypatch):
     logs = {n: (tmp_path / "logs" / f"{n}.log").read_text() for n in ("bg", "a", "b")}
     assert "threads 2" in logs["bg"] and "threads 1" in logs["a"] and "threads 1" in logs["b"], logs
     assert Demo(DemoSettings(out=str(tmp_path), device="cuda")).cpu_threads(2) is None
+
+
+def test_stage2_context_keeps_the_tokens_per_step_and_other_stages_untouched(tmp_path):
+    """--stage2-seq-len (stage 2 at a context where the teacher retrieves): 4x longer rows, 4x
+    fewer of them, the same tokens per step; stages 1 and 3 keep theirs; a context that does not
+    divide a step's tokens is refused before anything runs."""
+    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+
+    s = DemoSettings.h200(str(tmp_path))
+    s.stage2_seq_len = 2048
+    demo = Demo(s)
+    assert demo.stage2_shape() == (2048, 32, 32)
+    args = demo.launcher("stage2")
+    assert "data.global_batch_size=32" in args and "data.micro_batch_size=32" in args
+    assert "data.global_batch_size=128" in demo.launcher("stage1")
+    s.stage2_seq_len = 3000
+    with pytest.raises(DemoStepError, match="--stage2-seq-len 3000"):
+        Demo(s)
