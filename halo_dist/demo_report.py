@@ -43,6 +43,8 @@ def _training_section(out: Path, pics: Path) -> list[str]:
 
     lines = ["## Training", ""]
     for stage in ("stage1", "stage2", "stage3"):
+        if not (out / stage / "metrics.jsonl").exists():  # e.g. a stage 1 shared from another run
+            continue
         series = read_metrics(out / stage)
         tags = ["train/loss"] + sorted(t for t in series if t.startswith("eval/"))
         png = plot_loss_curves(out / stage, pics / f"{stage}_loss.png", tags=tags)

@@ -82,6 +82,9 @@ class DemoSettings:
     # idle) or "none" (an ablation compared with a run that evaluated the same teacher through the
     # same harness)
     teacher_eval: str = "at-end"
+    # folder of the built NIAH prompts (empty: <out>/eval/niah_prompts); runs that share a tokenizer
+    # and NIAH settings can share it
+    niah_prompts: str = ""
     # folder of the teacher's reference figures: its evaluation is computed once per teacher,
     # harness and settings and then copied (empty: $HALO_CACHE/reference_figures; "off": evaluate
     # the teacher in every run)
