@@ -34,6 +34,7 @@ from ..data import build_loader
 from ..models.fla_offsets import install as install_fla_offsets
 from ..models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
+from ..parallel.deepspeed_setup import check_resume_zero_stage
 from ..parallel.env import local_device
 from ..stages.protocol import StageModule, StageSpec
 from ..errors import IncompatibleInputError
@@ -45,6 +46,7 @@ from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb
 from .profiling import StepProfiler
 from .resume_check import check_same_run
 from .schedules import LRSchedule, make_lr_scheduler
+from .student_check import check_same_student
 from .stopping import (NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step,
                        finish_skipped_step, is_nonfinite)
 from .teacher_identity import run_teacher_digests
@@ -139,7 +141,6 @@ class Trainer(StopControl):
         continues (``resume_path``; None: a new run), refused if it belongs to another run or holds
         a state this run cannot continue (resume_check, :meth:`_check_saved_state`)."""
         cfg = self.cfg
-        # resume check, checkpoints
         self.teacher_files = run_teacher_digests(cfg.model, cfg.checkpoint_dir)
         self.resume_path = (latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume == "auto"
                             else None)
@@ -148,12 +149,13 @@ class Trainer(StopControl):
             self._check_saved_state(self.resume_path)
 
     def _check_saved_state(self, path: Path) -> None:
-        """Refuse a checkpoint whose saved state this run cannot continue: one whose LR schedule the
-        current config would change in the past (``LRSchedule.check_resume``), or, for an optimizer
-        of several parameter groups, a ZeRO-3 one written on another number of ranks: DeepSpeed
-        0.19.8's ZeRO-3 re-partitioning gives every group the first group's settings (LR, weight
-        decay) and one shared Adam step that advances once per group, so such a run would continue
-        silently wrong."""
+        """Refuse a checkpoint whose saved state this run cannot continue: one of another ZeRO
+        format (``check_resume_zero_stage``), one whose LR schedule the current config would change
+        in the past (``LRSchedule.check_resume``), or, for an optimizer of several parameter groups,
+        a ZeRO-3 one written on another number of ranks: DeepSpeed 0.19.8's ZeRO-3 re-partitioning
+        gives every group the first group's settings (LR, weight decay) and one shared Adam step
+        that advances once per group, so such a run would continue silently wrong."""
+        check_resume_zero_stage(path, self.cfg.parallel.zero_stage)
         state = json.loads((path / TRAINER_STATE).read_text())
         self.schedule.check_resume(state["schedule"], state["step"])
         saved_world = state.get("world_size", self.world)
@@ -303,11 +305,13 @@ class Trainer(StopControl):
         return self.cfg.parallel.zero_stage > 0
 
     def _maybe_resume(self) -> None:
-        """Continue ``resume_path``: the engine (model, optimizer, LR scheduler, this rank's RNG)
+        """Continue ``resume_path``: refused if it holds another student (an OPD rung is not
+        compared by config), else the engine (model, optimizer, LR scheduler, this rank's RNG)
         through the checkpoint manager, then the trainer's own state (:meth:`_load_state`)."""
         path = self.resume_path
         if path is None:
             return
+        check_same_student(path, self.module.student_config)
         state = self.ckpt.load(self.engine, path, universal=self.reshard)
         self._load_state(state, path)
         if self.rank == 0:
