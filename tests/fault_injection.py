@@ -1,4 +1,5 @@
-"""Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses.
+"""Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses, an error on
+one rank.
 
 The trainers (``halo_dist.train.trainer.Trainer`` and its subclasses,
 ``halo_dist.train.opd_loop.OPDTrainer`` among them) expose ``step_hooks`` and ``loss_hooks`` lists
@@ -6,7 +7,7 @@ that product code leaves empty. A test that builds a trainer itself appends the 
 that runs a launcher in a subprocess runs it through this file::
 
     python tests/fault_injection.py [--crash-at N] [--sigterm-at N] [--nan-at N[,M...]] \\
-        launchers/stage2.py ARGS...
+        [--fail-at N --fail-rank R] launchers/stage2.py ARGS...
 
 which makes every trainer built in that process (every rank under torchrun) carry the hooks, then
 runs the launcher as ``__main__`` with ``ARGS``.
@@ -51,6 +52,21 @@ def sigterm_at(step: int):
     return hook
 
 
+class InjectedFailure(RuntimeError):
+    """The error ``fail_at`` raises: a bug on one rank, as far as the run can tell."""
+
+
+def fail_at(step: int, rank: int):
+    """Step hook: rank ``rank`` alone raises :class:`InjectedFailure` right after optimizer step
+    ``step`` (the other ranks go on into the next step's collectives)."""
+
+    def hook(trainer, done: int) -> None:
+        if done == step and trainer.rank == rank:
+            raise InjectedFailure(f"injected failure on rank {rank} after step {step}")
+
+    return hook
+
+
 def nan_at(*steps: int):
     """Loss hook: every micro-batch loss of the optimizer steps ``steps`` becomes NaN (the graph is
     kept, so the backward of a skipped step runs as it would on a real NaN)."""
@@ -78,9 +94,12 @@ def install(step_hooks=(), loss_hooks=()) -> None:
 
 
 def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None,
-                  nan_at=None) -> list[str]:
-    """The options of this script for the given faults (``nan_at``: a step or a list of steps)."""
+                  nan_at=None, fail_at: tuple[int, int] | None = None) -> list[str]:
+    """The options of this script for the given faults (``nan_at``: a step or a list of steps;
+    ``fail_at``: ``(step, rank)``)."""
     args = []
+    if fail_at is not None:
+        args += ["--fail-at", str(fail_at[0]), "--fail-rank", str(fail_at[1])]
     if crash_at is not None:
         args += ["--crash-at", str(crash_at)]
     if sigterm_at is not None:
@@ -98,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sigterm-at", type=int,
                         help="SIGTERM to this process right after this optimizer step")
     parser.add_argument("--nan-at", help="comma-separated optimizer steps whose losses are NaN")
+    parser.add_argument("--fail-at", type=int,
+                        help="one rank (--fail-rank) raises right after this optimizer step")
+    parser.add_argument("--fail-rank", type=int, default=0, help="the rank that --fail-at fails")
     parser.add_argument("launcher", help="the launcher script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the launcher's arguments")
     a = parser.parse_args(argv)
@@ -106,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         step_hooks.append(crash_at(a.crash_at))
     if a.sigterm_at is not None:
         step_hooks.append(sigterm_at(a.sigterm_at))
+    if a.fail_at is not None:
+        step_hooks.append(fail_at(a.fail_at, a.fail_rank))
     if a.nan_at:
         loss_hooks.append(nan_at(*(int(s) for s in a.nan_at.split(",") if s.strip())))
     install(step_hooks, loss_hooks)
