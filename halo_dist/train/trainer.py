@@ -149,13 +149,12 @@ class Trainer(StopControl):
             self._check_saved_state(self.resume_path)
 
     def _check_saved_state(self, path: Path) -> None:
-        """Refuse a checkpoint whose saved state this run cannot continue: one of another ZeRO
-        format (``check_resume_zero_stage``), one whose LR schedule the current config would change
-        in the past (``LRSchedule.check_resume``), or, for an optimizer of several parameter groups,
-        a ZeRO-3 one written on another number of ranks: DeepSpeed 0.19.8's ZeRO-3 re-partitioning
-        gives every group the first group's settings (LR, weight decay) and one shared Adam step
-        that advances once per group, so such a run would continue silently wrong."""
-        check_resume_zero_stage(path, self.cfg.parallel.zero_stage)
+        """Refuse a checkpoint whose saved state this run cannot continue: one whose LR schedule the
+        current config would change in the past (``LRSchedule.check_resume``), for an optimizer of
+        several parameter groups a ZeRO-3 one written on another number of ranks (DeepSpeed
+        0.19.8's ZeRO-3 re-partitioning gives every group the first group's settings, LR and weight
+        decay, and one shared Adam step that advances once per group, so such a run would continue
+        silently wrong), or one of another ZeRO format (``check_resume_zero_stage``)."""
         state = json.loads((path / TRAINER_STATE).read_text())
         self.schedule.check_resume(state["schedule"], state["step"])
         saved_world = state.get("world_size", self.world)
@@ -166,6 +165,7 @@ class Trainer(StopControl):
                 f"{self.cfg.stage.name} under ZeRO-3 resumes only on the same number of ranks "
                 "(DeepSpeed's ZeRO-3 re-partitioning mixes up its optimizer's parameter groups; "
                 f"ZeRO 0-2 resume on any number). Resume on {saved_world} rank(s)")
+        check_resume_zero_stage(path, self.cfg.parallel.zero_stage)
 
     def _build(self) -> None:
         """The stage's module and teacher, sequence parallelism, the engine, the teacher's placement
