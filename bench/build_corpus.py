@@ -1184,12 +1184,7 @@ def repeat_natural(natural: list[tuple[str, list[str]]], first_index: int, repea
     """
     from data_prep.tokenize import is_heldout
 
-    train_side, i = [], 0
-    # natural text is written first: document k of the corpus has index k
-    for source, docs in natural:
-        train_side.append((source,
-                           [d for k, d in enumerate(docs, i) if not is_heldout(k, heldout, seed)]))
-        i += len(docs)
+    train_side = training_side(natural, heldout, seed)
     out, j = [], first_index
     for r in range(1, repeats):
         for source, docs in train_side:
@@ -1204,6 +1199,30 @@ def repeat_natural(natural: list[tuple[str, list[str]]], first_index: int, repea
     return out
 
 
+def training_side(natural: list[tuple[str, list[str]]], heldout: float,
+                  seed: int = 0) -> list[tuple[str, list[str]]]:
+    """The natural sources without the documents data_prep holds out (natural text is written
+    first: document k of the corpus has index k)."""
+    from data_prep.tokenize import is_heldout
+
+    out, i = [], 0
+    for source, docs in natural:
+        out.append((source, [d for k, d in enumerate(docs, i) if not is_heldout(k, heldout, seed)]))
+        i += len(docs)
+    return out
+
+
+def retrieval_set(natural: list[tuple[str, list[str]]], docs: int, chars: int, heldout: float,
+                  seed: int = 0) -> tuple[str, list[str]]:
+    """``docs`` synthetic retrieval documents (``data_prep.retrieval``) whose filler is the natural
+    training text: not the Wikipedia extracts (the NIAH haystack) and not a held-out document."""
+    from data_prep.retrieval import generate
+
+    filler = [d for source, ds in training_side(natural, heldout, seed)
+              if not source.startswith("wiki") for d in ds]
+    return "retrieval", list(generate(filler, docs, chars, seed=seed))
+
+
 def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     """Write (once) the data_prep inputs of both data sets; a finished ``inputs/index.json`` is
     reused."""
@@ -1211,12 +1230,16 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     if a.natural_repeats < 1:
         raise SystemExit(f"error: --natural-repeats {a.natural_repeats}: at least 1 (1 = every "
                          "document once)")
+    if a.retrieval_docs and a.retrieval_chars < a.long_min_chars:
+        raise SystemExit(f"error: --retrieval-chars {a.retrieval_chars} is below --long-min-chars "
+                         f"{a.long_min_chars}: the long sets would leave the documents out")
     if marker.exists():
         index = json.loads(marker.read_text())
-        if index.get("natural_repeats", 1) != a.natural_repeats:
-            raise SystemExit(f"error: {out / 'inputs'} was gathered with --natural-repeats "
-                             f"{index.get('natural_repeats', 1)}, not {a.natural_repeats}: build "
-                             "into a new --out")
+        for key, default in (("natural_repeats", 1), ("retrieval_docs", 0)):
+            if index.get(key, default) != getattr(a, key):
+                raise SystemExit(f"error: {out / 'inputs'} was gathered with --"
+                                 f"{key.replace('_', '-')} {index.get(key, default)}, not "
+                                 f"{getattr(a, key)}: build into a new --out")
         print(f"inputs: reusing {marker} (delete {out / 'inputs'} to gather again)")
         return index
     t0 = time.time()
@@ -1233,11 +1256,17 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     index = {"all": write_inputs(tmp / "all", sets),
              "long": write_inputs(tmp / "long", sets, a.long_min_chars),
+             "retrieval_docs": a.retrieval_docs,
              "natural_sources": [s for s, _ in natural],
              "code_files": code.files, "code_skipped": code.skipped,
              "long_min_chars": a.long_min_chars, "natural_repeats": a.natural_repeats,
              "seconds": {"read_text": round(t1 - t0, 1), "gather_code": round(t2 - t1, 1),
                          "write": round(time.time() - t2, 1)}}
+    if a.retrieval_docs:  # `long` and, after every one of its documents, the synthetic ones
+        retrieval = retrieval_set(natural, a.retrieval_docs, a.retrieval_chars,
+                                  a.heldout_fraction)
+        index["long_retrieval"] = write_inputs(tmp / "long_retrieval", sets + [retrieval],
+                                               a.long_min_chars)
     (tmp / "index.json").write_text(json.dumps(index, indent=1))
     shutil.rmtree(out / "inputs", ignore_errors=True)
     os.replace(tmp, out / "inputs")
@@ -1321,8 +1350,9 @@ def cmd_build(a: argparse.Namespace) -> int:
     t0 = time.time()
     index = prepare_inputs(a, out)
     timings = {"inputs": round(time.time() - t0, 1)}
-    report = {"inputs": {k: v for k, v in index.items() if k not in ("all", "long")}, "sets": {}}
-    for name in ("all", "long"):
+    sets = [name for name in ("all", "long", "long_retrieval") if name in index]
+    report = {"inputs": {k: v for k, v in index.items() if k not in sets}, "sets": {}}
+    for name in sets:
         t = time.time()
         manifest = tokenize_set(a, out / "inputs" / name, out / name, a.heldout_fraction)
         timings[f"tokenize_{name}"] = round(time.time() - t, 1)
@@ -1369,6 +1399,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     bd.add_argument("--natural-repeats", type=int, default=1,
                     help="weigh the natural text N times in both sets: N-1 extra copies of its "
                          "training documents after the code (the held-out split stays that of N=1)")
+    bd.add_argument("--retrieval-docs", type=int, default=0,
+                    help="also build `long_retrieval`: `long` plus this many synthetic retrieval "
+                         "documents (data_prep.retrieval), their filler the natural training text "
+                         "without the Wikipedia extracts")
+    bd.add_argument("--retrieval-chars", type=int, default=64_000,
+                    help="characters per synthetic retrieval document (~16K tokens: a stage-3 row)")
     bd.add_argument("--progress", action="store_true")
     bd.set_defaults(func=cmd_build)
     return p.parse_args(argv)

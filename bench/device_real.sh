@@ -39,8 +39,10 @@ TAG=${TAG:-}                  # an experiment's name: real_conversion_<tag>.json
 SELECT_CSR_OFFSET=${SELECT_CSR_OFFSET:-}  # the selection score's offset on the CSR drop (empty: the paper's 1e-6)
 SHARE_STAGE1_FROM=${SHARE_STAGE1_FROM:-}  # run folder (run, run_<tag>) whose stage 1 the experiment (TAG) starts from
 GPU_TESTS=${GPU_TESTS:-1}     # 0: R1 skips the GPU-only tests (~100 s; run them when GPU code changed)
+STAGE3_DATA=${STAGE3_DATA:-}  # the corpus set of stage 3 (empty: long; long_retrieval needs RETRIEVAL_DOCS in R1)
 STAGE2_SEQ_LEN=${STAGE2_SEQ_LEN:-}  # stage 2's context (empty: the preset's 512; the tokens per step stay)
 # NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
+# RETRIEVAL_DOCS (R1): also build corpus/long_retrieval with this many synthetic retrieval documents (STAGE3_DATA)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -114,7 +116,7 @@ R1)
   xz -dc $W/text/00-wiki.jsonl.xz > $W/warmup_wiki.jsonl
   python3 -m data_prep.tokenize --input $W/warmup_wiki.jsonl --tokenizer $W/tokenizer_src --out $W/warmup_data \
     --heldout-fraction 0.2 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
-  ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 --natural-repeats ${NATURAL_REPEATS:-1} \
+  ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 --natural-repeats ${NATURAL_REPEATS:-1} --retrieval-docs ${RETRIEVAL_DOCS:-0} \
      > $W/corpus.log 2>&1; echo "corpus rc $?") &
   # the evaluations' NIAH prompts (CPU, one process): teacher and student read them in the timed run
   ($R prompts $CPU --work $W --tokenizer $W/tokenizer_src > $W/prompts.log 2>&1; echo "prompts rc $?"; tail -2 $W/prompts.log) &
@@ -147,7 +149,7 @@ R2|R3)
   $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \
     --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" \
     ${SEED:+--seed $SEED} ${TAG:+--tag $TAG} ${SELECT_CSR_OFFSET:+--select-csr-offset $SELECT_CSR_OFFSET} \
-    ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} ${SHARE_STAGE1_FROM:+--share-stage1-from $SHARE_STAGE1_FROM} \
+    ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} ${STAGE3_DATA:+--stage3-data $STAGE3_DATA} ${SHARE_STAGE1_FROM:+--share-stage1-from $SHARE_STAGE1_FROM} \
     $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;

@@ -74,6 +74,10 @@ def parse_args(argv=None):
     c.add_argument("--tokenizer", type=Path, required=True,
                    help="SmolLM2's tokenizer folder (copied to WORK/tokenizer)")
     c.add_argument("--num-proc", type=int, default=os.cpu_count() or 2, help="tokenizer processes")
+    c.add_argument("--retrieval-docs", type=int, default=0,
+                   help="also build corpus/long_retrieval: long plus this many synthetic retrieval "
+                        "documents (build_corpus.py --retrieval-docs; the stage-3 data of an "
+                        "experiment, --stage3-data long_retrieval)")
     c.add_argument("--natural-repeats", type=int, default=1,
                    help="weigh the natural text N times (build_corpus.py --natural-repeats). 3 was "
                         "recipe v3 (session 14): worse than 1 on CSR, perplexity and NIAH, and it "
@@ -107,6 +111,10 @@ def parse_args(argv=None):
     r.add_argument("--stage2-seq-len", type=int, default=None,
                    help="stage 2's context (default: the preset's 512); the rows per step shrink "
                         "to keep its tokens per step")
+    r.add_argument("--stage3-data", default="",
+                   help="the corpus set stage 3 trains on (default: long; long_retrieval: with the "
+                        "synthetic retrieval documents of corpus --retrieval-docs); calibration "
+                        "keeps long")
     r.add_argument("--select-csr-offset", type=float, default=None,
                    help="added to each layer's CSR drop in the selection score (default: the "
                         "preset's 1e-6, the paper's)")
@@ -150,7 +158,7 @@ def cmd_corpus(a) -> int:
            # 2% of the documents: enough natural-language text to evaluate on (a rehearsal's few
            # need more)
            "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--natural-repeats",
-           str(a.natural_repeats)]
+           str(a.natural_repeats), "--retrieval-docs", str(a.retrieval_docs)]
     # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's
     # alone
     cmd += ["--code-root", str(ROOT / "halo_dist")] if a.cpu_rehearsal else ["--code-from-python"]
@@ -293,6 +301,12 @@ def settings_for(a) -> DemoSettings:
         s.select_csr_offset = a.select_csr_offset
     if a.stage2_seq_len is not None:
         s.stage2_seq_len = a.stage2_seq_len
+    if a.stage3_data:
+        if not (a.work / "corpus" / a.stage3_data / "manifest.json").exists():
+            raise SystemExit(f"error: --stage3-data {a.stage3_data}: no such set in "
+                             f"{a.work / 'corpus'} (long_retrieval: build the corpus with "
+                             "--retrieval-docs)")
+        s.stage3_data = str(a.work / "corpus" / a.stage3_data)
     return s
 
 

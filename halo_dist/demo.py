@@ -100,7 +100,7 @@ class Demo(StepRunner):
         global_batch, micro = {"stage1": (s.global_batch, s.micro_batch),
                                "stage2": self.stage2_shape()[1:],
                                "stage3": (s.stage3_global_batch, s.stage3_micro_batch)}[stage]
-        data = (s.data_long or s.data) if stage == "stage3" else s.data
+        data = (s.stage3_data or s.data_long or s.data) if stage == "stage3" else s.data
         compile_ = {"stage1": [], "stage2": [f"model.compile={s.compile}"],
                     "stage3": [f"model.compile={s.stage3_compile}"]}[stage]
         # stage 3 loads the stage-2 folder, whose config already carries the encoding; attention

@@ -14,6 +14,9 @@ class DemoSettings:
     # prebuilt shard folder (manifest + train/heldout) instead of the Wikipedia extracts
     data: str = ""
     data_long: str = ""  # prebuilt long-document shards for stage 3 and calibration (default: data)
+    # prebuilt shards for stage 3 alone (default: data_long), e.g. long documents mixed with
+    # synthetic retrieval ones; calibration keeps data_long
+    stage3_data: str = ""
     config_dir: str = "configs/demo"  # stage1/2/3.yaml of the demo
     seq_len: int = 256  # stage 1/2 context
     long_seq_len: int = 1024  # stage 3 context (and calibration length)

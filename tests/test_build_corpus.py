@@ -449,3 +449,33 @@ def test_build_with_natural_repeats_keeps_the_heldout_split_and_weighs_the_text(
         assert rows[f"wiki:repeat{r}"]["heldout_docs"] == 0
     with pytest.raises(SystemExit, match="gathered with --natural-repeats 3, not 2"):
         _build(tmp_path, text, code, "--heldout-fraction", "0.25", "--natural-repeats", "2")
+
+
+def test_build_with_retrieval_docs_adds_a_set_and_leaves_the_others_alone(tmp_path):
+    """--retrieval-docs: `long_retrieval` is `long` plus synthetic retrieval documents after all
+    of it; `all` and `long` are byte for byte those of a build without them; the filler is natural
+    training text, never a Wikipedia extract (the NIAH haystack) nor a held-out document."""
+    text, code = _pack(tmp_path, 12), _site_packages(tmp_path / "sp")
+    assert _build(tmp_path, text, code, "--heldout-fraction", "0.25") == 0
+    plain = {p: json.loads((tmp_path / "corpus" / p / "manifest.json").read_text())["splits"]
+             for p in ("all", "long")}
+    shutil.rmtree(tmp_path / "corpus")
+    assert _build(tmp_path, text, code, "--heldout-fraction", "0.25", "--retrieval-docs", "3",
+                  "--retrieval-chars", "4000") == 0
+    out = tmp_path / "corpus"
+    for name in ("all", "long"):
+        assert json.loads((out / name / "manifest.json").read_text())["splits"] == plain[name]
+    inputs = sorted((out / "inputs" / "long_retrieval").glob("*.jsonl"))
+    long_inputs = sorted((out / "inputs" / "long").glob("*.jsonl"))
+    assert [p.name for p in inputs[:-1]] == [p.name for p in long_inputs]
+    synthetic = [json.loads(line)["text"] for line in open(inputs[-1])]
+    assert len(synthetic) == 3 and inputs[-1].name.endswith("retrieval.jsonl")
+    wiki = [json.loads(line)["text"] for p in long_inputs if "wiki" in p.name for line in open(p)]
+    paragraphs = {q for d in wiki if d for q in d.split("\n\n")}
+    assert not any(q in paragraphs for d in synthetic for q in d.split("\n\n"))
+    assert any("In the beginning" in d for d in synthetic)  # the bible is the only filler left
+    report = json.loads((out / "corpus_report.json").read_text())
+    assert report["sets"]["long_retrieval"]["totals"]["tokens"] > report["sets"]["long"]["totals"][
+        "tokens"]
+    with pytest.raises(SystemExit, match="gathered with --retrieval-docs 3, not 0"):
+        _build(tmp_path, text, code, "--heldout-fraction", "0.25")

@@ -361,3 +361,14 @@ def test_stage2_context_keeps_the_tokens_per_step_and_other_stages_untouched(tmp
     s.stage2_seq_len = 3000
     with pytest.raises(DemoStepError, match="--stage2-seq-len 3000"):
         Demo(s)
+
+
+def test_stage3_data_reaches_stage3_alone(tmp_path):
+    """--stage3-data (long documents mixed with synthetic retrieval ones): stage 3 trains on it;
+    stages 1-2 keep --data and the calibration keeps --data-long."""
+    from halo_dist.demo import Demo, DemoSettings
+
+    s = DemoSettings(out=str(tmp_path), data="ALL", data_long="LONG", stage3_data="LONG_RETRIEVAL")
+    demo = Demo(s)
+    assert "data.train=LONG_RETRIEVAL" in demo.launcher("stage3")
+    assert all("data.train=ALL" in demo.launcher(stage) for stage in ("stage1", "stage2"))
