@@ -45,8 +45,8 @@ RECALLS = (
 )
 QUOTE = 'As written earlier: "{span}"'
 FIRST = ("Adele", "Bruno", "Carmen", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ingrid",
-         "Jonas", "Keiko", "Lars", "Mirela", "Nikolai", "Olga", "Pavel", "Quentin", "Rosa", "Stefan", "Tamsin",
-         "Ulrich", "Vera", "Wendell", "Xenia", "Yusuf", "Zora")
+         "Jonas", "Keiko", "Lars", "Mirela", "Nikolai", "Olga", "Pavel", "Quentin", "Rosa",
+         "Stefan", "Tamsin", "Ulrich", "Vera", "Wendell", "Xenia", "Yusuf", "Zora")
 LAST = ("Abernathy", "Bergstrom", "Castellano", "Dovgan", "Eklund", "Fairweather", "Gallagher",
         "Holmberg", "Iwasaki", "Jablonski", "Kowalczyk", "Lindqvist", "Marchetti", "Nakagawa",
         "Okonkwo", "Petrovic", "Quiroga", "Rasmussen", "Sorensen", "Tanaka", "Underhill",
