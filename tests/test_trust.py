@@ -86,3 +86,28 @@ def test_an_export_drops_code_a_tokenizer_brought_along(tmp_path):
     _drop_foreign_code(folder)
     assert sorted(p.name for p in folder.glob("*.py")) == ["modeling_hypenet.py"]
     assert "auto_map" not in json.loads((folder / "tokenizer_config.json").read_text())
+
+
+def test_export_refuses_a_teacher_with_foreign_code_before_reading_the_shards(tmp_path,
+                                                                             monkeypatch):
+    """`halo-dist export` of a stage-2 checkpoint reads the run's tokenizer (and so refuses a
+    teacher folder that carries code) before it consolidates the shards, which takes minutes at
+    scale."""
+    from halo_dist.train import export_checkpoint as ex
+
+    ckpt = tmp_path / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"stage": "stage2", "step": 1,
+                                                         "student_config": {}}))
+    monkeypatch.setattr(ex, "resolve_checkpoint", lambda path: ckpt)
+
+    def refuse(_):
+        raise UntrustedCodeError("teacher folder carries modeling_evil.py")
+
+    def consolidate(_):
+        raise AssertionError("the shards were read before the teacher was checked")
+
+    monkeypatch.setattr(ex, "run_tokenizer", refuse)
+    monkeypatch.setattr(ex, "consolidated_state", consolidate)
+    with pytest.raises(UntrustedCodeError, match="modeling_evil"):
+        ex.export_checkpoint(ckpt, tmp_path / "out")

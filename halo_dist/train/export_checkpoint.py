@@ -63,6 +63,9 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, overwrite: boo
     if not state_file.exists():
         raise ExportError(f"{state_file} is missing: not a halo_dist checkpoint")
     meta = json.loads(state_file.read_text())
+    # before the shards are read: a teacher folder with foreign code is refused here, not after
+    # minutes of consolidation
+    tokenizer = run_tokenizer(ckpt) if meta["stage"] != "stage1" else None
     weights = consolidated_state(ckpt)
     cfg_dict = dict(meta["student_config"])
     if meta["stage"] == "stage1":
@@ -75,7 +78,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, overwrite: boo
     record = {"stage": meta.get("stage", "checkpoint"), "step": meta["step"],
               "tokens": meta.get("tokens_seen"), "teacher": meta.get("teacher"),
               "checkpoint": str(ckpt)}
-    return write_hf_folder(weights, config, output, tokenizer=run_tokenizer(ckpt),
+    return write_hf_folder(weights, config, output, tokenizer=tokenizer,
                            record={k: v for k, v in record.items() if v is not None},
                            source=f"checkpoint {ckpt}", overwrite=overwrite, inputs=inputs)
 
