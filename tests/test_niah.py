@@ -172,7 +172,7 @@ def test_eval_niah_cli_on_the_real_teacher(tmp_path, capsys):
     assert (out / "smol_heatmap.png").exists() and "niah_single_1" in (out / "smol.md").read_text()
     assert cli.main(["eval-niah", "--model", "smollm2", "--tasks", "niah_single_9", "--output-dir",
                      str(out)]) == 2
-    assert "unknown NIAH tasks" in capsys.readouterr().err
+    assert "unknown NIAH task 'niah_single_9'" in capsys.readouterr().err
 
 
 def test_batch_by_tokens_sends_long_prompts_alone():
