@@ -31,7 +31,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from .demo_report import write_report
-from .demo_settings import PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings
+from .demo_settings import (PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings,
+                            choices, describe_default)
 from .demo_steps import DemoPaused, DemoStepError, StepRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +60,11 @@ class Demo(StepRunner):
         if s.pe and s.pe not in PE_ROPE:  # here, not in stage 1's log after the data step
             raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it "
                                 "empty: hype)")
+        for flag, data in (("--data", s.data), ("--data-long", s.data_long)):
+            if data and not Path(data).exists():  # here, not in stage 1's log minutes later
+                raise DemoStepError(f"{flag} {data} does not exist: make shards with `python -m "
+                                    "data_prep.tokenize --out DIR ...`, or leave --data out for "
+                                    "the Wikipedia extracts")
         self.given_layers = parse_layers(s.attn_layers, s.num_attn)
         self.stage2_shape()  # a stage-2 context that cannot keep the tokens per step fails here
 
@@ -329,13 +335,18 @@ def add_demo_command(sub) -> None:
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",
                    help="default: CPU ~15 min; tiny: seconds per step (tests); h200: the real "
                         "conversion on one GPU")
+    allowed = choices()
     for f in fields(DemoSettings):
         flag = f"--{f.name.replace('_', '-')}"
+        text = f"{f.metadata['help']} ({describe_default(f)})".replace("%", "%%")
         if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"default {f.default}")
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif f.name in allowed:  # an empty default stays accepted: it is the default's meaning
+            values = allowed[f.name]
+            p.add_argument(flag, choices=values + (("",) if f.default == "" else ()),
+                           metavar="{" + ",".join(values) + "}", default=None, help=text)
         else:
-            p.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default}")
+            p.add_argument(flag, type=type(f.default), default=None, help=text)
     p.set_defaults(func=cmd_demo)
 
 

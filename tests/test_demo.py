@@ -361,3 +361,33 @@ def test_stage2_context_keeps_the_tokens_per_step_and_other_stages_untouched(tmp
     s.stage2_seq_len = 3000
     with pytest.raises(DemoStepError, match="--stage2-seq-len 3000"):
         Demo(s)
+
+
+def test_demo_help_lists_the_choices_and_every_presets_real_defaults():
+    """Issue 54, item 5: no empty default in ``--help``; the fixed sets are listed and enforced."""
+    import argparse
+
+    from halo_dist.demo import add_demo_command
+
+    parser = argparse.ArgumentParser()
+    add_demo_command(parser.add_subparsers())
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    text = " ".join(demo.format_help().split())
+    for listed in ("--pe {hype,all_rope,all_nope,attn_rope_rnn_nope}",
+                   "--compile {none,mlp,layer}", "--teacher-eval {at-end,with-stages,none}"):
+        assert listed in text, listed
+    assert "(default: 256; presets tiny: 64, h200: 512)" in text  # --seq-len
+    assert "default: hype" in text and "default: )" not in text and "default )" not in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--compile", "everything"])
+    assert parser.parse_args(["demo", "--pe", ""]).pe == ""  # empty: the default's meaning
+
+
+def test_a_missing_data_folder_is_refused_before_any_step(tmp_path):
+    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.demo_steps import DemoStepError
+
+    for flag, setting in (("--data", "data"), ("--data-long", "data_long")):
+        missing = tmp_path / "no_such_shards"
+        with pytest.raises(DemoStepError, match=f"{flag} {missing} does not exist.*data_prep"):
+            Demo(DemoSettings(out=str(tmp_path / "out"), **{setting: str(missing)}))
