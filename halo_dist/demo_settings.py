@@ -84,8 +84,8 @@ class DemoSettings:
                                           "export is written")
     # with-stages: a 135M teacher leaves the GPU mostly idle, and it needs nothing the stages make;
     # none: an ablation compared with a run that evaluated the same teacher through the same harness
-    teacher_eval: str = _flag("at-end", "when the teacher is evaluated: with the student, alongside "
-                                        "stages 1-3, or not at all")
+    teacher_eval: str = _flag("at-end", "when the teacher is evaluated: with the student, "
+                                        "alongside stages 1-3, or not at all")
     # its evaluation is computed once per teacher, harness and settings and then copied
     teacher_reference: str = _flag("", "folder of the teacher's reference figures (\"off\": "
                                        "evaluate the teacher in every run)",
