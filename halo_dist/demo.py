@@ -191,13 +191,7 @@ class Demo(StepRunner):
                                          f"schedule.warmup_steps={min(5, s.stage3_steps - 1)}"),
                  out / "stage3" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage3")
-        student = out / "hypenet"
-        # a copy, so that calibration's config edit leaves stage 3's output intact
-        if not student.exists():
-            tmp = out / ".hypenet.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(out / "stage3" / "final", tmp)
-            os.replace(tmp, student)
+        student = self.export_student()
         self.run("calibrate-a", self.halo("calibrate-scaling", "--model", str(student), "--data",
                                           s.data_long or data,
                                           "--seq-len", str(s.long_seq_len), "--rows",
@@ -210,6 +204,19 @@ class Demo(StepRunner):
         report = write_report(out, layers, time.time() - t0)
         print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
         return report
+
+    def export_student(self) -> Path:
+        """``hypenet/``: stage 3's export as hard links, not a second copy of the weights (594 MB
+        on the default preset). Calibration replaces config.json and README.md by rename, which
+        gives ``hypenet/`` files of its own and leaves stage 3's output as it was; a file system
+        that refuses links gets copies."""
+        student = self.out / "hypenet"
+        if not student.exists():
+            tmp = self.out / ".hypenet.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(self.out / "stage3" / "final", tmp, copy_function=_link_or_copy)
+            os.replace(tmp, student)
+        return student
 
     def attention_layers(self, teacher: str, data: str) -> list[int]:
         """The layers that stay attention: the label-free selection on the stage-1 student, or the
@@ -300,6 +307,13 @@ class Demo(StepRunner):
             args += ["--ppl-data", data, "--ppl-seq-len", str(s.ppl_seq_len), "--ppl-rows",
                      str(s.ppl_rows)]
         return args
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links refused
+        shutil.copy2(src, dst)
 
 
 def parse_layers(text: str, num_attn: int, num_layers: int = 30) -> list[int]:

@@ -391,3 +391,25 @@ def test_a_missing_data_folder_is_refused_before_any_step(tmp_path):
         missing = tmp_path / "no_such_shards"
         with pytest.raises(DemoStepError, match=f"{flag} {missing} does not exist.*data_prep"):
             Demo(DemoSettings(out=str(tmp_path / "out"), **{setting: str(missing)}))
+
+
+def test_the_exported_student_shares_stage3s_files_and_calibration_leaves_stage3_intact(tmp_path):
+    """Issue 54, item 4: ``hypenet/`` is stage 3's export as hard links (one copy of the model on
+    disk, counted once), and calibration's rewrite of its config.json leaves stage 3's alone."""
+    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.demo_report import disk_use
+    from halo_dist.eval.calibrate import write_scale_base
+
+    final = tmp_path / "stage3" / "final"
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_bytes(b"\0" * 1_000_000)
+    (final / "config.json").write_text('{"attn_logits_scale_base": 500.0}')
+    student = Demo(DemoSettings(out=str(tmp_path))).export_student()
+    assert student == tmp_path / "hypenet"
+    weights = student / "model.safetensors"
+    assert weights.stat().st_ino == (final / "model.safetensors").stat().st_ino
+    assert student.stat().st_mode == final.stat().st_mode  # the umask's, as stage 3 wrote it
+    write_scale_base(student, 50.0)
+    assert '"attn_logits_scale_base": 50.0' in (student / "config.json").read_text()
+    assert (final / "config.json").read_text() == '{"attn_logits_scale_base": 500.0}'
+    assert 1_000_000 <= disk_use(tmp_path) < 1_100_000  # the weights once, not twice
