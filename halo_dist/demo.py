@@ -31,7 +31,9 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from .demo_report import write_report
+from .demo_progress import stage_status
+from .demo_report import (console_summary, disk_use, format_bytes, scorecard_of, stage_budget,
+                          write_report)
 from .demo_settings import (PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings,
                             choices, describe_default)
 from .demo_steps import DemoPaused, DemoStepError, StepRunner
@@ -82,6 +84,16 @@ class Demo(StepRunner):
                 or not ckpts.exists()):
             return
         shutil.rmtree(ckpts)
+
+    def status(self, names: list[str], t0: float) -> str:
+        """A running stage's step, loss, tokens/s and ETA (from its metrics.jsonl); any other
+        step's running time."""
+        steps = {"stage1": self.s.stage1_steps, "stage2": self.s.stage2_steps,
+                 "stage3": self.s.stage3_steps}
+        if len(names) == 1 and names[0] in steps:
+            return (stage_status(self.out / names[0], steps[names[0]])
+                    or super().status(names, t0))
+        return super().status(names, t0)
 
     def halo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "halo_dist.cli", *args]
@@ -202,7 +214,11 @@ class Demo(StepRunner):
         self.run_together(self.final_evals(teacher, str(student), data))
         self.join_background()
         report = write_report(out, layers, time.time() - t0)
-        print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
+        for line in console_summary(scorecard_of(out), stage_budget(out)):
+            print(f"[demo] {line}")
+        print(f"[demo] report           {report}\n[demo] disk use         "
+              f"{format_bytes(disk_use(out))} in {out} (hypenet/ shares stage 3's files)\n"
+              f"[demo] tensorboard --logdir {out}", flush=True)
         return report
 
     def export_student(self) -> Path:

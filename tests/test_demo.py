@@ -413,3 +413,83 @@ def test_the_exported_student_shares_stage3s_files_and_calibration_leaves_stage3
     assert '"attn_logits_scale_base": 50.0' in (student / "config.json").read_text()
     assert (final / "config.json").read_text() == '{"attn_logits_scale_base": 500.0}'
     assert 1_000_000 <= disk_use(tmp_path) < 1_100_000  # the weights once, not twice
+
+
+# ------------------------------------------------------------------ issue 54, item 1: the console
+FAKE_STAGE = """
+import json, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1]); folder.mkdir(parents=True, exist_ok=True)
+with open(folder / "metrics.jsonl", "a") as f:
+    for step in (1, 2):
+        f.write(json.dumps({"step": step, "time": 100.0 + 20 * step, "train/loss": 4.0 / step,
+                            "perf/tokens_per_s": 1234.0}) + "\\n")
+        f.flush()
+        time.sleep(1.6)
+"""
+
+
+def test_a_running_stage_shows_its_log_and_a_progress_line(tmp_path, capsys, monkeypatch):
+    """While a stage runs the console names its live log and shows its step, loss, tokens/s and
+    ETA from the stage's metrics.jsonl (here at most every 0.5 s: not a terminal)."""
+    from halo_dist import demo_progress
+    from halo_dist.demo import Demo, DemoSettings
+
+    monkeypatch.setattr(demo_progress, "EVERY_S", 0.5)
+    demo = Demo(DemoSettings(out=str(tmp_path), stage1_steps=3))
+    demo.run("stage1", [sys.executable, "-c", FAKE_STAGE, str(tmp_path / "stage1")],
+             tmp_path / "never", stage=True)
+    out = capsys.readouterr().out
+    assert "[demo] stage1           running (log logs/stage1.log)" in out
+    assert "step 2/3 | loss 2 | 1.23K tok/s | ETA 20s" in out, out
+    assert out.rstrip().splitlines()[-1].startswith("[demo] stage1           done in")
+
+
+def test_the_progress_line_is_rewritten_on_a_terminal_and_rate_limited_elsewhere():
+    import io
+
+    from halo_dist.demo_progress import ProgressLine
+
+    now = [0.0]
+    piped = io.StringIO()
+    line = ProgressLine("[demo] x ", piped, every_s=60.0, clock=lambda: now[0])
+    for t, text in ((10.0, "step 1/9"), (61.0, "step 2/9"), (62.0, "step 3/9"), (130.0, "step 3/9"),
+                    (131.0, "step 4/9")):
+        now[0] = t
+        line.show(text)
+    # the latest figures once a minute has passed since the last printed line, never a repeat
+    assert piped.getvalue() == "[demo] x step 2/9\n[demo] x step 3/9\n"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    line = ProgressLine("[demo] x ", tty, clock=lambda: 0.0)
+    line.show("step 1/9")
+    line.show("step 2/9")
+    line.end()
+    assert tty.getvalue() == ("\r\x1b[K[demo] x step 1/9\r\x1b[K[demo] x step 2/9\r\x1b[K")
+
+
+def test_the_end_of_the_demo_says_teacher_vs_student_with_n_and_what_the_budget_means(tmp_path):
+    from test_pictures import fake_run
+
+    from halo_dist.demo_report import (REAL_RESULTS, console_summary, scorecard_of, stage_budget,
+                                       write_report)
+
+    out = fake_run(tmp_path / "demo", "tiny")
+    budget = stage_budget(out)
+    assert budget == {"stage1": (12, 6144), "stage2": (14, 7168), "stage3": (3, 1536)}
+    lines = console_summary(scorecard_of(out), budget)
+    assert len(lines) == 5, lines
+    assert ("teacher 20.0 [18.0-22.0], student 2,300.0 [2,070.0-2,530.0] (n = 8 rows x 256"
+            in lines[1])
+    assert "CSR, mean of 3 tasks" in lines[2] and "(n = 4 items per task)" in lines[2]
+    assert "NIAH" in lines[3] and "n=3" in lines[3]  # three tasks x one prompt inside the haystack
+    assert "14,848 tokens" in lines[4] and "expected" in lines[4]
+    report = write_report(out, [1, 2], 60.0).read_text()
+    assert "stage1 6,144 (12 steps), stage2 7,168 (14 steps), stage3 1,536 (3 steps)" in report
+    assert "word salad" in report and REAL_RESULTS in report
+    title = REAL_RESULTS.split('"')[1]
+    assert f"## {title}" in (REPO / "README.md").read_text()  # the pointer leads somewhere
