@@ -493,3 +493,11 @@ def test_the_end_of_the_demo_says_teacher_vs_student_with_n_and_what_the_budget_
     assert "word salad" in report and REAL_RESULTS in report
     title = REAL_RESULTS.split('"')[1]
     assert f"## {title}" in (REPO / "README.md").read_text()  # the pointer leads somewhere
+
+
+def test_readme_states_the_default_presets_token_budget():
+    """README's "What the demo's student looks like" says what the default preset trains."""
+    from halo_dist.demo_report import preset_tokens
+
+    readme = (REPO / "README.md").read_text()
+    assert f"The default preset trains {preset_tokens('default'):,} tokens" in readme
