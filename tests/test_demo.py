@@ -19,16 +19,17 @@ def test_demo_tiny_runs_every_step_and_writes_the_report(tmp_path, smollm2_dir):
     out = tmp_path / "demo"
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "-m", "halo_dist.cli", "demo", "--preset", "tiny", "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1500)
+    # umask 027: what the folder gives the group (read) and others (nothing) is the umask's doing
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1500,
+                         preexec_fn=lambda: os.umask(0o027))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _check_what_a_newcomer_sees(out, res.stdout)
     report = (out / "report.md").read_text()
     for section in ("## Training", "## Needle in a haystack", "## Commonsense"):
         assert section in report
     pictures = sorted(p.name for p in (out / "report").glob("*.png"))
-    assert {"stage1_loss.png", "stage2_loss.png", "stage3_loss.png",
+    assert {"stage1_loss.png", "stage2_loss.png", "stage3_loss.png", "niah.png",
             "csr.png"} <= set(pictures), pictures
-    assert (any(name.startswith("niah_student") for name in pictures)
-            and any(name.startswith("niah_teacher") for name in pictures))
     assert ((out / "hypenet" / "modeling_hypenet.py").exists()
             and (out / "hypenet" / "tokenizer_config.json").exists())
     assert list((out / "stage2" / "tb").glob("events.*"))  # TensorBoard logs
@@ -38,6 +39,25 @@ def test_demo_tiny_runs_every_step_and_writes_the_report(tmp_path, smollm2_dir):
     # a second invocation skips every finished step
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert again.returncode == 0 and again.stdout.count("already done") >= 8, again.stdout[-2000:]
+
+
+def _check_what_a_newcomer_sees(out: Path, stdout: str) -> None:
+    """Issue 54, items 1 and 4: the console names each stage's live log and ends with teacher vs
+    student; every file and folder follows the umask (027: group-readable, nothing for others);
+    hypenet/ holds stage 3's weights as hard links and its model card says the calibrated a."""
+    import json
+
+    assert "[demo] stage2           running (log logs/stage2.log)" in stdout
+    assert "teacher vs student, 95% intervals" in stdout and "[demo] disk use" in stdout
+    for path in [out, *out.rglob("*")]:
+        mode = path.lstat().st_mode & 0o777
+        assert not mode & 0o027 and mode & 0o040, f"{path}: {oct(mode)}"
+    weights = "model.safetensors"
+    assert ((out / "hypenet" / weights).stat().st_ino
+            == (out / "stage3" / "final" / weights).stat().st_ino)
+    a = json.loads((out / "calibrate.json").read_text())["chosen_a"]
+    card = (out / "hypenet" / "README.md").read_text()
+    assert (f"a = {a:g}" if a is not None else "no scaling") in card
 
 
 def _stage_dir(root: Path, stage: str, done: bool) -> Path:

@@ -76,7 +76,8 @@ def _loss_panel(ax, series: dict, loss: str, unit: str, title: str) -> None:
     held = next((tag for tag in HELD_OUT.values() if tag in series), None)
     held_name = next((LOSS_NAMES[o] for o, tag in HELD_OUT.items() if tag == held), "")
     same = held is None or held_name == loss
-    ax.plot(*zip(*series["train/loss"]),
+    train = series["train/loss"]
+    ax.plot(*zip(*train), marker="." if len(train) < 50 else None,  # a few points: show each
             label="training batches" if same else f"training: {loss}")
     if held:
         ax.plot(*zip(*series[held]), "o-",
