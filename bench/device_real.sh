@@ -14,6 +14,10 @@
 #   R2  join and check the GGUF; run the pipeline until its deadline (it checkpoints and pauses)
 #   R3  continue the pipeline (run again until `complete` in real_conversion.json)
 # Every phase ends by bundling results and logs into $OUT/real_<phase>.tgz.
+# Experiments (one change against a baseline; bench/real_conversion.py compare-runs reads both results files):
+#   TAG=<name> makes the run an experiment in its own run folder (run_<name>) and results file; with
+#   SHARE_STAGE1_FROM=<run folder> it starts from that run's stage 1 on this machine, so two arms that differ only
+#   after stage 1 fit one device session: R0, R1 (GPU_TESTS=0 when no GPU code changed), then each arm's R2/R3 pieces.
 # Rehearsal on a CPU machine (the same script, tiny sizes): REHEARSAL=1 XFER=<folder like .xfer> HALO_WORK=<dir>
 # DEADLINE=<s> bash bench/device_real.sh R1|R2|R3 (installs nothing: the local venv's python3 must be first on PATH).
 set -uo pipefail
@@ -33,6 +37,8 @@ SEED=${SEED:-}                # training seed of stages 1-3 (empty: the preset's
 SPEED=${SPEED:-1}             # 0: skip the pair's speed step (a recipe change does not change it)
 TAG=${TAG:-}                  # an experiment's name: real_conversion_<tag>.json beside the baseline's
 SELECT_CSR_OFFSET=${SELECT_CSR_OFFSET:-}  # the selection score's offset on the CSR drop (empty: the paper's 1e-6)
+SHARE_STAGE1_FROM=${SHARE_STAGE1_FROM:-}  # run folder (run, run_<tag>) whose stage 1 the experiment (TAG) starts from
+GPU_TESTS=${GPU_TESTS:-1}     # 0: R1 skips the GPU-only tests (~100 s; run them when GPU code changed)
 STAGE2_SEQ_LEN=${STAGE2_SEQ_LEN:-}  # stage 2's context (empty: the preset's 512; the tokens per step stay)
 # NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
 CPU=${REHEARSAL:+--cpu-rehearsal}
@@ -123,8 +129,10 @@ R1)
   fi
   # the GPU-only paths the CPU suite skips: CUDA-graph generate (cache_implementation="static") and the split-KV
   # decode kernel, Liger's JSD against ours on CUDA; the GPU is otherwise idle while the corpus builds
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_losses.py -k "cuda" \
-    > $W/gpu_tests.log 2>&1; echo "gpu tests rc $?"; tail -4 $W/gpu_tests.log
+  if [ "$GPU_TESTS" != 0 ]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_losses.py -k "cuda" \
+      > $W/gpu_tests.log 2>&1; echo "gpu tests rc $?"; tail -4 $W/gpu_tests.log
+  fi
   wait
   tail -5 $W/warmup.log; cat $W/warmup_runs/stage2_warmup/profile/summary.txt; tail -25 $W/corpus.log
   bundle R1
@@ -139,7 +147,7 @@ R2|R3)
   $R run $CPU --work $W --deadline-s $((DEADLINE - (SECONDS - T0))) --pause-after "$PAUSE_AFTER" --pe "$PE" \
     --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" \
     ${SEED:+--seed $SEED} ${TAG:+--tag $TAG} ${SELECT_CSR_OFFSET:+--select-csr-offset $SELECT_CSR_OFFSET} \
-    ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} \
+    ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} ${SHARE_STAGE1_FROM:+--share-stage1-from $SHARE_STAGE1_FROM} \
     $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;

@@ -113,7 +113,7 @@ if [ ! -f $H/site/.installed ]; then
 fi
 export PYTHONPATH=$H/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ ! -d $H/triton ]; then
-  [ -f bench/cache/triton_autotune_h200.tgz ] && tar -xzf bench/cache/triton_autotune_h200.tgz -C $H
+  [ -f bench/cache/triton_autotune_sm90.tgz ] && tar -xzf bench/cache/triton_autotune_sm90.tgz -C $H
   [ -d .triton_seed ] && mkdir -p $H/triton && tar -xzf .triton_seed/autotune.tgz -C $H/triton 2>/dev/null
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

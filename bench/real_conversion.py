@@ -110,6 +110,11 @@ def parse_args(argv=None):
     r.add_argument("--select-csr-offset", type=float, default=None,
                    help="added to each layer's CSR drop in the selection score (default: the "
                         "preset's 1e-6, the paper's)")
+    r.add_argument("--share-stage1-from", default="", metavar="RUN",
+                   help="an experiment (--tag) that changes nothing before stage 2 starts from the "
+                        "stage 1 and per-layer selection results of the run folder RUN in the same "
+                        "--work (run: the baseline; run_<tag>: an experiment) on this machine, "
+                        "its settings checked: two arms fit one device session")
     r.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the pair's prefill and decode speed after the evaluations (a "
                         "recipe change does not change it: --no-speed saves ~1 GPU-minute)")
@@ -158,8 +163,16 @@ def corpus_done(work: Path) -> bool:
 
 
 def preset(a, out: str) -> DemoSettings:
-    """The demo preset this script runs: h200, or tiny for a CPU rehearsal."""
-    return DemoSettings.tiny(out) if a.cpu_rehearsal else DemoSettings.h200(out)
+    """The demo preset this script runs (h200, or tiny for a CPU rehearsal), its NIAH prompts in the
+    work folder, where every run of it (the baseline's and each experiment's) reads them."""
+    s = DemoSettings.tiny(out) if a.cpu_rehearsal else DemoSettings.h200(out)
+    s.niah_prompts = str(a.work / "niah_prompts")
+    return s
+
+
+def run_dir(a) -> Path:
+    """The baseline's run folder (``run``), or an experiment's (``run_<tag>``) beside it."""
+    return a.work / (f"run_{a.tag}" if getattr(a, "tag", "") else "run")
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -256,8 +269,7 @@ def warm_inference_kernels(small: bool = False) -> dict:
 
 # ---------------------------------------------------------------------------------------------- run
 def settings_for(a) -> DemoSettings:
-    run = str(a.work / "run")
-    s = preset(a, run)
+    s = preset(a, str(run_dir(a)))
     s.data, s.data_long = str(a.work / "corpus" / "all"), str(a.work / "corpus" / "long")
     if a.cpu_rehearsal:
         s.config_dir = "configs/demo"
@@ -290,9 +302,11 @@ def cmd_run(a) -> int:
         raise SystemExit(f"error: no corpus in {a.work / 'corpus'}: run `real_conversion.py "
                          "corpus` first")
     s = settings_for(a)
-    check_same_pe(a.work / "run", s.pe)
+    check_same_pe(run_dir(a), s.pe)
     s.deadline_s, s.pause_after = a.deadline_s, a.pause_after
     demo = Demo(s)
+    if a.share_stage1_from:
+        share_stage1(a, s, a.work / a.share_stage1_from)
     code = 0
     try:
         align_teacher_tokenizer(a.work)
@@ -303,9 +317,47 @@ def cmd_run(a) -> int:
         print(f"[real] paused: {e}. Run the same command again to continue.", flush=True)
         code = PAUSED
     finally:
-        record_piece(a.work, t0, code)
+        record_piece(run_dir(a), t0, code)
     collect(a, partial=code == PAUSED)
     return code
+
+
+# what stage 1 and the per-layer selection results depend on: an experiment that shares them must
+# not differ here
+STAGE1_SETTINGS = ("seed", "seq_len", "stage1_steps", "global_batch", "micro_batch", "pe", "data",
+                   "config_dir", "select_items", "select_length", "kl_rows", "device", "dtype")
+
+
+def share_stage1(a, s: DemoSettings, base: Path) -> None:
+    """Start the experiment ``a.tag`` from the stage 1 (its exported RNN layers) and per-layer
+    selection results of the run folder ``base``, hard-linked: the arm then differs from that run
+    only in what comes after stage 1, and skips ~4 GPU-minutes. Refused when a setting stage 1
+    depends on differs, or ``base``'s stage 1 is not finished."""
+    from dataclasses import asdict
+
+    arm = run_dir(a)
+    if not a.tag or base.resolve() == arm.resolve():
+        raise SystemExit("error: --share-stage1-from is for an experiment: give it a --tag of its "
+                         "own")
+    base_settings = _read(base / "settings.json")
+    if not (base / "stage1" / "final" / "DONE").exists() or base_settings is None:
+        raise SystemExit(f"error: --share-stage1-from: {base} holds no finished stage 1")
+    mine = asdict(s)
+    differ = {k: (base_settings.get(k), mine.get(k)) for k in STAGE1_SETTINGS
+              if base_settings.get(k) != mine.get(k)}
+    if differ:
+        raise SystemExit(f"error: --share-stage1-from: {base.name}'s stage 1 ran with other "
+                         f"settings ({base.name}, this run): {differ}")
+    for part in ("stage1/final", "select/results.json"):
+        src, dst = base / part, arm / part
+        if src.exists() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, dst, copy_function=os.link)
+            else:
+                os.link(src, dst)
+    print(f"[real] {arm.name} starts from {base.name}'s stage 1 and per-layer selection results",
+          flush=True)
 
 
 def check_same_pe(run: Path, pe: str) -> None:
@@ -319,10 +371,11 @@ def check_same_pe(run: Path, pe: str) -> None:
                          "continue it with the same --pe, or give another --work")
 
 
-def record_piece(work: Path, t0: float, code: int) -> None:
-    """Append this invocation's wall time to ``pieces.json`` (the run's GPU minutes add up over
-    pieces)."""
-    path = work / "pieces.json"
+def record_piece(run: Path, t0: float, code: int) -> None:
+    """Append this invocation's wall time to the run's ``pieces.json`` (its GPU minutes add up
+    over pieces)."""
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "pieces.json"
     pieces = _read(path) or []
     pieces.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
                    "seconds": round(time.time() - t0, 1), "exit": code})
@@ -367,7 +420,7 @@ def speed(a, demo: Demo) -> None:
     evaluations)."""
     from halo_dist.assets.teacher import smollm2_teacher_dir
 
-    run = a.work / "run"
+    run = run_dir(a)
     out = run / "speed.json"
     student = run / "hypenet" if a.pe in ("", "hype") else hype_twin(run / "hypenet",
                                                                      run / "hypenet_hype_twin")
@@ -403,9 +456,9 @@ def cmd_collect(a) -> int:
 
 def collect(a, partial: bool = False) -> Path:
     """``real_conversion.json`` and the PNGs from whatever the run folder holds so far."""
-    run = a.work / "run"
+    run = run_dir(a)
     a.results.mkdir(parents=True, exist_ok=True)
-    result = summarize(a.work)
+    result = summarize(a.work, run)
     result["complete"] = not partial and (run / "eval" / "student" / "DONE").exists()
     stem = result_stem(result["pe"], (result["settings"] or {}).get("seed"),
                        a.tag)
@@ -484,10 +537,10 @@ def sharing_rates(path: Path, windows: list[dict]) -> dict:
 NIAH_LENGTHS = ("2K", "4K", "8K", "16K", "32K", "64K")
 
 
-def summarize(work: Path) -> dict:
+def summarize(work: Path, run: Path | None = None) -> dict:
     """Every figure of the run: the scorecard (teacher vs student with intervals), its headline
     keys, the goals, the stages' throughput and curves, selection, calibration, speed, timings."""
-    run = work / "run"
+    run = run or work / "run"
     windows = _read(run / "background.json") or []
     stages = {s: stage_summary(run / s, windows) for s in ("stage1", "stage2", "stage3")}
     kl = lambda s, i: (stages[s].get("eval", {}).get("eval/kl")  # noqa: E731
@@ -504,7 +557,7 @@ def summarize(work: Path) -> dict:
         # attention
         "kl_heldout_stage1": kl("stage2", 0), "kl_heldout_stage2": kl("stage2", -1),
         "kl_heldout_stage3": kl("stage3", -1),
-        **{f"tokens_{k}": v for k, v in tokens.items()}, "gpu_minutes": gpu_minutes(work),
+        **{f"tokens_{k}": v for k, v in tokens.items()}, "gpu_minutes": gpu_minutes(run),
         "scorecard": card, "stages": stages, "ppl": {w: e["ppl"] for w, e in evals.items()},
         "csr": {w: e["csr"] for w, e in evals.items()},
         "niah_summary": {w: (e["niah"] or {}).get("summary") for w, e in evals.items()},
@@ -518,7 +571,8 @@ def summarize(work: Path) -> dict:
         "timings_s": _read(run / "timings.json"), "background": windows,
         "corpus": _read(work / "corpus" / "corpus_report.json"),
         "warmup": _read(work / "warmup.json"), "settings": settings,
-        "pieces": _read(work / "pieces.json"), "environment": environment(),
+        "pieces": _read(run / "pieces.json"),
+        "environment": environment(),
     }
     trained = sum(v for v in tokens.values() if v)
     out["tokens_per_gpu_minute"] = (trained / out["gpu_minutes"]
@@ -563,13 +617,13 @@ def goals(out: dict) -> dict:
     return g
 
 
-def gpu_minutes(work: Path) -> float | None:
-    """Wall minutes of the pipeline's pieces on the GPU machine (``pieces.json``, written by the
-    device script around each ``run``), else the sum of the demo's step timings."""
-    pieces = _read(work / "pieces.json")
+def gpu_minutes(run: Path) -> float | None:
+    """Wall minutes of the run's pieces on the GPU machine (``pieces.json``, written around each
+    ``run`` invocation), else the sum of the demo's step timings."""
+    pieces = _read(run / "pieces.json")
     if pieces:
         return sum(p["seconds"] for p in pieces) / 60
-    timings = _read(work / "run" / "timings.json")
+    timings = _read(run / "timings.json")
     return sum(timings.values()) / 60 if timings else None
 
 

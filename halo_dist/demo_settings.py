@@ -86,6 +86,8 @@ class DemoSettings:
     # none: an ablation compared with a run that evaluated the same teacher through the same harness
     teacher_eval: str = _flag("at-end", "when the teacher is evaluated: with the student, "
                                         "alongside stages 1-3, or not at all")
+    # runs that share a tokenizer and NIAH settings can share it
+    niah_prompts: str = _flag("", "folder of the built NIAH prompts", "OUT/eval/niah_prompts")
     # its evaluation is computed once per teacher, harness and settings and then copied
     teacher_reference: str = _flag("", "folder of the teacher's reference figures (\"off\": "
                                        "evaluate the teacher in every run)",

@@ -42,7 +42,7 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
         return 0
     except HaloUserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # rank_failures.RankFailure: the failed rank's status
     return 0
 
 

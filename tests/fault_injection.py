@@ -1,5 +1,5 @@
 """Faults the tests inject into a training run: a hard crash, a SIGTERM, NaN losses, a file system
-that fills up.
+that fills up, an error on one rank.
 
 The trainers (``halo_dist.train.trainer.Trainer`` and its subclasses,
 ``halo_dist.train.opd_loop.OPDTrainer`` among them) expose ``step_hooks`` and ``loss_hooks`` lists
@@ -7,7 +7,7 @@ that product code leaves empty. A test that builds a trainer itself appends the 
 that runs a launcher in a subprocess runs it through this file::
 
     python tests/fault_injection.py [--crash-at N] [--sigterm-at N] [--nan-at N[,M...]] \\
-        [--fill-at N:bytes|inodes:FOLDER] launchers/stage2.py ARGS...
+        [--fill-at N:bytes|inodes:FOLDER] [--fail-at N --fail-rank R] launchers/stage2.py ARGS...
 
 which makes every trainer built in that process (every rank under torchrun) carry the hooks, then
 runs the launcher as ``__main__`` with ``ARGS``.
@@ -48,6 +48,21 @@ def sigterm_at(step: int):
     def hook(trainer, done: int) -> None:
         if done == step:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
+class InjectedFailure(RuntimeError):
+    """The error ``fail_at`` raises: a bug on one rank, as far as the run can tell."""
+
+
+def fail_at(step: int, rank: int):
+    """Step hook: rank ``rank`` alone raises :class:`InjectedFailure` right after optimizer step
+    ``step`` (the other ranks go on into the next step's collectives)."""
+
+    def hook(trainer, done: int) -> None:
+        if done == step and trainer.rank == rank:
+            raise InjectedFailure(f"injected failure on rank {rank} after step {step}")
 
     return hook
 
@@ -104,10 +119,13 @@ def install(step_hooks=(), loss_hooks=()) -> None:
 
 
 def launcher_args(crash_at: int | None = None, sigterm_at: int | None = None,
-                  nan_at=None, fill_at: str | None = None) -> list[str]:
+                  nan_at=None, fill_at: str | None = None,
+                  fail_at: tuple[int, int] | None = None) -> list[str]:
     """The options of this script for the given faults (``nan_at``: a step or a list of steps;
-    ``fill_at``: ``"N:bytes|inodes:FOLDER"``)."""
+    ``fill_at``: ``"N:bytes|inodes:FOLDER"``; ``fail_at``: ``(step, rank)``)."""
     args = ["--fill-at", fill_at] if fill_at else []
+    if fail_at is not None:
+        args += ["--fail-at", str(fail_at[0]), "--fail-rank", str(fail_at[1])]
     if crash_at is not None:
         args += ["--crash-at", str(crash_at)]
     if sigterm_at is not None:
@@ -127,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nan-at", help="comma-separated optimizer steps whose losses are NaN")
     parser.add_argument("--fill-at", help="N:bytes|inodes:FOLDER: fill FOLDER's file system "
                         "right after optimizer step N")
+    parser.add_argument("--fail-at", type=int,
+                        help="one rank (--fail-rank) raises right after this optimizer step")
+    parser.add_argument("--fail-rank", type=int, default=0, help="the rank that --fail-at fails")
     parser.add_argument("launcher", help="the launcher script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the launcher's arguments")
     a = parser.parse_args(argv)
@@ -135,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         step_hooks.append(crash_at(a.crash_at))
     if a.sigterm_at is not None:
         step_hooks.append(sigterm_at(a.sigterm_at))
+    if a.fail_at is not None:
+        step_hooks.append(fail_at(a.fail_at, a.fail_rank))
     if a.nan_at:
         loss_hooks.append(nan_at(*(int(s) for s in a.nan_at.split(",") if s.strip())))
     if a.fill_at:

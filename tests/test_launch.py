@@ -56,9 +56,10 @@ def test_every_configurable_stage_has_a_row_and_an_unknown_one_lists_them(capsys
     assert len(err.strip().splitlines()) == 1
 
 
-def test_a_user_error_in_the_build_is_one_line_and_exit_2(monkeypatch, capsys):
+def test_a_user_error_in_the_build_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
     with_row(monkeypatch, "stage2", trainer_cls=BuildOnly)  # the real stage-2 build
-    assert launch("stage2", argv=[*STAGE2, "model.stage1_weights=/nonexistent/s1"]) == 2
+    assert launch("stage2", argv=[*STAGE2, "model.stage1_weights=/nonexistent/s1",
+                                  f"logging.run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert (err == "error: model.stage1_weights: /nonexistent/s1 does not exist (run stage 1 "
                    "first)\n"), err
@@ -68,7 +69,7 @@ def test_a_user_error_in_the_build_is_one_line_and_exit_2(monkeypatch, capsys):
 
 @pytest.mark.parametrize("bug", [KeyError("layers"), RuntimeError("shape mismatch"),
                                  ValueError("bad tensor")])
-def test_a_bug_in_the_build_keeps_its_traceback(monkeypatch, bug):
+def test_a_bug_in_the_build_keeps_its_traceback(monkeypatch, bug, tmp_path):
     """Not a HaloUserError (a bare ValueError included): the exception leaves launch() as it was
     raised."""
     def build(cfg):
@@ -76,7 +77,7 @@ def test_a_bug_in_the_build_keeps_its_traceback(monkeypatch, bug):
 
     with_row(monkeypatch, "stage2", build=build, trainer_cls=BuildOnly)
     with pytest.raises(type(bug)) as raised:
-        launch("stage2", argv=STAGE2)
+        launch("stage2", argv=[*STAGE2, f"logging.run_dir={tmp_path}"])
     assert raised.value is bug
 
 

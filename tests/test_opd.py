@@ -658,6 +658,10 @@ def test_sigterm_checkpoints_exits_0_and_the_restarted_run_ends_bitwise_equal(tm
             and mb["eval/reverse_kl"] == ma["eval/reverse_kl"])
     assert mb["train/loss"] == ma["train/loss"] and len(ma["train/loss"]) == 6
     assert ma["progress/horizon"] == mb["progress/horizon"] and ma["progress/horizon"][-1][1] == 32
+    # the finished run started again: nothing to train, no second evaluation of its last step
+    run_opd_launcher(stopped, *common)
+    rows = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/reverse_kl" in r] == [0, 2, 4, 6]
 
 
 # -------------------------------------------------------------------------------------- ZeRO stages

@@ -143,3 +143,34 @@ def test_hype_twin_switches_only_the_attention_encoding(tmp_path):
             == {"attn_rope": False, "attn_logits_scale_base": 500.0, "x": 1})
     assert json.loads((student / "config.json").read_text())["attn_rope"] is True
     assert (twin / "model.safetensors").read_bytes() == b"w" and rc.hype_twin(student, twin) == twin
+
+
+def test_an_experiment_shares_the_baselines_stage1_only_when_its_settings_match(tmp_path):
+    """--share-stage1-from: the arm's run folder gets the baseline's exported stage 1 and per-layer
+    selection results as hard links; a setting stage 1 depends on that differs, a baseline without
+    a finished stage 1, or an arm without a tag is refused."""
+    from argparse import Namespace
+    from dataclasses import asdict
+
+    rc = _module()
+    a = Namespace(work=tmp_path, tag="sel_offset", cpu_rehearsal=False, results=tmp_path / "res")
+    s = rc.preset(a, str(rc.run_dir(a)))
+    s.select_csr_offset = 0.01  # the arm's change comes after stage 1
+    base = tmp_path / "run"
+    with pytest.raises(SystemExit, match="no finished stage 1"):
+        rc.share_stage1(a, s, base)
+    (base / "stage1" / "final").mkdir(parents=True)
+    (base / "stage1" / "final" / "DONE").write_text("ok")
+    (base / "stage1" / "final" / "rnn_layers.safetensors").write_bytes(b"w")
+    (base / "select").mkdir()
+    (base / "select" / "results.json").write_text("{}")
+    (base / "settings.json").write_text(json.dumps({**asdict(s), "seed": 7}))
+    with pytest.raises(SystemExit, match="seed"):
+        rc.share_stage1(a, s, base)
+    (base / "settings.json").write_text(json.dumps({**asdict(s), "select_csr_offset": 1e-6}))
+    rc.share_stage1(a, s, base)
+    arm = tmp_path / "run_sel_offset"
+    assert (arm / "stage1" / "final" / "rnn_layers.safetensors").stat().st_nlink == 2
+    assert (arm / "select" / "results.json").exists() and not (arm / "stage2").exists()
+    with pytest.raises(SystemExit, match="--tag"):
+        rc.share_stage1(Namespace(work=tmp_path, tag=""), s, base)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -204,16 +205,24 @@ def _parse_int_string(text: str) -> int | None:
 
 
 def _to_float(value: Any, key: str) -> float:
+    """A finite float: no config number means anything as inf or nan (an ``lr`` of inf trains
+    non-finite weights, a nan passes every ``> 0`` check), so they are refused here, for every
+    field."""
     if isinstance(value, bool):
         fail(key, f"expected a number, got boolean {value!r}")
+    number = None
     if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
+        number = float(value)
+    elif isinstance(value, str):
         try:
-            return float(value.strip())
+            number = float(value.strip())
         except ValueError:
             pass
-    fail(key, f"expected a number, got {value!r}")
+    if number is None:
+        fail(key, f"expected a number, got {value!r}")
+    if not math.isfinite(number):
+        fail(key, f"must be a finite number, got {number}")
+    return number
 
 
 def _to_str(value: Any, key: str) -> str:

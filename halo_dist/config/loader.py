@@ -24,12 +24,13 @@ RESOLVED_KEYS = {"meta", "config"}
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """One YAML file as a mapping (``safe_load``: tags that would build objects are refused)."""
+    """One YAML file as a mapping (``safe_load``: tags that would build objects are refused; a key
+    given twice in one mapping is refused, where YAML would silently keep the last)."""
     path = Path(path)
+    text = _read_text(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if data is None:
@@ -37,6 +38,42 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory, not a YAML config file: name the file, e.g. "
+                          f"{path / 'stage2.yaml'}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start}): is it a YAML config? Configs are UTF-8 YAML "
+                          "files") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+
+
+def _refuse_duplicate_keys(node: yaml.Node | None, path: Path, prefix: str = "") -> None:
+    """Refuse a mapping that names a key twice, with the dotted key and both lines."""
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, path, prefix)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+            continue
+        key = f"{prefix}.{key_node.value}" if prefix else key_node.value
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"{path}: {key} is given twice (lines {seen[key]} and {line}); YAML "
+                              "keeps only the last, silently: remove one")
+        seen[key] = line
+        _refuse_duplicate_keys(value_node, path, key)
 
 
 def load_tree(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:

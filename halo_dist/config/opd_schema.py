@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from .coerce import fail
-from .section import Section, _non_negative, _positive
+from .section import Section, _learning_rate, _non_negative, _positive
 
 PromptKind = Literal["wiki", "text_file", "jsonl", "niah", "synthetic"]
 # What a fixed-data step (opd.lmbda < 1) trains on after a prompt of each kind, instead of a
@@ -173,7 +173,7 @@ class OPDConfig(Section):
                  f"{self.horizon_start} (start_step 0 and min_horizon <= horizon_start)")
         for name in ("rnn_lr", "attn_lr", "other_lr"):
             if getattr(self, name) is not None:
-                _non_negative(name, getattr(self, name))
+                _learning_rate(name, getattr(self, name))
         _non_negative("snapshot_every", self.snapshot_every)
         _non_negative("eval_every", self.eval_every)
         if self.eval_horizon is not None:

@@ -17,7 +17,8 @@ from .coerce import ConfigError, fail
 from .model_schema import ModelConfig, RandomTeacherConfig
 from .opd_schema import OPDConfig, PromptSetConfig
 from .pretrain_schema import MOVED_KEYS, PretrainConfig, PretrainModelConfig
-from .section import Section, _non_negative, _positive
+from .section import (MAX_STEPS, MAX_TOKENS, Section, _at_most, _learning_rate, _non_negative,
+                      _positive)
 
 StageName = Literal["stage1", "stage2", "stage3", "opd", "pretrain"]
 Objective = Literal["mse", "kl", "ce", "reverse_kl", "jsd"]
@@ -91,8 +92,9 @@ class OptimConfig(Section):
 
     def validate(self) -> None:
         _positive("lr", self.lr)
+        _learning_rate("lr", self.lr)
         _non_negative("max_skipped_steps", self.max_skipped_steps)
-        _non_negative("min_lr", self.min_lr)
+        _learning_rate("min_lr", self.min_lr)
         if self.min_lr > self.lr:
             fail("min_lr", f"{self.min_lr} exceeds lr={self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -118,9 +120,10 @@ class ScheduleConfig(Section):
         _non_negative("warmup_steps", self.warmup_steps)
         if (self.total_steps is None) == (self.total_tokens is None):
             fail("total_steps", "set exactly one of total_steps and total_tokens")
-        for name in ("total_steps", "total_tokens"):
+        for name, limit in (("total_steps", MAX_STEPS), ("total_tokens", MAX_TOKENS)):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+                _at_most(name, getattr(self, name), limit, name.split("_")[1])
         if self.kind == "wsd":
             if self.decay_steps is None:
                 fail("decay_steps", "required for kind=wsd")

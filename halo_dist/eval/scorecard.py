@@ -209,6 +209,8 @@ def compare_markdown(diff: dict, base: str = "base", arm: str = "arm") -> str:
     from .niah_report import format_length
 
     def fmt(d, scale=100.0, unit="pt", digits=1):
+        if d["n"] < 2:  # no spread to measure: the difference alone
+            return f"{scale * d['diff']:+.{digits}f} {unit} n={d['n']}"
         star = " *" if d["ci95"][0] > 0 or d["ci95"][1] < 0 else ""
         lo, mid, hi = (f"{scale * v:+.{digits}f}" for v in (d["ci95"][0], d["diff"], d["ci95"][1]))
         return f"{mid} {unit} [{lo}, {hi}] n={d['n']}{star}"

@@ -92,6 +92,35 @@ def trust_for(folder: str | Path, explicit: bool = False) -> bool:
         "flag.")
 
 
+def check_model_sources(cfg) -> None:
+    """Before a run builds anything: every model and tokenizer its config names can be read here
+    (``config.teacher.source_problem``), and the teacher and ``student_init`` folders carry no code
+    that :func:`trust_for` would refuse once they are loaded (the stages load their tokenizers,
+    and write them into the export, only after training)."""
+    from ..config.teacher import source_problem
+    from ..errors import MissingInputError
+
+    m = cfg.model
+    pretrain_tok = cfg.pretrain.model.tokenizer if cfg.pretrain is not None else None
+    opd_tok = cfg.opd.tokenizer if cfg.opd is not None and cfg.opd.tokenizer != "bytes" else None
+    # the bundled teacher (smollm2) is built from a package, not read from a path or the hub
+    teacher = m.teacher if m.teacher not in (None, "random", "smollm2") else None
+    sources = [("model.teacher", teacher, "config.json"),
+               ("model.student_init", m.student_init, "config.json"),
+               ("opd.tokenizer", opd_tok, "tokenizer_config.json"),
+               ("pretrain.model.tokenizer", pretrain_tok, "tokenizer_config.json")]
+    for key, name, needs in sources:
+        problem = name and source_problem(key, name, needs)
+        if problem:
+            raise MissingInputError(problem)
+    for key, name in (("model.teacher", teacher), ("model.student_init", m.student_init)):
+        if name:
+            try:
+                trust_for(name, m.trust_remote_code)
+            except UntrustedCodeError as e:
+                raise UntrustedCodeError(f"{key}: {e}") from None
+
+
 def load_tokenizer(folder: str | Path, trust_remote_code: bool = False, **kwargs):
     """``AutoTokenizer.from_pretrained`` with :func:`trust_for`'s decision."""
     from transformers import AutoTokenizer

@@ -36,12 +36,14 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config.coerce import ConfigError
+from ..errors import IncompatibleInputError
 from .groups import ProcessGroups
 from .safe_load import install_safe_loading
 
@@ -108,6 +110,34 @@ def init_distributed(timeout: timedelta = timedelta(minutes=10),
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl", timeout=timeout)
+
+
+# The ZeRO stages whose checkpoints DeepSpeed 0.19.8 loads under one another: 1 and 2 (the same
+# partitioned optimizer states). Measured on the tiny stage-2 run: 1 -> 2 and 2 -> 1 resume; 3 -> 0,
+# 1 or 2 and 2 -> 3 fail in load_checkpoint with a bare AssertionError, 0 -> 1 with a missing file.
+ZERO_CHECKPOINT_FORMATS = {0: "ZeRO 0 (whole optimizer states)",
+                           1: "ZeRO 1/2 (partitioned optimizer states)",
+                           2: "ZeRO 1/2 (partitioned optimizer states)",
+                           3: "ZeRO 3 (partitioned parameters)"}
+
+
+def check_resume_zero_stage(checkpoint: Path, zero_stage: int) -> None:
+    """Refuse, before anything is built, to resume ``checkpoint`` under a ZeRO stage that cannot
+    read it. The saved stage comes from the checkpoint's config.yaml (absent: the resume check
+    refuses the checkpoint itself)."""
+    from ..config.loader import read_yaml
+
+    path = checkpoint / "config.yaml"
+    if not path.is_file():
+        return
+    saved = read_yaml(path).get("config", {}).get("parallel", {}).get("zero_stage")
+    if saved not in ZERO_CHECKPOINT_FORMATS or (ZERO_CHECKPOINT_FORMATS[saved]
+                                                == ZERO_CHECKPOINT_FORMATS[zero_stage]):
+        return
+    raise IncompatibleInputError(
+        f"parallel.zero_stage: {checkpoint} was written with parallel.zero_stage={saved}, this run "
+        f"has {zero_stage}: DeepSpeed reads a {ZERO_CHECKPOINT_FORMATS[saved]} checkpoint only "
+        f"under that format. Resume with parallel.zero_stage={saved}, or start a new run folder")
 
 
 def partition_for_zero3(model: torch.nn.Module, groups: ProcessGroups,

@@ -14,10 +14,9 @@ DeepSpeed engine's backward -> at the last micro-batch the engine averages gradi
 clips and steps AdamW on the run's schedule -> all-reduce the step's KL sum -> the plateau detector
 may double the horizon.
 
-``docs/design.md`` ("On-policy distillation") explains the rest: TRL GKD's
-``opd.beta``/``opd.lmbda``, why the student trains under DeepSpeed at every ZeRO stage (and samples
-from a rollout replica under ZeRO-3), what a checkpoint holds, signals, the non-finite policy and
-pre-decay snapshots.
+``docs/design.md`` ("On-policy distillation") explains the rest: TRL GKD's ``opd.beta``/``lmbda``,
+why the student trains under DeepSpeed at every ZeRO stage (sampling from a rollout replica under
+ZeRO-3), what a checkpoint holds, signals, the non-finite policy and pre-decay snapshots.
 """
 
 from __future__ import annotations
@@ -453,6 +452,7 @@ class OPDTrainer(Trainer):
 
     # ------------------------------------------------------------- around the steps (Trainer.train)
     def _start_training(self, total: int) -> None:
+        self._resumed_at = self.step
         if self.step == 0:
             self.evaluate()
 
@@ -463,7 +463,8 @@ class OPDTrainer(Trainer):
             self.evaluate()
 
     def _end_training(self) -> None:
-        self.evaluate()
+        if self.step > self._resumed_at:  # a finished run started again evaluated this step before
+            self.evaluate()
         self.save()
 
     def finish(self) -> Path | None:

@@ -34,6 +34,7 @@ from ..data import build_loader
 from ..models.fla_offsets import install as install_fla_offsets
 from ..models.flops import attention_flop_terms, attention_flops_coefficient, flops_per_token
 from ..parallel import ProcessGroups, SequenceParallel
+from ..parallel.deepspeed_setup import check_resume_zero_stage
 from ..parallel.env import local_device
 from ..stages.output import check_stage_output
 from ..stages.protocol import StageModule, StageSpec
@@ -47,6 +48,7 @@ from .metrics import ATTENDED, MetricsLogger, attended_context, check_wandb
 from .profiling import StepProfiler
 from .resume_check import check_same_run
 from .schedules import LRSchedule, make_lr_scheduler
+from .student_check import check_same_student
 from .stopping import (NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step,
                        finish_skipped_step, is_nonfinite)
 from .teacher_identity import run_teacher_digests
@@ -62,8 +64,7 @@ non-finite check and the backward (``step``: the 1-based optimizer step the loss
 
 
 def run_loss_hooks(trainer, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` through the trainer's ``loss_hooks`` in order (none in a launched run: the list
-    starts empty)."""
+    """``loss`` through the trainer's ``loss_hooks`` in order (none in a launched run)."""
     for hook in trainer.loss_hooks:
         loss = hook(trainer, trainer.step + 1, loss)
     return loss
@@ -83,8 +84,7 @@ class Trainer(StopControl):
 
     def __init__(self, cfg: RunConfig, argv: list[str] | None = None, *,
                  stage: StageSpec | None = None):
-        """``stage``: the stage's row of ``train.registry`` (its build and output); ``run_stage``
-        passes it."""
+        """``stage``: the stage's row of ``train.registry`` (``run_stage`` passes it)."""
         self.cfg, self.argv, self.stage = cfg, argv, stage
         self.step = 0
         self.tokens_seen = 0
@@ -98,8 +98,7 @@ class Trainer(StopControl):
     def setup(self) -> "Trainer":
         """Build everything, in the order of the module doc. Subclasses change what is built
         (:meth:`_build`), which inputs are checked (:meth:`_check_data`) and what a checkpoint holds
-        (:meth:`_extra_state`, :meth:`_rank_state`, :meth:`_check_saved_state`); the rest is
-        shared."""
+        (:meth:`_extra_state`, :meth:`_rank_state`, :meth:`_check_saved_state`)."""
         self._start()
         refuse_unwritable(self.cfg.logging.run_dir, self.cfg.checkpoint_dir)  # before any read
         self._check_data()
@@ -152,12 +151,10 @@ class Trainer(StopControl):
             self._check_saved_state(self.resume_path)
 
     def _check_saved_state(self, path: Path) -> None:
-        """Refuse a checkpoint whose saved state this run cannot continue: one whose LR schedule the
-        current config would change in the past (``LRSchedule.check_resume``), or, for an optimizer
-        of several parameter groups, a ZeRO-3 one written on another number of ranks: DeepSpeed
-        0.19.8's ZeRO-3 re-partitioning gives every group the first group's settings (LR, weight
-        decay) and one shared Adam step that advances once per group, so such a run would continue
-        silently wrong."""
+        """Refuse a checkpoint this run cannot continue: its LR schedule changed in the past
+        (``LRSchedule.check_resume``), another ZeRO format (``check_resume_zero_stage``), or ZeRO-3
+        on another rank count with several parameter groups (DeepSpeed 0.19.8's re-partitioning
+        gives every group the first one's settings and one shared Adam step: silently wrong)."""
         state = json.loads((path / TRAINER_STATE).read_text())
         self.schedule.check_resume(state["schedule"], state["step"])
         saved_world = state.get("world_size", self.world)
@@ -168,6 +165,7 @@ class Trainer(StopControl):
                 f"{self.cfg.stage.name} under ZeRO-3 resumes only on the same number of ranks "
                 "(DeepSpeed's ZeRO-3 re-partitioning mixes up its optimizer's parameter groups; "
                 f"ZeRO 0-2 resume on any number). Resume on {saved_world} rank(s)")
+        check_resume_zero_stage(path, self.cfg.parallel.zero_stage)
 
     def _build(self) -> None:
         """The stage's module and teacher, sequence parallelism, the engine, the teacher's placement
@@ -307,11 +305,13 @@ class Trainer(StopControl):
         return self.cfg.parallel.zero_stage > 0
 
     def _maybe_resume(self) -> None:
-        """Continue ``resume_path``: the engine (model, optimizer, LR scheduler, this rank's RNG)
+        """Continue ``resume_path``: refused if it holds another student (an OPD rung is not
+        compared by config), else the engine (model, optimizer, LR scheduler, this rank's RNG)
         through the checkpoint manager, then the trainer's own state (:meth:`_load_state`)."""
         path = self.resume_path
         if path is None:
             return
+        check_same_student(path, self.module.student_config)
         state = self.ckpt.load(self.engine, path, universal=self.reshard)
         self._load_state(state, path)
         if self.rank == 0:
