@@ -768,105 +768,44 @@ def pictures(run: Path, results: Path, stem: str = "real_conversion") -> list[Pa
 
 
 def _figure(w, h):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from halo_dist.figures import new_figure
 
-    fig = Figure(figsize=(w, h), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
+    return new_figure(w, h)
 
 
 def _curves_png(run: Path, path: Path) -> Path | None:
-    """Per stage: training loss and the held-out curves (eval/mse or eval/kl, eval/ce vs the
-    teacher's)."""
-    from halo_dist.train.metrics import read_metrics
+    """Per stage: the training loss with its held-out value, and the student's held-out CE beside
+    the teacher's (``train.plots``: the demo report's curves, all stages in one picture)."""
+    from halo_dist.train.plots import plot_loss_curves
 
-    stages = [s for s in ("stage1", "stage2", "stage3") if (run / s / "metrics.jsonl").exists()]
-    if not stages:
-        return None
-    fig = _figure(5.0 * len(stages), 6.5)
-    for col, stage in enumerate(stages):
-        series = read_metrics(run / stage)
-        top, bottom = (fig.add_subplot(2, len(stages), col + 1),
-                       fig.add_subplot(2, len(stages), len(stages) + col + 1))
-        if "train/loss" in series:
-            top.plot(*zip(*series["train/loss"]),
-                     label="train " + ("MSE" if stage == "stage1" else "KL"))
-        for tag, style in (("eval/mse", "o-"), ("eval/kl", "o-")):
-            if tag in series:
-                top.plot(*zip(*series[tag]), style, label="held-out " + tag[5:].upper())
-        top.set(title=f"{stage}: loss", xlabel="step")
-        top.set_yscale("log")
-        for tag, label in (("eval/ce", "student"), ("eval/teacher_ce", "teacher")):
-            if tag in series:
-                bottom.plot(*zip(*series[tag]), "o-", label=f"{label} held-out CE")
-        bottom.set(title=f"{stage}: held-out next-token CE (nats)", xlabel="step")
-        if stage == "stage1":
-            bottom.text(0.5, 0.5, "stage 1 trains layer outputs (MSE):\nno next-token prediction "
-                                  "yet", ha="center", va="center", transform=bottom.transAxes)
-        for ax in (top, bottom):
-            ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
-    return path
+    stages = {s: run / s for s in ("stage1", "stage2", "stage3")
+              if (run / s / "metrics.jsonl").exists()}
+    return plot_loss_curves(stages, path) if stages else None
 
 
 def _niah_png(run: Path, path: Path) -> Path | None:
-    """Teacher and student NIAH heatmaps (accuracy by depth x length) side by side, one row per
-    task."""
-    import numpy as np
-
-    from halo_dist.eval.niah_report import format_length
+    """Teacher's and student's NIAH heatmaps (share found by depth x length), one row each."""
+    from halo_dist.eval.niah_report import heatmap_figure, summarize
+    from halo_dist.figures import save
 
     reports = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
     if not all(reports.values()):
         return None
-    tasks = sorted({r["task"] for r in reports["teacher"]["records"]})
-    fig = _figure(11, 3.0 * len(tasks))
-    for i, task in enumerate(tasks):
-        for j, who in enumerate(("teacher", "student")):
-            recs = [r for r in reports[who]["records"] if r["task"] == task]
-            lengths, depths = (sorted({r["length"] for r in recs}),
-                               sorted({r["depth"] for r in recs}))
-            grid = np.array(
-                [[np.mean([r["correct"] for r in recs if r["length"] == L and r["depth"] == d])
-                  for L in lengths] for d in depths])
-            ax = fig.add_subplot(len(tasks), 2, 2 * i + j + 1)
-            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
-            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-            ax.set(title=f"{who}: {task}", xlabel="context (tokens)", ylabel="needle depth")
-            for (y, x), v in np.ndenumerate(grid):
-                ax.text(x, y, f"{v:.0%}", ha="center", va="center", fontsize=7)
-    fig.colorbar(im, ax=fig.axes, shrink=0.6, label="accuracy")
-    fig.savefig(path, dpi=100)
-    return path
+    summaries = {w: summarize(r["records"]) for w, r in reports.items()}
+    return save(heatmap_figure(summaries, "NIAH: share of needles found by depth and length"),
+                path, dpi=100)
 
 
 def _csr_png(run: Path, path: Path) -> Path | None:
-    """Bars per task: teacher vs student (acc_norm, WinoGrande acc)."""
-    import numpy as np
+    """Bars per task, teacher vs student, with 95% intervals and the chance level (the demo
+    report's picture)."""
+    from halo_dist.demo_report import csr_figure, scorecard_of
+    from halo_dist.figures import save
 
-    from halo_dist.demo_report import csr_table
-
-    table = csr_table(run)
-    if set(table) != {"teacher", "student"}:
+    csr = scorecard_of(run)["csr"]
+    if not csr or not all(csr["mean"].get(w) is not None for w in ("teacher", "student")):
         return None
-    tasks = list(table["teacher"])
-    x = np.arange(len(tasks))
-    fig = _figure(1.4 * len(tasks) + 2, 3.6)
-    ax = fig.add_subplot(1, 1, 1)
-    for k, who in enumerate(("teacher", "student")):
-        vals = [table[who].get(t, float("nan")) for t in tasks]
-        bars = ax.bar(x + (k - 0.5) * 0.38, vals, 0.38, label=who)
-        ax.bar_label(bars, fmt="%.3f", fontsize=7)
-    ax.set_xticks(x, tasks)
-    ax.set(ylabel="zero-shot acc_norm (WinoGrande: acc)", ylim=(0, 1),
-           title="CSR: teacher vs student")
-    ax.legend()
-    fig.savefig(path, dpi=100)
-    return path
+    return save(csr_figure(csr), path, dpi=100)
 
 
 def main(argv=None) -> int:

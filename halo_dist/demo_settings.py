@@ -2,101 +2,104 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _flag(default, text: str, empty: str = ""):
+    """A setting: its default, its ``--help`` text and, for an empty default, what empty means
+    (shown as the default: an empty string says nothing)."""
+    return field(default=default, metadata={"help": text, "empty": empty})
 
 
 @dataclass
 class DemoSettings:
     """Sizes and budgets of the demo (every field is a `halo-dist demo` flag)."""
 
-    out: str = "runs/demo"
-    docs: int = 1000  # Wikipedia extracts tokenized (when no --data is given)
-    # prebuilt shard folder (manifest + train/heldout) instead of the Wikipedia extracts
-    data: str = ""
-    data_long: str = ""  # prebuilt long-document shards for stage 3 and calibration (default: data)
-    # prebuilt shards for stage 3 alone (default: data_long), e.g. long documents mixed with
-    # synthetic retrieval ones; calibration keeps data_long
-    stage3_data: str = ""
-    config_dir: str = "configs/demo"  # stage1/2/3.yaml of the demo
-    seq_len: int = 256  # stage 1/2 context
-    long_seq_len: int = 1024  # stage 3 context (and calibration length)
-    # stage 2's context (0: seq_len); its rows per step shrink so that a step keeps
-    # global_batch x seq_len tokens and the stage its token budget
-    stage2_seq_len: int = 0
-    stage1_steps: int = 12
-    stage2_steps: int = 14
-    stage3_steps: int = 4
-    global_batch: int = 8  # stages 1/2
-    micro_batch: int = 4
-    stage3_global_batch: int = 2
-    stage3_micro_batch: int = 1
-    compile: str = "none"  # model.compile of stage 2: none | mlp | layer
-    # model.compile of stage 3 (a short stage: compiling may cost more than it saves)
-    stage3_compile: str = "none"
-    # loss.backend of stages 2-3 (auto | torch | compiled | liger); empty: the configs'
-    loss_backend: str = ""
-    # model.pe of stages 1 and 2 (stage 3 keeps the stage-2 folder's); empty: hype. all_rope keeps
-    # the teacher's attention RoPE, trained without logits scaling (the HyPE ablation): hype |
-    # all_rope | all_nope | attn_rope_rnn_nope
-    pe: str = ""
-    num_attn: int = 7  # k = floor(30 / 4)
-    # attention layers given instead of selected ("7,18,19"): the selection step is skipped, e.g.
-    # for an ablation that must keep another run's layers so that only the setting under study
+    out: str = _flag("runs/demo", "output folder (a finished step found there is skipped)")
+    docs: int = _flag(1000, "Wikipedia extracts tokenized when no --data is given")
+    data: str = _flag("", "prebuilt shard folder (manifest + train/heldout splits, from `python -m "
+                          "data_prep.tokenize`)", "the Wikipedia extracts tokenized into OUT/data")
+    data_long: str = _flag("", "prebuilt long-document shards for stage 3 and calibration",
+                           "--data")
+    stage3_data: str = _flag("", "prebuilt shards for stage 3 alone, e.g. long documents mixed "
+                             "with synthetic retrieval ones (calibration keeps --data-long)",
+                             "--data-long")
+    config_dir: str = _flag("configs/demo", "folder of the demo's stage1/2/3.yaml")
+    seq_len: int = _flag(256, "context of stages 1 and 2 (tokens)")
+    long_seq_len: int = _flag(1024, "context of stage 3 and calibration (tokens)")
+    # its rows per step shrink so that a step keeps global_batch x seq_len tokens and the stage its
+    # token budget
+    stage2_seq_len: int = _flag(0, "stage 2's context, its rows per step scaled to keep the tokens "
+                                   "(0: --seq-len)")
+    stage1_steps: int = _flag(12, "optimizer steps of stage 1")
+    stage2_steps: int = _flag(14, "optimizer steps of stage 2")
+    stage3_steps: int = _flag(4, "optimizer steps of stage 3")
+    global_batch: int = _flag(8, "rows per step in stages 1 and 2")
+    micro_batch: int = _flag(4, "rows per forward in stages 1 and 2")
+    stage3_global_batch: int = _flag(2, "rows per step in stage 3")
+    stage3_micro_batch: int = _flag(1, "rows per forward in stage 3")
+    compile: str = _flag("none", "model.compile of stage 2")
+    # a short stage: compiling may cost more than it saves
+    stage3_compile: str = _flag("none", "model.compile of stage 3")
+    loss_backend: str = _flag("", "loss.backend of stages 2 and 3", "the stage configs' (auto)")
+    # all_rope keeps the teacher's attention RoPE, trained without logits scaling (the HyPE
+    # ablation)
+    pe: str = _flag("", "model.pe of stages 1 and 2 (stage 3 keeps stage 2's)", "hype")
+    num_attn: int = _flag(7, "attention layers kept (k = floor(30 / 4))")
+    # e.g. for an ablation that must keep another run's layers so that only the setting under study
     # differs
-    attn_layers: str = ""
-    select_items: int = 6  # retrieval prompts per layer for the recall proxy
-    # added to each layer's CSR drop in the selection score (1e-6: the paper's; see
-    # eval/selection.py)
-    select_csr_offset: float = 1e-6
-    select_length: int = 256
-    kl_rows: int = 4
-    calib_grid: str = "none,50,200,500,2000"
-    calib_rows: int = 2
-    # training seed of stages 1-3 (data.seed: the data order and every per-rank RNG); two seeds of
-    # one recipe measure how far its figures move from run to run
-    seed: int = 1234
-    niah_lengths: str = "256,512"
-    # each task optionally @LENGTH, its longest prompt (niah_single_2@8K); empty: all three, every
-    # length
-    niah_tasks: str = ""
-    niah_depths: str = "3"
-    niah_samples: int = 1  # prompts per (task, depth) at each length
-    niah_batch: int = 4
-    niah_batch_tokens: int = 0  # > 0: prompts per batch = tokens // length (at most niah_batch)
-    # the student's NIAH through HypeNet's static (CUDA-graph) cache
-    niah_static_decode: bool = False
-    csr_tasks: str = "hellaswag,arc_easy,arc_challenge"
-    csr_limit: int = 25  # items per task (0: every item)
-    csr_batch: int = 8
-    ppl_seq_len: int = 256  # held-out perplexity of teacher and student at this length (0: skip)
-    ppl_rows: int = 8
-    device: str = "cpu"  # where evaluation and selection run (stages use the launcher's device)
-    dtype: str = "fp32"  # evaluation precision: fp32 | bf16
-    # stop cleanly after this many seconds (0: none); the same command continues
-    deadline_s: float = 0.0
-    # pause once this step has run (e.g. "select-layers"): a piece can end between stages, so that
-    # no stage pays a resume (checkpoint, restart, compile) when the piece lengths are known in
-    # advance
-    pause_after: str = ""
-    # keep each stage's resumable checkpoints once its final export is written
-    keep_checkpoints: bool = False
-    # when the teacher's evaluation runs: "at-end" (with the student's), "with-stages" (alongside
-    # stages 1-3 on the same GPU: it needs nothing they make, and a 135M model leaves the GPU mostly
-    # idle) or "none" (an ablation compared with a run that evaluated the same teacher through the
-    # same harness)
-    teacher_eval: str = "at-end"
-    # folder of the built NIAH prompts (empty: <out>/eval/niah_prompts); runs that share a tokenizer
-    # and NIAH settings can share it
-    niah_prompts: str = ""
-    # folder of the teacher's reference figures: its evaluation is computed once per teacher,
-    # harness and settings and then copied (empty: $HALO_CACHE/reference_figures; "off": evaluate
-    # the teacher in every run)
-    teacher_reference: str = ""
-    # the student's NIAH in one process and its CSR + perplexity in another, at the same time. Off
-    # for one GPU: NIAH's greedy decode is a chain of small kernels, and a GPU time-sliced with
+    attn_layers: str = _flag("", "attention layers given instead of selected (\"7,18,19\"): the "
+                                 "selection step is skipped", "selected by the label-free proxy")
+    select_items: int = _flag(6, "retrieval prompts per layer for the selection's recall proxy")
+    select_csr_offset: float = _flag(1e-6, "added to each layer's CSR drop in the selection score "
+                                           "(1e-6: the paper's; see eval/selection.py)")
+    select_length: int = _flag(256, "length of the selection's retrieval prompts (tokens)")
+    kl_rows: int = _flag(4, "held-out rows of the selection's KL proxy")
+    calib_grid: str = _flag("none,50,200,500,2000", "logits-scaling bases a tried by calibration")
+    calib_rows: int = _flag(2, "held-out rows at --long-seq-len scored by calibration")
+    # two seeds of one recipe measure how far its figures move from run to run
+    seed: int = _flag(1234, "training seed of stages 1-3 (data order and every per-rank RNG)")
+    niah_lengths: str = _flag("256,512", "NIAH context lengths")
+    niah_tasks: str = _flag("", "NIAH tasks, each optionally @LENGTH, its longest prompt "
+                                "(niah_single_2@8K)", "all three at every length")
+    niah_depths: str = _flag("3", "NIAH needle depths: a count (evenly spaced 0..1) or a list")
+    niah_samples: int = _flag(1, "NIAH prompts per (task, depth) at each length")
+    niah_batch: int = _flag(4, "NIAH prompts per batch")
+    niah_batch_tokens: int = _flag(0, "> 0: NIAH prompts per batch = tokens // length (at most "
+                                      "--niah-batch)")
+    niah_static_decode: bool = _flag(False, "the student's NIAH through HypeNet's static "
+                                            "(CUDA-graph) cache")
+    csr_tasks: str = _flag("hellaswag,arc_easy,arc_challenge", "commonsense tasks (lm-eval)")
+    csr_limit: int = _flag(25, "items per CSR task (0: every item)")
+    csr_batch: int = _flag(8, "CSR batch size")
+    ppl_seq_len: int = _flag(256, "held-out perplexity of teacher and student at this length "
+                                  "(0: skip)")
+    ppl_rows: int = _flag(8, "held-out rows of the perplexity")
+    device: str = _flag("cpu", "where evaluation and selection run (stages use the launcher's "
+                               "device)")
+    dtype: str = _flag("fp32", "evaluation precision")
+    deadline_s: float = _flag(0.0, "stop cleanly after this many seconds, exit code 3; the same "
+                                   "command continues (0: no deadline)")
+    # a piece can end between stages, so that no stage pays a resume (checkpoint, restart, compile)
+    # when the piece lengths are known in advance
+    pause_after: str = _flag("", "pause once this step has run", "no pause")
+    keep_checkpoints: bool = _flag(False, "keep each stage's resumable checkpoints once its final "
+                                          "export is written")
+    # with-stages: a 135M teacher leaves the GPU mostly idle, and it needs nothing the stages make;
+    # none: an ablation compared with a run that evaluated the same teacher through the same harness
+    teacher_eval: str = _flag("at-end", "when the teacher is evaluated: with the student, "
+                                        "alongside stages 1-3, or not at all")
+    # runs that share a tokenizer and NIAH settings can share it
+    niah_prompts: str = _flag("", "folder of the built NIAH prompts", "OUT/eval/niah_prompts")
+    # its evaluation is computed once per teacher, harness and settings and then copied
+    teacher_reference: str = _flag("", "folder of the teacher's reference figures (\"off\": "
+                                       "evaluate the teacher in every run)",
+                                   "$HALO_CACHE/reference_figures")
+    # off for one GPU: NIAH's greedy decode is a chain of small kernels, and a GPU time-sliced with
     # CSR's large batches made each decode step ~150 ms on an H200 (NIAH 203 s beside a 71-s CSR,
     # against 163 s alone)
-    split_student_eval: bool = False
+    split_student_eval: bool = _flag(False, "the student's NIAH in one process and its CSR + "
+                                            "perplexity in another, at the same time")
 
     @classmethod
     def tiny(cls, out: str) -> "DemoSettings":
@@ -133,3 +136,29 @@ TEACHER_EVAL_CHOICES = ("at-end", "with-stages", "none")
 PAUSE_POINTS = ("data", "stage1", "select-layers", "stage2", "stage3", "calibrate-a")
 PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny,
            "h200": DemoSettings.h200}
+DTYPE_CHOICES = ("fp32", "bf16")
+
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """The values of the settings that take a fixed set (setting -> values), read from the configs
+    that receive them; an empty string is also accepted where the default is empty."""
+    from typing import get_args, get_type_hints
+
+    from .config import PE_ROPE, LossConfig, ModelConfig
+
+    compile_ = get_args(get_type_hints(ModelConfig)["compile"])
+    return {"pe": tuple(PE_ROPE), "compile": compile_, "stage3_compile": compile_,
+            "loss_backend": get_args(get_type_hints(LossConfig)["backend"]),
+            "teacher_eval": TEACHER_EVAL_CHOICES, "pause_after": PAUSE_POINTS,
+            "dtype": DTYPE_CHOICES}
+
+
+def describe_default(f) -> str:
+    """``default: 256; presets tiny: 64, h200: 512`` for a setting's field: what each preset sets
+    (an empty default by its meaning)."""
+    def shown(value) -> str:
+        return (f.metadata.get("empty") or "empty") if value == "" else str(value)
+
+    presets = [f"{name}: {shown(v)}" for name, make in PRESETS.items() if name != "default"
+               for v in [getattr(make("runs/demo"), f.name)] if v != f.default]
+    return f"default: {shown(f.default)}" + (f"; presets {', '.join(presets)}" if presets else "")

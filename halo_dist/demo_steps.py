@@ -13,6 +13,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
+
+from .demo_progress import ProgressLine
+from .train.progress_line import format_duration
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,28 +71,32 @@ class StepRunner:
             raise DemoPaused(f"{left:.0f}s left before the deadline: {names} not started")
         self.logs.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        print(f"[demo] {names:<16} ...", end="", flush=True)
+        logs = ", ".join(str((self.logs / f"{name}.log").relative_to(self.out)) for name, _ in todo)
+        print(f"[demo] {names:<16} running (log {logs})", flush=True)
         threads = self.cpu_threads(len(todo))
         running = [(name, self._start(name, cmd, threads)) for name, cmd in todo]
         done_of = {name: done for name, _, done in steps}
+        line = ProgressLine(f"[demo] {names:<16} ")
         results = []
         for name, (proc, log) in running:
-            rc, stopped = self._wait(proc)
+            rc, stopped = self._wait(proc, lambda: line.show(self.status([n for n, _ in todo],
+                                                                         t0)))
             # a step that wrote its done file and exited 0 as the deadline's SIGTERM came has
             # finished
             results.append((name, rc, stopped and not (rc == 0 and done_of[name].exists()), log))
+        line.end()
         self.record_time(names, time.time() - t0)  # wall time: steps run together are counted once
         if any(stopped for _, _, stopped, _ in results):
-            print(" paused", flush=True)
+            print(f"[demo] {names:<16} paused", flush=True)
             saved = (" (checkpoint saved)" if stage and all(rc == 0 for _, rc, _, _ in results)
                      else "")
             cause = f"signal {self.stop_signal}" if self.stop_signal else "the deadline"
             raise DemoPaused(f"{cause} stopped {names}{saved}")
         failed = [(name, rc, log) for name, rc, _, log in results if rc != 0]
         if failed:
-            print(" FAILED", flush=True)
+            print(f"[demo] {names:<16} FAILED", flush=True)
             raise _step_failed(*failed[0])
-        print(f" done in {time.time() - t0:.0f}s", flush=True)
+        print(f"[demo] {names:<16} done in {time.time() - t0:.0f}s", flush=True)
         if self.s.pause_after and self.s.pause_after in {name for name, _ in todo}:
             # a background step still running finishes first (until the deadline): stopped here, it
             # would start over in the next piece and share the GPU with that piece's stage
@@ -182,9 +190,15 @@ class StepRunner:
         budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
         return max(1, budget // (starting + live))
 
-    def _wait(self, proc: subprocess.Popen) -> tuple[int, bool]:
-        """Wait for the step; at the deadline (or a signal to the demo) SIGTERM it, then SIGKILL
-        after the grace.
+    def status(self, names: list[str], t0: float) -> str:
+        """The progress line of the steps ``names`` started at ``t0`` (``demo.Demo`` shows a
+        stage's step, loss and ETA)."""
+        return f"running for {format_duration(time.time() - t0)}"
+
+    def _wait(self, proc: subprocess.Popen,
+              tick: Callable[[], None] = lambda: None) -> tuple[int, bool]:
+        """Wait for the step, calling ``tick`` about every second (the progress line); at the
+        deadline (or a signal to the demo) SIGTERM it, then SIGKILL after the grace.
 
         SIGTERM goes to the step's own process only: a stage's loader workers must live until it has
         saved its checkpoint. Returns ``(exit code, stopped early)``."""
@@ -192,6 +206,7 @@ class StepRunner:
             try:
                 return proc.wait(timeout=1.0), False
             except subprocess.TimeoutExpired:
+                tick()
                 self._note_background_exits()
                 left = self.time_left()
                 if left is None or left > 0:

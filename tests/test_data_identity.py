@@ -188,3 +188,20 @@ def test_a_resume_compares_data_train_by_content(datasets, tmp_path):
     check_same_run(ckpt, stage_config(moved), None, announce=False)
     with pytest.raises(ConfigError, match="data.train"):
         check_same_run(ckpt, stage_config(datasets["words32"]), None, announce=False)
+
+
+@pytest.mark.parametrize("source", ["missing", "empty_folder", "broken_manifest"])
+def test_a_missing_or_unreadable_data_train_is_named_before_the_held_out_split(tmp_path, source):
+    """``data.train`` is what the user got wrong: the error names it with the command that makes
+    shards, not the held-out split that is read from it (issue 54, item 5)."""
+    path = tmp_path / "no_such_data"
+    if source != "missing":
+        path.mkdir()
+    if source == "broken_manifest":
+        (path / "manifest.json").write_text("{not json")
+    cfg = stage_config(path, "eval.every_steps=4")
+    with pytest.raises(DataError) as err:
+        check_before_training(cfg)
+    msg = str(err.value)
+    assert (f"data.train={path}" in msg and "python -m data_prep.tokenize" in msg
+            and "eval.every_steps" not in msg and "heldout" not in msg), msg

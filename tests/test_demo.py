@@ -19,16 +19,17 @@ def test_demo_tiny_runs_every_step_and_writes_the_report(tmp_path, smollm2_dir):
     out = tmp_path / "demo"
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "-m", "halo_dist.cli", "demo", "--preset", "tiny", "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1500)
+    # umask 027: what the folder gives the group (read) and others (nothing) is the umask's doing
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1500,
+                         preexec_fn=lambda: os.umask(0o027))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _check_what_a_newcomer_sees(out, res.stdout)
     report = (out / "report.md").read_text()
     for section in ("## Training", "## Needle in a haystack", "## Commonsense"):
         assert section in report
     pictures = sorted(p.name for p in (out / "report").glob("*.png"))
-    assert {"stage1_loss.png", "stage2_loss.png", "stage3_loss.png",
+    assert {"stage1_loss.png", "stage2_loss.png", "stage3_loss.png", "niah.png",
             "csr.png"} <= set(pictures), pictures
-    assert (any(name.startswith("niah_student") for name in pictures)
-            and any(name.startswith("niah_teacher") for name in pictures))
     assert ((out / "hypenet" / "modeling_hypenet.py").exists()
             and (out / "hypenet" / "tokenizer_config.json").exists())
     assert list((out / "stage2" / "tb").glob("events.*"))  # TensorBoard logs
@@ -38,6 +39,25 @@ def test_demo_tiny_runs_every_step_and_writes_the_report(tmp_path, smollm2_dir):
     # a second invocation skips every finished step
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert again.returncode == 0 and again.stdout.count("already done") >= 8, again.stdout[-2000:]
+
+
+def _check_what_a_newcomer_sees(out: Path, stdout: str) -> None:
+    """Issue 54, items 1 and 4: the console names each stage's live log and ends with teacher vs
+    student; every file and folder follows the umask (027: group-readable, nothing for others);
+    hypenet/ holds stage 3's weights as hard links and its model card says the calibrated a."""
+    import json
+
+    assert "[demo] stage2           running (log logs/stage2.log)" in stdout
+    assert "teacher vs student, 95% intervals" in stdout and "[demo] disk use" in stdout
+    for path in [out, *out.rglob("*")]:
+        mode = path.lstat().st_mode & 0o777
+        assert not mode & 0o027 and mode & 0o040, f"{path}: {oct(mode)}"
+    weights = "model.safetensors"
+    assert ((out / "hypenet" / weights).stat().st_ino
+            == (out / "stage3" / "final" / weights).stat().st_ino)
+    a = json.loads((out / "calibrate.json").read_text())["chosen_a"]
+    card = (out / "hypenet" / "README.md").read_text()
+    assert (f"a = {a:g}" if a is not None else "no scaling") in card
 
 
 def _stage_dir(root: Path, stage: str, done: bool) -> Path:
@@ -372,3 +392,143 @@ def test_stage3_data_reaches_stage3_alone(tmp_path):
     demo = Demo(s)
     assert "data.train=LONG_RETRIEVAL" in demo.launcher("stage3")
     assert all("data.train=ALL" in demo.launcher(stage) for stage in ("stage1", "stage2"))
+
+
+def test_demo_help_lists_the_choices_and_every_presets_real_defaults():
+    """No empty default in ``--help``; the fixed sets are listed and enforced."""
+    import argparse
+
+    from halo_dist.demo import add_demo_command
+
+    parser = argparse.ArgumentParser()
+    add_demo_command(parser.add_subparsers())
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    text = " ".join(demo.format_help().split())
+    for listed in ("--pe {hype,all_rope,all_nope,attn_rope_rnn_nope}",
+                   "--compile {none,mlp,layer}", "--teacher-eval {at-end,with-stages,none}"):
+        assert listed in text, listed
+    assert "(default: 256; presets tiny: 64, h200: 512)" in text  # --seq-len
+    assert "default: hype" in text and "default: )" not in text and "default )" not in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--compile", "everything"])
+    assert parser.parse_args(["demo", "--pe", ""]).pe == ""  # empty: the default's meaning
+
+
+def test_a_missing_data_folder_is_refused_before_any_step(tmp_path):
+    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.demo_steps import DemoStepError
+
+    for flag, setting in (("--data", "data"), ("--data-long", "data_long")):
+        missing = tmp_path / "no_such_shards"
+        with pytest.raises(DemoStepError, match=f"{flag} {missing} does not exist.*data_prep"):
+            Demo(DemoSettings(out=str(tmp_path / "out"), **{setting: str(missing)}))
+
+
+def test_the_exported_student_shares_stage3s_files_and_calibration_leaves_stage3_intact(tmp_path):
+    """Issue 54, item 4: ``hypenet/`` is stage 3's export as hard links (one copy of the model on
+    disk, counted once), and calibration's rewrite of its config.json leaves stage 3's alone."""
+    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.demo_report import disk_use
+    from halo_dist.eval.calibrate import write_scale_base
+
+    final = tmp_path / "stage3" / "final"
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_bytes(b"\0" * 1_000_000)
+    (final / "config.json").write_text('{"attn_logits_scale_base": 500.0}')
+    student = Demo(DemoSettings(out=str(tmp_path))).export_student()
+    assert student == tmp_path / "hypenet"
+    weights = student / "model.safetensors"
+    assert weights.stat().st_ino == (final / "model.safetensors").stat().st_ino
+    assert student.stat().st_mode == final.stat().st_mode  # the umask's, as stage 3 wrote it
+    write_scale_base(student, 50.0)
+    assert '"attn_logits_scale_base": 50.0' in (student / "config.json").read_text()
+    assert (final / "config.json").read_text() == '{"attn_logits_scale_base": 500.0}'
+    assert 1_000_000 <= disk_use(tmp_path) < 1_100_000  # the weights once, not twice
+
+
+# ------------------------------------------------------------------ issue 54, item 1: the console
+FAKE_STAGE = """
+import json, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1]); folder.mkdir(parents=True, exist_ok=True)
+with open(folder / "metrics.jsonl", "a") as f:
+    for step in (1, 2):
+        f.write(json.dumps({"step": step, "time": 100.0 + 20 * step, "train/loss": 4.0 / step,
+                            "perf/tokens_per_s": 1234.0}) + "\\n")
+        f.flush()
+        time.sleep(1.6)
+"""
+
+
+def test_a_running_stage_shows_its_log_and_a_progress_line(tmp_path, capsys, monkeypatch):
+    """While a stage runs the console names its live log and shows its step, loss, tokens/s and
+    ETA from the stage's metrics.jsonl (here at most every 0.5 s: not a terminal)."""
+    from halo_dist import demo_progress
+    from halo_dist.demo import Demo, DemoSettings
+
+    monkeypatch.setattr(demo_progress, "EVERY_S", 0.5)
+    demo = Demo(DemoSettings(out=str(tmp_path), stage1_steps=3))
+    demo.run("stage1", [sys.executable, "-c", FAKE_STAGE, str(tmp_path / "stage1")],
+             tmp_path / "never", stage=True)
+    out = capsys.readouterr().out
+    assert "[demo] stage1           running (log logs/stage1.log)" in out
+    assert "step 2/3 | loss 2 | 1.23K tok/s | ETA 20s" in out, out
+    assert out.rstrip().splitlines()[-1].startswith("[demo] stage1           done in")
+
+
+def test_the_progress_line_is_rewritten_on_a_terminal_and_rate_limited_elsewhere():
+    import io
+
+    from halo_dist.demo_progress import ProgressLine
+
+    now = [0.0]
+    piped = io.StringIO()
+    line = ProgressLine("[demo] x ", piped, every_s=60.0, clock=lambda: now[0])
+    for t, text in ((10.0, "step 1/9"), (61.0, "step 2/9"), (62.0, "step 3/9"), (130.0, "step 3/9"),
+                    (131.0, "step 4/9")):
+        now[0] = t
+        line.show(text)
+    # the latest figures once a minute has passed since the last printed line, never a repeat
+    assert piped.getvalue() == "[demo] x step 2/9\n[demo] x step 3/9\n"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    line = ProgressLine("[demo] x ", tty, clock=lambda: 0.0)
+    line.show("step 1/9")
+    line.show("step 2/9")
+    line.end()
+    assert tty.getvalue() == ("\r\x1b[K[demo] x step 1/9\r\x1b[K[demo] x step 2/9\r\x1b[K")
+
+
+def test_the_end_of_the_demo_says_teacher_vs_student_with_n_and_what_the_budget_means(tmp_path):
+    from test_pictures import fake_run
+
+    from halo_dist.demo_report import (REAL_RESULTS, console_summary, scorecard_of, stage_budget,
+                                       write_report)
+
+    out = fake_run(tmp_path / "demo", "tiny")
+    budget = stage_budget(out)
+    assert budget == {"stage1": (12, 6144), "stage2": (14, 7168), "stage3": (3, 1536)}
+    lines = console_summary(scorecard_of(out), budget)
+    assert len(lines) == 5, lines
+    assert ("teacher 20.0 [18.0-22.0], student 2,300.0 [2,070.0-2,530.0] (n = 8 rows x 256"
+            in lines[1])
+    assert "CSR, mean of 3 tasks" in lines[2] and "(n = 4 items per task)" in lines[2]
+    assert "NIAH" in lines[3] and "n=3" in lines[3]  # three tasks x one prompt inside the haystack
+    assert "14,848 tokens" in lines[4] and "expected" in lines[4]
+    report = write_report(out, [1, 2], 60.0).read_text()
+    assert "stage1 6,144 (12 steps), stage2 7,168 (14 steps), stage3 1,536 (3 steps)" in report
+    assert "word salad" in report and REAL_RESULTS in report
+    title = REAL_RESULTS.split('"')[1]
+    assert f"## {title}" in (REPO / "README.md").read_text()  # the pointer leads somewhere
+
+
+def test_readme_states_the_default_presets_token_budget():
+    """README's "What the demo's student looks like" says what the default preset trains."""
+    from halo_dist.demo_report import preset_tokens
+
+    readme = (REPO / "README.md").read_text()
+    assert f"The default preset trains {preset_tokens('default'):,} tokens" in readme

@@ -83,3 +83,14 @@ def test_done_marker_must_be_a_file_name(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert (res.returncode == 2 and "--done-marker" in res.stderr
             and "file name" in res.stderr), res.stderr
+
+
+def test_a_missing_model_is_named_by_its_flag(tmp_path, capsys):
+    """``--model X`` that does not exist says ``--model X``, not "teacher path" (issue 54, item
+    5)."""
+    from halo_dist.cli import main
+
+    missing = tmp_path / "no_such_model"
+    assert main(["eval-suite", "--model", str(missing), "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {missing} does not exist" in err and "teacher" not in err, err

@@ -149,3 +149,49 @@ def test_write_hf_folder_names_a_missing_weight_and_writes_nothing(tmp_path):
         write_hf_folder(state, student.config, tmp_path / "fresh", record={"stage": "stage2"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no new folder, no temp folder
     assert sorted((p.name, p.stat().st_mtime_ns) for p in previous.iterdir()) == before
+
+
+def test_the_model_card_follows_the_final_config(tmp_path):
+    """Issue 54, item 4: after calibration rewrites ``a`` in config.json the card says the new a;
+    attention layers are listed sorted, and stage 1 (which trains an RNN for every layer) lists
+    none."""
+    from halo_dist.eval.calibrate import write_scale_base
+
+    student = convert_model(tiny_qwen3(layers=4), [3, 1], attn_logits_scale_base=500.0)
+    record = {"stage": "stage3", "step": 5, "tokens": 640, "teacher": "Org/T", "history": [
+        {"stage": "convert", "teacher": "Org/T", "attn_layers": [3, 1]},
+        {"stage": "stage1", "step": 3, "tokens": 384, "attn_layers": [0, 2]},
+        {"stage": "stage2", "step": 4, "tokens": 512, "attn_layers": [3, 1]}]}
+    out = export_hypenet(student, tmp_path / "student", extra=record)
+    assert "a = 500" in (out / "README.md").read_text()
+    write_scale_base(out, 50.0)
+    card = (out / "README.md").read_text()
+    assert "with a = 50." in card, card
+    assert "a = 500" not in card and "attention at layers [1, 3]" in card
+    rows = {line.split("|")[2].strip()[:7]: line for line in card.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert all("attention layers [1, 3]" in rows[stage] for stage in ("convers", "stage 2"))
+    assert "attention layers" not in rows["stage 1"], rows["stage 1"]
+
+
+TOKENIZER_LOADS = """
+import sys
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+path = sys.argv[1]
+a = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+b = PreTrainedTokenizerFast.from_pretrained(path)
+assert a("1, 2, 3")["input_ids"] == b("1, 2, 3")["input_ids"]
+print("ok")
+"""
+
+
+def test_the_tokenizer_loads_the_card_names_print_nothing(export, tmp_path):
+    """Issue 54, item 6: the card's two ways to load the tokenizer (with the folder's config code,
+    and without any code) give the same tokenizer in a fresh process and print no warning."""
+    card = (export / "README.md").read_text()
+    assert ("PreTrainedTokenizerFast.from_pretrained(path)" in card
+            and "trust_remote_code=True" in card)
+    res = subprocess.run([sys.executable, "-c", TOKENIZER_LOADS, str(export)], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    assert "model of type" not in res.stderr and "arning" not in res.stderr, res.stderr

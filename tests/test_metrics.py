@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from halo_dist.models.flops import flops_per_token
 from halo_dist.train.metrics import (MetricsLogger, check_tag, device_peak_flops, peak_flops_for,
-                                     plot_loss_curves, read_metrics)
+                                     read_metrics)
+from halo_dist.train.plots import plot_loss_curves
 from halo_dist.train.progress_line import format_duration, format_progress, format_si
 
 
@@ -135,10 +136,12 @@ def test_eval_scalars_and_resumed_records(tmp_path):
     logger.close()
     series = read_metrics(tmp_path / "run")
     assert series["train/loss"] == [(10, 10.5), (20, 20.0)] and series["eval/loss"] == [(20, 3.0)]
-    png = plot_loss_curves(tmp_path / "run", tmp_path / "plots/loss.png")
+    png = plot_loss_curves({"run": tmp_path / "run"}, tmp_path / "plots/loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="no data"):
-        plot_loss_curves(tmp_path / "run", tmp_path / "x.png", tags=["train/nope"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no train/loss"):
+        plot_loss_curves({"run": tmp_path / "empty"}, tmp_path / "x.png")
 
 
 def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:

@@ -40,7 +40,8 @@ def smollm2_gguf_path() -> Path:
 
 
 def smollm2_teacher_dir(cache: Path | None = None) -> Path:
-    """HF folder (safetensors + tokenizer) of SmolLM2-135M, built once from the GGUF and cached."""
+    """HF folder (safetensors + tokenizer) of SmolLM2-135M-Instruct, de-quantized once from the Q4_1
+    GGUF and cached."""
     target = (cache or cache_dir()) / "smollm2-135m-instruct"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target

@@ -73,13 +73,18 @@ def check_hypenet_folder(folder: str | Path) -> dict:
 
 def write_scale_base(folder: str | Path, a: float | None) -> Path:
     """Set ``attn_logits_scale_base`` in ``<folder>/config.json`` (``outputs.write_text_atomic``:
-    temp file + rename, under the umask: the export stays readable to whom it was)."""
-    from ..outputs import write_text_atomic
+    temp file + rename, under the umask: the export stays readable to whom it was), and in the
+    model card of a folder halo_dist wrote."""
+    from ..models.export import write_model_card
+    from ..outputs import read_marker, write_text_atomic
 
     path = Path(folder) / "config.json"
     cfg = json.loads(path.read_text())
     cfg["attn_logits_scale_base"] = a
-    return write_text_atomic(path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if read_marker(Path(folder)) is not None:
+        write_model_card(folder)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------

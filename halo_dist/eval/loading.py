@@ -19,7 +19,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "fp32",
     from ..assets.teacher import resolve_model_arg
     from ..models.convert import resolve_teacher
 
-    source = resolve_teacher(resolve_model_arg(name))
+    source = resolve_teacher(resolve_model_arg(name), "--model")
     tokenizer = try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
     if tokenizer is None:
         raise EvalError(f"{name} has no tokenizer: NIAH and lm-eval need one in the model folder")
@@ -45,7 +45,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
         # a tokenizer folder needs no weights
         tokenizer = try_tokenizer(str(path), {}, trust_remote_code)
     else:
-        source = resolve_teacher(str(path))
+        source = resolve_teacher(str(path), "--model")
         tokenizer = try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
     if tokenizer is None:
         raise EvalError(f"{name} has no tokenizer files")

@@ -86,32 +86,70 @@ def _by_int_length(cells: dict) -> dict:
 
 
 def heatmap(summary: dict, path: str | Path, title: str = "NIAH") -> Path:
-    """Depth x length accuracy heatmap, one panel per task (matplotlib, Agg backend)."""
-    import matplotlib
+    """Depth x length accuracy heatmap of one model, one panel per task, as a PNG."""
+    from ..figures import save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return save(heatmap_figure({"": summary}, title), path)
 
-    tasks = list(summary)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        cells = summary[task]["by_cell"]
-        lengths = sorted(cells)
-        depths = sorted({d for ds in cells.values() for d in ds})
-        grid = [[cells[L].get(d, float("nan")) for L in lengths] for d in depths]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
-        ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
-        ax.set_title(task)
-    fig.colorbar(im, ax=axes[0].tolist(), label="accuracy")
+
+def heatmap_figure(summaries: dict[str, dict], title: str = "NIAH"):
+    """Depth x length heatmaps: one row per model (``{name: summary}``; an empty name for one
+    model), one panel per task, each cell's rate written in it and the prompts per cell in the
+    panel's title."""
+    from ..figures import new_figure
+
+    tasks = list(dict.fromkeys(t for summary in summaries.values() for t in summary))
+    cols = max(len(_grid(s[t])[0]) for s in summaries.values() for t in s)
+    rows = max(len(_grid(s[t])[1]) for s in summaries.values() for t in s)
+    fig = new_figure(len(tasks) * max(3.0, 1.2 + 0.55 * cols) + 1.2,
+                     len(summaries) * (1.5 + 0.24 * rows) + 0.5)
+    image = None
+    for r, (who, summary) in enumerate(summaries.items()):
+        for c, task in enumerate(tasks):
+            ax = fig.add_subplot(len(summaries), len(tasks), r * len(tasks) + c + 1)
+            if task in summary:
+                image = _heatmap_panel(ax, summary[task], f"{who}: {task}" if who else task)
+            else:
+                ax.set_visible(False)
+    fig.colorbar(image, ax=fig.axes, label="needles found (share)", shrink=0.8)
     fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _grid(entry: dict) -> tuple[list[int], list[float], dict]:
+    """``(lengths, depths, {length: {depth: rate}})`` of a task's summary entry (its keys may be
+    strings: a summary read back from JSON)."""
+    cells = {int(L): {float(d): v for d, v in ds.items()} for L, ds in entry["by_cell"].items()}
+    return sorted(cells), sorted({d for ds in cells.values() for d in ds}), cells
+
+
+def _per_cell(entry: dict) -> str:
+    """``n = 5 per cell`` when every cell inside the haystack holds the same number of prompts
+    (else ``n varies by cell``)."""
+    lengths, _, cells = _grid(entry)
+    counts = set()
+    for L in lengths:
+        inside = [d for d in cells[L] if d < END_DEPTH]
+        n = (_by_int_length(entry.get("cells", {})).get(L) or {}).get("n")
+        if inside and n:
+            counts.add(n / len(inside))
+    return f"n = {int(counts.pop())} per cell" if len(counts) == 1 else "n varies by cell"
+
+
+def _heatmap_panel(ax, entry: dict, title: str):
+    lengths, depths, cells = _grid(entry)
+    grid = [[cells[L].get(d, float("nan")) for L in lengths] for d in depths]
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+    ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    for y, row in enumerate(grid):
+        for x, v in enumerate(row):
+            if v == v:  # not NaN; white on the dark ends of the colour map
+                ax.text(x, y, f"{v:.0%}", ha="center", va="center", fontsize=7,
+                        color="white" if v < 0.25 or v > 0.85 else "black")
+    ax.set(title=f"{title}\n{_per_cell(entry)}", xlabel="context length (tokens)",
+           ylabel="needle depth")
+    return image
 
 
 def write_reports(report: dict, out_dir: str | Path, name: str = "niah") -> dict[str, Path]:
@@ -124,5 +162,5 @@ def write_reports(report: dict, out_dir: str | Path, name: str = "niah") -> dict
     (out_dir / f"{name}.md").write_text(md)
     paths["markdown"] = out_dir / f"{name}.md"
     paths["heatmap"] = heatmap(report["summary"], out_dir / f"{name}_heatmap.png",
-                               title=str(report.get("model", name)))
+                               title=f"NIAH: {name}")  # the model's path would be its title
     return paths

@@ -149,7 +149,7 @@ def _reference_keys(args, parts: list[str]) -> dict[str, str]:
     from ..models.convert import resolve_teacher
     from .reference import model_identity, part_key
 
-    model_id = model_identity(resolve_teacher(resolve_model_arg(args.model)).path)
+    model_id = model_identity(resolve_teacher(resolve_model_arg(args.model), "--model").path)
     common = {"dtype": args.dtype, "device": args.device.split(":")[0]}
     keys = {}
     for name in parts:

@@ -59,24 +59,26 @@ class TeacherSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def resolve_teacher(teacher: str) -> TeacherSource:
-    """Accept a folder, a ``.gguf`` file, or a hub id. Folders must hold weights (checked here)."""
+def resolve_teacher(teacher: str, flag: str | None = None) -> TeacherSource:
+    """Accept a folder, a ``.gguf`` file, or a hub id. Folders must hold weights (checked here).
+    ``flag``: the command-line flag that named it (``--model``), which the errors then name instead
+    of "teacher"."""
     p = Path(teacher)
+    name = f"{flag} {p}" if flag else f"teacher folder {p}"
     if p.is_file() and p.suffix == ".gguf":
         return TeacherSource(str(p.parent), p.name)
     if p.is_dir():
         weights = [f for f in os.listdir(p) if f.endswith((".safetensors", ".bin", ".gguf", ".pt"))]
         if not weights:
-            raise ConversionError(f"teacher folder {p} holds no weights (*.safetensors, *.bin or "
-                                  "*.gguf)")
+            raise ConversionError(f"{name} holds no weights (*.safetensors, *.bin or *.gguf)")
         if not (p / "config.json").exists():
             ggufs = [w for w in weights if w.endswith(".gguf")]
             if not ggufs:
-                raise ConversionError(f"teacher folder {p} has no config.json")
+                raise ConversionError(f"{name} has no config.json")
             return TeacherSource(str(p), ggufs[0])
         return TeacherSource(str(p))
     if teacher.startswith((".", "/")) or os.sep in teacher.rstrip("/").split("/", 1)[-1]:
-        raise ConversionError(f"teacher path {teacher} does not exist")
+        raise ConversionError(f"{flag or 'teacher path'} {teacher} does not exist")
     return TeacherSource(teacher)  # a hub id: transformers resolves it (needs network or HF cache)
 
 

@@ -179,23 +179,42 @@ def _write_model_folder(model: HypeNetForCausalLM, folder: Path, tokenizer, extr
         _drop_foreign_code(folder)
     if extra:
         (folder / RECORD_FILE).write_text(json.dumps(extra, indent=2, default=str))
-    card = model_card(model.config,
-                      json.loads(json.dumps(extra, default=str)) if extra else None,
-                      tokenizer=tokenizer is not None,
-                      chat_template=bool(getattr(tokenizer, "chat_template", None)),
-                      generation=model.generation_config.to_diff_dict())
-    (folder / "README.md").write_text(card)
+    write_model_card(folder)
 
 
-def read_record(folder: str | os.PathLike) -> dict | None:
-    """The run record an export carries (None for a folder halo_dist did not export, or an older
-    export)."""
-    path = Path(folder) / RECORD_FILE
+def write_model_card(folder: str | os.PathLike) -> Path:
+    """``<folder>/README.md``, the model card, from what the folder holds: ``config.json`` as it is
+    now (calibration rewrites ``a`` there after the export, and calls this again), the run record,
+    the tokenizer and generation files. Replaced atomically, under the umask."""
+    from transformers import GenerationConfig
+
+    from ..outputs import write_text_atomic
+    from .hypenet import HypeNetConfig
+
+    folder = Path(folder)
+    tok_config = _read_json(folder / "tokenizer_config.json")
+    generation = (GenerationConfig.from_pretrained(folder).to_diff_dict()
+                  if (folder / "generation_config.json").is_file() else {})
+    card = model_card(HypeNetConfig.from_pretrained(folder), read_record(folder),
+                      tokenizer=(folder / "tokenizer.json").is_file() or tok_config is not None,
+                      chat_template=((folder / "chat_template.jinja").is_file()
+                                     or bool((tok_config or {}).get("chat_template"))),
+                      generation=generation)
+    return write_text_atomic(folder / "README.md", card)
+
+
+def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_record(folder: str | os.PathLike) -> dict | None:
+    """The run record an export carries (None for a folder halo_dist did not export, or an older
+    export)."""
+    return _read_json(Path(folder) / RECORD_FILE)
 
 
 def load_generation_config(source: str | os.PathLike, **kwargs):

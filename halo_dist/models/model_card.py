@@ -53,14 +53,14 @@ def _architecture(cfg) -> list[str]:
     letter = {"attention": "A", "swa": "S"}
     plan = " ".join(letter.get(k, "R") for k in kinds)
     rnn = ", ".join(sorted({k for k in kinds if k not in letter}))
-    scale = cfg.attn_logits_scale_base
+    scale, attn = cfg.attn_logits_scale_base, sorted(cfg.attn_layers)
     return [
         "## Architecture", "",
         f"{cfg.num_hidden_layers} layers, hidden size "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} query heads "
         f"({cfg.num_key_value_heads} KV heads) of {cfg.head_dim}, vocabulary {cfg.vocab_size}.", "",
         "- Layer plan (A softmax attention, S sliding-window attention, R "
-        f"RNN{': ' + rnn if rnn else ''}): `{plan}` (attention at layers {cfg.attn_layers}).",
+        f"RNN{': ' + rnn if rnn else ''}): `{plan}` (attention at layers {attn}).",
         f"- Positions (HyPE): RoPE in the RNN layers {'on' if cfg.rnn_rope else 'off'}, in the "
         f"attention layers {'on' if cfg.attn_rope else 'off'}; attention logits scaled by log(t + "
         f"a) / log(a) with {f'a = {scale:g}' if scale is not None else 'no scaling'}.",
@@ -78,8 +78,10 @@ def _recipe(steps: list[dict]) -> list[str]:
         origin = []
         if s.get("teacher"):
             origin.append(f"teacher `{s['teacher']}`")
-        if s.get("attn_layers") is not None:
-            origin.append(f"attention layers {list(s['attn_layers'])}")
+        # stage 1 trains an RNN for every layer (the selection comes after it): the layers its
+        # config held are no choice of it
+        if s.get("attn_layers") is not None and stage != "stage1":
+            origin.append(f"attention layers {sorted(s['attn_layers'])}")
         for key in ("arch", "pe", "rnn_mixer", "horizon", "checkpoint"):
             if s.get(key) is not None:
                 origin.append(f"{key} {s[key]}")
@@ -116,8 +118,10 @@ def _tokenizer(tokenizer: bool, chat_template: bool) -> list[str]:
             (", with its chat template (`tok.apply_chat_template`)." if chat_template
              else "; it has no chat template."),
             "", "`AutoTokenizer` reads `config.json` before the tokenizer files, and that names "
-                "this folder's model code: pass `trust_remote_code=True` (or `False`, which loads "
-                "the same tokenizer without running it), or transformers stops to ask.", ""]
+                "this folder's model code: pass `trust_remote_code=True`, or transformers stops "
+                "to ask. `PreTrainedTokenizerFast.from_pretrained(path)` loads the same tokenizer "
+                "without running any code (`AutoTokenizer` with `trust_remote_code=False` does "
+                "too, after a warning that it reads a `hypenet` config as a generic one).", ""]
 
 
 def _generation(generation: dict) -> list[str]:

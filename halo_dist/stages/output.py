@@ -104,10 +104,11 @@ def gathered_state_dict(trainer) -> dict[str, torch.Tensor] | None:
 
 def _record(trainer) -> dict:
     cfg = trainer.cfg
+    # stage 1 trains an RNN for every layer: its config's attention layers are no choice of it
+    keeps = not cfg.model.student_init and cfg.stage.name != "stage1"
     return run_record(cfg, trainer.step, trainer.tokens_seen, trainer.metrics,
                       seq_len=cfg.data.seq_len,
-                      **({} if cfg.model.student_init
-                         else {"attn_layers": list(cfg.model.attn_layers)}))
+                      **({"attn_layers": sorted(cfg.model.attn_layers)} if keeps else {}))
 
 
 def stage_inputs(cfg: RunConfig) -> dict:

@@ -12,11 +12,29 @@ from .evaluation import HeldoutEval
 
 
 def check_training_data(cfg, rank: int, world: int) -> None:
-    """The held-out split exists, every shard fits the manifest and the model's vocabulary and
-    (``data.verify=full``) is intact; collective (every rank calls it)."""
+    """``data.train`` can be read, the held-out split exists, every shard fits the manifest and the
+    model's vocabulary and (``data.verify=full``) is intact; collective (every rank calls it)."""
+    check_train_source(cfg.data.train)
     HeldoutEval.check_config(cfg)
     check_data_vocabulary(cfg, rank, world)
     verify_data(cfg, rank, world)
+
+
+def check_train_source(data) -> None:
+    """``data.train`` names shards this run can read, checked first: the held-out split and the
+    vocabulary checks read it too, and their messages would blame themselves for its mistake."""
+    from ..data import resolve_shards
+    from ..data.errors import DataError
+
+    hint = ("make shards with `python -m data_prep.tokenize --out DIR ...` (see README, \"Data\") "
+            "and set data.train=DIR")
+    glob = any(c in str(data) for c in "*?[")
+    if isinstance(data, (str, Path)) and not glob and not Path(data).exists():
+        raise DataError(f"data.train={data} does not exist; {hint}")
+    try:
+        resolve_shards(data, "train")
+    except (DataError, OSError) as e:
+        raise DataError(f"data.train={data} cannot be read ({e}); {hint}") from None
 
 
 def _sources(cfg) -> list[tuple[object, str]]:

@@ -30,7 +30,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -470,29 +470,3 @@ def read_metrics(path: Union[str, Path]) -> dict[str, list[tuple[int, float]]]:
         for tag, value in record.items():
             series.setdefault(tag, {})[step] = float(value)
     return {tag: sorted(points.items()) for tag, points in series.items()}
-
-
-def plot_loss_curves(metrics_path: Union[str, Path], out_png: Union[str, Path],
-                     tags: Optional[Iterable[str]] = None) -> Path:
-    """PNG of the ``train/*`` and ``eval/*`` curves (or ``tags``) by step, one panel per tag."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global backend
-    from matplotlib.figure import Figure
-
-    series = read_metrics(metrics_path)
-    chosen = list(tags) if tags is not None else sorted(
-        t for t in series if t.startswith(("train/", "eval/")))
-    missing = [t for t in chosen if t not in series]
-    if missing or not chosen:
-        raise ValueError(f"no data for tags {missing or 'train/*, eval/*'} in {metrics_path}")
-    fig = Figure(figsize=(6.0, 2.6 * len(chosen)), layout="constrained")
-    FigureCanvasAgg(fig)
-    for i, tag in enumerate(chosen, start=1):
-        ax = fig.add_subplot(len(chosen), 1, i)
-        steps, values = zip(*series[tag])
-        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
-        ax.set(title=tag, xlabel="step")
-        ax.grid(alpha=0.3)
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    return out_png
