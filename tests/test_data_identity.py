@@ -1,4 +1,4 @@
-"""Issue 55, item 7 (and 10's resume check): every shard is checked against the manifest's
+"""Every shard is checked against the manifest's
 tokenizer and dtype, a shard listed twice is refused, token ids beyond the model's vocabulary are
 refused before training (bare shards and a manifest with a wrong ``vocab_size`` included), data_prep
 names the file and line of invalid UTF-8 or a ``text`` that is not a string, and a resume accepts
@@ -193,7 +193,7 @@ def test_a_resume_compares_data_train_by_content(datasets, tmp_path):
 @pytest.mark.parametrize("source", ["missing", "empty_folder", "broken_manifest"])
 def test_a_missing_or_unreadable_data_train_is_named_before_the_held_out_split(tmp_path, source):
     """``data.train`` is what the user got wrong: the error names it with the command that makes
-    shards, not the held-out split that is read from it (issue 54, item 5)."""
+    shards, not the held-out split that is read from it."""
     path = tmp_path / "no_such_data"
     if source != "missing":
         path.mkdir()

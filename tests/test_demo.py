@@ -42,7 +42,7 @@ def test_demo_tiny_runs_every_step_and_writes_the_report(tmp_path, smollm2_dir):
 
 
 def _check_what_a_newcomer_sees(out: Path, stdout: str) -> None:
-    """Issue 54, items 1 and 4: the console names each stage's live log and ends with teacher vs
+    """The console names each stage's live log and ends with teacher vs
     student; every file and folder follows the umask (027: group-readable, nothing for others);
     hypenet/ holds stage 3's weights as hard links and its model card says the calibrated a."""
     import json
@@ -425,7 +425,7 @@ def test_a_missing_data_folder_is_refused_before_any_step(tmp_path):
 
 
 def test_the_exported_student_shares_stage3s_files_and_calibration_leaves_stage3_intact(tmp_path):
-    """Issue 54, item 4: ``hypenet/`` is stage 3's export as hard links (one copy of the model on
+    """``hypenet/`` is stage 3's export as hard links (one copy of the model on
     disk, counted once), and calibration's rewrite of its config.json leaves stage 3's alone."""
     from halo_dist.demo import Demo, DemoSettings
     from halo_dist.demo_report import disk_use
@@ -446,7 +446,7 @@ def test_the_exported_student_shares_stage3s_files_and_calibration_leaves_stage3
     assert 1_000_000 <= disk_use(tmp_path) < 1_100_000  # the weights once, not twice
 
 
-# ------------------------------------------------------------------ issue 54, item 1: the console
+# ------------------------------------------------------------------ the console
 FAKE_STAGE = """
 import json, sys, time
 from pathlib import Path

@@ -86,8 +86,7 @@ def test_done_marker_must_be_a_file_name(tmp_path):
 
 
 def test_a_missing_model_is_named_by_its_flag(tmp_path, capsys):
-    """``--model X`` that does not exist says ``--model X``, not "teacher path" (issue 54, item
-    5)."""
+    """``--model X`` that does not exist says ``--model X``, not "teacher path"."""
     from halo_dist.cli import main
 
     missing = tmp_path / "no_such_model"

@@ -152,7 +152,7 @@ def test_write_hf_folder_names_a_missing_weight_and_writes_nothing(tmp_path):
 
 
 def test_the_model_card_follows_the_final_config(tmp_path):
-    """Issue 54, item 4: after calibration rewrites ``a`` in config.json the card says the new a;
+    """After calibration rewrites ``a`` in config.json the card says the new a;
     attention layers are listed sorted, and stage 1 (which trains an RNN for every layer) lists
     none."""
     from halo_dist.eval.calibrate import write_scale_base
@@ -186,7 +186,7 @@ print("ok")
 
 
 def test_the_tokenizer_loads_the_card_names_print_nothing(export, tmp_path):
-    """Issue 54, item 6: the card's two ways to load the tokenizer (with the folder's config code,
+    """The card's two ways to load the tokenizer (with the folder's config code,
     and without any code) give the same tokenizer in a fresh process and print no warning."""
     card = (export / "README.md").read_text()
     assert ("PreTrainedTokenizerFast.from_pretrained(path)" in card

@@ -243,7 +243,7 @@ def test_weights_that_do_not_fit_are_named_and_the_cli_says_so_in_one_line(tmp_p
 
 
 def test_the_output_may_not_be_their_folder_nor_hold_it(tmp_path, capsys):
-    """Issue 55 item 1: `import-official DIR --output DIR` replaced their checkpoint with ours."""
+    """`import-official DIR --output DIR` replaced their checkpoint with ours."""
     from halo_dist.cli import main
 
     cfg = their_config()

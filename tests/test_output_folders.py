@@ -1,4 +1,4 @@
-"""Output folders (issue 55, items 1, 8 and 10): `halo-dist convert`/`export`/`import-official`
+"""Output folders: `halo-dist convert`/`export`/`import-official`
 and a stage's ``final/`` never delete or overwrite what they did not write; a previous export of
 ours is replaced only with ``--overwrite``; a write failure ends with one ``error:`` line and the
 previous export intact; exports honour the umask; a killed export's hidden temp folder is removed

@@ -1,4 +1,4 @@
-"""Installing halo_dist prints no warning of our own making (issue 54, item 6): setuptools reads
+"""Installing halo_dist prints no warning of our own making: setuptools reads
 pyproject.toml without a deprecation (``project.license`` as an SPDX string) and builds the editable
 wheel that ``scripts/setup_env.sh`` installs without a notice."""
 

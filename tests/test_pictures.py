@@ -1,4 +1,4 @@
-"""Pictures a reader can trust (issue 54, item 3): every picture the demo's report, the evaluation
+"""Pictures a reader can trust: every picture the demo's report, the evaluation
 suite and the real conversion draw has both axes labelled, no absolute path in any text, no text
 drawn over another panel's, integer optimizer steps, teacher and student on one axis where they are
 compared, and CSR as bars with 95% intervals and the chance level.
