@@ -44,3 +44,18 @@ def run_launcher(stage, run_dir, *overrides, nproc=1, env=None, faults=None, exp
 
 def losses(run_dir):
     return [v for _, v in read_metrics(run_dir)["train/loss"]]
+
+
+def rewrite_in_checkpoint(path: Path, write) -> None:
+    """``write(path)`` a checkpoint file anew, and its entry in the checkpoint's ``COMPLETE``
+    manifest with it: a test that crafts a file must get past the size and checksum verification
+    (which catches damage, not tampering) to reach the check it is about."""
+    import json
+
+    from halo_dist.train.checkpoint_files import MARKER, file_hash
+
+    write(path)
+    marker = path.parent / MARKER
+    manifest = json.loads(marker.read_text())
+    manifest["files"][path.name].update(size=path.stat().st_size, xxh3_128=file_hash(path))
+    marker.write_text(json.dumps(manifest))

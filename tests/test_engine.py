@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from stage_runs import REPO, TINY, losses, run_launcher
+from stage_runs import REPO, TINY, losses, rewrite_in_checkpoint, run_launcher
 
 from halo_dist.train.metrics import read_metrics
 
@@ -319,8 +319,6 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
 
     import torch
 
-    from halo_dist.train.checkpoint_files import file_hash
-
     run_dir = tmp_path / "run"
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=3",
               "checkpoint.every_steps=1"]
@@ -330,11 +328,7 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
     shutil.copytree(step, pristine)
     marker = tmp_path / "PWNED"
     states = next(step.glob("*model_states.pt"))
-    torch.save({"module": _Payload(marker)}, states)
-    # the checkpoint's manifest rewritten to match: its checksums detect damage, not tampering
-    manifest = json.loads((step / "COMPLETE").read_text())
-    manifest["files"][states.name].update(size=states.stat().st_size, xxh3_128=file_hash(states))
-    (step / "COMPLETE").write_text(json.dumps(manifest))
+    rewrite_in_checkpoint(states, lambda p: torch.save({"module": _Payload(marker)}, p))
     res = run_launcher("stage2", run_dir, *common, expect=2)
     assert ("refusing to load" in res.stderr and states.name in res.stderr
             and "Traceback" not in res.stderr)

@@ -78,7 +78,8 @@ def test_csr_mean_names_the_tasks_it_covers(exported, capsys):
     out = capsys.readouterr().out
     assert "| **CSR mean (arc_easy, piqa)** |" in out and out.count("CSR") == 1
     assert (summarize({"x": {"acc,none": 0.5}}, ["custom"], ["x"])
-            == {"tasks": {"custom": {"acc": 0.5}}, "csr": None, "csr_tasks": []})
+            == {"tasks": {"custom": {"acc": 0.5, "stderr": None}}, "csr": None, "csr_tasks": [],
+                "csr_se": None, "csr_chance": None})
     assert "CSR" not in markdown({"tasks": {"custom": {"acc": 0.5}}, "csr": None, "csr_tasks": []})
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stage_runs import losses, run_launcher
+from stage_runs import losses, rewrite_in_checkpoint, run_launcher
 
 from halo_dist.config import load_config
 from halo_dist.launch import launch_pretrain
@@ -98,7 +98,9 @@ def test_zero3_resume_on_another_number_of_ranks_is_refused(shards, tmp_path):
     state_file = tmp_path / "checkpoints" / "step-00000002" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     assert state["world_size"] == 1
-    state_file.write_text(json.dumps({**state, "world_size": 2}))  # as if written by a 2-rank job
+    # as if written by a 2-rank job
+    rewrite_in_checkpoint(state_file,
+                          lambda p: p.write_text(json.dumps({**state, "world_size": 2})))
     res = pretrain(tmp_path, "hypenet", *common, expect=2)
     assert ("written on 2 rank(s); this run has 1: stage pretrain under "
             "ZeRO-3" in res.stderr), res.stderr[-2000:]

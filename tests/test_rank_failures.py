@@ -10,7 +10,6 @@ output, until the process group's timeout.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import socket
@@ -23,8 +22,7 @@ import pytest
 import torch
 from distributed import free_port
 from fault_injection import launcher_args
-
-from halo_dist.train.checkpoint_files import file_hash
+from stage_runs import rewrite_in_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_STAGE2 = REPO / "configs" / "tiny" / "stage2.yaml"
@@ -132,13 +130,10 @@ def test_a_refusal_on_one_rank_while_loading_ends_both_with_its_message(failed_a
     tmp, run_dir, _ = failed_at_step
     poisoned = (run_dir / "checkpoints" / "step-00000001"
                 / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    torch.save({"optimizer_state_dict": pathlib.PurePosixPath("/not/a/tensor")}, poisoned)
-    # the checkpoint's manifest rewritten to match (its checksums detect damage on every rank at
-    # once, not a crafted file): only rank 1's load can refuse it
-    manifest = json.loads((poisoned.parent / "COMPLETE").read_text())
-    manifest["files"][poisoned.name].update(size=poisoned.stat().st_size,
-                                            xxh3_128=file_hash(poisoned))
-    (poisoned.parent / "COMPLETE").write_text(json.dumps(manifest))
+    # verification (every rank at once) catches damage, not a crafted file: only rank 1's load can
+    # refuse it
+    rewrite_in_checkpoint(poisoned, lambda p: torch.save(
+        {"optimizer_state_dict": pathlib.PurePosixPath("/not/a/tensor")}, p))
     outcomes = launch_ranks(tmp, run_dir, f"data.train={shards}", *COMMON)
     assert_all_ended_with(outcomes, 2, f"refusing to load {poisoned}")
     assert (f"error: rank 1 failed (on {socket.gethostname()}), so rank 0 stops too: refusing "
