@@ -244,7 +244,8 @@ def claim_run_dirs(cfg, rank: int) -> RunLocks:
         except RunDirBusyError as e:
             refusal = str(e)
         except OSError as e:  # a folder that cannot be created or written
-            refusal = f"cannot lock the run folder {folder}: {e.strerror or e}"
+            refusal = (f"cannot lock the run folder {folder}: {e.strerror or e} (refused before "
+                       "anything was loaded or written)")
         if refusal is not None:
             RunLocks(locks).release()
             locks = []
