@@ -63,7 +63,8 @@ class Demo(StepRunner):
         if s.pe and s.pe not in PE_ROPE:  # here, not in stage 1's log after the data step
             raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it "
                                 "empty: hype)")
-        for flag, data in (("--data", s.data), ("--data-long", s.data_long)):
+        for flag, data in (("--data", s.data), ("--data-long", s.data_long),
+                           ("--stage3-data", s.stage3_data)):
             if data and not Path(data).exists():  # here, not in stage 1's log minutes later
                 raise DemoStepError(f"{flag} {data} does not exist: make shards with `python -m "
                                     "data_prep.tokenize --out DIR ...`, or leave --data out for "

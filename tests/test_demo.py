@@ -388,10 +388,14 @@ def test_stage3_data_reaches_stage3_alone(tmp_path):
     stages 1-2 keep --data and the calibration keeps --data-long."""
     from halo_dist.demo import Demo, DemoSettings
 
-    s = DemoSettings(out=str(tmp_path), data="ALL", data_long="LONG", stage3_data="LONG_RETRIEVAL")
+    data = {name: tmp_path / name for name in ("all", "long", "long_retrieval")}
+    for folder in data.values():
+        folder.mkdir()
+    s = DemoSettings(out=str(tmp_path / "out"), data=str(data["all"]), data_long=str(data["long"]),
+                     stage3_data=str(data["long_retrieval"]))
     demo = Demo(s)
-    assert "data.train=LONG_RETRIEVAL" in demo.launcher("stage3")
-    assert all("data.train=ALL" in demo.launcher(stage) for stage in ("stage1", "stage2"))
+    assert f"data.train={data['long_retrieval']}" in demo.launcher("stage3")
+    assert all(f"data.train={data['all']}" in demo.launcher(stage) for stage in ("stage1", "stage2"))
 
 
 def test_demo_help_lists_the_choices_and_every_presets_real_defaults():
@@ -418,7 +422,8 @@ def test_a_missing_data_folder_is_refused_before_any_step(tmp_path):
     from halo_dist.demo import Demo, DemoSettings
     from halo_dist.demo_steps import DemoStepError
 
-    for flag, setting in (("--data", "data"), ("--data-long", "data_long")):
+    for flag, setting in (("--data", "data"), ("--data-long", "data_long"),
+                          ("--stage3-data", "stage3_data")):
         missing = tmp_path / "no_such_shards"
         with pytest.raises(DemoStepError, match=f"{flag} {missing} does not exist.*data_prep"):
             Demo(DemoSettings(out=str(tmp_path / "out"), **{setting: str(missing)}))
