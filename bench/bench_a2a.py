@@ -1,4 +1,4 @@
-"""Benchmark: the Ulysses all-to-all cost of a HypeNet-2B stage-3 step (issue 9 item 2).
+"""Benchmark: the Ulysses all-to-all cost of a HypeNet-2B stage-3 step.
 
 Times our ``SequenceParallel.seq_to_head`` / ``head_to_seq`` on the real per-layer shapes (q/k/v/o
 of 16 heads x 128, bf16, micro-batch 1) at 16K / 32K / 64K context on all ranks (NCCL), and counts

@@ -1,4 +1,4 @@
-"""Benchmark: long-context inference, HypeNet-2B vs the Qwen3-1.7B shape (issue 8 item d).
+"""Benchmark: long-context inference, HypeNet-2B vs the Qwen3-1.7B shape.
 
 Both models are built from random bf16 weights with our own code, so the comparison is of the
 architectures, not of two code bases: the teacher shape is the exact all-attention HypeNet that

@@ -1,4 +1,4 @@
-"""Benchmark: on-policy distillation throughput for the HypeNet-2B shape (issue 7).
+"""Benchmark: on-policy distillation throughput for the HypeNet-2B shape.
 
 Builds a random Qwen3-1.7B-shaped teacher (28 layers, d 2048, FFN 6144, 16 heads / 8 KV heads, head
 dim 128, vocab 151,936, tied) and its HypeNet-2B student (attention layers 2,3,6,8,9,21,25,
@@ -70,7 +70,7 @@ def parse_args(argv=None):
                    help="training steps timed after the warm-up one (the figures are the last "
                         "step's; every step's time and per-micro-batch times are recorded). The "
                         "first timed step can still compile: a frame that first meets the last, "
-                        "shorter micro-batch there (P25a: 4.7 s in that one micro-batch)")
+                        "shorter micro-batch there (4.7 s in that one micro-batch on an H200)")
     p.add_argument("--launch-settings", type=Path, default=None,
                    help="decode-kernel launch settings from bench/tune_decode_kernels.py (its "
                         "'best' entries) instead of the shipped defaults")

@@ -1,5 +1,4 @@
-"""Benchmark: a frozen Qwen3-8B-shape teacher replicated on every GPU vs sharded by ZeRO-3 (issue 9
-item 3).
+"""Benchmark: a frozen Qwen3-8B-shape teacher replicated on every GPU vs sharded by ZeRO-3.
 
 The teacher is what ``parallel.teacher_placement`` places: the exact all-attention HypeNet of a
 random teacher (``stages.teacher.EXACT_TEACHER``: RoPE on, no logits scaling, no output gates), here

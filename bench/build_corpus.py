@@ -29,7 +29,7 @@ while the benchmarks a distilled student is judged on (HellaSwag, ARC, PIQA, Win
 everyday English.
 ``--natural-repeats N`` appends N-1 copies of the natural training documents after the code, so a
 stage that reads part of the corpus sees natural text about N times as often; the held-out split is
-unchanged (``repeat_natural`` says how). Measured once (session 14, N=3: 45% natural instead of
+unchanged (``repeat_natural`` says how). Measured once (N=3: 45% natural instead of
 17%): the student was worse, not better (CSR 88.7% of the teacher instead of 90.1%, perplexity 14.3
 instead of 13.9, NIAH lost), and its stage-1 weights led the selection to another attention layer,
 so the mix alone is not yet isolated.

@@ -1,5 +1,4 @@
-"""Why ``graph_rel_err`` is large on random caches: a precision probe on CPU (issue 8,
-BENCHMARKS.md).
+"""Why ``graph_rel_err`` is large on random caches: a precision probe on CPU.
 
 bench_inference.py compares the first logits of the static (CUDA-graph) decode step with the eager
 step.

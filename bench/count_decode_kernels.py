@@ -1,4 +1,4 @@
-"""Kernels per decode step: a CPU proxy for the fixed cost of a CUDA-graph decode step (issue 8).
+"""Kernels per decode step: a CPU proxy for the fixed cost of a CUDA-graph decode step.
 
 On an H200 a captured decode step costs ~7.4 ms at every context (BENCHMARKS.md): the time of ~2,000
 tiny kernels, each a few µs as a graph node. This script counts them without a GPU. It profiles one

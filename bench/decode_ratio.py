@@ -1,9 +1,9 @@
 """The 512K decode speed-up of HypeNet-2B over the teacher shape, both timed in one process and
-interleaved (issue 20 item 1: ``decode_speedup_512k``).
+interleaved.
 
 ``profile_decode.py`` times one model per process; earlier calls ran HypeNet-2B first, on a cache it
 had just prefilled for ~30 s at full power, and the teacher shape afterwards, in another process, on
-a random cache. The two did not run under the same conditions: on the H200 (P36a) the GEMV shapes
+a random cache. The two did not run under the same conditions: on the H200 the GEMV shapes
 both models share timed 4-12% slower in HypeNet's process than in the teacher's (W_o 4.40 vs
 3.94 µs), whatever the cause (clocks after the prefill, the device's state). A ratio of two step
 times should compare them under the same conditions. Here both decoders live in

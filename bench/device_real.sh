@@ -83,7 +83,7 @@ bundle() {
 }
 
 # What a stage process imports before its trainer exists, timed in fresh interpreters: without the bytecode
-# prefix (as sessions 8-12 ran), then twice with it (the first one writes it); and whether the image's own
+# prefix (as the image ships), then twice with it (the first one writes it); and whether the image's own
 # packages carry .pyc files beside their sources
 import_probe() {
   local imports="import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed, megatron.core"
@@ -124,7 +124,7 @@ R1)
   python3 -X importtime -c "import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed, megatron.core" 2> $W/importtime.log
   sort -t'|' -k2 -n -r $W/importtime.log | head -25
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
-  if [ -n "${KL_BENCH:-}" ]; then  # the fused loss of one stage-2 step of this pair, eager vs compiled (sessions 10-11)
+  if [ -n "${KL_BENCH:-}" ]; then  # the fused loss of one stage-2 step of this pair, eager vs compiled
     KL_SHAPE="--tokens 65536 --vocab 49152 --hidden 576 --chunk-size 8192"; [ -n "${REHEARSAL:-}" ] && KL_SHAPE=--cpu-smoke
     timeout 150 python3 bench/bench_kl.py $KL_SHAPE --backends torch,compiled --out $W/kl_smollm2.json > $W/kl_smollm2.log 2>&1
     echo "kl bench rc $?"; grep -A6 "^backend\|fwd+bwd" $W/kl_smollm2.log | head -12

@@ -1,4 +1,4 @@
-"""Runs that need 4-8 GPUs (issue 21), each through ``bench_stages.py`` and the real launchers, each
+"""Runs that need 4-8 GPUs, each through ``bench_stages.py`` and the real launchers, each
 writing ``bench/results/multigpu_<part>.json`` with its headline keys at the top level.
 
 * ``scaling``: stage 2 of HypeNet-2B (random Qwen3-1.7B-shape teacher,

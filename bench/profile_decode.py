@@ -1,5 +1,4 @@
-"""Kernel-level profile of the CUDA-graph decode step: where the time of one token goes (issue 20
-item 1).
+"""Kernel-level profile of the CUDA-graph decode step: where the time of one token goes.
 
 For each model shape (the Qwen3-1.7B-shape teacher as the exact all-attention HypeNet, and
 HypeNet-2B), random bf16 weights, batch 1, a random cache of ``--context`` tokens (decode cost
@@ -86,7 +85,7 @@ VARIANTS = {
     # Lightning's norms, RoPE and gate as Inductor's kernels around the in-place update (the fused
     # layer step is the default)
     "compiled-unfused": dict(compile=True, fuse_lightning=False),
-    # Inductor's own batch-1 matmuls fused with the norms (P28s: fewer kernels, the same step time)
+    # Inductor's own batch-1 matmuls fused with the norms (fewer kernels, the same step time)
     "compiled-autotune": dict(compile="max-autotune-no-cudagraphs"),
     "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
     # the OPD rollout decoder's state options (opd.rollout_state_dtype / rollout_state_write_every):

@@ -80,7 +80,7 @@ def parse_args(argv=None):
                         "experiment, --stage3-data long_retrieval)")
     c.add_argument("--natural-repeats", type=int, default=1,
                    help="weigh the natural text N times (build_corpus.py --natural-repeats). 3 was "
-                        "recipe v3 (session 14): worse than 1 on CSR, perplexity and NIAH, and it "
+                        "recipe v3: worse than 1 on CSR, perplexity and NIAH, and it "
                         "changed the selected layers")
     c = sub.choices["prompts"]
     c.add_argument("--tokenizer", type=Path, required=True,
@@ -244,7 +244,7 @@ def warm_inference_kernels(small: bool = False) -> dict:
     """The Lightning kernel variants that training does not run but the selection and the student's
     evaluation do, called once each at SmolLM2's head shape so that fla autotunes them here rather
     than inside the timed run (without a carried autotuning cache, the selection's first layer spent
-    ~40 s on it in session 8): forward-only chunks with a per-token gate (right-padded batches:
+    ~40 s on the H200): forward-only chunks with a per-token gate (right-padded batches:
     lm-eval's CSR, the recall probe) and with the head-constant decay (left padding from an empty
     state: NIAH prefill), and one decode step of each, for the batch sizes those steps use (fla's
     cumulative-sum kernels autotune per batch size)."""

@@ -1,5 +1,5 @@
 """How far a bf16 rollout state moves the student's next-token distribution
-(``opd.rollout_state_dtype``, issue 20 item 4).
+(``opd.rollout_state_dtype``).
 
 A batched OPD rollout step reads and writes every row's Lightning state (1 MB per row and layer in
 fp32 at the 2B shape: about half the step's bytes at 256 rollouts), so keeping it in bf16 would cut

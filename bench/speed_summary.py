@@ -1,4 +1,4 @@
-"""The speed figures of issue 20 as one file of top-level keys, each read from the result file that
+"""The headline speed figures as one file of top-level keys, each read from the result file that
 measured it.
 
 Reads (bench/results/): the 512K decode speed-up with both shapes timed in one process, in
@@ -23,29 +23,25 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, print_table  # noqa: E402
 
+# each written by a suite of bench/gpu.sh (BENCHMARKS.md: the card, date and versions of each)
 SOURCES = {
-    # both shapes' shipped decoders at 512K in one process on an H200, alternating rounds (P38a).
-    # It replaced two profile_decode.py processes (P36a: 2.94x), in which HypeNet ran right after
-    # its own 512K prefill and the GEMV shapes both models share timed 4-12% slower than in the
-    # teacher's process
-    "decode": RESULTS / "decode_ratio_512k_p38a.json",
-    # stage 2 after the sync fixes (P22b, with its same-run naive baseline); stage 3 from P21a
-    "stage2": RESULTS / "stages_p29c.json",
-    "stage3": RESULTS / "stages_p29c_s3.json",
-    # OPD: compiled continuous rollouts with the one-pass sampler, compiled layers and loss, equal
-    # micro-batches (no compilation in the timed step), the state written every token: 256
-    # rollouts (P27b) and 512 (P26c);
-    # horizon 8K (P24d) and 32K, 16 rollouts (P25b), before the sampler
-    "opd": RESULTS / "opd_p27b.json",
-    # the rollouts alone with the shipped rollout settings (the fp32 state written every 4 tokens),
-    # 768 rollouts on an H200 with the lg2.approx sampler in 4,096-token blocks (P39a; the older
-    # sampler made 39.7K at 768 and at 896 rows, P38a/P38c)
-    "opd_rollouts": RESULTS / "opd_p39a_float32_every4.json",
-    "opd_8k": RESULTS / "opd_p24d_h8k.json",
-    "opd_512": RESULTS / "opd_p26c_512.json",
-    "opd_32k": RESULTS / "opd_p25b_h32k.json",
+    # both shapes' shipped decoders at 512K in one process, alternating rounds (suite decode):
+    # in two processes HypeNet ran right after its own 512K prefill and the GEMV shapes both
+    # models share timed 4-12% slower than in the teacher's process
+    "decode": RESULTS / "decode_ratio_512k.json",
+    # stage 2 (2B) with its same-run naive baseline, and stage 3 at 16K (suite train)
+    "stage2": RESULTS / "stages_train.json",
+    "stage3": RESULTS / "stages_train_s3.json",
+    # the whole OPD step at h2048: 256 rollouts (suite opd) and 512 (opd-512); the rollouts alone at
+    # the shipped settings (suite opd: fp32 state written every 4 tokens); horizons 8K and 32K
+    # (suites opd-8k, opd-32k)
+    "opd": RESULTS / "opd_step.json",
+    "opd_rollouts": RESULTS / "opd_rollouts.json",
+    "opd_8k": RESULTS / "opd_h8k.json",
+    "opd_512": RESULTS / "opd_step_512.json",
+    "opd_32k": RESULTS / "opd_h32k.json",
     "inference": RESULTS / "inference.json",
-    "pretrain": RESULTS / "pretrain_p29d.json",
+    "pretrain": RESULTS / "pretrain.json",  # suite pretrain
 }
 
 
@@ -93,7 +89,7 @@ def main() -> dict:
     out = summary()
     print_table([{"key": k, "value": v}
                  for k, v in out.items() if k not in ("sources", "decode_steps_512k")],
-                "issue 20 figures (bench/results/speed_summary.json)")
+                "speed figures (bench/results/speed_summary.json)")
     path = RESULTS / "speed_summary.json"
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

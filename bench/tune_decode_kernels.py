@@ -142,7 +142,7 @@ def fused_case(batch: int, grid: list[dict], dev: str = "cuda",
     its time (its ``rel_err`` is against nothing: the fused step computes more). The calls cycle
     through a pool of states larger than the L2 cache (at one row, 96 states of 1 MB), so each
     call reads its state from DRAM, as a decode step does where 2 GB of attention keys pass
-    between two Lightning layers: P30d timed back-to-back calls on one L2-resident state at 5.4
+    between two Lightning layers: back-to-back calls on one L2-resident state at 5.4
     µs, where the same kernel took 11.4 µs in the step."""
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, z = (torch.randn(batch, 1, H, D, device=dev, dtype=dtype, generator=g)

@@ -12,7 +12,7 @@
 # --platform manylinux2014_x86_64 -d .whl ...`): fla-core==0.6.0 flash-linear-attention==0.6.0 liger-kernel==0.8.5
 # webdataset==1.0.2 braceexpand megatron-core==0.19.2 hjson pydantic pydantic-core annotated-types typing-inspection
 # gguf==0.19.0 lm-eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19, plus the deepspeed==0.19.8 sdist
-# (`pip download --no-deps --no-binary=:all:`); bench/device_run.sh installs them on the machine.
+# (`pip download --no-deps --no-binary=:all:`); bench/gpu.sh and bench/device_real.sh install them on the machine.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qxF /.xfer/ .git/info/exclude 2>/dev/null || echo /.xfer/ >> .git/info/exclude

@@ -14,6 +14,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests (GPU-only paths: Triton kernels, CUDA graphs) skip without a GPU;
+    ``bash bench/gpu.sh cuda`` runs them on one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (bash bench/gpu.sh cuda runs it)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 def tiny_qwen3(tie: bool = False, seed: int = 0, layers: int = 4, heads: int = 4, kv_heads: int = 2,
                vocab: int = 256):
     """A random Qwen3 with weights large enough that layer differences show in the logits."""

@@ -92,7 +92,7 @@ def test_remeasure_mfu_replays_the_steps_rows_with_attended_keys(shards, tmp_pat
 
 
 def test_multigpu_scaling_driver_runs_bench_stages_and_summarizes(shards, tmp_path):
-    """bench/multigpu.py scaling (issue 21's DP scaling, run at 1/4/8 GPUs on the device): the CPU
+    """bench/multigpu.py scaling (DP scaling, run at 1/4/8 GPUs on the device): the CPU
     run of its reference part goes through bench_stages end to end; the summary compares per-GPU
     throughput and the first steps' losses (DP = 2 against 1 gloo rank gives the same losses:
     tests/test_engine.py)."""
@@ -117,8 +117,9 @@ def test_multigpu_scaling_driver_runs_bench_stages_and_summarizes(shards, tmp_pa
 
 
 def test_summary_leaves_out_warm_up_and_the_profiler_window(tmp_path):
-    """Stage 2's rows of a short GPU run (P21a): steps 1-3 compile, 6-7 run under the profiler. Its
-    steady MFU is that of steps 4-5; the plain median of steps 2-7 would report 0.42."""
+    """Stage 2's rows of a short GPU run (bench/gpu.sh train): steps 1-3 compile, 6-7 run under
+    the profiler. Its steady MFU is that of steps 4-5; the plain median of steps 2-7 would report
+    0.42."""
     from bench.bench_stages import profile_start, summarize_metrics
 
     rows = [(1, 0.019, 50.4), (2, 0.082, 11.7), (3, 0.261, 3.68), (4, 0.626, 1.533),

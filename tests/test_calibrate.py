@@ -1,4 +1,4 @@
-"""Logits-scaling calibration (issue 5): grid search by held-out loss, atomic config write, bad
+"""Logits-scaling calibration: grid search by held-out loss, atomic config write, bad
 input."""
 
 import json

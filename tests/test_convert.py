@@ -1,4 +1,4 @@
-"""Conversion: real offline teacher (issue 2, 4f), stage-1 weights, bad input, CLI."""
+"""Conversion: real offline teacher, stage-1 weights, bad input, CLI."""
 
 import json
 

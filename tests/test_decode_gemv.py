@@ -13,7 +13,6 @@ from halo_dist.models.hypenet import decode_gemv
 from halo_dist.models.hypenet.static_decode import StaticDecoder
 from triton_interp import HAS_TRITON, run_interpreted
 
-CUDA = torch.cuda.is_available()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -104,7 +103,7 @@ def test_gemv_switches():
         decode_gemv.gemv_triton(torch.randn(2, 16), torch.randn(8, 16))
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_gemv_tuning_and_the_graph_step_on_cuda():
     """On the GPU: ``tune_gemv`` chooses per shape between cuBLAS and the candidates (each chosen
     kernel within bf16 rounding of cuBLAS), and a compiled, graphed batch-1 decoder through those

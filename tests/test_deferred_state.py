@@ -16,7 +16,6 @@ from halo_dist.models.hypenet.static_decode import StaticDecoder
 from test_float24_state import tiny
 from triton_interp import run_interpreted
 
-CUDA = torch.cuda.is_available()
 
 
 def held_rows(B, H, K, V, every, held, pos0=7):
@@ -206,7 +205,7 @@ def test_deferred_writes_need_lightning_everywhere():
         StaticDecoder(model, cache, use_cuda_graph=False, state_write_every=0)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@pytest.mark.cuda
 @pytest.mark.parametrize("every", [2, 4])
 @torch.no_grad()
 def test_compiled_graph_step_with_deferred_writes_on_cuda(every):

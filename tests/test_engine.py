@@ -1,4 +1,4 @@
-"""The HALO engine end to end on CPU (issue 4, item 9): launchers in subprocesses, gloo ranks.
+"""The HALO engine end to end on CPU: launchers in subprocesses, gloo ranks.
 
 Each scenario runs the real launchers (``python launchers/stageN.py`` / ``torchrun``) on a tiny
 random Qwen3 teacher with the real Qwen vocabulary and real tokenized Wikipedia shards.
@@ -85,7 +85,7 @@ def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
               "parallel.zero_stage=3", "eval.every_steps=2", "eval.rows=8"]
     one = run_launcher("stage2", tmp_path / "one", *common)
     two = run_launcher("stage2", tmp_path / "two", *common, nproc=2)
-    # the start line states the layout (issue 19); ZeRO-3's gathers use torch's current collective
+    # the start line states the layout; ZeRO-3's gathers use torch's current collective
     # names:
     # DeepSpeed's deprecated all_gather_into_tensor/reduce_scatter_tensor warned ~2x per step
     # (deepspeed_setup.py)

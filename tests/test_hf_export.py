@@ -1,4 +1,4 @@
-"""An export behaves as transformers and PEFT users expect (issue 19, items 1 and 2).
+"""An export behaves as transformers and PEFT users expect.
 
 A tiny teacher folder with a chat template and a generation_config.json is converted by ``convert``
 (the ``halo-dist convert`` path); the export then runs tests/hf_export_checks.py once in a fresh

@@ -1,4 +1,4 @@
-"""HypeNet model properties (issue 2, item 4a/c/d/e and the HyPE switches)."""
+"""HypeNet model properties."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""The CPU Lightning-attention implementation against a naive per-step recurrence (issue 2, 4b)."""
+"""The CPU Lightning-attention implementation against a naive per-step recurrence."""
 
 import pytest
 import torch

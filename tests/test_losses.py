@@ -325,8 +325,7 @@ def test_liger_backend_jsd_matches_torch_backend(beta):
 
 
 @needs_liger
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="the GPU path of both backends (run on the device)")
+@pytest.mark.cuda
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_liger_and_torch_backends_agree_on_cuda(beta):
     """On CUDA (tensor-core matmuls, Liger's Triton-era code paths): the generalized JSD (0 < beta <
@@ -670,7 +669,8 @@ def test_triton_backend_in_the_interpreter_matches_the_torch_backend():
         assert (float(kl) > 0) == (i != "4") and (float(ce) > 0) == (i not in ("0", "2")), out
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA, Triton")
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("beta,ce", [(0.0, 0.0), (1.0, 0.0), (0.0, 0.5)])
 def test_triton_backend_on_cuda_matches_the_compiled_backend(beta, ce):
     """On the GPU, bf16 as in training, a real vocabulary and chunk: the triton kernel and the

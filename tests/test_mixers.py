@@ -1,4 +1,4 @@
-"""The sweep mixers (issue 6): GDN, GLA, RWKV-7, Mamba2 and sliding-window attention.
+"""The sweep mixers: GDN, GLA, RWKV-7, Mamba2 and sliding-window attention.
 
 Kernels: every chunked torch form equals its naive recurrence in float64, with initial states and
 packed documents, gradients included; the recurrences are cross-checked against each other (Mamba2

@@ -1,4 +1,4 @@
-"""NIAH (issue 5): exact token lengths, needle depths, exact-match scoring, reports, batched
+"""NIAH: exact token lengths, needle depths, exact-match scoring, reports, batched
 decoding."""
 
 import json

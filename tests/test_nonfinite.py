@@ -1,4 +1,4 @@
-"""Non-finite loss policy (issue 4, bad input): ``optim.nonfinite: stop | skip`` with
+"""Non-finite loss policy: ``optim.nonfinite: stop | skip`` with
 ``optim.max_skipped_steps``, for the distillation engine (launcher subprocesses, DeepSpeed ZeRO-3
 and ZeRO 0) and OPD at ZeRO 0 (in process). The ``fault_injection.nan_at`` loss hook (steps 3, or 2
 and 3) makes those steps' losses NaN on every rank. OPD's skip under ZeRO-3 is in test_opd.py."""

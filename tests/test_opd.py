@@ -1,4 +1,4 @@
-"""On-policy distillation (issue 7): loss vs naive, packing, plateau detector, DP reduction, rungs,
+"""On-policy distillation: loss vs naive, packing, plateau detector, DP reduction, rungs,
 a tiny end-to-end run whose held-out reverse KL falls, and bad input."""
 
 import json

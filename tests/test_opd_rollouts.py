@@ -110,7 +110,7 @@ def test_bad_arguments_are_refused():
     assert continuous_rollouts(model, [], 4, 2) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (the device runs it)")
+@pytest.mark.cuda
 def test_refilled_slots_through_the_cuda_graph():
     """fp32 on CUDA: the captured graph (split-KV kernel with per-row lengths, in-place Lightning
     update) through refills gives each prompt's greedy rollout alone."""

@@ -1,4 +1,4 @@
-"""From-scratch pretraining (stage ``pretrain``, issue 6): launcher runs, exact resume, init and
+"""From-scratch pretraining (stage ``pretrain``): launcher runs, exact resume, init and
 weight-decay groups, the sweep variants as HypeNet configs, clear config errors, the benchmark's CPU
 smoke mode.
 

@@ -105,7 +105,8 @@ def test_the_kernel_runs_only_where_it_applies(monkeypatch):
     assert torch.equal(sample_tokens(logits, 0.0, 1.0, None), logits.argmax(-1))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA, Triton")
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_gumbel_kernel_on_cuda_draws_from_the_softmax():
     """The compiled kernel: frequencies over 100,000 rows; the same generator state repeats the
     draws; at the rollouts' shape (256 x 151,936 bf16, several programs per row) a near-zero

@@ -1,4 +1,4 @@
-"""Attention-layer selection (issue 5): score formula, ranking, --from-results, M(i) evaluation with
+"""Attention-layer selection: score formula, ranking, --from-results, M(i) evaluation with
 reuse."""
 
 import json

@@ -1,4 +1,4 @@
-"""Golden tests of HypeNet's Ulysses sequence parallelism (issue 4 items 6 and 9).
+"""Golden tests of HypeNet's Ulysses sequence parallelism.
 
 For one ``HypeNetAttention`` layer, one ``LightningMixer`` layer and a whole tiny HypeNet (mixed
 attention / Lightning layers, logits scaling, RoPE in the RNN), in float64: the SP forward -- each

@@ -14,7 +14,6 @@ from halo_dist.models.hypenet.ops_attention import sdpa
 from halo_dist.models.hypenet.static_decode import StaticDecoder
 from triton_interp import HAS_TRITON, run_interpreted
 
-CUDA = torch.cuda.is_available()
 
 
 def tiny(mixers, **kw) -> HypeNetForCausalLM:
@@ -677,8 +676,7 @@ def test_static_decode_refuses_what_it_cannot_do():
         StaticDecoder(model, cache, attention_mask=mask)
 
 
-@pytest.mark.skipif(not CUDA,
-                    reason="CUDA: Triton split-KV kernel and graph replay (run on the device)")
+@pytest.mark.cuda
 def test_triton_split_kv_and_graph_match_the_references_on_cuda():
     from halo_dist.models.hypenet.decode_attention import decode_attention_triton
 
@@ -729,7 +727,7 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
                        model.generate(ids, attention_mask=mask, max_new_tokens=12))
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@pytest.mark.cuda
 @pytest.mark.parametrize("mha,split", [(True, 4), (False, 1), (False, 8)],
                          ids=["mha-split4", "gqa", "gqa-split8"])
 def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monkeypatch):
@@ -774,14 +772,14 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monke
         state_err = max(float((s - t).norm() / t.norm()) for s, t in states)
         if dtype == torch.float32:
             # fp32 rounding, in another order (F.rms_norm's vs the kernel's sums, torch's cos
-            # table vs the kernel's): P30c measured 3-5e-5 and 1.0-1.3e-5 at 8 rows
+            # table vs the kernel's): measured on an H200: 3-5e-5 and 1.0-1.3e-5 at 8 rows
             assert err["apart"] < 2e-4 and state_err < 1e-4, (B, err, state_err)
-        else:  # the paths round in different places (P30d: 0.031 apart after 6 tokens, each
+        else:  # the paths round in different places (an H200: 0.031 apart after 6 tokens, each
             # ~0.02-0.03 from the dynamic cache's step); a wrong part of the step is O(1)
             assert err["apart"] < 0.08, (B, err)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@pytest.mark.cuda
 @pytest.mark.parametrize("split", [2, 4, 8])
 def test_fused_lightning_split_holds_over_many_launches_in_one_graph_on_cuda(split):
     """A race between a head's programs (a finisher reading a column not yet written, a count not
@@ -825,7 +823,7 @@ def test_fused_lightning_split_holds_over_many_launches_in_one_graph_on_cuda(spl
     assert float((state - ref_state).norm() / ref_state.norm()) < 1e-6
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA only (the device runs it)")
+@pytest.mark.cuda
 def test_lightning_decode_kernel_matches_the_reference_on_cuda():
     """bf16 q/k/v, fp32 and bf16 states, the 2B shape's heads, batch 1 and 256 (the graph step
     through it is compared with the dynamic cache in

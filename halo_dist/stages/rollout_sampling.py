@@ -37,7 +37,7 @@ from ..models.hypenet.decode_attention import sm_count
 
 LOG2_E = 1.0 / math.log(2.0)
 # tokens per loop iteration of the kernel: 8 per thread at 4 warps, loaded 16 bytes at a time. On an
-# H100 (P38s, bench/tune_decode_kernels.py --sampler) 0.106 / 0.135 / 0.192 ms at 256 / 512 / 768
+# H100 (bench/tune_decode_kernels.py --sampler) 0.106 / 0.135 / 0.192 ms at 256 / 512 / 768
 # rows x 151,936 against 0.111 / 0.155 / 0.223 ms with blocks of 1,024
 SAMPLER_BLOCK = 4096
 

@@ -46,16 +46,17 @@ from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_st
 # ``fused_warps``, ``fused_prefetch``: the fused layer step (``LayerEnds``), one program per (row,
 # head) because its output norm spans the head's V columns; prefetch loads the state before the q/k
 # work. 2 fused warps: 5.4 µs vs 8.6 (4) and 8.4 (8) at 1 row, 144 µs vs 186 (4) at 256 rows, the
-# plain update's 144 (H200, P30d, ``tune_decode_kernels.py --fused``).
+# plain update's 144 (H200, ``tune_decode_kernels.py --fused``).
 # ``fused_split`` (with ``split_warps``, ``split_prefetch``): programs per head while rows x heads
 # leave SMs idle. At batch 1, 16 programs on 132 SMs, each a chain of dependent loads, took 11.4 µs
 # in the 512K step where the plain update's 32 programs took 3.7. Off (1): split over 4 programs on
-# an H100 the kernel took 5.5 µs against 6.3, but the 512K step 7.30 ms against 7.05 (P34b).
+# an H100 the kernel took 5.5 µs against 6.3, but the 512K step 7.30 ms against 7.05
+# (``profile_decode.py``).
 # The narrower states take 4 fused warps: at 2, a thread's share of the tile and the work of
 # narrowing it overflow its 255 registers (ptxas, sm_90: the 24-bit state spills ~1.5 KB a thread,
 # bf16 written every 4 tokens 32 B; tests/test_kernel_compile.py). H100, 512 rows, µs per layer:
 # 24 bits written every token 591 (2 warps) -> 369 (4), every 4 tokens 310 -> 338; fp32 370 and
-# 258 (P35b, P35e). bf16 on 4 warps: not yet timed.
+# 258 (``profile_decode.py``). bf16 on 4 warps: not yet timed.
 LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=warps, fused_prefetch=False,
                       fused_split=1, split_warps=2, split_prefetch=True)
           for dtype, block_v, warps in ((torch.float32, 64, 2), (torch.bfloat16, 128, 4),
@@ -223,7 +224,8 @@ if _HAS_TRITON:
         h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head: one program holds
         all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
         ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls). PREFETCH: load the
-        state before preparing q/k, so the two overlap (both halves with 4 warps spilled in P30c).
+        state before preparing q/k, so the two overlap (both halves at once with 4 warps
+        spilled registers).
         State rows are SK elements apart (a 24-bit state's third bytes LK). EVERY > 1: writes
         deferred, slots ``PK``/``PV``, positions ``Cur``/``Base`` (``DeferredWrites``)."""
         pid_bh = tl.program_id(0)

@@ -2,7 +2,7 @@
 
 A dynamic decode step (``model(token, cache=HypeNetCache)``) costs ~1,000 small kernel launches from
 Python for a 28-layer model: measured ~40 ms per token on an H200 at every context length, far above
-the time to read the KV cache (BENCHMARKS.md, issue 8). ``StaticDecoder`` turns a prefilled
+the time to read the KV cache (BENCHMARKS.md). ``StaticDecoder`` turns a prefilled
 ``HypeNetCache`` into fixed-address buffers — the attention layers' preallocated
 ``[B, room, Hkv, D]`` keys/values, the RNN layers' fp32 states, a device position counter — so one
 decode step has fixed shapes and no host syncs, captures it once as a CUDA graph and replays it per
