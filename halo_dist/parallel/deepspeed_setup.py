@@ -259,15 +259,13 @@ def norm_is_the_overflow_check(optimizer) -> None:
     same), then DeepSpeed's own reduction over the data-parallel group and its inf/NaN sentinel.
 
     Left as DeepSpeed has it: ZeRO-3, optimizer offload, tensor parallelism (its norm counts only
-    some parameters on some ranks), steps without a gradient norm, and any run with
-    ``HALO_DS_NORM_OVERFLOW_CHECK=0`` in its environment."""
+    some parameters on some ranks), and steps without a gradient norm."""
     from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.dtype == torch.bfloat16
             and optimizer.check_grad_overflow and optimizer.compute_grad_norm
-            and not optimizer.cpu_offload and optimizer.model_parallel_world_size == 1
-            and os.environ.get("HALO_DS_NORM_OVERFLOW_CHECK", "1") != "0"):
+            and not optimizer.cpu_offload and optimizer.model_parallel_world_size == 1):
         return
 
     def grad_norm(gradients, params, norm_type=2):
