@@ -16,7 +16,6 @@ from transformers import PretrainedConfig
 IMPLEMENTED_MIXERS = ("attention", "lightning", "gdn", "gla", "rwkv7", "mamba2", "swa")
 RNN_OUTPUT_NORMS = ("per_head", "all_heads")
 LIGHTNING_DECAYS = ("hype", "alibi")  # ops_rnn.lightning_log_decay
-PLANNED_MIXERS: tuple[str, ...] = ()
 RNN_MIXERS = ("lightning", "gdn", "gla", "rwkv7", "mamba2")
 
 
