@@ -57,7 +57,7 @@ class DataConfig(Section):
     fit_micro_batch: bool = False
     num_workers: int = 2  # loader worker processes per rank
     # Shard checks at start-up. full: every shard's structure, counts and sha256, the shards shared
-    # out over all ranks (about 1 s per GB and rank, see docs/design.md); sizes: file sizes only, each
+    # out over all ranks (about 1 s per GB and rank: docs/design.md); sizes: file sizes only, each
     # shard's checksum then verified when it is first read (a corrupt shard may stop the run hours
     # in).
     verify: Literal["full", "sizes"] = "full"
