@@ -41,6 +41,8 @@ SHARE_STAGE1_FROM=${SHARE_STAGE1_FROM:-}  # run folder (run, run_<tag>) whose st
 GPU_TESTS=${GPU_TESTS:-1}     # 0: R1 skips the GPU-only tests (~100 s; run them when GPU code changed)
 STAGE3_DATA=${STAGE3_DATA:-}  # the corpus set of stage 3 (empty: long; long_retrieval needs RETRIEVAL_DOCS in R1)
 STAGE2_SEQ_LEN=${STAGE2_SEQ_LEN:-}  # stage 2's context (empty: the preset's 512; the tokens per step stay)
+CALIB_OBJECTIVE=${CALIB_OBJECTIVE:-}  # what calibration of a minimizes (empty: the held-out loss; retrieval)
+CALIB_LENGTHS=${CALIB_LENGTHS:-}  # the retrieval objective's prompt lengths (e.g. 32K,64K; empty: 16K)
 # NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
 # RETRIEVAL_DOCS (R1): also build corpus/long_retrieval with this many synthetic retrieval documents (STAGE3_DATA)
 CPU=${REHEARSAL:+--cpu-rehearsal}
@@ -150,6 +152,7 @@ R2|R3)
     --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" \
     ${SEED:+--seed $SEED} ${TAG:+--tag $TAG} ${SELECT_CSR_OFFSET:+--select-csr-offset $SELECT_CSR_OFFSET} \
     ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} ${STAGE3_DATA:+--stage3-data $STAGE3_DATA} ${SHARE_STAGE1_FROM:+--share-stage1-from $SHARE_STAGE1_FROM} \
+    ${CALIB_OBJECTIVE:+--calib-objective $CALIB_OBJECTIVE} ${CALIB_LENGTHS:+--calib-lengths $CALIB_LENGTHS} \
     $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;

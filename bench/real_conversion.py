@@ -118,6 +118,12 @@ def parse_args(argv=None):
     r.add_argument("--select-csr-offset", type=float, default=None,
                    help="added to each layer's CSR drop in the selection score (default: the "
                         "preset's 1e-6, the paper's)")
+    r.add_argument("--calib-objective", choices=("", "loss", "retrieval"), default="",
+                   help="what calibration of a minimizes (default: the preset's held-out loss at "
+                        "16K; retrieval: the answer NLL of facts recalled at --calib-lengths)")
+    r.add_argument("--calib-lengths", default="",
+                   help="prompt lengths of --calib-objective retrieval (e.g. 32K,64K; default: "
+                        "the preset's --long-seq-len)")
     r.add_argument("--share-stage1-from", default="", metavar="RUN",
                    help="an experiment (--tag) that changes nothing before stage 2 starts from the "
                         "stage 1 and per-layer selection results of the run folder RUN in the same "
@@ -301,6 +307,8 @@ def settings_for(a) -> DemoSettings:
         s.select_csr_offset = a.select_csr_offset
     if a.stage2_seq_len is not None:
         s.stage2_seq_len = a.stage2_seq_len
+    s.calib_objective = a.calib_objective or s.calib_objective
+    s.calib_lengths = a.calib_lengths or s.calib_lengths
     if a.stage3_data:
         if not (a.work / "corpus" / a.stage3_data / "manifest.json").exists():
             raise SystemExit(f"error: --stage3-data {a.stage3_data}: no such set in "

@@ -34,8 +34,8 @@ from pathlib import Path
 from .demo_progress import stage_status
 from .demo_report import (console_summary, disk_use, format_bytes, scorecard_of, stage_budget,
                           write_report)
-from .demo_settings import (PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES, DemoSettings,
-                            choices, describe_default)
+from .demo_settings import (CALIB_OBJECTIVES, PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES,
+                            DemoSettings, choices, describe_default)
 from .demo_steps import DemoPaused, DemoStepError, StepRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +69,13 @@ class Demo(StepRunner):
                 raise DemoStepError(f"{flag} {data} does not exist: make shards with `python -m "
                                     "data_prep.tokenize --out DIR ...`, or leave --data out for "
                                     "the Wikipedia extracts")
+        if s.calib_objective not in CALIB_OBJECTIVES:
+            raise DemoStepError(f"--calib-objective {s.calib_objective!r}: choose one of "
+                                f"{', '.join(CALIB_OBJECTIVES)}")
+        if s.calib_objective == "retrieval" and not (s.data_long or s.data):
+            # here, not after stage 3: calibration refuses the NIAH haystack as filler
+            raise DemoStepError("--calib-objective retrieval needs --data-long (or --data): the "
+                                "demo's own shards are the Wikipedia extracts, NIAH's haystack")
         self.given_layers = parse_layers(s.attn_layers, s.num_attn)
         self.stage2_shape()  # a stage-2 context that cannot keep the tokens per step fails here
 
@@ -205,13 +212,8 @@ class Demo(StepRunner):
                  out / "stage3" / "final" / "DONE", stage=True)
         self.prune_checkpoints("stage3")
         student = self.export_student()
-        self.run("calibrate-a", self.halo("calibrate-scaling", "--model", str(student), "--data",
-                                          s.data_long or data,
-                                          "--seq-len", str(s.long_seq_len), "--rows",
-                                          str(s.calib_rows), "--batch-size",
-                                          str(min(4, s.calib_rows)), "--grid", s.calib_grid,
-                                          "--output", str(out / "calibrate.json"),
-                                          *self.eval_args()), out / "calibrate.json")
+        self.run("calibrate-a", self.halo(*self.calibrate_args(student, data)),
+                 out / "calibrate.json")
         self.run_together(self.final_evals(teacher, str(student), data))
         self.join_background()
         report = write_report(out, layers, time.time() - t0)
@@ -221,6 +223,20 @@ class Demo(StepRunner):
               f"{format_bytes(disk_use(out))} in {out} (hypenet/ shares stage 3's files)\n"
               f"[demo] tensorboard --logdir {out}", flush=True)
         return report
+
+    def calibrate_args(self, student: Path, data: str) -> list[str]:
+        """``calibrate-scaling``'s arguments: the held-out loss at --long-seq-len, or retrieval
+        prompts at --calib-lengths (both on --data-long)."""
+        s = self.s
+        if s.calib_objective == "retrieval":
+            target = ["--objective", "retrieval", "--lengths", s.calib_lengths or
+                      str(s.long_seq_len), "--prompts", str(s.calib_prompts)]
+        else:
+            target = ["--seq-len", str(s.long_seq_len), "--rows", str(s.calib_rows),
+                      "--batch-size", str(min(4, s.calib_rows))]
+        return ["calibrate-scaling", "--model", str(student), "--data", s.data_long or data,
+                *target, "--grid", s.calib_grid, "--output", str(self.out / "calibrate.json"),
+                *self.eval_args()]
 
     def export_student(self) -> Path:
         """``hypenet/``: stage 3's export as hard links, not a second copy of the weights (594 MB

@@ -200,6 +200,8 @@ def _calibration_section(out: Path) -> list[str]:
              else None)
     if not calib:
         return []
+    if calib.get("objective") == "retrieval":
+        return _retrieval_calibration_lines(calib)
     chosen = calib.get("chosen_a")
     lines = ["## Logits-scaling calibration", "",
              f"held-out loss at {calib.get('seq_len')} tokens by base a; chosen and written into "
@@ -209,6 +211,24 @@ def _calibration_section(out: Path) -> list[str]:
               f"{' (chosen)' if p.get('a') == chosen else ''} | "
               f"{p.get('loss', float('nan')):.4f} | {len(p.get('row_losses', []))} |"
               for p in calib.get("curve", [])]
+    return lines + [""]
+
+
+def _retrieval_calibration_lines(calib: dict) -> list[str]:
+    """The answer NLL and exact match of retrieval prompts by base a, per length."""
+    from .eval.stats import format_rate
+
+    chosen = calib.get("chosen_a")
+    lines = ["## Logits-scaling calibration", "",
+             f"answer NLL of a recalled fact ({calib.get('prompts_per_length')} prompts per "
+             "length) by base a; chosen and written into `hypenet/config.json`: "
+             f"**a = {'none' if chosen is None else chosen}** ({calib.get('why', '')})", "",
+             "| length | a | answer NLL | exact match |", "|---|---|---|---|"]
+    lines += [f"| {length} | {'none' if p.get('a') is None else p.get('a')}"
+              f"{' (chosen)' if p.get('a') == chosen else ''} | "
+              f"{p.get('nll', float('nan')):.3f} ± {p.get('nll_se', float('nan')):.3f} | "
+              f"{format_rate(p.get('exact'))} |"
+              for length, curve in calib.get("curves", {}).items() for p in curve]
     return lines + [""]
 
 

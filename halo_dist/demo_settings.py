@@ -57,6 +57,15 @@ class DemoSettings:
     kl_rows: int = _flag(4, "held-out rows of the selection's KL proxy")
     calib_grid: str = _flag("none,50,200,500,2000", "logits-scaling bases a tried by calibration")
     calib_rows: int = _flag(2, "held-out rows at --long-seq-len scored by calibration")
+    # the held-out loss weighs every token alike and few need far context; retrieval scores the
+    # answer of a fact recalled across the whole prompt (data_prep.retrieval's phrasings in
+    # held-out filler of --data-long)
+    calib_objective: str = _flag("loss", "what calibration minimizes: the held-out loss at "
+                                         "--long-seq-len, or the answer NLL of retrieval prompts")
+    calib_lengths: str = _flag("", "prompt lengths of --calib-objective retrieval (\"32K,64K\")",
+                               "--long-seq-len")
+    calib_prompts: int = _flag(16, "retrieval prompts per length scored by --calib-objective "
+                                   "retrieval")
     # two seeds of one recipe measure how far its figures move from run to run
     seed: int = _flag(1234, "training seed of stages 1-3 (data order and every per-rank RNG)")
     niah_lengths: str = _flag("256,512", "NIAH context lengths")
@@ -132,6 +141,7 @@ class DemoSettings:
 
 
 TEACHER_EVAL_CHOICES = ("at-end", "with-stages", "none")
+CALIB_OBJECTIVES = ("loss", "retrieval")
 # steps run alone
 PAUSE_POINTS = ("data", "stage1", "select-layers", "stage2", "stage3", "calibrate-a")
 PRESETS = {"default": lambda out: DemoSettings(out=out), "tiny": DemoSettings.tiny,
@@ -150,7 +160,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     return {"pe": tuple(PE_ROPE), "compile": compile_, "stage3_compile": compile_,
             "loss_backend": get_args(get_type_hints(LossConfig)["backend"]),
             "teacher_eval": TEACHER_EVAL_CHOICES, "pause_after": PAUSE_POINTS,
-            "dtype": DTYPE_CHOICES}
+            "dtype": DTYPE_CHOICES, "calib_objective": CALIB_OBJECTIVES}
 
 
 def describe_default(f) -> str:

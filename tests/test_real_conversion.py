@@ -174,3 +174,14 @@ def test_an_experiment_shares_the_baselines_stage1_only_when_its_settings_match(
     assert (arm / "select" / "results.json").exists() and not (arm / "stage2").exists()
     with pytest.raises(SystemExit, match="--tag"):
         rc.share_stage1(Namespace(work=tmp_path, tag=""), s, base)
+
+
+def test_the_calibration_objective_reaches_the_demo_settings(tmp_path):
+    rc = _module()
+    s = rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path), "--calib-objective",
+                                       "retrieval", "--calib-lengths", "32K,64K"]))
+    assert (s.calib_objective, s.calib_lengths) == ("retrieval", "32K,64K")
+    s = rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path)]))
+    assert (s.calib_objective, s.calib_lengths) == ("loss", "")  # the preset's, unchanged
+    script = (REPO / "bench" / "device_real.sh").read_text()
+    assert "${CALIB_OBJECTIVE:+--calib-objective $CALIB_OBJECTIVE}" in script

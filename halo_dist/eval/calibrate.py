@@ -198,10 +198,10 @@ def best_point(curve: list[dict], by: str = "loss") -> dict:
     return min(curve, key=lambda p: p[by])
 
 
-def choose(curve: list[dict], trained_a, by: str = "loss") -> dict:
+def choose(curve: list[dict], trained_a, by: str = "loss", unit: str = "rows") -> dict:
     """The chosen point and why: the lowest loss replaces the trained a (or no scaling, when the
     trained a is not in the grid) only when its paired row-by-row gain exceeds two standard
-    errors."""
+    errors. ``unit`` names the paired items in ``why`` (the retrieval objective's are prompts)."""
     from .stats import paired_difference
 
     best = best_point(curve, by)
@@ -216,7 +216,7 @@ def choose(curve: list[dict], trained_a, by: str = "loss") -> dict:
     clears = diff["ci95"][1] < 0
     why = (f"a = {_fmt_a(best['a'])} beats a = {_fmt_a(reference['a'])} by "
            f"{-diff['diff']:.4f} nats (95% CI {-diff['ci95'][1]:.4f} to {-diff['ci95'][0]:.4f}, "
-           f"{diff['n']} rows): " + ("outside the noise" if clears else "within the noise, kept "
+           f"{diff['n']} {unit}): " + ("outside the noise" if clears else "within the noise, kept "
                                     f"a = {_fmt_a(reference['a'])}"))
     return {"point": best if clears else reference, "reference_a": reference["a"],
             "gain": {"nats": -diff["diff"], "se": diff["se"], "rows": diff["n"]}, "why": why}

@@ -65,11 +65,18 @@ EXAMPLES = {
         "--grid none,100,300,500,1000\n"
         "  halo-dist calibrate-scaling --model out/smol-hypenet --data wiki --seq-len 1024 "
         "--dry-run   # print only\n"
+        "  # by retrieval: the answer NLL of a fact recalled across 32K and 64K tokens\n"
+        "  halo-dist calibrate-scaling --model out/hypenet-2b --data data/long/manifest.json "
+        "--objective retrieval \\\n"
+        "      --lengths 32K,64K --prompts 64 --device cuda --dtype bf16\n"
         "\n"
         "--data: a shard manifest (its 'heldout' split), 'wiki' (offline Wikipedia extracts "
         "packed into rows)\n"
         "or 'random' (smoke tests). The best a is written into <model>/config.json unless "
-        "--dry-run.\n"),
+        "--dry-run.\n"
+        "--objective retrieval takes a manifest only (the wiki extracts are the NIAH haystack); "
+        "its facts and\n"
+        "questions are data_prep.retrieval's, spliced into held-out rows at random depths.\n"),
     "eval-lm": (
         "examples:\n"
         "  # the five CSR tasks, every item (HellaSwag 10,042, ARC-E 570, ARC-C 299, PIQA 1,838, "
@@ -385,6 +392,14 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the curve, do not write config.json")
     p.add_argument("--output", help="also write the curve as JSON here")
+    p.add_argument("--objective", choices=("loss", "retrieval"), default="loss",
+                   help="loss: held-out next-token loss at --seq-len; retrieval: answer NLL of a "
+                        "fact recalled at the end of --lengths-token prompts")
+    r = p.add_argument_group("--objective retrieval")
+    r.add_argument("--lengths", default="",
+                   help="prompt lengths, e.g. 32K,64K (default: --seq-len)")
+    r.add_argument("--prompts", type=int, default=16, help="prompts per length (default 16)")
+    r.add_argument("--seed", type=int, default=0, help="draws the facts, questions and depths")
     _add_device(p)
     p.set_defaults(func=cmd_calibrate)
 
@@ -396,16 +411,25 @@ def cmd_calibrate(args) -> int:
     if args.output:
         check_output_file(args.output)  # before the grid search, not after it
     grid = parse_grid(args.grid)
+    if args.objective == "retrieval":
+        from .calibrate_retrieval import run_from_args
+
+        check_hypenet_folder(args.model)
+        return _write_report(args.output, run_from_args(args, grid))
     if args.seq_len < 2 or args.rows < 1 or args.batch_size < 1:
         raise EvalError("--seq-len must be >= 2, --rows and --batch-size >= 1")
     check_hypenet_folder(args.model)
     report = calibrate(args.model, grid, args.data, args.seq_len, args.rows, args.batch_size,
                        args.select_by, write=not args.dry_run, device=args.device,
                        dtype=parse_dtype(args.dtype), trust_remote_code=args.trust_remote_code)
-    if args.output:
+    return _write_report(args.output, report)
+
+
+def _write_report(output: str | None, report: dict) -> int:
+    if output:
         from .selection import write_json_atomic
 
-        write_json_atomic(args.output, report)
+        write_json_atomic(output, report)
     return 0
 
 
