@@ -52,6 +52,8 @@ def test_no_template_name_or_haystack_of_the_niah_evaluation():
     rng = random.Random(0)
     kinds = {re.sub(r"[0-9]", "9", re.sub(r"[A-Z]", "A", R.value(rng))) for _ in range(300)}
     assert len(kinds) > 8  # numbers of several lengths, codes, word triples, dates
+    assert "9999999" not in kinds  # a 7-digit number is the NIAH needle's format
+    assert not re.search(r"(?<![0-9/-])[0-9]{7}(?![0-9/-])", docs)
 
 
 def test_cli_writes_jsonl_and_refuses_bad_arguments(tmp_path, capsys):
