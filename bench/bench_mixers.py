@@ -203,6 +203,35 @@ def kernel_timings(device, T, H, D, dtype, kinds=KINDS):
     return rows
 
 
+def check_mixers(kinds: list[str], Tc: int, H: int, D: int, device: str, dtype,
+                 hopper_refuses: bool, rows: list[dict], save) -> None:
+    """Every correctness case of each mixer against the torch reference, one row each (an error
+    is recorded in its row, and the next case runs); ``save`` after each mixer."""
+    cu = torch.tensor([0, Tc // 8, Tc // 2, Tc // 2 + 7, Tc], dtype=torch.int32, device=device)
+    for kind in kinds:
+        checks = [("train", lambda: train_check(kind, Tc, H, D, device, dtype)),
+                  ("forward", lambda: forward_check(kind, Tc, H, D, device, dtype)),
+                  ("packed forward", lambda: forward_check(kind, Tc, H, D, device, dtype, cu)),
+                  ("packed train", lambda: train_check(kind, Tc, H, D, device, dtype, cu)),
+                  ("decode 32 steps", lambda: decode_check(kind, H, D, device, dtype))]
+        if hopper_refuses and kind in ("gdn", "mamba2"):
+            checks.append(("train, fla forced",
+                           lambda: refused_check(kind, Tc, H, D, device, dtype)))
+        for case, check in checks:
+            training = case.startswith(("train", "packed train"))
+            log(f"checking {kind} {case} (the first call of a kernel autotunes it)")
+            try:
+                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training),
+                       **check()}
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training),
+                       "error": str(e)[:200]}
+            rows.append(row)
+            log(f"checked {row}")
+        save()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -238,29 +267,7 @@ def main():
     def save():  # after every section, so a run cut short still leaves its numbers
         return write_result(name, result, out=args.out)
 
-    cu = torch.tensor([0, Tc // 8, Tc // 2, Tc // 2 + 7, Tc], dtype=torch.int32, device=device)
-    for kind in kinds:
-        checks = [("train", lambda: train_check(kind, Tc, H, D, device, dtype)),
-                  ("forward", lambda: forward_check(kind, Tc, H, D, device, dtype)),
-                  ("packed forward", lambda: forward_check(kind, Tc, H, D, device, dtype, cu)),
-                  ("packed train", lambda: train_check(kind, Tc, H, D, device, dtype, cu)),
-                  ("decode 32 steps", lambda: decode_check(kind, H, D, device, dtype))]
-        if hopper_refuses and kind in ("gdn", "mamba2"):
-            checks.append(("train, fla forced",
-                           lambda: refused_check(kind, Tc, H, D, device, dtype)))
-        for case, check in checks:
-            training = case.startswith(("train", "packed train"))
-            log(f"checking {kind} {case} (the first call of a kernel autotunes it)")
-            try:
-                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training),
-                       **check()}
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row = {"mixer": kind, "case": case, "path": path_of(kind, device, training),
-                       "error": str(e)[:200]}
-            result["correctness"].append(row)
-            log(f"checked {row}")
-        save()
+    check_mixers(kinds, Tc, H, D, device, dtype, hopper_refuses, result["correctness"], save)
     result["kernel_timing"] = kernel_timings(device, T, H, D, dtype, kinds)
     save()
     result["layer_timing"] = layer_timings(device, T, d, H, Hkv, D, dtype,

@@ -148,22 +148,26 @@ def rollout_phases(student, prompts: list[list[int]], horizon: int, options: dic
     return {"prefill_s": t1 - t0, "decoder_s": t2 - t1}
 
 
-def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
-    from halo_dist.stages.opd import (OPDModule, Rollout, pack_rollouts, position_buckets,
-                                      sample_rollouts)
-    from halo_dist.stages.opd_rollouts import continuous_rollouts
+def decoder_options(args) -> dict:
+    """The rollout decoder's options of ``--state-dtype`` and ``--state-write-every``."""
     from halo_dist.models.hypenet.lightning_state import FLOAT24
 
-    vocab = student.config.vocab_size
-    g = torch.Generator(device=device).manual_seed(horizon)
-    prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len),
-                            generator=torch.Generator().manual_seed(0))
-    prompts = prompts.tolist()
     state_dtype = FLOAT24 if args.state_dtype == "float24" else getattr(torch, args.state_dtype)
     # the defaults add no option (any option gives sample_rollouts a HypeNetCache of its own)
     options = {"state_dtype": state_dtype} if state_dtype != torch.float32 else {}
     if args.state_write_every > 1:
         options["state_write_every"] = args.state_write_every
+    return options
+
+
+def timed_rollouts(student, prompts: list[list[int]], horizon: int, options: dict, args,
+                   device) -> tuple[list, float, float | None]:
+    """``(continuations, seconds, peak GiB)`` of one timed rollout of every prompt for ``horizon``
+    new tokens, after an untimed one of the same batch."""
+    from halo_dist.stages.opd import sample_rollouts
+    from halo_dist.stages.opd_rollouts import continuous_rollouts
+
+    g = torch.Generator(device=device).manual_seed(horizon)
 
     def rollout(h: int):
         if args.continuous:
@@ -183,8 +187,16 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     t0 = time.perf_counter()
     gens = rollout(horizon)
     sync(device)
-    gen_s = time.perf_counter() - t0
-    gen_mem = peak_gib(device)
+    return gens, time.perf_counter() - t0, peak_gib(device)
+
+
+def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
+    vocab = student.config.vocab_size
+    prompts = torch.randint(4, vocab, (args.rollouts, args.prompt_len),
+                            generator=torch.Generator().manual_seed(0))
+    prompts = prompts.tolist()
+    options = decoder_options(args)
+    gens, gen_s, gen_mem = timed_rollouts(student, prompts, horizon, options, args, device)
     phases = (rollout_phases(student, prompts, horizon, options, args, device)
               if args.rollout_phases else {})
     sampled = sum(len(x) for x in gens)
@@ -198,6 +210,27 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
         row.update(phases, loop_s=loop_s, loop_ms_per_step=loop_s / horizon * 1e3)
     if args.skip_train:
         return row
+    return {**row, **timed_training(student, teacher, prompts, gens, horizon, args, device, gen_s)}
+
+
+def micro_batches(prompts: list[list[int]], gens: list, horizon: int, args, device) -> tuple:
+    """``(rollouts per micro-batch, packed micro-batches, sampled tokens)``: ``--micro`` rollouts
+    per micro-batch, or as many as fit ``--micro-tokens``."""
+    from halo_dist.stages.opd import Rollout, pack_rollouts
+
+    micro = args.micro or max(1,
+                              min(args.rollouts, args.micro_tokens // (args.prompt_len + horizon)))
+    rollouts = [Rollout(p, c) for p, c in zip(prompts, gens)]
+    batches = [pack_rollouts(rollouts[i:i + micro]).to(device)
+               for i in range(0, len(rollouts), micro)]
+    return micro, batches, sum(b.num_generated for b in batches)
+
+
+def timed_training(student, teacher, prompts: list[list[int]], gens: list, horizon: int, args,
+                   device, rollout_s: float) -> dict:
+    """One OPD training step on the packed rollouts, untimed, then ``--timed-steps`` timed ones
+    (the figures are the last step's; the OPD rate counts the rollout's ``rollout_s`` too)."""
+    from halo_dist.stages.opd import OPDModule, position_buckets
 
     mod = OPDModule(student, teacher, chunk_size=args.chunk_size,
                     buckets=position_buckets(64, max(horizon, 64)))
@@ -205,12 +238,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
     student.model.gradient_checkpointing = args.checkpointing
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
-    micro = args.micro or max(1,
-                              min(args.rollouts, args.micro_tokens // (args.prompt_len + horizon)))
-    rollouts = [Rollout(p, c) for p, c in zip(prompts, gens)]
-    batches = [pack_rollouts(rollouts[i:i + micro]).to(device)
-               for i in range(0, len(rollouts), micro)]
-    n_gen = sum(b.num_generated for b in batches)
+    micro, batches, n_gen = micro_batches(prompts, gens, horizon, args, device)
 
     micro_s: list[float] = []  # wall time of each micro-batch of the last step (synchronised)
 
@@ -243,11 +271,11 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
         profile_step(step, batches[:args.profile], horizon, device)
     del opt
     student.eval()
-    return {**row, "micro": micro, "train_s": train_s, "micro_s": timed_micro,
+    return {"micro": micro, "train_s": train_s, "micro_s": timed_micro,
             "train_steps_s": steps_s, "micro_s_per_step": steps_micro,
             "train_packed_tokens_per_s": packed / train_s,
             "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
-            "opd_tokens_per_s": n_gen / (gen_s + train_s)}
+            "opd_tokens_per_s": n_gen / (rollout_s + train_s)}
 
 
 def profile_step(step, batches, horizon: int, device) -> None:
@@ -259,6 +287,30 @@ def profile_step(step, batches, horizon: int, device) -> None:
     prof.before_step(1)
     step(batches=batches)
     prof.after_step(1)
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The table of the horizons (rates in tokens/s), and each timed rollout's phases."""
+    print(f"\n{'horizon':>8} {'rollout tok/s':>14} {'train tok/s (packed)':>21} "
+          f"{'train tok/s (sampled)':>22} {'OPD tok/s':>10} {'peak GiB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['horizon']:>8} {r['error']}")
+            continue
+        if "train_s" not in r:
+            print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} (rollouts only) "
+                  f"{r['rollout_peak_gib'] or 0.0:>9.1f}")
+            continue
+        mem = max(x for x in (r["rollout_peak_gib"], r["train_peak_gib"], 0.0) if x is not None)
+        print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} "
+              f"{r['train_packed_tokens_per_s']:>21.0f} {r['train_sampled_tokens_per_s']:>22.0f} "
+              f"{r['opd_tokens_per_s']:>10.0f} {mem:>9.1f}")
+    for r in rows:
+        if "loop_s" in r:
+            print(f"h{r['horizon']} rollout {r['rollout_s']:.2f} s = prefill "
+                  f"{r['prefill_s']:.2f} + decoder set-up {r['decoder_s']:.2f} + loop "
+                  f"{r['loop_s']:.2f} "
+                  f"({r['loop_ms_per_step']:.2f} ms per step)")
 
 
 def main(argv=None) -> int:
@@ -300,26 +352,7 @@ def main(argv=None) -> int:
             rows.append({"horizon": h, "error": f"OOM: {str(e)[:200]}"})
             torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'horizon':>8} {'rollout tok/s':>14} {'train tok/s (packed)':>21} "
-          f"{'train tok/s (sampled)':>22} {'OPD tok/s':>10} {'peak GiB':>9}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['horizon']:>8} {r['error']}")
-            continue
-        if "train_s" not in r:
-            print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} (rollouts only) "
-                  f"{r['rollout_peak_gib'] or 0.0:>9.1f}")
-            continue
-        mem = max(x for x in (r["rollout_peak_gib"], r["train_peak_gib"], 0.0) if x is not None)
-        print(f"{r['horizon']:>8} {r['rollout_tokens_per_s']:>14.0f} "
-              f"{r['train_packed_tokens_per_s']:>21.0f} {r['train_sampled_tokens_per_s']:>22.0f} "
-              f"{r['opd_tokens_per_s']:>10.0f} {mem:>9.1f}")
-    for r in rows:
-        if "loop_s" in r:
-            print(f"h{r['horizon']} rollout {r['rollout_s']:.2f} s = prefill "
-                  f"{r['prefill_s']:.2f} + decoder set-up {r['decoder_s']:.2f} + loop "
-                  f"{r['loop_s']:.2f} "
-                  f"({r['loop_ms_per_step']:.2f} ms per step)")
+    print_rows(rows)
     out = args.out or (Path("/tmp/halo_dist_opd_smoke.json") if args.cpu_smoke
                        else RESULTS / "opd.json")
     out.parent.mkdir(parents=True, exist_ok=True)

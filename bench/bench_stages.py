@@ -245,28 +245,36 @@ def naive_stage2(a, shape: dict = QWEN3_1P7B, attn_layers=ATTN_2B, device: str =
 
     for micro in a.naive_micro:
         try:
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(dev)
-            ids = torch.randint(0, cfg.vocab_size, (micro, 512), device=dev)
-            for _ in range(2):
-                step(ids)
-            sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(a.naive_steps):
-                loss = step(ids)
-            sync()
-            dt = (time.perf_counter() - t0) / a.naive_steps
-            tok_s = micro * 512 / dt
-            return {"status": "ok", "micro_batch": micro, "tokens_per_s": tok_s,
-                    "mfu": tok_s * fpt / PEAK, "step_time_s": dt,
-                    "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30
-                    if dev.type == "cuda" else None, "loss": float(loss)}
+            return naive_rate(step, micro, cfg.vocab_size, a.naive_steps, dev, fpt)
         except torch.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
             print(f"naive: micro-batch {micro} does not fit", flush=True)
     return {"status": "oom at every micro-batch"}
+
+
+def naive_rate(step, micro: int, vocab: int, steps: int, dev, fpt: float) -> dict:
+    """Tokens/s, MFU and peak memory of ``steps`` naive steps on one random [micro, 512] batch,
+    after two untimed ones."""
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    ids = torch.randint(0, vocab, (micro, 512), device=dev)
+    for _ in range(2):
+        step(ids)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step(ids)
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    tok_s = micro * 512 / dt
+    return {"status": "ok", "micro_batch": micro, "tokens_per_s": tok_s,
+            "mfu": tok_s * fpt / PEAK, "step_time_s": dt,
+            "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30
+            if dev.type == "cuda" else None, "loss": float(loss)}
 
 
 def main(argv=None) -> dict:

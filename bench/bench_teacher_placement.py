@@ -229,6 +229,24 @@ def run_placement(placement: str, cfg, a, groups: ProcessGroups, device, dtype,
     return {**row, **extra}, hidden
 
 
+def zero3_vs_replicated(results: dict, hiddens: dict, device) -> dict:
+    """ZeRO-3 against the replicated teacher: the hidden states' difference (the largest over the
+    ranks; every rank calls this), and the parameter bytes, speed and peak memory of one against
+    the other."""
+    out = {}
+    h0, h1 = hiddens["replicated"], hiddens["zero3"]
+    diff, err = reduce([float((h0 - h1).abs().max()), rel_err(h1, h0)], device)
+    out["hidden_max_abs_diff"], out["hidden_rel_err"] = diff, err
+    # this rank's: not a vacuous match
+    out["hidden_rms"] = float(h0.double().pow(2).mean().sqrt())
+    r, z = results["replicated"], results["zero3"]
+    out["zero3_param_fraction"] = z["param_bytes_per_gpu"] / r["param_bytes_per_gpu"]
+    out["zero3_speed_vs_replicated"] = z["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"]
+    if r["peak_gib"] is not None:
+        out["zero3_peak_saving_gib"] = r["peak_gib"] - z["peak_gib"]
+    return out
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     if "RANK" not in os.environ:  # plain `python bench/...`: a 1-rank job
@@ -271,16 +289,7 @@ def main(argv=None) -> None:
                     "ms_per_forward"):
             payload[f"{name}_{key}"] = r[key]
     if len(hiddens) == 2:
-        h0, h1 = hiddens["replicated"], hiddens["zero3"]
-        diff, err = reduce([float((h0 - h1).abs().max()), rel_err(h1, h0)], device)
-        payload["hidden_max_abs_diff"], payload["hidden_rel_err"] = diff, err
-        # this rank's: not a vacuous match
-        payload["hidden_rms"] = float(h0.double().pow(2).mean().sqrt())
-        r, z = results["replicated"], results["zero3"]
-        payload["zero3_param_fraction"] = z["param_bytes_per_gpu"] / r["param_bytes_per_gpu"]
-        payload["zero3_speed_vs_replicated"] = z["tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"]
-        if r["peak_gib"] is not None:
-            payload["zero3_peak_saving_gib"] = r["peak_gib"] - z["peak_gib"]
+        payload.update(zero3_vs_replicated(results, hiddens, device))
     if rank == 0:
         cols = ("placement", "params_b", "param_gib_per_gpu", "placed_gib", "steady_gib",
                 "peak_gib", "ms_per_forward", "tokens_per_s_per_gpu", "tokens_per_s_total")

@@ -46,9 +46,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, environment  # noqa: E402
+# the names the script defined before its parts moved to bench/real/ stay importable from here (the
+# tests read them as ``real_conversion.X``)
+from bench.real.compare import (NIAH_TASKS, ablation_table, cmd_compare,  # noqa: E402,F401
+                                cmd_compare_runs)
+from bench.real.pictures import pictures  # noqa: E402
+from bench.real.run_folder import (STAGE1_SETTINGS, align_teacher_tokenizer,  # noqa: E402,F401
+                                   check_same_pe, hype_twin, record_piece, run_dir, share_stage1)
+from bench.real.summary import (NIAH_LENGTHS, goals, gpu_minutes, headline,  # noqa: E402,F401
+                                result_stem, sharing_rates, stage_summary, summarize)
 from halo_dist.config import PE_ROPE  # noqa: E402
 from halo_dist.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
-from halo_dist.eval.scorecard import read_eval, scorecard  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
 PAUSED = 3
@@ -64,11 +72,29 @@ def parse_args(argv=None):
                        help="work folder: corpus/, run/, warmup.json")
         c.add_argument("--cpu-rehearsal", action="store_true",
                        help="the demo's tiny sizes on CPU (checks the script)")
-    w = sub.choices["warmup"]
+    _warmup_args(sub.choices["warmup"])
+    _corpus_args(sub.choices["corpus"])
+    sub.choices["prompts"].add_argument("--tokenizer", type=Path, required=True,
+                                        help="SmolLM2's tokenizer folder (the corpus's)")
+    _run_args(sub.choices["run"])
+    for name in ("run", "collect"):
+        sub.choices[name].add_argument(
+            "--tag", default="", help="an experiment's name: its results go to "
+            "real_conversion_<tag>.json, beside the baseline's (compare them with compare-runs)")
+    _compare_args(sub.choices["compare"], sub.choices["compare-runs"])
+    for c in sub.choices.values():
+        c.add_argument("--results", type=Path, default=RESULTS,
+                       help="where real_conversion.json and PNGs go")
+    return p.parse_args(argv)
+
+
+def _warmup_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("--data", type=Path, required=True,
                    help="token shards made with SmolLM2's tokenizer")
     w.add_argument("--steps", type=int, default=6, help="stage-2 steps")
-    c = sub.choices["corpus"]
+
+
+def _corpus_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--text", type=Path, required=True,
                    help="carried natural text (bench/build_corpus.py pack --out)")
     c.add_argument("--tokenizer", type=Path, required=True,
@@ -82,10 +108,9 @@ def parse_args(argv=None):
                    help="weigh the natural text N times (build_corpus.py --natural-repeats). 3 was "
                         "recipe v3: worse than 1 on CSR, perplexity and NIAH, and it "
                         "changed the selected layers")
-    c = sub.choices["prompts"]
-    c.add_argument("--tokenizer", type=Path, required=True,
-                   help="SmolLM2's tokenizer folder (the corpus's)")
-    r = sub.choices["run"]
+
+
+def _run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--deadline-s", type=float, default=0.0,
                    help="pause after this many seconds (0: none)")
     r.add_argument("--pause-after", default="",
@@ -132,23 +157,16 @@ def parse_args(argv=None):
     r.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the pair's prefill and decode speed after the evaluations (a "
                         "recipe change does not change it: --no-speed saves ~1 GPU-minute)")
-    for name in ("run", "collect"):
-        sub.choices[name].add_argument(
-            "--tag", default="", help="an experiment's name: its results go to "
-            "real_conversion_<tag>.json, beside the baseline's (compare them with compare-runs)")
-    c = sub.choices["compare-runs"]
-    c.add_argument("--base", type=Path, required=True,
-                   help="results file of the baseline run (real_conversion*.json)")
-    c.add_argument("--arm", type=Path, required=True,
-                   help="results file of the run with one change")
-    c = sub.choices["compare"]
+
+
+def _compare_args(c: argparse.ArgumentParser, runs: argparse.ArgumentParser) -> None:
     c.add_argument("--pe", choices=tuple(k for k in PE_ROPE if k != "hype"), default="all_rope",
                    help="the ablation arm compared with the HyPE run (both results files must "
                         "exist)")
-    for c in sub.choices.values():
-        c.add_argument("--results", type=Path, default=RESULTS,
-                       help="where real_conversion.json and PNGs go")
-    return p.parse_args(argv)
+    runs.add_argument("--base", type=Path, required=True,
+                      help="results file of the baseline run (real_conversion*.json)")
+    runs.add_argument("--arm", type=Path, required=True,
+                      help="results file of the run with one change")
 
 
 # ------------------------------------------------------------------------------------------- corpus
@@ -183,10 +201,6 @@ def preset(a, out: str) -> DemoSettings:
     s.niah_prompts = str(a.work / "niah_prompts")
     return s
 
-
-def run_dir(a) -> Path:
-    """The baseline's run folder (``run``), or an experiment's (``run_<tag>``) beside it."""
-    return a.work / (f"run_{a.tag}" if getattr(a, "tag", "") else "run")
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -344,99 +358,6 @@ def cmd_run(a) -> int:
     return code
 
 
-# what stage 1 and the per-layer selection results depend on: an experiment that shares them must
-# not differ here
-STAGE1_SETTINGS = ("seed", "seq_len", "stage1_steps", "global_batch", "micro_batch", "pe", "data",
-                   "config_dir", "select_items", "select_length", "kl_rows", "device", "dtype")
-
-
-def share_stage1(a, s: DemoSettings, base: Path) -> None:
-    """Start the experiment ``a.tag`` from the stage 1 (its exported RNN layers) and per-layer
-    selection results of the run folder ``base``, hard-linked: the arm then differs from that run
-    only in what comes after stage 1, and skips ~4 GPU-minutes. Refused when a setting stage 1
-    depends on differs, or ``base``'s stage 1 is not finished."""
-    from dataclasses import asdict
-
-    arm = run_dir(a)
-    if not a.tag or base.resolve() == arm.resolve():
-        raise SystemExit("error: --share-stage1-from is for an experiment: give it a --tag of its "
-                         "own")
-    base_settings = _read(base / "settings.json")
-    if not (base / "stage1" / "final" / "DONE").exists() or base_settings is None:
-        raise SystemExit(f"error: --share-stage1-from: {base} holds no finished stage 1")
-    mine = asdict(s)
-    differ = {k: (base_settings.get(k), mine.get(k)) for k in STAGE1_SETTINGS
-              if base_settings.get(k) != mine.get(k)}
-    if differ:
-        raise SystemExit(f"error: --share-stage1-from: {base.name}'s stage 1 ran with other "
-                         f"settings ({base.name}, this run): {differ}")
-    for part in ("stage1/final", "select/results.json"):
-        src, dst = base / part, arm / part
-        if src.exists() and not dst.exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir():
-                shutil.copytree(src, dst, copy_function=os.link)
-            else:
-                os.link(src, dst)
-    print(f"[real] {arm.name} starts from {base.name}'s stage 1 and per-layer selection results",
-          flush=True)
-
-
-def check_same_pe(run: Path, pe: str) -> None:
-    """A continued run keeps the position encoding it started with: each piece rewrites
-    settings.json, which labels the results, and the steps already done would not be redone with the
-    new one."""
-    # settings before --pe: hype
-    started = (_read(run / "settings.json") or {"pe": pe}).get("pe") or "hype"
-    if started != (pe or "hype"):
-        raise SystemExit(f"error: {run} was started with --pe {started}, not {pe or 'hype'}: "
-                         "continue it with the same --pe, or give another --work")
-
-
-def record_piece(run: Path, t0: float, code: int) -> None:
-    """Append this invocation's wall time to the run's ``pieces.json`` (its GPU minutes add up
-    over pieces)."""
-    run.mkdir(parents=True, exist_ok=True)
-    path = run / "pieces.json"
-    pieces = _read(path) or []
-    pieces.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
-                   "seconds": round(time.time() - t0, 1), "exit": code})
-    path.write_text(json.dumps(pieces, indent=2))
-
-
-def align_teacher_tokenizer(work: Path) -> None:
-    """The corpus was tokenized before the teacher's GGUF was complete on this machine, with
-    SmolLM2's tokenizer as saved elsewhere (another transformers version) from the same GGUF. The
-    stages refuse shards whose vocabulary hash differs from the teacher's, and the prebuilt NIAH
-    prompts are keyed by the tokenizer's whole serialisation; if the folder built here differs in
-    either, it takes the corpus's tokenizer files (the same GGUF's tokenizer), and the check runs
-    again."""
-    from transformers import AutoTokenizer
-
-    from halo_dist.assets.teacher import smollm2_teacher_dir
-    from halo_dist.data.errors import DataError
-    from halo_dist.data.manifest import check_tokenizer
-    from halo_dist.eval.tokenizers import tokenizer_identity
-
-    teacher, corpus = smollm2_teacher_dir(), work / "corpus" / "all"
-    try:
-        teacher_tok = AutoTokenizer.from_pretrained(teacher)
-        check_tokenizer(corpus, teacher_tok)
-        if (tokenizer_identity(teacher_tok)
-                != tokenizer_identity(AutoTokenizer.from_pretrained(work / "tokenizer"))):
-            raise DataError("the same vocabulary, serialised differently (another transformers "
-                            "version)")
-    except DataError as e:
-        print(f"[real] {e}: the teacher folder takes the corpus's tokenizer files from "
-              f"{work / 'tokenizer'}", flush=True)
-        for f in (work / "tokenizer").iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-                shutil.copyfile(f, teacher / f.name)
-        check_tokenizer(corpus, AutoTokenizer.from_pretrained(teacher))
-    print(f"[real] teacher {teacher}: its tokenizer is the corpus's (vocabulary hash checked)",
-          flush=True)
-
-
 def speed(a, demo: Demo) -> None:
     """Prefill and decode of teacher vs student at 8K-128K, alone on the GPU (after the
     evaluations)."""
@@ -451,23 +372,6 @@ def speed(a, demo: Demo) -> None:
     cmd += ["--cpu-smoke"] if a.cpu_rehearsal else ["--contexts", *SPEED_CONTEXTS.split(","),
                                                     "--decode-steps", "8"]
     demo.run("speed", cmd, out)
-
-
-def hype_twin(student: Path, twin: Path) -> Path:
-    """The ablation student's weights in the HyPE layout (attention without RoPE, logits scaling
-    on): the speed of the HyPE student, whose kernels and shapes these are (speed does not depend on
-    weight values; its outputs do, and this folder is used for nothing else). The base ``a`` only
-    scales the logits."""
-    if not (twin / "config.json").exists():
-        tmp = twin.with_name(twin.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(student, tmp)
-        config = json.loads((tmp / "config.json").read_text())
-        config.update(attn_rope=False,
-                      attn_logits_scale_base=config.get("attn_logits_scale_base") or 500.0)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        os.replace(tmp, twin)
-    return twin
 
 
 # ------------------------------------------------------------------------------------------ collect
@@ -489,331 +393,6 @@ def collect(a, partial: bool = False) -> Path:
     pictures(run, a.results, stem)
     print(f"[real] wrote {path}", flush=True)
     return path
-
-
-def result_stem(pe: str, seed: int | None = None, tag: str = "") -> str:
-    """``real_conversion`` for the HyPE recipe at the preset's seed, ``real_conversion_<pe>`` for
-    an ablation, ``..._<tag>`` for a named experiment and ``..._seed<N>`` for another seed (kept
-    side by side)."""
-    stem = "real_conversion" if pe in ("", "hype") else f"real_conversion_{pe}"
-    stem += f"_{tag}" if tag else ""
-    return stem if seed in (None, DemoSettings.seed) else f"{stem}_seed{seed}"
-
-
-def _read(path: Path):
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def stage_summary(run_dir: Path, windows: list[dict] | None = None) -> dict:
-    """Tokens, throughput and MFU (bench_stages' medians of the logged intervals after the first),
-    memory, and the held-out curves; with the background steps' ``windows`` (the demo's
-    background.json) also the rates of the intervals that shared the GPU with them and of those that
-    had it alone."""
-    from bench.bench_stages import summarize_metrics
-    from halo_dist.train.metrics import read_metrics
-
-    if not (run_dir / "metrics.jsonl").exists():
-        return {}
-    rates = summarize_metrics(run_dir / "metrics.jsonl")
-    series = read_metrics(run_dir)
-    tokens = series.get("progress/tokens", [])
-    return {"tokens": int(tokens[-1][1]) if tokens else None,
-            "steps": int(tokens[-1][0]) if tokens else None,
-            **{k: rates[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib")},
-            "sharing": sharing_rates(run_dir / "metrics.jsonl", windows or []),
-            "loss_first_last": [series["train/loss"][0][1],
-                                series["train/loss"][-1][1]] if "train/loss" in series else None,
-            "eval": {t: series[t] for t in series if t.startswith("eval/")}}
-
-
-def sharing_rates(path: Path, windows: list[dict]) -> dict:
-    """Median tokens/s and MFU of the logged intervals that overlapped a background window and of
-    the rest.
-
-    An interval runs from the previous logged row's time to its own (rows of one resumed piece only:
-    the first interval of each piece, compile and autotuning, is left out as in
-    summarize_metrics)."""
-    import statistics
-
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    groups: dict[str, list[dict]] = {"alone": [], "shared": []}
-    prev = None
-    for r in rows:
-        if "perf/tokens_per_s" not in r:
-            continue
-        first_of_piece = prev is None or r["step"] <= prev["step"] or r["time"] - prev["time"] > 600
-        if not first_of_piece:
-            lo, hi = prev["time"], r["time"]
-            shared = any(w["start"] < hi and w["end"] > lo for w in windows)
-            groups["shared" if shared else "alone"].append(r)
-        prev = r
-
-    def med(rs, key):
-        vals = [x[key] for x in rs if x.get(key) is not None]
-        return statistics.median(vals) if vals else None
-
-    return {name: {"intervals": len(rs), "tokens_per_s": med(rs, "perf/tokens_per_s"),
-                   "mfu": med(rs, "perf/mfu")} for name, rs in groups.items()}
-
-
-NIAH_LENGTHS = ("2K", "4K", "8K", "16K", "32K", "64K")
-
-
-def summarize(work: Path, run: Path | None = None) -> dict:
-    """Every figure of the run: the scorecard (teacher vs student with intervals), its headline
-    keys, the goals, the stages' throughput and curves, selection, calibration, speed, timings."""
-    run = run or work / "run"
-    windows = _read(run / "background.json") or []
-    stages = {s: stage_summary(run / s, windows) for s in ("stage1", "stage2", "stage3")}
-    kl = lambda s, i: (stages[s].get("eval", {}).get("eval/kl")  # noqa: E731
-                       or [[None, None]])[i][1]
-    evals = {w: read_eval(run / "eval" / w, w) for w in ("teacher", "student")}
-    card = scorecard(evals["teacher"], evals["student"])
-    settings = _read(run / "settings.json")
-    tokens = {k: stages[k].get("tokens") for k in stages}
-    out = {
-        # model.pe of stages 1-2: hype, or an ablation (all_rope, ...)
-        "pe": (settings or {}).get("pe") or "hype", "seed": (settings or {}).get("seed"),
-        **headline(card),
-        # "after stage 1" = the hybrid that stage 2 starts from: stage-1 RNN layers + the selected
-        # attention
-        "kl_heldout_stage1": kl("stage2", 0), "kl_heldout_stage2": kl("stage2", -1),
-        "kl_heldout_stage3": kl("stage3", -1),
-        **{f"tokens_{k}": v for k, v in tokens.items()}, "gpu_minutes": gpu_minutes(run),
-        "scorecard": card, "stages": stages, "ppl": {w: e["ppl"] for w, e in evals.items()},
-        "csr": {w: e["csr"] for w, e in evals.items()},
-        "niah_summary": {w: (e["niah"] or {}).get("summary") for w, e in evals.items()},
-        # every prompt's outcome: another run's student is compared with this one prompt by
-        # prompt (compare-runs)
-        "niah_records": {w: [{k: r[k] for k in ("task", "length", "depth", "key", "correct")}
-                             for r in (e["niah"] or {}).get("records", [])]
-                         for w, e in evals.items()},
-        "selection": _read(run / "select" / "selection.json"),
-        "calibration": _read(run / "calibrate.json"), "speed": _read(run / "speed.json"),
-        "timings_s": _read(run / "timings.json"), "background": windows,
-        "corpus": _read(work / "corpus" / "corpus_report.json"),
-        "warmup": _read(work / "warmup.json"), "settings": settings,
-        "pieces": _read(run / "pieces.json"),
-        "environment": environment(),
-    }
-    trained = sum(v for v in tokens.values() if v)
-    out["tokens_per_gpu_minute"] = (trained / out["gpu_minutes"]
-                                    if trained and out["gpu_minutes"] else None)
-    out["goals"] = goals(out)
-    return out
-
-
-def headline(card: dict) -> dict:
-    """The figures the goals and README's table quote: NIAH-S1 cells of both models (rate, n and
-    Wilson interval), the CSR ratio and margin ratio, the perplexity ratio."""
-    from halo_dist.eval.niah import parse_length
-
-    cells = card["niah"].get("niah_single_1", {}).get("cells", {})
-    out = {f"niah_s1_{who}_{L.lower()}": cells.get(parse_length(L), {}).get(who)
-           for L in NIAH_LENGTHS for who in ("student", "teacher")}
-    mean = card["csr"].get("mean", {})
-    out.update(csr_teacher=mean.get("teacher"), csr_student=mean.get("student"),
-               csr_ratio=mean.get("ratio"),
-               csr_margin_ratio=(mean.get("margin") or {}).get("ratio"),
-               ppl_ratio=card["ppl"].get("ratio"))
-    return out
-
-
-def goals(out: dict) -> dict:
-    """The conversion's goals, each True / False, or None where its figure was not measured."""
-    def at_least(key, bound):
-        v = out.get(key)
-        v = v.get("rate") if isinstance(v, dict) else v
-        return None if v is None else v >= bound
-
-    g = {f"niah_s1_student_{L} >= 0.9": at_least(f"niah_s1_student_{L}", 0.9)
-         for L in ("2k", "4k", "8k")}
-    g.update({f"niah_s1_student_{L} >= 0.8": at_least(f"niah_s1_student_{L}", 0.8)
-              for L in ("16k", "32k")})
-    g["csr_ratio >= 0.95"] = at_least("csr_ratio", 0.95)
-    g["csr_margin_ratio >= 0.8"] = at_least("csr_margin_ratio", 0.8)
-    g["ppl_ratio <= 1.15"] = None if out.get("ppl_ratio") is None else out["ppl_ratio"] <= 1.15
-    if out["kl_heldout_stage1"] is not None and out["kl_heldout_stage2"] is not None:
-        g["kl_heldout_stage2 < kl_heldout_stage1 / 2"] = (
-            out["kl_heldout_stage2"] < out["kl_heldout_stage1"] / 2)
-    return g
-
-
-def gpu_minutes(run: Path) -> float | None:
-    """Wall minutes of the run's pieces on the GPU machine (``pieces.json``, written around each
-    ``run`` invocation), else the sum of the demo's step timings."""
-    pieces = _read(run / "pieces.json")
-    if pieces:
-        return sum(p["seconds"] for p in pieces) / 60
-    timings = _read(run / "timings.json")
-    return sum(timings.values()) / 60 if timings else None
-
-
-# ------------------------------------------------------------------------------------------ compare
-NIAH_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3")
-
-
-def cmd_compare(a) -> int:
-    """The HyPE ablation: NIAH by length of the teacher, the HyPE student and the ablation student
-    (the same corpus, budgets and attention layers), with CSR, perplexity and held-out KL beside it;
-    writes ``real_ablation_<pe>.json`` and ``real_ablation_<pe>_niah.png`` and prints the table."""
-    hype_path, arm_path = (a.results / "real_conversion.json",
-                           a.results / f"{result_stem(a.pe)}.json")
-    missing = [str(p) for p in (hype_path, arm_path) if not p.exists()]
-    if missing:
-        raise SystemExit(f"error: compare needs both runs' results; missing: {', '.join(missing)}")
-    hype, arm = _read(hype_path), _read(arm_path)
-    # results from before the pe field: HyPE
-    if arm.get("pe") != a.pe or hype.get("pe", "hype") != "hype":
-        raise SystemExit(f"error: {arm_path} holds pe={arm.get('pe')!r} and {hype_path} "
-                         f"pe={hype.get('pe')!r}; expected {a.pe!r} and 'hype'")
-    models = {"teacher": hype["niah_summary"]["teacher"], "hype": hype["niah_summary"]["student"],
-              a.pe: arm["niah_summary"]["student"]}
-    lengths = sorted({int(L) for m in models.values() for t in NIAH_TASKS
-                      for L in (m or {}).get(t, {}).get("by_length", {})})
-    niah = {name: {t: {L: (m or {}).get(t, {}).get("by_length", {}).get(str(L)) for L in lengths}
-                   for t in NIAH_TASKS} for name, m in models.items()}
-    layers = (lambda r: (r.get("selection") or {}).get("attn_layers")  # noqa: E731
-              or (r.get("settings") or {}).get("attn_layers"))
-    out = {"pe": a.pe, "lengths": lengths, "niah": niah,
-           "csr": {"teacher": hype.get("csr_teacher"), "hype": hype.get("csr_student"),
-                   a.pe: arm.get("csr_student")},
-           "ppl": {"teacher": (hype.get("ppl") or {}).get("teacher"),
-                   "hype": (hype.get("ppl") or {}).get("student"),
-                   a.pe: (arm.get("ppl") or {}).get("student")},
-           "kl_heldout": {k: {"hype": hype.get(f"kl_heldout_{k}"), a.pe: arm.get(f"kl_heldout_{k}")}
-                          for k in ("stage1", "stage2", "stage3")},
-           "attn_layers": {"hype": layers(hype), a.pe: layers(arm)},
-           "tokens": {k: {"hype": hype.get(f"tokens_{k}"), a.pe: arm.get(f"tokens_{k}")}
-                      for k in ("stage1", "stage2", "stage3")},
-           "calibrated_a": {"hype": (hype.get("calibration") or {}).get("chosen_a"),
-                            a.pe: (arm.get("calibration") or {}).get("chosen_a")},
-           "sources": {"hype": str(hype_path.name), a.pe: str(arm_path.name)},
-           "environment": environment()}
-    path = a.results / f"real_ablation_{a.pe}.json"
-    path.write_text(json.dumps(out, indent=2, default=str))
-    print(ablation_table(out))
-    _ablation_png(out, a.results / f"real_ablation_{a.pe}_niah.png")
-    print(f"[real] wrote {path}")
-    return 0
-
-
-def cmd_compare_runs(a) -> int:
-    """One change against its baseline: the students' paired differences per NIAH cell, CSR task
-    and held-out CE (same prompts, items and rows), printed and written to
-    ``compare_<arm stem>.json``."""
-    from halo_dist.eval.scorecard import compare, compare_markdown
-
-    runs = {}
-    for name, path in (("base", a.base), ("arm", a.arm)):
-        if not path.exists():
-            raise SystemExit(f"error: --{name} {path}: no such results file")
-        r = _read(path)
-        runs[name] = {"niah": {"records": (r.get("niah_records") or {}).get("student") or []},
-                      "csr": (r.get("csr") or {}).get("student"),
-                      "ppl": (r.get("ppl") or {}).get("student")}
-    diff = compare(runs["base"], runs["arm"])
-    table = compare_markdown(diff, a.base.stem, a.arm.stem)
-    print(table)
-    out = a.results / f"compare_{a.arm.stem}.json"
-    out.write_text(json.dumps({"base": str(a.base), "arm": str(a.arm), "diff": diff,
-                               "table": table}, indent=2, default=str))
-    print(f"[real] wrote {out}")
-    return 0
-
-
-def ablation_table(out: dict) -> str:
-    from halo_dist.eval.niah_report import format_length
-
-    lengths, names = out["lengths"], list(out["niah"])
-    head = "| model | " + " | ".join(f"S{t[-1]} {format_length(L)}" for t in NIAH_TASKS
-                                     for L in lengths)
-    rows = [head + " |", "|---|" + "---|" * (len(NIAH_TASKS) * len(lengths))]
-    for name in names:
-        cells = [out["niah"][name][t][L] for t in NIAH_TASKS for L in lengths]
-        rows.append(f"| {name} | " + " | ".join("–" if v is None else f"{v:.0%}" for v in cells)
-                    + " |")
-    return "\n".join(rows)
-
-
-def _ablation_png(out: dict, path: Path) -> Path:
-    """NIAH accuracy by context length, one panel per task: teacher, HyPE student, ablation
-    student."""
-    from halo_dist.eval.niah_report import format_length
-
-    lengths = out["lengths"]
-    fig = _figure(4.2 * len(NIAH_TASKS), 3.4)
-    for i, task in enumerate(NIAH_TASKS):
-        ax = fig.add_subplot(1, len(NIAH_TASKS), i + 1)
-        for name, style in zip(out["niah"], ("k--", "o-", "s-")):
-            vals = [out["niah"][name][task][L] for L in lengths]
-            ax.plot(range(len(lengths)), [float("nan") if v is None else v for v in vals], style,
-                    label=name)
-        ax.axvline(lengths.index(8192) + 0.5 if 8192 in lengths else -1, color="grey", lw=0.8,
-                   ls=":")
-        ax.set_xticks(range(len(lengths)), [format_length(L) for L in lengths])
-        ax.set(title=task, xlabel="context (tokens)", ylabel="accuracy", ylim=(-0.03, 1.03))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"HyPE vs {out['pe']} (same data, budgets, layers); dotted: the teacher's 8K "
-                 "trained positions")
-    fig.savefig(path, dpi=100)
-    return path
-
-
-# ----------------------------------------------------------------------------------------- pictures
-def pictures(run: Path, results: Path, stem: str = "real_conversion") -> list[Path]:
-    made = []
-    for fn in (_curves_png, _niah_png, _csr_png):
-        try:
-            path = fn(run, results / f"{stem}_{fn.__name__[1:-4]}.png")
-        except (OSError, KeyError, ValueError) as e:  # a part not run yet
-            print(f"[real] no {fn.__name__[1:-4]} picture yet ({e})")
-            continue
-        if path:
-            made.append(path)
-    return made
-
-
-def _figure(w, h):
-    from halo_dist.figures import new_figure
-
-    return new_figure(w, h)
-
-
-def _curves_png(run: Path, path: Path) -> Path | None:
-    """Per stage: the training loss with its held-out value, and the student's held-out CE beside
-    the teacher's (``train.plots``: the demo report's curves, all stages in one picture)."""
-    from halo_dist.train.plots import plot_loss_curves
-
-    stages = {s: run / s for s in ("stage1", "stage2", "stage3")
-              if (run / s / "metrics.jsonl").exists()}
-    return plot_loss_curves(stages, path) if stages else None
-
-
-def _niah_png(run: Path, path: Path) -> Path | None:
-    """Teacher's and student's NIAH heatmaps (share found by depth x length), one row each."""
-    from halo_dist.eval.niah_report import heatmap_figure, summarize
-    from halo_dist.figures import save
-
-    reports = {w: _read(run / "eval" / w / "niah" / f"{w}.json") for w in ("teacher", "student")}
-    if not all(reports.values()):
-        return None
-    summaries = {w: summarize(r["records"]) for w, r in reports.items()}
-    return save(heatmap_figure(summaries, "NIAH: share of needles found by depth and length"),
-                path, dpi=100)
-
-
-def _csr_png(run: Path, path: Path) -> Path | None:
-    """Bars per task, teacher vs student, with 95% intervals and the chance level (the demo
-    report's picture)."""
-    from halo_dist.demo_report import csr_figure, scorecard_of
-    from halo_dist.figures import save
-
-    csr = scorecard_of(run)["csr"]
-    if not csr or not all(csr["mean"].get(w) is not None for w in ("teacher", "student")):
-        return None
-    return save(csr_figure(csr), path, dpi=100)
 
 
 def main(argv=None) -> int:

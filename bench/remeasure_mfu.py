@@ -47,6 +47,23 @@ def param_counts(shape: dict, attn_layers: list[int]) -> tuple[float, float]:
             float(sum(p.numel() for p in teacher.parameters())))
 
 
+def keys_per_step(cfg, steps: int) -> list[float]:
+    """Attended keys per token of each of the run's first ``steps`` steps, from its batches
+    replayed."""
+    # a step consumes global_batch_size rows in the loader's global order, over all DP ranks and
+    # micro-steps: replaying a one-rank loader with micro-batches of the same size visits the same
+    # rows
+    per_step = cfg.data.global_batch_size // cfg.data.micro_batch_size
+    loader = iter(build_loader(cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size,
+                               seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_workers=0))
+    keys = []
+    # keys per token of each step's micro-batches (equal token counts: plain mean)
+    for _ in range(steps):
+        micro = [attended_context(next(loader)["cu_seqlens"]) for _ in range(per_step)]
+        keys.append(sum(micro) / len(micro))
+    return keys
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,17 +90,7 @@ def main(argv=None) -> dict:
     steps = max(int(r["step"]) for r in rows)
     if cfg.stage.name not in ("stage2", "stage3") or cfg.loss.objective == "ce":
         p.error("only KL stages 2/3 (trained student + forward teacher) are modelled here")
-    # a step consumes global_batch_size rows in the loader's global order, over all DP ranks and
-    # micro-steps: replaying a one-rank loader with micro-batches of the same size visits the same
-    # rows
-    per_step = cfg.data.global_batch_size // cfg.data.micro_batch_size
-    loader = iter(build_loader(cfg.data.train, cfg.data.seq_len, cfg.data.micro_batch_size,
-                               seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_workers=0))
-    keys = []
-    # keys per token of each step's micro-batches (equal token counts: plain mean)
-    for _ in range(steps):
-        micro = [attended_context(next(loader)["cu_seqlens"]) for _ in range(per_step)]
-        keys.append(sum(micro) / len(micro))
+    keys = keys_per_step(cfg, steps)
     n_student, n_teacher = param_counts(SHAPE_2B, ATTN_2B)
     student_attn = len(ATTN_2B) if cfg.stage.name != "stage1" else 0
     coef = attention_flops_coefficient(student_attn, SHAPE_2B["num_hidden_layers"],

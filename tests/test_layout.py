@@ -1,6 +1,6 @@
 """The layout stays readable: halo_dist's imports run one way (no cycle between modules or between
-its subpackages), and no product file or function outgrows what a reader takes in at once (500 and
-60 lines).
+its subpackages), and no product or benchmark file or function outgrows what a reader takes in at
+once (500 and 60 lines).
 
 Imports inside functions count: a cycle that only closes on one code path still ties the two modules
 together."""
@@ -10,6 +10,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("halo_dist", "launchers", "data_prep")
+# the benchmarks produce the reported figures and are read as closely as the product, so they keep
+# its sizes too; they are scripts, not a package the product imports, so the import-cycle checks
+# keep to halo_dist
+SHORT = PRODUCT + ("bench",)
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 60
 
 
@@ -107,7 +111,7 @@ def test_no_import_cycle_between_modules_or_subpackages():
 
 def test_product_files_and_functions_stay_short():
     long_files, long_functions = [], []
-    for folder in PRODUCT:
+    for folder in SHORT:
         for path in sorted((ROOT / folder).rglob("*.py")):
             src = path.read_text()
             rel = path.relative_to(ROOT)

@@ -224,10 +224,9 @@ if _HAS_TRITON:
         h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head: one program holds
         all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
         ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls). PREFETCH: load the
-        state before preparing q/k, so the two overlap (both halves at once with 4 warps
-        spilled registers).
-        State rows are SK elements apart (a 24-bit state's third bytes LK). EVERY > 1: writes
-        deferred, slots ``PK``/``PV``, positions ``Cur``/``Base`` (``DeferredWrites``)."""
+        state before preparing q/k, so the two overlap (both halves at once with 4 warps spilled
+        registers). State rows are SK elements apart (a 24-bit state's third bytes LK). EVERY > 1:
+        writes deferred, slots ``PK``/``PV``, positions ``Cur``/``Base`` (``DeferredWrites``)."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
