@@ -4,7 +4,7 @@
     cfg = load_config("configs/stages/2b/stage2.yaml", ["optim.lr=5e-5"])
     layout = cfg.validate_against_world(world_size)   # batch / SP arithmetic for this job
 """
-from .cli import add_config_args, parse_run_args
+from .launcher_args import add_config_args, parse_run_args
 from .coerce import ConfigError, from_dict, to_dict
 from .deepspeed import deepspeed_config, read_deepspeed_json
 from .loader import (apply_overrides, config_from_dict, deep_merge, load_config, load_tree,

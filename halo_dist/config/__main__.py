@@ -1,4 +1,4 @@
 """``python -m halo_dist.config --config FILE [key=value ...] [--world-size N]``."""
-from .cli import main
+from .launcher_args import main
 
 main()
