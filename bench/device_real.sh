@@ -13,6 +13,9 @@
 #       SmolLM2-shape teacher and runs the GPU-only tests; stash the GGUF part (KL_BENCH=1: also the loss bench)
 #   R2  join and check the GGUF; run the pipeline until its deadline (it checkpoints and pauses)
 #   R3  continue the pipeline (run again until `complete` in real_conversion.json)
+# Two arms that share a stage 1 may run their R3 pieces at once on one GPU (the 135M pair uses a fraction of
+# it): `TAG=x ... bash bench/device_real.sh R3 & TAG=y ... bash bench/device_real.sh R3; wait`; each logs to
+# run_R3_<tag>.log. Their stage rates are then not the pair's speed.
 # Every phase ends by bundling results and logs into $OUT/real_<phase>.tgz.
 # Experiments (one change against a baseline; bench/real_conversion.py compare-runs reads both results files):
 #   TAG=<name> makes the run an experiment in its own run folder (run_<name>) and results file; with
@@ -153,7 +156,7 @@ R2|R3)
     ${SEED:+--seed $SEED} ${TAG:+--tag $TAG} ${SELECT_CSR_OFFSET:+--select-csr-offset $SELECT_CSR_OFFSET} \
     ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} ${STAGE3_DATA:+--stage3-data $STAGE3_DATA} ${SHARE_STAGE1_FROM:+--share-stage1-from $SHARE_STAGE1_FROM} \
     ${CALIB_OBJECTIVE:+--calib-objective $CALIB_OBJECTIVE} ${CALIB_LENGTHS:+--calib-lengths $CALIB_LENGTHS} \
-    $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+    $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase${TAG:+_$TAG}.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac
