@@ -26,7 +26,7 @@ from bench.common import ATTN_2B, print_table  # noqa: E402
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.modeling_hypenet import HypeNetForCausalLM  # noqa: E402
-from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 NO_KERNEL = {
     "aten::view", "aten::reshape", "aten::expand", "aten::transpose", "aten::slice", "aten::select",
@@ -85,7 +85,7 @@ def count(cfg: HypeNetConfig) -> Counter:
     cache = HypeNetCache(cfg.num_hidden_layers, reserve_tokens=8)
     with torch.no_grad():
         model(torch.randint(0, cfg.vocab_size, (1, 32)), cache=cache, use_cache=True)
-    dec = StaticDecoder(model, cache, use_cuda_graph=False)
+    dec = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False))
     dec.step(torch.tensor([1]))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         dec.step(torch.tensor([1]))

@@ -379,7 +379,8 @@ def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_p
               f"opd.rollout_state_write_every={every}")
     t = run_trainer(tiny_cfg(tmp_path, *common))
     assert t.tokens_seen > 0
-    assert t.rollout_decoder_options.get("state_dtype", torch.float32) == kept
+    assert (t.rollout_decoder_options.state_dtype or torch.float32) == kept
+    assert t.rollout_decoder_options.state_write_every == every
     assert seen == {kept} and held == ({every} if every > 1 else set())
     assert all(math.isfinite(v) for _, v in read_metrics(tmp_path)["train/loss"])
     with pytest.raises(ConfigError, match="all Lightning"):
