@@ -32,6 +32,9 @@ from data_prep.retrieval import ATTRS, FACTS, RECALLS, entity, filler_paragraphs
 from halo_dist.eval.calibrate_retrieval import recall_split
 
 PARAGRAPH = "\n\n"
+# filler paragraphs longer than this are skipped: one code listing or table of thousands of tokens
+# would be most of a short prompt, or be dropped whole when a prompt is cut to its length
+LONGEST_PARAGRAPH = 2000  # characters
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,14 @@ def make_fact(rng: random.Random) -> Fact:
 
 
 def take(paragraphs, chars: int) -> list[str]:
-    """Paragraphs of the filler stream, in order, until they hold ``chars`` characters."""
+    """Paragraphs of the filler stream, in order (but those over ``LONGEST_PARAGRAPH``), until they
+    hold ``chars`` characters."""
     out, n = [], 0
     while n < chars:
-        out.append(next(paragraphs).strip())
-        n += len(out[-1]) + len(PARAGRAPH)
+        p = next(paragraphs).strip()
+        if len(p) <= LONGEST_PARAGRAPH:
+            out.append(p)
+            n += len(p) + len(PARAGRAPH)
     return out
 
 
@@ -111,7 +117,7 @@ def make_example(paragraphs, rng: random.Random, tokens: int, continuation: int,
     """One prompt of about ``tokens`` tokens with one fact per ~1,000 tokens (at least two) stated
     in its first 90%, asking for the first; its continuation (about twice ``continuation`` tokens,
     cut to the horizon when it trains) recalls the others in the text that follows."""
-    body = take(paragraphs, int(tokens * chars_per_token))
+    body = take(paragraphs, int(1.3 * tokens * chars_per_token))  # cut to ``tokens`` later
     facts, seen = [], set()
     while len(facts) < max(2, tokens // 1000):
         fact = make_fact(rng)
@@ -126,18 +132,21 @@ def make_example(paragraphs, rng: random.Random, tokens: int, continuation: int,
     return Example(body, facts, rest)
 
 
-def fit(example: Example, count, spec: PromptSpec, paragraphs) -> tuple[int, int]:
-    """Make the example fit the spec in tokens (``count``: text -> tokens): drop filler paragraphs
-    from the prompt's start while it is too long, add text to the continuation while it is too
-    short. Returns the two token counts."""
+def fit(example: Example, count, limit: int, spec: PromptSpec, paragraphs) -> tuple[int, int]:
+    """Cut the example to its length in tokens (``count``: text -> tokens): drop filler paragraphs
+    from the prompt's start while it holds more than ``limit`` tokens, add text to the
+    continuation while it is shorter than the spec's. Returns the two token counts."""
     statements = {f.statement for f in example.facts}
     n_prompt = count(example.prompt)
-    while n_prompt > spec.max_prompt_tokens:
-        filler = [i for i, p in enumerate(example.body) if p not in statements]
-        if not filler:
-            raise SystemExit(f"error: OPD arm prompts: {len(example.facts)} facts alone take "
-                             f"{n_prompt} tokens, more than {spec.max_prompt_tokens}")
-        del example.body[filler[0]]
+    while n_prompt > limit:
+        dropped = 0  # about as many tokens as the excess, counted paragraph by paragraph
+        while dropped < n_prompt - limit:
+            filler = [i for i, p in enumerate(example.body) if p not in statements]
+            if not filler:
+                raise SystemExit(f"error: OPD arm prompts: {len(example.facts)} facts alone take "
+                                 f"{n_prompt - dropped} tokens, more than {limit}")
+            dropped += count(example.body[filler[0]] + PARAGRAPH)
+            del example.body[filler[0]]
         n_prompt = count(example.prompt)
     n_rest = count(example.completion)
     while n_rest < spec.continuation_tokens:
@@ -177,9 +186,10 @@ def build(spec: PromptSpec, docs: list[str], tokenizer) -> list[dict]:
 
     rows = []
     for _ in range(spec.count):
-        example = make_example(paragraphs, rng, rng.randint(*spec.prompt_tokens),
-                               spec.continuation_tokens, cpt)
-        n_prompt, n_rest = fit(example, count, spec, paragraphs)
+        tokens = rng.randint(*spec.prompt_tokens)
+        example = make_example(paragraphs, rng, tokens, spec.continuation_tokens, cpt)
+        n_prompt, n_rest = fit(example, count, min(tokens, spec.max_prompt_tokens), spec,
+                               paragraphs)
         rows.append({"prompt": example.prompt, "completion": example.completion,
                      "prompt_tokens": n_prompt, "completion_tokens": n_rest,
                      "answer": example.facts[0].value})
