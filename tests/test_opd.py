@@ -648,6 +648,19 @@ def test_tokenizer_and_vocab_mismatch_are_refused():
     check_tokenizers(byte_tokenizer(), byte_tokenizer())
 
 
+def test_the_bundled_teacher_name_gives_its_tokenizer(tmp_path, monkeypatch):
+    """model.teacher: smollm2 (the demo configs' teacher) names the bundled teacher's folder for
+    the tokenizer too, not a hub id (offline, a hub lookup fails)."""
+    from halo_dist.assets import teacher as assets
+    from halo_dist.stages.opd_build import load_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path / "smollm2")
+    monkeypatch.setattr(assets, "smollm2_teacher_dir", lambda: tmp_path / "smollm2")
+    cfg = tiny_cfg(tmp_path, "model.teacher=smollm2", "model.random_teacher=null",
+                   "opd.tokenizer=null")
+    assert load_tokenizer(cfg).get_vocab() == byte_tokenizer().get_vocab()
+
+
 def test_launcher_reports_bad_input_in_one_line(tmp_path):
     import os
 
