@@ -61,7 +61,7 @@ def parse_args(argv=None):
                    help="student and teacher layers compiled for training (model.compile=layer)")
     p.add_argument("--compile-rollouts", action="store_true",
                    help="the static decode step through torch.compile (opd.compile_rollouts)")
-    p.add_argument("--state-dtype", choices=("float32", "bfloat16", "float24"), default="float32",
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the rollout decoder's RNN state dtype (opd.rollout_state_dtype)")
     p.add_argument("--state-write-every", type=int, default=1,
                    help="the rollout decoder writes its Lightning states every n tokens "
@@ -150,10 +150,9 @@ def rollout_phases(student, prompts: list[list[int]], horizon: int, options, arg
 
 def decoder_options(args):
     """The rollout decoder's ``DecodeOptions`` of ``--state-dtype`` and ``--state-write-every``."""
-    from halo_dist.models.hypenet.lightning_state import FLOAT24
     from halo_dist.models.hypenet.static_decode import DecodeOptions
 
-    state_dtype = FLOAT24 if args.state_dtype == "float24" else getattr(torch, args.state_dtype)
+    state_dtype = getattr(torch, args.state_dtype)
     return DecodeOptions(state_dtype=None if state_dtype == torch.float32 else state_dtype,
                          state_write_every=args.state_write_every)
 

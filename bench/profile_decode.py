@@ -20,8 +20,8 @@ depends on the cache's size, not its values):
 ``separate`` (packing off only), ``fla`` (in-place update off only), and ``compiled`` /
 ``compiled-baseline`` (the same, with the step through ``torch.compile`` before capture), and
 ``compiled-autotune`` (``compiled`` in Inductor's max-autotune mode, without its CUDA graphs),
-and ``compiled-float24`` / ``compiled-every4`` / ``compiled-float24-every4`` (the OPD rollout
-decoder's state options; the bytes bound still counts fp32 states written every token).
+and ``compiled-every4`` (the OPD rollout decoder's states written every 4 tokens; the bytes bound
+still counts fp32 states written every token).
 Writes ``bench/results/decode_profile.json``.
 
   python bench/profile_decode.py                              # H200, 512K and 32K
@@ -33,7 +33,7 @@ Writes ``bench/results/decode_profile.json``.
   python bench/profile_decode.py --models hypenet-2b --contexts 2097152 --prefill --tile 131072 \\
       --variants compiled --steps 8 --profiled 2     # graph vs eager at 2M on real keys
   python bench/profile_decode.py --models hypenet-2b --batch 512 --contexts 1280 \\
-      --variants compiled compiled-float24-every4     # an OPD rollout step, state options
+      --variants compiled compiled-every4     # an OPD rollout step, writes deferred
   python bench/profile_decode.py --cpu-smoke                  # tiny shapes on CPU (the script runs)
 """
 
@@ -56,7 +56,6 @@ from bench.bench_inference import (build, model_configs, prefill, rewind, rnn_st
                                    sync)
 from bench.common import decode_bandwidth, launch_settings, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
-from halo_dist.models.hypenet.lightning_state import FLOAT24  # noqa: E402
 from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 # (group, pattern on the kernel name); the first match wins
@@ -88,11 +87,8 @@ VARIANTS = {
     # Inductor's own batch-1 matmuls fused with the norms (fewer kernels, the same step time)
     "compiled-autotune": dict(compile="max-autotune-no-cudagraphs"),
     "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
-    # the OPD rollout decoder's state options (opd.rollout_state_dtype / rollout_state_write_every):
-    # the states in 24 bits (3/4 of their bytes), written back every 4 tokens, or both
-    "compiled-float24": dict(compile=True, state_dtype=FLOAT24),
+    # the OPD rollout decoder's states written back every 4 tokens (opd.rollout_state_write_every)
     "compiled-every4": dict(compile=True, state_write_every=4),
-    "compiled-float24-every4": dict(compile=True, state_dtype=FLOAT24, state_write_every=4),
 }
 
 

@@ -45,8 +45,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import RESULTS, environment, print_table  # noqa: E402
 from halo_dist.models.hypenet import HypeNetCache  # noqa: E402
-from halo_dist.models.hypenet.lightning_state import (FLOAT24, pack_float24,  # noqa: E402
-                                                      unpack_float24)
 from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 SMOLLM2_ATTN = [1, 5, 9, 13, 17, 21, 25, 29]  # 8 of 30 layers, about HypeNet-2B's share (7 of 28)
@@ -73,9 +71,6 @@ def parse_args(argv=None):
                         "Lightning state to bf16 after each token (round to nearest, as the kernel "
                         "stores), the rest kept fp32: a head forgets a rounding at its own rate "
                         "1 - λ, so only the slow heads should compound it")
-    p.add_argument("--state-dtype", choices=("bfloat16", "float24"), default="bfloat16",
-                   help="the narrower state the decoder keeps (float24: fp32 less its last byte, "
-                        "the in-place kernel's 24-bit state)")
     p.add_argument("--state-mantissa", type=int, default=None, metavar="BITS",
                    help="instead of a bf16 state, round every fp32 state to BITS explicit "
                         "mantissa bits after each token (round to nearest): 15 is a 24-bit "
@@ -86,7 +81,6 @@ def parse_args(argv=None):
         p.error("--state-mantissa: 1 to 22 bits (fp32 has 23)")
     chosen = [name for name, on in (("--state-mantissa", a.state_mantissa is not None),
                                     ("--fast-heads-bf16", a.fast_heads_bf16),
-                                    ("--state-dtype float24", a.state_dtype == "float24"),
                                     ("--rounding stochastic", a.rounding == "stochastic")) if on]
     if len(chosen) > 1:
         p.error(f"{' and '.join(chosen)} are different experiments: choose one")
@@ -186,11 +180,7 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
     other = StaticDecoder(model, twin, DecodeOptions(state_dtype=state_dtype))
     g = torch.Generator(device=device).manual_seed(seed)
     for s in other.cache.rnn_states():  # (drawn even when perturb is 0: the same samples)
-        values = unpack_float24(s) if s.dtype == FLOAT24 else s
-        values.mul_(1 + perturb * torch.randn(values.shape, generator=g, device=device,
-                                              dtype=values.dtype))
-        if s.dtype == FLOAT24:
-            s.copy_(pack_float24(values))
+        s.mul_(1 + perturb * torch.randn(s.shape, generator=g, device=device, dtype=s.dtype))
     if mantissa is not None:  # the prefilled state too, as a decoder keeping it narrower does
         round_mantissa(other, mantissa)
     nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g).view(-1)
@@ -262,8 +252,6 @@ def main(argv=None) -> dict:
         first = (f"fp32_rounded_to_{args.state_mantissa}_mantissa_bits",
                  drift(model, prompts, args.tokens, device, args.seed, None,
                        mantissa=args.state_mantissa))
-    elif args.state_dtype == "float24":
-        first = ("float24_state", drift(model, prompts, args.tokens, device, args.seed, FLOAT24))
     else:
         first = ("bf16_state", drift(model, prompts, args.tokens, device, args.seed))
     result = {first[0]: first[1],
@@ -281,7 +269,6 @@ def main(argv=None) -> dict:
     suffix = "_stochastic" if args.rounding == "stochastic" else ""
     suffix += f"_fast{args.fast_heads_bf16}" if args.fast_heads_bf16 else ""
     suffix += f"_m{args.state_mantissa}" if args.state_mantissa is not None else ""
-    suffix += "_float24" if args.state_dtype == "float24" else ""
     out = args.out or RESULTS / f"rollout_state_drift_{name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": environment(), "args": {k: str(v) for k, v in

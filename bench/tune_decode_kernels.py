@@ -157,12 +157,10 @@ def fused_case(batch: int, grid: list[dict], dev: str = "cuda",
         k_norm=torch.rand(D, device=dev, dtype=dtype) + 0.5,
         rope=(positions, rope_inv_freq(D, 1e6, dev)),
         o_norm=torch.rand(H * D, device=dev, dtype=dtype) + 0.5,
-        gate=z.view(batch, 1, H * D), gate_scale=2.0,
-        scratch=decode_lightning.split_scratch(batch, H, D, dev))
+        gate=z.view(batch, 1, H * D), gate_scale=2.0)
     shipped = decode_lightning.LAUNCH[torch.float32]
     start = pool[0].clone()  # the timed calls update the pool's states in place
-    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, start.clone(), ends,
-                                  fused_split=1).float()
+    ref = lightning_decode_triton(q, k, v, log_decay, D ** -0.5, start.clone(), ends).float()
     rows = []
     for cfg in [None] + grid:
         states = itertools.cycle(pool)
@@ -298,8 +296,6 @@ def main(argv=None) -> int:
          lambda: lightning_case(b, torch.float32, light_grid, dev, dt)),
         (f"lightning b{b} bf16 state", "lightning/bfloat16",
          lambda: lightning_case(b, torch.bfloat16, light_grid, dev, dt)),
-        (f"lightning b{b} 24-bit state", "lightning/uint8",  # lightning_state.FLOAT24
-         lambda: lightning_case(b, lightning_state.FLOAT24, light_grid, dev, dt)),
         (f"sampler b{b} vocab {vocab}", None, lambda: sampler_case(b, vocab, dev, dt)),
     ):
         cases[name] = fn()
@@ -322,13 +318,10 @@ def write_cases(cases: dict, best: dict, args) -> int:
     return 0
 
 
-def fused_grids() -> tuple[list[dict], list[dict]]:
-    """(one row: heads split over programs, or not; many rows: one program per head)."""
-    many = [{"fused_warps": w, "fused_prefetch": p, "fused_split": 1}
+def fused_grid() -> list[dict]:
+    """The fused step's knobs (one program per (row, head))."""
+    return [{"fused_warps": w, "fused_prefetch": p}
             for p, w in itertools.product((False, True), (2, 4, 8))]
-    one = many + [{"fused_split": n, "split_warps": w, "split_prefetch": p}
-                  for n, p, w in itertools.product((2, 4, 8), (False, True), (1, 2, 4))]
-    return one, many
 
 
 def fastest(rows: list[dict], knobs: tuple, default: dict, min_gain: float = 1.02) -> dict:
@@ -344,19 +337,15 @@ def fastest(rows: list[dict], knobs: tuple, default: dict, min_gain: float = 1.0
 
 
 def fused_main(args, batch: int, dev: str, dtype) -> int:
-    one, many = fused_grids()
-    cases = {"fused lightning b1": fused_case(1, one, dev, dtype),
-             f"fused lightning b{batch}": fused_case(batch, many, dev, dtype)}
+    grid = fused_grid()
+    cases = {"fused lightning b1": fused_case(1, grid, dev, dtype),
+             f"fused lightning b{batch}": fused_case(batch, grid, dev, dtype)}
     for name, rows in cases.items():
         print_table(rows, name)
     default = decode_lightning.LAUNCH[torch.float32]
-    best_one = fastest(cases["fused lightning b1"],
-                       ("fused_split", "split_warps", "split_prefetch"), default)
-    best_many = fastest(cases[f"fused lightning b{batch}"], ("fused_warps", "fused_prefetch"),
-                        default)
-    if best_one.get("fused_split", 1) == 1:  # no split wins at one row: keep the split off
-        best_one = {"fused_split": 1}
-    best = {"lightning/float32": {**best_many, **best_one}}
+    # the rollouts' batch decides: one launch serves every batch size
+    best = {"lightning/float32": fastest(cases[f"fused lightning b{batch}"],
+                                         ("fused_warps", "fused_prefetch"), default)}
     print(f"best: {best}")
     out = "/tmp/halo_dist_tune_smoke.json" if args.cpu_smoke and args.out is None else args.out
     path = write_result("decode_kernel_tuning_fused", {"cases": cases, "best": best,

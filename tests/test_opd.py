@@ -346,21 +346,20 @@ def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
     assert la == lb and len(la) == 3 and all(math.isfinite(v) for _, v in la)
 
 
-@pytest.mark.parametrize("name,every", [("bfloat16", 1), ("float24", 1), ("float32", 3)])
+@pytest.mark.parametrize("name,every", [("bfloat16", 1), ("float32", 3)])
 def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_path, monkeypatch,
                                                                           name, every):
-    """opd.rollout_state_dtype=bfloat16 / float24, opd.rollout_state_write_every=3: rollouts decode
-    with Lightning states kept that way (float24: bytes, ``FLOAT24``; writes deferred: held
-    tokens' slots) and the run trains (finite losses); a student with another RNN mixer, and a
-    dtype that is not offered, are refused before anything runs."""
+    """opd.rollout_state_dtype=bfloat16, opd.rollout_state_write_every=3: rollouts decode with
+    Lightning states kept that way (writes deferred: held tokens' slots) and the run trains (finite
+    losses); a student with another RNN mixer, and a dtype that is not offered (float24: removed),
+    are refused before anything runs."""
     from types import SimpleNamespace
 
     import halo_dist.stages.opd_rollouts as rollouts_mod
     from halo_dist.config.coerce import ConfigError
-    from halo_dist.models.hypenet.lightning_state import FLOAT24
     from halo_dist.stages.opd import rollout_decoder_options
 
-    kept = {"bfloat16": torch.bfloat16, "float24": FLOAT24, "float32": torch.float32}[name]
+    kept = {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
     seen, held = set(), set()
 
@@ -384,8 +383,9 @@ def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_p
     assert all(math.isfinite(v) for _, v in read_metrics(tmp_path)["train/loss"])
     with pytest.raises(ConfigError, match="all Lightning"):
         rollout_decoder_options(t.cfg.opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
-    with pytest.raises(ConfigError, match="rollout_state_dtype"):
-        tiny_cfg(tmp_path, "opd.rollout_state_dtype=float16")
+    for bad in ("float16", "float24"):
+        with pytest.raises(ConfigError, match="rollout_state_dtype"):
+            tiny_cfg(tmp_path, f"opd.rollout_state_dtype={bad}")
 
 
 def test_rung_continuation_reproduces_the_longer_run(tmp_path):

@@ -377,47 +377,6 @@ def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-def test_fused_step_split_over_programs_equals_one_program_per_head_in_the_interpreter():
-    """A head's columns shared by 2, 4 or 8 programs (the last to arrive finishes the output
-    norm) against one program per head, over three tokens on the same buffers: value dims 16 and
-    24 (not a power of two: 4-way gives 3 programs of 8 columns), GQA; the arrival counts end at
-    zero."""
-    script = """
-        import torch
-        from halo_dist.models.hypenet import decode_lightning as dl
-
-        torch.manual_seed(0)
-        worst = 0.0
-        for dv in (16, 24):
-            B, H, Hkv, DK = 1, 4, 2, 16
-            q = torch.randn(B, 1, H, DK)
-            k, v = torch.randn(B, 1, Hkv, DK), torch.randn(B, 1, Hkv, dv)
-            log_decay = -torch.rand(H)
-            state0 = torch.randn(B, H, DK, dv)
-            ends = dict(q_norm=torch.rand(DK) + 0.5, k_norm=torch.rand(DK) + 0.5,
-                        rope=(torch.tensor([[70_001]]), torch.rand(DK // 2)),
-                        o_norm=torch.rand(H * dv) + 0.5, gate=torch.randn(B, 1, H * dv),
-                        gate_scale=2.0)
-            outs = {}
-            for split in (1, 2, 4, 8):
-                scratch = dl.split_scratch(B, H, dv, "cpu")
-                scratch[0].fill_(float("nan"))  # a finisher reading a slot not yet written fails
-                state = state0.clone()
-                e = dl.LayerEnds(**ends, scratch=scratch)
-                outs[split] = [dl.lightning_decode_triton(q, k, v, log_decay, 0.3, state, e,
-                                                          fused_split=split) for _ in range(3)]
-                assert not scratch[1].any(), (dv, split, scratch[1])
-                outs[split].append(state)
-            for split in (2, 4, 8):
-                for got, want in zip(outs[split], outs[1]):
-                    worst = max(worst, float((got - want).norm() / want.norm()))
-        print("worst", worst)
-    """
-    out = run_interpreted(script, timeout=300, probe=False)
-    assert float(out.split("worst")[-1]) < 1e-6, out
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
     """The fused Lightning decode step (QK-norm, RoPE, the in-place update, output norm and gate in
     one kernel; TRITON_INTERPRET=1, fp32) against the mixer's own composition of those parts
@@ -441,7 +400,6 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
                 self.layers, self.fuse_lightning = [state], fuse
                 self.lightning_log_decay = lightning_log_decay(4)
                 self.rope_inv_freq = rope_inv_freq(16, cfg.rope_theta)
-                self.lightning_scratch = decode_lightning.split_scratch(len(state), 4, 16, "cpu")
             def lightning_step(self, i, q, k, v, log_decay, scale):
                 return decode_lightning.lightning_decode_torch(q, k, v, log_decay, scale,
                                                                self.layers[i])
@@ -453,11 +411,8 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
                 (torch.float32, torch.bfloat16), (3, 1)):
             if dtype == torch.bfloat16 and not (norm and rope and gate):
                 continue
-            # both orders of the kernel's loads (the state before or after the q/k work); one
-            # row is 4 programs on the interpreter's 8 "SMs": a head split over 2 or 4 programs
-            decode_lightning.LAUNCH[dtype].update(fused_prefetch=not gate,
-                                                  split_prefetch=gate,
-                                                  fused_split=2 if mha else 4)
+            # both orders of the kernel's loads (the state before or after the q/k work)
+            decode_lightning.LAUNCH[dtype].update(fused_prefetch=not gate)
             cfg = HypeNetConfig(vocab_size=32, hidden_size=48, num_hidden_layers=1,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 mixer_types=["lightning"], rnn_qk_norm=norm, rnn_rope=rope,
@@ -492,7 +447,7 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
                             attn_output_gate=True)
         model = HypeNetForCausalLM(cfg).float().eval()
         model_err = 0.0
-        for rows in (2, 1):  # one row: 4 programs < 8 "SMs", so the heads are split
+        for rows in (2, 1):
             ids = torch.randint(1, 97, (rows, 9))
             cache = HypeNetCache(4, reserve_tokens=6)
             with torch.no_grad():
@@ -613,33 +568,21 @@ def test_decode_kernels_read_their_launch_tables(monkeypatch):
     assert grid == (4, 4) and (kw["BLOCK_V"], kw["num_warps"]) == (16, 2)  # 64 columns / 16
     # the fused step: one program per (row, head) spanning the head's 64 columns, fused_warps
     monkeypatch.setitem(decode_lightning.LAUNCH, torch.float32,
-                        dict(block_v=16, num_warps=2, fused_warps=16, fused_prefetch=True,
-                             fused_split=2, split_warps=4, split_prefetch=False))
+                        dict(block_v=16, num_warps=2, fused_warps=16, fused_prefetch=True))
     ends = decode_lightning.LayerEnds(o_norm=torch.ones(4 * 64))
     decode_lightning.lightning_decode_triton(q, q, torch.randn(1, 1, 4, 64), -torch.rand(4), 0.3,
                                              state, ends)
     grid, kw = light.launches[-1]
     assert grid == (4, 1) and (kw["BLOCK_V"], kw["num_warps"], kw["OUT_NORM"]) == (64, 16, True)
     assert (kw["QK_NORM"], kw["ROPE"], kw["GATE"], kw["PREFETCH"]) == (False, False, False, True)
-    assert kw["V_SPLIT"] == 1  # no scratch given: no split
-    # with a scratch, fused_split programs share a head while rows x heads (4) < SMs (8)
-    scratch = decode_lightning.split_scratch(2, 4, 64, "cpu")
-    split_ends = decode_lightning.LayerEnds(o_norm=torch.ones(4 * 64), scratch=scratch)
-    decode_lightning.lightning_decode_triton(q, q, torch.randn(1, 1, 4, 64), -torch.rand(4), 0.3,
-                                             state, split_ends)
-    grid, kw = light.launches[-1]
-    assert grid == (4, 2) and (kw["BLOCK_V"], kw["V_SPLIT"], kw["BLOCK_DV"]) == (32, 2, 64)
-    assert (kw["num_warps"], kw["PREFETCH"]) == (4, False)
-    q2 = torch.randn(2, 1, 4, 16)  # 8 programs: the SMs are full, one program per head
+    q2 = torch.randn(2, 1, 4, 16)  # 2 rows: one program per (row, head)
     decode_lightning.lightning_decode_triton(q2, q2, torch.randn(2, 1, 4, 64), -torch.rand(4),
-                                             0.3, torch.zeros(2, 4, 16, 64), split_ends)
+                                             0.3, torch.zeros(2, 4, 16, 64), ends)
     grid, kw = light.launches[-1]
-    assert grid == (8, 1) and kw["V_SPLIT"] == 1
-    with pytest.raises(ValueError, match="fused_split=2 needs"):  # a scratch too small
-        decode_lightning.lightning_decode_triton(
-            q, q, torch.randn(1, 1, 4, 64), -torch.rand(4), 0.3, state,
-            decode_lightning.LayerEnds(o_norm=torch.ones(4 * 64),
-                                       scratch=decode_lightning.split_scratch(1, 2, 64, "cpu")))
+    assert grid == (8, 1) and kw["BLOCK_V"] == 64
+    with pytest.raises(ValueError, match="unknown"):  # a launch setting the kernel no longer has
+        decode_lightning.lightning_decode_triton(q, q, torch.randn(1, 1, 4, 64), -torch.rand(4),
+                                                 0.3, state, ends, fused_split=2)
     with pytest.raises(ValueError, match="unknown"):
         decode_attention.decode_attention_triton(q, kv, kv, torch.tensor([640]), 0.25, block_v=8)
     with pytest.raises(ValueError, match="unknown"):
@@ -738,20 +681,13 @@ def test_triton_split_kv_and_graph_match_the_references_on_cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mha,split", [(True, 4), (False, 1), (False, 8)],
-                         ids=["mha-split4", "gqa", "gqa-split8"])
-def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monkeypatch):
+@pytest.mark.parametrize("mha", [True, False], ids=["mha", "gqa"])
+def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha):
     """The 2B shape's heads (16 x 128), graph steps, 1 and 8 rows, positions past 4K: the compiled
-    decoder with the fused Lightning step (norms, RoPE, update, gate in one kernel; a head split
-    over ``split`` programs, which finish its output norm through the scratch) against an
+    decoder with the fused Lightning step (norms, RoPE, update, gate in one kernel) against an
     uncompiled one with torch's kernels around the in-place update. fp32 weights: the same logits
     and states to fp32 rounding. bf16 weights: the two round in different places (the fused step
     keeps fp32 from the projection to the gate), so only a loose bound."""
-    from halo_dist.models.hypenet import decode_lightning, lightning_state
-
-    for dtype in lightning_state.STATE_DTYPES:
-        monkeypatch.setitem(decode_lightning.LAUNCH, dtype,
-                            {**decode_lightning.LAUNCH[dtype], "fused_split": split})
     torch.manual_seed(0)
     cfg = HypeNetConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048,
                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
@@ -777,7 +713,6 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monke
             for key, x, y in (("fused", a, d), ("plain", b, d), ("apart", a, b)):
                 err[key] = max(err[key], float((x - y).norm() / y.norm()))
             nxt = d.argmax(-1)
-        assert not fused.cache.lightning_scratch[1].any()  # every head's arrivals reset
         states = zip(fused.cache.rnn_states(), plain.cache.rnn_states())
         state_err = max(float((s - t).norm() / t.norm()) for s, t in states)
         if dtype == torch.float32:
@@ -789,48 +724,6 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monke
             assert err["apart"] < 0.08, (B, err)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("split", [2, 4, 8])
-def test_fused_lightning_split_holds_over_many_launches_in_one_graph_on_cuda(split):
-    """A race between a head's programs (a finisher reading a column not yet written, a count not
-    reset) shows up only sometimes: 300 split launches captured in one CUDA graph and replayed,
-    the scratch's columns NaN before the first, every output against one program per head."""
-    from halo_dist.models.hypenet import decode_lightning as dl
-
-    torch.manual_seed(0)
-    B, H, Hkv, D, calls = 1, 16, 8, 128, 300
-    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, 1, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    log_decay = -torch.linspace(0.004, 0.7, H, device="cuda")
-    state0 = torch.randn(B, H, D, D, device="cuda")
-    scratch = dl.split_scratch(B, H, D, "cuda")
-    scratch[0].fill_(float("nan"))
-    ends = dict(q_norm=torch.rand(D, device="cuda") + 0.5,
-                k_norm=torch.rand(D, device="cuda") + 0.5,
-                rope=(torch.tensor([[4097]], device="cuda"),
-                      torch.rand(D // 2, device="cuda")),
-                o_norm=torch.rand(H * D, device="cuda") + 0.5,
-                gate=torch.randn(B, 1, H * D, device="cuda", dtype=torch.bfloat16))
-    split_ends = dl.LayerEnds(**ends, scratch=scratch)
-    state, outs = state0.clone(), torch.empty(calls, B, 1, H, D, device="cuda",
-                                              dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            outs[i] = dl.lightning_decode_triton(q, k, v, log_decay, D ** -0.5, state,
-                                                 split_ends, fused_split=split)
-    state.copy_(state0)
-    graph.replay()
-    torch.cuda.synchronize()
-    ref_state, ref = state0.clone(), []
-    for _ in range(calls):
-        ref.append(dl.lightning_decode_triton(q, k, v, log_decay, D ** -0.5, ref_state,
-                                              dl.LayerEnds(**ends), fused_split=1))
-    ref = torch.stack(ref).float()
-    assert not scratch[1].any()
-    assert torch.isfinite(outs).all()
-    assert float((outs.float() - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
-    assert float((state - ref_state).norm() / ref_state.norm()) < 1e-6
 
 
 @pytest.mark.cuda
@@ -877,11 +770,10 @@ def test_rollout_state_drift_measures_nothing_for_equal_states_and_something_for
     # fp32 rounded to 15 mantissa bits per token (a 24-bit state): far closer than bf16's 7
     fp24 = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=None, mantissa=15)
     assert 0.0 < fp24["tv_mean"] < half["tv_mean"] / 30
-    # the decoder's own 24-bit state rounds the same way, at the write
-    from halo_dist.models.hypenet.lightning_state import FLOAT24
-
-    real = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=FLOAT24)
-    assert real["tv_mean"] == fp24["tv_mean"] and real["kl_mean"] == fp24["kl_mean"]
+    # rounded to bf16's 7 bits per token: the bf16 state's drift (ties and the order of the
+    # rounding aside: the emulation rounds after the update, the state at its write)
+    bits7 = drift(model, prompts, 20, torch.device("cpu"), 0, state_dtype=None, mantissa=7)
+    assert bits7["tv_mean"] == pytest.approx(half["tv_mean"], rel=0.01), (bits7, half)
 
 
 def test_rounding_to_fewer_mantissa_bits_is_to_nearest():

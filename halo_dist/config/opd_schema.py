@@ -109,10 +109,9 @@ class OPDConfig(Section):
     continuous_batching: bool = True
     # the rollout decoder's RNN state dtype (Lightning-only students), rounded once per token.
     # bfloat16 halves Lightning's state bytes (~half of a 256-rollout step's) but rollouts drift
-    # off-policy: on a converted SmolLM2 the argmax agreed with fp32's at 16% of positions 257-1024.
-    # float24 (fp32 less its last byte) keeps 3/4 of the bytes: KL 6e-4 nats and 98.6% argmax
-    # agreement there (bench/rollout_state_drift.py; measure your student before using either)
-    rollout_state_dtype: Literal["float32", "bfloat16", "float24"] = "float32"
+    # off-policy: on a converted SmolLM2 the argmax agreed with fp32's at 16% of positions 257-1024
+    # (bench/rollout_state_drift.py; measure your student before using it)
+    rollout_state_dtype: Literal["float32", "bfloat16"] = "float32"
     # the rollout decoder writes its Lightning states back every n tokens and holds the tokens
     # between as k/v beside them (Lightning-only students; models/hypenet/lightning_state.py): the
     # state moves 1 + 1/n times per token instead of 2, with the same outputs up to fp32

@@ -51,7 +51,6 @@ from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
 from ..models.hypenet.decode_options import DecodeOptions
 from ..models.hypenet.generation_hypenet import _GENERATE_CACHE_KWARG
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
-from ..models.hypenet.lightning_state import FLOAT24
 from ..models.hypenet.static_decode import mixers_without_low_precision_state
 from .build import check_same_vocab
 
@@ -210,11 +209,10 @@ def static_options(compile_static: bool, decoder_options: DecodeOptions | None) 
 
 def rollout_decoder_options(opd, student_config) -> DecodeOptions:
     """``StaticDecoder`` options for the rollouts' Lightning states from ``opd.rollout_state_dtype``
-    (float24: ``FLOAT24``) and ``opd.rollout_state_write_every`` (empty: the defaults), refused up
+    and ``opd.rollout_state_write_every`` (empty: the defaults), refused up
     front for a student with RNN layers other than Lightning (only its in-place decode kernel
     keeps a narrower state or defers its writes)."""
-    dtype = {"float32": None, "float24": FLOAT24, "bfloat16": torch.bfloat16}[
-        opd.rollout_state_dtype]
+    dtype = {"float32": None, "bfloat16": torch.bfloat16}[opd.rollout_state_dtype]
     options = DecodeOptions(state_dtype=dtype, state_write_every=opd.rollout_state_write_every)
     other = mixers_without_low_precision_state(student_config.mixer_types)
     if options != DecodeOptions() and other:

@@ -10,9 +10,8 @@ rows x 16 heads x 128 x 128 fp32 = 268 MB per layer, 21 layers). Here each progr
 ``[K, BLOCK_V]`` tile of one (row, head) state: it reads the tile, updates it in registers and
 writes it back where it was, so the state moves once each way and no copy follows.
 
-The state is fp32 unless the caller keeps it narrower (bf16, or the 24-bit ``FLOAT24``), and a
-batched caller can defer its writes over several tokens (``DeferredWrites``): ``lightning_state.py``
-says how a state is kept.
+The state is fp32 unless the caller keeps it in bf16, and a batched caller can defer its writes
+over several tokens (``DeferredWrites``): ``lightning_state.py`` says how a state is kept.
 
 The same kernel can also do the rest of the layer's step between its two GEMMs (``LayerEnds``):
 the QK-norm and RoPE of q/k as they come out of the packed projection, and the per-head output
@@ -35,9 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode_attention import sm_count
-from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_step_torch,
-                              state_values, stored_state)
+from .lightning_state import (STATE_DTYPES, DeferredWrites, deferred_step_torch, state_values,
+                              stored_state)
 # Launch settings per state dtype: state columns per program and warps (they change the result only
 # by the order of floating-point additions). Measured on an H200 by ``bench/tune_decode_kernels.py``
 # at 256 rows (one CUDA graph of back-to-back calls): fp32 0.136 ms (3.9 TB/s) vs 0.160 for the
@@ -46,20 +44,11 @@ from .lightning_state import (FLOAT24, STATE_DTYPES, DeferredWrites, deferred_st
 # head) because its output norm spans the head's V columns; prefetch loads the state before the q/k
 # work. 2 fused warps: 5.4 µs vs 8.6 (4) and 8.4 (8) at 1 row, 144 µs vs 186 (4) at 256 rows, the
 # plain update's 144 (H200, ``tune_decode_kernels.py --fused``).
-# ``fused_split`` (with ``split_warps``, ``split_prefetch``): programs per head while rows x heads
-# leave SMs idle. At batch 1, 16 programs on 132 SMs, each a chain of dependent loads, took 11.4 µs
-# in the 512K step where the plain update's 32 programs took 3.7. Off (1): split over 4 programs on
-# an H100 the kernel took 5.5 µs against 6.3, but the 512K step 7.30 ms against 7.05
-# (``profile_decode.py``).
-# The narrower states take 4 fused warps: at 2, a thread's share of the tile and the work of
-# narrowing it overflow its 255 registers (ptxas, sm_90: the 24-bit state spills ~1.5 KB a thread,
-# bf16 written every 4 tokens 32 B; tests/test_kernel_compile.py). H100, 512 rows, µs per layer:
-# 24 bits written every token 591 (2 warps) -> 369 (4), every 4 tokens 310 -> 338; fp32 370 and
-# 258 (``profile_decode.py``). bf16 on 4 warps: not yet timed.
-LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=warps, fused_prefetch=False,
-                      fused_split=1, split_warps=2, split_prefetch=True)
-          for dtype, block_v, warps in ((torch.float32, 64, 2), (torch.bfloat16, 128, 4),
-                                        (FLOAT24, 64, 4))}
+# bf16 takes 4 fused warps: at 2, a thread's share of the tile and the work of narrowing it
+# overflow its 255 registers when writes are deferred (ptxas, sm_90: 32 B a thread;
+# tests/test_kernel_compile.py).
+LAUNCH = {dtype: dict(block_v=block_v, num_warps=8, fused_warps=warps, fused_prefetch=False)
+          for dtype, block_v, warps in ((torch.float32, 64, 2), (torch.bfloat16, 128, 4))}
 
 try:
     import triton
@@ -73,11 +62,11 @@ except Exception:  # pragma: no cover - depends on the environment
 def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            log_decay: torch.Tensor, scale: float, state: torch.Tensor,
                            deferred: DeferredWrites | None = None) -> torch.Tensor:
-    """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (or a
-    24-bit state's bytes ``[B, H, K, 3V]``; updated in place) -> o ``[B, 1, H, V]`` in q's dtype.
-    The update and the output are computed in fp32 at least (the state's dtype when wider); a bf16
-    or 24-bit state is rounded once, when it is written back. ``deferred``: the state is written
-    only at each row's ``every``-th token, the tokens between held there."""
+    """q/k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, log_decay ``[H]``, state ``[B, H, K, V]`` (updated
+    in place) -> o ``[B, 1, H, V]`` in q's dtype. The update and the output are computed in fp32
+    at least (the state's dtype when wider); a bf16 state is rounded once, when it is written back.
+    ``deferred``: the state is written only at each row's ``every``-th token, the tokens between
+    held there."""
     s = state_values(state)  # the state itself when it is already fp32/fp64
     acc = s.dtype
     qf, kf, vf = q[:, 0].to(acc), k[:, 0].to(acc), v[:, 0].to(acc)  # [B, H, K] / [B, H, V]
@@ -96,8 +85,7 @@ def lightning_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 if _HAS_TRITON:
-    from .lightning_state import deferred_rows, held_output, hold_token, load_rows, state_tiles, \
-        store_rows
+    from .lightning_state import deferred_rows, held_output, hold_token, load_rows, store_rows
 
     @triton.jit
     def _rope_cos_sin(Pos, InvFreq, lo, ROPE: tl.constexpr):
@@ -134,12 +122,12 @@ if _HAS_TRITON:
         return x1, x2
 
     @triton.jit
-    def _state_rows(tile, tile_lo, s, k, v, q, decay, v_ok, STATE24: tl.constexpr):
+    def _state_rows(tile, s, k, v, q, decay, v_ok):
         """Rows of one state tile ``[D/2, BLOCK_V]``, loaded as ``s`` (fp32): S <- decay S + kᵀv,
         written back in place; returns their share of q S ``[BLOCK_V]`` (from the fp32 update,
         before any rounding of the store)."""
         s = decay * s + k[:, None] * v[None, :]
-        store_rows(tile, tile_lo, s, v_ok, STATE24)
+        store_rows(tile, s, v_ok)
         return tl.sum(q[:, None] * s, axis=0)
 
     @triton.jit
@@ -156,76 +144,46 @@ if _HAS_TRITON:
         tl.store(O + b * stride_ob + h * DV + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
 
     @triton.jit
-    def _finish_split_head(o, offs_v, v_ok, b, h, Part, Arrived, OW, G, O, stride_gb, stride_ob,
-                           eps_o, gate_scale, H: tl.constexpr, DV: tl.constexpr,
-                           BLOCK_DV: tl.constexpr, V_SPLIT: tl.constexpr, OUT_NORM: tl.constexpr,
-                           GATE: tl.constexpr):
-        """The output norm spans the head's V_SPLIT programs: each parks its columns ``o`` in
-        ``Part``, and the last to arrive finishes the whole head. The barrier orders every
-        thread's stores before the release; the last program resets the arrival count for the
-        next call."""
-        slot = b * H + h
-        tl.store(Part + slot * DV + offs_v, o, mask=v_ok)
-        tl.debug_barrier()
-        if tl.atomic_add(Arrived + slot, 1, sem="acq_rel") == V_SPLIT - 1:
-            tl.debug_barrier()
-            all_v = tl.arange(0, BLOCK_DV)
-            all_ok = all_v < DV
-            # [BLOCK_DV], read past L1: other SMs wrote it
-            head = tl.load(Part + slot * DV + all_v, mask=all_ok, other=0.0, cache_modifier=".cg")
-            _finish_head(head, all_v, all_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o,
-                         gate_scale, DV, OUT_NORM, GATE)
-            tl.store(Arrived + slot, 0)
-
-    @triton.jit
-    def _written_step(t1, l1, t2, l2, s1, s2, q1, q2, k1, k2, v, g, v_ok, PREFETCH: tl.constexpr,
-                      STATE24: tl.constexpr):
+    def _written_step(t1, t2, s1, s2, q1, q2, k1, k2, v, g, v_ok, PREFETCH: tl.constexpr):
         """Each token written back: both halves of the tile (``s1``/``s2`` loaded already with
         PREFETCH, else here one after the other) -> q S ``[BLOCK_V]``."""
         decay = tl.exp(g)
         if not PREFETCH:
-            s1 = load_rows(t1, l1, v_ok, STATE24)
-        o = _state_rows(t1, l1, s1, k1, v, q1, decay, v_ok, STATE24)
+            s1 = load_rows(t1, v_ok)
+        o = _state_rows(t1, s1, k1, v, q1, decay, v_ok)
         if not PREFETCH:
-            s2 = load_rows(t2, l2, v_ok, STATE24)
-        return o + _state_rows(t2, l2, s2, k2, v, q2, decay, v_ok, STATE24)
+            s2 = load_rows(t2, v_ok)
+        return o + _state_rows(t2, s2, k2, v, q2, decay, v_ok)
 
     @triton.jit
-    def _deferred_step(t1, l1, t2, l2, q1, q2, k1, k2, v, g, j, PK, PV, lo, hi, offs_v, v_ok,
-                       first, DK: tl.constexpr, DV: tl.constexpr, EVERY: tl.constexpr,
-                       STATE24: tl.constexpr):
+    def _deferred_step(t1, t2, q1, q2, k1, k2, v, g, j, PK, PV, lo, hi, offs_v, v_ok, first,
+                       DK: tl.constexpr, DV: tl.constexpr, EVERY: tl.constexpr):
         """Writes deferred (``lightning_state.DeferredWrites``): this token is the row's held slot
         j; its state is written only at j = EVERY-1 -> q S_t ``[BLOCK_V]``. No program reads the
         slot it writes, and the head's programs read only slots below j."""
         j = tl.where(j < 0, j + EVERY, j)  # Triton's % keeps the dividend's sign; torch's does not
         o = (tl.sum(q1 * k1, 0) + tl.sum(q2 * k2, 0)) * v
         o += held_output(q1, q2, PK, PV, lo, hi, offs_v, v_ok, j, g, DK, DV, EVERY)
-        o += deferred_rows(t1, l1, q1, k1, v, PK, PV, lo, offs_v, v_ok, j, g, DK, DV, EVERY,
-                           STATE24)
-        o += deferred_rows(t2, l2, q2, k2, v, PK, PV, hi, offs_v, v_ok, j, g, DK, DV, EVERY,
-                           STATE24)
+        o += deferred_rows(t1, q1, k1, v, PK, PV, lo, offs_v, v_ok, j, g, DK, DV, EVERY)
+        o += deferred_rows(t2, q2, k2, v, PK, PV, hi, offs_v, v_ok, j, g, DK, DV, EVERY)
         hold_token(k1, k2, v, PK, PV, lo, hi, offs_v, v_ok, j, first, DK, DV, EVERY)
         return o
 
     @triton.jit
     def _lightning_decode_kernel(
-        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O, Part, Arrived, Cur, Base, PK, PV,
+        Q, K, V, G, Pos, InvFreq, QW, KW, OW, LogDecay, S, O, Cur, Base, PK, PV,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_pb,
         stride_sb, stride_sh, stride_ob,
         scale, eps_qk, eps_o, gate_scale,
         H: tl.constexpr, KV_GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BLOCK_V: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
-        OUT_NORM: tl.constexpr, GATE: tl.constexpr, PREFETCH: tl.constexpr,
-        V_SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr, SK: tl.constexpr, LK: tl.constexpr,
-        STATE24: tl.constexpr, EVERY: tl.constexpr,
+        OUT_NORM: tl.constexpr, GATE: tl.constexpr, PREFETCH: tl.constexpr, EVERY: tl.constexpr,
     ):
         """One program: row b, head h, value columns [pid_v * BLOCK_V, +BLOCK_V) of the state. Head
-        h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head: one program holds
-        all its columns (V_SPLIT 1) or V_SPLIT programs share them through ``Part`` (fp32
-        ``[B*H*DV]``) and ``Arrived`` (int32 ``[B*H]``, zero between calls). PREFETCH: load the
-        state before preparing q/k, so the two overlap (both halves at once with 4 warps spilled
-        registers). State rows are SK elements apart (a 24-bit state's third bytes LK). EVERY > 1:
-        writes deferred, slots ``PK``/``PV``, positions ``Cur``/``Base`` (``DeferredWrites``)."""
+        h reads k/v head h // KV_GROUP. With OUT_NORM the norm spans the head, so one program holds
+        all its columns. PREFETCH: load the state before preparing q/k, so the two overlap (both
+        halves at once with 4 warps spilled registers). EVERY > 1: writes deferred, slots
+        ``PK``/``PV``, positions ``Cur``/``Base`` (``DeferredWrites``)."""
         pid_bh = tl.program_id(0)
         pid_v = tl.program_id(1)
         # rows x heads x K x V passes 2^31 elements at a few hundred rows
@@ -237,11 +195,10 @@ if _HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < DV
         # the state's rows [0, DK/2) and [DK/2, DK), each [DK/2, BLOCK_V]
-        tile, tile_lo = state_tiles(S + b * stride_sb + h * stride_sh, offs_v, DV, STATE24)
-        t1, l1 = tile + lo[:, None] * SK, tile_lo[None, :] + lo[:, None] * LK
-        t2, l2 = tile + hi[:, None] * SK, tile_lo[None, :] + hi[:, None] * LK
+        tile = S + b * stride_sb + h * stride_sh + offs_v[None, :]
+        t1, t2 = tile + lo[:, None] * DV, tile + hi[:, None] * DV
         if PREFETCH:
-            s1, s2 = load_rows(t1, l1, v_ok, STATE24), load_rows(t2, l2, v_ok, STATE24)
+            s1, s2 = load_rows(t1, v_ok), load_rows(t2, v_ok)
         else:  # (stand-ins: _written_step loads them)
             s1, s2 = v_ok, v_ok
         c, s = _rope_cos_sin(Pos + b * stride_pb, InvFreq, lo, ROPE)
@@ -253,21 +210,15 @@ if _HAS_TRITON:
         v = v.to(tl.float32)  # [BLOCK_V]
         g = tl.load(LogDecay + h).to(tl.float32)
         if EVERY == 1:
-            o = _written_step(t1, l1, t2, l2, s1, s2, q1, q2, k1, k2, v, g, v_ok, PREFETCH, STATE24)
+            o = _written_step(t1, t2, s1, s2, q1, q2, k1, k2, v, g, v_ok, PREFETCH)
         else:
             j = (tl.load(Cur + b) - tl.load(Base + b)) % EVERY  # the token's held slot
             slot = (b * H + h) * (EVERY - 1)
-            o = _deferred_step(t1, l1, t2, l2, q1, q2, k1, k2, v, g, j, PK + slot * DK,
-                               PV + slot * DV, lo, hi, offs_v, v_ok, pid_v == 0, DK, DV, EVERY,
-                               STATE24)
+            o = _deferred_step(t1, t2, q1, q2, k1, k2, v, g, j, PK + slot * DK, PV + slot * DV, lo,
+                               hi, offs_v, v_ok, pid_v == 0, DK, DV, EVERY)
         o = o * tl.cast(scale, tl.float32)  # [BLOCK_V] (Inductor passes an fp64 scale)
-        if V_SPLIT == 1:  # this program holds the whole head
-            _finish_head(o, offs_v, v_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o, gate_scale,
-                         DV, OUT_NORM, GATE)
-        else:
-            _finish_split_head(o, offs_v, v_ok, b, h, Part, Arrived, OW, G, O, stride_gb,
-                               stride_ob, eps_o, gate_scale, H, DV, BLOCK_DV, V_SPLIT, OUT_NORM,
-                               GATE)
+        _finish_head(o, offs_v, v_ok, b, h, OW, G, O, stride_gb, stride_ob, eps_o, gate_scale, DV,
+                     OUT_NORM, GATE)
 
 
 @dataclass(frozen=True)
@@ -276,9 +227,7 @@ class LayerEnds:
     a part out): before it, the QK-norm (weights ``[K]``) and RoPE (``rope``: each row's position
     ``[B, 1]`` int64 and the inverse frequencies ``[K/2]`` fp32, HF's rotate-half convention);
     after it, the per-head output RMSNorm (weight ``[H*V]``) and the output gate
-    ``gate_scale * sigmoid(gate)`` (``gate``: its logits ``[B, 1, H*V]``). ``scratch``
-    (``split_scratch``) lets ``fused_split`` programs share a head while the rows x heads are fewer
-    than the GPU's SMs."""
+    ``gate_scale * sigmoid(gate)`` (``gate``: its logits ``[B, 1, H*V]``)."""
 
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -288,29 +237,16 @@ class LayerEnds:
     o_eps: float = 1e-6
     gate: torch.Tensor | None = None
     gate_scale: float = 1.0
-    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def split_scratch(rows: int, heads: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the fused step needs to split a head's columns over programs (``LayerEnds.scratch``):
-    each program's output columns, fp32 ``[rows*heads*dv]``, and how many of a head's programs
-    have finished, int32 ``[rows*heads]``. The kernel leaves the counts at zero, so one scratch
-    serves every layer and step of a decoder (its kernels run one after another)."""
-    return (torch.empty(rows * heads * dv, device=device, dtype=torch.float32),
-            torch.zeros(rows * heads, device=device, dtype=torch.int32))
 
 def _check_inputs(q, k, v, state, ends: LayerEnds | None) -> None:
     B, _, H, DK = q.shape
     Hkv, DV = v.shape[2], v.shape[-1]
-    width = 3 * DV if state.dtype == FLOAT24 else DV  # a 24-bit state's row: 3 bytes per column
     if (state.dtype not in STATE_DTYPES or not state.is_contiguous()
-            or tuple(state.shape) != (B, H, DK, width)):
+            or tuple(state.shape) != (B, H, DK, DV)):
         raise ValueError(f"the state must be a contiguous fp32 or bf16 [{B}, {H}, {DK}, {DV}] "
-                         f"tensor or a 24-bit state's bytes [{B}, {H}, {DK}, {3 * DV}], got "
-                         f"{state.dtype} {tuple(state.shape)}")
-    if state.dtype == FLOAT24 and (DV % 2 or state.data_ptr() % 2):
-        raise ValueError(f"a 24-bit state needs an even value dim and an even start address (its "
-                         f"top two bytes are read as int16 pairs), got {DV}")
+                         f"tensor, got {state.dtype} {tuple(state.shape)}")
     if DK & (DK - 1) or DK < 2 or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("lightning_decode_triton needs unit-stride head dims and a power-of-two "
                          "key dim")
@@ -332,20 +268,6 @@ def _check_inputs(q, k, v, state, ends: LayerEnds | None) -> None:
                              f"{tuple(inv_freq.shape)}")
 
 
-def _fused_split(programs: int, dv: int, e: LayerEnds, cfg: dict, device) -> int:
-    """Programs per head of the fused step: ``fused_split`` while one per (row, head) leaves SMs
-    idle and the caller gave a scratch, else 1."""
-    split = cfg["fused_split"]
-    if split == 1 or e.scratch is None or programs >= sm_count(device):
-        return 1
-    part, arrived = e.scratch
-    if split & (split - 1) or split > dv or part.numel() < programs * dv \
-            or arrived.numel() < programs:
-        raise ValueError(f"fused_split={split} needs a power of two up to the head's {dv} "
-                         f"columns and a scratch for {programs} heads (split_scratch)")
-    return split
-
-
 def _check_deferred(d: DeferredWrites, B: int, H: int, DK: int, DV: int) -> None:
     n = d.keys.shape[2] if d.keys.dim() == 4 else 0
     want = {"keys": ((B, H, n, DK), torch.float32), "values": ((B, H, n, DV), torch.float32),
@@ -357,16 +279,13 @@ def _check_deferred(d: DeferredWrites, B: int, H: int, DK: int, DV: int) -> None
                              f"(deferred_writes makes them), got {t.dtype} {tuple(t.shape)}")
 
 
-def _launch_shape(cfg: dict, e: LayerEnds, B: int, H: int, DV: int, device,
-                  deferred: bool) -> tuple[int, int, bool, int]:
-    """(columns per program, warps, prefetch, programs per head when a head is split)."""
+def _launch_shape(cfg: dict, e: LayerEnds, DV: int, deferred: bool) -> tuple[int, int, bool]:
+    """(columns per program, warps, prefetch)."""
     if e.o_norm is None:  # the plain update: tiles of block_v columns
-        return cfg["block_v"], cfg["num_warps"], False, 1
-    split = _fused_split(B * H, DV, e, cfg, device)
-    prefix = "split" if split > 1 else "fused"
-    # deferred writes read the state's halves one after the other (no prefetch)
-    prefetch = cfg[f"{prefix}_prefetch"] and not deferred
-    return triton.next_power_of_2(DV) // split, cfg[f"{prefix}_warps"], prefetch, split
+        return cfg["block_v"], cfg["num_warps"], False
+    # the fused step's output norm spans the head: one program per (row, head); deferred writes
+    # read the state's halves one after the other (no prefetch)
+    return triton.next_power_of_2(DV), cfg["fused_warps"], cfg["fused_prefetch"] and not deferred
 
 
 def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -374,11 +293,10 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             ends: LayerEnds | None = None, deferred: DeferredWrites | None = None,
                             **launch) -> torch.Tensor:
     """Same contract as ``lightning_decode_torch``; ``state`` must be a contiguous fp32 or bf16
-    ``[B, H, K, V]`` or a 24-bit state's bytes ``[B, H, K, 3V]`` (bf16: half the bytes per step,
-    24 bits: 3/4; the arithmetic stays fp32; V even for 24 bits); k/v may have fewer
+    ``[B, H, K, V]`` (bf16: half the bytes per step; the arithmetic stays fp32); k/v may have fewer
     heads than q (GQA: head h reads k/v head h // (H / Hkv)). ``ends`` adds the layer's QK-norm and
     RoPE before the update and its output norm and gate after it, in the same kernel (then a program
-    spans a head's V columns, or ``fused_split`` programs share it: ``_fused_split``). ``deferred``:
+    spans a head's V columns). ``deferred``:
     the state written every few tokens (``lightning_state``). ``launch`` (keys of ``LAUNCH``)
     overrides the state dtype's ``LAUNCH`` entry."""
     _check_inputs(q, k, v, state, ends)
@@ -391,32 +309,28 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if deferred is not None:
         _check_deferred(deferred, B, H, DK, DV)
     e = ends or LayerEnds()
-    block_v, warps, prefetch, split = _launch_shape({**LAUNCH[state.dtype], **launch}, e, B, H,
-                                                    DV, q.device, deferred is not None)
+    block_v, warps, prefetch = _launch_shape({**LAUNCH[state.dtype], **launch}, e, DV,
+                                             deferred is not None)
     o = torch.empty(B, 1, H, DV, device=q.device, dtype=q.dtype)
     log_decay = log_decay.to(device=q.device, dtype=torch.float32).contiguous()
     pos, inv_freq = e.rope or (q, q)  # (q: any pointer where a part is left out)
     gate = q if e.gate is None else e.gate
-    programs = triton.cdiv(DV, block_v)  # per head (fewer than split when DV is not a power of 2)
+    programs = triton.cdiv(DV, block_v)  # per head
     # unused parts: a tensor the kernel only reads stands in (never the output, which a compiler
     # that cannot see the constexpr branch would take for one more written argument)
-    part, arrived = e.scratch if split > 1 else (log_decay, log_decay)
     held = ((deferred.pos, deferred.base, deferred.keys, deferred.values) if deferred is not None
             else (log_decay,) * 4)
-    state24 = state.dtype == FLOAT24
     _lightning_decode_kernel[(B * H, programs)](
         q, k, v, gate, pos, inv_freq, q if e.q_norm is None else e.q_norm,
         q if e.k_norm is None else e.k_norm, q if e.o_norm is None else e.o_norm,
-        log_decay, state, o, part, arrived, *held,
+        log_decay, state, o, *held,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         gate.stride(0), pos.stride(0),
         state.stride(0), state.stride(1), o.stride(0),
         scale, e.qk_eps, e.o_eps, e.gate_scale,
         H=H, KV_GROUP=H // Hkv, DK=DK, DV=DV, BLOCK_V=block_v, QK_NORM=e.q_norm is not None,
         ROPE=e.rope is not None, OUT_NORM=e.o_norm is not None, GATE=e.gate is not None,
-        PREFETCH=prefetch, V_SPLIT=programs if split > 1 else 1,
-        BLOCK_DV=triton.next_power_of_2(DV), SK=3 * DV // 2 if state24 else DV, LK=3 * DV,
-        STATE24=state24, EVERY=deferred.every if deferred is not None else 1, num_warps=warps,
+        PREFETCH=prefetch, EVERY=deferred.every if deferred is not None else 1, num_warps=warps,
     )
     return o
 

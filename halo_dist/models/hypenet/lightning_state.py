@@ -1,15 +1,11 @@
 """How a Lightning layer's decode state is kept between tokens (``decode_lightning.py`` updates it):
-its storage formats, and writes deferred over several tokens.
+its storage dtype, and writes deferred over several tokens.
 
-Storage. The state ``[B, H, K, V]`` is fp32 unless the caller keeps it narrower
-(``StaticDecoder(state_dtype=...)``); either way the kernel updates it in fp32 registers and rounds
-once when it writes it back:
-* bf16: half the bytes, but the rounding compounds (1 − λ of the slowest heads is bf16's own
-  spacing) and moves the sampling distribution far (bench/rollout_state_drift.py);
-* ``FLOAT24``: fp32 with its last byte rounded away (15 mantissa bits, fp32's exponent), 3/4 of the
-  bytes, stored as bytes ``[B, H, K, 3V]``: per row of the state, the V elements' top two bytes
-  (their bf16 truncation, ``[..., :2V]`` as int16) and then their third bytes (``[..., 2V:]``).
-  ``pack_float24`` / ``unpack_float24`` convert.
+Storage. The state ``[B, H, K, V]`` is fp32 unless the caller keeps it in bf16
+(``DecodeOptions(state_dtype=torch.bfloat16)``); either way the kernel updates it in fp32 registers
+and rounds once when it writes it back. bf16 halves the bytes, but the rounding compounds (1 − λ of
+the slowest heads is bf16's own spacing) and moves the sampling distribution far
+(bench/rollout_state_drift.py).
 
 Deferred writes (``DeferredWrites``). A batched rollout step reads every row's state and writes it
 back, so the state moves twice per token. The update is linear with a per-head constant decay λ, so
@@ -31,10 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-# the storage dtype that marks a 24-bit state (bytes, ``[B, H, K, 3V]``; see the module docstring)
-FLOAT24 = torch.uint8
 # dtypes the in-place kernel keeps a state in (fp32 by default; bf16 halves a batched step's bytes)
-STATE_DTYPES = (torch.float32, torch.bfloat16, FLOAT24)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 try:
     import triton
@@ -45,40 +39,14 @@ except Exception:  # pragma: no cover - depends on the environment
     _HAS_TRITON = False
 
 
-def pack_float24(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[..., V]`` (V even) -> a 24-bit state's bytes ``[..., 3V]``: each element rounded to
-    15 mantissa bits (to nearest, ties away from zero: half of the dropped byte added to the bit
-    pattern, whose carry into the exponent is the right rounding up), its top two bytes first."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"a 24-bit state needs an even last dim (its top two bytes are read as "
-                         f"int16 pairs), got {x.shape[-1]}")
-    bits = x.to(torch.float32).contiguous().view(torch.int32)  # [..., V]
-    # inf and NaN (all-ones exponent) as they are: a carry would turn them into other numbers; a
-    # NaN keeps its quiet bit, so that dropping its last byte cannot make it inf
-    special = (bits & 0x7F800000) == 0x7F800000
-    nan = special & ((bits & 0x7FFFFF) != 0)
-    bits = torch.where(special, torch.where(nan, bits | 0x400000, bits), bits + 0x80)
-    hi = (bits >> 16).to(torch.int16).view(torch.uint8)  # [..., V] int16 -> [..., 2V] bytes
-    return torch.cat([hi, ((bits >> 8) & 0xFF).to(torch.uint8)], dim=-1)  # [..., 3V]
-
-
-def unpack_float24(t: torch.Tensor) -> torch.Tensor:
-    """A 24-bit state's bytes ``[..., 3V]`` -> fp32 ``[..., V]`` (the dropped byte zero)."""
-    V = t.shape[-1] // 3
-    hi = t[..., : 2 * V].contiguous().view(torch.int16).to(torch.int32) << 16  # [..., V]
-    return (hi | (t[..., 2 * V:].to(torch.int32) << 8)).view(torch.float32)
-
-
 def stored_state(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A state ``[B, H, K, V]`` as the in-place kernel keeps it in ``dtype`` (contiguous)."""
-    return pack_float24(x) if dtype == FLOAT24 else x.to(dtype).contiguous()
+    return x.to(dtype).contiguous()
 
 
 def state_values(state: torch.Tensor) -> torch.Tensor:
     """A kept state as numbers ``[B, H, K, V]``, fp32 at least (the inverse of ``stored_state``,
     up to its rounding)."""
-    if state.dtype == FLOAT24:
-        return unpack_float24(state)
     return state.to(torch.promote_types(state.dtype, torch.float32))
 
 
@@ -167,45 +135,14 @@ def deferred_step_torch(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 if _HAS_TRITON:
 
     @triton.jit
-    def load_rows(tile, tile_lo, v_ok, STATE24: tl.constexpr):
-        """The state at ``tile`` (pointers ``[R, BLOCK_V]``) as fp32. A 24-bit state: its top two
-        bytes (int16) at ``tile``, its third byte at ``tile_lo``."""
-        if STATE24:
-            hi = tl.load(tile, mask=v_ok[None, :], other=0).to(tl.int32)
-            lo = tl.load(tile_lo, mask=v_ok[None, :], other=0).to(tl.int32)  # zero-extended
-            return ((hi << 16) | (lo << 8)).to(tl.float32, bitcast=True)
+    def load_rows(tile, v_ok):
+        """The state's rows at ``tile`` (pointers ``[R, BLOCK_V]``) as fp32."""
         return tl.load(tile, mask=v_ok[None, :], other=0.0).to(tl.float32)
 
     @triton.jit
-    def store_rows(tile, tile_lo, s, v_ok, STATE24: tl.constexpr):
-        """Write fp32 rows ``s`` back (bf16: rounded to nearest even; 24 bits: to nearest, ties
-        away, as ``pack_float24``)."""
-        if STATE24:
-            bits = s.to(tl.int32, bitcast=True)
-            # round to nearest, except inf/NaN (all-ones exponent: a carry would change them; a
-            # NaN keeps its quiet bit, so that dropping its last byte cannot make it inf)
-            special = (bits & 0x7F800000) == 0x7F800000
-            nan = special & ((bits & 0x7FFFFF) != 0)
-            bits = tl.where(special, tl.where(nan, bits | 0x400000, bits), bits + 0x80)
-            tl.store(tile, (bits >> 16).to(tl.int16), mask=v_ok[None, :])
-            tl.store(tile_lo, ((bits >> 8) & 0xFF).to(tl.uint8), mask=v_ok[None, :])
-        else:
-            tl.store(tile, s.to(tile.dtype.element_ty, fp_downcast_rounding="rtne"),
-                     mask=v_ok[None, :])
-
-    @triton.jit
-    def state_tiles(base, offs_v, DV: tl.constexpr, STATE24: tl.constexpr):
-        """Pointers to columns ``offs_v`` of a head's state row 0 at ``base``. A 24-bit state
-        (STATE24): ``base`` points at its bytes; the rows' top two bytes are read as int16, their
-        third bytes start 2 DV bytes into the row (one tensor argument: two aliasing views of it
-        would confuse torch.compile's analysis of what the kernel writes)."""
-        # one return: Triton checks every return's type, even one a constexpr branch skips
-        if STATE24:
-            tile = base.to(tl.pointer_type(tl.int16)) + offs_v[None, :]
-            tile_lo = base + 2 * DV + offs_v
-        else:
-            tile, tile_lo = base + offs_v[None, :], base + offs_v  # (the second unread)
-        return tile, tile_lo
+    def store_rows(tile, s, v_ok):
+        """Write fp32 rows ``s`` back (a bf16 state: rounded to nearest even)."""
+        tl.store(tile, s.to(tile.dtype.element_ty, fp_downcast_rounding="rtne"), mask=v_ok[None, :])
 
     @triton.jit
     def held_output(q1, q2, PK, PV, lo, hi, offs_v, v_ok, j, g, DK: tl.constexpr,
@@ -225,13 +162,12 @@ if _HAS_TRITON:
         return o
 
     @triton.jit
-    def deferred_rows(tile, tile_lo, q, k, v, PK, PV, offs_k, offs_v, v_ok, j, g,
-                       DK: tl.constexpr, DV: tl.constexpr, EVERY: tl.constexpr,
-                       STATE24: tl.constexpr):
+    def deferred_rows(tile, q, k, v, PK, PV, offs_k, offs_v, v_ok, j, g, DK: tl.constexpr,
+                       DV: tl.constexpr, EVERY: tl.constexpr):
         """Rows ``offs_k`` of a written state's tile ``[DK/2, BLOCK_V]``: their share of
         λ^{j+1} q S₀ ``[BLOCK_V]``; at the row's last held slot (j = EVERY-1), the state with
         every held token and this one folded in, written back."""
-        s = load_rows(tile, tile_lo, v_ok, STATE24)
+        s = load_rows(tile, v_ok)
         o = tl.exp(g * (j + 1).to(tl.float32)) * tl.sum(q[:, None] * s, axis=0)
         if j == EVERY - 1:
             s = tl.exp(g * EVERY) * s + k[:, None] * v[None, :]
@@ -239,7 +175,7 @@ if _HAS_TRITON:
                 ki = tl.load(PK + i * DK + offs_k)
                 vi = tl.load(PV + i * DV + offs_v, mask=v_ok, other=0.0)
                 s += tl.exp(g * (EVERY - 1 - i)) * ki[:, None] * vi[None, :]
-            store_rows(tile, tile_lo, s, v_ok, STATE24)
+            store_rows(tile, s, v_ok)
         return o
 
     @triton.jit

@@ -183,7 +183,7 @@ class LightningMixer(RNNMixerBase):
 
     def decode_ends(self, info: SequenceInfo, gate_logits: list, cache) -> LayerEnds:
         """The parts of ``decode_in_place`` the kernel fuses around the update (from the cache:
-        the rotary inverse frequencies ``[D/2]`` and the kernel's scratch)."""
+        the rotary inverse frequencies ``[D/2]``)."""
         cfg = self.config
         norm = cfg.rnn_qk_norm
         return LayerEnds(
@@ -193,7 +193,7 @@ class LightningMixer(RNNMixerBase):
             rope=(info.position_ids, cache.rope_inv_freq) if cfg.rnn_rope else None,
             o_norm=self.o_norm.weight, o_eps=cfg.rms_norm_eps,
             gate=gate_logits[0] if cfg.rnn_output_gate else None,
-            gate_scale=cfg.output_gate_scale, scratch=getattr(cache, "lightning_scratch", None))
+            gate_scale=cfg.output_gate_scale)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:

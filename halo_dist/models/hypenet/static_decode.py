@@ -41,7 +41,7 @@ import torch
 
 from .decode_attention import decode_attention
 from .decode_gemv import tune_gemv
-from .decode_lightning import lightning_decode_, split_scratch
+from .decode_lightning import lightning_decode_
 from .decode_options import DecodeOptions
 from .lightning_state import (DeferredWrites, deferred_values, deferred_writes,
                               state_values, stored_state)
@@ -66,11 +66,10 @@ class StaticDecodeCache:
     def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None,
                  options: DecodeOptions = DecodeOptions()):
         """``options.state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32);
-        bf16 or ``FLOAT24`` (fp32 less its last byte, kept as bytes) only for models whose RNN
-        layers are all Lightning (its in-place kernel rounds once per token, other mixers' kernels
-        would take such a state as their fp32 input). ``options.state_write_every``: Lightning
-        states written back every n tokens, the tokens between held as k/v
-        (``lightning_state.DeferredWrites``; the same Lightning-only models)."""
+        bf16 only for models whose RNN layers are all Lightning (its in-place kernel rounds once per
+        token, other mixers' kernels would take such a state as their fp32 input).
+        ``options.state_write_every``: Lightning states written back every n tokens, the tokens
+        between held as k/v (``lightning_state.DeferredWrites``; the same Lightning-only models)."""
         state_dtype, state_write_every = options.state_dtype, options.state_write_every
         kinds = model_config.mixer_types
         if "swa" in kinds:
@@ -114,9 +113,6 @@ class StaticDecodeCache:
         self.lightning_log_decay = lightning_log_decay(cfg.num_attention_heads, device,
                                                        cfg.lightning_decay)  # [H] fp32
         self.rope_inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, device)  # [D/2] fp32
-        # where the fused Lightning step splits a head over programs (few rows)
-        self.lightning_scratch = (split_scratch(B, cfg.num_attention_heads, cfg.head_dim, device)
-                                  if "lightning" in kinds else None)
         self.deferred = self._defer_writes(state_write_every, cfg)
 
     def _check_state_options(self, state_dtype, state_write_every, kinds) -> None:
