@@ -3,7 +3,7 @@
 Default shape = stage 3 of HypeNet-2B on one GPU: 16,384 tokens x 151,936 vocab, hidden 2048
 (student and teacher), bf16. For every backend (naive = full [N, V] logits upcast to fp32;
 torch = our chunked autograd function; compiled = the same with each chunk's divergence fused by
-torch.compile; liger = Liger-Kernel's Triton fused linear JSD) it measures
+torch.compile; triton = the same chunks through our Triton kernel, CUDA only) it measures
 forward+backward time and peak memory above the inputs, and the agreement of loss and gradients
 with the naive path. A second section checks every option (forward/reverse KL, temperature, mask,
 CE term) of each fused backend against a float64 full-logits reference on a token subset.
@@ -36,7 +36,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from halo_dist.losses import fused_distill_loss, liger_available, naive_distill_loss  # noqa: E402
+from halo_dist.losses import fused_distill_loss, naive_distill_loss  # noqa: E402
+from halo_dist.losses.kl import _pick_backend, resolve_beta, triton_applies  # noqa: E402
 from halo_dist.losses.memtrack import LiveBytes  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,9 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--teacher-hidden", type=int, default=None, help="Dt (default: = Ds)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--direction", choices=("forward", "reverse"), default="forward")
-    p.add_argument("--backends", default="naive,torch,liger")
+    p.add_argument("--backends", default="naive,torch,compiled,triton")
     p.add_argument("--chunk-size", type=int, default=None,
-                   help="torch backend (default: from budget)")
+                   help="fused backends (default: from budget)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--check-tokens", type=int, default=1024,
@@ -96,9 +97,7 @@ def loss_fn(backend, a):
     if backend == "naive":
         return lambda *x, **kw: naive_distill_loss(*x, direction=a.direction, **kw)
     return lambda *x, **kw: fused_distill_loss(*x, direction=a.direction, backend=backend,
-                                               chunk_size=a.chunk_size
-                                               if backend in ("torch", "compiled", "triton")
-                                               else None, **kw)
+                                               chunk_size=a.chunk_size, **kw)
 
 
 def sync(device):
@@ -259,7 +258,7 @@ def chunk_kernel_table(a, device) -> list[dict]:
 def versions():
     v = {"python": platform.python_version(), "torch": torch.__version__,
          "cuda": torch.version.cuda}
-    for pkg in ("triton", "liger-kernel"):
+    for pkg in ("triton",):
         try:
             v[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -309,10 +308,11 @@ def main(argv=None):
         print(f"wrote {a.out}")
         return result
     wanted = [b for b in a.backends.split(",") if b]
-    if "liger" in wanted and not liger_available():
-        print("liger-kernel not importable: skipping the liger backend")
-        wanted.remove("liger")
-    auto = "liger" if device.type == "cuda" and "liger" in wanted else "torch"
+    beta, dtype = resolve_beta(a.direction, None), DTYPES[a.dtype]
+    if "triton" in wanted and not triton_applies(device, beta, dtype):
+        print(f"the triton kernel does not run on {device.type}: skipping the triton backend")
+        wanted.remove("triton")
+    auto = _pick_backend("auto", device, a.tokens, beta, dtype)
     rows = main_table(a, device, wanted)
     checks = option_checks(a, device, [b for b in wanted if b != "naive"] + ["naive_lowp"])
     print_report(a, rows, checks)

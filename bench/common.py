@@ -39,7 +39,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     }
-    for name in ("transformers", "fla", "triton", "liger_kernel", "deepspeed", "flash_attn"):
+    for name in ("transformers", "fla", "triton", "deepspeed", "flash_attn"):
         try:
             env[name] = __import__(name).__version__
         except Exception:

@@ -143,7 +143,7 @@ R1)
     echo "kl bench rc $?"; grep -A6 "^backend\|fwd+bwd" $W/kl_smollm2.log | head -12
   fi
   # the GPU-only paths the CPU suite skips: CUDA-graph generate (cache_implementation="static") and the split-KV
-  # decode kernel, Liger's JSD against ours on CUDA; the GPU is otherwise idle while the corpus builds
+  # decode kernel, the loss's triton kernel on CUDA; the GPU is otherwise idle while the corpus builds
   if [ "$GPU_TESTS" != 0 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_losses.py -k "cuda" \
       > $W/gpu_tests.log 2>&1; echo "gpu tests rc $?"; tail -4 $W/gpu_tests.log

@@ -126,7 +126,7 @@ def _run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--attn-layers", default="",
                    help="keep these attention layers instead of selecting them (an "
                         "ablation keeps the HyPE run's: only --pe then differs)")
-    r.add_argument("--loss-backend", choices=("", "auto", "torch", "compiled", "liger"), default="",
+    r.add_argument("--loss-backend", choices=("", "auto", "torch", "compiled"), default="",
                    help="loss.backend of stages 2-3 (empty: the configs'); see warmup's "
                         "kl_smollm2.json")
     r.add_argument("--teacher-eval", choices=("", *TEACHER_EVAL_CHOICES), default="",

@@ -203,6 +203,14 @@ def test_bad_types_are_all_reported():
     assert "data.seed" in found
 
 
+def test_a_loss_backend_that_is_not_kept_is_refused():
+    """``loss.backend`` takes the backends the loss keeps (liger, measured slower, was removed)."""
+    with pytest.raises(ConfigError) as excinfo:
+        config_from_dict(minimal(), ["loss.backend=liger"])
+    assert "must be one of auto|torch|compiled|triton, got 'liger'" in problems_of(excinfo)[
+        "loss.backend"]
+
+
 def test_missing_required_keys():
     raw = minimal()
     del raw["data"]["seq_len"], raw["optim"]

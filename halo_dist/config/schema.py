@@ -175,8 +175,8 @@ class LossConfig(Section):
     # fused-loss implementation: auto (on CUDA triton for the forward and reverse KL, compiled
     # for the JSD; torch elsewhere), torch (chunked, eager), compiled (each chunk's divergence and
     # CE fused by torch.compile: fewer passes over [chunk x vocab]), triton (our kernel: two
-    # passes over a chunk's logits; forward/reverse KL and CE), liger (needs liger-kernel)
-    backend: Literal["auto", "torch", "compiled", "triton", "liger"] = "auto"
+    # passes over a chunk's logits; forward/reverse KL and CE)
+    backend: Literal["auto", "torch", "compiled", "triton"] = "auto"
 
     def validate(self) -> None:
         _positive("temperature", self.temperature)

@@ -1,7 +1,6 @@
 """Distillation losses: fused, chunked KL / CE over the full vocabulary (see ``kl.py``)."""
 
 from halo_dist.losses._chunked import auto_chunk_size
-from halo_dist.losses._liger import liger_available
 from halo_dist.losses.kl import (
     DistillLossOutput,
     FusedDistillLoss,
@@ -14,6 +13,5 @@ __all__ = [
     "FusedDistillLoss",
     "auto_chunk_size",
     "fused_distill_loss",
-    "liger_available",
     "naive_distill_loss",
 ]

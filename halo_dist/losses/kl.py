@@ -5,16 +5,16 @@ token t (valid tokens only) and sums over tokens:
 
 * ``direction="forward"`` (stages 2/3, default): KL(p_t || q_t) = sum_v p log(p / q)
 * ``direction="reverse"`` (on-policy stage):       KL(q_t || p_t) = sum_v q log(q / p)
-* or ``beta`` in [0, 1] instead of ``direction``, the generalized JSD of TRL's GKD (and Liger's
-  JSD): beta = 0 is the forward KL, beta = 1 the reverse KL, and 0 < beta < 1 beta KL(p_t || m_t) +
-  (1 - beta) KL(q_t || m_t) with m = beta p + (1 - beta) q (which tends to 0, not to a KL, at the
-  ends: the endpoints are defined as the KLs, as there)
+* or ``beta`` in [0, 1] instead of ``direction``, the generalized JSD of TRL's GKD (and
+  Liger-Kernel's JSD): beta = 0 is the forward KL, beta = 1 the reverse KL, and 0 < beta < 1
+  beta KL(p_t || m_t) + (1 - beta) KL(q_t || m_t) with m = beta p + (1 - beta) q (which tends to 0,
+  not to a KL, at the ends: the endpoints are defined as the KLs, as there)
 * optionally ``ce_weight`` x cross-entropy of the student against ``labels`` (ignore_index -100),
 
 where q = softmax(student_logits / T), p = softmax(teacher_logits / T). Units: nats.
 
 Temperature convention: both logits are divided by T and the KL is **not** multiplied by T^2
-(the convention of Liger-Kernel, so both backends agree); gradients w.r.t. the raw logits therefore
+(as Liger-Kernel's distillation losses do); gradients w.r.t. the raw logits therefore
 carry a 1/T factor. Pass ``kl_weight=T**2`` for Hinton's convention. The CE term always uses the
 raw (T = 1) student logits.
 
@@ -28,19 +28,16 @@ Logging: ``all_reduce(kl_sum) / all_reduce(num_tokens)``.
 
 Memory: the [N x V] logits of neither model are ever materialised. Tokens are processed in chunks
 of ``chunk_size`` rows (default: sized from ``memory_budget_bytes``); the student gradient is
-computed during forward (like Liger's fused linear losses), so what survives until backward is
-[N, Ds] + [V, Ds]. Masked tokens are dropped before any matmul (their hidden states may even be
+computed during forward (like Liger-Kernel's fused linear losses), so what survives until backward
+is [N, Ds] + [V, Ds]. Masked tokens are dropped before any matmul (their hidden states may even be
 NaN), which costs one host sync for the count.
 
-Backends: ``"torch"`` (ours, ``_chunked.py``), ``"liger"`` (Liger-Kernel: the Triton
-``LigerFusedLinearJSDFunction`` + fused linear CE on CUDA; the pure-torch ``chunked_loss`` class on
-CPU, used by the tests as an independent cross-check), ``"compiled"`` (the torch path with each
-chunk's divergence, CE and their gradient compiled by torch.compile into a few fused passes over the
-chunk), ``"triton"`` (the same chunks with the forward or reverse KL, CE and their gradient from our
-Triton kernel in two passes over the chunk's logits, ``_triton_kl.py``) and ``"auto"`` (on CUDA
-triton where it applies, else compiled; torch on CPU: the fastest on the H200, BENCHMARKS.md). All
-return identical quantities
-(see ``_liger.py`` for the conventions we adapt).
+Backends: ``"torch"`` (the eager chunks of ``_chunked.py``, checked against the float64 full-logits
+reference), ``"compiled"`` (the same chunks with each chunk's divergence, CE and their gradient
+compiled by torch.compile into a few fused passes over the chunk), ``"triton"`` (the same chunks
+with the forward or reverse KL, CE and their gradient from our Triton kernel in two passes over the
+chunk's logits, ``_triton_kl.py``) and ``"auto"`` (on CUDA triton where it applies, else compiled;
+torch on CPU: the fastest on the H200, BENCHMARKS.md). All return identical quantities.
 
 ZeRO-3: gather the lm_head (``deepspeed.zero.GatheredParameters``) around the call. The weight may
 be a leaf parameter or a non-leaf tensor; it is not saved for backward (the gradient is), so
@@ -55,12 +52,11 @@ from dataclasses import dataclass
 import torch
 
 from halo_dist.losses._chunked import ChunkConfig, FusedDistillFunction, auto_chunk_size
-from halo_dist.losses._liger import liger_available, liger_chunked, liger_cuda
 from halo_dist.losses._triton_kl import kernel_runs_on
 
 DIRECTIONS = ("forward", "reverse")
 DIRECTION_BETA = {"forward": 0.0, "reverse": 1.0}  # the same divergence as a generalized-JSD beta
-BACKENDS = ("auto", "torch", "liger", "compiled", "triton")
+BACKENDS = ("auto", "torch", "compiled", "triton")
 
 
 def triton_applies(device: torch.device, beta: float, dtype: torch.dtype) -> bool:
@@ -195,25 +191,21 @@ def _pick_backend(backend: str, device: torch.device, n_rows: int, beta: float =
     with the divergence ``beta``; an explicit backend that cannot run there is refused."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if backend == "liger" and not liger_available():
-        raise RuntimeError("backend='liger' but liger-kernel is not importable (pip install "
-                           "liger-kernel)")
     if backend == "triton" and not triton_applies(device, beta, dtype):
         raise ValueError(
             f"backend='triton' needs Triton, CUDA tensors (or TRITON_INTERPRET=1), inputs of at "
             f"most fp32 and the forward or reverse KL (beta 0 or 1); got {device.type}, {dtype}, "
             f"beta={beta}")
     if n_rows == 0:
-        return "torch"  # nothing to compute; Liger would divide by zero rows
+        return "torch"  # nothing to compute: no kernel to compile or launch
     if backend == "auto":
         # Measured on the H200 (BENCHMARKS.md): at 24,576 tokens x 151,936 vocab the compiled chunk
         # ran forward+backward in 171 ms vs 265 ms for the eager torch chunk, with the same error
         # against the float64 reference, and lifted stage 2 (2B) from 54% to 63% MFU; reverse KL
         # (OPD) makes the same passes. CPU, where compiling costs more than it saves, stays on
         # torch.
-        # Liger ran 189 ms / 2.6 GiB vs torch's 178 ms / 2.0 GiB at 16K tokens: never picked by
-        # auto. The triton kernel reads a chunk's logits twice where the compiled code reads them
-        # about four times (same quantities, same error against float64): 2.78 vs 4.34 ms per
+        # The triton kernel reads a chunk's logits twice where the compiled code reads them about
+        # four times (same quantities, same error against float64): 2.78 vs 4.34 ms per
         # 4,096-token chunk (forward KL; reverse 2.81 vs 5.52). It takes the forward and reverse KL;
         # the JSD stays compiled.
         if device.type != "cuda":
@@ -249,10 +241,10 @@ def fused_distill_loss(
         kl_weight, ce_weight: weights of the two sums in ``loss``.
         normalizer: divide the weighted sum by this (e.g. the global valid-token count, a float or
             0-dim tensor; clamp an all-reduced count with ``clamp_min(1)``); None -> 1.
-        chunk_size: token rows per chunk (every backend but CUDA Liger); None -> from budget.
+        chunk_size: token rows per chunk; None -> from budget.
         memory_budget_bytes: transient memory per chunk used when ``chunk_size`` is None.
         backend: "auto" | "torch" | "compiled" (torch.compile per chunk) | "triton" (our kernel
-            per chunk; forward/reverse KL) | "liger".
+            per chunk; forward/reverse KL).
     Returns:
         DistillLossOutput (``loss`` differentiable; sums and counts for cross-rank reduction).
     """
@@ -260,19 +252,15 @@ def fused_distill_loss(
                 kl_weight=float(kl_weight), ce_weight=float(ce_weight), ignore_index=ignore_index)
     s_h, t_h, teacher_weight, labels = _prepare(student_hidden, student_weight, teacher_hidden,
                                                 teacher_weight, token_mask, labels, opts)
-    which, cfg = _chunk_config(s_h, student_weight.shape[0], chunk_size, memory_budget_bytes,
-                               backend, opts)
+    cfg = _chunk_config(s_h, student_weight.shape[0], chunk_size, memory_budget_bytes, backend,
+                        opts)
     norm = 1.0 if normalizer is None else normalizer
     if not torch.is_tensor(norm) and not norm > 0:  # tensors are not checked (no host sync)
         raise ValueError(f"normalizer must be > 0; got {normalizer}")
     # Autocast would silently re-cast our fp32 matmuls to bf16: precision is handled explicitly.
     with torch.autocast(s_h.device.type, enabled=False):
-        if which in ("torch", "compiled", "triton"):
-            loss, kl_sum, ce_sum = FusedDistillFunction.apply(
-                s_h, student_weight, t_h, teacher_weight, labels, cfg, norm)
-        else:
-            impl = liger_cuda if s_h.is_cuda else liger_chunked
-            loss, kl_sum, ce_sum = impl(s_h, student_weight, t_h, teacher_weight, labels, cfg, norm)
+        loss, kl_sum, ce_sum = FusedDistillFunction.apply(
+            s_h, student_weight, t_h, teacher_weight, labels, cfg, norm)
     counts = _counts(s_h, labels, ignore_index)
     return DistillLossOutput(loss.float() if loss.dtype != torch.float64 else loss,
                              kl_sum.float(), ce_sum.float(), *counts, normalizer=norm)
@@ -297,8 +285,8 @@ def _prepare(student_hidden, student_weight, teacher_hidden, teacher_weight, tok
 
 
 def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend: str,
-                  opts) -> tuple[str, ChunkConfig]:
-    """The backend that runs (``auto`` resolved) and the per-chunk settings."""
+                  opts) -> ChunkConfig:
+    """The per-chunk settings, with the kernel of the backend that runs (``auto`` resolved)."""
     n = s_h.shape[0]
     if chunk_size is None:
         chunk_size = auto_chunk_size(vocab, memory_budget_bytes)
@@ -306,7 +294,7 @@ def _chunk_config(s_h, vocab: int, chunk_size, memory_budget_bytes: int, backend
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     which = _pick_backend(backend, s_h.device, n, opts["beta"], s_h.dtype)
     kernel = which if which in ("compiled", "triton") else "eager"
-    return which, ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), kernel=kernel, **opts)
+    return ChunkConfig(chunk_size=min(chunk_size, max(n, 1)), kernel=kernel, **opts)
 
 
 def _counts(s_h, labels, ignore_index):
