@@ -14,8 +14,8 @@ and, once the chain's data prep completed, on its shards:
   --signal=USR1 --batch` and later `scontrol requeue` while it trains;
 * sweep: slurm/sweep_scratch.sh with two tiny variants, a job array limited to one task at a time.
 
-The teacher is a random 4-layer Qwen3 saved as a folder with configs/tiny's small offline BPE; the
-data are the offline Wikipedia extracts. Everything lives in one folder of pytest's temporary tree,
+The teacher is a random 4-layer Qwen3 saved as a folder with the offline Qwen tokenizer; the data
+are the offline Wikipedia extracts. Everything lives in one folder of pytest's temporary tree,
 removed when the session passed.
 """
 from __future__ import annotations
@@ -139,19 +139,19 @@ def last_step(run_dir: Path) -> int:
 
 
 def write_tiny_teacher(folder: str) -> None:
-    """A random Qwen3 of configs/tiny/model.yaml's shape as an HF folder, with configs/tiny's small
-    offline BPE (run in a subprocess: seeding torch here would change the other tests' random
+    """A random Qwen3 of configs/tiny/model.yaml's shape as an HF folder, with the offline Qwen
+    tokenizer (run in a subprocess: seeding torch here would change the other tests' random
     numbers)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from halo_dist.assets.tokenizer import load_small_tokenizer
+    from halo_dist.assets.tokenizer import load_qwen_tokenizer
     from halo_dist.config import load_tree
 
     shape = dict(load_tree(REPO / "configs" / "tiny" / "model.yaml")["model"]["random_teacher"])
     torch.manual_seed(shape.pop("seed"))
     Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(folder)
-    load_small_tokenizer().save_pretrained(folder)
+    load_qwen_tokenizer().save_pretrained(folder)
 
 
 @dataclass
