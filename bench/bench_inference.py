@@ -64,7 +64,7 @@ from bench.inference.timing import (GiB, activation_bytes, decode_ms, fits,  # n
                                     timed_steps, warm_up)
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
 from halo_dist.models.hypenet.modeling_hypenet import HypeNetForCausalLM  # noqa: E402
-from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 REAL_CONTEXTS = [8192, 16384, 32768, 65536, 131072]
 
@@ -216,7 +216,7 @@ def profile(model, device, chunk: int = 32768) -> None:
         sync(device)
     print("--- profile: one eager decode step ---\n"
           + prof.key_averages().table(sort_by=sort, row_limit=15))
-    dec = StaticDecoder(model, cache, use_cuda_graph=False)
+    dec = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False))
     nxt = last.view(1)
     dec.step(nxt)  # first static step (Triton compile) untimed
     steps = 3

@@ -116,7 +116,7 @@ def sync(device):
 
 
 @torch.no_grad()
-def rollout_phases(student, prompts: list[list[int]], horizon: int, options: dict, args,
+def rollout_phases(student, prompts: list[list[int]], horizon: int, options, args,
                    device) -> dict:
     """Seconds of the two phases ``continuous_rollouts`` runs before its decode loop, each timed
     alone the way it runs them (one group, every prompt in a slot): the prompts' batched prefill
@@ -138,8 +138,8 @@ def rollout_phases(student, prompts: list[list[int]], horizon: int, options: dic
             cache, mask, _ = prefill_prompts(student, prompts, room, 0)
             sync(device)
             t1 = time.perf_counter()
-            decoder = StaticDecoder(student, cache, attention_mask=mask,
-                                    **static_options(args.compile_rollouts, options))
+            decoder = StaticDecoder(student, cache, static_options(args.compile_rollouts, options),
+                                    attention_mask=mask)
             sync(device)
             t2 = time.perf_counter()
     finally:
@@ -148,19 +148,17 @@ def rollout_phases(student, prompts: list[list[int]], horizon: int, options: dic
     return {"prefill_s": t1 - t0, "decoder_s": t2 - t1}
 
 
-def decoder_options(args) -> dict:
-    """The rollout decoder's options of ``--state-dtype`` and ``--state-write-every``."""
+def decoder_options(args):
+    """The rollout decoder's ``DecodeOptions`` of ``--state-dtype`` and ``--state-write-every``."""
     from halo_dist.models.hypenet.lightning_state import FLOAT24
+    from halo_dist.models.hypenet.static_decode import DecodeOptions
 
     state_dtype = FLOAT24 if args.state_dtype == "float24" else getattr(torch, args.state_dtype)
-    # the defaults add no option (any option gives sample_rollouts a HypeNetCache of its own)
-    options = {"state_dtype": state_dtype} if state_dtype != torch.float32 else {}
-    if args.state_write_every > 1:
-        options["state_write_every"] = args.state_write_every
-    return options
+    return DecodeOptions(state_dtype=None if state_dtype == torch.float32 else state_dtype,
+                         state_write_every=args.state_write_every)
 
 
-def timed_rollouts(student, prompts: list[list[int]], horizon: int, options: dict, args,
+def timed_rollouts(student, prompts: list[list[int]], horizon: int, options, args,
                    device) -> tuple[list, float, float | None]:
     """``(continuations, seconds, peak GiB)`` of one timed rollout of every prompt for ``horizon``
     new tokens, after an untimed one of the same batch."""

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_inference import build, random_cache  # noqa: E402
 from bench.common import SHAPE_2B, print_table  # noqa: E402
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
-from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 T = 4096
 
@@ -32,7 +32,8 @@ def first_logits(model, dtype, static: bool) -> torch.Tensor:
     token = torch.zeros(1, dtype=torch.long)
     with torch.inference_mode():
         if static:
-            return StaticDecoder(model, cache, use_cuda_graph=False).step(token).double().clone()
+            return StaticDecoder(model, cache,
+                                 DecodeOptions(use_cuda_graph=False)).step(token).double().clone()
         return model(token.view(1, 1), cache=cache, use_cache=True).logits[:, -1].double()
 
 

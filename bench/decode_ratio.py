@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_inference import build, model_configs, sync  # noqa: E402
 from bench.common import decode_bandwidth, print_table, write_result  # noqa: E402
 from bench.profile_decode import random_cache, step_bytes, timed  # noqa: E402
-from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 TEACHER, STUDENT = "qwen3-1.7b-shape", "hypenet-2b"
 
@@ -68,7 +68,7 @@ def decoder(name: str, args, device, dtype):
     model = build(model_configs(args.cpu_smoke)[name], device, dtype)
     room = args.rounds * args.steps + 16
     cache = random_cache(model, 1, args.context, device, dtype, room)
-    return model, StaticDecoder(model, cache, compile=device.type == "cuda")
+    return model, StaticDecoder(model, cache, DecodeOptions(compile=device.type == "cuda"))
 
 
 def main(argv=None) -> dict:

@@ -13,11 +13,20 @@
 #       SmolLM2-shape teacher and runs the GPU-only tests; stash the GGUF part (KL_BENCH=1: also the loss bench)
 #   R2  join and check the GGUF; run the pipeline until its deadline (it checkpoints and pauses)
 #   R3  continue the pipeline (run again until `complete` in real_conversion.json)
+# Two arms that share a stage 1 may run their R3 pieces at once on one GPU (the 135M pair uses a fraction of
+# it): `TAG=x ... bash bench/device_real.sh R3 & TAG=y ... bash bench/device_real.sh R3; wait`; each logs to
+# run_R3_<tag>.log. Their stage rates are then not the pair's speed.
 # Every phase ends by bundling results and logs into $OUT/real_<phase>.tgz.
 # Experiments (one change against a baseline; bench/real_conversion.py compare-runs reads both results files):
 #   TAG=<name> makes the run an experiment in its own run folder (run_<name>) and results file; with
 #   SHARE_STAGE1_FROM=<run folder> it starts from that run's stage 1 on this machine, so two arms that differ only
 #   after stage 1 fit one device session: R0, R1 (GPU_TESTS=0 when no GPU code changed), then each arm's R2/R3 pieces.
+#   SHARE_STAGE3_FROM=<run folder> starts from that run's finished stages 1-3 instead (an arm that differs only
+#   in calibration, or an OPD arm). Experiment d (bench/real/opd_arm.py): OPD_ARM=opd|teacher_forced continues the
+#   shared stage 3 by on-policy distillation or by its teacher-forced control of as many tokens on the same prompts
+#   (configs/opd/smollm2_arm.yaml), then calibrates and evaluates it as every run: a base run paused after stage 3
+#   (PAUSE_AFTER=stage3), then e.g. `OPD_ARM=opd TAG=opd_on SHARE_STAGE3_FROM=run SPEED=0 ... R3` and the same with
+#   OPD_ARM=teacher_forced TAG=opd_tf; compare-runs reads the two results files.
 # Rehearsal on a CPU machine (the same script, tiny sizes): REHEARSAL=1 XFER=<folder like .xfer> HALO_WORK=<dir>
 # DEADLINE=<s> bash bench/device_real.sh R1|R2|R3 (installs nothing: the local venv's python3 must be first on PATH).
 set -uo pipefail
@@ -38,6 +47,8 @@ SPEED=${SPEED:-1}             # 0: skip the pair's speed step (a recipe change d
 TAG=${TAG:-}                  # an experiment's name: real_conversion_<tag>.json beside the baseline's
 SELECT_CSR_OFFSET=${SELECT_CSR_OFFSET:-}  # the selection score's offset on the CSR drop (empty: the paper's 1e-6)
 SHARE_STAGE1_FROM=${SHARE_STAGE1_FROM:-}  # run folder (run, run_<tag>) whose stage 1 the experiment (TAG) starts from
+SHARE_STAGE3_FROM=${SHARE_STAGE3_FROM:-}  # run folder whose finished stages 1-3 the experiment (TAG) starts from
+OPD_ARM=${OPD_ARM:-}          # experiment d after stage 3: opd (on-policy) or teacher_forced (its control); with TAG
 GPU_TESTS=${GPU_TESTS:-1}     # 0: R1 skips the GPU-only tests (~100 s; run them when GPU code changed)
 STAGE3_DATA=${STAGE3_DATA:-}  # the corpus set of stage 3 (empty: long; long_retrieval needs RETRIEVAL_DOCS in R1)
 STAGE2_SEQ_LEN=${STAGE2_SEQ_LEN:-}  # stage 2's context (empty: the preset's 512; the tokens per step stay)
@@ -152,8 +163,9 @@ R2|R3)
     --attn-layers "$ATTN_LAYERS" --teacher-eval "$TEACHER_EVAL" --loss-backend "$LOSS_BACKEND" \
     ${SEED:+--seed $SEED} ${TAG:+--tag $TAG} ${SELECT_CSR_OFFSET:+--select-csr-offset $SELECT_CSR_OFFSET} \
     ${STAGE2_SEQ_LEN:+--stage2-seq-len $STAGE2_SEQ_LEN} ${STAGE3_DATA:+--stage3-data $STAGE3_DATA} ${SHARE_STAGE1_FROM:+--share-stage1-from $SHARE_STAGE1_FROM} \
+    ${SHARE_STAGE3_FROM:+--share-stage3-from $SHARE_STAGE3_FROM} ${OPD_ARM:+--opd-arm $OPD_ARM} \
     ${CALIB_OBJECTIVE:+--calib-objective $CALIB_OBJECTIVE} ${CALIB_LENGTHS:+--calib-lengths $CALIB_LENGTHS} \
-    $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase.log | grep -v "it/s\]" | tail -40
+    $([ "$SPEED" = 0 ] && echo --no-speed) 2>&1 | tee $W/run_$phase${TAG:+_$TAG}.log | grep -v "it/s\]" | tail -40
   bundle $phase
   ;;
 esac

@@ -57,7 +57,7 @@ from bench.bench_inference import (build, model_configs, prefill, rewind, rnn_st
 from bench.common import decode_bandwidth, launch_settings, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.lightning_state import FLOAT24  # noqa: E402
-from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 # (group, pattern on the kernel name); the first match wins
 GROUPS = [
@@ -78,7 +78,7 @@ VARIANTS = {
     "separate": dict(pack_projections=False),
     "fla": dict(lightning_in_place=False),
     # the shipped decoder: at batch 1 on CUDA, the GEMV kernel for the weight shapes where it beat
-    # cuBLAS (decode_gemv.tune_gemv) unless HALO_DECODE_GEMV=cublas
+    # cuBLAS (decode_gemv.tune_gemv)
     "compiled": dict(compile=True),
     "compiled-gemv": dict(compile=True, gemv=True),
     "compiled-cublas": dict(compile=True, gemv=False),
@@ -309,7 +309,8 @@ def measure(name, model, context, args, device) -> list[dict]:
             cache = random_cache(model, args.batch, context, device, dtype, room)
         with (launch_settings(settings) if settings else contextlib.nullcontext()):
             t0 = time.perf_counter()
-            dec = StaticDecoder(model, cache, **VARIANTS[variant.removesuffix("+tuned")])
+            dec = StaticDecoder(model, cache,
+                                DecodeOptions(**VARIANTS[variant.removesuffix("+tuned")]))
             setup_s = time.perf_counter() - t0
             if dec.gemv_report:  # the GEMV's per-shape choice against cuBLAS (µs per weight)
                 print_table([{"shape": k, **{f: v[f] for f in ("choice", "weights", "us",

@@ -51,8 +51,10 @@ from bench.common import RESULTS, environment  # noqa: E402
 from bench.real.compare import (NIAH_TASKS, ablation_table, cmd_compare,  # noqa: E402,F401
                                 cmd_compare_runs)
 from bench.real.pictures import pictures  # noqa: E402
+from bench.real.opd_arm import ARMS, arm_demo  # noqa: E402
 from bench.real.run_folder import (STAGE1_SETTINGS, align_teacher_tokenizer,  # noqa: E402,F401
-                                   check_same_pe, hype_twin, record_piece, run_dir, share_stage1)
+                                   check_same_pe, hype_twin, record_piece, run_dir, share_stage1,
+                                   share_stage3)
 from bench.real.summary import (NIAH_LENGTHS, goals, gpu_minutes, headline,  # noqa: E402,F401
                                 result_stem, sharing_rates, stage_summary, summarize)
 from halo_dist.config import PE_ROPE  # noqa: E402
@@ -154,6 +156,15 @@ def _run_args(r: argparse.ArgumentParser) -> None:
                         "stage 1 and per-layer selection results of the run folder RUN in the same "
                         "--work (run: the baseline; run_<tag>: an experiment) on this machine, "
                         "its settings checked: two arms fit one device session")
+    r.add_argument("--share-stage3-from", default="", metavar="RUN",
+                   help="an experiment (--tag) that changes nothing before calibration starts "
+                        "from the finished stages 1-3 of the run folder RUN in the same --work "
+                        "(its settings checked): the OPD arms, or a calibration change")
+    r.add_argument("--opd-arm", choices=("", *ARMS), default="",
+                   help="experiment d (bench/real/opd_arm.py): continue stage 3 by on-policy "
+                        "distillation (opd) or by its teacher-forced control of as many tokens on "
+                        "the same prompts (teacher_forced), then calibrate and evaluate; with "
+                        "--tag, and --share-stage3-from so that both arms start from one stage 3")
     r.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the pair's prefill and decode speed after the evaluations (a "
                         "recipe change does not change it: --no-speed saves ~1 GPU-minute)")
@@ -340,9 +351,12 @@ def cmd_run(a) -> int:
     s = settings_for(a)
     check_same_pe(run_dir(a), s.pe)
     s.deadline_s, s.pause_after = a.deadline_s, a.pause_after
-    demo = Demo(s)
+    check_experiment_flags(a)
     if a.share_stage1_from:
         share_stage1(a, s, a.work / a.share_stage1_from)
+    if a.share_stage3_from:
+        share_stage3(a, s, a.work / a.share_stage3_from)
+    demo = arm_demo(a, s, run_dir(a)) if a.opd_arm else Demo(s)
     code = 0
     try:
         align_teacher_tokenizer(a.work)
@@ -356,6 +370,16 @@ def cmd_run(a) -> int:
         record_piece(run_dir(a), t0, code)
     collect(a, partial=code == PAUSED)
     return code
+
+
+def check_experiment_flags(a) -> None:
+    """One run folder per arm, one shared start."""
+    if a.opd_arm and not a.tag:
+        raise SystemExit(f"error: --opd-arm {a.opd_arm} is an experiment: give it a --tag of its "
+                         "own (its results go beside the run it continues)")
+    if a.share_stage1_from and a.share_stage3_from:
+        raise SystemExit("error: --share-stage1-from and --share-stage3-from: give one (stage 3's "
+                         "run folder holds its stage 1 too)")
 
 
 def speed(a, demo: Demo) -> None:

@@ -47,7 +47,7 @@ from bench.common import RESULTS, environment, print_table  # noqa: E402
 from halo_dist.models.hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.lightning_state import (FLOAT24, pack_float24,  # noqa: E402
                                                       unpack_float24)
-from halo_dist.models.hypenet.static_decode import StaticDecoder  # noqa: E402
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 SMOLLM2_ATTN = [1, 5, 9, 13, 17, 21, 25, 29]  # 8 of 30 layers, about HypeNet-2B's share (7 of 28)
 
@@ -183,7 +183,7 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
     logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     twin = copy.deepcopy(cache)
     ref = StaticDecoder(model, cache)
-    other = StaticDecoder(model, twin, state_dtype=state_dtype)
+    other = StaticDecoder(model, twin, DecodeOptions(state_dtype=state_dtype))
     g = torch.Generator(device=device).manual_seed(seed)
     for s in other.cache.rnn_states():  # (drawn even when perturb is 0: the same samples)
         values = unpack_float24(s) if s.dtype == FLOAT24 else s

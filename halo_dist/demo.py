@@ -239,17 +239,23 @@ class Demo(StepRunner):
                 *self.eval_args()]
 
     def export_student(self) -> Path:
-        """``hypenet/``: stage 3's export as hard links, not a second copy of the weights (594 MB
-        on the default preset). Calibration replaces config.json and README.md by rename, which
-        gives ``hypenet/`` files of its own and leaves stage 3's output as it was; a file system
-        that refuses links gets copies."""
+        """``hypenet/``: the last training step's export (:meth:`student_source`) as hard links,
+        not a second copy of the weights (594 MB on the default preset). Calibration replaces
+        config.json and README.md by rename, which gives ``hypenet/`` files of its own and leaves
+        the stage's output as it was; a file system that refuses links gets copies."""
         student = self.out / "hypenet"
         if not student.exists():
+            source = self.student_source()
             tmp = self.out / ".hypenet.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(self.out / "stage3" / "final", tmp, copy_function=_link_or_copy)
+            shutil.copytree(source, tmp, copy_function=_link_or_copy)
             os.replace(tmp, student)
         return student
+
+    def student_source(self) -> Path:
+        """The folder the evaluated student comes from: stage 3's export (a pipeline that trains
+        further after stage 3 runs that step here and names its export)."""
+        return self.out / "stage3" / "final"
 
     def attention_layers(self, teacher: str, data: str) -> list[int]:
         """The layers that stay attention: the label-free selection on the stage-1 student, or the

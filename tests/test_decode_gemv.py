@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
 from halo_dist.models.hypenet import decode_gemv
-from halo_dist.models.hypenet.static_decode import StaticDecoder
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
 from triton_interp import HAS_TRITON, run_interpreted
 
 
@@ -24,7 +24,7 @@ def test_gemv_kernel_in_the_interpreter_equals_f_linear_for_every_tile():
         import copy, torch, torch.nn.functional as F
         from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
         from halo_dist.models.hypenet import decode_gemv
-        from halo_dist.models.hypenet.static_decode import StaticDecoder
+        from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
 
         torch.manual_seed(0)
         worst = 0.0
@@ -58,8 +58,9 @@ def test_gemv_kernel_in_the_interpreter_equals_f_linear_for_every_tile():
         calls = []
         real = decode_gemv.gemv_triton
         decode_gemv.gemv_triton = lambda *a, **k: calls.append(a[1].shape) or real(*a, **k)
-        gemv = StaticDecoder(model, cache, use_cuda_graph=False, gemv=True)
-        plain = StaticDecoder(model, copy.deepcopy(cache), use_cuda_graph=False, gemv=False)
+        gemv = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, gemv=True))
+        plain = StaticDecoder(model, copy.deepcopy(cache), DecodeOptions(use_cuda_graph=False,
+                                                                         gemv=False))
         nxt, err = first, 0.0
         for _ in range(4):
             a, b = gemv.step(nxt).clone(), plain.step(nxt).clone()
@@ -78,24 +79,9 @@ def test_gemv_kernel_in_the_interpreter_equals_f_linear_for_every_tile():
     assert "(64, 96)" in out and "(64, 64)" in out, out
 
 
-def test_gemv_switches():
-    """``HALO_DECODE_GEMV``: unknown modes refused; the kernel only takes one-row CUDA products in
-    bf16/fp16, and ``decode_linear`` is ``F.linear`` wherever no tile was chosen."""
-    import os
-
-    old = os.environ.get("HALO_DECODE_GEMV")
-    try:
-        os.environ["HALO_DECODE_GEMV"] = "cutlass"
-        with pytest.raises(ValueError, match="triton"):
-            decode_gemv.gemv_mode()
-        os.environ["HALO_DECODE_GEMV"] = "cublas"
-        assert decode_gemv.gemv_mode() == "cublas"
-        os.environ.pop("HALO_DECODE_GEMV")
-        assert decode_gemv.gemv_mode() == "triton"  # the default: measured faster on H100 and H200
-    finally:
-        os.environ.pop("HALO_DECODE_GEMV", None)
-        if old is not None:
-            os.environ["HALO_DECODE_GEMV"] = old
+def test_gemv_applies_only_where_it_was_chosen():
+    """The kernel only takes one-row CUDA products in bf16/fp16, and ``decode_linear`` is
+    ``F.linear`` wherever no tile was chosen."""
     w, x = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(1, 16, dtype=torch.bfloat16)
     assert not decode_gemv.kernel_fits(x, w)  # CPU
     torch.testing.assert_close(decode_gemv.decode_linear(x, w), F.linear(x, w))
@@ -136,8 +122,8 @@ def test_gemv_tuning_and_the_graph_step_on_cuda():
     cache = HypeNetCache(4, reserve_tokens=16)
     with torch.no_grad():
         first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
-    gemv = StaticDecoder(model, cache, compile=True, gemv=True)
-    plain = StaticDecoder(model, copy.deepcopy(cache), compile=True, gemv=False)
+    gemv = StaticDecoder(model, cache, DecodeOptions(compile=True, gemv=True))
+    plain = StaticDecoder(model, copy.deepcopy(cache), DecodeOptions(compile=True, gemv=False))
     assert gemv.graph is not None and gemv.compile_error is None, gemv.compile_error
     nxt, err = first, 0.0
     for _ in range(6):

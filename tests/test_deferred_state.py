@@ -12,7 +12,7 @@ import torch
 from halo_dist.models.hypenet import HypeNetCache
 from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch
 from halo_dist.models.hypenet.lightning_state import FLOAT24, deferred_values, deferred_writes
-from halo_dist.models.hypenet.static_decode import StaticDecoder
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
 from test_float24_state import tiny
 from triton_interp import run_interpreted
 
@@ -134,9 +134,11 @@ def test_static_decoder_with_deferred_writes_tracks_the_plain_one(state_dtype):
     ids = torch.randint(1, 97, (3, 9))
     plain_cache, first = prefill(model, ids)
     lazy_cache, _ = prefill(model, ids)
-    plain = StaticDecoder(model, plain_cache, use_cuda_graph=False, state_dtype=state_dtype)
-    lazy = StaticDecoder(model, lazy_cache, use_cuda_graph=False, state_dtype=state_dtype,
-                         state_write_every=4)
+    plain = StaticDecoder(model, plain_cache, DecodeOptions(use_cuda_graph=False,
+                                                            state_dtype=state_dtype))
+    lazy = StaticDecoder(model, lazy_cache, DecodeOptions(use_cuda_graph=False,
+                                                          state_dtype=state_dtype,
+                                                          state_write_every=4))
     tok = first
     other, _ = prefill(model, torch.randint(1, 97, (1, 6)))
     for t in range(11):
@@ -168,7 +170,8 @@ def test_beam_reorder_moves_the_held_tokens_with_their_rows():
     ids = torch.randint(1, 97, (3, 9))
     caches = [prefill(model, ids)[0] for _ in range(2)]
     first = prefill(model, ids)[1]
-    plain, lazy = (StaticDecoder(model, c, use_cuda_graph=False, state_write_every=every)
+    plain, lazy = (StaticDecoder(model, c, DecodeOptions(use_cuda_graph=False,
+                                                         state_write_every=every))
                    for c, every in zip(caches, (1, 4)))
     for cache, dec in zip(caches, (plain, lazy)):
         cache._decoder = dec  # what HypeNetCache.reorder_cache reorders in place
@@ -198,11 +201,11 @@ def test_deferred_writes_need_lightning_everywhere():
     model = tiny(("attention", "lightning", "gdn"))
     cache, _ = prefill(model, torch.randint(1, 97, (2, 6)))
     with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
-        StaticDecoder(model, cache, use_cuda_graph=False, state_write_every=4)
+        StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, state_write_every=4))
     model = tiny(("attention", "lightning"))
     cache, _ = prefill(model, torch.randint(1, 97, (2, 6)))
     with pytest.raises(ValueError, match="state_write_every"):
-        StaticDecoder(model, cache, use_cuda_graph=False, state_write_every=0)
+        StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, state_write_every=0))
 
 
 @pytest.mark.cuda
@@ -217,10 +220,10 @@ def test_compiled_graph_step_with_deferred_writes_on_cuda(every):
     ids = torch.randint(1, 97, (4, 37), device="cuda")
     lazy_cache, first = prefill(model, ids)
     plain_cache, _ = prefill(model, ids)
-    lazy = StaticDecoder(model, lazy_cache, compile=True, state_dtype=FLOAT24,
-                         state_write_every=every)
+    lazy = StaticDecoder(model, lazy_cache, DecodeOptions(compile=True, state_dtype=FLOAT24,
+                                                          state_write_every=every))
     assert lazy.graph is not None and lazy.compile_error is None
-    plain = StaticDecoder(model, plain_cache, use_cuda_graph=False)
+    plain = StaticDecoder(model, plain_cache, DecodeOptions(use_cuda_graph=False))
     tok = first
     for t in range(10):
         want = plain.step(tok).clone()

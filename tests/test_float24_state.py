@@ -11,7 +11,7 @@ import torch
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
 from halo_dist.models.hypenet.lightning_state import (FLOAT24, pack_float24, state_values,
                                                       stored_state, unpack_float24)
-from halo_dist.models.hypenet.static_decode import StaticDecoder
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
 from triton_interp import run_interpreted
 
 
@@ -125,9 +125,10 @@ def test_static_decoder_with_a_float24_state_tracks_the_fp32_state():
     cache = HypeNetCache(3, reserve_tokens=8)
     first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
     ref_cache, half_cache = copy.deepcopy(cache), copy.deepcopy(cache)
-    dec = StaticDecoder(model, cache, use_cuda_graph=False, state_dtype=FLOAT24)
-    full = StaticDecoder(model, ref_cache, use_cuda_graph=False)
-    half = StaticDecoder(model, half_cache, use_cuda_graph=False, state_dtype=torch.bfloat16)
+    dec = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, state_dtype=FLOAT24))
+    full = StaticDecoder(model, ref_cache, DecodeOptions(use_cuda_graph=False))
+    half = StaticDecoder(model, half_cache, DecodeOptions(use_cuda_graph=False,
+                                                          state_dtype=torch.bfloat16))
     assert all(s.dtype == torch.uint8 and s.shape[-1] == 48 for s in dec.cache.rnn_states())
     nxt, worst, worst_bf16 = first, 0.0, 0.0
     for _ in range(6):
@@ -155,7 +156,7 @@ def test_opd_takes_float24_for_lightning_students_only():
 
     opd = SimpleNamespace(rollout_state_dtype="float24", rollout_state_write_every=1)
     assert rollout_decoder_options(opd, SimpleNamespace(mixer_types=["attention", "lightning"])) \
-        == {"state_dtype": FLOAT24}
+        == DecodeOptions(state_dtype=FLOAT24)
     with pytest.raises(ConfigError, match="all Lightning"):
         rollout_decoder_options(opd, SimpleNamespace(mixer_types=["attention", "gdn"]))
 
@@ -200,8 +201,8 @@ def test_compiled_graph_step_with_a_float24_state_on_cuda():
     cache = HypeNetCache(3, reserve_tokens=16)
     first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
     twin = copy.deepcopy(cache)
-    fast = StaticDecoder(model, cache, compile=True, state_dtype=FLOAT24)
-    slow = StaticDecoder(model, twin, use_cuda_graph=False, state_dtype=FLOAT24)
+    fast = StaticDecoder(model, cache, DecodeOptions(compile=True, state_dtype=FLOAT24))
+    slow = StaticDecoder(model, twin, DecodeOptions(use_cuda_graph=False, state_dtype=FLOAT24))
     assert fast.graph is not None and fast.compile_error is None
     nxt = first
     for _ in range(6):

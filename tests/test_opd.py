@@ -6,6 +6,7 @@ import os
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -231,8 +232,6 @@ def test_curriculum_switches_sets_in_by_horizon_and_step(tmp_path):
     # wiki switches in at horizon 32 (tiny.yaml); add a step-gated jsonl set by hand
     jl = tmp_path / "p.jsonl"
     jl.write_text("\n".join(json.dumps({"q": f"What is {i} + {i}?"}) for i in range(10)))
-    from dataclasses import replace
-
     from halo_dist.config.schema import PromptSetConfig
 
     sets = list(cfg.opd.prompt_sets) + [PromptSetConfig(name="math", kind="jsonl", path=str(jl),
@@ -379,7 +378,8 @@ def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_p
               f"opd.rollout_state_write_every={every}")
     t = run_trainer(tiny_cfg(tmp_path, *common))
     assert t.tokens_seen > 0
-    assert t.rollout_decoder_options.get("state_dtype", torch.float32) == kept
+    assert (t.rollout_decoder_options.state_dtype or torch.float32) == kept
+    assert t.rollout_decoder_options.state_write_every == every
     assert seen == {kept} and held == ({every} if every > 1 else set())
     assert all(math.isfinite(v) for _, v in read_metrics(tmp_path)["train/loss"])
     with pytest.raises(ConfigError, match="all Lightning"):
@@ -473,6 +473,65 @@ def test_fixed_continuations_are_the_datasets_and_leave_the_prompts_alone(tmp_pa
     bare = Curriculum(cfg.opd, tok, VOCAB, prebuilt={"synthetic": a})
     with pytest.raises(PromptError, match="'s' has no fixed continuations"):
         bare.sample_fixed(2, 0, 16)
+
+
+def test_full_horizon_fixed_steps_draw_the_on_policy_prompts_and_fill_the_horizon(tmp_path):
+    """opd.fixed_full_horizon: a fixed-data step draws the prompts an on-policy run samples (same
+    RNG calls when every continuation fills the horizon) and trains exactly the horizon's tokens of
+    each; shorter continuations are skipped, and none long enough is an error."""
+    from halo_dist.config.schema import PromptSetConfig
+
+    tok = byte_tokenizer()
+    on = Curriculum(tiny_cfg(tmp_path, "opd.lmbda=1").opd, tok, VOCAB)
+    cfg = tiny_cfg(tmp_path, "opd.lmbda=0", "opd.fixed_full_horizon=true")
+    control = Curriculum(cfg.opd, tok, VOCAB, eos_token_id=tok.eos_token_id)
+    for step in range(3):
+        picks, fixed = on.sample(4, step, 16), control.sample_fixed(4, step, 16)
+        assert [(n, p) for n, p, _ in fixed] == picks
+        assert [len(c) for _, _, c in fixed] == [16] * 4
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n\n".join(["a" * 12, "b" * 40, "c" * 14, "d" * 60]))
+    text = PromptSetConfig(name="t", kind="text_file", path=str(docs), prompt_tokens=[8, 8],
+                           num_prompts=4)
+    built = build_prompt_set(text, tok, VOCAB, continuation_tokens=32,
+                             eos_token_id=tok.eos_token_id)
+    assert sorted(len(c) for c in built.continuations) == [5, 7, 32, 32]  # rest + EOS, or the cap
+    text_cfg = tiny_cfg(tmp_path, "opd.lmbda=0", set0=dict(kind="text_file", path=str(docs)))
+    plain = Curriculum(text_cfg.opd, tok, VOCAB, prebuilt={"synthetic": built})
+    assert {len(c) for _, _, c in plain.sample_fixed(40, 0, 16)} == {5, 7, 16}
+    full = Curriculum(replace(text_cfg.opd, fixed_full_horizon=True), tok, VOCAB,
+                      prebuilt={"synthetic": built})
+    picks = full.sample_fixed(40, 0, 16)
+    assert {len(c) for _, _, c in picks} == {16} and {p[0] for _, p, _ in picks} == {98, 100}
+    with pytest.raises(PromptError, match="no fixed continuation has the 48 tokens of the horizon"):
+        full.sample_fixed(2, 0, 48)
+    with pytest.raises(ConfigError, match="opd.fixed_full_horizon: applies to fixed-data steps"):
+        tiny_cfg(tmp_path, "opd.fixed_full_horizon=true")
+
+
+def test_an_on_policy_run_and_its_teacher_forced_control_train_as_many_tokens(tmp_path):
+    """The control of bench/real/opd_arm.py on the tiny run: rollouts that do not stop at EOS
+    against fixed continuations that fill the horizon (opd.fixed_full_horizon) train exactly
+    steps x rollouts x horizon tokens each, on the same prompts step by step."""
+    from halo_dist.train.opd_loop import OPDTrainer
+
+    common = ["schedule.total_steps=3", "schedule.warmup_steps=1", "schedule.decay_steps=1",
+              "opd.eval_every=0", "opd.snapshot_every=0",
+              "checkpoint.every_steps=0", "opd.stop_at_eos=false", "opd.seed=2"]
+    arms = {"opd": ["opd.lmbda=1"], "control": ["opd.lmbda=0", "opd.fixed_full_horizon=true"]}
+    trained = {}
+    for name, overrides in arms.items():
+        cfg = tiny_cfg(tmp_path / name, *common, *overrides, set0=dict(heldout=4))
+        t = OPDTrainer(cfg, hf_teacher=tiny_qwen3(vocab=VOCAB), tokenizer=byte_tokenizer()).setup()
+        docs = []
+        gen, fix = t._rollouts, t._fixed_data
+        t._rollouts = lambda n, h: (docs.append(gen(n, h)[0]), (docs[-1], 0.0))[1]
+        t._fixed_data = lambda n, h: (docs.append(fix(n, h)), docs[-1])[1]
+        t.train()
+        trained[name] = (t.tokens_seen, [[(r.prompt, len(r.completion)) for r in step]
+                                         for step in docs])
+    assert trained["opd"] == trained["control"]
+    assert trained["opd"][0] == 3 * 4 * 16 and len(trained["opd"][1]) == 3
 
 
 def _record_steps(trainer):
@@ -588,6 +647,19 @@ def test_tokenizer_and_vocab_mismatch_are_refused():
     with pytest.raises(ValueError, match="teacher and student tokenizers differ"):
         check_tokenizers(byte_tokenizer(), bigger)
     check_tokenizers(byte_tokenizer(), byte_tokenizer())
+
+
+def test_the_bundled_teacher_name_gives_its_tokenizer(tmp_path, monkeypatch):
+    """model.teacher: smollm2 (the demo configs' teacher) names the bundled teacher's folder for
+    the tokenizer too, not a hub id (offline, a hub lookup fails)."""
+    from halo_dist.assets import teacher as assets
+    from halo_dist.stages.opd_build import load_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path / "smollm2")
+    monkeypatch.setattr(assets, "smollm2_teacher_dir", lambda: tmp_path / "smollm2")
+    cfg = tiny_cfg(tmp_path, "model.teacher=smollm2", "model.random_teacher=null",
+                   "opd.tokenizer=null")
+    assert load_tokenizer(cfg).get_vocab() == byte_tokenizer().get_vocab()
 
 
 def test_launcher_reports_bad_input_in_one_line(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
 from halo_dist.models.hypenet.decode_attention import decode_attention_torch, split_plan
 from halo_dist.models.hypenet.ops_attention import sdpa
-from halo_dist.models.hypenet.static_decode import StaticDecoder
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
 from triton_interp import HAS_TRITON, run_interpreted
 
 
@@ -73,7 +73,7 @@ def test_static_decode_equals_dynamic_cache_token_by_token(mixers, kw, pack):
     model = tiny(mixers, **kw)
     cache, first = prefilled(model)
     dynamic = copy.deepcopy(cache)
-    dec = StaticDecoder(model, cache, use_cuda_graph=False, pack_projections=pack)
+    dec = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, pack_projections=pack))
     assert (dec.cache.packed is not None) == pack
     nxt_s = nxt_d = first
     with torch.inference_mode():
@@ -108,8 +108,8 @@ def test_a_failed_compilation_warns_and_decodes_eagerly_from_the_same_state():
     restored and the eager step gives the eager decoder's logits."""
     model = tiny(("attention", "lightning")).float()
     cache, first = prefilled(model, B=2)
-    eager = StaticDecoder(model, copy.deepcopy(cache), use_cuda_graph=False)
-    broken = StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
+    eager = StaticDecoder(model, copy.deepcopy(cache), DecodeOptions(use_cuda_graph=False))
+    broken = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, compile=True))
 
     def fails(dec):
         dec.cache.pos.add_(1)
@@ -134,8 +134,8 @@ def test_compiled_static_step_equals_eager_and_compiles_once():
     model = tiny(("attention", "lightning", "attention", "gdn"), attn_output_gate=True).float()
     cache, first = prefilled(model, B=2)
     eager_cache = copy.deepcopy(cache)
-    compiled = StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
-    eager = StaticDecoder(model, eager_cache, use_cuda_graph=False)
+    compiled = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, compile=True))
+    eager = StaticDecoder(model, eager_cache, DecodeOptions(use_cuda_graph=False))
     nxt = first
     for _ in range(5):
         got, want = compiled.step(nxt).clone(), eager.step(nxt).clone()
@@ -154,12 +154,13 @@ def test_compile_mode_reaches_torch_compile_and_cuda_graph_modes_are_refused(mon
     cache, _ = prefilled(model, B=1)
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
-    StaticDecoder(model, cache, use_cuda_graph=False, compile="max-autotune-no-cudagraphs")
-    StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
+    StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False,
+                                              compile="max-autotune-no-cudagraphs"))
+    StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, compile=True))
     assert [kw["mode"] for kw in seen] == ["max-autotune-no-cudagraphs", None]
     for mode in ("reduce-overhead", "max-autotune", "fast"):
         with pytest.raises(ValueError, match="modes are"):
-            StaticDecoder(model, cache, use_cuda_graph=False, compile=mode)
+            StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, compile=mode))
 
 
 def test_compiled_static_step_compiles_once_across_prompt_widths():
@@ -176,7 +177,7 @@ def test_compiled_static_step_compiles_once_across_prompt_widths():
         cache = HypeNetCache(2, max_cache_len=32)
         with torch.no_grad():
             nxt = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        dec = StaticDecoder(model, cache, use_cuda_graph=False, compile=True)
+        dec = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, compile=True))
         for _ in range(2):
             nxt = dec.step(nxt.argmax(-1))
         assert dec.compile_error is None and dec.length == width + 2
@@ -199,7 +200,7 @@ def test_a_dropped_decoder_frees_its_buffers_without_the_garbage_collector(compi
     gc.collect()
     gc.disable()
     try:
-        dec = StaticDecoder(model, cache, use_cuda_graph=False, compile=compile)
+        dec = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, compile=compile))
         dec.step(nxt.argmax(-1))
         assert dec.compile_error is None
         buffers = [weakref.ref(t) for t in dec.cache._tensors()]
@@ -218,7 +219,7 @@ def test_static_greedy_equals_generate():
     cache = HypeNetCache(4, reserve_tokens=6)
     with torch.no_grad():
         first = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
-    got = StaticDecoder(model, cache, use_cuda_graph=False).greedy(first, 5)
+    got = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False)).greedy(first, 5)
     assert torch.equal(torch.cat([first[:, None], got], 1), want)
 
 
@@ -337,7 +338,7 @@ def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference(
 
 
 def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
-    """A bf16 state (``StaticDecoder(state_dtype=torch.bfloat16)``): the kernel under
+    """A bf16 state (``StaticDecoder(DecodeOptions(state_dtype=torch.bfloat16))``): the kernel under
     TRITON_INTERPRET=1 reads it, updates in fp32 and rounds once on the write, as the reference
     does. Over three steps the states stay within bf16 rounding of each other (the interpreter
     truncates where the GPU rounds to nearest: a 1-ulp difference in half the elements; the CUDA
@@ -430,7 +431,7 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
         from halo_dist.models.hypenet.layers_hypenet import SequenceInfo, rope_inv_freq
         from halo_dist.models.hypenet.ops_rnn import lightning_log_decay
         from halo_dist.models.hypenet.rnn_hypenet import LightningMixer
-        from halo_dist.models.hypenet.static_decode import StaticDecoder
+        from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
 
         rnn_hypenet.kernel_applies = lambda x: True  # CPU tensors, through the interpreter
 
@@ -496,9 +497,9 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
             cache = HypeNetCache(4, reserve_tokens=6)
             with torch.no_grad():
                 first = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
-            fused = StaticDecoder(model, cache, use_cuda_graph=False)
-            plain = StaticDecoder(model, copy.deepcopy(cache), use_cuda_graph=False,
-                                  fuse_lightning=False)
+            fused = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False))
+            plain = StaticDecoder(model, copy.deepcopy(cache),
+                                  DecodeOptions(use_cuda_graph=False, fuse_lightning=False))
             nxt = first
             for _ in range(5):
                 a, b = fused.step(nxt).clone(), plain.step(nxt).clone()
@@ -516,18 +517,24 @@ def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
     assert model_err < 1e-5, out
 
 
-def test_lightning_fusion_follows_the_argument_then_the_environment(monkeypatch):
-    """``fuse_lightning`` given wins; unset, HALO_DECODE_LIGHTNING=unfused turns the fusion off, and
-    an unknown mode is refused with the known ones."""
+def test_decode_options_default_to_the_fast_path_and_refuse_bad_values():
+    """The defaults are the measured fast path (the fused Lightning step, packed projections, the
+    GEMV decided per device); a caller turns the fusion off by option only (no environment switch);
+    bad values are refused when the options are made, naming the field."""
     model = tiny(("attention", "lightning")).float()
-    assert StaticDecoder(model, prefilled(model)[0], use_cuda_graph=False).cache.fuse_lightning
-    monkeypatch.setenv("HALO_DECODE_LIGHTNING", "unfused")
-    assert not StaticDecoder(model, prefilled(model)[0], use_cuda_graph=False).cache.fuse_lightning
-    assert StaticDecoder(model, prefilled(model)[0], use_cuda_graph=False,
-                         fuse_lightning=True).cache.fuse_lightning
-    monkeypatch.setenv("HALO_DECODE_LIGHTNING", "fast")
-    with pytest.raises(ValueError, match="choose from"):
-        StaticDecoder(model, prefilled(model)[0], use_cuda_graph=False)
+    dec = StaticDecoder(model, prefilled(model)[0], DecodeOptions(use_cuda_graph=False))
+    assert dec.cache.fuse_lightning and dec.cache.packed is not None
+    assert StaticDecoder(model, prefilled(model)[0]).options == DecodeOptions()
+    off = DecodeOptions(use_cuda_graph=False, fuse_lightning=False)
+    assert not StaticDecoder(model, prefilled(model)[0], off).cache.fuse_lightning
+    for bad, field in ((dict(compile="reduce-overhead"), "compile"),
+                       (dict(warmup_steps=-1), "warmup_steps"),
+                       (dict(state_write_every=0), "state_write_every"),
+                       (dict(state_dtype=torch.float16), "state_dtype")):
+        with pytest.raises(ValueError, match=field):
+            DecodeOptions(**bad)
+    with pytest.raises(ValueError, match="state_write_every"):
+        off.replace(state_write_every=0)
 
 
 def test_static_decode_with_a_bf16_state_tracks_the_fp32_state():
@@ -537,8 +544,9 @@ def test_static_decode_with_a_bf16_state_tracks_the_fp32_state():
     model = tiny(("attention", "lightning", "lightning")).float()
     cache, first = prefilled(model, B=2)
     ref_cache = copy.deepcopy(cache)
-    half = StaticDecoder(model, cache, use_cuda_graph=False, state_dtype=torch.bfloat16)
-    full = StaticDecoder(model, ref_cache, use_cuda_graph=False)
+    half = StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False,
+                                                     state_dtype=torch.bfloat16))
+    full = StaticDecoder(model, ref_cache, DecodeOptions(use_cuda_graph=False))
     assert all(s.dtype == torch.bfloat16 for s in half.cache.rnn_states())
     nxt, worst = first, 0.0
     for _ in range(6):
@@ -552,10 +560,12 @@ def test_static_decode_with_a_bf16_state_tracks_the_fp32_state():
     gdn = tiny(("attention", "gdn")).float()
     gdn_cache, _ = prefilled(gdn, B=1)
     with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
-        StaticDecoder(gdn, gdn_cache, use_cuda_graph=False, state_dtype=torch.bfloat16)
+        StaticDecoder(gdn, gdn_cache, DecodeOptions(use_cuda_graph=False,
+                                                    state_dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
-        StaticDecoder(model, prefilled(model, B=1)[0], use_cuda_graph=False,
-                      state_dtype=torch.bfloat16, lightning_in_place=False)
+        StaticDecoder(model, prefilled(model, B=1)[0],
+                      DecodeOptions(use_cuda_graph=False, state_dtype=torch.bfloat16,
+                                    lightning_in_place=False))
 
 
 class _LaunchRecorder:
@@ -755,8 +765,8 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha, split, monke
         with torch.no_grad():
             first = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         dynamic = copy.deepcopy(cache)
-        fused = StaticDecoder(model, cache, compile=True)
-        plain = StaticDecoder(model, copy.deepcopy(cache), fuse_lightning=False)
+        fused = StaticDecoder(model, cache, DecodeOptions(compile=True))
+        plain = StaticDecoder(model, copy.deepcopy(cache), DecodeOptions(fuse_lightning=False))
         assert fused.graph is not None and plain.graph is not None
         assert fused.compile_error is None, fused.compile_error
         nxt, err = first.argmax(-1), {"fused": 0.0, "plain": 0.0, "apart": 0.0}

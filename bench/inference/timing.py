@@ -9,7 +9,7 @@ import torch
 
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig
-from halo_dist.models.hypenet.static_decode import StaticDecoder
+from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
 
 GiB = 1 << 30
 
@@ -137,7 +137,7 @@ def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, devic
     del dec
     rewind(cache, T, saved)
     t0 = time.perf_counter()
-    dec = StaticDecoder(model, cache, compile=True)  # compiles and captures
+    dec = StaticDecoder(model, cache, DecodeOptions(compile=True))  # compiles and captures
     out["compile_s"] = round(time.perf_counter() - t0, 1)
     out["decode_compiled_ms"], first_compiled = timed_steps(dec.step, token, steps, device)
     out["compiled"] = dec.compiled and (dec.graph is not None or device.type != "cuda")

@@ -27,6 +27,14 @@ def run_dir(a) -> Path:
 # not differ here
 STAGE1_SETTINGS = ("seed", "seq_len", "stage1_steps", "global_batch", "micro_batch", "pe", "data",
                    "config_dir", "select_items", "select_length", "kl_rows", "device", "dtype")
+# what only the steps after stage 3 read (calibration, evaluation) or what schedules the pieces: an
+# experiment that shares another run's stages 1-3 may differ here, and in nothing else of the demo
+AFTER_STAGE3 = ("out", "calib_grid", "calib_rows", "calib_objective", "calib_lengths",
+                "calib_prompts", "niah_lengths", "niah_tasks", "niah_depths", "niah_samples",
+                "niah_batch", "niah_batch_tokens", "niah_static_decode", "csr_tasks", "csr_limit",
+                "csr_batch", "ppl_seq_len", "ppl_rows", "deadline_s", "pause_after",
+                "keep_checkpoints", "teacher_eval", "niah_prompts", "teacher_reference",
+                "split_student_eval")
 
 
 def share_stage1(a, s: DemoSettings, base: Path) -> None:
@@ -34,22 +42,45 @@ def share_stage1(a, s: DemoSettings, base: Path) -> None:
     selection results of the run folder ``base``, hard-linked: the arm then differs from that run
     only in what comes after stage 1, and skips ~4 GPU-minutes. Refused when a setting stage 1
     depends on differs, or ``base``'s stage 1 is not finished."""
+    _share(a, s, base, "--share-stage1-from", "stage1", STAGE1_SETTINGS,
+           ("stage1/final", "select/results.json"))
+
+
+def share_stage3(a, s: DemoSettings, base: Path) -> None:
+    """Start the experiment ``a.tag`` from the finished stage 3 of the run folder ``base``: its
+    stage-1 layers, selection and stage-2 and stage-3 exports, hard-linked, so that the arm differs
+    from that run only after stage 3 (calibration, or the OPD step of arm d) and skips ~11
+    GPU-minutes. Refused when any setting of the demo's differs but those only calibration and
+    evaluation read (``AFTER_STAGE3``), or ``base``'s stage 3 is not finished. The stages' curves
+    stay in ``base``: the arm's results count its own steps and tokens only."""
+    from dataclasses import fields
+
+    settings = tuple(f.name for f in fields(DemoSettings) if f.name not in AFTER_STAGE3)
+    _share(a, s, base, "--share-stage3-from", "stage3", settings,
+           ("stage1/final", "select/results.json", "select/selection.json", "stage2/final",
+            "stage3/final"))
+
+
+def _share(a, s: DemoSettings, base: Path, flag: str, stage: str, settings: tuple[str, ...],
+           parts: tuple[str, ...]) -> None:
+    """Hard-link ``parts`` of ``base`` into the experiment's run folder once ``base`` finished
+    ``stage`` with the same ``settings``."""
     from dataclasses import asdict
 
     arm = run_dir(a)
     if not a.tag or base.resolve() == arm.resolve():
-        raise SystemExit("error: --share-stage1-from is for an experiment: give it a --tag of its "
-                         "own")
+        raise SystemExit(f"error: {flag} is for an experiment: give it a --tag of its own")
     base_settings = read_json(base / "settings.json")
-    if not (base / "stage1" / "final" / "DONE").exists() or base_settings is None:
-        raise SystemExit(f"error: --share-stage1-from: {base} holds no finished stage 1")
+    what = f"stage {stage[-1]}"
+    if not (base / stage / "final" / "DONE").exists() or base_settings is None:
+        raise SystemExit(f"error: {flag}: {base} holds no finished {what}")
     mine = asdict(s)
-    differ = {k: (base_settings.get(k), mine.get(k)) for k in STAGE1_SETTINGS
+    differ = {k: (base_settings.get(k), mine.get(k)) for k in settings
               if base_settings.get(k) != mine.get(k)}
     if differ:
-        raise SystemExit(f"error: --share-stage1-from: {base.name}'s stage 1 ran with other "
-                         f"settings ({base.name}, this run): {differ}")
-    for part in ("stage1/final", "select/results.json"):
+        raise SystemExit(f"error: {flag}: {base.name}'s {what} ran with other settings "
+                         f"({base.name}, this run): {differ}")
+    for part in parts:
         src, dst = base / part, arm / part
         if src.exists() and not dst.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -57,8 +88,7 @@ def share_stage1(a, s: DemoSettings, base: Path) -> None:
                 shutil.copytree(src, dst, copy_function=os.link)
             else:
                 os.link(src, dst)
-    print(f"[real] {arm.name} starts from {base.name}'s stage 1 and per-layer selection results",
-          flush=True)
+    print(f"[real] {arm.name} starts from {base.name}'s {what} ({', '.join(parts)})", flush=True)
 
 
 def check_same_pe(run: Path, pe: str) -> None:

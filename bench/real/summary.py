@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from bench.common import environment
+from bench.real.opd_arm import opd_summary
 from bench.real.run_folder import read_json
 from halo_dist.demo import DemoSettings
 from halo_dist.eval.scorecard import read_eval, scorecard
@@ -108,6 +109,8 @@ def summarize(work: Path, run: Path | None = None) -> dict:
                              for r in (e["niah"] or {}).get("records", [])]
                          for w, e in evals.items()},
         "selection": read_json(run / "select" / "selection.json"),
+        # experiment d: the OPD step after stage 3 (its arm, tokens, divergences), or None
+        "opd": opd_summary(run),
         "calibration": read_json(run / "calibrate.json"), "speed": read_json(run / "speed.json"),
         "timings_s": read_json(run / "timings.json"), "background": windows,
         "corpus": read_json(work / "corpus" / "corpus_report.json"),

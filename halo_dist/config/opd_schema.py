@@ -144,6 +144,12 @@ class OPDConfig(Section):
     # fixed continuations (FIXED_CONTINUATION). Which steps is a function of (seed, step) alone.
     beta: float = 1.0
     lmbda: float = 1.0
+    # fixed-data steps draw only continuations at least the horizon long, so every document trains
+    # exactly the horizon's tokens, as a rollout with stop_at_eos false does: a teacher-forced
+    # control that trains as many tokens on the same prompts as its on-policy run
+    # (bench/real/opd_arm.py). The draws are those of the on-policy run when every continuation
+    # is long enough
+    fixed_full_horizon: bool = False
 
     def validate(self) -> None:
         for name in ("horizon_start", "horizon_max", "max_seq_len", "plateau_window",
@@ -181,6 +187,9 @@ class OPDConfig(Section):
         for name in ("beta", "lmbda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 fail(name, f"must be in [0, 1], got {getattr(self, name)}")
+        if self.fixed_full_horizon and self.lmbda >= 1.0:
+            fail("fixed_full_horizon", "applies to fixed-data steps, and lmbda=1 samples rollouts "
+                                       "at every step: set opd.lmbda < 1")
         if self.lmbda < 1.0:
             missing = [p.name for p in self.prompt_sets
                        if p.kind == "jsonl" and p.completion_field is None]

@@ -47,10 +47,11 @@ MODEL_FILES = (
     "ops_rnn.py",  # RNN kernel dispatch (fla on CUDA)
     "ops_rnn_torch.py",  # exact torch recurrences
     "static_decode.py",  # CUDA-graph decoding
+    "decode_options.py",  # its options
     "decode_attention.py",  # its split-KV attention kernel
     "decode_lightning.py",  # its in-place Lightning state update
     "lightning_state.py",  # how that state is kept (24 bits, deferred writes)
-    "decode_gemv.py",  # its batch-1 GEMV (opt-in)
+    "decode_gemv.py",  # its batch-1 GEMV
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_hypenet.HypeNetConfig",

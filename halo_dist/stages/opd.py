@@ -48,6 +48,7 @@ from ..config.coerce import ConfigError
 from ..errors import IncompatibleInputError
 from ..losses import fused_distill_loss
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
+from ..models.hypenet.decode_options import DecodeOptions
 from ..models.hypenet.generation_hypenet import _GENERATE_CACHE_KWARG
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.lightning_state import FLOAT24
@@ -200,24 +201,23 @@ def compiled_room(tokens: int) -> int:
     return -(-tokens // ROOM_MULTIPLE) * ROOM_MULTIPLE
 
 
-def static_options(compile_static: bool, decoder_options: dict | None) -> dict:
-    """The rollout decoder's ``StaticDecoder`` keyword arguments beyond the defaults."""
-    return {**({"compile": True} if compile_static else {}), **(decoder_options or {})}
+def static_options(compile_static: bool, decoder_options: DecodeOptions | None) -> DecodeOptions:
+    """The rollout decoder's ``DecodeOptions``: ``decoder_options`` (None: the defaults), its step
+    compiled when ``compile_static``."""
+    options = decoder_options or DecodeOptions()
+    return options.replace(compile=True) if compile_static else options
 
 
-def rollout_decoder_options(opd, student_config) -> dict:
+def rollout_decoder_options(opd, student_config) -> DecodeOptions:
     """``StaticDecoder`` options for the rollouts' Lightning states from ``opd.rollout_state_dtype``
     (float24: ``FLOAT24``) and ``opd.rollout_state_write_every`` (empty: the defaults), refused up
     front for a student with RNN layers other than Lightning (only its in-place decode kernel
     keeps a narrower state or defers its writes)."""
-    options = {}
-    if opd.rollout_state_dtype != "float32":
-        options["state_dtype"] = (FLOAT24 if opd.rollout_state_dtype == "float24"
-                                  else torch.bfloat16)
-    if opd.rollout_state_write_every > 1:
-        options["state_write_every"] = opd.rollout_state_write_every
+    dtype = {"float32": None, "float24": FLOAT24, "bfloat16": torch.bfloat16}[
+        opd.rollout_state_dtype]
+    options = DecodeOptions(state_dtype=dtype, state_write_every=opd.rollout_state_write_every)
     other = mixers_without_low_precision_state(student_config.mixer_types)
-    if options and other:
+    if options != DecodeOptions() and other:
         raise ConfigError(f"opd.rollout_state_dtype={opd.rollout_state_dtype} and "
                           f"opd.rollout_state_write_every={opd.rollout_state_write_every} need a "
                           f"student whose RNN layers are all Lightning; this one has {other}")
@@ -240,7 +240,7 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
                     top_p: float = 1.0, eos_token_id: int | None = None, pad_token_id: int = 0,
                     stop_at_eos: bool = True, generator: torch.Generator | None = None,
                     static_cache: bool = False, compile_static: bool = False,
-                    decoder_options: dict | None = None) -> list[list[int]]:
+                    decoder_options: DecodeOptions | None = None) -> list[list[int]]:
     """Sampled continuations (token lists, cut after the first EOS when ``stop_at_eos``) from the
     student's own distribution under ``temperature`` / ``top_p`` only: the model's generation
     defaults stay out (an export carries its teacher's chat defaults, e.g. a top-k or a repetition
@@ -268,7 +268,7 @@ def sample_rollouts(model, prompts: list[list[int]], horizon: int, *, temperatur
     model.generation_config = GenerationConfig()
     cache = {"cache_implementation": "static" if static_cache else None}
     options = static_options(compile_static, decoder_options)
-    if static_cache and options:
+    if static_cache and options != DecodeOptions():
         room = width + horizon + STATIC_WARMUP_TOKENS
         cache = {_GENERATE_CACHE_KWARG: HypeNetCache(
             model.config.num_hidden_layers, static=True, static_options=options,

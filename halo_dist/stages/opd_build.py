@@ -14,8 +14,10 @@ from .opd import check_tokenizers, check_vocab
 
 
 def load_tokenizer(cfg: RunConfig):
-    """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's; random teachers need
-    one."""
+    """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's (``smollm2``: the
+    bundled teacher's folder, as the teacher itself is loaded); random teachers need one."""
+    from .teacher import teacher_path
+
     name = cfg.opd.tokenizer
     if name == "bytes":
         from ..eval.tokenizers import byte_tokenizer
@@ -26,7 +28,7 @@ def load_tokenizer(cfg: RunConfig):
                           "tiny tests)")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name or cfg.model.teacher)
+    return AutoTokenizer.from_pretrained(name or teacher_path(cfg.model.teacher))
 
 
 def student_tokenizer(cfg: RunConfig):

@@ -13,7 +13,9 @@ With ``opd.lmbda < 1`` (TRL GKD's on-policy fraction) some steps train on fixed 
 rollouts: every training prompt then also carries a fixed continuation of up to ``opd.horizon_max``
 tokens (``FIXED_CONTINUATION`` in config/opd_schema.py says which for each kind; a continuation that
 ends before the cap ends with EOS, as a rollout would), cut to the current horizon when it trains.
-Building them uses its own RNG, so the prompts are the same whatever ``lmbda`` is.
+Building them uses its own RNG, so the prompts are the same whatever ``lmbda`` is. With
+``opd.fixed_full_horizon`` a fixed-data step draws only continuations that fill the horizon: each
+document then trains exactly as many tokens as a rollout that does not stop at EOS.
 
 Bad input fails with :class:`PromptError`: an empty set, an empty prompt, a prompt longer than the
 set's ``max_prompt_tokens``, or a prompt that leaves no room for the current horizon inside
@@ -222,6 +224,9 @@ class Curriculum:
         self.sets: dict[str, PromptSet] = dict(prebuilt or {})
         self.rng = random.Random(f"{opd.seed}:curriculum:{rank}")
         self._checked: dict[str, int] = {}  # set name -> horizon it was last checked for
+        # (set name, horizon) -> train prompts whose continuation fills the horizon
+        # (opd.fixed_full_horizon)
+        self._full: dict[tuple[str, int], list[int]] = {}
 
     def get(self, cfg: PromptSetConfig) -> PromptSet:
         if cfg.name not in self.sets:
@@ -275,9 +280,25 @@ class Curriculum:
         picks = self.rng.choices(sets, weights=[s.cfg.weight for s in sets], k=n)
         out = []
         for s in picks:
-            i = s.fixed_index[self.rng.randrange(len(s.fixed_index))]
+            index = self.fixed_index(s, horizon)
+            i = index[self.rng.randrange(len(index))]
             out.append((s.name, s.train[i], s.continuations[i][:horizon].tolist()))
         return out
+
+    def fixed_index(self, s: PromptSet, horizon: int) -> list[int]:
+        """The train prompts of ``s`` a fixed-data step draws from: those with a continuation, or
+        with ``opd.fixed_full_horizon`` those whose continuation has at least ``horizon`` tokens
+        (every train prompt when all are that long: the draws are then :meth:`sample`'s)."""
+        if not self.opd.fixed_full_horizon:
+            return s.fixed_index
+        key = (s.name, horizon)
+        if key not in self._full:
+            self._full[key] = [i for i in s.fixed_index if len(s.continuations[i]) >= horizon]
+            if not self._full[key]:
+                raise PromptError(f"prompt set {s.name!r}: no fixed continuation has the {horizon} "
+                                  "tokens of the horizon (opd.fixed_full_horizon): give longer "
+                                  "completions or a shorter horizon")
+        return self._full[key]
 
     def heldout(self) -> list[list[int]]:
         """Held-out prompts of every set that has some (sets built on demand)."""

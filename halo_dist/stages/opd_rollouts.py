@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
+from ..models.hypenet.decode_options import DecodeOptions
 from .rollout_sampling import sample_tokens
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.static_decode import StaticDecoder
@@ -75,7 +76,7 @@ class _Slots:
         self.work = work
         cache, mask, logits = prefill_prompts(work.model, [work.prompts[i] for i in first], room,
                                               pad_token_id)
-        self.decoder = StaticDecoder(work.model, cache, attention_mask=mask, **work.options)
+        self.decoder = StaticDecoder(work.model, cache, work.options, attention_mask=mask)
         self.cur = sample_tokens(logits, *work.sampling)  # [b] each slot's next token
         self.reader = TokenReader(self.cur)
         self.serving = dict(enumerate(first))  # slot -> prompt index
@@ -149,7 +150,7 @@ def continuous_rollouts(model, prompts: list[list[int]], horizon: int, slots: in
                         eos_token_id: int | None = None, stop_at_eos: bool = True,
                         generator: torch.Generator | None = None, pad_token_id: int = 0,
                         compile_static: bool = False,
-                        decoder_options: dict | None = None) -> list[list[int]]:
+                        decoder_options: DecodeOptions | None = None) -> list[list[int]]:
     """One continuation per prompt (in the prompts' order; cut after the first EOS when
     ``stop_at_eos``), decoded in ``slots`` rows that are refilled as rollouts end.
     ``compile_static``: the step through ``torch.compile`` (the buffers' room rounded up by

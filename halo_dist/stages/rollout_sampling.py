@@ -22,14 +22,12 @@ memory traffic per step, about 0.5 ms of a ~9 ms rollout step on an H200.
 ``sample_tokens`` dispatches (``kernel_applies`` says when the kernel runs): the kernel wherever it
 applies (for 256 x 151,936 bf16 logits on an H100: 0.106 ms against the reference's 0.85; 0.15
 with the polynomial logs; the first version, one Philox call per token, took 0.21 ms against 0.66
-on an H200, and OPD rollouts at horizon 2048 gained 8.5%: BENCHMARKS.md), the reference elsewhere;
-``HALO_DECODE_SAMPLER=torch`` forces the reference.
+on an H200, and OPD rollouts at horizon 2048 gained 8.5%: BENCHMARKS.md), the reference elsewhere.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -195,9 +193,8 @@ def gumbel_splits(logits: torch.Tensor, temperature: float, generator: torch.Gen
 
 def kernel_applies(device_type: str, top_p: float, numel: int) -> bool:
     """Whether ``sample_tokens`` draws through the Triton kernel: CUDA logits, no nucleus cut,
-    fewer than 2^31 logits, and not opted out (``HALO_DECODE_SAMPLER=torch``)."""
-    return (os.environ.get("HALO_DECODE_SAMPLER", "triton") != "torch" and _HAS_TRITON
-            and device_type == "cuda" and top_p >= 1.0 and numel < 2 ** 31)
+    fewer than 2^31 logits."""
+    return _HAS_TRITON and device_type == "cuda" and top_p >= 1.0 and numel < 2 ** 31
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,

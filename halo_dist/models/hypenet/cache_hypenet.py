@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
+from .decode_options import DecodeOptions
 
 
 # Extra KV slots a static (CUDA-graph) cache reserves: StaticDecoder's warm-up writes two tokens,
@@ -27,8 +28,8 @@ class HypeNetCache(Cache):
     ``static=True`` (``generate(..., cache_implementation="static")``): after the prefill, one-token
     steps run through ``StaticDecoder`` on this cache's buffers (a CUDA-graph replay per token on
     CUDA, the same step eagerly elsewhere); ``max_cache_len`` then bounds the tokens it can hold,
-    and ``static_options`` are the decoder's keyword arguments (``{"compile": True}``: pass the
-    cache to ``generate`` as ``past_key_values``).
+    and ``static_options`` are the decoder's ``DecodeOptions`` (e.g.
+    ``DecodeOptions(compile=True)``: pass the cache to ``generate`` as ``past_key_values``).
     """
 
     # A plain attribute, declared on the class so that it shadows transformers 5.17's read-only
@@ -36,15 +37,15 @@ class HypeNetCache(Cache):
     max_cache_len: int | None = None
 
     def __init__(self, num_layers: int, reserve_tokens: int = 0, max_cache_len: int | None = None,
-                 static: bool = False, static_options: dict | None = None):
+                 static: bool = False, static_options: DecodeOptions | None = None):
         super().__init__(layers=[None] * num_layers)
         self.seen_tokens = 0
         self.reserve_tokens = reserve_tokens  # room left after the prefill for decoded tokens
         # room for this many tokens in all, if more than prompt + reserve
         self.max_cache_len = max_cache_len
         self.static = static
-        # keyword arguments of the StaticDecoder a static cache builds (e.g. ``{"compile": True}``)
-        self.static_options = dict(static_options or {})
+        # how the StaticDecoder this cache builds runs its step
+        self.static_options = static_options or DecodeOptions()
         self._kv_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decoder = None  # the StaticDecoder that owns the buffers once static steps began
 
@@ -94,8 +95,8 @@ class HypeNetCache(Cache):
             if room is not None and room - self.seen_tokens < 1 + STATIC_WARMUP_TOKENS:
                 return None
             prompt_mask = None if attention_mask is None else attention_mask[:, : self.seen_tokens]
-            self._decoder = StaticDecoder(model, self, attention_mask=prompt_mask,
-                                          **self.static_options)
+            self._decoder = StaticDecoder(model, self, self.static_options,
+                                          attention_mask=prompt_mask)
         elif self._decoder.room_left is not None and self._decoder.room_left < 1:
             self.leave_static()
             return None

@@ -12,13 +12,12 @@ captured graph serves every decode position without a host sync or a shape chang
   program serving all G query heads of its KV head (keys and values are read once per group, in the
   cache's own layout, no repeat), and a small torch reduction merges the partial softmaxes.
 
-``decode_attention`` dispatches (``HALO_DECODE_ATTENTION=torch`` forces the reference).
+``decode_attention`` dispatches: the kernel on CUDA, the reference elsewhere.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -196,8 +195,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
 
 def decode_attention(q, k, v, length, scale, start=None):
-    """Triton split-KV on CUDA, the torch reference elsewhere (or with
-    ``HALO_DECODE_ATTENTION=torch``)."""
-    if q.is_cuda and _HAS_TRITON and os.environ.get("HALO_DECODE_ATTENTION", "triton") != "torch":
+    """Triton split-KV on CUDA, the torch reference elsewhere."""
+    if q.is_cuda and _HAS_TRITON:
         return decode_attention_triton(q, k, v, length, scale, start)
     return decode_attention_torch(q, k, v, length, scale, start)

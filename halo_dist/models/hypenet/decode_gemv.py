@@ -19,8 +19,8 @@ them, from DRAM), and ``decode_linear`` takes the kernel only for shapes where i
 * ``tune_gemv``: the per-shape choice; ``StaticDecoder`` runs it for a batch-1 decoder on CUDA
   before its warm-up, outside any compiled or captured code.
 * ``decode_linear``: the kernel where the choice says so, ``F.linear`` elsewhere.
-  On by default for batch-1 decoders on CUDA; ``HALO_DECODE_GEMV=cublas`` (or
-  ``StaticDecoder(gemv=False)``) keeps cuBLAS everywhere. In HypeNet-2B's compiled 512K step the
+  On by default for batch-1 decoders on CUDA; ``DecodeOptions(gemv=False)`` keeps cuBLAS
+  everywhere. In HypeNet-2B's compiled 512K step the
   kernel won on every weight shape and took the step from 5.25 to 5.15 ms on an H200 (7.05 to
   6.93 on an H100), the teacher shape's from 15.34 to 15.12 ms (H100: 21.99 either way); the
   tuning itself runs once per process and weight shape.
@@ -28,7 +28,6 @@ them, from DRAM), and ``decode_linear`` takes the kernel only for shapes where i
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -50,18 +49,6 @@ CANDIDATES = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4
 _CHOICE: dict = {}
 # what ``tune_gemv`` reads before each timing so that no weight is still in L2 (an H200 has 50 MB)
 _L2_EVICT_BYTES = 256 << 20
-GEMV_MODES = ("triton", "cublas")
-
-
-def gemv_mode() -> str:
-    """``HALO_DECODE_GEMV``: "triton" (the default: the kernel for the weight shapes where
-    ``tune_gemv`` found it faster than cuBLAS) or "cublas" (cuBLAS for every shape)."""
-    mode = os.environ.get("HALO_DECODE_GEMV", "triton")
-    if mode not in GEMV_MODES:
-        raise ValueError(f"HALO_DECODE_GEMV={mode!r}: choose from {GEMV_MODES}")
-    return mode
-
-
 if _HAS_TRITON:
 
     @triton.jit

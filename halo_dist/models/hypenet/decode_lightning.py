@@ -25,13 +25,12 @@ update itself); fused, a layer's step between its GEMMs is one kernel.
 * ``lightning_decode_triton``: the kernel (``TRITON_INTERPRET=1`` runs it on CPU fp32 tensors, which
   is how the CPU tests check it).
 
-``kernel_applies`` decides where the kernel runs (CUDA; ``HALO_DECODE_LIGHTNING=torch`` forces the
-reference); ``HALO_DECODE_LIGHTNING=unfused`` keeps the fusion off (``StaticDecoder``'s default).
+``kernel_applies`` decides where the kernel runs (CUDA with Triton);
+``DecodeOptions(fuse_lightning=False)`` keeps the fusion off.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -422,26 +421,13 @@ def lightning_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o
 
 
-# HALO_DECODE_LIGHTNING: "triton" (the default: the kernel on CUDA, fused with the layer's norms,
-# RoPE and gate), "unfused" (the kernel for the update alone), "torch" (the reference)
-DECODE_MODES = ("triton", "unfused", "torch")
-
-
-def decode_mode() -> str:
-    mode = os.environ.get("HALO_DECODE_LIGHTNING", "triton")
-    if mode not in DECODE_MODES:
-        raise ValueError(f"HALO_DECODE_LIGHTNING={mode!r}: choose from {DECODE_MODES}")
-    return mode
-
-
 def kernel_applies(x: torch.Tensor) -> bool:
-    """Whether decoding on ``x``'s device runs the kernel: CUDA with Triton, unless
-    ``HALO_DECODE_LIGHTNING=torch``."""
-    return x.is_cuda and _HAS_TRITON and decode_mode() != "torch"
+    """Whether decoding on ``x``'s device runs the kernel: CUDA with Triton."""
+    return x.is_cuda and _HAS_TRITON
 
 
 def lightning_decode_(q, k, v, log_decay, scale, state, deferred: DeferredWrites | None = None):
-    """The kernel on CUDA, the reference elsewhere (or with ``HALO_DECODE_LIGHTNING=torch``)."""
+    """The kernel on CUDA, the reference elsewhere."""
     if kernel_applies(q):
         return lightning_decode_triton(q, k, v, log_decay, scale, state, deferred=deferred)
     return lightning_decode_torch(q, k, v, log_decay, scale, state, deferred)

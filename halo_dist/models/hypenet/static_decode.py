@@ -40,9 +40,10 @@ import warnings
 import torch
 
 from .decode_attention import decode_attention
-from .decode_gemv import gemv_mode, tune_gemv
-from .decode_lightning import decode_mode, lightning_decode_, split_scratch
-from .lightning_state import (STATE_DTYPES, DeferredWrites, deferred_values, deferred_writes,
+from .decode_gemv import tune_gemv
+from .decode_lightning import lightning_decode_, split_scratch
+from .decode_options import DecodeOptions
+from .lightning_state import (DeferredWrites, deferred_values, deferred_writes,
                               state_values, stored_state)
 from .layers_hypenet import PackedLinears, rope_inv_freq
 from .ops_rnn import lightning_log_decay
@@ -63,14 +64,14 @@ class StaticDecodeCache:
     packed: dict | None = None
 
     def __init__(self, cache, model_config, attention_mask: torch.Tensor | None = None,
-                 state_dtype: torch.dtype | None = None, lightning_in_place: bool = True,
-                 fuse_lightning: bool = True, state_write_every: int = 1):
-        """``state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32); bf16 or
-        ``FLOAT24`` (fp32 less its last byte, kept as bytes) only for models whose RNN layers are
-        all Lightning (its in-place kernel rounds once per token, other mixers' kernels would take
-        such a state as their fp32 input). ``state_write_every``: Lightning states written back
-        every n tokens, the tokens between held as k/v (``lightning_state.DeferredWrites``; the
-        same Lightning-only models)."""
+                 options: DecodeOptions = DecodeOptions()):
+        """``options.state_dtype``: keep the RNN states in this dtype (None: as prefilled, fp32);
+        bf16 or ``FLOAT24`` (fp32 less its last byte, kept as bytes) only for models whose RNN
+        layers are all Lightning (its in-place kernel rounds once per token, other mixers' kernels
+        would take such a state as their fp32 input). ``options.state_write_every``: Lightning
+        states written back every n tokens, the tokens between held as k/v
+        (``lightning_state.DeferredWrites``; the same Lightning-only models)."""
+        state_dtype, state_write_every = options.state_dtype, options.state_write_every
         kinds = model_config.mixer_types
         if "swa" in kinds:
             raise ValueError("static decode does not support sliding-window layers (rolling "
@@ -78,8 +79,8 @@ class StaticDecodeCache:
         # Lightning layers update their state in place (``LightningMixer.decode_in_place``; else
         # fla's kernel + ``set_state``), on CUDA in one kernel with their norms, RoPE and gate
         # (``fuse_lightning``)
-        self.lightning_in_place = lightning_in_place
-        self.fuse_lightning = fuse_lightning
+        self.lightning_in_place = options.lightning_in_place
+        self.fuse_lightning = options.fuse_lightning
         self._check_state_options(state_dtype, state_write_every, kinds)
         T = cache.seen_tokens
         if T == 0:
@@ -119,12 +120,8 @@ class StaticDecodeCache:
         self.deferred = self._defer_writes(state_write_every, cfg)
 
     def _check_state_options(self, state_dtype, state_write_every, kinds) -> None:
-        if not isinstance(state_write_every, int) or state_write_every < 1:
-            raise ValueError(f"state_write_every must be an int >= 1, got {state_write_every!r}")
-        if state_dtype is not None and state_dtype not in STATE_DTYPES:
-            raise ValueError("state_dtype must be torch.float32, torch.bfloat16 or "
-                             "lightning_state.FLOAT24 (24 bits, kept as bytes); got "
-                             f"{state_dtype}")
+        """The narrower or deferred state needs Lightning's in-place kernel for every RNN layer
+        (the values themselves are checked by ``DecodeOptions``)."""
         wants = [f"a {state_dtype} RNN state"] if state_dtype not in (None, torch.float32) else []
         wants += [f"state_write_every={state_write_every}"] if state_write_every > 1 else []
         other = mixers_without_low_precision_state(kinds)
@@ -259,10 +256,6 @@ def _room_for_more_compilations(at_least: int = 256):
     return cfg.patch(**{key: max(getattr(cfg, key), at_least)})
 
 
-# torch.compile modes without Inductor's own CUDA graphs (they would nest inside the decoder's)
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-
-
 class StaticDecoder:
     """Decode one token per ``step`` from a prefilled cache, as a CUDA graph replay on CUDA.
 
@@ -270,61 +263,42 @@ class StaticDecoder:
     >>> logits = dec.step(next_tokens)            # [B] -> [B, V] (a static buffer: copy to keep)
     """
 
-    def __init__(self, model, cache, use_cuda_graph: bool | None = None, warmup_steps: int = 2,
-                 attention_mask: torch.Tensor | None = None, compile: bool | str = False,
-                 pack_projections: bool = True, lightning_in_place: bool = True,
-                 state_dtype: torch.dtype | None = None, fuse_lightning: bool | None = None,
-                 gemv: bool | None = None, state_write_every: int = 1):
-        """``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. ``compile``:
-        fuse the step with ``torch.compile`` (compiles during the warm-up; a compiler failure falls
-        back to the eager step and is kept in ``compile_error``); a string is the compile mode:
-        ``"max-autotune-no-cudagraphs"`` (Inductor may replace cuBLAS with its own kernels fused
-        with the norms; for HypeNet-2B on an H200 it did not pay) or ``"default"``. Modes with
-        Inductor's own CUDA graphs are refused: the decoder captures its own. ``pack_projections``:
-        each layer's input projections as one GEMM (``pack_input_projections``; a copy of those
-        weights, taken now: build a new decoder after the weights change). ``lightning_in_place``:
-        Lightning's state updated in place by ``decode_lightning.py`` (False: fla's kernel, then a
-        copy into the buffer); ``fuse_lightning``: on CUDA, that kernel also does the layer's
-        QK-norm, RoPE, output norm and gate (False: Inductor's or torch's kernels around it; None:
-        unless ``HALO_DECODE_LIGHTNING=unfused``). ``gemv``: the packed projections and the
-        layers' output linears through ``decode_gemv`` (the GEMV kernel for the weight shapes where
-        ``tune_gemv``, run here, timed it faster than cuBLAS; None: for one-row decoders on CUDA
-        unless ``HALO_DECODE_GEMV=cublas``; ``gemv_report`` keeps the timings). The switches exist
-        to measure what each buys (bench/profile_decode.py); the defaults are the fast path.
-        ``state_dtype``: the RNN states' dtype (None: fp32; bf16 halves their bytes, ``FLOAT24``
-        keeps 3/4); ``state_write_every``: states written back every n tokens (``DeferredWrites``);
-        both for Lightning-only models (``lightning_state``, ``StaticDecodeCache``)."""
+    def __init__(self, model, cache, options: DecodeOptions | None = None,
+                 attention_mask: torch.Tensor | None = None):
+        """``options``: how the step runs (``DecodeOptions``; None: the defaults, the fast path).
+        ``attention_mask``: the prompt's ``[B, T]`` mask when rows are left-padded. A compiled
+        step compiles during the warm-up; a compiler failure falls back to the eager step and is
+        kept in ``compile_error``. Packed projections are a copy of those weights, taken now: build
+        a new decoder after the weights change. ``gemv_report`` keeps the GEMV kernel's timings
+        against cuBLAS per weight shape."""
+        options = options or DecodeOptions()
+        self.options = options
         self.model = model
         self.compile_error: str | None = None
         self._compile_checked = False
         # unbound (called with self): a bound method stored on self would be a reference cycle,
         # and the decoder's buffers (tens of GB for a rollout batch) would outlive it until the
         # garbage collector happens to run
-        if isinstance(compile, str) and compile not in COMPILE_MODES:
-            raise ValueError(f"StaticDecoder(compile={compile!r}): the modes are "
-                             f"{sorted(COMPILE_MODES)} (the decoder captures its own CUDA graph)")
+        compile = options.compile
         mode = compile if isinstance(compile, str) else None
         self._step_fn = (torch.compile(StaticDecoder._step_body, dynamic=False, mode=mode)
                          if compile else StaticDecoder._step_body)
-        if fuse_lightning is None:
-            fuse_lightning = decode_mode() != "unfused"
-        self.cache = StaticDecodeCache(cache, model.config, attention_mask, state_dtype,
-                                       lightning_in_place, fuse_lightning, state_write_every)
+        self.cache = StaticDecodeCache(cache, model.config, attention_mask, options)
         device = self.cache.pos.device
         B = next(self.cache._tensors()).shape[0]
         self.gemv_report: dict = {}
-        if pack_projections:
-            self._pack(B == 1 and device.type == "cuda" and gemv_mode() == "triton"
-                       if gemv is None else gemv)
+        if options.pack_projections:
+            self._pack(B == 1 and device.type == "cuda" if options.gemv is None else options.gemv)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None  # the head's own output (``_step_body``)
         # tokens in each row's cache (host side; the graph reads cache.pos)
         self.row_lengths = [self.cache.prompt_tokens] * B
         self.graph = None
         self.graph_error: str | None = None
-        want_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        want_graph = (device.type == "cuda" if options.use_cuda_graph is None
+                      else options.use_cuda_graph)
         if want_graph:
-            self._capture(warmup_steps)
+            self._capture(options.warmup_steps)
 
     def _pack(self, gemv: bool) -> None:
         """The layers' projections packed (``pack_input_projections``); with ``gemv``, tuned
