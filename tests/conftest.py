@@ -58,14 +58,14 @@ def smollm2_dir():
     return smollm2_teacher_dir()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards(tmp_path_factory):
-    """Real Qwen-tokenized Wikipedia shards (300 documents, 5% held out), built once per test
-    module."""
-    from data_fixtures import run_prep
+    """Real Wikipedia shards (300 documents, 5% held out) in configs/tiny's small BPE vocabulary,
+    built once per session: tests read them (one that damages data works on a copy)."""
+    from data_fixtures import TINY_TOKENIZER, run_prep
 
     out = tmp_path_factory.mktemp("wiki") / "data"
-    run_prep(out, max_docs=300, shard_tokens=8000, heldout_fraction=0.05)
+    run_prep(out, max_docs=300, shard_tokens=8000, heldout_fraction=0.05, tokenizer=TINY_TOKENIZER)
     return out
 
 

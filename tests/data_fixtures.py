@@ -13,6 +13,10 @@ import torch
 
 torch.set_num_threads(1)
 
+# configs/tiny's vocabulary (halo_dist.assets.tokenizer): shards the tiny models can embed. The
+# data-pipeline tests keep the real Qwen tokenizer (run_prep's default).
+TINY_TOKENIZER = "offline-wiki-bpe4k"
+
 _TMP = Path(tempfile.mkdtemp(prefix="halo_data_tests-"))
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 
@@ -23,6 +27,14 @@ def qwen_tokenizer():
     from halo_dist.assets.tokenizer import load_qwen_tokenizer
 
     return load_qwen_tokenizer()
+
+
+@functools.cache
+def small_tokenizer():
+    """configs/tiny's tokenizer: a 4,096-token BPE trained on the offline Wikipedia extracts."""
+    from halo_dist.assets.tokenizer import load_small_tokenizer
+
+    return load_small_tokenizer()
 
 
 @functools.cache

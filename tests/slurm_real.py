@@ -140,8 +140,10 @@ def last_step(run_dir: Path) -> int:
 
 def write_tiny_teacher(folder: str) -> None:
     """A random Qwen3 of configs/tiny/model.yaml's shape as an HF folder, with the offline Qwen
-    tokenizer (run in a subprocess: seeding torch here would change the other tests' random
-    numbers)."""
+    tokenizer and its vocabulary, not configs/tiny's small one: slurm/halo_tiny.sh's layer selection
+    and NIAH lengths (96, 160 tokens) are sized for Qwen's tokens, and the small BPE needs more
+    of them for the same text (run in a subprocess: seeding torch here would change the other
+    tests' random numbers)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -150,6 +152,7 @@ def write_tiny_teacher(folder: str) -> None:
 
     shape = dict(load_tree(REPO / "configs" / "tiny" / "model.yaml")["model"]["random_teacher"])
     torch.manual_seed(shape.pop("seed"))
+    shape["vocab_size"] = 151936
     Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(folder)
     load_qwen_tokenizer().save_pretrained(folder)
 
@@ -288,7 +291,9 @@ class Watch:
             sc, "sweep", HALO_DATA=data, HALO_SWEEP_GRID=str(tiny_grid(sc)),
             HALO_MAX_CONCURRENT="1", HALO_GPUS_PER_NODE="1", HALO_CPUS_PER_NODE="1",
             HALO_EXCLUSIVE="0", HALO_SWEEP_TOKENIZER=str(sc.root / "teacher"),
-            HALO_SWEEP_ARGS="schedule.total_steps=6 checkpoint.every_steps=0",
+            # the teacher's Qwen vocabulary (write_tiny_teacher), not configs/tiny's 4,096 ids
+            HALO_SWEEP_ARGS=("schedule.total_steps=6 checkpoint.every_steps=0 "
+                             "pretrain.model.vocab_size=151936"),
             HALO_NIAH_LENGTHS="160",
             HALO_NIAH_ARGS="--depths 2 --samples 1 --batch-size 4 --device cpu --dtype fp32"))
 

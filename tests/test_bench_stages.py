@@ -8,20 +8,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from data_fixtures import run_prep
 
 from halo_dist.models.hypenet import HypeNetConfig
 from halo_dist.models.flops import (attention_flop_terms, attention_flops_coefficient,
                                     flops_per_token)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wiki") / "data"
-    run_prep(out, max_docs=200, shard_tokens=8000)
-    return out
 
 
 def test_stage2_benchmark_runs_the_launcher_without_checkpoints(shards, tmp_path):
@@ -134,3 +126,20 @@ def test_summary_leaves_out_warm_up_and_the_profiler_window(tmp_path):
     assert steady["mfu"] == pytest.approx((0.626 + 0.629) / 2)
     # what a plain median reports
     assert summarize_metrics(path)["mfu"] == pytest.approx((0.261 + 0.583) / 2)
+
+
+def test_a_random_teacher_gets_the_datas_vocabulary_when_it_embeds_fewer_ids(shards, tmp_path):
+    """configs/tiny's teacher embeds 4,096 ids: on Qwen-tokenized shards (.bench_data, what the CPU
+    rehearsals read) the benchmark sizes it to the Qwen vocabulary; on the tiny shards, or with the
+    2B configs' Qwen-sized teacher, nothing is overridden."""
+    from bench.bench_stages import vocab_fit
+    from data_fixtures import run_prep
+
+    qwen = tmp_path / "qwen"
+    run_prep(qwen, max_docs=20, shard_tokens=4000)
+    tiny, big = "configs/tiny/stage{stage}.yaml", "configs/bench/stage{stage}_2b.yaml"
+    for stage in (1, 2, 3):
+        assert vocab_fit(SimpleNamespace(data=qwen, config_pattern=tiny), stage) == [
+            "model.random_teacher.vocab_size=151680"]  # 151,669 tokens, rounded up to 64
+        assert vocab_fit(SimpleNamespace(data=shards, config_pattern=tiny), stage) == []
+        assert vocab_fit(SimpleNamespace(data=qwen, config_pattern=big), stage) == []

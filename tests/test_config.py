@@ -511,11 +511,18 @@ def test_teacher_depth_check_is_offline(tmp_path):
 
 def test_tiny_configs_read_what_the_readme_data_prep_writes():
     """configs/tiny/*'s default data.train is the --out of the README's offline data prep command
-    (the manifest folder tokenize writes), so the README's CPU commands run without a data.train
-    override."""
+    with the small tokenizer (the manifest folder tokenize writes), and their models embed exactly
+    its vocabulary, so the README's CPU commands run without a data.train override."""
     import re
 
+    from halo_dist.assets.tokenizer import OFFLINE_SMALL_NAME, SMALL_VOCAB_SIZE
+
     readme = (REPO / "README.md").read_text()
-    out = re.search(r"python -m data_prep\.tokenize --wiki-offline .*--out (\S+)", readme).group(1)
+    commands = re.findall(
+        r"python -m data_prep\.tokenize --wiki-offline --tokenizer (\S+) .*--out (\S+)", readme)
+    tokenizer_of = {out: tokenizer for tokenizer, out in commands}
     for name in ("stage1", "stage2", "stage3", "pretrain_hypenet", "pretrain_transformer"):
-        assert load_tree(CONFIGS / "tiny" / f"{name}.yaml")["data"]["train"] == out, name
+        tree = load_tree(CONFIGS / "tiny" / f"{name}.yaml")
+        assert tokenizer_of.get(tree["data"]["train"]) == OFFLINE_SMALL_NAME, name
+        shape = tree["pretrain"]["model"] if "pretrain" in tree else tree["model"]["random_teacher"]
+        assert shape["vocab_size"] == SMALL_VOCAB_SIZE, name

@@ -49,11 +49,13 @@ def datasets(tmp_path_factory) -> dict[str, Path]:
 
 
 def stage_config(data, *overrides):
-    """The tiny stage-2 config on ``data`` (random teacher over the real Qwen vocabulary)."""
+    """The tiny stage-2 config on ``data`` with its random teacher over the real Qwen vocabulary
+    (these data sets are Qwen-tokenized; nothing is trained, so the vocabulary costs nothing)."""
     from halo_dist.config import load_config
 
     return load_config(TINY / "stage2.yaml", [f"data.train={data}", "eval.every_steps=0",
-                                              "model.stage1_weights=null", *overrides])
+                                              "model.stage1_weights=null",
+                                              "model.random_teacher.vocab_size=151936", *overrides])
 
 
 def check_before_training(cfg) -> None:

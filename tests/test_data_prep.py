@@ -265,6 +265,25 @@ def test_any_hf_tokenizer_folder_uint16(tmp_path):
     assert b["labels"].tolist()[0] == [3, 1, -100, 3, 1, -100]
 
 
+def test_the_tiny_configs_tokenizer_round_trips_and_is_the_same_on_every_build(tmp_path):
+    """offline-wiki-bpe4k (configs/tiny's): 4,096 ids, ``<|endoftext|>`` = 0 as the shards' EOS,
+    uint16 shards that decode to their text; trained again into an empty cache it has the same
+    vocabulary (the hash the manifests record), so every machine makes the same tiny shards."""
+    from data_fixtures import TINY_TOKENIZER, small_tokenizer
+
+    from halo_dist.assets.tokenizer import load_small_tokenizer
+    from halo_dist.data import vocab_sha256
+
+    tok, texts = small_tokenizer(), wiki_docs(40)
+    m = run_prep(tmp_path / "out", input=[str(write_jsonl(tmp_path / "d.jsonl", texts))],
+                 tokenizer=TINY_TOKENIZER)
+    assert len(tok) == 4096 and m["tokenizer"]["eos_id"] == 0 and m["dtype"] == "uint16"
+    for text, arr in zip(texts, _samples(tmp_path / "out")):
+        assert arr[-1] == 0 and 0 not in arr[:-1] and tok.decode(arr[:-1].tolist()) == text
+    rebuilt = load_small_tokenizer(cache=tmp_path / "cache")
+    assert vocab_sha256(rebuilt) == vocab_sha256(tok) == m["tokenizer"]["vocab_sha256"]
+
+
 def test_concurrent_run_into_same_folder_refused(tmp_path):
     fcntl = pytest.importorskip("fcntl")
     out = tmp_path / "o"

@@ -1,7 +1,7 @@
 """The HALO engine end to end on CPU: launchers in subprocesses, gloo ranks.
 
 Each scenario runs the real launchers (``python launchers/stageN.py`` / ``torchrun``) on a tiny
-random Qwen3 teacher with the real Qwen vocabulary and real tokenized Wikipedia shards.
+random Qwen3 teacher and real Wikipedia shards, both in configs/tiny's 4,096-token BPE vocabulary.
 """
 
 import json
@@ -31,7 +31,7 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
     m2 = read_metrics(s2)
     assert ([s for s, _ in m2["eval/kl"]] == [0, 4, 8]
             and m2["eval/kl"][-1][1] < m2["eval/kl"][0][1]), m2["eval/kl"]
-    # a random teacher over the real vocabulary: ~ln(151K)
+    # a random teacher over the 4,096-token vocabulary: ~ln(4096) = 8.3
     assert all(v > 5.0 for _, v in m2["eval/teacher_ce"])
     assert all(v > 0 for _, v in m2["eval/ce"])
     # KL inside the first 32 positions of each document, CE beyond (loss.kl_max_position)
@@ -54,7 +54,7 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
                  f"model.student_init={s2 / 'final'}", "schedule.total_steps=3",
                  "loss.objective=ce", "checkpoint.every_steps=0", "logging.profile_at_step=2",
                  "logging.profile_steps=2")
-    assert losses(tmp_path / "s3ce")[0] > 1.0  # next-token CE over the real vocabulary, not a KL
+    assert losses(tmp_path / "s3ce")[0] > 1.0  # next-token CE over the vocabulary, not a KL
     # the profiler window (steps 2-3) wrote its summary and trace
     prof = json.loads((tmp_path / "s3ce" / "profile" / "summary.json").read_text())
     assert prof["steps"] == [2, 3] and prof["wall_ms_per_step"] > 0 and prof["top_host"]
@@ -205,8 +205,8 @@ def test_bad_input_is_refused_with_a_clear_message(shards, tmp_path):
     res = run_launcher("stage1", tmp_path / "e", f"data.train={shards}",
                        config=TINY / "stage2.yaml", expect=2)
     assert "stage1 launcher" in res.stderr
-    # shards of the 151K-token Qwen BPE for a model that embeds 1,000 ids: refused before any model
-    # is built
+    # shards of the 4,096-token BPE for a model that embeds 1,000 ids: refused before any model is
+    # built
     res = run_launcher("stage2", tmp_path / "f", f"data.train={shards}",
                        "model.stage1_weights=null", "model.random_teacher.vocab_size=1000",
                        expect=2)
@@ -217,8 +217,8 @@ def test_bad_input_is_refused_with_a_clear_message(shards, tmp_path):
 
 @pytest.mark.slow
 def test_real_smollm2_teacher_refuses_shards_of_another_tokenizer(smollm2_dir, shards, tmp_path):
-    """Stage 2 with the real SmolLM2-135M teacher on shards made with the Qwen tokenizer: refused up
-    front.
+    """Stage 2 with the real SmolLM2-135M teacher on shards made with another tokenizer
+    (configs/tiny's small BPE): refused up front.
     (Stages 1-3 on this teacher and its own shards run end to end in tests/test_demo.py.)"""
     real = [f"model.teacher={smollm2_dir}", "model.random_teacher=null", "model.num_layers=30",
             "model.attn_layers=3,10,17,24"]
@@ -423,12 +423,12 @@ def test_a_resume_with_other_teacher_weights_under_the_same_path_is_refused(shar
     saved into the teacher folder, the resume is refused before anything is built and names the
     changed file."""
     from conftest import tiny_qwen3
-    from data_fixtures import qwen_tokenizer
+    from data_fixtures import small_tokenizer
     from safetensors.torch import load_file, save_file
 
     teacher = tmp_path / "teacher"
-    tiny_qwen3(layers=4, vocab=len(qwen_tokenizer())).save_pretrained(teacher)
-    qwen_tokenizer().save_pretrained(teacher)
+    tiny_qwen3(layers=4, vocab=len(small_tokenizer())).save_pretrained(teacher)
+    small_tokenizer().save_pretrained(teacher)
     common = [f"data.train={shards}", f"model.teacher={teacher}", "model.random_teacher=null",
               "model.attn_layers=1", "model.stage1_weights=null", "schedule.total_steps=4",
               "checkpoint.every_steps=0", "eval.every_steps=0"]

