@@ -249,3 +249,25 @@ def test_m_i_runs_the_rnn_layer_with_the_rope_stage1_aligned_it_with(tiny_setup,
     assert Stage1Weights(path, base).mixer(1).config.rnn_rope is False
     assert Stage1Weights(root / "s1.safetensors", base).mixer(1).config.rnn_rope is True
     assert base.config.rnn_rope is True  # the teacher base itself is untouched
+
+
+def test_the_kl_proxy_reads_as_many_held_out_rows_as_asked(shards, capsys):
+    """``--kl-rows`` rows of held-out shards, in batches of at most ``--batch-size``: one row is one
+    row (not a whole batch of them), and more rows than a batch fill whole batches."""
+    from types import SimpleNamespace
+
+    from halo_dist.eval.commands import _kl_batches
+
+    def rows(kl_rows, batch_size):
+        args = SimpleNamespace(heldout=str(shards), kl_seq_len=32, kl_rows=kl_rows,
+                               batch_size=batch_size)
+        return [tuple(b["input_ids"].shape) for b in _kl_batches(args, None, 4096)]
+
+    assert rows(1, 8) == [(1, 32)]
+    assert rows(4, 8) == [(4, 32)]
+    assert rows(16, 8) == [(8, 32), (8, 32)]
+    assert rows(12, 8) == [(6, 32), (6, 32)]
+    capsys.readouterr()
+    assert cli.main(["select-layers", "--teacher", "unused", "--stage1-weights", "unused",
+                     "--output", str(shards.parent / "sel.json"), "--kl-rows", "0"]) == 2
+    assert "--kl-rows must be >= 1, got 0" in capsys.readouterr().err

@@ -182,6 +182,9 @@ def cmd_select_layers(args) -> int:
     if args.from_results and args.teacher:
         raise EvalError("give either --from-results (rank only) or --teacher (evaluate), not both")
     sel.check_csr_offset(args.csr_offset)
+    for flag in ("recall_items", "kl_rows", "kl_seq_len", "batch_size"):
+        if getattr(args, flag) < 1:  # before the teacher loads
+            raise EvalError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     given = parse_int_list(args.given, "--given") if args.given else None
     if args.method != "halo":
         L = args.num_layers or _layer_count(args)
@@ -296,8 +299,10 @@ def _kl_batches(args, tokenizer, vocab_size: int):
     if args.heldout:
         if not Path(args.heldout).exists():
             raise FileNotFoundError(f"--heldout {args.heldout} does not exist")
-        return proxies.heldout_shard_batches(
-            args.heldout, args.kl_seq_len, max(1, args.kl_rows // args.batch_size), args.batch_size)
+        # --kl-rows rows in equal batches of at most --batch-size (rounded up to fill the last)
+        n = -(-args.kl_rows // args.batch_size)
+        return proxies.heldout_shard_batches(args.heldout, args.kl_seq_len, n,
+                                             -(-args.kl_rows // n))
     if tokenizer is None:
         print("note: no tokenizer and no --heldout: the KL proxy uses random token rows (smoke "
               "runs only)")
