@@ -17,11 +17,10 @@ depends on the cache's size, not its values):
 ``--variants`` times alternative decode paths in the same process (same weights, same cache size):
 ``graph`` (the default StaticDecoder: packed input projections, Lightning's state updated in place),
 ``baseline`` (both off: a GEMM per projection, fla's recurrent kernel and a state copy),
-``separate`` (packing off only), ``fla`` (in-place update off only), and ``compiled`` /
-``compiled-baseline`` (the same, with the step through ``torch.compile`` before capture), and
-``compiled-autotune`` (``compiled`` in Inductor's max-autotune mode, without its CUDA graphs),
-and ``compiled-every4`` (the OPD rollout decoder's states written every 4 tokens; the bytes bound
-still counts fp32 states written every token).
+``separate`` (packing off only), ``fla`` (in-place update off only), ``compiled`` (the step through
+``torch.compile`` before capture; ``-gemv``, ``-cublas``: the batch-1 GEMV forced on or off;
+``-unfused``: the Lightning layer step unfused) and ``compiled-every4`` (the OPD rollout decoder's
+states written every 4 tokens; the bytes bound still counts fp32 states written every token).
 Writes ``bench/results/decode_profile.json``.
 
   python bench/profile_decode.py                              # H200, 512K and 32K
@@ -84,9 +83,6 @@ VARIANTS = {
     # Lightning's norms, RoPE and gate as Inductor's kernels around the in-place update (the fused
     # layer step is the default)
     "compiled-unfused": dict(compile=True, fuse_lightning=False),
-    # Inductor's own batch-1 matmuls fused with the norms (fewer kernels, the same step time)
-    "compiled-autotune": dict(compile="max-autotune-no-cudagraphs"),
-    "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
     # the OPD rollout decoder's states written back every 4 tokens (opd.rollout_state_write_every)
     "compiled-every4": dict(compile=True, state_write_every=4),
 }
