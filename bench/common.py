@@ -128,6 +128,16 @@ def launch_settings(path):
             table.update(before)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on CPU): bracket every host-timed region."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp64."""
     a, b = a.double(), b.double()
