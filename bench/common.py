@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import json
@@ -126,6 +127,12 @@ def launch_settings(path):
         for table, before in saved:
             table.clear()
             table.update(before)
+
+
+def no_options(doc: str) -> None:
+    """``--help`` (the script's docstring) for a script without options; others are refused."""
+    argparse.ArgumentParser(description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 
 def sync(device: torch.device) -> None:
