@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import RESULTS, print_table, time_cuda, write_result  # noqa: E402
+from bench.common import RESULTS, no_options, print_table, time_cuda, write_result  # noqa: E402
 from halo_dist.parallel.ulysses import SequenceParallel  # noqa: E402
 
 LAYERS, ATTN, HEADS, KV_HEADS, D = 28, 7, 16, 8, 128
@@ -67,4 +67,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

@@ -89,10 +89,6 @@ def parse_args(argv=None):
                         "check only)")
     p.add_argument("--chunk", type=int, default=131072, help="prefill chunk (tokens)")
     p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--no-graph", action="store_true", help="time only the eager decode")
-    p.add_argument("--compile-decode", action="store_true",
-                   help="also time the graph of the torch.compile'd step (decode_compiled_ms; the "
-                        "headline decode_ms takes it when it compiled)")
     p.add_argument("--profile", action="store_true",
                    help="print the top CUDA kernels of one 2-chunk prefill (2 x 32K) and one "
                         "decode step per model")
@@ -119,8 +115,7 @@ def _real_args(p, a):
     unused = [flag for flag, v in (("--teacher-contexts", a.teacher_contexts),
                                    ("--decode-only", a.decode_only),
                                    ("--teacher-decode-only", a.teacher_decode_only),
-                                   ("--profile", a.profile),
-                                   ("--compile-decode", a.compile_decode)) if v]
+                                   ("--profile", a.profile)) if v]
     if unused:
         p.error(f"{', '.join(unused)} do not apply with --real (both models run at every "
                 "--contexts)")
@@ -162,7 +157,7 @@ def run_one(name, model, T, args, device, dtype, *, do_prefill: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        # eager steps, then (rewound) graph warm-up + steps, compiled likewise
+        # eager steps, then (rewound) graph warm-up + steps
         room = args.decode_steps + 4
         if do_prefill:
             row["prefill_s"], cache, last, row["prefill_chunk_s"] = prefill(model, T, args.chunk,
@@ -171,10 +166,8 @@ def run_one(name, model, T, args, device, dtype, *, do_prefill: bool) -> dict:
             cache, last = (random_cache(model, T, device, dtype, room),
                            torch.zeros(1, dtype=torch.long, device=device))
             row["status"] = "decode-only"
-        row.update(decode_ms(model, cache, last, args.decode_steps, device, graph=not args.no_graph,
-                             compiled=args.compile_decode and not args.no_graph))
-        row["decode_ms"] = (row["decode_compiled_ms"] if row.get("compiled")
-                            else row.get("decode_graph_ms", row["decode_eager_ms"]))
+        row.update(decode_ms(model, cache, last, args.decode_steps, device))
+        row["decode_ms"] = row["decode_graph_ms"]
         del cache
     except torch.OutOfMemoryError:
         row["status"] = "oom"
@@ -275,7 +268,7 @@ def main(argv=None) -> dict:
     rows = []
     for name, cfg in model_configs(args.cpu_smoke).items():
         model = build(cfg, device, dtype)
-        warm_up(model, args.chunk, device, graph=not args.no_graph)
+        warm_up(model, args.chunk, device, graph=True)
         if args.profile:
             profile(model, device, chunk=64 if args.cpu_smoke else 32768)
         # the teacher only fit-checks decode-only ones

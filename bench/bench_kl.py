@@ -36,6 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import sync  # noqa: E402
 from halo_dist.losses import fused_distill_loss, naive_distill_loss  # noqa: E402
 from halo_dist.losses.kl import _pick_backend, resolve_beta, triton_applies  # noqa: E402
 from halo_dist.losses.memtrack import LiveBytes  # noqa: E402
@@ -98,11 +99,6 @@ def loss_fn(backend, a):
         return lambda *x, **kw: naive_distill_loss(*x, direction=a.direction, **kw)
     return lambda *x, **kw: fused_distill_loss(*x, direction=a.direction, backend=backend,
                                                chunk_size=a.chunk_size, **kw)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def step(fn, inputs):

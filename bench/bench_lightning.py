@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
+from bench.common import log, print_table, rel_err, time_cuda, write_result  # noqa: E402
 from halo_dist.models.hypenet import HypeNetConfig, HypeNetForCausalLM  # noqa: E402
 from halo_dist.models.hypenet import ops_rnn as ops  # noqa: E402
 from halo_dist.models.hypenet.attention_hypenet import HypeNetAttention  # noqa: E402
@@ -55,10 +54,6 @@ def run_pair(q, k, v, decay, scale, cu=None, mask=None, dtype=torch.bfloat16):
         results.append([o.float(), s.float()] + [t.grad.float() for t in xs])
     names = ["o", "state", "dq", "dk", "dv"]
     return {n: rel_err(a, b) for n, a, b in zip(names, *results)}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def correctness_cases(device, T, H, D):

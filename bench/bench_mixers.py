@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
+from bench.common import log, print_table, rel_err, time_cuda, write_result  # noqa: E402
 from halo_dist.models.hypenet import HypeNetConfig  # noqa: E402
 from halo_dist.models.hypenet import ops_rnn as ops  # noqa: E402
 from halo_dist.models.hypenet import ops_rnn_torch as ref  # noqa: E402
@@ -39,10 +38,6 @@ from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES  # noqa: E40
 KINDS = ("gdn", "gla", "rwkv7", "mamba2")
 DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention,
             "gdn": ops.gated_delta_attention, "rwkv7": ops.rwkv7_attention}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def make_inputs(kind: str, T: int, H: int, D: int, device, seed: int = 0):

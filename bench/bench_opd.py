@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import ATTN_2B, RESULTS, SHAPE_2B, SHAPE_TINY, environment  # noqa: E402
+from bench.common import ATTN_2B, RESULTS, SHAPE_2B, SHAPE_TINY, environment, sync  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -80,10 +80,6 @@ def parse_args(argv=None):
                    help="with --continuous: after the timed rollouts, time their two set-up phases "
                         "alone (the prompts' batched prefill; the decoder's construction with its "
                         "warm-up steps and graph capture) and report the decode loop as the rest")
-    p.add_argument("--profile", type=int, default=0, metavar="MICRO",
-                   help="after the timings, profile a training step over the first MICRO "
-                        "micro-batches (torch.profiler: kernel groups, top operators, idle gaps; "
-                        "written to /tmp/halo_dist_opd_profile/h<horizon>)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, fp32")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -108,11 +104,6 @@ def build(shape: dict, attn_layers: list[int], device, dtype):
 
 def peak_gib(device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -239,7 +230,7 @@ def timed_training(student, teacher, prompts: list[list[int]], gens: list, horiz
 
     micro_s: list[float] = []  # wall time of each micro-batch of the last step (synchronised)
 
-    def step(opt=opt, batches=batches):  # bound now: opt is deleted after the timing
+    def step(opt=opt):  # bound now: opt is deleted after the timing
         micro_s.clear()
         for b in batches:
             t = time.perf_counter()
@@ -264,8 +255,6 @@ def timed_training(student, teacher, prompts: list[list[int]], gens: list, horiz
         steps_micro.append([round(t, 4) for t in micro_s])
     train_s, timed_micro = steps_s[-1], steps_micro[-1]
     packed = sum(b.input_ids.shape[1] for b in batches)
-    if args.profile:
-        profile_step(step, batches[:args.profile], horizon, device)
     del opt
     student.eval()
     return {"micro": micro, "train_s": train_s, "micro_s": timed_micro,
@@ -273,17 +262,6 @@ def timed_training(student, teacher, prompts: list[list[int]], gens: list, horiz
             "train_packed_tokens_per_s": packed / train_s,
             "train_sampled_tokens_per_s": n_gen / train_s, "train_peak_gib": peak_gib(device),
             "opd_tokens_per_s": n_gen / (rollout_s + train_s)}
-
-
-def profile_step(step, batches, horizon: int, device) -> None:
-    """One more training step over ``batches``, under the trainer's step profiler (its summary is
-    printed and written beside a Chrome trace)."""
-    from halo_dist.train.profiling import StepProfiler
-
-    prof = StepProfiler(1, 1, Path(f"/tmp/halo_dist_opd_profile/h{horizon}"), 0, device)
-    prof.before_step(1)
-    step(batches=batches)
-    prof.after_step(1)
 
 
 def print_rows(rows: list[dict]) -> None:

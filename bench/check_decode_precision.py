@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_inference import build, random_cache  # noqa: E402
-from bench.common import SHAPE_2B, print_table  # noqa: E402
+from bench.common import SHAPE_2B, no_options, print_table  # noqa: E402
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig  # noqa: E402
 from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
@@ -57,4 +57,5 @@ def main() -> list[dict]:
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import json
@@ -126,6 +127,22 @@ def launch_settings(path):
         for table, before in saved:
             table.clear()
             table.update(before)
+
+
+def no_options(doc: str) -> None:
+    """``--help`` (the script's docstring) for a script without options; others are refused."""
+    argparse.ArgumentParser(description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on CPU): bracket every host-timed region."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

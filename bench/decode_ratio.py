@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_inference import build, model_configs, sync  # noqa: E402
 from bench.common import decode_bandwidth, print_table, write_result  # noqa: E402
-from bench.profile_decode import random_cache, step_bytes, timed  # noqa: E402
+from bench.inference.timing import random_cache  # noqa: E402
+from bench.profile_decode import step_bytes, timed  # noqa: E402
 from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
 
 TEACHER, STUDENT = "qwen3-1.7b-shape", "hypenet-2b"
@@ -67,7 +68,7 @@ def decoder(name: str, args, device, dtype):
     for every timed step and the warm-up)."""
     model = build(model_configs(args.cpu_smoke)[name], device, dtype)
     room = args.rounds * args.steps + 16
-    cache = random_cache(model, 1, args.context, device, dtype, room)
+    cache = random_cache(model, args.context, device, dtype, room)
     return model, StaticDecoder(model, cache, DecodeOptions(compile=device.type == "cuda"))
 
 

@@ -54,7 +54,6 @@ STAGE3_DATA=${STAGE3_DATA:-}  # the corpus set of stage 3 (empty: long; long_ret
 STAGE2_SEQ_LEN=${STAGE2_SEQ_LEN:-}  # stage 2's context (empty: the preset's 512; the tokens per step stay)
 CALIB_OBJECTIVE=${CALIB_OBJECTIVE:-}  # what calibration of a minimizes (empty: the held-out loss; retrieval)
 CALIB_LENGTHS=${CALIB_LENGTHS:-}  # the retrieval objective's prompt lengths (e.g. 32K,64K; empty: 16K)
-# NATURAL_REPEATS (R1): the corpus's natural text weighed N times (default 1; 3 was recipe v3, measured worse)
 # RETRIEVAL_DOCS (R1): also build corpus/long_retrieval with this many synthetic retrieval documents (STAGE3_DATA)
 CPU=${REHEARSAL:+--cpu-rehearsal}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" "$W"
@@ -129,7 +128,7 @@ R1)
   xz -dc $W/text/00-wiki.jsonl.xz > $W/warmup_wiki.jsonl
   python3 -m data_prep.tokenize --input $W/warmup_wiki.jsonl --tokenizer $W/tokenizer_src --out $W/warmup_data \
     --heldout-fraction 0.2 --num-proc 4 --no-progress > $W/warmup_data.log 2>&1; echo "warm-up data rc $?"
-  ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 --natural-repeats ${NATURAL_REPEATS:-1} --retrieval-docs ${RETRIEVAL_DOCS:-0} \
+  ($R corpus $CPU --work $W --text $W/text --tokenizer $W/tokenizer_src --num-proc 12 --retrieval-docs ${RETRIEVAL_DOCS:-0} \
      > $W/corpus.log 2>&1; echo "corpus rc $?") &
   # the evaluations' NIAH prompts (CPU, one process): teacher and student read them in the timed run
   ($R prompts $CPU --work $W --tokenizer $W/tokenizer_src > $W/prompts.log 2>&1; echo "prompts rc $?"; tail -2 $W/prompts.log) &

@@ -17,11 +17,10 @@ depends on the cache's size, not its values):
 ``--variants`` times alternative decode paths in the same process (same weights, same cache size):
 ``graph`` (the default StaticDecoder: packed input projections, Lightning's state updated in place),
 ``baseline`` (both off: a GEMM per projection, fla's recurrent kernel and a state copy),
-``separate`` (packing off only), ``fla`` (in-place update off only), and ``compiled`` /
-``compiled-baseline`` (the same, with the step through ``torch.compile`` before capture), and
-``compiled-autotune`` (``compiled`` in Inductor's max-autotune mode, without its CUDA graphs),
-and ``compiled-every4`` (the OPD rollout decoder's states written every 4 tokens; the bytes bound
-still counts fp32 states written every token).
+``separate`` (packing off only), ``fla`` (in-place update off only), ``compiled`` (the step through
+``torch.compile`` before capture; ``-gemv``, ``-cublas``: the batch-1 GEMV forced on or off;
+``-unfused``: the Lightning layer step unfused) and ``compiled-every4`` (the OPD rollout decoder's
+states written every 4 tokens; the bytes bound still counts fp32 states written every token).
 Writes ``bench/results/decode_profile.json``.
 
   python bench/profile_decode.py                              # H200, 512K and 32K
@@ -52,8 +51,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.bench_inference import (build, model_configs, prefill, rewind, rnn_states,  # noqa: E402
-                                   sync)
+from bench.bench_inference import (build, model_configs, prefill, random_cache,  # noqa: E402
+                                   rewind, rnn_states, sync)
 from bench.common import decode_bandwidth, launch_settings, print_table, write_result  # noqa: E402
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache  # noqa: E402
 from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder  # noqa: E402
@@ -84,9 +83,6 @@ VARIANTS = {
     # Lightning's norms, RoPE and gate as Inductor's kernels around the in-place update (the fused
     # layer step is the default)
     "compiled-unfused": dict(compile=True, fuse_lightning=False),
-    # Inductor's own batch-1 matmuls fused with the norms (fewer kernels, the same step time)
-    "compiled-autotune": dict(compile="max-autotune-no-cudagraphs"),
-    "compiled-baseline": dict(compile=True, pack_projections=False, lightning_in_place=False),
     # the OPD rollout decoder's states written back every 4 tokens (opd.rollout_state_write_every)
     "compiled-every4": dict(compile=True, state_write_every=4),
 }
@@ -149,23 +145,6 @@ def step_bytes(model, context: int, rows: int) -> dict:
            * 2)
     return {"weights_GB": weights / 1e9, "kv_GB": kv / 1e9, "rnn_state_GB": rnn / 1e9,
             "total_GB": (weights + kv + rnn) / 1e9}
-
-
-@torch.inference_mode()
-def random_cache(model, rows: int, context: int, device, dtype, room: int) -> HypeNetCache:
-    """A cache of ``rows`` x ``context`` tokens with random keys/values/states (decode cost depends
-    on the cache's size, not its values)."""
-    cfg = model.config
-    cache = HypeNetCache(cfg.num_hidden_layers, reserve_tokens=room)
-    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    for i, kind in enumerate(cfg.mixer_types):
-        if kind == "attention":
-            k = torch.randn(rows, context, Hkv, D, device=device, dtype=dtype)
-            cache.append_kv(i, k, k)
-        else:
-            cache.layers[i] = torch.randn(rows, H, D, D, device=device, dtype=torch.float32) * 0.01
-    cache.seen_tokens = context
-    return cache
 
 
 def timed(dec: StaticDecoder, steps: int, device) -> float:
@@ -302,7 +281,7 @@ def measure(name, model, context, args, device) -> list[dict]:
             with torch.inference_mode():  # the prefill's tensors are inference tensors
                 rewind(cache, context, saved)
         else:
-            cache = random_cache(model, args.batch, context, device, dtype, room)
+            cache = random_cache(model, context, device, dtype, room, rows=args.batch)
         with (launch_settings(settings) if settings else contextlib.nullcontext()):
             t0 = time.perf_counter()
             dec = StaticDecoder(model, cache,
@@ -357,7 +336,7 @@ def main(argv=None) -> dict:
     for name in args.models:
         model = build(configs[name], device, dtype)
         # Triton compiles / autotunes untimed
-        warm = random_cache(model, args.batch, 256, device, dtype, 16)
+        warm = random_cache(model, 256, device, dtype, 16, rows=args.batch)
         StaticDecoder(model, warm).step(torch.zeros(args.batch, dtype=torch.long, device=device))
         del warm
         for context in args.contexts:

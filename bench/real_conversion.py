@@ -106,10 +106,6 @@ def _corpus_args(c: argparse.ArgumentParser) -> None:
                    help="also build corpus/long_retrieval: long plus this many synthetic retrieval "
                         "documents (build_corpus.py --retrieval-docs; the stage-3 data of an "
                         "experiment, --stage3-data long_retrieval)")
-    c.add_argument("--natural-repeats", type=int, default=1,
-                   help="weigh the natural text N times (build_corpus.py --natural-repeats). 3 was "
-                        "recipe v3: worse than 1 on CSR, perplexity and NIAH, and it "
-                        "changed the selected layers")
 
 
 def _run_args(r: argparse.ArgumentParser) -> None:
@@ -192,8 +188,8 @@ def cmd_corpus(a) -> int:
            "--tokenizer", str(tok), "--out", str(a.work / "corpus"), "--num-proc", str(a.num_proc),
            # 2% of the documents: enough natural-language text to evaluate on (a rehearsal's few
            # need more)
-           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--natural-repeats",
-           str(a.natural_repeats), "--retrieval-docs", str(a.retrieval_docs)]
+           "--heldout-fraction", "0.3" if a.cpu_rehearsal else "0.02", "--retrieval-docs",
+           str(a.retrieval_docs)]
     # on the GPU machine: every Python source its interpreter has; a CPU rehearsal takes this repo's
     # alone
     cmd += ["--code-root", str(ROOT / "halo_dist")] if a.cpu_rehearsal else ["--code-from-python"]

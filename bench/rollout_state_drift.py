@@ -61,16 +61,6 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest",
-                   help="how the bf16 state is rounded: the kernel's round-to-nearest-even, or "
-                        "stochastic rounding (an experiment: a torch version of the update in "
-                        "this script, CPU only; unbiased, so a decay below half an ulp still acts "
-                        "on average)")
-    p.add_argument("--fast-heads-bf16", type=int, default=0, metavar="N",
-                   help="instead of a bf16 state, round only the N fastest-decaying heads of every "
-                        "Lightning state to bf16 after each token (round to nearest, as the kernel "
-                        "stores), the rest kept fp32: a head forgets a rounding at its own rate "
-                        "1 - λ, so only the slow heads should compound it")
     p.add_argument("--state-mantissa", type=int, default=None, metavar="BITS",
                    help="instead of a bf16 state, round every fp32 state to BITS explicit "
                         "mantissa bits after each token (round to nearest): 15 is a 24-bit "
@@ -79,11 +69,6 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.state_mantissa is not None and not 1 <= a.state_mantissa <= 22:
         p.error("--state-mantissa: 1 to 22 bits (fp32 has 23)")
-    chosen = [name for name, on in (("--state-mantissa", a.state_mantissa is not None),
-                                    ("--fast-heads-bf16", a.fast_heads_bf16),
-                                    ("--rounding stochastic", a.rounding == "stochastic")) if on]
-    if len(chosen) > 1:
-        p.error(f"{' and '.join(chosen)} are different experiments: choose one")
     return a
 
 
@@ -146,13 +131,6 @@ def build(args):
 BUCKETS = [(0, 16), (16, 64), (64, 256), (256, 1024), (1024, 4096), (4096, 1 << 30)]
 
 
-def round_fast_heads(decoder: StaticDecoder, heads: int) -> None:
-    """Round heads [0, heads) of every RNN state ``[B, H, K, V]`` to bf16 in place: Lightning's
-    heads decay fastest first (``ops_rnn.lightning_log_decay``)."""
-    for s in decoder.cache.rnn_states():
-        s[:, :heads] = s[:, :heads].to(torch.bfloat16).to(s.dtype)
-
-
 def round_mantissa(decoder: StaticDecoder, bits: int) -> None:
     """Round every fp32 RNN state to ``bits`` explicit mantissa bits in place, to nearest (ties
     away from zero): add half of the dropped part to the bit pattern, then clear it (a carry into
@@ -165,10 +143,9 @@ def round_mantissa(decoder: StaticDecoder, bits: int) -> None:
 @torch.inference_mode()
 def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
           state_dtype: torch.dtype | None = torch.bfloat16, perturb: float = 0.0,
-          fast_heads_bf16: int = 0, mantissa: int | None = None) -> dict:
+          mantissa: int | None = None) -> dict:
     """Per-step KL, total variation and argmax agreement of the second decoder (RNN states in
-    ``state_dtype``, or fp32 perturbed once by a relative ``perturb``, or fp32 with its
-    ``fast_heads_bf16`` fastest heads rounded to bf16 after every token, or fp32 rounded to
+    ``state_dtype``, or fp32 perturbed once by a relative ``perturb``, or fp32 rounded to
     ``mantissa`` bits after every token) against the fp32-state one, both fed the fp32 decoder's
     samples."""
     ids = prompts.to(device)
@@ -188,8 +165,6 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
     for _ in range(tokens):
         logp = torch.log_softmax(ref.step(nxt).float(), -1)  # [B, V]
         logq = torch.log_softmax(other.step(nxt).float(), -1)
-        if fast_heads_bf16:
-            round_fast_heads(other, fast_heads_bf16)
         if mantissa is not None:
             round_mantissa(other, mantissa)
         p = logp.exp()
@@ -211,44 +186,12 @@ def drift(model, prompts: torch.Tensor, tokens: int, device, seed: int,
             "argmax_agree": float(agree.mean())}
 
 
-def stochastic_lightning_update(generator: torch.Generator):
-    """The Lightning decode update of ``decode_lightning.lightning_decode_torch`` with a bf16
-    state rounded stochastically: the fp32 result's low 16 bits plus uniform random bits, then
-    truncated (the expected value is the fp32 result)."""
-
-    def update(q, k, v, log_decay, scale, state):
-        s = state.float()
-        qf, kf, vf = q[:, 0].float(), k[:, 0].float(), v[:, 0].float()  # [B, H, K] / [B, H, V]
-        decay = log_decay.to(device=state.device, dtype=torch.float32).exp()[None, :, None, None]
-        s.mul_(decay).add_(kf[..., :, None] * vf[..., None, :])  # [B, H, K, V]
-        o = torch.einsum("bhk,bhkv->bhv", qf, s) * scale  # [B, H, V]
-        if state.dtype == torch.bfloat16:
-            noise = torch.randint(0, 1 << 16, s.shape, generator=generator, dtype=torch.int32,
-                                  device=s.device)
-            s = ((s.view(torch.int32) + noise) & ~0xFFFF).view(torch.float32)
-        state.copy_(s)
-        return o[:, None].to(q.dtype)  # [B, H, V] -> [B, 1, H, V]
-
-    return update
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     model, prompts, device = build(args)
-    if args.rounding == "stochastic":
-        if device.type != "cpu":
-            raise SystemExit("--rounding stochastic is a CPU experiment (a torch update)")
-        from halo_dist.models.hypenet import static_decode
-
-        static_decode.lightning_decode_ = stochastic_lightning_update(
-            torch.Generator().manual_seed(args.seed + 1))
     t0 = time.perf_counter()
-    if args.fast_heads_bf16:
-        first = (f"bf16_fastest_{args.fast_heads_bf16}_heads",
-                 drift(model, prompts, args.tokens, device, args.seed, None,
-                       fast_heads_bf16=args.fast_heads_bf16))
-    elif args.state_mantissa is not None:
+    if args.state_mantissa is not None:
         first = (f"fp32_rounded_to_{args.state_mantissa}_mantissa_bits",
                  drift(model, prompts, args.tokens, device, args.seed, None,
                        mantissa=args.state_mantissa))
@@ -266,9 +209,7 @@ def main(argv=None) -> dict:
         print(f"all positions: KL {r['kl_mean']:.3e} nats, TV {r['tv_mean']:.3e}, "
               f"argmax agree {r['argmax_agree']:.4f}")
     name = "student" if args.student is not None else args.model
-    suffix = "_stochastic" if args.rounding == "stochastic" else ""
-    suffix += f"_fast{args.fast_heads_bf16}" if args.fast_heads_bf16 else ""
-    suffix += f"_m{args.state_mantissa}" if args.state_mantissa is not None else ""
+    suffix = f"_m{args.state_mantissa}" if args.state_mantissa is not None else ""
     out = args.out or RESULTS / f"rollout_state_drift_{name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": environment(), "args": {k: str(v) for k, v in

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import RESULTS, print_table  # noqa: E402
+from bench.common import RESULTS, no_options, print_table  # noqa: E402
 
 # each written by a suite of bench/gpu.sh (BENCHMARKS.md: the card, date and versions of each)
 SOURCES = {
@@ -97,4 +97,5 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+    no_options(__doc__)
     main()

@@ -48,41 +48,6 @@ def test_mfu_counts_attention_of_student_and_teacher_once_per_rank():
     assert attention_flops_coefficient(**terms) == (12 * 2 + 4 * 4) * 64
 
 
-def test_remeasure_mfu_replays_the_steps_rows_with_attended_keys(shards, tmp_path):
-    """bench/remeasure_mfu.py: a step's keys are the mean over its global batch's rows (every DP
-    rank's), and a logged interval averages its steps; MFU = tokens/s / world x (6 N_s + 2 N_t +
-    coef x keys) / peak."""
-    import statistics
-
-    from bench.bench_stages import PEAK
-    from bench.common import ATTN_2B, SHAPE_2B
-    from bench.remeasure_mfu import main as remeasure
-    from bench.remeasure_mfu import param_counts
-    from halo_dist.data import build_loader
-    from halo_dist.models.flops import attention_flops_coefficient
-    from halo_dist.train.metrics import attended_context
-
-    metrics = tmp_path / "metrics.jsonl"  # log_every 2: records at steps 2 and 4
-    metrics.write_text("".join(json.dumps({"step": s, "perf/tokens_per_s": 1000.0 * s}) + "\n"
-                               for s in (2, 4)))
-    out = remeasure(["--metrics", str(metrics), "--config", "configs/bench/stage3_2b.yaml",
-                     "--data", str(shards), "--world", "2", "--skip", "0", "data.seq_len=256",
-                     "data.micro_batch_size=1", "data.global_batch_size=2"])
-    # the config's data order
-    loader = iter(build_loader(str(shards), 256, 1, seed=1234, shuffle=True))
-    per_step = [statistics.mean(attended_context(next(loader)["cu_seqlens"]) for _ in range(2))
-                for _ in range(4)]
-    n_s, n_t = param_counts(SHAPE_2B, ATTN_2B)
-    coef = attention_flops_coefficient(len(ATTN_2B), SHAPE_2B["num_hidden_layers"], 16 * 128)
-    for row, steps in zip(out["steps"], ((0, 1), (2, 3))):
-        keys = statistics.mean(per_step[i] for i in steps)
-        assert row["attended_keys"] == pytest.approx(keys, abs=0.06)
-        assert row["mfu"] == pytest.approx(
-            row["tokens_per_s"] / 2 * (6 * n_s + 2 * n_t + coef * keys) / PEAK, rel=1e-5)
-    # documents really vary the keys
-    assert all(0 < k <= 256 for k in per_step) and len(set(per_step)) > 1
-
-
 def test_multigpu_scaling_driver_runs_bench_stages_and_summarizes(shards, tmp_path):
     """bench/multigpu.py scaling (DP scaling, run at 1/4/8 GPUs on the device): the CPU
     run of its reference part goes through bench_stages end to end; the summary compares per-GPU

@@ -13,6 +13,14 @@ import pytest
 from data_fixtures import wiki_docs
 
 from bench import build_corpus as B
+from bench.corpus.code import code_roots
+from bench.corpus.dictionaries import (bible_books, clean_dictd, clean_gcide, dictd_entries,
+                                       wordnet_synsets)
+from bench.corpus.documents import group_records, spread_keep
+from bench.corpus.html_docs import html_to_text, reading_order
+from bench.corpus.manuals import info_text, render_man, strip_roff
+from bench.corpus.pack import collect, compress, fit_budget, Packed, REPORT, write_pack
+from bench.corpus.sources import Source
 
 # ----------------------------------------------------------------------------------- extractors
 GCIDE_ENTRY = """Alcohol \\Al"co*hol\\ ([a^]l"k[-o]*h[o^]l), n. [Cf. F. alcool,
@@ -43,19 +51,19 @@ QUOTE_ENTRY = """Jamboree \\Jam`bo*ree"\\, n. [Etym. uncertain.]
 
 
 def test_gcide_entry_becomes_plain_dictionary_text():
-    assert B.clean_gcide(GCIDE_ENTRY) == (
+    assert clean_gcide(GCIDE_ENTRY) == (
         "Alcohol, n. [Cf. F. alcool, formerly written alcohol, Sp. alcohol alcohol, antimony. Cf. "
         "Alquifou.]\n1. An impalpable powder. [Obs.]\n"
         "2. The fluid essence or pure spirit obtained by distillation. [Obs.] --Boyle.\n"
         'Note: As used in the U. S. "Pharmacopœia," alcohol contains 91 per cent by '
         'weight of ethyl alcohol '
         "and 54.5 per cent of water.")
-    assert (B.clean_gcide(QUOTE_ENTRY).splitlines()
+    assert (clean_gcide(QUOTE_ENTRY).splitlines()
             == ["Jamboree, n. [Etym. uncertain.]",
                 "1. A noisy or unrestrained carousal or frolic; a spree. [Slang] --Kipling.",
                 "A Calcutta-made pony cart had been standing in front of the manager's bungalow. "
                 "--W. A. Fraser."])
-    assert (B.clean_gcide("Ab\\b\\ n. jamb[=u] caf['e] H[2]O [a^] r[^o]le [Obs.]")
+    assert (clean_gcide("Ab\\b\\ n. jamb[=u] caf['e] H[2]O [a^] r[^o]le [Obs.]")
             == "Ab n. jambū café H2O ă rôle [Obs.]")
 
 
@@ -85,10 +93,10 @@ def test_dictd_entries_in_file_order_once_each_without_metadata(tmp_path):
                          {"00-database-short\n   A test dictionary\n": ["00-database-short"],
                           "Law lords\n   Peers.\n": ["Law lords", "Law merchant"],
                           "Abbey\n   A monastery.\n": ["Abbey"]})
-    assert B.dictd_entries(index, data) == ["Law lords\n   Peers.\n", "Abbey\n   A monastery.\n"]
+    assert dictd_entries(index, data) == ["Law lords\n   Peers.\n", "Abbey\n   A monastery.\n"]
     foldoc = ("light pen\n\n   <hardware> An early {pointing device} which\n"
               "   the user pointed.\n\n   (2003-12-02)\n")
-    assert (B.clean_dictd(foldoc) == "light pen\n<hardware> An early pointing device which the "
+    assert (clean_dictd(foldoc) == "light pen\n<hardware> An early pointing device which the "
                                      "user pointed.")
 
 
@@ -104,7 +112,7 @@ WORDNET_DATA = "".join(line + "  \n" for line in [  # real data lines end with t
 def test_wordnet_synsets_are_readable_lines_with_hypernyms(tmp_path):
     path = tmp_path / "data.noun"
     path.write_text(WORDNET_DATA)
-    assert B.wordnet_synsets(path) == [
+    assert wordnet_synsets(path) == [
         "canine, canid (noun): any of various fissiped mammals.",
         'dog, domestic dog, Canis familiaris (noun): a member of the genus Canis; "the '
         'dog barked all night". '
@@ -112,7 +120,7 @@ def test_wordnet_synsets_are_readable_lines_with_hypernyms(tmp_path):
     adj = tmp_path / "data.adj"
     adj.write_text("00001740 00 a 01 able 0 001 ! 00002098 a 0101 | having the means\n"
                    "00002098 00 a 01 unable(p) 0 001 ! 00001740 a 0101 | not able\n")
-    assert B.wordnet_synsets(adj) == ["able (adjective): having the means. Opposite: unable.",
+    assert wordnet_synsets(adj) == ["able (adjective): having the means. Opposite: unable.",
                                       "unable (adjective): not able. Opposite: able."]
 
 
@@ -140,7 +148,7 @@ Ignore case.
 
 
 def test_strip_roff_gives_plain_text():
-    text = B.strip_roff(ROFF)
+    text = strip_roff(ROFF)
     assert text.split("\n\n") == [
         "GREP(1)", "NAME", "grep - print lines that match patterns", "SYNOPSIS",
         "grep [OPTION...] PATTERNS [FILE...]", "DESCRIPTION",
@@ -152,7 +160,7 @@ def test_strip_roff_gives_plain_text():
 def test_render_man_with_man_db(tmp_path):
     page = tmp_path / "grep.1"
     page.write_text(ROFF)
-    text = B.render_man(page)
+    text = render_man(page)
     assert "NAME\n       grep - print lines that match patterns" in text
     assert "\b" not in text and "\x1b" not in text and "“pattern”" in text
 
@@ -176,12 +184,12 @@ SPHINX_PAGE = (
 
 
 def test_html_to_text_keeps_main_content_code_and_lists():
-    assert B.html_to_text(SPHINX_PAGE) == (
+    assert html_to_text(SPHINX_PAGE) == (
         "4. Control Flow\n\nUse the if statement & friends.\n\n- first item\n- second\n\n"
         "if x:\n    pass\n\nname | value\none | 1")
     docbook = ('<html><body><div class="navheader">Prev Next</div><div class="toc">1. A</div>'
                '<div id="banner">Download</div><h2>1. Intro</h2><p>Text.</p></body></html>')
-    assert B.html_to_text(docbook) == "1. Intro\n\nText."
+    assert html_to_text(docbook) == "1. Intro\n\nText."
 
 
 def test_reading_order_follows_next_links():
@@ -189,7 +197,7 @@ def test_reading_order_follows_next_links():
              "ch1.html": '<a accesskey="n" href="sub/ch2.html">',
              "sub/ch2.html": '<link rel="next" href="../apx.html#top">', "apx.html": "",
              "lone.html": ""}
-    assert B.reading_order(pages) == ["index.html", "ch1.html", "sub/ch2.html", "apx.html",
+    assert reading_order(pages) == ["index.html", "ch1.html", "sub/ch2.html", "apx.html",
                                       "lone.html"]
 
 
@@ -199,14 +207,14 @@ def test_info_text_drops_headers_indexes_and_licences():
             "Some text.\n\x1f\nFile: x.info,  Node: GNU Free Documentation License\n\nLegal.\n"
             "\x1f\nFile: x.info,  Node: Concept Index\n\n* a: b.\n"
             "\x1f\nTag Table:\nNode: Top\x7f1\n\x1f\nEnd Tag Table\n")
-    assert B.info_text(info) == "X manual\n\n1 Intro\n=======\n\nSome text."
+    assert info_text(info) == "X manual\n\n1 Intro\n=======\n\nSome text."
 
 
 def test_bible_books_from_the_bible_program_output():
     out = ("\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n  2 And the "
            "earth was\n\nGenesis 2\n\n  1 Thus the heavens\n\n1 John 1\n\n  1 That which was from "
            "the beginning\n")
-    assert B.bible_books(out) == [
+    assert bible_books(out) == [
         "Genesis\n\nChapter 1\n\n1 In the beginning God created the heaven and the earth.\n"
         "2 And the earth was\n\nChapter 2\n\n1 Thus the heavens",
         "1 John\n\nChapter 1\n\n1 That which was from the beginning"]
@@ -215,28 +223,28 @@ def test_bible_books_from_the_bible_program_output():
 # ------------------------------------------------------------------------- grouping, dedupe, budget
 def test_group_records_makes_long_documents_in_order():
     recs = [f"r{i:03d}" + "x" * 96 for i in range(25)]  # 100 chars each
-    docs = B.group_records(recs, target=500, max_chars=700)
+    docs = group_records(recs, target=500, max_chars=700)
     assert "\n\n".join(docs) == "\n\n".join(recs)  # nothing lost, order kept
     assert all(len(d) >= 500 for d in docs)
-    big = B.group_records(["a" * 100, "b" * 2000, "c" * 100], target=500, max_chars=700)
+    big = group_records(["a" * 100, "b" * 2000, "c" * 100], target=500, max_chars=700)
     assert big == ["a" * 100, "b" * 2000, "c" * 100]  # a long record stays whole, never split
-    tail = B.group_records(["a" * 300] * 4 + ["z" * 50], target=500, max_chars=700)
+    tail = group_records(["a" * 300] * 4 + ["z" * 50], target=500, max_chars=700)
     # a short remainder joins the last document
     assert len(tail) == 2 and tail[-1].endswith("z" * 50)
 
 
 def test_spread_keep_is_even():
-    assert B.spread_keep(10, 5) == [1, 3, 5, 7, 9]
-    assert B.spread_keep(4, 0) == [] and B.spread_keep(4, 9) == [0, 1, 2, 3]
+    assert spread_keep(10, 5) == [1, 3, 5, 7, 9]
+    assert spread_keep(4, 0) == [] and spread_keep(4, 9) == [0, 1, 2, 3]
 
 
 def _src(name, records, group=False):
-    return B.Source(name, (), lambda: list(records), group)
+    return Source(name, (), lambda: list(records), group)
 
 
 def test_collect_dedupes_across_sources_after_whitespace_normalisation(capsys):
     a = "Alpha beta gamma. " * 20
-    packed = B.collect([_src("high", [a, "unique one " * 30]),
+    packed = collect([_src("high", [a, "unique one " * 30]),
                         _src("low", [a.replace(" ", "\n  "), "unique two " * 30, "unique two " * 30,
                                      "tiny"])])
     high, low = packed
@@ -252,16 +260,16 @@ def _noise(n: int, seed: int) -> str:
 
 
 def test_budget_drops_lowest_priority_first_and_thins_evenly(tmp_path):
-    packed = [B.Packed(name, [_noise(4000, i * 100 + j) for j in range(10)]) for i, name in
+    packed = [Packed(name, [_noise(4000, i * 100 + j) for j in range(10)]) for i, name in
               enumerate(["first", "second", "third"])]
-    one = len(B.compress("first", packed[0].docs))
-    B.fit_budget(packed, int(one * 1.5))
+    one = len(compress("first", packed[0].docs))
+    fit_budget(packed, int(one * 1.5))
     first, second, third = packed
     assert first.dropped_docs == 0 and len(first.docs) == 10
     assert 0 < len(second.docs) < 10 and second.dropped_docs == 10 - len(second.docs)
     assert third.docs == [] and third.dropped_docs == 10
     assert sum(len(p.blob) for p in packed) <= one * 1.5
-    report = B.write_pack(packed, tmp_path)
+    report = write_pack(packed, tmp_path)
     assert [f.name for f in sorted(tmp_path.glob("*.jsonl.xz"))] == ["00-first.jsonl.xz",
                                                                      "01-second.jsonl.xz"]
     rows = {r["source"]: r for r in report["sources"]}
@@ -275,7 +283,7 @@ def test_pack_command_writes_within_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(B, "natural_sources", lambda workers: srcs)
     assert B.main(["pack", "--out", str(tmp_path / "t"), "--max-mb", "0.1", "--no-apt"]) == 0
     total = sum(f.stat().st_size for f in (tmp_path / "t").iterdir())
-    report = json.loads((tmp_path / "t" / B.REPORT).read_text())
+    report = json.loads((tmp_path / "t" / REPORT).read_text())
     assert total <= 100_000 and report["sources"][1]["budget_dropped_documents"] == 1
     assert "wiki" in capsys.readouterr().out
 
@@ -335,19 +343,19 @@ def test_code_documents_split_at_the_size_limit(tmp_path, monkeypatch):
 
 
 def test_code_roots_of_this_interpreter():
-    roots = B.code_roots()
+    roots = code_roots()
     assert roots[0][1] == "code:stdlib" and (roots[0][0] / "os.py").is_file()
     assert any(tag is None and "site-packages" in str(p) for p, tag in roots)
 
 
 # --------------------------------------------------------------------------------- build end to end
 def _pack(tmp_path: Path, n_wiki: int) -> Path:
-    docs = B.group_records(list(wiki_docs(400)), target=6000, max_chars=8000)[:n_wiki]
-    packed = [B.Packed("wiki", docs),
-              B.Packed("bible", ["In the beginning God created the heaven. " * 10])]
+    docs = group_records(list(wiki_docs(400)), target=6000, max_chars=8000)[:n_wiki]
+    packed = [Packed("wiki", docs),
+              Packed("bible", ["In the beginning God created the heaven. " * 10])]
     for p in packed:
-        p.blob = B.compress(p.name, p.docs)
-    B.write_pack(packed, tmp_path / "text")
+        p.blob = compress(p.name, p.docs)
+    write_pack(packed, tmp_path / "text")
     return tmp_path / "text"
 
 
@@ -409,46 +417,6 @@ def test_build_fails_when_no_natural_text_is_held_out(tmp_path):
                                                                     for i in range(3, 43))
     with pytest.raises(SystemExit, match="held-out split holds no natural-language document"):
         _build(tmp_path, text, tmp_path / "sp", "--heldout-fraction", "0.1")
-
-
-def test_repeat_natural_copies_only_training_documents_to_indices_data_prep_trains_on():
-    from data_prep.tokenize import is_heldout
-
-    natural = [("wiki", [f"w{k}" for k in range(40)]), ("bible", [f"b{k}" for k in range(25)])]
-    first = 65 + 30  # 30 code documents sit between the natural text and the copies
-    sets = B.repeat_natural(natural, first, repeats=3, heldout=0.2)
-    assert [s for s, _ in sets] == ["wiki:repeat1", "bible:repeat1", "wiki:repeat2",
-                                    "bible:repeat2"]
-    held = {d for k, d in enumerate(natural[0][1] + natural[1][1]) if is_heldout(k, 0.2, 0)}
-    assert held  # the check below is not vacuous
-    copies = [(i, d) for i, d in enumerate((d for _, docs in sets for d in docs), first)]
-    assert all(not is_heldout(i, 0.2, 0) for i, d in copies if d)  # every copy lands in train
-    # a placeholder only where data_prep holds out
-    assert all(is_heldout(i, 0.2, 0) for i, d in copies if not d)
-    texts = [d for _, d in copies if d]
-    # each training document twice, no held-out one
-    assert not held & set(texts) and len(texts) == 2 * (65 - len(held))
-    assert B.repeat_natural(natural, first, repeats=1, heldout=0.2) == []
-
-
-def test_build_with_natural_repeats_keeps_the_heldout_split_and_weighs_the_text(tmp_path):
-    text, code = _pack(tmp_path, 12), _site_packages(tmp_path / "sp")
-    assert _build(tmp_path, text, code, "--heldout-fraction", "0.25") == 0
-    once = json.loads((tmp_path / "corpus" / "all" / "manifest.json").read_text())
-    shutil.rmtree(tmp_path / "corpus")
-    assert _build(tmp_path, text, code, "--heldout-fraction", "0.25", "--natural-repeats", "3") == 0
-    out = tmp_path / "corpus"
-    thrice = json.loads((out / "all" / "manifest.json").read_text())
-    assert thrice["splits"]["heldout"]["tokens"] == once["splits"]["heldout"]["tokens"] > 0
-    # the same files, docs, tokens
-    assert thrice["splits"]["heldout"]["sources"] == once["splits"]["heldout"]["sources"]
-    rows = {r["source"]: r
-            for r in json.loads((out / "corpus_report.json").read_text())["sets"]["all"]["sources"]}
-    for r in (1, 2):
-        assert rows[f"wiki:repeat{r}"]["train_tokens"] == rows["wiki"]["train_tokens"]
-        assert rows[f"wiki:repeat{r}"]["heldout_docs"] == 0
-    with pytest.raises(SystemExit, match="gathered with --natural-repeats 3, not 2"):
-        _build(tmp_path, text, code, "--heldout-fraction", "0.25", "--natural-repeats", "2")
 
 
 def test_build_with_retrieval_docs_adds_a_set_and_leaves_the_others_alone(tmp_path):

@@ -3,7 +3,6 @@ carry data_prep.retrieval's facts in the corpus's natural training text and noth
 evaluation's; both arms read one prompt file, draw the same prompts and train as many tokens; the
 run folder shares another's stages 1-3 only when its settings match; the flags are checked."""
 
-import importlib.util
 import json
 import lzma
 import random
@@ -20,18 +19,12 @@ from data_prep.tokenize import is_heldout
 from halo_dist.eval.niah import FILLER, NEEDLE, TEMPLATE
 from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer
 
+import bench.real_conversion as rc
+
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("river", "lamp", "orchard", "ledger", "window", "tractor", "violin", "pepper", "canal",
          "button", "forest", "kettle", "signal", "harvest", "ribbon", "cabinet")
 HELDOUT = 0.3  # the corpus's held-out share in this test (the rehearsal's)
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("real_conversion",
-                                                  REPO / "bench" / "real_conversion.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _doc(tag: str, rng: random.Random) -> str:
@@ -142,7 +135,7 @@ def test_both_arms_read_one_prompt_file_draw_the_same_prompts_and_train_as_many_
 
     w, _ = work
     monkeypatch.setitem(opd_arm.PRESETS, "rehearsal", _arm_preset(tmp_path))
-    rc, built = _module(), {}
+    built = {}
     for arm, tag in (("opd", "opd_on"), ("teacher_forced", "opd_tf")):
         a = rc.parse_args(["run", "--work", str(w), "--cpu-rehearsal", "--tag", tag, "--opd-arm",
                            arm, "--share-stage3-from", "run"])
@@ -178,7 +171,6 @@ def test_both_arms_read_one_prompt_file_draw_the_same_prompts_and_train_as_many_
 def test_the_arm_flags_and_config_are_checked(tmp_path):
     from bench.real import opd_arm
 
-    rc = _module()
     with pytest.raises(SystemExit, match="--opd-arm opd is an experiment: give it a --tag"):
         rc.check_experiment_flags(rc.parse_args(["run", "--work", str(tmp_path), "--opd-arm",
                                                  "opd"]))
@@ -206,7 +198,6 @@ def test_an_experiment_shares_stages_1_3_only_when_every_earlier_setting_matches
     """--share-stage3-from: stage 1's layers, the selection and the stage-2/3 exports become hard
     links in the arm's folder; a setting read before calibration that differs, or a base whose
     stage 3 is not finished, is refused; calibration and evaluation settings may differ."""
-    rc = _module()
     a = Namespace(work=tmp_path, tag="opd_on", cpu_rehearsal=False, results=tmp_path / "res")
     s = rc.preset(a, str(rc.run_dir(a)))
     base = tmp_path / "run"

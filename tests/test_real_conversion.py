@@ -1,27 +1,19 @@
 """bench/real_conversion.py's collection on the files the H200 run wrote
 (bench/results/logs/real_*)."""
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+import bench.real_conversion as rc
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("real_conversion",
-                                                  REPO / "bench" / "real_conversion.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_summary_and_pictures_from_the_h200_run(tmp_path):
-    rc = _module()
     run = tmp_path / "run"
     for stage in ("stage1", "stage2", "stage3"):
         (run / stage).mkdir(parents=True)
@@ -61,7 +53,6 @@ def test_summary_and_pictures_from_the_h200_run(tmp_path):
 def test_stage_rates_split_by_the_background_steps_window():
     """Intervals that overlapped the teacher's background evaluation are counted apart from the
     rest; the first interval of each piece (compile, autotuning) belongs to neither."""
-    rc = _module()
     path = RESULTS / "logs" / "real_stage2.metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     timed = [r for r in rows if "perf/tokens_per_s" in r]
@@ -80,7 +71,6 @@ def test_stage_rates_split_by_the_background_steps_window():
 def test_an_ablation_run_is_labelled_and_continued_only_with_its_pe(tmp_path):
     """run --pe all_rope reaches the demo settings; the results name the encoding; a continuation
     that changes it is refused (settings.json, which labels the results, would be rewritten)."""
-    rc = _module()
     assert (rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path), "--pe", "all_rope"])).pe
             == "all_rope")
     assert rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path)])).pe == ""
@@ -99,7 +89,6 @@ def test_an_ablation_run_is_labelled_and_continued_only_with_its_pe(tmp_path):
 
 
 def test_ablation_compare_lines_up_both_runs_niah_and_refuses_a_mislabelled_file(tmp_path):
-    rc = _module()
     by_len = lambda *v: {"by_length": {"2048": v[0], "16384": v[1]}}  # noqa: E731
     summary = lambda s1: {t: by_len(*s1) for t in rc.NIAH_TASKS}  # noqa: E731
     hype = {"pe": "hype",
@@ -132,7 +121,6 @@ def test_ablation_compare_lines_up_both_runs_niah_and_refuses_a_mislabelled_file
 def test_hype_twin_switches_only_the_attention_encoding(tmp_path):
     """The speed of an ablation run is measured on its weights in the HyPE layout; the student is
     untouched."""
-    rc = _module()
     student = tmp_path / "hypenet"
     student.mkdir()
     (student / "config.json").write_text(
@@ -152,7 +140,6 @@ def test_an_experiment_shares_the_baselines_stage1_only_when_its_settings_match(
     from argparse import Namespace
     from dataclasses import asdict
 
-    rc = _module()
     a = Namespace(work=tmp_path, tag="sel_offset", cpu_rehearsal=False, results=tmp_path / "res")
     s = rc.preset(a, str(rc.run_dir(a)))
     s.select_csr_offset = 0.01  # the arm's change comes after stage 1
@@ -177,7 +164,6 @@ def test_an_experiment_shares_the_baselines_stage1_only_when_its_settings_match(
 
 
 def test_the_calibration_objective_reaches_the_demo_settings(tmp_path):
-    rc = _module()
     s = rc.settings_for(rc.parse_args(["run", "--work", str(tmp_path), "--calib-objective",
                                        "retrieval", "--calib-lengths", "32K,64K"]))
     assert (s.calib_objective, s.calib_lengths) == ("retrieval", "32K,64K")

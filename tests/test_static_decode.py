@@ -147,9 +147,9 @@ def test_compiled_static_step_equals_eager_and_compiles_once():
 
 
 def test_compile_mode_reaches_torch_compile_and_cuda_graph_modes_are_refused(monkeypatch):
-    """``compile="max-autotune-no-cudagraphs"`` is passed on as the mode (the GPU run times it:
-    ``profile_decode.py --variants compiled-autotune``); modes that capture Inductor's own CUDA
-    graphs would nest inside the decoder's and are refused before anything is built."""
+    """``compile="max-autotune-no-cudagraphs"`` is passed on as the mode (its GPU timing:
+    BENCHMARKS' "Tried and did not pay"); modes that capture Inductor's own CUDA graphs would
+    nest inside the decoder's and are refused before anything is built."""
     model = tiny(("attention", "lightning"))
     cache, _ = prefilled(model, B=1)
     seen = []

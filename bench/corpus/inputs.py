@@ -1,6 +1,6 @@
 """The ``build`` command's data sets: the carried text read back, the data_prep inputs written in a
-fixed order (with the natural text's repeats and the synthetic retrieval documents), their
-tokenization, and the mix tables of the result."""
+fixed order (with the synthetic retrieval documents), their tokenization, and the mix tables of the
+result."""
 
 from __future__ import annotations
 
@@ -52,36 +52,6 @@ def write_inputs(folder: Path, sets: list[tuple[str, list[str]]], min_chars: int
         index.append({"file": path.name, "source": source, "documents": sum(1 for d in kept if d),
                       "characters": sum(map(len, kept))})
     return index
-
-
-def repeat_natural(natural: list[tuple[str, list[str]]], first_index: int, repeats: int,
-                   heldout: float, seed: int = 0) -> list[tuple[str, list[str]]]:
-    """Extra copies of the natural-text sources, to be written after every other input
-    (``first_index`` = the data_prep index of their first record), for a mix that weighs natural
-    text ``repeats`` times.
-
-    The held-out split is data_prep's hash of (seed, document index), so the copies are placed where
-    it cannot touch them: a document held out of ``natural`` is never copied, and a copy never sits
-    at an index data_prep holds out (that index gets an empty record, which data_prep counts and
-    skips). The held-out split of a corpus with repeats is therefore exactly that of the corpus
-    without them, and no copy of a training document is ever evaluated on. One set per (source,
-    round), labelled ``<source>:repeat<r>``.
-    """
-    from data_prep.tokenize import is_heldout
-
-    train_side = training_side(natural, heldout, seed)
-    out, j = [], first_index
-    for r in range(1, repeats):
-        for source, docs in train_side:
-            placed = []
-            for d in docs:
-                while is_heldout(j, heldout, seed):
-                    placed.append("")
-                    j += 1
-                placed.append(d)
-                j += 1
-            out.append((f"{source}:repeat{r}", placed))
-    return out
 
 
 def training_side(natural: list[tuple[str, list[str]]], heldout: float,

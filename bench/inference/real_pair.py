@@ -171,7 +171,7 @@ def run_real(args, device, dtype) -> dict:
     teacher, student = load_real_pair(*args.real)
     payload = measure_real_pair(teacher, student, args.contexts, device, dtype, chunk=args.chunk,
                                 decode_steps=args.decode_steps,
-                                graph=device.type == "cuda" and not args.no_graph)
+                                graph=device.type == "cuda")
     payload.update(teacher_dir=str(args.real[0]), student_dir=str(args.real[1]))
     print_table(payload["rows"],
                 f"real pair, batch 1, {payload['dtype']}, decode: {payload['decode']}")

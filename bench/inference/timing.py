@@ -1,5 +1,5 @@
 """Timing one model's inference at one context: the fit check, the chunked prefill, a random cache
-of a given size, and the eager / CUDA-graph / compiled decode timed from the same position."""
+of a given size, and the eager and CUDA-graph decode timed from the same position."""
 
 from __future__ import annotations
 
@@ -7,16 +7,12 @@ import time
 
 import torch
 
+from bench.common import sync
 from halo_dist.models.hypenet.cache_hypenet import HypeNetCache
 from halo_dist.models.hypenet.configuration_hypenet import HypeNetConfig
-from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
+from halo_dist.models.hypenet.static_decode import StaticDecoder
 
 GiB = 1 << 30
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def kv_bytes(cfg: HypeNetConfig, T: int, itemsize: int) -> int:
@@ -66,17 +62,18 @@ def prefill(model, T: int, chunk: int, device, decode_room: int,
 
 
 @torch.inference_mode()
-def random_cache(model, T: int, device, dtype, decode_room: int) -> HypeNetCache:
-    """A cache of T tokens with random contents (decode cost depends on size, not values)."""
+def random_cache(model, T: int, device, dtype, decode_room: int, rows: int = 1) -> HypeNetCache:
+    """A cache of ``rows`` x T tokens with random keys/values/states (decode cost depends on the
+    cache's size, not its values)."""
     cfg = model.config
     cache = HypeNetCache(cfg.num_hidden_layers, reserve_tokens=decode_room)
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for i, kind in enumerate(cfg.mixer_types):
         if kind == "attention":
-            k = torch.randn(1, T, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+            k = torch.randn(rows, T, Hkv, D, device=device, dtype=dtype)
             cache.append_kv(i, k, k)
         else:
-            H, D = cfg.num_attention_heads, cfg.head_dim
-            cache.layers[i] = torch.randn(1, H, D, D, device=device, dtype=torch.float32) * 0.01
+            cache.layers[i] = torch.randn(rows, H, D, D, device=device, dtype=torch.float32) * 0.01
     cache.seen_tokens = T
     return cache
 
@@ -113,9 +110,9 @@ def timed_steps(step, token: torch.Tensor, steps: int, device) -> tuple[float, t
 
 @torch.inference_mode()
 def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, device,
-              graph: bool = True, compiled: bool = False) -> dict:
+              graph: bool = True) -> dict:
     """Eager dynamic-cache decode, then (``graph``) the static CUDA-graph decode from the same
-    position, then (``compiled``) the graph of the torch.compile'd static step from there again."""
+    position."""
     T, saved = cache.seen_tokens, [s.clone() for s in rnn_states(cache)]
 
     def eager(nxt):
@@ -132,21 +129,6 @@ def decode_ms(model, cache: HypeNetCache, token: torch.Tensor, steps: int, devic
     if dec.graph_error:
         out["graph_error"] = dec.graph_error
     out["graph_rel_err"] = float((first_graph - first_eager).norm() / first_eager.norm())
-    if not compiled:
-        return out
-    del dec
-    rewind(cache, T, saved)
-    t0 = time.perf_counter()
-    dec = StaticDecoder(model, cache, DecodeOptions(compile=True))  # compiles and captures
-    out["compile_s"] = round(time.perf_counter() - t0, 1)
-    out["decode_compiled_ms"], first_compiled = timed_steps(dec.step, token, steps, device)
-    out["compiled"] = dec.compiled and (dec.graph is not None or device.type != "cuda")
-    if dec.compile_error or dec.graph_error:
-        out["compile_error"] = dec.compile_error or dec.graph_error
-    out["compiled_rel_err_vs_graph"] = float((first_compiled - first_graph).norm()
-                                             / first_graph.norm())
-    out["compiled_rel_err_vs_eager"] = float((first_compiled - first_eager).norm()
-                                             / first_eager.norm())
     return out
 
 
