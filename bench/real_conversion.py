@@ -385,7 +385,7 @@ def check_experiment_flags(a) -> None:
 def speed(a, demo: Demo) -> None:
     """Prefill and decode of teacher vs student at 8K-128K, alone on the GPU (after the
     evaluations)."""
-    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.teacher import smollm2_teacher_dir
 
     run = run_dir(a)
     out = run / "speed.json"

@@ -172,7 +172,7 @@ class Demo(StepRunner):
         self.stop_signal = signum  # _wait stops the running step; the next step is not started
 
     def _pipeline(self) -> Path:
-        from .assets.teacher import smollm2_teacher_dir
+        from .teacher import smollm2_teacher_dir
 
         s, out = self.s, self.out
         t0 = time.time()
