@@ -58,7 +58,7 @@ from bench.real.run_folder import (STAGE1_SETTINGS, align_teacher_tokenizer,  # 
 from bench.real.summary import (NIAH_LENGTHS, goals, gpu_minutes, headline,  # noqa: E402,F401
                                 result_stem, sharing_rates, stage_summary, summarize)
 from halo_dist.config import PE_ROPE  # noqa: E402
-from halo_dist.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
+from halo_dist.pipeline.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
 PAUSED = 3

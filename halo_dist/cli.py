@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.commands import register_eval_commands
     from .train.export_checkpoint import register_export_command  # export
 
-    from .demo import add_demo_command
+    from .pipeline.demo import add_demo_command
 
     register_eval_commands(sub)
     from .eval.suite import add_suite_command

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from halo_dist.demo import DemoSettings
+from halo_dist.pipeline.demo import DemoSettings
 
 
 def read_json(path: Path):
