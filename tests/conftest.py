@@ -53,7 +53,7 @@ def qwen3_teacher():
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.teacher import smollm2_teacher_dir
 
     return smollm2_teacher_dir()
 

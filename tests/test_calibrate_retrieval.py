@@ -190,8 +190,8 @@ def test_cli_runs_end_to_end_and_writes_the_report(hypenet_folder, heldout_manif
 
 
 def test_demo_calibrates_by_retrieval_only_when_asked(tmp_path):
-    from halo_dist.demo import Demo, DemoSettings
-    from halo_dist.demo_steps import DemoStepError
+    from halo_dist.pipeline.demo import Demo, DemoSettings
+    from halo_dist.pipeline.steps import DemoStepError
 
     long = tmp_path / "long"
     long.mkdir()
@@ -216,7 +216,7 @@ def test_demo_calibrates_by_retrieval_only_when_asked(tmp_path):
 
 
 def test_the_demo_report_shows_a_retrieval_calibration(tmp_path):
-    from halo_dist.demo_report import _calibration_section
+    from halo_dist.pipeline.report import _calibration_section
 
     curves = {256: [_point(None, [4.0, 3.0]), _point(500.0, [0.5, 2.0])]}
     report = {"objective": "retrieval", "prompts_per_length": 2, "chosen_a": 500.0,

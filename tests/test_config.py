@@ -496,7 +496,7 @@ def test_direct_construction_is_validated():
 
 
 def test_teacher_depth_check_is_offline(tmp_path):
-    from halo_dist.config.teacher import offline_teacher_depth, teacher_depth_problem
+    from halo_dist.teacher import offline_teacher_depth, teacher_depth_problem
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28}))
     assert offline_teacher_depth(str(tmp_path)) == 28

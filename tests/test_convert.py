@@ -178,7 +178,7 @@ def test_random_teacher_family_and_its_exact_hypenet(architecture):
     from halo_dist.config import load_config
     from halo_dist.config.loader import with_overrides
     from halo_dist.models.convert import as_exact_hypenet
-    from halo_dist.stages.teacher import load_hf_teacher
+    from halo_dist.teacher import load_hf_teacher
 
     cfg = with_overrides(load_config("configs/tiny/stage2.yaml"),
                          {"model.random_teacher.architecture": architecture})
@@ -253,7 +253,7 @@ def test_stage3_refuses_a_model_pe_that_its_student_init_folder_does_not_have(tm
         stages.build_distill_module(cfg)
     opd = load_config("configs/opd/tiny.yaml",
                       [f"model.student_init={tmp_path}", "model.pe=all_nope"])
-    monkeypatch.setattr("halo_dist.stages.teacher.load_hf_teacher",
+    monkeypatch.setattr("halo_dist.teacher.load_hf_teacher",
                         lambda m: pytest.fail("the teacher was loaded"))
     with pytest.raises(ConfigError,
                        match="model.pe: all_nope .* disagrees with model.student_init"):

@@ -70,7 +70,7 @@ def _stage_dir(root: Path, stage: str, done: bool) -> Path:
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_demo_prunes_only_finished_stages_checkpoints(tmp_path, keep):
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     finished, running = (_stage_dir(tmp_path, "stage1", done=True),
                          _stage_dir(tmp_path, "stage2", done=False))
@@ -85,7 +85,7 @@ def test_demo_prunes_only_finished_stages_checkpoints(tmp_path, keep):
 def test_demo_boolean_flags_parse_both_ways():
     import argparse
 
-    from halo_dist.demo import add_demo_command
+    from halo_dist.pipeline.demo import add_demo_command
 
     parser = argparse.ArgumentParser()
     add_demo_command(parser.add_subparsers())
@@ -105,8 +105,8 @@ def test_demo_help_lists_every_setting():
 def test_deadline_stops_a_running_step_gently_and_the_next_piece_continues(tmp_path, monkeypatch):
     """At the deadline the running step gets SIGTERM (a stage saves and exits 0), the demo pauses;
     the seconds of both pieces add up in timings.json and a finished step is skipped next time."""
-    import halo_dist.demo as demo_module
-    from halo_dist.demo import Demo, DemoPaused, DemoSettings
+    import halo_dist.pipeline.demo as demo_module
+    from halo_dist.pipeline.demo import Demo, DemoPaused, DemoSettings
 
     monkeypatch.setattr(demo_module, "STAGE_MIN_S", 1.0)  # seconds, not minutes: a 2 s deadline
     monkeypatch.setattr(demo_module, "OTHER_MIN_S", 1.0)
@@ -141,8 +141,8 @@ def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp
     again."""
     import json
 
-    import halo_dist.demo as demo_module
-    from halo_dist.demo import Demo, DemoPaused, DemoSettings, DemoStepError
+    import halo_dist.pipeline.demo as demo_module
+    from halo_dist.pipeline.demo import Demo, DemoPaused, DemoSettings, DemoStepError
 
     demo = Demo(DemoSettings(out=str(tmp_path)))
     done = tmp_path / "bg_done"
@@ -195,7 +195,7 @@ def test_pe_setting_reaches_the_stage1_and_stage2_launchers_only(tmp_path):
     """--pe all_rope (the HyPE ablation) is stages 1-2's model.pe; stage 3 inherits the stage-2
     folder's."""
     from halo_dist.config import load_config
-    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+    from halo_dist.pipeline.demo import Demo, DemoSettings, DemoStepError
 
     stages = ("stage1", "stage2", "stage3")
     demo = Demo(DemoSettings(out=str(tmp_path), pe="all_rope"))
@@ -215,7 +215,7 @@ def test_pe_setting_reaches_the_stage1_and_stage2_launchers_only(tmp_path):
 
 
 def test_teacher_eval_setting_is_validated():
-    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+    from halo_dist.pipeline.demo import Demo, DemoSettings, DemoStepError
 
     with pytest.raises(DemoStepError, match="--teacher-eval 'later'"):
         Demo(DemoSettings(teacher_eval="later"))
@@ -225,7 +225,7 @@ def test_teacher_eval_setting_is_validated():
 
 def test_loss_backend_setting_reaches_the_kl_stages_only(tmp_path):
     from halo_dist.config import load_config
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     demo = Demo(DemoSettings(out=str(tmp_path), loss_backend="compiled"))
     given = {st: [a for a in demo.launcher(st) if a.startswith("loss.backend=")]
@@ -241,7 +241,7 @@ def test_stages_skip_the_final_checkpoint_the_demo_would_delete(tmp_path):
     """Checkpoints are pruned once a stage's export exists, so the stages write no final one unless
     kept."""
     from halo_dist.config import load_config
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     for keep, expected in ((False, False), (True, True)):
         cmd = Demo(DemoSettings(out=str(tmp_path), keep_checkpoints=keep)).launcher("stage2")
@@ -250,7 +250,7 @@ def test_stages_skip_the_final_checkpoint_the_demo_would_delete(tmp_path):
 
 
 def test_teacher_eval_none_evaluates_only_the_student(tmp_path):
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     steps = Demo(DemoSettings(out=str(tmp_path),
                               teacher_eval="none")).final_evals("TEACHER", "STUDENT", "DATA")
@@ -260,7 +260,7 @@ def test_teacher_eval_none_evaluates_only_the_student(tmp_path):
 def test_given_attention_layers_skip_the_selection_and_bad_ones_are_refused(tmp_path):
     """--attn-layers (an ablation keeping another run's layers) skips select-layers; a list that
     stage 2 would refuse minutes later is refused before anything runs."""
-    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+    from halo_dist.pipeline.demo import Demo, DemoSettings, DemoStepError
 
     demo = Demo(DemoSettings(out=str(tmp_path), num_attn=3, attn_layers="19,7,18"))
     assert demo.attention_layers("TEACHER", "DATA") == [7, 18, 19]
@@ -274,8 +274,8 @@ def test_given_attention_layers_skip_the_selection_and_bad_ones_are_refused(tmp_
 def test_a_step_that_finished_as_the_deadline_came_counts_as_done(tmp_path, monkeypatch):
     """SIGTERM at the deadline reached a stage after its last step and export (it wrote DONE and
     exited 0): the demo goes on to the next step instead of reporting a pause."""
-    import halo_dist.demo as demo_module
-    from halo_dist.demo import Demo, DemoSettings
+    import halo_dist.pipeline.demo as demo_module
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     monkeypatch.setattr(demo_module, "STAGE_MIN_S", 0.5)
     done = tmp_path / "DONE"
@@ -293,7 +293,7 @@ def test_split_student_evaluation_runs_niah_and_csr_as_two_suites_with_their_own
     folder; each part is asked of exactly one of them and each writes its own marker. The h200
     preset (the teacher ran alongside the stages) keeps one suite: on one GPU NIAH's decode beside
     CSR's batches is slow."""
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     settings = DemoSettings.h200(str(tmp_path))
     assert ([name for name, _, _ in Demo(settings).final_evals("TEACHER", "STUDENT", "DATA")]
@@ -321,7 +321,7 @@ def test_split_student_evaluation_runs_niah_and_csr_as_two_suites_with_their_own
 def test_pause_after_a_step_ends_the_piece_there_and_names_are_checked(tmp_path):
     """--pause-after ends a piece once that step has run (not when it was already done), so a piece
     can end between stages; an unknown step name is refused up front, not ignored."""
-    from halo_dist.demo import Demo, DemoPaused, DemoSettings, DemoStepError
+    from halo_dist.pipeline.demo import Demo, DemoPaused, DemoSettings, DemoStepError
 
     demo = Demo(DemoSettings(out=str(tmp_path), pause_after="select-layers"))
     done = tmp_path / "selection.json"
@@ -347,7 +347,7 @@ def test_cpu_steps_that_run_at_once_share_the_threads(tmp_path, monkeypatch):
     """On a CPU demo, steps running at the same time split OMP_NUM_THREADS (oversubscribed OpenMP
     threads spin against each other); a background step counts until it exits; on a GPU the user's
     setting stays."""
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     demo = Demo(DemoSettings(out=str(tmp_path), device="cpu"))
@@ -369,7 +369,7 @@ def test_stage2_context_keeps_the_tokens_per_step_and_other_stages_untouched(tmp
     """--stage2-seq-len (stage 2 at a context where the teacher retrieves): 4x longer rows, 4x
     fewer of them, the same tokens per step; stages 1 and 3 keep theirs; a context that does not
     divide a step's tokens is refused before anything runs."""
-    from halo_dist.demo import Demo, DemoSettings, DemoStepError
+    from halo_dist.pipeline.demo import Demo, DemoSettings, DemoStepError
 
     s = DemoSettings.h200(str(tmp_path))
     s.stage2_seq_len = 2048
@@ -386,7 +386,7 @@ def test_stage2_context_keeps_the_tokens_per_step_and_other_stages_untouched(tmp
 def test_stage3_data_reaches_stage3_alone(tmp_path):
     """--stage3-data (long documents mixed with synthetic retrieval ones): stage 3 trains on it;
     stages 1-2 keep --data and the calibration keeps --data-long."""
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     data = {name: tmp_path / name for name in ("all", "long", "long_retrieval")}
     for folder in data.values():
@@ -403,7 +403,7 @@ def test_demo_help_lists_the_choices_and_every_presets_real_defaults():
     """No empty default in ``--help``; the fixed sets are listed and enforced."""
     import argparse
 
-    from halo_dist.demo import add_demo_command
+    from halo_dist.pipeline.demo import add_demo_command
 
     parser = argparse.ArgumentParser()
     add_demo_command(parser.add_subparsers())
@@ -420,8 +420,8 @@ def test_demo_help_lists_the_choices_and_every_presets_real_defaults():
 
 
 def test_a_missing_data_folder_is_refused_before_any_step(tmp_path):
-    from halo_dist.demo import Demo, DemoSettings
-    from halo_dist.demo_steps import DemoStepError
+    from halo_dist.pipeline.demo import Demo, DemoSettings
+    from halo_dist.pipeline.steps import DemoStepError
 
     for flag, setting in (("--data", "data"), ("--data-long", "data_long"),
                           ("--stage3-data", "stage3_data")):
@@ -433,8 +433,8 @@ def test_a_missing_data_folder_is_refused_before_any_step(tmp_path):
 def test_the_exported_student_shares_stage3s_files_and_calibration_leaves_stage3_intact(tmp_path):
     """``hypenet/`` is stage 3's export as hard links (one copy of the model on
     disk, counted once), and calibration's rewrite of its config.json leaves stage 3's alone."""
-    from halo_dist.demo import Demo, DemoSettings
-    from halo_dist.demo_report import disk_use
+    from halo_dist.pipeline.demo import Demo, DemoSettings
+    from halo_dist.pipeline.report import disk_use
     from halo_dist.eval.calibrate import write_scale_base
 
     final = tmp_path / "stage3" / "final"
@@ -469,8 +469,8 @@ with open(folder / "metrics.jsonl", "a") as f:
 def test_a_running_stage_shows_its_log_and_a_progress_line(tmp_path, capsys, monkeypatch):
     """While a stage runs the console names its live log and shows its step, loss, tokens/s and
     ETA from the stage's metrics.jsonl (here at most every 0.5 s: not a terminal)."""
-    from halo_dist import demo_progress
-    from halo_dist.demo import Demo, DemoSettings
+    from halo_dist.pipeline import progress as demo_progress
+    from halo_dist.pipeline.demo import Demo, DemoSettings
 
     monkeypatch.setattr(demo_progress, "EVERY_S", 0.5)
     demo = Demo(DemoSettings(out=str(tmp_path), stage1_steps=3))
@@ -485,7 +485,7 @@ def test_a_running_stage_shows_its_log_and_a_progress_line(tmp_path, capsys, mon
 def test_the_progress_line_is_rewritten_on_a_terminal_and_rate_limited_elsewhere():
     import io
 
-    from halo_dist.demo_progress import ProgressLine
+    from halo_dist.pipeline.progress import ProgressLine
 
     now = [0.0]
     piped = io.StringIO()
@@ -512,8 +512,8 @@ def test_the_progress_line_is_rewritten_on_a_terminal_and_rate_limited_elsewhere
 def test_the_end_of_the_demo_says_teacher_vs_student_with_n_and_what_the_budget_means(tmp_path):
     from test_pictures import fake_run
 
-    from halo_dist.demo_report import (REAL_RESULTS, console_summary, scorecard_of, stage_budget,
-                                       write_report)
+    from halo_dist.pipeline.report import (REAL_RESULTS, console_summary, scorecard_of,
+                                           stage_budget, write_report)
 
     out = fake_run(tmp_path / "demo", "tiny")
     budget = stage_budget(out)
@@ -534,7 +534,7 @@ def test_the_end_of_the_demo_says_teacher_vs_student_with_n_and_what_the_budget_
 
 def test_readme_states_the_default_presets_token_budget():
     """README's "What the demo's student looks like" says what the default preset trains."""
-    from halo_dist.demo_report import preset_tokens
+    from halo_dist.pipeline.report import preset_tokens
 
     readme = (REPO / "README.md").read_text()
     assert f"The default preset trains {preset_tokens('default'):,} tokens" in readme

@@ -16,7 +16,7 @@ from halo_dist.eval.tokenizers import BYTE_VOCAB, byte_tokenizer, tokenizer_iden
 def smol_tokenizer():
     from transformers import AutoTokenizer
 
-    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.teacher import smollm2_teacher_dir
 
     return AutoTokenizer.from_pretrained(smollm2_teacher_dir())
 
@@ -217,7 +217,7 @@ def test_prompts_only_builds_the_cache_that_eval_niah_then_reads(tmp_path, capsy
     cell and scores exactly as one that builds its own prompts."""
     import shutil
 
-    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.teacher import smollm2_teacher_dir
 
     # what the GPU machine has before the teacher's GGUF arrives
     tokenizer_only = tmp_path / "tokenizer"

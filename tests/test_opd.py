@@ -652,7 +652,7 @@ def test_tokenizer_and_vocab_mismatch_are_refused():
 def test_the_bundled_teacher_name_gives_its_tokenizer(tmp_path, monkeypatch):
     """model.teacher: smollm2 (the demo configs' teacher) names the bundled teacher's folder for
     the tokenizer too, not a hub id (offline, a hub lookup fails)."""
-    from halo_dist.assets import teacher as assets
+    from halo_dist import teacher as assets
     from halo_dist.stages.opd_build import load_tokenizer
 
     byte_tokenizer().save_pretrained(tmp_path / "smollm2")

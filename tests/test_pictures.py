@@ -168,7 +168,7 @@ def test_the_check_is_not_vacuous():
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_demo_reports_pictures_are_labelled_pathless_and_apart(tmp_path, saved, shape):
-    from halo_dist.demo_report import write_report
+    from halo_dist.pipeline.report import write_report
 
     out = fake_run(tmp_path / "demo", shape)
     report = write_report(out, [8, 12, 14, 15, 16, 17, 24], 60.0).read_text()

@@ -21,7 +21,7 @@ def load_real_pair(teacher_dir: str,
     HypeNet student."""
     from halo_dist.models.convert import load_teacher, load_teacher_config, resolve_teacher
     from halo_dist.models.convert import as_exact_hypenet
-    from halo_dist.stages.teacher import teacher_path
+    from halo_dist.teacher import teacher_path
 
     source = resolve_teacher(teacher_path(str(teacher_dir)))
     load_teacher_config(source)  # fails fast on a bad path / architecture

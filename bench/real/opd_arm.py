@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.real.opd_prompts import PromptSpec, prompt_file
 from bench.real.run_folder import read_json
-from halo_dist.demo import Demo
+from halo_dist.pipeline.demo import Demo
 
 REPO = Path(__file__).resolve().parents[2]
 # what each arm sets on top of the shared config
@@ -128,7 +128,7 @@ class ArmDemo(Demo):
         return self.out / "opd" / "final"
 
     def status(self, names: list[str], t0: float) -> str:
-        from halo_dist.demo_progress import stage_status
+        from halo_dist.pipeline.progress import stage_status
 
         if names == ["opd"]:
             return stage_status(self.out / "opd", self.opd_steps) or super().status(names, t0)

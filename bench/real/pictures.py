@@ -54,7 +54,7 @@ def _niah_png(run: Path, path: Path) -> Path | None:
 def _csr_png(run: Path, path: Path) -> Path | None:
     """Bars per task, teacher vs student, with 95% intervals and the chance level (the demo
     report's picture)."""
-    from halo_dist.demo_report import csr_figure, scorecard_of
+    from halo_dist.pipeline.report import csr_figure, scorecard_of
     from halo_dist.figures import save
 
     csr = scorecard_of(run)["csr"]

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from halo_dist.demo import DemoSettings
+from halo_dist.pipeline.demo import DemoSettings
 
 
 def read_json(path: Path):
@@ -122,7 +122,7 @@ def align_teacher_tokenizer(work: Path) -> None:
     again."""
     from transformers import AutoTokenizer
 
-    from halo_dist.assets.teacher import smollm2_teacher_dir
+    from halo_dist.teacher import smollm2_teacher_dir
     from halo_dist.data.errors import DataError
     from halo_dist.data.manifest import check_tokenizer
     from halo_dist.eval.tokenizers import tokenizer_identity

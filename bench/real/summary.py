@@ -10,7 +10,7 @@ from pathlib import Path
 from bench.common import environment
 from bench.real.opd_arm import opd_summary
 from bench.real.run_folder import read_json
-from halo_dist.demo import DemoSettings
+from halo_dist.pipeline.demo import DemoSettings
 from halo_dist.eval.scorecard import read_eval, scorecard
 
 

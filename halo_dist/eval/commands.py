@@ -212,10 +212,10 @@ def _layer_count(args) -> int:
 
 
 def _teacher_config(teacher: str):
-    from ..assets.teacher import resolve_model_arg
+    from ..teacher import teacher_path
     from ..models.convert import load_teacher_config, resolve_teacher
 
-    return load_teacher_config(resolve_teacher(resolve_model_arg(teacher)))
+    return load_teacher_config(resolve_teacher(teacher_path(teacher)))
 
 
 def _evaluate_and_select(args) -> dict:
@@ -248,11 +248,11 @@ def _evaluate_and_select(args) -> dict:
 def _load_base(teacher: str, device: str, dtype: str, trust_remote_code: bool = False):
     """The teacher as an exact all-attention HypeNet (the HF copy is freed) and its tokenizer (or
     None)."""
-    from ..assets.teacher import resolve_model_arg
+    from ..teacher import teacher_path
     from ..models.convert import load_teacher, resolve_teacher
     from .layerwise import teacher_as_hypenet
 
-    source = resolve_teacher(resolve_model_arg(teacher))
+    source = resolve_teacher(teacher_path(teacher))
     hf = load_teacher(source)
     base = teacher_as_hypenet(hf).to(device=device, dtype=parse_dtype(dtype)).eval()
     del hf

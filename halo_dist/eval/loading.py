@@ -16,10 +16,10 @@ def load_model(name: str, device: str = "cpu", dtype: str = "fp32",
 
     With ``convert_attn_layers`` the (teacher) model is converted to an untrained HypeNet first.
     """
-    from ..assets.teacher import resolve_model_arg
+    from ..teacher import teacher_path
     from ..models.convert import resolve_teacher
 
-    source = resolve_teacher(resolve_model_arg(name), "--model")
+    source = resolve_teacher(teacher_path(name), "--model")
     tokenizer = try_tokenizer(source.path, source.load_kwargs(), trust_remote_code)
     if tokenizer is None:
         raise EvalError(f"{name} has no tokenizer: NIAH and lm-eval need one in the model folder")
@@ -37,10 +37,10 @@ def load_model(name: str, device: str = "cpu", dtype: str = "fp32",
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     """The tokenizer of a model or tokenizer folder (or 'smollm2'), without loading a model."""
-    from ..assets.teacher import resolve_model_arg
+    from ..teacher import teacher_path
     from ..models.convert import resolve_teacher
 
-    path = Path(resolve_model_arg(name))
+    path = Path(teacher_path(name))
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         # a tokenizer folder needs no weights
         tokenizer = try_tokenizer(str(path), {}, trust_remote_code)

@@ -145,11 +145,11 @@ def cmd_eval_suite(args) -> int:
 
 def _reference_keys(args, parts: list[str]) -> dict[str, str]:
     """Each part's reference key: the model folder's files and the settings that part depends on."""
-    from ..assets.teacher import resolve_model_arg
+    from ..teacher import teacher_path
     from ..models.convert import resolve_teacher
     from .reference import model_identity, part_key
 
-    model_id = model_identity(resolve_teacher(resolve_model_arg(args.model), "--model").path)
+    model_id = model_identity(resolve_teacher(teacher_path(args.model), "--model").path)
     common = {"dtype": args.dtype, "device": args.device.split(":")[0]}
     keys = {}
     for name in parts:

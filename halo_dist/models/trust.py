@@ -94,10 +94,10 @@ def trust_for(folder: str | Path, explicit: bool = False) -> bool:
 
 def check_model_sources(cfg) -> None:
     """Before a run builds anything: every model and tokenizer its config names can be read here
-    (``config.teacher.source_problem``), and the teacher and ``student_init`` folders carry no code
+    (``config.sources.source_problem``), and the teacher and ``student_init`` folders carry no code
     that :func:`trust_for` would refuse once they are loaded (the stages load their tokenizers,
     and write them into the export, only after training)."""
-    from ..config.teacher import source_problem
+    from ..config.sources import source_problem
     from ..errors import MissingInputError
 
     m = cfg.model

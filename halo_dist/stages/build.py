@@ -12,7 +12,7 @@ from ..errors import IncompatibleInputError, MissingInputError
 from .distill import StudentWithLoss
 from .stage1 import Stage1Aligner, resolve_stage1_file
 from ..models.convert import as_exact_hypenet
-from .teacher import load_hf_teacher
+from ..teacher import load_hf_teacher
 
 
 def student_overrides(cfg: RunConfig) -> dict:

@@ -16,7 +16,7 @@ from .opd import check_tokenizers, check_vocab
 def load_tokenizer(cfg: RunConfig):
     """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's (``smollm2``: the
     bundled teacher's folder, as the teacher itself is loaded); random teachers need one."""
-    from .teacher import teacher_path
+    from ..teacher import teacher_path
 
     name = cfg.opd.tokenizer
     if name == "bytes":
@@ -48,7 +48,7 @@ def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
     from .build import check_student_init_pe, student_overrides
     from .stage1 import resolve_stage1_file
     from ..models.convert import as_exact_hypenet
-    from .teacher import load_hf_teacher
+    from ..teacher import load_hf_teacher
 
     if student is None:
         check_student_init_pe(cfg.model)

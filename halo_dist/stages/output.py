@@ -61,7 +61,7 @@ def export_generation_config(cfg: RunConfig):
     teacher's."""
     from ..models.convert import ConversionError, resolve_teacher, teacher_generation_config
     from ..models.export import load_generation_config
-    from .teacher import teacher_path
+    from ..teacher import teacher_path
 
     if cfg.model.student_init:
         found = load_generation_config(cfg.model.student_init)
@@ -78,7 +78,7 @@ def export_generation_config(cfg: RunConfig):
 def teacher_tokenizer(cfg: RunConfig):
     """The tokenizer exported with the student: the teacher's (or the initial student's) one."""
     from ..models.trust import UntrustedCodeError, load_tokenizer
-    from .teacher import teacher_path
+    from ..teacher import teacher_path
 
     for source in (cfg.model.student_init,
                    None if cfg.model.teacher == "random" else teacher_path(cfg.model.teacher)):
@@ -114,7 +114,7 @@ def _record(trainer) -> dict:
 def stage_inputs(cfg: RunConfig) -> dict:
     """What a stage reads that its ``final/`` may not be, hold or lie inside (the teacher's folder,
     the initial student, the stage-1 weights), by the config key that names it."""
-    from .teacher import teacher_path
+    from ..teacher import teacher_path
 
     m = cfg.model
     teacher = None if m.teacher in (None, "random") else teacher_path(m.teacher)

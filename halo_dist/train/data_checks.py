@@ -87,7 +87,7 @@ def check_data_vocabulary(cfg, rank: int, world: int) -> None:
     without one (another tool's, an older data_prep's) has its tokens scanned once."""
     from ..data import check_share_fits
     from ..data.errors import DataError
-    from ..stages.teacher import model_vocab_size
+    from ..teacher import model_vocab_size
 
     vocab = model_vocab_size(cfg)
     if vocab is not None:

@@ -104,10 +104,10 @@ def check_resume_config(checkpoint: Path, current: dict, announce: bool = True,
 def check_same_run(checkpoint: Path, cfg, teacher_files: dict, announce: bool = True) -> None:
     """Before anything is built: resuming ``checkpoint`` continues its run, or is refused: the
     config (:func:`check_resume_config`) and the teacher's weights by content
-    (``teacher_identity``)."""
+    (``halo_dist.teacher``)."""
     from ..config import to_dict
+    from ..teacher import check_same_teacher
     from .checkpoint import TRAINER_STATE
-    from .teacher_identity import check_same_teacher
 
     state = json.loads((checkpoint / TRAINER_STATE).read_text())
     check_resume_config(checkpoint, to_dict(cfg), announce=announce,

@@ -51,7 +51,7 @@ from .schedules import LRSchedule, make_lr_scheduler
 from .student_check import check_same_student
 from .stopping import (NonFiniteLossError, NonFinitePolicy, StopControl, backward_and_step,
                        finish_skipped_step, is_nonfinite)
-from .teacher_identity import run_teacher_digests
+from ..teacher import run_teacher_digests
 
 StepHook = Callable[[Any, int], None]
 """``hook(trainer, step)``: called after every optimizer step (``step``: the 1-based step just
@@ -259,7 +259,7 @@ class Trainer(StopControl):
             return None
         from transformers import AutoTokenizer
 
-        from ..stages.teacher import teacher_path
+        from ..teacher import teacher_path
 
         try:
             return AutoTokenizer.from_pretrained(teacher_path(self.cfg.model.teacher))

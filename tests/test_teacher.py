@@ -1,13 +1,16 @@
-"""Teacher file digests: computed once, reused while a file's size and mtime are unchanged,
-recomputed when it changes; the comparison names what changed."""
+"""The teacher module: its file digests are computed once, reused while a file's size and mtime are
+unchanged, recomputed when it changes, and the comparison names what changed; importing it (as the
+Slurm driver does for the depth check) does not import torch."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from halo_dist.config import ConfigError
-from halo_dist.train import teacher_identity
-from halo_dist.train.teacher_identity import check_same_teacher, teacher_digests
+from halo_dist.data import shards
+from halo_dist.teacher import check_same_teacher, teacher_digests
 
 
 def test_digests_are_cached_by_stat_and_recomputed_when_a_file_changes(tmp_path, monkeypatch):
@@ -21,7 +24,7 @@ def test_digests_are_cached_by_stat_and_recomputed_when_a_file_changes(tmp_path,
     def no_hashing(path):
         raise AssertionError(f"{path} was hashed again")
 
-    monkeypatch.setattr(teacher_identity, "sha256_file", no_hashing)
+    monkeypatch.setattr(shards, "sha256_file", no_hashing)
     assert teacher_digests(folder, cache) == first  # nothing read
     monkeypatch.undo()
     (folder / "model.safetensors").write_bytes(b"b" * 1000)  # same size, new content and mtime
@@ -34,3 +37,10 @@ def test_digests_are_cached_by_stat_and_recomputed_when_a_file_changes(tmp_path,
     assert "config.json" not in str(e.value)
     check_same_teacher(first, first, tmp_path)
     check_same_teacher(None, second, tmp_path)  # a checkpoint from before digests were recorded
+
+
+def test_the_depth_check_imports_no_torch():
+    code = ("import sys; from halo_dist.teacher import teacher_depth_problem; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
-from .train.progress_line import format_duration, format_si
+from ..train.progress_line import format_duration, format_si
 
 EVERY_S = 60.0  # at most one printed line per this many seconds when the console is not a terminal
 TAIL_BYTES = 1 << 16  # of metrics.jsonl read per update: the last records are all that is shown

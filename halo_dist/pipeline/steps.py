@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .demo_progress import ProgressLine
-from .train.progress_line import format_duration
+from .progress import ProgressLine
+from ..train.progress_line import format_duration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class DemoStepError(RuntimeError):

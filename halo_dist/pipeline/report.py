@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .eval.stats import Z95, rate, wilson
+from ..eval.stats import Z95, rate, wilson
 
 STAGES = ("stage1", "stage2", "stage3")
 TEACHER = "SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized)"
@@ -23,7 +23,7 @@ REAL_RESULTS = 'README.md, section "Results of a real conversion"'
 def write_report(out: Path, layers: list[int], seconds: float) -> Path:
     """Markdown report with pictures: the budget and what to expect of it, the scorecard, the
     training curves, the calibration, NIAH heatmaps and CSR bars."""
-    from .eval.scorecard import markdown
+    from ..eval.scorecard import markdown
 
     pics = out / "report"
     pics.mkdir(parents=True, exist_ok=True)
@@ -49,7 +49,7 @@ def write_report(out: Path, layers: list[int], seconds: float) -> Path:
 
 def scorecard_of(out: Path) -> dict:
     """The teacher-vs-student scorecard of a demo folder (``eval.scorecard``)."""
-    from .eval.scorecard import read_eval, scorecard
+    from ..eval.scorecard import read_eval, scorecard
 
     return scorecard(read_eval(out / "eval" / "teacher", "teacher"),
                      read_eval(out / "eval" / "student", "student"))
@@ -58,7 +58,7 @@ def scorecard_of(out: Path) -> dict:
 def stage_budget(out: Path) -> dict[str, tuple[int, int]]:
     """``{stage: (optimizer steps, tokens trained)}`` from each stage's metrics.jsonl (the last
     record of its step and token counters)."""
-    from .train.metrics import read_metrics
+    from ..train.metrics import read_metrics
 
     budget = {}
     for stage in STAGES:
@@ -72,7 +72,7 @@ def stage_budget(out: Path) -> dict[str, tuple[int, int]]:
 
 def preset_tokens(preset: str) -> int:
     """Tokens a preset's stages train: steps x rows x context, summed over the stages."""
-    from .demo_settings import PRESETS
+    from .settings import PRESETS
 
     s = PRESETS[preset]("")
     return (s.stage1_steps * s.global_batch * s.seq_len + s.stage2_steps * s.global_batch
@@ -153,7 +153,7 @@ def _csr_line(csr: dict) -> str:
 
 
 def _niah_line(niah: dict) -> str:
-    from .eval.stats import format_rate
+    from ..eval.stats import format_rate
 
     totals = {}
     for parts in niah.values():
@@ -167,15 +167,15 @@ def _niah_line(niah: dict) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    from .figures import save
+    from ..figures import save
 
     return save(fig, path)
 
 
 def _training_section(out: Path, pics: Path) -> list[str]:
     """Each stage's budget, first and last loss (and held-out values) with its curves."""
-    from .train.metrics import read_metrics
-    from .train.plots import plot_loss_curves
+    from ..train.metrics import read_metrics
+    from ..train.plots import plot_loss_curves
 
     lines = ["## Training", ""]
     budget = stage_budget(out)
@@ -216,7 +216,7 @@ def _calibration_section(out: Path) -> list[str]:
 
 def _retrieval_calibration_lines(calib: dict) -> list[str]:
     """The answer NLL and exact match of retrieval prompts by base a, per length."""
-    from .eval.stats import format_rate
+    from ..eval.stats import format_rate
 
     chosen = calib.get("chosen_a")
     lines = ["## Logits-scaling calibration", "",
@@ -235,8 +235,8 @@ def _retrieval_calibration_lines(calib: dict) -> list[str]:
 def _niah_section(out: Path, pics: Path) -> list[str]:
     """Teacher's and student's NIAH heatmaps in one picture (their figures with intervals are in
     the scorecard)."""
-    from .eval.niah_report import heatmap_figure, summarize
-    from .eval.scorecard import read_eval
+    from ..eval.niah_report import heatmap_figure, summarize
+    from ..eval.scorecard import read_eval
 
     summaries = {}
     for who in ("teacher", "student"):
@@ -256,7 +256,7 @@ def csr_figure(csr: dict):
     interval (:func:`_bar`), the task's chance level and its n."""
     import numpy as np
 
-    from .figures import new_figure
+    from ..figures import new_figure
 
     tasks = list(csr["tasks"])
     models = [w for w in ("teacher", "student") if any(csr["tasks"][t].get(w) is not None

@@ -1,42 +1,10 @@
-"""Offline checks of a teacher against a config, cheap enough for the Slurm driver (no torch
-import)."""
+"""Whether a model or tokenizer source named in a config (a local path or a hub id) can be read
+here, checked before anything is loaded (no torch import). The teacher's own checks are in
+``halo_dist.teacher``."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-
-
-def offline_teacher_depth(teacher: str) -> int | None:
-    """``num_hidden_layers`` of a teacher folder or of a hub id already in the HF cache; None when
-    that needs the network (or a GGUF teacher). For checks that must not download (the Slurm
-    driver)."""
-    path = Path(teacher) / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-        except ImportError:
-            return None
-        try:
-            cached = try_to_load_from_cache(teacher, "config.json")
-        except ValueError:  # not a valid repo id
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
-    layers = json.loads(path.read_text()).get("num_hidden_layers")
-    return int(layers) if layers is not None else None
-
-
-def teacher_depth_problem(teacher: str, num_layers: int | None) -> str | None:
-    """Why ``teacher`` cannot be the teacher of a config sized for ``num_layers`` layers, or None
-    (it matches, or its depth cannot be read offline)."""
-    depth = offline_teacher_depth(teacher)
-    if depth is None or num_layers is None or depth == num_layers:
-        return None
-    return (f"teacher {teacher} has {depth} layers but the stage configs are sized for a "
-            f"{num_layers}-layer teacher (model.num_layers, model.attn_layers): use the matching "
-            "slurm/halo_<size>.sh")
 
 
 def is_hub_id(name: str) -> bool:

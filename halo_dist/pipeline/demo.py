@@ -31,14 +31,14 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from .demo_progress import stage_status
-from .demo_report import (console_summary, disk_use, format_bytes, scorecard_of, stage_budget,
+from .progress import stage_status
+from .report import (console_summary, disk_use, format_bytes, scorecard_of, stage_budget,
                           write_report)
-from .demo_settings import (CALIB_OBJECTIVES, PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES,
+from .settings import (CALIB_OBJECTIVES, PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES,
                             DemoSettings, choices, describe_default)
-from .demo_steps import DemoPaused, DemoStepError, StepRunner
+from .steps import DemoPaused, DemoStepError, StepRunner
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # a stage (which checkpoints on SIGTERM) is not started with less than this left before the
@@ -58,7 +58,7 @@ class Demo(StepRunner):
         if s.pause_after and s.pause_after not in PAUSE_POINTS:
             raise DemoStepError(f"--pause-after {s.pause_after!r}: choose one of "
                                 f"{', '.join(PAUSE_POINTS)}")
-        from .config import PE_ROPE
+        from ..config import PE_ROPE
 
         if s.pe and s.pe not in PE_ROPE:  # here, not in stage 1's log after the data step
             raise DemoStepError(f"--pe {s.pe!r}: choose one of {', '.join(PE_ROPE)} (or leave it "
@@ -133,7 +133,7 @@ class Demo(StepRunner):
         # stage 3 loads the stage-2 folder, whose config already carries the encoding; attention
         # that keeps the teacher's RoPE trains without logits scaling, as the teacher did
         # (calibration still tries a)
-        from .config import PE_ROPE
+        from ..config import PE_ROPE
 
         pe = [f"model.pe={s.pe}"] if s.pe and stage != "stage3" else []
         if pe and PE_ROPE[s.pe][0]:
@@ -172,7 +172,7 @@ class Demo(StepRunner):
         self.stop_signal = signum  # _wait stops the running step; the next step is not started
 
     def _pipeline(self) -> Path:
-        from .assets.teacher import smollm2_teacher_dir
+        from ..teacher import smollm2_teacher_dir
 
         s, out = self.s, self.out
         t0 = time.time()
@@ -319,7 +319,7 @@ class Demo(StepRunner):
         """Where the teacher's reference figures live ('' when the demo evaluates it every run)."""
         if self.s.teacher_reference == "off":
             return ""
-        from .assets import cache_dir
+        from ..assets import cache_dir
 
         return self.s.teacher_reference or str(cache_dir() / "reference_figures")
 

@@ -154,7 +154,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     that receive them; an empty string is also accepted where the default is empty."""
     from typing import get_args, get_type_hints
 
-    from .config import PE_ROPE, LossConfig, ModelConfig
+    from ..config import PE_ROPE, LossConfig, ModelConfig
 
     compile_ = get_args(get_type_hints(ModelConfig)["compile"])
     return {"pe": tuple(PE_ROPE), "compile": compile_, "stage3_compile": compile_,
