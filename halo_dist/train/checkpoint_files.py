@@ -12,8 +12,8 @@ file written.
 At resume (:func:`verify`) every file of the manifest must be present with its size and hash; the
 ranks share the hashing (file i on rank i mod world) and agree on the verdict. The hash is xxHash's
 XXH3-128: it detects truncation and damage, not tampering (checkpoint files are loaded weights-only
-for that, ``parallel/safe_load.py``). Streamed from the page cache it costs 0.16 s per GiB on one
-CPU core, barely more than reading the file (0.13 s; sha256 0.81 s;
+for that, ``parallel/safe_load.py``). Streamed from the page cache it costs 0.10 s per GiB on one
+CPU core, barely more than reading the file (0.08 s; sha256 0.77 s;
 ``bench/bench_checkpoint_hash.py`` on the 2-core CPU VM), so a save reads back what it wrote at
 little cost and a resume is bound by the disk.
 """
