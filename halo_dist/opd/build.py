@@ -10,13 +10,13 @@ import torch
 
 from ..config.coerce import ConfigError
 from ..config.schema import RunConfig
-from .opd import check_tokenizers, check_vocab
+from .stage import check_tokenizers, check_vocab
 
 
 def load_tokenizer(cfg: RunConfig):
     """``opd.tokenizer`` ("bytes" or a folder / hub id), else the teacher's (``smollm2``: the
     bundled teacher's folder, as the teacher itself is loaded); random teachers need one."""
-    from .teacher import teacher_path
+    from ..stages.teacher import teacher_path
 
     name = cfg.opd.tokenizer
     if name == "bytes":
@@ -45,10 +45,10 @@ def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
     """``(student HypeNet, frozen exact teacher, tokenizer)`` with vocabulary/tokenizer checks."""
     from ..models.convert import convert_model
     from ..models.hypenet import HypeNetForCausalLM
-    from .build import check_student_init_pe, student_overrides
-    from .stage1 import resolve_stage1_file
+    from ..stages.build import check_student_init_pe, student_overrides
+    from ..stages.stage1 import resolve_stage1_file
     from ..models.convert import as_exact_hypenet
-    from .teacher import load_hf_teacher
+    from ..stages.teacher import load_hf_teacher
 
     if student is None:
         check_student_init_pe(cfg.model)
