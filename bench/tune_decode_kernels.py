@@ -205,7 +205,7 @@ def sampler_case(batch: int, vocab: int, dev: str = "cuda", dtype=torch.bfloat16
     Gumbel-max kernel (``halo_dist/opd/sampling.py``), with the bytes each must read at
     least (the logits once)."""
     from halo_dist.opd.sampling import (exponential_race_torch,
-                                                          gumbel_argmax_triton)
+                                        gumbel_argmax_triton)
 
     logits = torch.randn(batch, vocab, device=dev, dtype=dtype)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -19,8 +19,8 @@ from opd_configs import TINY, VOCAB, tiny_cfg
 from halo_dist.config import ConfigError
 from halo_dist.models.convert import convert_model
 from halo_dist.opd.stage import (HorizonSchedule, OPDModule, PlateauDetector, Rollout,
-                                  check_tokenizers, check_vocab, on_policy_step, pack_rollouts,
-                                  parameter_groups, position_buckets, sample_rollouts)
+                                 check_tokenizers, check_vocab, on_policy_step, pack_rollouts,
+                                 parameter_groups, position_buckets, sample_rollouts)
 from halo_dist.eval.tokenizers import byte_tokenizer
 from halo_dist.opd.prompts import Curriculum, PromptError, build_prompt_set
 from halo_dist.models.convert import as_exact_hypenet

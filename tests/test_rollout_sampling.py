@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from halo_dist.opd.sampling import (exponential_race_torch,
-                                                      gumbel_argmax_triton, kernel_applies,
-                                                      sample_tokens)
+                                    gumbel_argmax_triton, kernel_applies,
+                                    sample_tokens)
 from triton_interp import HAS_TRITON, run_interpreted
 
 
