@@ -116,8 +116,8 @@ def rollout_phases(student, prompts: list[list[int]], horizon: int, options, arg
     call, which had the same cache room)."""
     from halo_dist.models.hypenet.modeling_hypenet import eager_decoder_layers
     from halo_dist.models.hypenet.static_decode import StaticDecoder
-    from halo_dist.stages.opd import static_options
-    from halo_dist.stages.opd_rollouts import prefill_prompts, rollout_room
+    from halo_dist.opd.stage import static_options
+    from halo_dist.opd.rollouts import prefill_prompts, rollout_room
 
     room = rollout_room(prompts, horizon, args.compile_rollouts)
     was_training = student.training
@@ -152,8 +152,8 @@ def timed_rollouts(student, prompts: list[list[int]], horizon: int, options, arg
                    device) -> tuple[list, float, float | None]:
     """``(continuations, seconds, peak GiB)`` of one timed rollout of every prompt for ``horizon``
     new tokens, after an untimed one of the same batch."""
-    from halo_dist.stages.opd import sample_rollouts
-    from halo_dist.stages.opd_rollouts import continuous_rollouts
+    from halo_dist.opd.stage import sample_rollouts
+    from halo_dist.opd.rollouts import continuous_rollouts
 
     g = torch.Generator(device=device).manual_seed(horizon)
 
@@ -204,7 +204,7 @@ def bench_horizon(student, teacher, horizon: int, args, device) -> dict:
 def micro_batches(prompts: list[list[int]], gens: list, horizon: int, args, device) -> tuple:
     """``(rollouts per micro-batch, packed micro-batches, sampled tokens)``: ``--micro`` rollouts
     per micro-batch, or as many as fit ``--micro-tokens``."""
-    from halo_dist.stages.opd import Rollout, pack_rollouts
+    from halo_dist.opd.stage import Rollout, pack_rollouts
 
     micro = args.micro or max(1,
                               min(args.rollouts, args.micro_tokens // (args.prompt_len + horizon)))
@@ -218,7 +218,7 @@ def timed_training(student, teacher, prompts: list[list[int]], gens: list, horiz
                    device, rollout_s: float) -> dict:
     """One OPD training step on the packed rollouts, untimed, then ``--timed-steps`` timed ones
     (the figures are the last step's; the OPD rate counts the rollout's ``rollout_s`` too)."""
-    from halo_dist.stages.opd import OPDModule, position_buckets
+    from halo_dist.opd.stage import OPDModule, position_buckets
 
     mod = OPDModule(student, teacher, chunk_size=args.chunk_size,
                     buckets=position_buckets(64, max(horizon, 64)))

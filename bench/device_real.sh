@@ -98,7 +98,7 @@ bundle() {
 # prefix (as the image ships), then twice with it (the first one writes it); and whether the image's own
 # packages carry .pyc files beside their sources
 import_probe() {
-  local imports="import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed, megatron.core"
+  local imports="import halo_dist.launch, halo_dist.train.trainer, halo_dist.registry, deepspeed, megatron.core"
   for m in torch transformers deepspeed fla megatron.core; do
     python3 -c "import importlib.util as u, pathlib as p; s = u.find_spec('$m'); d = p.Path(s.origin).parent / '__pycache__'; print('$m', s.origin, 'pyc files:', len(list(d.glob('*.pyc'))) if d.is_dir() else 'none')" 2>&1 | tail -1
   done
@@ -133,7 +133,7 @@ R1)
   # the evaluations' NIAH prompts (CPU, one process): teacher and student read them in the timed run
   ($R prompts $CPU --work $W --tokenizer $W/tokenizer_src > $W/prompts.log 2>&1; echo "prompts rc $?"; tail -2 $W/prompts.log) &
   # where a stage process's time before its trainer goes on this machine, with the bytecode prefix R0 wrote
-  python3 -X importtime -c "import halo_dist.launch, halo_dist.train.trainer, halo_dist.train.registry, deepspeed, megatron.core" 2> $W/importtime.log
+  python3 -X importtime -c "import halo_dist.launch, halo_dist.train.trainer, halo_dist.registry, deepspeed, megatron.core" 2> $W/importtime.log
   sort -t'|' -k2 -n -r $W/importtime.log | head -25
   timeout $((DEADLINE - (SECONDS - T0))) $R warmup $CPU --work $W --data $W/warmup_data > $W/warmup.log 2>&1; echo "warmup rc $?"
   if [ -n "${KL_BENCH:-}" ]; then  # the fused loss of one stage-2 step of this pair, eager vs compiled

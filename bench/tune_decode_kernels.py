@@ -8,7 +8,7 @@ The static decode step spends most of its time in two Triton kernels that only s
   At 256 rollouts it is 40% of an OPD rollout step.
 
 It also times the rollout sampler over 256-768 x 151,936 logits: the torch exponential race against
-the one-pass Gumbel-max kernel (``halo_dist/stages/rollout_sampling.py``), each call's own random
+the one-pass Gumbel-max kernel (``halo_dist/opd/sampling.py``), each call's own random
 draws included.
 
 Each is timed here alone over a grid of its launch knobs (keys per iteration, warps, pipeline
@@ -202,10 +202,10 @@ def time_loop(fn, calls: int = 20, reps: int = 5) -> float:
 
 def sampler_case(batch: int, vocab: int, dev: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
     """The rollout sampler over ``[batch, vocab]`` logits: the torch exponential race against the
-    Gumbel-max kernel (``halo_dist/stages/rollout_sampling.py``), with the bytes each must read at
+    Gumbel-max kernel (``halo_dist/opd/sampling.py``), with the bytes each must read at
     least (the logits once)."""
-    from halo_dist.stages.rollout_sampling import (exponential_race_torch,
-                                                          gumbel_argmax_triton)
+    from halo_dist.opd.sampling import (exponential_race_torch,
+                                        gumbel_argmax_triton)
 
     logits = torch.randn(batch, vocab, device=dev, dtype=dtype)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -1,5 +1,5 @@
 """What every stage launcher does: parse the run config, check it is this launcher's stage, run it
-with the stage's row of ``train.registry``.
+with the stage's row of ``halo_dist.registry``.
 
 User mistakes (:class:`~halo_dist.errors.HaloUserError`: config errors, missing files, data errors,
 ...) end with one ``error:`` line and exit 2; a stop signal checkpoints and exits 0; anything else
@@ -25,7 +25,7 @@ def launch(stage: str, doc: str | None = None, argv: list[str] | None = None, *,
                                extra_args=extra_args)
     # torch, transformers and the stages load only now (~5 s): a config mistake is reported at once
     from .train.entry import run_stage
-    from .train.registry import stage_spec
+    from .registry import stage_spec
     from .train.stopping import StopRequested
 
     try:

@@ -2,7 +2,7 @@
 that fills up, an error on one rank.
 
 The trainers (``halo_dist.train.trainer.Trainer`` and its subclasses,
-``halo_dist.train.opd_loop.OPDTrainer`` among them) expose ``step_hooks`` and ``loss_hooks`` lists
+``halo_dist.opd.trainer.OPDTrainer`` among them) expose ``step_hooks`` and ``loss_hooks`` lists
 that product code leaves empty. A test that builds a trainer itself appends the hooks below; a test
 that runs a launcher in a subprocess runs it through this file::
 

@@ -237,7 +237,7 @@ def test_stage3_refuses_a_model_pe_that_its_student_init_folder_does_not_have(tm
     import halo_dist.stages.build as build
     from halo_dist.config import ConfigError, load_config
     from halo_dist.models.hypenet import HypeNetConfig
-    from halo_dist.stages.opd_build import build_models
+    from halo_dist.opd.build import build_models
 
     # hype
     HypeNetConfig(num_hidden_layers=2,

@@ -153,7 +153,7 @@ def test_sampler_kernel_runs_one_philox_call_per_four_tokens_without_spilling(tm
     compiled to 112), and its two logarithms per token as one ``lg2.approx`` each (Triton's own
     log is a ~20-instruction polynomial). The block's body is compiled twice: whole blocks, and
     the row's last one, masked."""
-    from halo_dist.stages import rollout_sampling as rs
+    from halo_dist.opd import sampling as rs
 
     block, warps = rs.SAMPLER_BLOCK, 4
     ptx = compile_for_sm90(

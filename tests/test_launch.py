@@ -19,7 +19,7 @@ from halo_dist.launch import launch
 from halo_dist.parallel import SequenceParallelError, apply_sequence_parallel_to_mixers
 from halo_dist.stages import StudentWithLoss, Stage1Aligner, StageModule
 from halo_dist.models.convert import as_exact_hypenet
-from halo_dist.train import registry
+from halo_dist import registry
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE2 = ["--config", str(REPO / "configs" / "tiny" / "stage2.yaml")]

@@ -412,7 +412,7 @@ def test_a_process_without_a_gpu_does_not_import_fla():
     """fla's kernels run only on CUDA tensors and its import takes ~3.5 s: a CPU process (a test
     rank, a launcher refusing a config, the CPU demo) that imports the model and the engine must not
     pay it."""
-    script = ("import sys, halo_dist.train.registry, halo_dist.models.hypenet\n"
+    script = ("import sys, halo_dist.registry, halo_dist.models.hypenet\n"
               "print(sorted(m for m in sys.modules if m == 'fla' or m.startswith('fla.')))")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,

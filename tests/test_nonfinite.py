@@ -81,7 +81,7 @@ def test_engine_too_many_skips_stop_with_the_last_good_checkpoint(shards, tmp_pa
 
 # ------------------------------------------------------------------------------------- OPD (ZeRO 0)
 def _opd(run_dir, *overrides, nan_steps=()):
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     cfg = tiny_cfg(run_dir, "schedule.total_steps=5", "schedule.decay_steps=2", "opd.eval_every=0",
                    "opd.snapshot_every=0", "checkpoint.every_steps=0", *overrides,

@@ -18,11 +18,11 @@ from opd_configs import TINY, VOCAB, tiny_cfg
 
 from halo_dist.config import ConfigError
 from halo_dist.models.convert import convert_model
-from halo_dist.stages.opd import (HorizonSchedule, OPDModule, PlateauDetector, Rollout,
-                                  check_tokenizers, check_vocab, on_policy_step, pack_rollouts,
-                                  parameter_groups, position_buckets, sample_rollouts)
+from halo_dist.opd.stage import (HorizonSchedule, OPDModule, PlateauDetector, Rollout,
+                                 check_tokenizers, check_vocab, on_policy_step, pack_rollouts,
+                                 parameter_groups, position_buckets, sample_rollouts)
 from halo_dist.eval.tokenizers import byte_tokenizer
-from halo_dist.stages.opd_prompts import Curriculum, PromptError, build_prompt_set
+from halo_dist.opd.prompts import Curriculum, PromptError, build_prompt_set
 from halo_dist.models.convert import as_exact_hypenet
 from halo_dist.train.metrics import read_metrics
 
@@ -255,7 +255,7 @@ def _one_step_on(batches, world, root):
     the step's gradient norm and the student's weights after it."""
     import torch.distributed as dist
 
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     torch.set_num_threads(1)
     cfg = tiny_cfg(root / f"w{world}", "schedule.total_steps=1",
@@ -286,7 +286,7 @@ def test_token_weighted_reduction_two_ranks_equals_one(tmp_path):
 
 # --------------------------------------------------------------------------------------------- runs
 def run_trainer(cfg, hf=None, student=None):
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     hf = hf if hf is not None else tiny_qwen3(vocab=VOCAB)
     t = OPDTrainer(cfg, hf_teacher=hf, student=student, tokenizer=byte_tokenizer()).setup()
@@ -332,7 +332,7 @@ def test_compiled_layers_and_rollouts_train_like_the_eager_run(tmp_path):
 
 
 def test_continuous_batching_trains_and_is_a_function_of_the_seed(tmp_path):
-    """opd.continuous_batching: rollouts through refilled slots (stages/opd_rollouts.py); two runs
+    """opd.continuous_batching: rollouts through refilled slots (opd/rollouts.py); two runs
     of the same config train identically, and the rollouts follow the generator the checkpoints
     keep."""
     common = ("schedule.total_steps=3", "schedule.decay_steps=1", "opd.eval_every=0",
@@ -355,9 +355,9 @@ def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_p
     are refused before anything runs."""
     from types import SimpleNamespace
 
-    import halo_dist.stages.opd_rollouts as rollouts_mod
+    import halo_dist.opd.rollouts as rollouts_mod
     from halo_dist.config.coerce import ConfigError
-    from halo_dist.stages.opd import rollout_decoder_options
+    from halo_dist.opd.stage import rollout_decoder_options
 
     kept = {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
@@ -513,7 +513,7 @@ def test_an_on_policy_run_and_its_teacher_forced_control_train_as_many_tokens(tm
     """The control of bench/real/opd_arm.py on the tiny run: rollouts that do not stop at EOS
     against fixed continuations that fill the horizon (opd.fixed_full_horizon) train exactly
     steps x rollouts x horizon tokens each, on the same prompts step by step."""
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     common = ["schedule.total_steps=3", "schedule.warmup_steps=1", "schedule.decay_steps=1",
               "opd.eval_every=0", "opd.snapshot_every=0",
@@ -550,7 +550,7 @@ def test_gkd_run_mixes_fixed_and_on_policy_steps_and_resumes_exactly(tmp_path):
     bitwise equal to the uninterrupted run (same choices, same rollouts)."""
     import shutil
 
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     common = ["schedule.total_steps=8", "schedule.decay_steps=2", "opd.eval_every=0",
               "opd.snapshot_every=0", "checkpoint.every_steps=4", "opd.lmbda=0.5", "opd.beta=0.5",
@@ -653,7 +653,7 @@ def test_the_bundled_teacher_name_gives_its_tokenizer(tmp_path, monkeypatch):
     """model.teacher: smollm2 (the demo configs' teacher) names the bundled teacher's folder for
     the tokenizer too, not a hub id (offline, a hub lookup fails)."""
     from halo_dist import teacher as assets
-    from halo_dist.stages.opd_build import load_tokenizer
+    from halo_dist.opd.build import load_tokenizer
 
     byte_tokenizer().save_pretrained(tmp_path / "smollm2")
     monkeypatch.setattr(assets, "smollm2_teacher_dir", lambda: tmp_path / "smollm2")
@@ -769,7 +769,7 @@ def _opd_zero_stages(root, common):
 
     import torch.distributed as dist
 
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     torch.set_num_threads(1)
     rank, out = dist.get_rank(), {}
@@ -861,7 +861,7 @@ def _fixed_batch_run(run_dir, zero, batches, *overrides):
     ranks. The RNN group trains at its own LR, which a re-partitioned optimizer must keep."""
     import torch.distributed as dist
 
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     cfg = tiny_cfg(run_dir, "schedule.total_steps=4", "schedule.decay_steps=2", "opd.eval_every=0",
                    "opd.snapshot_every=0", "checkpoint.every_steps=2", "checkpoint.resume=auto",

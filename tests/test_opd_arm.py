@@ -131,7 +131,7 @@ def test_both_arms_read_one_prompt_file_draw_the_same_prompts_and_train_as_many_
     document trains exactly the horizon's tokens (rollouts run it whole, continuations fill it)."""
     from bench.real import opd_arm
     from halo_dist.config import load_config
-    from halo_dist.stages.opd_prompts import Curriculum
+    from halo_dist.opd.prompts import Curriculum
 
     w, _ = work
     monkeypatch.setitem(opd_arm.PRESETS, "rehearsal", _arm_preset(tmp_path))

@@ -1,4 +1,4 @@
-"""Continuous-batching rollouts (``stages/opd_rollouts.py``): greedy rollouts through refilled slots
+"""Continuous-batching rollouts (``opd/rollouts.py``): greedy rollouts through refilled slots
 equal each prompt decoded alone with the dynamic cache (float64, every decode mixer kind), sampled
 ones follow the generator and the distribution, and top-p keeps the smallest set reaching p."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
-from halo_dist.stages.opd_rollouts import continuous_rollouts, sample_tokens
+from halo_dist.opd.rollouts import continuous_rollouts, sample_tokens
 
 
 def tiny(mixers) -> HypeNetForCausalLM:

@@ -21,7 +21,7 @@ from halo_dist.launch import launch_pretrain
 from halo_dist.models.hypenet.modeling_hypenet import MIXER_CLASSES
 from halo_dist.stages.pretrain import (build_pretrain_model, hypenet_kwargs, param_groups,
                                        train_flops_per_token, unique_numel)
-from halo_dist.train.registry import stage_spec
+from halo_dist.registry import stage_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny"

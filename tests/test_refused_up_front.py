@@ -209,7 +209,7 @@ def test_an_opd_rung_from_a_snapshot_of_another_student_is_refused_before_loadin
 
     from halo_dist.errors import IncompatibleInputError
     from halo_dist.eval.tokenizers import byte_tokenizer
-    from halo_dist.train.opd_loop import OPDTrainer
+    from halo_dist.opd.trainer import OPDTrainer
 
     def run(run_dir, *overrides):
         cfg = tiny_cfg(run_dir, "opd.eval_every=0", "checkpoint.every_steps=0",

@@ -5,9 +5,9 @@ generator; the dispatcher keeps the torch reference where the kernel does not ap
 import pytest
 import torch
 
-from halo_dist.stages.rollout_sampling import (exponential_race_torch,
-                                                      gumbel_argmax_triton, kernel_applies,
-                                                      sample_tokens)
+from halo_dist.opd.sampling import (exponential_race_torch,
+                                    gumbel_argmax_triton, kernel_applies,
+                                    sample_tokens)
 from triton_interp import HAS_TRITON, run_interpreted
 
 
@@ -15,7 +15,7 @@ from triton_interp import HAS_TRITON, run_interpreted
 def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_across_splits():
     out = run_interpreted("""
         import torch
-        from halo_dist.stages.rollout_sampling import gumbel_argmax_triton
+        from halo_dist.opd.sampling import gumbel_argmax_triton
 
         # 1. frequencies over 400 rows of the same logits at T = 0.7 (a T of 1 would be off by
         # more than 0.1 on the first token)
@@ -69,7 +69,7 @@ def test_gumbel_kernel_gives_every_row_and_token_a_uniform_of_its_own():
     outputs; the last block here is partial) would repeat a value."""
     out = run_interpreted("""
         import torch
-        from halo_dist.stages.rollout_sampling import gumbel_splits
+        from halo_dist.opd.sampling import gumbel_splits
 
         B, V = 5, 12  # blocks of 8: one whole, one partial, a program each
         perturbed = torch.empty(B, V)

@@ -103,7 +103,7 @@ class OPDConfig(Section):
     # rollout count and cache room (the room rounded up to 256 tokens), ~1 min each
     compile_rollouts: bool = True
     # rollouts in rollout_batch_size slots, each restarted on the next prompt when its rollout ends
-    # (stages/opd_rollouts.py) instead of batches that wait for their longest rollout; always
+    # (opd/rollouts.py) instead of batches that wait for their longest rollout; always
     # through StaticDecoder (whatever static_decode says). 28.6K vs 27.1K rollout tokens/s for
     # batches through generate (2B, 256 rollouts at horizon 2048, no EOS, H200): more with EOS on
     continuous_batching: bool = True

@@ -1,5 +1,5 @@
 """HALO stages: what each stage trains and what it writes. The loop lives in halo_dist.train, the
-table of stages (build, output, trainer) in halo_dist.train.registry; stages never import train.
+table of stages (build, output, trainer) in halo_dist.registry; stages never import train.
 
   stage1    Stage1Aligner    all RNN layers, MSE to the teacher's attention outputs
                              -> rnn_layers.safetensors

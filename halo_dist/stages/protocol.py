@@ -1,5 +1,5 @@
 """What a stage is to the trainer: the module it trains (:class:`StageModule`) and how the stage is
-built, written and run (:class:`StageSpec`). The table of stages is ``halo_dist.train.registry``.
+built, written and run (:class:`StageSpec`). The table of stages is ``halo_dist.registry``.
 
 The trainer calls only what :class:`StageModule` declares (plus ``enable_zero3`` where a module has
 one), so a new stage is a module with these methods, a build function and an output writer.

@@ -41,7 +41,7 @@ def run_stage(cfg: RunConfig, stage: StageSpec, argv: list[str] | None = None,
     the run folders (rank 0, before anything is written), then build, train and write the output.
     An error on any rank ends every rank with that rank's message (``parallel.rank_failures``);
     the ranks meet at a last barrier only when every rank succeeded.
-    ``stage``: the stage's row of ``train.registry``; its trainer is built with
+    ``stage``: the stage's row of ``halo_dist.registry``; its trainer is built with
     ``(cfg, argv, stage=stage, **trainer_kwargs)``."""
     from ..models.trust import check_model_sources
     from ..parallel.deepspeed_setup import start_distributed

@@ -1,5 +1,5 @@
 """Stopping a run at a step boundary, shared by every trainer (``trainer.Trainer``,
-``opd_loop.OPDTrainer``).
+``halo_dist.opd.trainer.OPDTrainer``).
 
 Two causes, both agreed by all ranks with one all-reduce so every rank takes the same branch:
 

@@ -6,7 +6,7 @@ the teacher's identity and the checkpoint to resume (the newest that verifies), 
 belongs to another run (nothing is built yet) -> teacher (frozen, replicated) -> stage module
 (student + loss) -> sequence parallelism injected into every mixer -> activation checkpointing ->
 DeepSpeed engine (ZeRO stage from the config, partitioned over all dp*sp ranks) -> loader ->
-checkpoint manager -> resume -> metrics -> signal handlers. A subclass (``opd_loop.OPDTrainer``)
+checkpoint manager -> resume -> metrics -> signal handlers. A subclass (``opd.trainer.OPDTrainer``)
 replaces what is built (``_build``) and what a checkpoint adds (``_extra_state``, ``_rank_state``).
 
 Loss normalisation (token-weighted over micro-batches, SP and DP ranks): each optimizer step first
@@ -84,7 +84,7 @@ class Trainer(StopControl):
 
     def __init__(self, cfg: RunConfig, argv: list[str] | None = None, *,
                  stage: StageSpec | None = None):
-        """``stage``: the stage's row of ``train.registry`` (``run_stage`` passes it)."""
+        """``stage``: the stage's row of ``halo_dist.registry`` (``run_stage`` passes it)."""
         self.cfg, self.argv, self.stage = cfg, argv, stage
         self.step = 0
         self.tokens_seen = 0
@@ -211,7 +211,7 @@ class Trainer(StopControl):
     def _build_stage(self) -> tuple[StageModule, torch.nn.Module | None]:
         if self.stage is None or self.stage.build is None:
             raise TypeError(f"{type(self).__name__} needs a StageSpec with a build function "
-                            "(train.registry)")
+                            "(halo_dist.registry)")
         module, teacher = self.stage.build(self.cfg)
         module.to(self.device, self.dtype)
         if teacher is not None:

@@ -1,4 +1,4 @@
-"""The on-policy distillation trainer (OPAL); the stage's pieces are in ``halo_dist.stages.opd``.
+"""The on-policy distillation trainer (OPAL); the stage's pieces are in ``halo_dist.opd.stage``.
 
 ``OPDTrainer`` is a ``trainer.Trainer``: the setup (distributed start, layout, teacher identity,
 resume checks, the engine, checkpoint manager, metrics), the loop (step hooks, checkpoint cadence,
@@ -31,17 +31,17 @@ import torch.distributed as dist
 
 from ..config.schema import RunConfig
 from ..errors import IncompatibleInputError, MissingInputError
-from ..stages.opd import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step,
-                          pack_rollouts, parameter_groups, position_buckets,
-                          rollout_decoder_options, sample_rollouts)
 from ..models.hypenet.modeling_hypenet import compile_decoder_layers
-from ..stages.opd_build import build_models
-from ..stages.opd_prompts import Curriculum
-from ..stages.opd_rollouts import continuous_rollouts
-from .checkpoint import MARKER, TRAINER_STATE, load_rank_state, verify_or_refuse
-from .schedules import LRSchedule
-from .stopping import NonFiniteLossError, backward_and_step, finish_skipped_step, is_nonfinite
-from .trainer import Trainer, run_loss_hooks
+from ..train.checkpoint import MARKER, TRAINER_STATE, load_rank_state, verify_or_refuse
+from ..train.schedules import LRSchedule
+from ..train.stopping import (NonFiniteLossError, backward_and_step, finish_skipped_step,
+                              is_nonfinite)
+from ..train.trainer import Trainer, run_loss_hooks
+from .build import build_models
+from .prompts import Curriculum
+from .rollouts import continuous_rollouts
+from .stage import (HorizonSchedule, OPDModule, Rollout, bucket_tag, on_policy_step, pack_rollouts,
+                    parameter_groups, position_buckets, rollout_decoder_options, sample_rollouts)
 
 
 # ------------------------------------------------------------------------------------------------

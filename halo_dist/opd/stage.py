@@ -6,7 +6,7 @@ One optimizer step:
    top-p 1.0 by default) with HypeNet's cached batched ``generate`` (left padding is exact:
    padded keys masked, positions from the mask). A rollout ends at EOS (trained) or after
    ``horizon`` new tokens. Under DeepSpeed ZeRO-3 the loop samples from a gathered replica of
-   the student (no collectives while decoding; ``train.opd_loop`` explains why).
+   the student (no collectives while decoding; ``opd.trainer`` explains why).
 2. **Packing.** Each rollout becomes one document ``prompt + continuation`` (no padding) in a
    packed ``[1, L]`` row with ``cu_seqlens`` and per-document positions: the student and the
    teacher run their varlen kernels, as in stages 2/3.
@@ -26,11 +26,11 @@ One optimizer step:
 With ``opd.lmbda < 1`` (TRL GKD's on-policy fraction) a step is on-policy with probability lmbda,
 decided by :func:`on_policy_step` from ``(opd.seed, step)`` alone: every rank makes the same choice
 and a resumed run the same choices. The other steps skip step 1 and train on the prompt sets' fixed
-continuations (``opd_prompts``), cut to the horizon, packed and scored exactly like rollouts.
+continuations (``prompts.py``), cut to the horizon, packed and scored exactly like rollouts.
 
 The horizon starts at ``horizon_start`` and doubles (up to ``horizon_max``) when the
 :class:`PlateauDetector` says the reverse KL stopped improving. The training loop is
-``halo_dist.train.opd_loop``.
+``halo_dist.opd.trainer``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from ..models.hypenet.decode_options import DecodeOptions
 from ..models.hypenet.generation_hypenet import _GENERATE_CACHE_KWARG
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.static_decode import mixers_without_low_precision_state
-from .build import check_same_vocab
+from ..stages.build import check_same_vocab
 
 
 # ------------------------------------------------------------------------------------------------

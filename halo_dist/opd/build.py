@@ -10,7 +10,7 @@ import torch
 
 from ..config.coerce import ConfigError
 from ..config.schema import RunConfig
-from .opd import check_tokenizers, check_vocab
+from .stage import check_tokenizers, check_vocab
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -45,8 +45,8 @@ def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
     """``(student HypeNet, frozen exact teacher, tokenizer)`` with vocabulary/tokenizer checks."""
     from ..models.convert import convert_model
     from ..models.hypenet import HypeNetForCausalLM
-    from .build import check_student_init_pe, student_overrides
-    from .stage1 import resolve_stage1_file
+    from ..stages.build import check_student_init_pe, student_overrides
+    from ..stages.stage1 import resolve_stage1_file
     from ..models.convert import as_exact_hypenet
     from ..teacher import load_hf_teacher
 

@@ -17,7 +17,7 @@ replaces the slot's cache and position anyway.
 
 The draws follow the student's own distribution under ``temperature`` / ``top_p``, with the
 caller's generator (on the model's device), without a host sync
-(``rollout_sampling.sample_tokens``); ``temperature=0`` decodes greedily, which is how the tests
+(``sampling.sample_tokens``); ``temperature=0`` decodes greedily, which is how the tests
 compare it with per-prompt decoding.
 """
 
@@ -27,10 +27,10 @@ import torch
 
 from ..models.hypenet.cache_hypenet import STATIC_WARMUP_TOKENS, HypeNetCache
 from ..models.hypenet.decode_options import DecodeOptions
-from .rollout_sampling import sample_tokens
 from ..models.hypenet.modeling_hypenet import eager_decoder_layers
 from ..models.hypenet.static_decode import StaticDecoder
-from .opd import compiled_room, left_padded, static_options
+from .sampling import sample_tokens
+from .stage import compiled_room, left_padded, static_options
 
 
 class TokenReader:
