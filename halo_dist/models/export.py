@@ -50,7 +50,7 @@ MODEL_FILES = (
     "decode_options.py",  # its options
     "decode_attention.py",  # its split-KV attention kernel
     "decode_lightning.py",  # its in-place Lightning state update
-    "lightning_state.py",  # how that state is kept (24 bits, deferred writes)
+    "lightning_state.py",  # how that state is kept (bf16, deferred writes)
     "decode_gemv.py",  # its batch-1 GEMV
 )
 AUTO_MAP = {

@@ -2,7 +2,7 @@
 next prompt as soon as its rollout ends (EOS or the horizon), so that short rollouts do not wait for
 the longest one of their batch.
 
-``sample_rollouts`` (opd.py) decodes a batch through ``generate`` and holds every row until the
+``sample_rollouts`` (stage.py) decodes a batch through ``generate`` and holds every row until the
 last one stops; with EOS on, a batch's rows finish at very different steps and most slots idle
 through the tail. Here one ``StaticDecoder`` keeps its fixed buffers (and its CUDA graph) for the
 whole call: a finished slot gets the next prompt's keys/values and RNN states from a batch-1

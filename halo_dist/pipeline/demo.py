@@ -33,9 +33,9 @@ from pathlib import Path
 
 from .progress import stage_status
 from .report import (console_summary, disk_use, format_bytes, scorecard_of, stage_budget,
-                          write_report)
+                     write_report)
 from .settings import (CALIB_OBJECTIVES, PAUSE_POINTS, PRESETS, TEACHER_EVAL_CHOICES,
-                            DemoSettings, choices, describe_default)
+                       DemoSettings, choices, describe_default)
 from .steps import DemoPaused, DemoStepError, StepRunner
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ table of stages (build, output, trainer) in halo_dist.registry; stages never imp
   stage3    StudentWithLoss  the stage-2 student at long context, forward KL (or CE) -> HF folder
   pretrain  StudentWithLoss  a random model (pretrain.py: transformer | swan | hypenet), CE
                              -> HF folder
-  opd       OPDModule        on-policy distillation (opd.py; its trainer builds and writes it)
+  opd       OPDModule        on-policy distillation (opd/: its trainer builds and writes it)
                              -> HF folder
 
 protocol.py: what the trainer calls on a stage module (StageModule) and a stage's row (StageSpec);

@@ -113,7 +113,7 @@ class HypeNetCache(Cache):
             return
         n = dec.length
         for i, entry in enumerate(dec.cache.layers):
-            # RNN states go back in fp32 (a decoder may have kept them in bf16 or 24 bits, and
+            # RNN states go back in fp32 (a decoder may have kept them in bf16, and
             # held its last tokens beside them)
             self.layers[i] = ((entry[0][:, :n], entry[1][:, :n]) if isinstance(entry, tuple)
                               else dec.cache.rnn_state_values(i))
