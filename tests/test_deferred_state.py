@@ -9,19 +9,12 @@ import copy
 import pytest
 import torch
 
-from halo_dist.models.hypenet import HypeNetCache, HypeNetConfig, HypeNetForCausalLM
+from halo_dist.models.hypenet import HypeNetCache
 from halo_dist.models.hypenet.decode_lightning import lightning_decode_torch
 from halo_dist.models.hypenet.lightning_state import deferred_values, deferred_writes
 from halo_dist.models.hypenet.static_decode import DecodeOptions, StaticDecoder
+from test_static_decode import tiny
 from triton_interp import run_interpreted
-
-
-def tiny(mixers) -> HypeNetForCausalLM:
-    torch.manual_seed(0)
-    cfg = HypeNetConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=len(mixers), num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, mixer_types=list(mixers))
-    return HypeNetForCausalLM(cfg).float().eval()
 
 
 def held_rows(B, H, K, V, every, held, pos0=7):
@@ -133,7 +126,7 @@ def test_static_decoder_with_deferred_writes_tracks_the_plain_one(state_dtype):
     """CPU (torch reference) decoders, 3 rows, 11 tokens fed to both: the same logits to fp32
     rounding (bf16: to its rounding); a refill mid-cycle restarts the row's count; the
     hand-back to the dynamic cache folds the held tokens in."""
-    model = tiny(("attention", "lightning", "lightning"))
+    model = tiny(("attention", "lightning", "lightning")).float()
     ids = torch.randint(1, 97, (3, 9))
     plain_cache, first = prefill(model, ids)
     lazy_cache, _ = prefill(model, ids)
@@ -171,7 +164,7 @@ def test_beam_reorder_moves_the_held_tokens_with_their_rows():
     """A beam-search reorder (rows repeated and dropped) while the rows hold different numbers of
     tokens (one was refilled mid-cycle): the held slots, each row's cycle start and its position
     move together, so the decoder writing every 4 tokens goes on matching the plain one."""
-    model = tiny(("attention", "lightning", "lightning"))
+    model = tiny(("attention", "lightning", "lightning")).float()
     ids = torch.randint(1, 97, (3, 9))
     caches = [prefill(model, ids)[0] for _ in range(2)]
     first = prefill(model, ids)[1]
@@ -203,11 +196,11 @@ def test_beam_reorder_moves_the_held_tokens_with_their_rows():
 
 
 def test_deferred_writes_need_lightning_everywhere():
-    model = tiny(("attention", "lightning", "gdn"))
+    model = tiny(("attention", "lightning", "gdn")).float()
     cache, _ = prefill(model, torch.randint(1, 97, (2, 6)))
     with pytest.raises(ValueError, match="Lightning's in-place decode kernel"):
         StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, state_write_every=4))
-    model = tiny(("attention", "lightning"))
+    model = tiny(("attention", "lightning")).float()
     cache, _ = prefill(model, torch.randint(1, 97, (2, 6)))
     with pytest.raises(ValueError, match="state_write_every"):
         StaticDecoder(model, cache, DecodeOptions(use_cuda_graph=False, state_write_every=0))
@@ -221,7 +214,7 @@ def test_compiled_graph_step_with_deferred_writes_on_cuda(every):
     tokens against an eager one writing them every token (fp32 model, 4 rows, 10 tokens):
     the kernel's writes to the held slots are seen by torch.compile. With every 2 the second of
     the 2 warm-up steps folds its tokens into the state, so a warm-up left in the state fails."""
-    model = tiny(("attention", "lightning", "lightning")).cuda()
+    model = tiny(("attention", "lightning", "lightning")).float().cuda()
     ids = torch.randint(1, 97, (4, 37), device="cuda")
     lazy_cache, first = prefill(model, ids)
     plain_cache, _ = prefill(model, ids)
