@@ -190,10 +190,15 @@ def prepare_inputs(a: argparse.Namespace, out: Path) -> dict:
                          f"{a.long_min_chars}: the long sets would leave the documents out")
     if marker.exists():
         index = json.loads(marker.read_text())
-        if index.get("retrieval_docs", 0) != a.retrieval_docs:
-            raise SystemExit(f"error: {out / 'inputs'} was gathered with --retrieval-docs "
-                             f"{index.get('retrieval_docs', 0)}, not {a.retrieval_docs}: build "
-                             "into a new --out")
+        # (setting, index key, its value now, when the index lacks it); natural_repeats: an index
+        # from a version that could weigh the natural text N times
+        for name, key, want, absent in (
+                ("--retrieval-docs", "retrieval_docs", a.retrieval_docs, 0),
+                ("--long-min-chars", "long_min_chars", a.long_min_chars, a.long_min_chars),
+                ("natural text repeats", "natural_repeats", 1, 1)):
+            if index.get(key, absent) != want:
+                raise SystemExit(f"error: {out / 'inputs'} was gathered with {name} "
+                                 f"{index.get(key, absent)}, not {want}: build into a new --out")
         print(f"inputs: reusing {marker} (delete {out / 'inputs'} to gather again)")
         return index
     t0 = time.time()

@@ -447,3 +447,9 @@ def test_build_with_retrieval_docs_adds_a_set_and_leaves_the_others_alone(tmp_pa
         "tokens"]
     with pytest.raises(SystemExit, match="gathered with --retrieval-docs 3, not 0"):
         _build(tmp_path, text, code, "--heldout-fraction", "0.25")
+    # an index gathered with the natural text weighed 3 times is not reused as the plain corpus
+    index_file = out / "inputs" / "index.json"
+    index_file.write_text(json.dumps({**json.loads(index_file.read_text()), "natural_repeats": 3}))
+    with pytest.raises(SystemExit, match="gathered with natural text repeats 3, not 1"):
+        _build(tmp_path, text, code, "--heldout-fraction", "0.25", "--retrieval-docs", "3",
+               "--retrieval-chars", "4000")
