@@ -207,13 +207,13 @@ def teacher_folder(model_cfg) -> Path | None:
     return path if path.is_dir() else None
 
 
-def teacher_digests(folder: Path, cache_dir: Path | None = None) -> dict[str, str]:
+def teacher_digests(folder: Path, cache_folder: Path | None = None) -> dict[str, str]:
     """``{file name: sha256}`` of the regular files in ``folder``; digests of files whose size and
-    modification time are unchanged come from ``cache_dir/teacher_files.json``, which is
+    modification time are unchanged come from ``cache_folder/teacher_files.json``, which is
     rewritten."""
     from .data.shards import sha256_file
 
-    cache_file = cache_dir / CACHE if cache_dir is not None else None
+    cache_file = cache_folder / CACHE if cache_folder is not None else None
     cached = (json.loads(cache_file.read_text()) if cache_file is not None and cache_file.exists()
               else {})
     digests, fresh = {}, {}

@@ -43,11 +43,10 @@ def student_tokenizer(cfg: RunConfig):
 
 def build_models(cfg: RunConfig, hf_teacher=None, student=None, tokenizer=None):
     """``(student HypeNet, frozen exact teacher, tokenizer)`` with vocabulary/tokenizer checks."""
-    from ..models.convert import convert_model
+    from ..models.convert import as_exact_hypenet, convert_model
     from ..models.hypenet import HypeNetForCausalLM
     from ..stages.build import check_student_init_pe, student_overrides
     from ..stages.stage1 import resolve_stage1_file
-    from ..models.convert import as_exact_hypenet
     from ..teacher import load_hf_teacher
 
     if student is None:
