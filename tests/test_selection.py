@@ -52,7 +52,7 @@ def test_a_csr_offset_keeps_the_same_layers_on_two_stage1_runs(tmp_path, capsys)
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[1] / "bench" / "results"
-    runs = [json.loads((results / "real_s12_selection.json").read_text())["results"],
+    runs = [json.loads((results / "real_selection_v2_h200_second.json").read_text())["results"],
             json.loads((results / "real_conversion.json").read_text())["selection"]["results"]]
     kept = {}
     for n, raw in enumerate(runs):
