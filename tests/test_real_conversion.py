@@ -1,5 +1,5 @@
-"""bench/real_conversion.py's collection on the files the H200 run wrote
-(bench/results/logs/real_*)."""
+"""bench/real_conversion.py's collection on the files a real conversion wrote (one H200 run of
+2026-12-01, kept in tests/data/recorded_run: its metrics, evaluations and the summary collected then)."""
 
 import json
 import shutil
@@ -10,28 +10,28 @@ import pytest
 import bench.real_conversion as rc
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+RECORDED = REPO / "tests" / "data" / "recorded_run"
 
 
 def test_summary_and_pictures_from_the_h200_run(tmp_path):
     run = tmp_path / "run"
     for stage in ("stage1", "stage2", "stage3"):
         (run / stage).mkdir(parents=True)
-        shutil.copyfile(RESULTS / "logs" / f"real_{stage}.metrics.jsonl",
+        shutil.copyfile(RECORDED / f"{stage}.metrics.jsonl",
                         run / stage / "metrics.jsonl")
     for who in ("teacher", "student"):
         (run / "eval" / who / "niah").mkdir(parents=True)
-        shutil.copyfile(RESULTS / f"real_niah_{who}.json",
+        shutil.copyfile(RECORDED / f"niah_{who}.json",
                         run / "eval" / who / "niah" / f"{who}.json")
-    shutil.copyfile(RESULTS / "real_csr_teacher.json", run / "eval" / "teacher" / "csr.json")
-    shutil.copyfile(RESULTS / "real_background.json", run / "background.json")
+    shutil.copyfile(RECORDED / "csr_teacher.json", run / "eval" / "teacher" / "csr.json")
+    shutil.copyfile(RECORDED / "background.json", run / "background.json")
     out = rc.summarize(tmp_path)
-    recorded = json.loads((RESULTS / "real_conversion_s8.json").read_text())
+    recorded = json.loads((RECORDED / "summary.json").read_text())
     for key in ("kl_heldout_stage1", "kl_heldout_stage2", "kl_heldout_stage3", "tokens_stage1",
                 "tokens_stage2", "tokens_stage3", "csr_teacher"):
         assert out[key] == recorded[key], key
     # NIAH cells count the needles inside the haystack (depth < 1), with n and a Wilson interval
-    records = json.loads((RESULTS / "real_niah_student.json").read_text())["records"]
+    records = json.loads((RECORDED / "niah_student.json").read_text())["records"]
     inside = [r["correct"] for r in records
               if r["task"] == "niah_single_1" and r["length"] == 16384 and r["depth"] < 1]
     cell = out["niah_s1_student_16k"]
@@ -53,7 +53,7 @@ def test_summary_and_pictures_from_the_h200_run(tmp_path):
 def test_stage_rates_split_by_the_background_steps_window():
     """Intervals that overlapped the teacher's background evaluation are counted apart from the
     rest; the first interval of each piece (compile, autotuning) belongs to neither."""
-    path = RESULTS / "logs" / "real_stage2.metrics.jsonl"
+    path = RECORDED / "stage2.metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     timed = [r for r in rows if "perf/tokens_per_s" in r]
     pieces = 1 + sum(1 for a, b in zip(timed, timed[1:])
