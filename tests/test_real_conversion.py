@@ -1,5 +1,6 @@
 """bench/real_conversion.py's collection on the files a real conversion wrote (one H200 run of
-2026-12-01, kept in tests/data/recorded_run: its metrics, evaluations and the summary collected then)."""
+2026-12-01, kept in tests/data/recorded_run: its metrics, evaluations and the summary collected
+then)."""
 
 import json
 import shutil
