@@ -52,6 +52,32 @@ def test_compare_pairs_the_same_prompts_and_flags_only_effects_beyond_the_noise(
     assert diff["csr"]["arc_easy"]["diff"] == 0.0
     assert diff["ppl"]["diff"] == pytest.approx(-0.1)
     table = scorecard.compare_markdown(diff)
-    # NIAH and the CE (lower on every row) are effects; CSR, unchanged, is not
-    assert "+30.0 pt" in table and table.count(" * |") == 2
+    # NIAH (its cell, and again as the needles at 2K-4K from the start) and the CE (lower on every
+    # row) are effects; CSR, unchanged, is not
+    assert "+30.0 pt" in table and table.count(" * |") == 3
     assert "| arc_easy | +0.0 pt [+0.0, +0.0] n=400 |" in table
+
+
+def test_compare_pools_the_needles_by_their_offset_from_the_start():
+    """A model that misses the needles near the start of the context and finds the far ones: the
+    cells of each length mix both, the offset rows (depth x length, pooled over lengths) split
+    them. Depth 1.0 stays out of the offsets as it stays out of the cells."""
+    early, late = [False] * 10, [True] * 10
+    base = {"niah": _niah({(2048, 0.25): late, (8192, 0.5): [False] * 10, (8192, 1.0): late})}
+    arm = {"niah": _niah({(2048, 0.25): [False] * 10, (8192, 0.5): late, (8192, 1.0): early})}
+    offsets = scorecard.compare(base, arm)["niah"]["niah_single_1"]["offsets"]
+    assert set(offsets) == {"0-1K", "4K+"}  # 2048 x 0.25 = 512; 8192 x 0.5 = 4096
+    assert offsets["0-1K"]["diff"] == -1.0 and offsets["4K+"]["diff"] == 1.0
+    assert offsets["0-1K"]["n"] == offsets["4K+"]["n"] == 10
+    table = scorecard.compare_markdown(scorecard.compare(base, arm))
+    rows = [line for line in table.splitlines() if "needle at" in line]
+    assert [r.split("needle at ")[1].split(" ")[0] for r in rows] == ["0-1K", "4K+"]
+
+
+def test_offset_buckets_follow_the_edges():
+    from halo_dist.eval.niah_report import offset_bucket, offset_buckets
+
+    assert offset_buckets() == ["0-1K", "1K-2K", "2K-4K", "4K+"]
+    assert [offset_bucket(d, L) for d, L in ((0.0, 65536), (0.5, 2048), (0.9, 2048),
+                                             (0.25, 8192), (0.1, 65536))] == [
+        "0-1K", "1K-2K", "1K-2K", "2K-4K", "4K+"]

@@ -15,6 +15,9 @@ from pathlib import Path
 from .stats import format_rate, rate
 
 END_DEPTH = 1.0
+# where in the context a needle sits (depth x length, tokens): a model may find far needles and miss
+# the ones near the start, which a per-length cell mixes together
+OFFSET_EDGES = (1024, 2048, 4096)
 
 
 def summarize(records: list[dict]) -> dict:
@@ -53,6 +56,18 @@ def cell_line(records: list[dict]) -> str:
     if end:
         parts.append(f"at the end {sum(end)}/{len(end)}")
     return "; ".join(parts)
+
+
+def offset_buckets() -> list[str]:
+    """The buckets of ``OFFSET_EDGES`` in order: ``0-1K``, ``1K-2K``, ``2K-4K``, ``4K+``."""
+    lows = (0,) + OFFSET_EDGES
+    return [f"{format_length(lo) if lo else 0}-{format_length(hi)}"
+            for lo, hi in zip(lows, OFFSET_EDGES)] + [f"{format_length(OFFSET_EDGES[-1])}+"]
+
+
+def offset_bucket(depth: float, length: int) -> str:
+    """The bucket of the needle's offset from the context's start (depth x length tokens)."""
+    return offset_buckets()[sum(depth * length >= edge for edge in OFFSET_EDGES)]
 
 
 def format_length(n: int) -> str:

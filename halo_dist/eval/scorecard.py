@@ -178,16 +178,23 @@ def compare(base: dict, arm: dict) -> dict:
     """``arm - base`` for two models evaluated on the same prompts, items and rows (``read_eval``
     dicts): per NIAH cell, CSR task and for the held-out CE, the paired difference with its
     standard error and 95% interval. An effect is one whose interval excludes 0."""
+    from .niah_report import offset_bucket
+
     out: dict = {"niah": {}, "csr": {}, "ppl": None}
     keyed = [{(r["task"], r["length"], r["depth"], r["key"]): r["correct"]
               for r in ((m.get("niah") or {}).get("records") or [])} for m in (base, arm)]
     for (task, length, depth, key), b in sorted(keyed[0].items()):
         if (task, length, depth, key) in keyed[1]:
+            a = keyed[1][(task, length, depth, key)]
             part = "cells" if depth < 1.0 else "end"
-            cell = (out["niah"].setdefault(task, {}).setdefault(part, {})
-                    .setdefault(length, [[], []]))
-            cell[0].append(b)
-            cell[1].append(keyed[1][(task, length, depth, key)])
+            # the needles inside the haystack again, pooled over lengths by their offset
+            places = [(part, length)] + ([("offsets", offset_bucket(depth, length))]
+                                         if depth < 1.0 else [])
+            for part, where in places:
+                cell = (out["niah"].setdefault(task, {}).setdefault(part, {})
+                        .setdefault(where, [[], []]))
+                cell[0].append(b)
+                cell[1].append(a)
     for task, parts in out["niah"].items():
         for part, cells in parts.items():
             for length, (b, a) in cells.items():
@@ -206,7 +213,7 @@ def compare(base: dict, arm: dict) -> dict:
 
 def compare_markdown(diff: dict, base: str = "base", arm: str = "arm") -> str:
     """The paired differences as one table; a * marks an interval that excludes 0."""
-    from .niah_report import format_length
+    from .niah_report import format_length, offset_buckets
 
     def fmt(d, scale=100.0, unit="pt", digits=1):
         if d["n"] < 2:  # no spread to measure: the difference alone
@@ -221,6 +228,10 @@ def compare_markdown(diff: dict, base: str = "base", arm: str = "arm") -> str:
             for length, d in sorted(parts.get(part, {}).items()):
                 label = " (depth 1.0)" if part == "end" else ""
                 lines.append(f"| {task}{label} {format_length(length)} | {fmt(d)} |")
+        for where in offset_buckets():
+            if where in parts.get("offsets", {}):
+                lines.append(f"| {task}, needle at {where} (all lengths) | "
+                             f"{fmt(parts['offsets'][where])} |")
     for task, d in diff["csr"].items():
         lines.append(f"| {task} | {fmt(d)} |")
     if diff["ppl"]:
