@@ -176,8 +176,9 @@ def _ppl_md(ppl: dict) -> list[str]:
 
 def compare(base: dict, arm: dict) -> dict:
     """``arm - base`` for two models evaluated on the same prompts, items and rows (``read_eval``
-    dicts): per NIAH cell, CSR task and for the held-out CE, the paired difference with its
-    standard error and 95% interval. An effect is one whose interval excludes 0."""
+    dicts): per NIAH cell (and per bucket of the needle's offset from the start, ``offsets``), CSR
+    task and for the held-out CE, the paired difference with its standard error and 95% interval.
+    An effect is one whose interval excludes 0."""
     from .niah_report import offset_bucket
 
     out: dict = {"niah": {}, "csr": {}, "ppl": None}
