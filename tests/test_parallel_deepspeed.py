@@ -7,6 +7,9 @@ matches DeepSpeed's own engine step for step."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +19,8 @@ from halo_dist.parallel import ParallelLayout, ProcessGroups, SequenceParallel
 from distributed import run_distributed
 from ulysses_golden import attention
 from sp_testing import shard_seq
+
+REPO = Path(__file__).resolve().parents[1]
 
 BATCH, SEQ, DIM, HEADS, STEPS, LR = 2, 8, 8, 2, 2, 1e-2
 CLIP = 0.05  # active, so DeepSpeed's gradient norm over the layout matters
@@ -265,3 +270,30 @@ def test_bf16_zero_checks_overflow_through_the_norm_alone():
                 [theirs["norms"][i] for i in finite], rel=1e-5)
             assert ours["norms"][0] > CLIP  # clipping active: the norm's value matters
             torch.testing.assert_close(ours["weights"], theirs["weights"], rtol=0, atol=0)
+
+
+def test_an_engine_on_a_callers_process_group_builds_no_deepspeed_op(tmp_path):
+    """A process group made by the caller (not by init_distributed), then initialize_engine on CPU:
+    DeepSpeed's comm backend is created inside deepspeed.initialize and must not JIT-compile its
+    shared-memory op (~75 s, behind one file lock that a killed build leaves for every later
+    run)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+from halo_dist.parallel import ProcessGroups
+from halo_dist.parallel.deepspeed_setup import initialize_engine
+config = {{"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "torch_adam": True}}}},
+          "zero_optimization": {{"stage": 1}}}}
+initialize_engine(nn.Linear(4, 4), config, ProcessGroups.build(sp_size=1))
+"""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29555", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (tmp_path / "ext" / "deepspeed_shm_comm").exists(), proc.stdout[-2000:]

@@ -216,8 +216,11 @@ def initialize_engine(model: torch.nn.Module, ds_config: dict, groups: ProcessGr
     import deepspeed
 
     sp_loss_factor(ds_config, groups)  # validates the reduction convention
-    # torch's process group may predate init_distributed (in-process tests)
-    use_current_collectives()
+    # torch's process group may predate init_distributed (a caller's own init_process_group, the
+    # multi-rank tests): deepspeed.initialize then makes DeepSpeed's comm backend itself, which on
+    # CPU JIT-compiles the shared-memory op (~75 s, and every rank waits on one build lock: a build
+    # killed midway leaves the lock and every later run hangs) unless prepare_deepspeed ran first
+    prepare_deepspeed()
     if zero_stage(ds_config) == 3:
         if groups.layout.sp_size > 1:
             partition_for_zero3(model, groups, ds_config)
