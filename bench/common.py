@@ -22,11 +22,6 @@ SHAPE_2B = dict(num_hidden_layers=28, hidden_size=2048, intermediate_size=6144,
                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151_936,
                 tie_word_embeddings=True)
 ATTN_2B = [2, 3, 6, 8, 9, 21, 25]
-# Qwen3-8B's shape (rope_theta 1e6 is passed where a config is built): bench_teacher_placement's
-# teacher.
-SHAPE_8B = dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151_936,
-                tie_word_embeddings=False)
 SHAPE_TINY = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)
 
