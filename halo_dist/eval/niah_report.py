@@ -67,13 +67,16 @@ def offset_buckets() -> list[str]:
 
 def offset_bucket(depth: float, length: int) -> str:
     """The bucket of the needle's offset from the context's start (depth x length tokens)."""
-    return offset_buckets()[sum(depth * length >= edge for edge in OFFSET_EDGES)]
+    return _OFFSET_LABELS[sum(depth * length >= edge for edge in OFFSET_EDGES)]
 
 
 def format_length(n: int) -> str:
     if n % (1024 * 1024) == 0:
         return f"{n // (1024 * 1024)}M"
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+_OFFSET_LABELS = offset_buckets()
 
 
 def markdown_table(summary: dict, title: str = "") -> str:

@@ -187,10 +187,10 @@ def compare(base: dict, arm: dict) -> dict:
     for (task, length, depth, key), b in sorted(keyed[0].items()):
         if (task, length, depth, key) in keyed[1]:
             a = keyed[1][(task, length, depth, key)]
-            part = "cells" if depth < 1.0 else "end"
-            # the needles inside the haystack again, pooled over lengths by their offset
-            places = [(part, length)] + ([("offsets", offset_bucket(depth, length))]
-                                         if depth < 1.0 else [])
+            # a needle inside the haystack counts in its cell and, pooled over lengths, in the
+            # bucket of its offset from the start; one at depth 1.0 only in its end cell
+            places = ([("cells", length), ("offsets", offset_bucket(depth, length))]
+                      if depth < 1.0 else [("end", length)])
             for part, where in places:
                 cell = (out["niah"].setdefault(task, {}).setdefault(part, {})
                         .setdefault(where, [[], []]))
