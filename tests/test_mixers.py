@@ -346,30 +346,6 @@ def test_indivisible_heads_raise_before_communication():
             mixer(rand(1, 2, 32), SequenceInfo(torch.arange(2)[None]))
 
 
-# --- the device check script ----------------------------------------------------------------------
-
-def test_bench_mixers_smoke(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
-    out = tmp_path / "mixers.json"
-    res = subprocess.run([sys.executable, str(repo / "bench" / "bench_mixers.py"), "--smoke",
-                          "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=repo,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
-    import json
-
-    data = json.loads(out.read_text())
-    assert {r["mixer"] for r in data["correctness"]} >= set(RNNS)
-    script = [sys.executable, str(repo / "bench" / "bench_mixers.py"), "--smoke", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(script + ["--mixers", "gla"], capture_output=True, text=True, timeout=120,
-                         cwd=repo, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert {r["mixer"] for r in json.loads(out.read_text())["correctness"]} == {"gla"}
-    res = subprocess.run(script + ["--mixers", "gla,lstm"], capture_output=True, text=True,
-                         timeout=120, cwd=repo, env=env)
-    assert res.returncode == 2 and "unknown mixers ['lstm']" in res.stderr
-
-
 # --- conversion with another replacement mixer (convert.py rnn_mixer) -----------------------------
 
 @pytest.mark.parametrize("kind", NEW)
