@@ -16,6 +16,7 @@ from halo_dist.models.flops import (attention_flop_terms, attention_flops_coeffi
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_stage2_benchmark_runs_the_launcher_without_checkpoints(shards, tmp_path):
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "bench" / "bench_stages.py"), "--data", str(shards),
@@ -48,6 +49,7 @@ def test_mfu_counts_attention_of_student_and_teacher_once_per_rank():
     assert attention_flops_coefficient(**terms) == (12 * 2 + 4 * 4) * 64
 
 
+@pytest.mark.slow
 def test_multigpu_scaling_driver_runs_bench_stages_and_summarizes(shards, tmp_path):
     """bench/multigpu.py scaling (DP scaling, run at 1/4/8 GPUs on the device): the CPU
     run of its reference part goes through bench_stages end to end; the summary compares per-GPU

@@ -14,6 +14,7 @@ from stage_runs import REPO, losses, run_launcher
 from halo_dist.train.checkpoint_files import verify
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(shards,
                                                                                        tmp_path):
     """Step 4 lost its RNG file and has a shard cut short: the restarted run names both, resumes
@@ -55,6 +56,7 @@ def disk_runs(shards, tmp_path_factory):
     return json.loads(res.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_no_inodes_left_stops_with_one_error_and_the_previous_checkpoint(disk_runs):
     run = disk_runs["inodes"]
     errors = _error_lines(run["stderr"])

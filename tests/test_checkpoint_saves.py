@@ -182,6 +182,7 @@ def saves(tmp_path_factory):
                            collective_timeout=20)
 
 
+@pytest.mark.slow
 def test_a_save_that_cannot_fit_or_fails_on_one_rank_stops_every_rank_and_keeps_the_previous(saves):
     for rank, out in enumerate(saves):
         assert out["expected"] == out["size"], out  # measured from the previous checkpoint

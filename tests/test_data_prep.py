@@ -224,6 +224,7 @@ def test_empty_documents_skipped(tmp_path):
             and m["splits"]["train"]["shards"][0]["last_doc"] == 3)
 
 
+@pytest.mark.slow
 def test_cli_help_and_run(tmp_path, capsys):
     from data_prep.tokenize import main
 

@@ -15,6 +15,7 @@ from triton_interp import HAS_TRITON, run_interpreted
 
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_gemv_kernel_in_the_interpreter_equals_f_linear_for_every_tile():
     """Every candidate tile on shapes that are not multiples of it (masked rows and chunks), with

@@ -50,6 +50,7 @@ def test_reference_matches_the_state_written_every_token(every):
     assert (d.held() == (torch.tensor([0, 1 % every, every - 1]) + 2 * every + 1) % every).all()
 
 
+@pytest.mark.slow
 def test_kernel_defers_like_the_reference():
     """Under TRITON_INTERPRET=1, an fp32 state written every 2 tokens and a bf16 one every 4,
     rows at different held counts, GQA: the plain kernel and the fused step (output norm and gate;

@@ -134,6 +134,7 @@ def test_deadline_stops_a_running_step_gently_and_the_next_piece_continues(tmp_p
     assert "$ " in (tmp_path / "logs" / "stage.log").read_text()
 
 
+@pytest.mark.slow
 def test_background_step_runs_alongside_and_its_failure_or_pause_is_reported(tmp_path, monkeypatch):
     """The teacher's evaluation (``teacher_eval: with-stages``) runs while the stages do: a
     foreground step finishes while it runs; join waits for it and records its window; a failed one

@@ -15,6 +15,7 @@ from stage_runs import REPO, TINY, losses, rewrite_in_checkpoint, run_launcher
 from halo_dist.train.metrics import read_metrics
 
 
+@pytest.mark.slow
 def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path):
     s1, s2, s3 = tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"
     run_launcher("stage1", s1, f"data.train={shards}", "schedule.total_steps=10",
@@ -79,6 +80,7 @@ def test_tiny_pipeline_stage1_2_3_losses_fall_and_export_loads(shards, tmp_path)
         assert ka == kb and torch.allclose(va, vb), ka
 
 
+@pytest.mark.slow
 def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
     """Same global batch (4 rows): 1 rank x 2 accumulation steps vs 2 ranks x 1, ZeRO-3 on gloo."""
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=4",
@@ -117,6 +119,7 @@ def test_two_rank_zero3_matches_one_rank(shards, tmp_path):
                     and abs(a - c) <= 1e-4 * max(1.0, abs(a))), (tag, curves)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_stage2_matches_sp1(shards, tmp_path):
     """Ulysses SP = 2 (attention and Lightning layers, student and teacher) vs SP = 1 on the same
     data."""
@@ -134,6 +137,7 @@ def test_sequence_parallel_stage2_matches_sp1(shards, tmp_path):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (kl1, kl2)
 
 
+@pytest.mark.slow
 def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=6",
               "checkpoint.every_steps=2", "eval.every_steps=2", "eval.rows=2"]
@@ -156,6 +160,7 @@ def test_crash_and_resume_reproduces_the_loss_curve(shards, tmp_path):
     assert res.stdout.count("eval @ step 2 ") == 0 and res.stdout.count("eval @ step 4 ") == 1
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_cleanly(shards, tmp_path):
     common = [f"data.train={shards}", "model.stage1_weights=null", "schedule.total_steps=5",
               "checkpoint.every_steps=0"]
@@ -176,6 +181,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(shards, tmp_path):
     assert len(losses(run_dir)) == 5
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_last_good_checkpoint(shards, tmp_path):
     run_dir = tmp_path / "nan"
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",
@@ -190,6 +196,7 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(shards, tmp_path):
     assert "epoch 0, packed rows 8..11" in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_with_a_clear_message(shards, tmp_path):
     res = run_launcher("stage2", tmp_path / "a", "data.train=/nonexistent/shards",
                        "model.stage1_weights=null", expect=2)
@@ -227,6 +234,7 @@ def test_real_smollm2_teacher_refuses_shards_of_another_tokenizer(smollm2_dir, s
     assert res.returncode == 2 and "tokenizer" in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_like_eager_under_zero1_and_checkpointing(shards, tmp_path):
     """model.compile=layer with ZeRO-1 and activation checkpointing, as the 2B stage-2 config runs
     it: the same losses as the eager engine (fp32 CPU, Inductor). ZeRO-3 is refused up front (empty
@@ -311,6 +319,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path):
     """DeepSpeed's shards, our RNG files and the export path are read with weights_only=True: a
     model-states file holding a pickled callable stops resume and export with an error naming the
@@ -350,6 +359,7 @@ def test_a_crafted_checkpoint_file_is_refused_and_runs_nothing(shards, tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_corrupt_shard_stops_every_rank_before_training(shards, tmp_path):
     """data.verify=full (the default): the two ranks check half of the shards each, before any model
     is built; a shard with one flipped byte (same size, so the size check passes) stops both with
@@ -376,6 +386,7 @@ def test_a_corrupt_shard_stops_every_rank_before_training(shards, tmp_path):
     assert victim.name in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [3, 1])
 def test_resume_on_another_number_of_ranks_continues_the_curve(shards, tmp_path, zero):
     """A run checkpointed on 2 ranks resumes on 1, and one checkpointed on 1 resumes on 2 (a requeue
@@ -418,6 +429,7 @@ def test_resume_on_another_number_of_ranks_continues_the_curve(shards, tmp_path,
              / "trainer_state.json").read_text())["loader"]["rows_consumed"]
 
 
+@pytest.mark.slow
 def test_a_resume_with_other_teacher_weights_under_the_same_path_is_refused(shards, tmp_path):
     """The teacher is identified by the content of its files, not its path: after another model is
     saved into the teacher folder, the resume is refused before anything is built and names the

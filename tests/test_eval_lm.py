@@ -33,6 +33,7 @@ def test_offline_sets_have_lm_eval_prompts():
         load_task_docs("mmlu")
 
 
+@pytest.mark.slow
 def test_lm_eval_on_local_tasks_matches_our_choice_probe(tiny_hypenet):
     """lm-eval (HFLM around our HypeNet) and the prefix-cached probe agree on acc and acc_norm."""
     tok = byte_tokenizer()
@@ -49,6 +50,7 @@ def test_lm_eval_on_local_tasks_matches_our_choice_probe(tiny_hypenet):
     assert summary["csr"] == pytest.approx(ours["csr"])
 
 
+@pytest.mark.slow
 def test_eval_lm_cli_on_an_exported_hypenet(tiny_hypenet, tmp_path, capsys):
     folder = tmp_path / "model"
     export_hypenet(tiny_hypenet, folder, tokenizer=byte_tokenizer())
@@ -70,6 +72,7 @@ def exported(tiny_hypenet, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_csr_mean_names_the_tasks_it_covers(exported, capsys):
     """Two CSR tasks give a mean labelled with those two (not the five-task CSR); no CSR task: no
     CSR line."""
@@ -97,6 +100,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow
 def test_task_without_offline_data_is_one_error_line(exported, tmp_path, capsys):
     (tmp_path / "hub_only_task.yaml").write_text(HUB_ONLY_TASK)
     args = ["eval-lm", "--model", str(exported), "--tasks", "arc_easy,hub_only_task", "--limit",
@@ -162,6 +166,7 @@ def builtin_task(task: str):
     return ConfigurableTask(config=cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", CSR_TASKS)
 def test_local_tasks_make_lm_eval_builtin_requests(task, task_manager):
     """Our JSONL + YAML task asks the model exactly what lm-eval's own task asks, and scores it the
@@ -186,6 +191,7 @@ def test_local_tasks_make_lm_eval_builtin_requests(task, task_manager):
                     == theirs.process_results(b, lls)["acc"]), (k, best)
 
 
+@pytest.mark.slow
 def test_all_five_tasks_run_and_summarize(tiny_hypenet, task_folder):
     """Full local sets are written; lm-eval runs all five at an explicit batch size; csr mixes
     acc_norm/acc."""

@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from data_fixtures import run_prep
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_eval_suite_writes_every_part_and_skips_them_when_rerun(smollm2_dir, tmp_path):
     data = tmp_path / "data"
     run_prep(data, max_docs=150, shard_tokens=8000, heldout_fraction=0.1,

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,7 @@ def test_counts_each_sync_site_per_step_after_the_warm_up(tmp_path):
     assert "4.0 synchronising calls per step over 3 steps" in stdout
 
 
+@pytest.mark.slow
 def test_the_training_loop_agrees_on_a_nonfinite_loss_once_per_step(tmp_path):
     """Stage 2 on the tiny config with 2 micro-batches per step: the non-finite flag is read once
     per step (it was read after every forward, draining the queue before each backward)."""

@@ -51,6 +51,7 @@ def fresh_results(export, tmp_path_factory):
     return json.loads(results.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_fresh_process_export(fresh_results, name):
     assert fresh_results[name] == "ok", fresh_results[name]
@@ -93,6 +94,7 @@ def test_model_card_lists_each_stage_with_its_tokens_and_evaluation():
     assert "it has no chat template" in card
 
 
+@pytest.mark.slow
 def test_write_hf_folder_strips_wrapper_prefixes_reties_and_writes_done_last(tmp_path):
     """Trained weights under DeepSpeed's and our stage module's prefixes, without the tied lm_head
     (as a consolidated checkpoint may hold them), become a folder that loads to the same model."""

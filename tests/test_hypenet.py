@@ -185,6 +185,7 @@ def test_config_rejects_bad_settings():
         HypeNetConfig(attn_logits_scale_base=1.0)
 
 
+@pytest.mark.slow
 def test_export_loads_in_fresh_process_without_halo_dist(tmp_path):
     student = convert_model(tiny_qwen3(tie=True), [0, 3])
     out = export_hypenet(student, tmp_path / "export")

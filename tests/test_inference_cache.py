@@ -95,6 +95,7 @@ def test_chunk_prefill_attention_is_lower_right_causal():
         assert torch.allclose(out[:, i:i + 1], ref, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_inference_benchmark_smoke(tmp_path):
     out = tmp_path / "inference.json"
     res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_inference.py"), "--cpu-smoke",
@@ -165,6 +166,7 @@ def test_real_pair_benchmark_smoke(real_pair_folders, tmp_path):
         bench.parse_args(["--real", str(teacher_dir), str(student_dir), "--decode-only", "256"])
 
 
+@pytest.mark.slow
 def test_decode_profile_smoke_compares_every_variant_with_the_eager_step(tmp_path):
     """bench/profile_decode.py end to end on CPU: every StaticDecoder variant after a real prefill
     gives the eager dynamic step's logits (fp32), and the bytes bound counts KV and states per
@@ -229,6 +231,7 @@ def test_decode_step_time_counts_the_state_writing_step_once_per_period(monkeypa
     assert pd.timed(plain, 5, torch.device("cpu")) == pytest.approx(2.5)
 
 
+@pytest.mark.slow
 def test_decode_profile_on_a_tiled_prefill_compares_with_the_eager_step(tmp_path):
     """``--tile``: the graph step against the eager one on a cache of real keys repeated past the
     prefilled length (how 2M is checked on the H200)."""

@@ -81,6 +81,7 @@ def test_a_bug_in_the_build_keeps_its_traceback(monkeypatch, bug, tmp_path):
     assert raised.value is bug
 
 
+@pytest.mark.slow
 def test_the_launcher_script_reports_missing_data_without_a_traceback(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                             "MASTER_ADDR", "MASTER_PORT")}

@@ -570,6 +570,7 @@ def test_triton_backend_refuses_what_its_kernel_does_not_compute(kw, match):
         fused_distill_loss(s_h, s_w, t_h, t_w, backend="triton", **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_triton_backend_in_the_interpreter_matches_the_torch_backend():
     """backend='triton' (the two-pass kernel of ``_triton_kl.py``, run by Triton's interpreter on

@@ -323,6 +323,7 @@ def sp_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [f"{n}/{lay}" for n in [*SP_KINDS, "model"]
                                   for lay in ("causal", "packed")])
+@pytest.mark.slow
 def test_sp2_matches_single_process(sp_results, case):
     for rank, res in enumerate(sp_results):
         r = res[case]
@@ -384,6 +385,7 @@ def test_convert_rejects_unknown_rnn_mixer():
         convert_model(tiny_qwen3(), [0], rnn_mixer="mamba3")
 
 
+@pytest.mark.slow
 def test_a_process_without_a_gpu_does_not_import_fla():
     """fla's kernels run only on CUDA tensors and its import takes ~3.5 s: a CPU process (a test
     rank, a launcher refusing a config, the CPU demo) that imports the model and the engine must not

@@ -212,6 +212,7 @@ def test_prompt_cache_returns_the_built_prompts_and_keys_on_everything_they_depe
     assert tokenizer_identity(smol_tokenizer) == key
 
 
+@pytest.mark.slow
 def test_prompts_only_builds_the_cache_that_eval_niah_then_reads(tmp_path, capsys):
     """`eval-niah --prompts-only` needs no model; the evaluation with the same settings reads every
     cell and scores exactly as one that builds its own prompts."""

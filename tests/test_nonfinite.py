@@ -48,6 +48,7 @@ def _weights(ckpt, zero_stage):
 
 
 # 3: DeepSpeed's overflow path; 0 (fp32): a plain torch AdamW
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [3, 0])
 def test_engine_skip_drops_the_step_and_finishes(shards, tmp_path, zero_stage, launcher_env):
     run_dir = tmp_path / "skip"
@@ -68,6 +69,7 @@ def test_engine_skip_drops_the_step_and_finishes(shards, tmp_path, zero_stage, l
     assert lrs[3] > lrs[4] > lrs[5]  # the schedule advanced through the skipped step (cosine decay)
 
 
+@pytest.mark.slow
 def test_engine_too_many_skips_stop_with_the_last_good_checkpoint(shards, tmp_path, launcher_env):
     run_dir = tmp_path / "stop"
     res = run_launcher("stage2", run_dir, f"data.train={shards}", "model.stage1_weights=null",

@@ -150,6 +150,7 @@ def test_static_decode_rollouts_sample_the_same_tokens():
     assert cfg.opd.static_decode is True and cfg.opd.compile_rollouts is True
 
 
+@pytest.mark.slow
 def test_bench_opd_cpu_smoke_with_static_rollouts(tmp_path):
     """bench/bench_opd.py end to end on tiny shapes (the device run uses the same code at the 2B
     shape)."""
@@ -165,6 +166,7 @@ def test_bench_opd_cpu_smoke_with_static_rollouts(tmp_path):
     assert [r["micro"] for r in rows] == [64 // (16 + r["horizon"]) for r in rows]
 
 
+@pytest.mark.slow
 def test_bench_opd_times_the_rollouts_set_up_phases(tmp_path):
     """--rollout-phases: the continuous rollouts' prefill and decoder construction, each timed
     alone, and the loop as the rest of the timed call."""
@@ -270,6 +272,7 @@ def _one_step_on(batches, world, root):
             {k: v.detach().clone() for k, v in t.module.student.state_dict().items()})
 
 
+@pytest.mark.slow
 def test_token_weighted_reduction_two_ranks_equals_one(tmp_path):
     """Rank 0 gets 4 sampled tokens, rank 1 gets 2: a per-rank mean would weigh them differently.
     The DeepSpeed engine's accumulation and DP average with our normaliser give the same step either
@@ -295,6 +298,7 @@ def run_trainer(cfg, hf=None, student=None):
     return t
 
 
+@pytest.mark.slow
 def test_tiny_run_heldout_reverse_kl_falls(tmp_path):
     """Random tiny Qwen3 teacher, student = its conversion with 3 of 4 layers Lightning (no stage
     1)."""
@@ -315,6 +319,7 @@ def test_tiny_run_heldout_reverse_kl_falls(tmp_path):
     assert record["eval"]["eval/reverse_kl"] == last
 
 
+@pytest.mark.slow
 def test_compiled_layers_and_rollouts_train_like_the_eager_run(tmp_path):
     """model.compile=layer (training forwards of student and teacher compiled, rollouts eager): the
     same sampled tokens and, to float rounding, the same losses as the eager run
@@ -388,6 +393,7 @@ def test_narrow_rollout_states_train_and_are_refused_where_they_cannot_run(tmp_p
             tiny_cfg(tmp_path, f"opd.rollout_state_dtype={bad}")
 
 
+@pytest.mark.slow
 def test_rung_continuation_reproduces_the_longer_run(tmp_path):
     """A (12 steps, WSD decay 4) -> pre-decay snapshot at step 8 -> B continues to 16 steps == C run
     16 from scratch."""
@@ -662,6 +668,7 @@ def test_the_bundled_teacher_name_gives_its_tokenizer(tmp_path, monkeypatch):
     assert load_tokenizer(cfg).get_vocab() == byte_tokenizer().get_vocab()
 
 
+@pytest.mark.slow
 def test_launcher_reports_bad_input_in_one_line(tmp_path):
     import os
 
@@ -706,6 +713,7 @@ def _final_weights(run_dir):
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_0_and_the_restarted_run_ends_bitwise_equal(tmp_path):
     """SIGTERM after step 3 of 6: the launcher checkpoints step 3 and exits 0 without writing
     final/; the restarted launcher resumes there and ends with the uninterrupted run's weights, bit
@@ -815,6 +823,7 @@ def ds_runs(tmp_path_factory):
                            collective_timeout=120, env={"DS_ACCELERATOR": "cpu"})
 
 
+@pytest.mark.slow
 def test_zero3_matches_zero0(ds_runs):
     for res in ds_runs:
         tor, ds = res["zero0"], res["ds"]
@@ -899,6 +908,7 @@ def _two_rank_runs(root, batches):
             for zero in (0, 1)}
 
 
+@pytest.mark.slow
 def test_resume_on_another_number_of_ranks_continues_the_run(tmp_path, capsys):
     """OPD checkpoints written on 1 rank resume on 2 and those of 2 ranks on 1 (a requeue onto
     another number of GPUs), through the Trainer's path: ZeRO 0's whole states load as they are,

@@ -106,6 +106,7 @@ def test_exports_honour_the_umask(teacher, tmp_path, capsys):
                          for name, mode in modes.items()), modes
 
 
+@pytest.mark.slow
 def test_a_write_failure_ends_with_one_error_line_and_keeps_the_previous_export(teacher, tmp_path,
                                                                                capsys):
     """The disk refuses the weights file mid-export (a real failing write: RLIMIT_FSIZE makes the
@@ -158,6 +159,7 @@ write_output(Path(sys.argv[1]), fill, "hf-model")
 """
 
 
+@pytest.mark.slow
 def test_a_killed_exports_temp_folder_goes_with_the_next_export_only_ours_only_stale(
         teacher, tmp_path, capsys):
     out = tmp_path / "out"
@@ -233,6 +235,7 @@ def test_an_earlier_output_moved_aside_by_a_killed_write_is_put_back(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.slow
 def test_a_stage_and_halo_dist_export_keep_the_run_folder(shards, tmp_path, capsys):
     """A stage refuses, before it trains, a ``final/`` holding the user's files, and writes it under
     the umask; ``halo-dist export`` refuses the run folder around its checkpoint and any folder

@@ -272,6 +272,7 @@ def test_bf16_zero_checks_overflow_through_the_norm_alone():
             torch.testing.assert_close(ours["weights"], theirs["weights"], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_an_engine_on_a_callers_process_group_builds_no_deepspeed_op(tmp_path):
     """A process group made by the caller (not by init_distributed), then initialize_engine on CPU:
     DeepSpeed's comm backend is created inside deepspeed.initialize and must not JIT-compile its

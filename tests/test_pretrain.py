@@ -44,6 +44,7 @@ def pretrain(run_dir, config, *overrides, **kw):
 
 
 # --------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_transformer_trains_and_exports(shards, tmp_path):
     run_dir = tmp_path / "tf"
     pretrain(run_dir, "transformer", f"data.train={shards}", "schedule.total_steps=6",
@@ -66,6 +67,7 @@ def test_transformer_trains_and_exports(shards, tmp_path):
     assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2).shape == (1, 5)
 
 
+@pytest.mark.slow
 def test_hypenet_trains_and_resumes_exactly_after_a_crash(shards, tmp_path):
     common = [f"data.train={shards}", "schedule.total_steps=6", "checkpoint.every_steps=2"]
     pretrain(tmp_path / "straight", "hypenet", *common)
@@ -87,6 +89,7 @@ def test_hypenet_trains_and_resumes_exactly_after_a_crash(shards, tmp_path):
             and not exported["attn_rope"])
 
 
+@pytest.mark.slow
 def test_zero3_resume_on_another_number_of_ranks_is_refused(shards, tmp_path):
     """Pretraining's AdamW has two groups (decay / no_decay): DeepSpeed's ZeRO-3 re-partitioning
     would give both the first one's weight decay and one shared Adam step, so a ZeRO-3 checkpoint of
@@ -108,6 +111,7 @@ def test_zero3_resume_on_another_number_of_ranks_is_refused(shards, tmp_path):
     assert "Resume on 2 rank(s)" in res.stderr
 
 
+@pytest.mark.slow
 def test_shards_beyond_the_model_vocabulary_are_refused_before_training(shards, tmp_path):
     """Shards of the 4,096-token tiny BPE for a 97-token scratch model: one error line
     naming both sizes, before any model or optimizer exists (not an IndexError at step 1)."""

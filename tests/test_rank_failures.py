@@ -99,6 +99,7 @@ def failed_at_step(shards, tmp_path_factory):
     return tmp, run_dir, outcomes
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_at_a_step_ends_both_with_its_message(failed_at_step):
     _, run_dir, outcomes = failed_at_step
     # a bug (not a user error): exit 1 on both, rank 1 with its traceback, rank 0 with its line
@@ -111,6 +112,7 @@ def test_a_failure_on_one_rank_at_a_step_ends_both_with_its_message(failed_at_st
     assert not (run_dir / "run.lock").exists()  # released by rank 0's watchdog on its way out
 
 
+@pytest.mark.slow
 def test_a_resume_under_another_zero_checkpoint_format_is_one_error(failed_at_step, shards):
     """Before: a bare AssertionError from DeepSpeed's load_checkpoint (ZeRO 3 -> 2)."""
     tmp, run_dir, _ = failed_at_step
@@ -124,6 +126,7 @@ def test_a_resume_under_another_zero_checkpoint_format_is_one_error(failed_at_st
                       "with parallel.zero_stage=3, or start a new run folder"], ended.output[-3000:]
 
 
+@pytest.mark.slow
 def test_a_refusal_on_one_rank_while_loading_ends_both_with_its_message(failed_at_step, shards):
     """Rank 1's own optimizer partition holds a pickled object: rank 1 refuses it inside
     DeepSpeed's load_checkpoint while rank 0 waits there for rank 1."""

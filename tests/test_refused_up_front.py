@@ -131,6 +131,7 @@ def one_error(res) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_rank_alone_is_refused_naming_the_missing_variables(tmp_path):
     """Before: DeepSpeed fell back to MPI discovery (an mpi4py traceback)."""
     line = one_error(run_launcher(tmp_path, env={"RANK": "1"}))

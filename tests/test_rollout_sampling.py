@@ -11,6 +11,7 @@ from halo_dist.opd.sampling import (exponential_race_torch,
 from triton_interp import HAS_TRITON, run_interpreted
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_across_splits():
     out = run_interpreted("""
@@ -61,6 +62,7 @@ def test_gumbel_kernel_draws_from_the_tempered_softmax_and_keeps_the_argmax_acro
     assert int(values["distinct"]) >= 14, out  # 100 draws over 16 equal tokens: all 16 at 97%
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_gumbel_kernel_gives_every_row_and_token_a_uniform_of_its_own():
     """With one token per row left finite, a split's best value is that token's perturbed logit,
@@ -122,6 +124,7 @@ def test_gumbel_kernel_on_cuda_draws_from_the_softmax():
     assert torch.equal(got, top)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_sampler_benchmark_runs_both_samplers(tmp_path):
     """bench/tune_decode_kernels.py --sampler on CPU (Triton's interpreter): both samplers (the

@@ -128,6 +128,7 @@ def test_every_rank_gets_rank_0s_verdict(holder, tmp_path):
     assert (free0, free1) == (1, 0)  # rank 0 holds the free run's lock, rank 1 none
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_run_dir_in_use_is_refused_before_writing(tmp_path):
     """Two runs of ``launchers/opd.py`` on one run dir. Before: both trained, the later one
     overwriting config.yaml and metrics.jsonl (and final/ when it ended)."""

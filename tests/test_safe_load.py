@@ -1,6 +1,8 @@
 """Every file DeepSpeed writes for the layouts we train with (bf16, ZeRO 0-3) loads through the
 weights_only reader, and the engine resumes from it: the allow-list covers what DeepSpeed stores."""
 
+import pytest
+
 from distributed import run_distributed
 
 
@@ -39,6 +41,7 @@ def _round_trip(root):
     return out
 
 
+@pytest.mark.slow
 def test_bf16_zero_checkpoints_load_weights_only_and_resume(tmp_path):
     out = run_distributed(_round_trip, world_size=1, args=(str(tmp_path),), timeout=240)[0]
     for stage, (files, loaded) in out.items():

@@ -18,6 +18,9 @@ import pytest
 import slurm_real
 from slurm_real import LOCAL_SLURM, STEPS, Job, Scenario
 
+# one real Slurm scenario (a chain, a failure, a requeue, a sweep) shared by every test: minutes
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="session")
 def slurm_scenario(tmp_path_factory) -> Scenario:

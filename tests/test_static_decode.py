@@ -252,6 +252,7 @@ def test_static_generate_with_left_padding_equals_dynamic(mixers, kw):
     assert torch.equal(alone[0, 6:], greedy[1, 10:])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
     """The CUDA kernel's logic on CPU: TRITON_INTERPRET=1 runs it with numpy (fp32; the interpreter
@@ -301,6 +302,7 @@ def test_split_kv_triton_kernel_in_the_interpreter_equals_the_reference():
     assert worst < 1e-5, out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference():
     """The in-place Lightning decode kernel on CPU (TRITON_INTERPRET=1, fp32): output and updated
@@ -337,6 +339,7 @@ def test_lightning_decode_triton_kernel_in_the_interpreter_equals_the_reference(
     assert worst < 1e-5, out
 
 
+@pytest.mark.slow
 def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
     """A bf16 state (``StaticDecoder(DecodeOptions(state_dtype=torch.bfloat16))``): the kernel under
     TRITON_INTERPRET=1 reads it, updates in fp32 and rounds once on the write, as the reference
@@ -376,6 +379,7 @@ def test_lightning_decode_kernel_keeps_a_bf16_state_like_the_reference():
     assert 1e-4 < drift < 1e-2, out  # bf16 rounding, not nothing and not more
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_fused_lightning_step_in_the_interpreter_equals_the_mixer_composition():
     """The fused Lightning decode step (QK-norm, RoPE, the in-place update, output norm and gate in

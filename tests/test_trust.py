@@ -62,6 +62,7 @@ def test_a_plain_folder_needs_no_trust_and_a_planted_one_is_refused(smollm2_dir,
         trust_for(planted)
 
 
+@pytest.mark.slow
 def test_commands_refuse_a_planted_folder_before_running_its_code(smollm2_dir, tmp_path):
     marker = tmp_path / "RAN"
     planted = _planted(Path(shutil.copytree(smollm2_dir, tmp_path / "teacher")), marker)
