@@ -46,6 +46,12 @@ def tiny_qwen3(tie: bool = False, seed: int = 0, layers: int = 4, heads: int = 4
     return model
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (the GPU checks' error against their references)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.fixture
 def qwen3_teacher():
     return tiny_qwen3()

@@ -7,6 +7,7 @@ which is off by O(1)."""
 
 import pytest
 import torch
+from conftest import rel_err
 
 from halo_dist.models.hypenet import ops_attention as ops
 
@@ -14,11 +15,6 @@ pytestmark = pytest.mark.cuda
 TOL = 2**-7
 H, HKV, D = 16, 8, 128
 SCALE = D**-0.5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
 
 
 def reference_packed(q, k, v, cu, window=None):

@@ -7,6 +7,7 @@ another card and Triton version, while a wrong gate, mask or document boundary i
 
 import pytest
 import torch
+from conftest import rel_err
 import torch.nn.functional as F
 
 from halo_dist.models.hypenet import ops_rnn as ops
@@ -18,11 +19,6 @@ T, H, D = 1024, 16, 128
 SCALE = D**-0.5
 DISPATCH = {"gla": ops.gla_attention, "mamba2": ops.mamba2_attention,
             "gdn": ops.gated_delta_attention, "rwkv7": ops.rwkv7_attention}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
 
 
 def cu_seqlens(n: int) -> torch.Tensor:
